@@ -1,0 +1,162 @@
+"""The ``cpu`` backend: numba.njit(parallel) loops over the model's chunk table.
+
+One call steps every tensor of the model: a parallel loop over chunks (optirs.layout) whose
+body calls the shared per-element math in :mod:`optirs.backends.elementwise`. Kernels are
+cached on disk (``cache=True``), so a second process does not recompile. numba is imported
+when the backend opens, not when optirs is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections import OrderedDict
+from typing import Any, Dict, List
+
+import numpy as np
+
+from ..errors import DeviceMemoryError, InvalidParameterError
+from ..hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+
+# Elements per chunk: large enough to amortise the loop's bookkeeping, small enough to balance
+# a model of uneven tensors over the threads.
+CHUNK = 1 << 15
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _total_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+class CpuContext:
+    """The opened CPU backend: the kernels module and a small cache of typed lists."""
+
+    def __init__(self, kernels: Any):
+        self.kernels = kernels
+        # The numba typed lists for recent parameter lists, keyed by the arrays' identities
+        # (the arrays are kept alive by the entry, so the ids stay theirs).
+        self.lists: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+    def typed_list(self, arrays: List[np.ndarray]):
+        key = tuple(id(a) for a in arrays)
+        hit = self.lists.get(key)
+        if hit is None:
+            hit = (arrays, self.kernels.typed_list([a.reshape(-1) for a in arrays]))
+            self.lists[key] = hit
+            if len(self.lists) > 16:
+                self.lists.popitem(last=False)
+        else:
+            self.lists.move_to_end(key)
+        return hit[1]
+
+
+class CpuBackend:
+    """numba.njit kernels on the host's cores."""
+
+    @hookimpl
+    def optirs_plugin_info(self) -> Dict[str, str]:
+        return {"summary": "numba.njit(parallel) kernels on the host CPU"}
+
+    @hookimpl
+    def optirs_probe(self, options: Dict[str, Any]) -> ProbeResult:
+        try:
+            import numba
+        except ImportError as exc:  # pragma: no cover - numba is a dependency
+            return ProbeResult(False, f"numba is not importable: {exc}")
+        threads = numba.config.NUMBA_NUM_THREADS
+        return ProbeResult(True, "", (DeviceInfo(_cpu_name(), "cpu", _total_memory(), threads,
+                                                 {"numba": numba.__version__, "threads": threads}),))
+
+    @hookimpl
+    def optirs_open(self, options: Dict[str, Any]) -> CpuContext:
+        from . import cpu_kernels
+
+        return CpuContext(cpu_kernels)
+
+    @hookimpl
+    def optirs_alloc(self, ctx: CpuContext, size: int, dtype: Any, fill: float) -> np.ndarray:
+        try:
+            return np.full(size, fill, dtype=dtype)
+        except MemoryError as exc:
+            raise DeviceMemoryError(
+                f"could not allocate {size * np.dtype(dtype).itemsize} bytes of host memory "
+                f"({size} x {np.dtype(dtype)}); free: {_available_memory()} bytes"
+            ) from exc
+
+    @hookimpl
+    def optirs_to_device(self, ctx: CpuContext, array: np.ndarray) -> np.ndarray:
+        return np.array(array, copy=True).reshape(-1)
+
+    @hookimpl
+    def optirs_to_host(self, ctx: CpuContext, array: np.ndarray) -> np.ndarray:
+        return np.array(array, copy=True)
+
+    @hookimpl
+    def optirs_stage(self, ctx: CpuContext, params: List[Any], grads: List[Any]) -> Staged:
+        for i, p in enumerate(params):
+            if not isinstance(p, np.ndarray):
+                raise InvalidParameterError(
+                    f"params[{i}] is a {type(p).__name__}, expected a numpy array on the cpu backend"
+                )
+        return Staged(ctx.typed_list(params), ctx.typed_list(grads))
+
+    @hookimpl
+    def optirs_synchronize(self, ctx: CpuContext) -> None:
+        return None
+
+    @hookimpl
+    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars) -> None:
+        v = state["exp_avg_sq"]
+        chunks = layout.chunks(CHUNK)
+        ctx.kernels.adam(params, grads, state["exp_avg"], v, state.get("max_exp_avg_sq", v),
+                         layout.offsets, *chunks, scalars)
+
+    @hookimpl
+    def optirs_step_adamw(self, ctx, params, grads, state, layout, scalars) -> None:
+        self.optirs_step_adam(ctx, params, grads, state, layout, scalars)
+
+    @hookimpl
+    def optirs_step_sgd(self, ctx, params, grads, state, layout, scalars) -> None:
+        buf = state.get("momentum_buffer", _EMPTY)
+        ctx.kernels.sgd(params, grads, buf, layout.offsets, *layout.chunks(CHUNK), scalars)
+
+    @hookimpl
+    def optirs_step_rmsprop(self, ctx, params, grads, state, layout, scalars) -> None:
+        ctx.kernels.rmsprop(params, grads, state["square_avg"], state.get("momentum_buffer", _EMPTY),
+                            state.get("grad_avg", _EMPTY), layout.offsets, *layout.chunks(CHUNK), scalars)
+
+    @hookimpl
+    def optirs_step_adagrad(self, ctx, params, grads, state, layout, scalars) -> None:
+        ctx.kernels.adagrad(params, grads, state["sum"], layout.offsets, *layout.chunks(CHUNK), scalars)
+
+    @hookimpl
+    def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
+        ctx.kernels.lamb(params, grads, state["exp_avg"], state["exp_avg_sq"], layout.offsets,
+                         *layout.chunks(CHUNK), len(layout), scalars)
+
+
+# Stands in for a state slot the hyperparameters do not use (never indexed).
+_EMPTY = np.zeros(0, dtype=np.float32)
+
+
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+plugin = CpuBackend()

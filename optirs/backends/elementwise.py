@@ -1,0 +1,104 @@
+"""The per-element optimizer math, written once for numba and shared by the CPU and CUDA backends.
+
+Each function updates one element and returns the new values; the loops that call them (a
+parallel CPU loop, a CUDA grid) live in the backends. ``sc`` is the optimizer's record from
+:mod:`optirs.scalars`: every field is float32 or bool, so the arithmetic stays float32 (no
+literal floats appear here, since numba would promote them to float64). The branches test
+per-step flags that are the same for every element.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import njit
+
+
+@njit(cache=True)
+def adam_update(p, g, m, v, vmax, sc):
+    """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
+    if sc.decoupled:
+        p = p * sc.decay_factor
+    else:
+        g = g + sc.weight_decay * p
+    m = sc.beta1 * m + sc.one_minus_beta1 * g
+    v = sc.beta2 * v + sc.one_minus_beta2 * g * g
+    if sc.amsgrad:
+        vmax = max(vmax, v)
+        denom = math.sqrt(vmax) / sc.bias_correction2_sqrt + sc.eps
+    else:
+        denom = math.sqrt(v) / sc.bias_correction2_sqrt + sc.eps
+    p = p - sc.step_size * m / denom
+    return p, m, v, vmax
+
+
+@njit(cache=True)
+def sgd_update(p, g, buf, sc):
+    """One SGD element: returns (p, momentum_buffer)."""
+    g = g + sc.weight_decay * p
+    if sc.has_momentum:
+        if sc.first_step:
+            buf = g
+        else:
+            buf = sc.momentum * buf + sc.dampening_factor * g
+        if sc.nesterov:
+            g = g + sc.momentum * buf
+        else:
+            g = buf
+    return p - sc.lr * g, buf
+
+
+@njit(cache=True)
+def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
+    """One RMSprop element: returns (p, square_avg, momentum_buffer, grad_avg)."""
+    g = g + sc.weight_decay * p
+    square_avg = sc.alpha * square_avg + sc.one_minus_alpha * g * g
+    if sc.centered:
+        grad_avg = sc.alpha * grad_avg + sc.one_minus_alpha * g
+        avg = math.sqrt(square_avg - grad_avg * grad_avg) + sc.eps
+    else:
+        avg = math.sqrt(square_avg) + sc.eps
+    if sc.has_momentum:
+        buf = sc.momentum * buf + g / avg
+        p = p - sc.lr * buf
+    else:
+        p = p - sc.lr * g / avg
+    return p, square_avg, buf, grad_avg
+
+
+@njit(cache=True)
+def adagrad_update(p, g, acc, sc):
+    """One Adagrad element: returns (p, sum)."""
+    g = g + sc.weight_decay * p
+    acc = acc + g * g
+    return p - sc.clr * g / (math.sqrt(acc) + sc.eps), acc
+
+
+@njit(cache=True)
+def lamb_moments(g, m, v, grad_scale, sc):
+    """LAMB's first pass for one element: the clipped gradient folded into (m, v)."""
+    g = g * grad_scale
+    return sc.beta1 * m + sc.one_minus_beta1 * g, sc.beta2 * v + sc.one_minus_beta2 * g * g
+
+
+@njit(cache=True)
+def lamb_direction(p, m, v, sc):
+    """LAMB's update direction u for one element (before the trust ratio and learning rate)."""
+    return (m / sc.bias_correction1) / (math.sqrt(v / sc.bias_correction2) + sc.eps) + sc.weight_decay * p
+
+
+# The two functions below act once per tensor (or once per step), not per element, so they may
+# work in float64; the kernels round their results to float32 before the element pass.
+
+
+@njit(cache=True)
+def lamb_trust_ratio(param_norm, update_norm, max_trust_ratio):
+    """||p|| / ||u||, 1 where either norm is zero, at most ``max_trust_ratio``."""
+    ratio = 1.0 if param_norm == 0.0 or update_norm == 0.0 else param_norm / update_norm
+    return min(ratio, max_trust_ratio)
+
+
+@njit(cache=True)
+def clip_scale(norm, max_norm):
+    """The global gradient clipping factor min(1, max_norm / norm); ``max_norm`` 0 means off."""
+    return max_norm / norm if 0.0 < max_norm < norm else 1.0

@@ -1,0 +1,46 @@
+"""The error types of optirs.
+
+Every error is a :class:`GpuOptimError`; the subclasses say what went wrong. Messages name the
+offending value and what was expected ("beta1=1.2, expected 0 <= beta1 < 1").
+"""
+
+from __future__ import annotations
+
+
+class GpuOptimError(Exception):
+    """Base class of every error optirs raises on purpose."""
+
+
+class BackendUnavailableError(GpuOptimError):
+    """A backend was asked for by name and cannot open (unknown name, no device, package missing)."""
+
+
+class UnsupportedOperationError(GpuOptimError):
+    """The chosen backend (or the hardware) does not implement this operation."""
+
+
+class InvalidParameterError(GpuOptimError, ValueError):
+    """A hyperparameter or argument is outside its allowed range."""
+
+
+class ShapeMismatchError(GpuOptimError, ValueError):
+    """Arrays do not agree in count, shape, dtype or layout with what the step expects."""
+
+
+class DeviceMemoryError(GpuOptimError, MemoryError):
+    """The device could not provide the memory asked for."""
+
+
+class PluginError(GpuOptimError):
+    """A plugin failed to import, or its hooks do not match the specifications."""
+
+
+__all__ = [
+    "GpuOptimError",
+    "BackendUnavailableError",
+    "UnsupportedOperationError",
+    "InvalidParameterError",
+    "ShapeMismatchError",
+    "DeviceMemoryError",
+    "PluginError",
+]

@@ -1,0 +1,189 @@
+"""The plugin interface of optirs, as pluggy hook specifications.
+
+A *backend* is one plugin object registered under its name (``cpu``, ``cuda``, ``opencl``, or a
+third party's entry-point name). The registry binds a chosen backend's own implementations once;
+the hot path calls them directly and never loops over every plugin. A backend may implement a
+subset of the step hooks: the capability matrix (``optirs info``) is read from which it implements.
+
+An *analysis* plugin (occupancy, fusion, quantization, ...) answers the analysis hooks at the end.
+
+Lifecycle: ``optirs_probe`` (cheap, never raises) -> ``optirs_open`` (a context) -> per step
+``optirs_stage`` -> ``optirs_step_<optimizer>`` -> ``Staged.finish()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import pluggy
+
+PROJECT = "optirs"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device a backend can run on, as ``optirs info`` shows it."""
+
+    name: str
+    kind: str = "cpu"  # "gpu", "cpu", "accelerator", "simulator"
+    memory_bytes: Optional[int] = None
+    compute_units: Optional[int] = None
+    details: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Whether a backend opens on this machine, why not if not, and its devices."""
+
+    available: bool
+    reason: str = ""
+    devices: Sequence[DeviceInfo] = ()
+
+
+@dataclass
+class Staged:
+    """Parameters and gradients as the backend's own flat (1-D) device arrays for one step.
+
+    ``finish`` runs after a successful step, e.g. to copy updated parameters back into the
+    caller's numpy arrays; it is not called when the step failed, so the caller's arrays keep
+    their values.
+    """
+
+    params: List[Any]
+    grads: List[Any]
+    finish: Optional[Callable[[], None]] = None
+
+
+# ---------------------------------------------------------------- describing and probing
+
+
+@hookspec
+def optirs_plugin_info() -> Dict[str, str]:
+    """Describe this plugin for ``optirs info``.
+
+    :return: a dict with at least ``summary`` (one line) and optionally ``version``.
+    """
+
+
+@hookspec
+def optirs_probe(options: Dict[str, Any]) -> ProbeResult:
+    """Tell whether this backend can open here, cheaply, without raising.
+
+    :param options: backend options from :class:`optirs.GpuOptimizerConfig` (``device``,
+        ``platform``, ...).
+    :return: a :class:`ProbeResult` naming the reason when unavailable and the devices otherwise.
+    """
+
+
+@hookspec
+def optirs_open(options: Dict[str, Any]) -> Any:
+    """Open the backend on the device the options choose and return its context.
+
+    The context is passed back as ``ctx`` to every other backend hook.
+
+    :param options: backend options, as for :func:`optirs_probe`.
+    :raises optirs.BackendUnavailableError: when it cannot open, saying why.
+    """
+
+
+# ---------------------------------------------------------------- memory and transfer
+
+
+@hookspec
+def optirs_alloc(ctx: Any, size: int, dtype: Any, fill: float) -> Any:
+    """Allocate a flat device array of ``size`` elements of ``dtype``, every element ``fill``.
+
+    :raises optirs.DeviceMemoryError: when the device cannot hold it (sizes asked and free in the message).
+    """
+
+
+@hookspec
+def optirs_to_device(ctx: Any, array: Any) -> Any:
+    """Copy a host numpy array to a new flat device array of the same dtype."""
+
+
+@hookspec
+def optirs_to_host(ctx: Any, array: Any) -> Any:
+    """Copy a device array (as made by this backend) to a new flat numpy array."""
+
+
+@hookspec
+def optirs_stage(ctx: Any, params: List[Any], grads: List[Any]) -> Staged:
+    """Make one step's inputs usable by the step hooks.
+
+    Host numpy arrays are uploaded (and written back by ``Staged.finish``); the backend's own
+    device arrays are used in place, without copies. Shapes, dtypes and contiguity were checked
+    by the caller.
+
+    :raises optirs.InvalidParameterError: for an array kind this backend cannot use.
+    """
+
+
+@hookspec
+def optirs_synchronize(ctx: Any) -> None:
+    """Wait until all work queued on the context's device has finished."""
+
+
+# ---------------------------------------------------------------- optimizer steps
+# Every step hook updates ``params`` and the flat ``state`` buffers in place, for all tensors of
+# the model at once (one launch per step). ``state`` maps slot names to flat device arrays laid
+# out by ``layout`` (optirs.layout.TensorLayout); ``scalars`` is the optimizer's record from
+# optirs.scalars, already rounded to float32.
+
+
+@hookspec
+def optirs_step_adam(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
+    """Adam with L2 weight decay (``scalars.decoupled`` False); state: exp_avg, exp_avg_sq[, max_exp_avg_sq]."""
+
+
+@hookspec
+def optirs_step_adamw(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
+    """AdamW, decoupled weight decay (``scalars.decoupled`` True); state as Adam."""
+
+
+@hookspec
+def optirs_step_sgd(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
+    """SGD; state: momentum_buffer when ``scalars.has_momentum``."""
+
+
+@hookspec
+def optirs_step_rmsprop(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
+    """RMSprop; state: square_avg[, momentum_buffer][, grad_avg]."""
+
+
+@hookspec
+def optirs_step_adagrad(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
+    """Adagrad; state: sum."""
+
+
+@hookspec
+def optirs_step_lamb(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
+    """LAMB with per-tensor trust ratios and optional global gradient clipping; state: exp_avg, exp_avg_sq."""
+
+
+# ---------------------------------------------------------------- analysis
+
+
+@hookspec(firstresult=True)
+def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Any]:
+    """Choose (grid, block) for a compiled CUDA kernel on a device. Stops at the first non-None result.
+
+    :param kernel: the compiled kernel (register and shared-memory use are read from it).
+    :param device: the device whose limits apply (a numba CUDA device, or compute capability tuple).
+    :param elements: how many work items the launch must cover.
+    :return: ``(grid, block)`` or None to defer to another plugin.
+    """
+
+
+STEP_HOOKS = {
+    "adam": "optirs_step_adam",
+    "adamw": "optirs_step_adamw",
+    "sgd": "optirs_step_sgd",
+    "rmsprop": "optirs_step_rmsprop",
+    "adagrad": "optirs_step_adagrad",
+    "lamb": "optirs_step_lamb",
+}
+OPTIMIZER_NAMES = tuple(STEP_HOOKS)

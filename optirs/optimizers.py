@@ -1,0 +1,403 @@
+"""The optimizers: a common base that validates, owns the state and calls the chosen backend.
+
+State (moments, accumulators) is one flat buffer per slot on the backend's device, laid out by
+:class:`optirs.layout.TensorLayout`; the step count is kept on the host. The per-step scalars are
+computed on the host in float64 (:mod:`optirs.scalars`). Every check runs before anything is
+modified, so a failed call leaves parameters and state as they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+from . import scalars as sc
+from .arrays import ArrayMeta, describe
+from .errors import InvalidParameterError, ShapeMismatchError
+from .layout import TensorLayout
+from .params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from .registry import REGISTRY, Backend
+
+STATE_DTYPE = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class GpuOptimizerConfig:
+    """Where an optimizer runs.
+
+    :param backend: a backend name (``"cuda"``, ``"opencl"``, ``"cpu"``, a plugin's name) or
+        ``"auto"``: the first of ``optirs.SUPPORTED_BACKENDS`` that opens.
+    :param device: device index or name substring (backends that have several devices).
+    :param platform: OpenCL platform index or name substring.
+    :param options: further backend-specific options.
+    """
+
+    backend: str = "auto"
+    device: Optional[Union[int, str]] = None
+    platform: Optional[Union[int, str]] = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise InvalidParameterError(f"backend={self.backend!r}, expected a backend name or 'auto'")
+
+    def backend_options(self) -> Dict[str, Any]:
+        opts = dict(self.options)
+        if self.device is not None:
+            opts["device"] = self.device
+        if self.platform is not None:
+            opts["platform"] = self.platform
+        return opts
+
+
+ArrayOrList = Union[Any, Sequence[Any]]
+
+
+class GpuOptimizer:
+    """Base of the six optimizers. Subclasses name their optimizer, state slots and scalars."""
+
+    name: ClassVar[str]
+    params_type: ClassVar[type]
+    # Parameter dtypes this optimizer steps directly (float32 master weights).
+    param_dtypes: ClassVar[tuple] = (STATE_DTYPE,)
+
+    def __init__(self, params: Any = None, config: Optional[GpuOptimizerConfig] = None):
+        self._params = self._check_params(self.default_params() if params is None else params)
+        if config is not None and not isinstance(config, GpuOptimizerConfig):
+            raise InvalidParameterError(f"config={config!r}, expected a GpuOptimizerConfig")
+        self.config = config or GpuOptimizerConfig()
+        self._backend: Optional[Backend] = None
+        self._layout: Optional[TensorLayout] = None
+        self._state: Optional[Dict[str, Any]] = None
+        self._state_on_device = False
+        self._step = 0
+
+    # ------------------------------------------------------------ hyperparameters
+
+    def default_params(self):
+        return self.params_type()
+
+    def _check_params(self, params: Any):
+        if not isinstance(params, self.params_type):
+            raise InvalidParameterError(
+                f"params={params!r}, expected {self.params_type.__name__} for {type(self).__name__}"
+            )
+        return params
+
+    @property
+    def params(self):
+        """The hyperparameters; assign a new record to change them between steps (lr schedules)."""
+        return self._params
+
+    @params.setter
+    def params(self, params: Any) -> None:
+        params = self._check_params(params)
+        if self._state is not None and self.state_slots(params) != self.state_slots(self._params):
+            raise InvalidParameterError(
+                f"params={params!r} need state slots {sorted(self.state_slots(params))}, but the optimizer holds "
+                f"{sorted(self.state_slots(self._params))}; expected hyperparameters that keep the same state"
+            )
+        self._params = params
+
+    def state_slots(self, params) -> Dict[str, float]:
+        """Slot name -> initial value of every per-element state buffer these hyperparameters need."""
+        raise NotImplementedError
+
+    def step_scalars(self, step: int) -> NamedTuple:
+        """The per-step scalars for 1-based step ``step``."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ backend and state placement
+
+    @property
+    def backend(self) -> Backend:
+        """The opened backend (opened on first use)."""
+        if self._backend is None:
+            self._backend = REGISTRY.get_backend(self.config.backend, self.config.backend_options())
+        return self._backend
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    @property
+    def state_on_device(self) -> bool:
+        return self._state_on_device
+
+    def move_to_gpu(self) -> None:
+        """Open the backend and make the state device-resident (no-op where it already is)."""
+        backend = self.backend
+        if self._state is not None and not self._state_on_device:
+            moved = {k: backend.to_device(backend.ctx, v) for k, v in self._state.items()}
+            self._state, self._state_on_device = moved, True
+
+    def move_to_cpu(self) -> None:
+        """Bring the state back to host memory (numpy); the next step sends it back."""
+        if self._state is not None and self._state_on_device:
+            backend = self.backend
+            host = {k: np.asarray(backend.to_host(backend.ctx, v), dtype=STATE_DTYPE) for k, v in self._state.items()}
+            self._state, self._state_on_device = host, False
+
+    def _host_state(self) -> Dict[str, np.ndarray]:
+        assert self._state is not None
+        if not self._state_on_device:
+            return {k: v.copy() for k, v in self._state.items()}
+        backend = self.backend
+        return {k: np.asarray(backend.to_host(backend.ctx, v), dtype=STATE_DTYPE) for k, v in self._state.items()}
+
+    # ------------------------------------------------------------ the step
+
+    @staticmethod
+    def _as_list(arrays: ArrayOrList, what: str) -> List[Any]:
+        if isinstance(arrays, (list, tuple)):
+            if not arrays:
+                raise InvalidParameterError(f"{what}=[], expected at least one array")
+            return list(arrays)
+        return [arrays]
+
+    def _validate(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
+        if len(params) != len(grads):
+            raise ShapeMismatchError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
+        metas = []
+        seen: Dict[int, int] = {}
+        for i, (p, g) in enumerate(zip(params, grads)):
+            pm, gm = describe(p, f"params[{i}]"), describe(g, f"grads[{i}]")
+            if pm.dtype not in self.param_dtypes:
+                raise ShapeMismatchError(
+                    f"params[{i}] has dtype {pm.dtype}, expected one of {[str(d) for d in self.param_dtypes]}"
+                )
+            if gm.dtype != pm.dtype:
+                raise ShapeMismatchError(f"grads[{i}] has dtype {gm.dtype}, expected {pm.dtype} like params[{i}]")
+            if gm.shape != pm.shape:
+                raise ShapeMismatchError(f"grads[{i}] has shape {gm.shape}, expected {pm.shape} like params[{i}]")
+            if pm.kind != gm.kind:
+                raise ShapeMismatchError(f"params[{i}] is a {pm.kind} array but grads[{i}] a {gm.kind} array, expected the same kind")
+            for m, label in ((pm, "params"), (gm, "grads")):
+                if not m.contiguous:
+                    raise ShapeMismatchError(f"{label}[{i}] is not C-contiguous, expected a contiguous array")
+            if not pm.writeable:
+                raise ShapeMismatchError(f"params[{i}] is read-only, expected a writeable array (updated in place)")
+            if pm.size and pm.address in seen:
+                raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[pm.address]}], expected distinct tensors")
+            seen[pm.address] = i
+            metas.append(pm)
+        shapes = [m.shape for m in metas]
+        if self._layout is not None and not self._layout.matches(shapes):
+            raise ShapeMismatchError(
+                f"the parameter list changed: got {len(shapes)} tensors with shapes {shapes}, "
+                f"expected {len(self._layout)} tensors with shapes {self._layout.shapes} as in earlier steps"
+            )
+        return metas
+
+    def step_gpu(self, params: ArrayOrList, grads: ArrayOrList) -> None:
+        """One optimizer step over one array or a list of arrays, updating ``params`` in place.
+
+        numpy inputs are uploaded, stepped and written back; the backend's own device arrays are
+        stepped in place. Everything is checked first: on error nothing has changed.
+        """
+        plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
+        metas = self._validate(plist, glist)
+        backend = self.backend
+        step = backend.step_fn(self.name)
+        layout = self._layout or TensorLayout([m.shape for m in metas])
+        if self._state is None:
+            state = {k: backend.alloc(backend.ctx, layout.total, STATE_DTYPE, float(fill))
+                     for k, fill in self.state_slots(self._params).items()}
+        else:
+            self.move_to_gpu()
+            state = self._state
+        staged = backend.stage(backend.ctx, plist, glist)
+        step(backend.ctx, staged.params, staged.grads, state, layout, self.step_scalars(self._step + 1))
+        if staged.finish is not None:
+            staged.finish()
+        self._layout, self._state, self._state_on_device = layout, state, True
+        self._step += 1
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        """A self-contained checkpoint (numpy copies), from the device or the host side."""
+        per_param: List[Dict[str, np.ndarray]] = []
+        if self._state is not None and self._layout is not None:
+            flat = self._host_state()
+            views = {k: self._layout.views(v) for k, v in flat.items()}
+            per_param = [{k: views[k][i].copy() for k in flat} for i in range(len(self._layout))]
+        return {
+            "optimizer": self.name,
+            "hyperparameters": self._params.to_dict(),
+            "step": self._step,
+            "shapes": [list(s) for s in self._layout.shapes] if self._layout else [],
+            "state": per_param,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a checkpoint from :meth:`state_dict`; everything is checked before anything changes."""
+        if not isinstance(state_dict, Mapping):
+            raise InvalidParameterError(f"state_dict of type {type(state_dict).__name__}, expected a mapping")
+        expected_keys = {"optimizer", "hyperparameters", "step", "shapes", "state"}
+        if set(state_dict) != expected_keys:
+            raise InvalidParameterError(f"state_dict keys {sorted(state_dict)}, expected {sorted(expected_keys)}")
+        if state_dict["optimizer"] != self.name:
+            raise InvalidParameterError(f"state_dict is for optimizer {state_dict['optimizer']!r}, expected {self.name!r}")
+        params = self._check_params(self.params_type.from_dict(dict(state_dict["hyperparameters"])))
+        step = state_dict["step"]
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise InvalidParameterError(f"step={step!r}, expected an integer >= 0")
+        shapes = [tuple(int(d) for d in s) for s in state_dict["shapes"]]
+        entries = list(state_dict["state"])
+        slots = self.state_slots(params)
+        if not shapes:
+            if entries or step:
+                raise InvalidParameterError("state_dict has state or steps but no shapes, expected both or neither")
+            self._params, self._layout, self._state, self._state_on_device, self._step = params, None, None, False, 0
+            return
+        if len(entries) != len(shapes):
+            raise InvalidParameterError(f"state_dict has {len(entries)} state entries for {len(shapes)} tensors, expected one per tensor")
+        layout = TensorLayout(shapes)
+        flat = {k: np.empty(layout.total, STATE_DTYPE) for k in slots}
+        for i, (entry, shape) in enumerate(zip(entries, shapes)):
+            if set(entry) != set(slots):
+                raise InvalidParameterError(f"state[{i}] has slots {sorted(entry)}, expected {sorted(slots)}")
+            for k, value in entry.items():
+                value = np.asarray(value)
+                if value.shape != shape:
+                    raise ShapeMismatchError(f"state[{i}][{k!r}] has shape {value.shape}, expected {shape}")
+                off, n = int(layout.offsets[i]), int(layout.sizes[i])
+                flat[k][off : off + n] = value.reshape(-1)
+        self._params, self._layout, self._state, self._state_on_device = params, layout, flat, False
+        self._step = int(step)
+
+    def __repr__(self) -> str:
+        where = self._backend.name if self._backend else self.config.backend
+        return f"{type(self).__name__}({self._params!r}, backend={where!r}, step={self._step})"
+
+
+class GpuAdam(GpuOptimizer):
+    """Adam (Kingma & Ba), as ``torch.optim.Adam``; ``weight_decay`` is L2 (added to the gradient).
+
+    .. code-block:: text
+
+        g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g^2
+        v_max = max(v_max, v)                      (amsgrad; then v_max replaces v below)
+        p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    """
+
+    name = "adam"
+    params_type = AdamParams
+
+    def state_slots(self, params: AdamParams) -> Dict[str, float]:
+        slots = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+        if params.amsgrad:
+            slots["max_exp_avg_sq"] = 0.0
+        return slots
+
+    def step_scalars(self, step: int) -> sc.AdamScalars:
+        return sc.adam_scalars(self._params, step, decoupled=self.name == "adamw")
+
+
+class GpuAdamW(GpuAdam):
+    """AdamW (Loshchilov & Hutter), as ``torch.optim.AdamW``: decoupled decay ``p *= 1 - lr * weight_decay``
+    before the Adam update; weight_decay defaults to 0.01."""
+
+    name = "adamw"
+
+    def default_params(self) -> AdamParams:
+        return AdamParams(weight_decay=0.01)
+
+
+class GpuSgd(GpuOptimizer):
+    """SGD with momentum, as ``torch.optim.SGD``.
+
+    .. code-block:: text
+
+        g = g + weight_decay * p
+        b = g (first step), else momentum * b + (1 - dampening) * g
+        g = g + momentum * b (nesterov), else b        (when momentum != 0)
+        p = p - lr * g
+    """
+
+    name = "sgd"
+    params_type = SgdParams
+
+    def state_slots(self, params: SgdParams) -> Dict[str, float]:
+        return {"momentum_buffer": 0.0} if params.momentum != 0.0 else {}
+
+    def step_scalars(self, step: int) -> sc.SgdScalars:
+        return sc.sgd_scalars(self._params, step)
+
+
+class GpuRmsprop(GpuOptimizer):
+    """RMSprop, as ``torch.optim.RMSprop``.
+
+    .. code-block:: text
+
+        g = g + weight_decay * p
+        s = alpha * s + (1 - alpha) * g^2
+        a = alpha * a + (1 - alpha) * g;  d = sqrt(s - a^2) + eps   (centered)
+        d = sqrt(s) + eps                                            (otherwise)
+        b = momentum * b + g / d;  p = p - lr * b                    (momentum > 0)
+        p = p - lr * g / d                                           (otherwise)
+    """
+
+    name = "rmsprop"
+    params_type = RmspropParams
+
+    def state_slots(self, params: RmspropParams) -> Dict[str, float]:
+        slots = {"square_avg": 0.0}
+        if params.momentum > 0.0:
+            slots["momentum_buffer"] = 0.0
+        if params.centered:
+            slots["grad_avg"] = 0.0
+        return slots
+
+    def step_scalars(self, step: int) -> sc.RmspropScalars:
+        return sc.rmsprop_scalars(self._params, step)
+
+
+class GpuAdagrad(GpuOptimizer):
+    """Adagrad, as ``torch.optim.Adagrad``.
+
+    .. code-block:: text
+
+        g = g + weight_decay * p
+        s = s + g^2                       (s starts at initial_accumulator_value)
+        p = p - lr / (1 + (t - 1) * lr_decay) * g / (sqrt(s) + eps)
+    """
+
+    name = "adagrad"
+    params_type = AdagradParams
+
+    def state_slots(self, params: AdagradParams) -> Dict[str, float]:
+        return {"sum": params.initial_accumulator_value}
+
+    def step_scalars(self, step: int) -> sc.AdagradScalars:
+        return sc.adagrad_scalars(self._params, step)
+
+
+class GpuLamb(GpuOptimizer):
+    """LAMB (You et al. 2019), as optax.lamb, with the options where implementations differ.
+
+    .. code-block:: text
+
+        g = g * min(1, max_grad_norm / ||all g||)          (global clipping, optional)
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+        u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p    (bc = 1 without bias correction)
+        r = ||p|| / ||u|| per tensor, 1 where either is 0, at most max_trust_ratio
+        p = p - lr * r * u
+    """
+
+    name = "lamb"
+    params_type = LambParams
+
+    def state_slots(self, params: LambParams) -> Dict[str, float]:
+        return {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+
+    def step_scalars(self, step: int) -> sc.LambScalars:
+        return sc.lamb_scalars(self._params, step)
+
+
+OPTIMIZERS = {cls.name: cls for cls in (GpuAdam, GpuAdamW, GpuSgd, GpuRmsprop, GpuAdagrad, GpuLamb)}

@@ -1,0 +1,172 @@
+"""Validated hyperparameters, one frozen dataclass per optimizer family.
+
+Names and defaults follow ``torch.optim`` (LAMB follows optax.lamb). Construction checks every
+value, so a bad hyperparameter fails before any state or parameter is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+from .errors import InvalidParameterError
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidParameterError(f"{name}={value!r}, expected a finite real number")
+    return float(value)
+
+
+def _at_least(name: str, value: Any, low: float) -> None:
+    if _real(name, value) < low:
+        raise InvalidParameterError(f"{name}={value!r}, expected {name} >= {low:g}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if _real(name, value) <= 0.0:
+        raise InvalidParameterError(f"{name}={value!r}, expected {name} > 0")
+
+
+def _unit_interval(name: str, value: Any) -> None:
+    if not 0.0 <= _real(name, value) < 1.0:
+        raise InvalidParameterError(f"{name}={value!r}, expected 0 <= {name} < 1")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidParameterError(f"{name}={value!r}, expected True or False")
+
+
+class _Params:
+    """Shared helpers: conversion to and from plain dicts (for state_dict)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = set(data) - names
+        if unknown:
+            raise InvalidParameterError(
+                f"unknown {cls.__name__} fields {sorted(unknown)}, expected a subset of {sorted(names)}"
+            )
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class AdamParams(_Params):
+    """Adam / AdamW. ``weight_decay`` is L2 (added to the gradient) for Adam and decoupled for AdamW."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    amsgrad: bool = False
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _unit_interval("beta1", self.beta1)
+        _unit_interval("beta2", self.beta2)
+        _at_least("eps", self.eps, 0.0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        _flag("amsgrad", self.amsgrad)
+
+
+@dataclass(frozen=True)
+class SgdParams(_Params):
+    """SGD with torch's momentum, dampening, nesterov and L2 weight decay."""
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _at_least("momentum", self.momentum, 0.0)
+        _at_least("dampening", self.dampening, 0.0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        _flag("nesterov", self.nesterov)
+        if self.nesterov and (self.momentum <= 0.0 or self.dampening != 0.0):
+            raise InvalidParameterError(
+                f"nesterov=True with momentum={self.momentum!r} and dampening={self.dampening!r}, "
+                "expected momentum > 0 and dampening == 0"
+            )
+
+
+@dataclass(frozen=True)
+class RmspropParams(_Params):
+    """RMSprop as torch.optim.RMSprop (alpha, eps outside the square root, momentum, centered)."""
+
+    lr: float = 1e-2
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _at_least("alpha", self.alpha, 0.0)
+        if self.alpha > 1.0:
+            raise InvalidParameterError(f"alpha={self.alpha!r}, expected 0 <= alpha <= 1")
+        _at_least("eps", self.eps, 0.0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        _at_least("momentum", self.momentum, 0.0)
+        _flag("centered", self.centered)
+
+
+@dataclass(frozen=True)
+class AdagradParams(_Params):
+    """Adagrad as torch.optim.Adagrad."""
+
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _at_least("lr_decay", self.lr_decay, 0.0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        _at_least("initial_accumulator_value", self.initial_accumulator_value, 0.0)
+        _at_least("eps", self.eps, 0.0)
+
+
+@dataclass(frozen=True)
+class LambParams(_Params):
+    """LAMB (You et al. 2019; defaults as optax.lamb, weight_decay 0.01).
+
+    ``max_trust_ratio`` clips the trust ratio from above (None: no clip);
+    ``max_grad_norm`` scales all gradients so their global L2 norm is at most this (None: off).
+    """
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    bias_correction: bool = True
+    max_trust_ratio: Optional[float] = None
+    max_grad_norm: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _unit_interval("beta1", self.beta1)
+        _unit_interval("beta2", self.beta2)
+        _at_least("eps", self.eps, 0.0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        _flag("bias_correction", self.bias_correction)
+        if self.max_trust_ratio is not None:
+            _positive("max_trust_ratio", self.max_trust_ratio)
+        if self.max_grad_norm is not None:
+            _positive("max_grad_norm", self.max_grad_norm)
+
+
+__all__ = ["AdamParams", "SgdParams", "RmspropParams", "AdagradParams", "LambParams"]

@@ -1,0 +1,340 @@
+"""The plugin registry: built-in backends, entry-point plugins, probing and choosing by name.
+
+The registry owns choosing and the error messages; plugins only provide. Plugins are loaded
+once, lazily, on first use (never at ``import optirs``). A third-party plugin that fails to
+import or to validate is recorded as broken with its error and a warning; it never takes the
+registry or the other backends down. ``OPTIRS_DISABLE_PLUGIN_AUTOLOAD=1`` skips entry points.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import threading
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pluggy
+
+from . import hookspecs
+from .errors import BackendUnavailableError, PluginError, UnsupportedOperationError
+from .hookspecs import STEP_HOOKS, DeviceInfo, ProbeResult
+
+ENTRY_POINT_GROUP = "optirs"
+AUTOLOAD_ENV = "OPTIRS_DISABLE_PLUGIN_AUTOLOAD"
+SUPPORTED_BACKENDS: Tuple[str, ...] = ("cuda", "opencl", "cpu")
+
+# Built-in plugins: name -> module exposing ``plugin``. Imported when the registry first loads.
+BUILTIN_PLUGINS: Dict[str, str] = {
+    "cpu": "optirs.backends.cpu",
+    "cuda": "optirs.backends.cuda",
+    "opencl": "optirs.backends.opencl",
+    "occupancy": "optirs.analysis.occupancy",
+    "fusion": "optirs.analysis.fusion",
+    "quantization": "optirs.analysis.quantization",
+}
+
+# Hooks a backend must implement to run any step at all.
+REQUIRED_BACKEND_HOOKS = ("optirs_open", "optirs_alloc", "optirs_to_device", "optirs_to_host", "optirs_stage")
+
+
+class PluginWarning(UserWarning):
+    """A plugin could not be loaded; the others keep working."""
+
+
+@dataclass
+class PluginRecord:
+    """A plugin the registry knows about, loaded or broken."""
+
+    name: str
+    source: str
+    plugin: Any = None
+    error: str = ""
+
+    @property
+    def broken(self) -> bool:
+        return self.plugin is None
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """What ``list_backends()`` reports for one backend."""
+
+    name: str
+    available: bool
+    reason: str
+    devices: Tuple[DeviceInfo, ...]
+    optimizers: Tuple[str, ...]
+    source: str
+
+
+@dataclass(frozen=True)
+class PluginStatus:
+    """What ``list_plugins()`` reports for any plugin (backend or analysis)."""
+
+    name: str
+    kind: str  # "backend", "analysis" or "broken"
+    source: str
+    summary: str
+    error: str = ""
+
+
+def _bind(caller: Any, impl: Any) -> Callable:
+    """The implementation as a plain callable taking the spec's arguments positionally.
+
+    pluggy lets an implementation accept a subset of the spec's arguments; map them once here
+    so the hot path is a direct call.
+    """
+    spec_args = tuple(caller.spec.argnames)
+    impl_args = tuple(impl.argnames)
+    if impl_args == spec_args:
+        return impl.function
+    picks = tuple(spec_args.index(a) for a in impl_args)
+    fn = impl.function
+    return lambda *args: fn(*[args[i] for i in picks])
+
+
+class Backend:
+    """A backend opened on a device: its context and its own hook implementations, bound once."""
+
+    def __init__(self, registry: "Registry", name: str, plugin: Any, options: Dict[str, Any]):
+        self.name = name
+        self.plugin = plugin
+        self.options = dict(options)
+        missing = [h for h in REQUIRED_BACKEND_HOOKS if registry.implementation(name, h) is None]
+        if missing:
+            raise BackendUnavailableError(f"backend {name!r} does not implement the required hooks {missing}")
+        probe = registry.probe(name, options)
+        if not probe.available:
+            raise BackendUnavailableError(f"backend {name!r} cannot open: {probe.reason}")
+        self.devices: Tuple[DeviceInfo, ...] = tuple(probe.devices)
+        self.ctx = registry.implementation(name, "optirs_open")(self.options)
+        impl = lambda hook: registry.implementation(name, hook)  # noqa: E731
+        self.alloc = impl("optirs_alloc")
+        self.to_device = impl("optirs_to_device")
+        self.to_host = impl("optirs_to_host")
+        self.stage = impl("optirs_stage")
+        self._synchronize = impl("optirs_synchronize")
+        self._steps = {opt: impl(hook) for opt, hook in STEP_HOOKS.items()}
+        self.optimizers = tuple(opt for opt, fn in self._steps.items() if fn is not None)
+
+    def step_fn(self, optimizer: str) -> Callable:
+        fn = self._steps.get(optimizer)
+        if fn is None:
+            raise UnsupportedOperationError(
+                f"backend {self.name!r} does not implement the {optimizer!r} step; "
+                f"it implements {list(self.optimizers)}"
+            )
+        return fn
+
+    def synchronize(self) -> None:
+        if self._synchronize is not None:
+            self._synchronize(self.ctx)
+
+    def __repr__(self) -> str:
+        return f"<optirs Backend {self.name!r} devices={[d.name for d in self.devices]}>"
+
+
+class Registry:
+    """Owns the pluggy PluginManager and the opened backends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pm: Optional[pluggy.PluginManager] = None
+        self.records: Dict[str, PluginRecord] = {}
+        self._opened: Dict[Tuple[str, Tuple], Backend] = {}
+
+    # ------------------------------------------------------------ loading
+
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        with self._lock:
+            if self._pm is None:
+                self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+                self._pm.add_hookspecs(hookspecs)
+                for name, module in BUILTIN_PLUGINS.items():
+                    self._load(name, f"built-in ({module})", lambda m=module: importlib.import_module(m).plugin)
+                if not os.environ.get(AUTOLOAD_ENV):
+                    self._load_entry_points()
+            return self._pm
+
+    def _load_entry_points(self) -> None:
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = getattr(ep, "dist", None)
+            where = f"entry point {ep.value!r}" + (f" of {dist.name} {dist.version}" if dist else "")
+            self._load(ep.name, where, ep.load)
+
+    def _load(self, name: str, source: str, loader: Callable[[], Any]) -> None:
+        try:
+            self._register(name, source, loader())
+        except Exception as exc:  # a broken plugin must not break the host
+            error = f"{type(exc).__name__}: {exc}"
+            if name not in self.records or self.records[name].broken:  # never shadow a working plugin
+                self.records[name] = PluginRecord(name, source, None, error + "\n" + traceback.format_exc(limit=3))
+            warnings.warn(f'optirs: error loading plugin "{name}" from {source}: {error}', PluginWarning, stacklevel=3)
+
+    def _register(self, name: str, source: str, plugin: Any) -> None:
+        if inspect.isclass(plugin):
+            plugin = plugin()
+        if name in self.records and not self.records[name].broken:
+            raise PluginError(f"a plugin named {name!r} is already registered (from {self.records[name].source})")
+        pm = self._pm
+        assert pm is not None
+        try:
+            pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name!r} does not match the hook specifications: {exc}") from exc
+        except ValueError as exc:
+            raise PluginError(f"plugin {name!r} could not be registered: {exc}") from exc
+        try:
+            pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            pm.unregister(plugin)
+            raise PluginError(f"plugin {name!r} has a hook with no specification (misspelt?): {exc}") from exc
+        self.records[name] = PluginRecord(name, source, plugin)
+
+    def register(self, plugin: Any, name: str, source: str = "registered at run time") -> None:
+        """Register a plugin object (or class) under ``name``; raises PluginError when it is invalid."""
+        with self._lock:
+            self.pm  # load built-ins first, so names clash visibly
+            self._register(name, source, plugin)
+
+    def reload(self) -> None:
+        """Forget every plugin and opened backend; the next use loads them again (tests, after installs)."""
+        with self._lock:
+            self._pm = None
+            self.records.clear()
+            self._opened.clear()
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            record = self.records.pop(name, None)
+            if record is not None and record.plugin is not None:
+                self.pm.unregister(record.plugin)
+            for key in [k for k in self._opened if k[0] == name]:
+                del self._opened[key]
+
+    # ------------------------------------------------------------ looking up
+
+    def implementation(self, name: str, hook: str) -> Optional[Callable]:
+        """The named plugin's own implementation of ``hook``, bound for direct calls, or None."""
+        record = self.records.get(name)
+        if record is None or record.plugin is None:
+            return None
+        caller = getattr(self.pm.hook, hook)
+        for impl in caller.get_hookimpls():
+            if impl.plugin is record.plugin:
+                return _bind(caller, impl)
+        return None
+
+    def kind(self, name: str) -> str:
+        record = self.records[name]
+        if record.broken:
+            return "broken"
+        return "backend" if self.implementation(name, "optirs_probe") is not None else "analysis"
+
+    def backend_names(self) -> List[str]:
+        self.pm
+        return [n for n, r in self.records.items() if r.broken or self.kind(n) == "backend"]
+
+    def probe(self, name: str, options: Optional[Dict[str, Any]] = None) -> ProbeResult:
+        record = self.records[name]
+        if record.broken:
+            return ProbeResult(False, f"plugin is broken: {record.error.splitlines()[0]}")
+        probe = self.implementation(name, "optirs_probe")
+        try:
+            result = probe(dict(options or {}))
+        except Exception as exc:  # probing must not raise; report instead
+            return ProbeResult(False, f"probe raised {type(exc).__name__}: {exc}")
+        return result if isinstance(result, ProbeResult) else ProbeResult(False, f"probe returned {result!r}")
+
+    def optimizers(self, name: str) -> Tuple[str, ...]:
+        return tuple(opt for opt, hook in STEP_HOOKS.items() if self.implementation(name, hook) is not None)
+
+    def list_backends(self, options: Optional[Dict[str, Any]] = None) -> List[BackendStatus]:
+        out = []
+        for name in self.backend_names():
+            probe = self.probe(name, options)
+            record = self.records[name]
+            out.append(BackendStatus(name, probe.available, probe.reason, tuple(probe.devices),
+                                     self.optimizers(name), record.source))
+        return out
+
+    def list_plugins(self) -> List[PluginStatus]:
+        self.pm
+        out = []
+        for name, record in self.records.items():
+            info: Dict[str, str] = {}
+            describe = self.implementation(name, "optirs_plugin_info")
+            if describe is not None:
+                try:
+                    info = describe() or {}
+                except Exception as exc:
+                    info = {"summary": f"(optirs_plugin_info raised {exc!r})"}
+            out.append(PluginStatus(name, self.kind(name), record.source, info.get("summary", ""),
+                                    record.error.splitlines()[0] if record.error else ""))
+        return out
+
+    def get_backend(self, name: str = "auto", options: Optional[Dict[str, Any]] = None) -> Backend:
+        """Open (once) and return the backend called ``name``; ``"auto"`` tries SUPPORTED_BACKENDS in order."""
+        options = dict(options or {})
+        with self._lock:
+            self.pm
+            if name == "auto":
+                reasons = []
+                for candidate in SUPPORTED_BACKENDS:
+                    if candidate not in self.records:
+                        reasons.append(f"{candidate}: not installed")
+                        continue
+                    try:
+                        return self.get_backend(candidate, options)
+                    except BackendUnavailableError as exc:
+                        reasons.append(f"{candidate}: {exc}")
+                raise BackendUnavailableError("no backend could open: " + "; ".join(reasons))
+            record = self.records.get(name)
+            if record is None:
+                known = ", ".join(sorted(self.backend_names())) or "none"
+                raise BackendUnavailableError(f"unknown backend {name!r}; known backends: {known}")
+            if record.broken:
+                raise BackendUnavailableError(f"backend {name!r} is broken: {record.error.splitlines()[0]}")
+            if self.kind(name) != "backend":
+                raise BackendUnavailableError(f"plugin {name!r} is an analysis plugin, not a backend")
+            key = (name, tuple(sorted((k, repr(v)) for k, v in options.items())))
+            if key not in self._opened:
+                self._opened[key] = Backend(self, name, record.plugin, options)
+            return self._opened[key]
+
+    def launch_config(self, kernel: Any, device: Any, elements: int) -> Optional[Any]:
+        """Ask the analysis plugins for a (grid, block) launch configuration."""
+        return self.pm.hook.optirs_launch_config(kernel=kernel, device=device, elements=elements)
+
+
+REGISTRY = Registry()
+
+
+def list_backends(options: Optional[Dict[str, Any]] = None) -> List[BackendStatus]:
+    """Every known backend: whether it opens, why not, its devices and the optimizers it implements."""
+    return REGISTRY.list_backends(options)
+
+
+def list_plugins() -> List[PluginStatus]:
+    """Every known plugin, backends and analyses, with broken ones and their errors."""
+    return REGISTRY.list_plugins()
+
+
+def get_backend(name: str = "auto", **options: Any) -> Backend:
+    """The opened backend called ``name`` (``"auto"``: the first of SUPPORTED_BACKENDS that opens)."""
+    return REGISTRY.get_backend(name, options)
+
+
+def register_plugin(plugin: Any, name: str) -> None:
+    """Register a backend or analysis plugin at run time (tests, notebooks)."""
+    REGISTRY.register(plugin, name)
+
+
+def unregister_plugin(name: str) -> None:
+    REGISTRY.unregister(name)

@@ -1,0 +1,110 @@
+"""Per-step scalar records that cross the backend interface.
+
+The host computes everything that changes per step (bias corrections, decayed learning rates)
+in float64 and rounds once to float32 here, so kernels keep pure float32 arithmetic. Every
+field is a ``numpy.float32`` or a ``bool``: numba types them as float32 and boolean, and the
+per-element functions in ``optirs.backends.elementwise`` read them by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+
+f32 = np.float32
+
+
+class AdamScalars(NamedTuple):
+    beta1: np.float32
+    beta2: np.float32
+    one_minus_beta1: np.float32
+    one_minus_beta2: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    step_size: np.float32  # lr / (1 - beta1**t)
+    bias_correction2_sqrt: np.float32  # sqrt(1 - beta2**t)
+    decay_factor: np.float32  # 1 - lr * weight_decay (AdamW only)
+    decoupled: bool
+    amsgrad: bool
+
+
+class SgdScalars(NamedTuple):
+    lr: np.float32
+    momentum: np.float32
+    dampening_factor: np.float32  # 1 - dampening
+    weight_decay: np.float32
+    nesterov: bool
+    has_momentum: bool
+    first_step: bool  # torch starts the momentum buffer at the gradient itself
+
+
+class RmspropScalars(NamedTuple):
+    lr: np.float32
+    alpha: np.float32
+    one_minus_alpha: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    momentum: np.float32
+    centered: bool
+    has_momentum: bool
+
+
+class AdagradScalars(NamedTuple):
+    clr: np.float32  # lr / (1 + (t - 1) * lr_decay)
+    weight_decay: np.float32
+    eps: np.float32
+
+
+class LambScalars(NamedTuple):
+    lr: np.float32
+    beta1: np.float32
+    beta2: np.float32
+    one_minus_beta1: np.float32
+    one_minus_beta2: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    bias_correction1: np.float32  # 1 - beta1**t, or 1 without bias correction
+    bias_correction2: np.float32
+    max_trust_ratio: np.float32  # +inf: no clip
+    max_grad_norm: np.float32  # 0: no global gradient clipping
+
+
+def adam_scalars(hp: AdamParams, step: int, decoupled: bool) -> AdamScalars:
+    return AdamScalars(
+        f32(hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta1), f32(1.0 - hp.beta2), f32(hp.eps),
+        f32(hp.weight_decay), f32(hp.lr / (1.0 - hp.beta1**step)), f32(math.sqrt(1.0 - hp.beta2**step)),
+        f32(1.0 - hp.lr * hp.weight_decay), bool(decoupled), bool(hp.amsgrad),
+    )
+
+
+def sgd_scalars(hp: SgdParams, step: int) -> SgdScalars:
+    return SgdScalars(
+        f32(hp.lr), f32(hp.momentum), f32(1.0 - hp.dampening), f32(hp.weight_decay),
+        bool(hp.nesterov), hp.momentum != 0.0, step == 1,
+    )
+
+
+def rmsprop_scalars(hp: RmspropParams, step: int) -> RmspropScalars:
+    return RmspropScalars(
+        f32(hp.lr), f32(hp.alpha), f32(1.0 - hp.alpha), f32(hp.eps), f32(hp.weight_decay),
+        f32(hp.momentum), bool(hp.centered), hp.momentum > 0.0,
+    )
+
+
+def adagrad_scalars(hp: AdagradParams, step: int) -> AdagradScalars:
+    return AdagradScalars(f32(hp.lr / (1.0 + (step - 1) * hp.lr_decay)), f32(hp.weight_decay), f32(hp.eps))
+
+
+def lamb_scalars(hp: LambParams, step: int) -> LambScalars:
+    bc1 = 1.0 - hp.beta1**step if hp.bias_correction else 1.0
+    bc2 = 1.0 - hp.beta2**step if hp.bias_correction else 1.0
+    return LambScalars(
+        f32(hp.lr), f32(hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta1), f32(1.0 - hp.beta2), f32(hp.eps),
+        f32(hp.weight_decay), f32(bc1), f32(bc2),
+        f32(np.inf if hp.max_trust_ratio is None else hp.max_trust_ratio),
+        f32(0.0 if hp.max_grad_norm is None else hp.max_grad_norm),
+    )

@@ -1,0 +1,78 @@
+"""Shared fixtures: the ``backend`` fixture runs a test on every installed backend that opens.
+
+Under ``NUMBA_ENABLE_CUDASIM=1`` the ``cuda`` backend is numba's CUDA simulator; tests
+parametrized with it carry the ``cuda`` marker, so ``pytest -m cuda`` is the simulator pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import optirs
+from optirs.registry import REGISTRY
+
+BUILTIN_BACKENDS = ("cpu", "cuda", "opencl")
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _status():
+    return {s.name: s for s in optirs.list_backends()}
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        status = _status()
+        params = []
+        for name in BUILTIN_BACKENDS:
+            s = status.get(name)
+            marks = [getattr(pytest.mark, name)]
+            if s is None:
+                marks.append(pytest.mark.skip(reason=f"backend {name} is not installed"))
+            elif not s.available:
+                marks.append(pytest.mark.skip(reason=f"backend {name} cannot open here: {s.reason}"))
+            params.append(pytest.param(name, marks=marks, id=name))
+        metafunc.parametrize("backend", params)
+
+
+def pytest_configure(config):
+    for name in BUILTIN_BACKENDS:
+        config.addinivalue_line("markers", f"{name}: runs on the {name} backend")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12345)
+
+
+@pytest.fixture
+def fresh_registry():
+    """A registry reloaded before and after the test, so plugins a test adds never leak."""
+    REGISTRY.reload()
+    yield REGISTRY
+    REGISTRY.reload()
+
+
+def to_backend_array(backend_name: str, host: np.ndarray):
+    """A device array of the backend's own kind holding ``host`` (numpy for cpu)."""
+    if backend_name == "cpu":
+        return host.copy()
+    if backend_name == "cuda":
+        from numba import cuda
+
+        return cuda.to_device(host)
+    if backend_name == "opencl":
+        import pyopencl.array as cla
+
+        return cla.to_device(optirs.get_backend("opencl").ctx.queue, host)
+    raise ValueError(backend_name)
+
+
+def from_backend_array(array) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array.copy()
+    if hasattr(array, "copy_to_host"):
+        return array.copy_to_host()
+    return array.get()
