@@ -1,0 +1,81 @@
+"""The ``optirs`` command: ``info`` here; other subcommands live beside the code they drive.
+
+Each subcommand is ``module:function`` taking ``argv`` and returning an exit code, imported only
+when that subcommand runs, so ``optirs info`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Dict, List, Optional, Tuple
+
+SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
+    "info": ("optirs.cli:info_main", "list backends, devices, status, capability matrix and plugins"),
+    "bench": ("optirs.bench:main", "time every optimizer on every backend beside torch"),
+    "occupancy": ("optirs.analysis.occupancy:main", "CUDA occupancy table and curves"),
+}
+
+
+def _fmt_bytes(n: Optional[int]) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def info_main(argv: List[str]) -> int:
+    import optirs
+    from optirs.hookspecs import OPTIMIZER_NAMES
+
+    parser = argparse.ArgumentParser(prog="optirs info", description=SUBCOMMANDS["info"][1])
+    parser.parse_args(argv)
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"optirs {optirs.__version__}; probe order for backend='auto': {', '.join(optirs.SUPPORTED_BACKENDS)}")
+    backends = optirs.list_backends()
+    table = Table(title="Backends")
+    for col in ("backend", "status", "devices", *OPTIMIZER_NAMES):
+        table.add_column(col)
+    for b in backends:
+        status = "[green]available[/]" if b.available else f"[red]unavailable[/]: {b.reason}"
+        devices = "\n".join(
+            f"{d.name} ({d.kind}; {d.compute_units or '-'} units; {_fmt_bytes(d.memory_bytes)})"
+            + "".join(f"; {k}={v}" for k, v in d.details.items())
+            for d in b.devices
+        ) or "-"
+        marks = ["yes" if opt in b.optimizers else "-" for opt in OPTIMIZER_NAMES]
+        table.add_row(b.name, status, devices, *marks)
+    console.print(table)
+    plugins = Table(title="Plugins")
+    for col in ("plugin", "kind", "source", "summary / error"):
+        plugins.add_column(col)
+    for p in optirs.list_plugins():
+        plugins.add_row(p.name, p.kind, p.source, p.error or p.summary)
+    console.print(plugins)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: optirs {" + ",".join(SUBCOMMANDS) + "} [options]\n")
+        for name, (_, help_text) in SUBCOMMANDS.items():
+            print(f"  {name:<10} {help_text}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"optirs: unknown command {name!r}; known commands: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    module, func = SUBCOMMANDS[name][0].split(":")
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
