@@ -41,7 +41,7 @@ def info_main(argv: List[str]) -> int:
     console.print(f"optirs {optirs.__version__}; probe order for backend='auto': {', '.join(optirs.SUPPORTED_BACKENDS)}")
     backends = optirs.list_backends()
     table = Table(title="Backends")
-    for col in ("backend", "status", "devices", *OPTIMIZER_NAMES):
+    for col in ("backend", "status", "devices"):
         table.add_column(col)
     for b in backends:
         status = "[green]available[/]" if b.available else f"[red]unavailable[/]: {b.reason}"
@@ -50,9 +50,15 @@ def info_main(argv: List[str]) -> int:
             + "".join(f"; {k}={v}" for k, v in d.details.items())
             for d in b.devices
         ) or "-"
-        marks = ["yes" if opt in b.optimizers else "-" for opt in OPTIMIZER_NAMES]
-        table.add_row(b.name, status, devices, *marks)
+        table.add_row(b.name, status, devices)
     console.print(table)
+    matrix = Table(title="Capability matrix (step hooks each backend implements)")
+    matrix.add_column("backend")
+    for opt in OPTIMIZER_NAMES:
+        matrix.add_column(opt, justify="center")
+    for b in backends:
+        matrix.add_row(b.name, *["yes" if opt in b.optimizers else "-" for opt in OPTIMIZER_NAMES])
+    console.print(matrix)
     plugins = Table(title="Plugins")
     for col in ("plugin", "kind", "source", "summary / error"):
         plugins.add_column(col)

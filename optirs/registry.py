@@ -83,6 +83,10 @@ class PluginStatus:
     error: str = ""
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def _bind(caller: Any, impl: Any) -> Callable:
     """The implementation as a plain callable taking the spec's arguments positionally.
 
@@ -187,14 +191,14 @@ class Registry:
         try:
             pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin {name!r} does not match the hook specifications: {exc}") from exc
+            raise PluginError(f"plugin {name!r} does not match the hook specifications: {_one_line(exc)}") from exc
         except ValueError as exc:
             raise PluginError(f"plugin {name!r} could not be registered: {exc}") from exc
         try:
             pm.check_pending()
         except pluggy.PluginValidationError as exc:
             pm.unregister(plugin)
-            raise PluginError(f"plugin {name!r} has a hook with no specification (misspelt?): {exc}") from exc
+            raise PluginError(f"plugin {name!r} has a hook with no specification (misspelt?): {_one_line(exc)}") from exc
         self.records[name] = PluginRecord(name, source, plugin)
 
     def register(self, plugin: Any, name: str, source: str = "registered at run time") -> None:

@@ -1,0 +1,1 @@
+"""Broken optirs plugins, one per module, each failing in a different way."""

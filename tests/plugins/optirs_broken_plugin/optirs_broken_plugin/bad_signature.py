@@ -1,0 +1,8 @@
+"""A plugin whose hook takes an argument the specification does not have."""
+
+from optirs.hookspecs import ProbeResult, hookimpl
+
+
+@hookimpl
+def optirs_probe(options, device_index):
+    return ProbeResult(True)
