@@ -1,8 +1,10 @@
 """The CPU backend's compiled loops (imported when the backend opens: this imports numba).
 
-Each kernel runs one parallel loop over the chunk table (tensor, start, stop); the body calls the
-per-element function from :mod:`optirs.backends.elementwise`. State buffers are flat, indexed at
-the tensor's offset; parameters and gradients are numba typed lists of 1-D views.
+Each kernel runs one parallel loop over the chunk table (tensor, start, stop). A chunk takes
+plain slices of its tensor and of the flat state buffers and runs a simple counted loop that
+calls the per-element function from :mod:`optirs.backends.elementwise`; written this way (flags
+tested outside the loop, IEEE division via ``error_model="numpy"``) LLVM vectorizes it.
+Parameters and gradients are numba typed lists of 1-D views.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from numba.typed import List
 from .elementwise import (adagrad_update, adam_update, clip_scale, lamb_direction, lamb_moments,
                           lamb_trust_ratio, rmsprop_update, sgd_update)
 
+jit = njit(parallel=True, cache=True, error_model="numpy")
+
 
 def typed_list(arrays):
     out = List()
@@ -22,69 +26,82 @@ def typed_list(arrays):
     return out
 
 
-@njit(parallel=True, cache=True)
+@jit
 def adam(ps, gs, m, v, vmax, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
     for c in prange(chunk_tensor.shape[0]):
-        t = chunk_tensor[c]
-        p, g, off = ps[t], gs[t], offsets[t]
-        for i in range(chunk_start[c], chunk_stop[c]):
-            j = off + i
-            p[i], m[j], v[j], vm = adam_update(p[i], g[i], m[j], v[j], vmax[j], sc)
-            if sc.amsgrad:
-                vmax[j] = vm
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        o = offsets[t] + s
+        p, g, mc, vc = ps[t][s:e], gs[t][s:e], m[o : o + e - s], v[o : o + e - s]
+        if sc.amsgrad:
+            xc = vmax[o : o + e - s]
+            for i in range(e - s):
+                p[i], mc[i], vc[i], xc[i] = adam_update(p[i], g[i], mc[i], vc[i], xc[i], sc)
+        else:
+            for i in range(e - s):
+                p[i], mc[i], vc[i], _ = adam_update(p[i], g[i], mc[i], vc[i], vc[i], sc)
 
 
-@njit(parallel=True, cache=True)
+@jit
 def sgd(ps, gs, buf, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
     for c in prange(chunk_tensor.shape[0]):
-        t = chunk_tensor[c]
-        p, g, off = ps[t], gs[t], offsets[t]
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        o = offsets[t] + s
+        p, g = ps[t][s:e], gs[t][s:e]
         if sc.has_momentum:
-            for i in range(chunk_start[c], chunk_stop[c]):
-                p[i], buf[off + i] = sgd_update(p[i], g[i], buf[off + i], sc)
+            b = buf[o : o + e - s]
+            for i in range(e - s):
+                p[i], b[i] = sgd_update(p[i], g[i], b[i], sc)
         else:
-            for i in range(chunk_start[c], chunk_stop[c]):
+            for i in range(e - s):
                 p[i], _ = sgd_update(p[i], g[i], g[i], sc)
 
 
-@njit(parallel=True, cache=True)
+@jit
 def rmsprop(ps, gs, square_avg, buf, grad_avg, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
     for c in prange(chunk_tensor.shape[0]):
-        t = chunk_tensor[c]
-        p, g, off = ps[t], gs[t], offsets[t]
-        for i in range(chunk_start[c], chunk_stop[c]):
-            j = off + i
-            b = buf[j] if sc.has_momentum else square_avg[j]
-            a = grad_avg[j] if sc.centered else square_avg[j]
-            p[i], square_avg[j], b, a = rmsprop_update(p[i], g[i], square_avg[j], b, a, sc)
-            if sc.has_momentum:
-                buf[j] = b
-            if sc.centered:
-                grad_avg[j] = a
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        o = offsets[t] + s
+        p, g, sq = ps[t][s:e], gs[t][s:e], square_avg[o : o + e - s]
+        # Unused slots alias square_avg and are never written back.
+        b = buf[o : o + e - s] if sc.has_momentum else sq
+        a = grad_avg[o : o + e - s] if sc.centered else sq
+        if sc.has_momentum and sc.centered:
+            for i in range(e - s):
+                p[i], sq[i], b[i], a[i] = rmsprop_update(p[i], g[i], sq[i], b[i], a[i], sc)
+        elif sc.has_momentum:
+            for i in range(e - s):
+                p[i], sq[i], b[i], _ = rmsprop_update(p[i], g[i], sq[i], b[i], sq[i], sc)
+        elif sc.centered:
+            for i in range(e - s):
+                p[i], sq[i], _, a[i] = rmsprop_update(p[i], g[i], sq[i], sq[i], a[i], sc)
+        else:
+            for i in range(e - s):
+                p[i], sq[i], _, _ = rmsprop_update(p[i], g[i], sq[i], sq[i], sq[i], sc)
 
 
-@njit(parallel=True, cache=True)
+@jit
 def adagrad(ps, gs, acc, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
     for c in prange(chunk_tensor.shape[0]):
-        t = chunk_tensor[c]
-        p, g, off = ps[t], gs[t], offsets[t]
-        for i in range(chunk_start[c], chunk_stop[c]):
-            p[i], acc[off + i] = adagrad_update(p[i], g[i], acc[off + i], sc)
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        o = offsets[t] + s
+        p, g, a = ps[t][s:e], gs[t][s:e], acc[o : o + e - s]
+        for i in range(e - s):
+            p[i], a[i] = adagrad_update(p[i], g[i], a[i], sc)
 
 
-@njit(parallel=True, cache=True)
+@jit
 def _global_grad_norm(gs, chunk_tensor, chunk_start, chunk_stop):
     partial = np.zeros(chunk_tensor.shape[0], dtype=np.float64)
     for c in prange(chunk_tensor.shape[0]):
-        g = gs[chunk_tensor[c]]
-        s = 0.0
-        for i in range(chunk_start[c], chunk_stop[c]):
-            s += np.float64(g[i] * g[i])
-        partial[c] = s
+        g = gs[chunk_tensor[c]][chunk_start[c] : chunk_stop[c]]
+        total = 0.0
+        for i in range(g.shape[0]):
+            total += np.float64(g[i] * g[i])
+        partial[c] = total
     return np.sqrt(partial.sum())
 
 
-@njit(parallel=True, cache=True)
+@jit
 def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors, sc):
     nchunks = chunk_tensor.shape[0]
     grad_scale = np.float32(1.0)
@@ -95,19 +112,19 @@ def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors,
     p_sq = np.zeros(nchunks, dtype=np.float64)
     u_sq = np.zeros(nchunks, dtype=np.float64)
     for c in prange(nchunks):
-        t = chunk_tensor[c]
-        p, g, off = ps[t], gs[t], offsets[t]
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        o = offsets[t] + s
+        p, g, mc, vc = ps[t][s:e], gs[t][s:e], m[o : o + e - s], v[o : o + e - s]
         sp = 0.0
         su = 0.0
-        for i in range(chunk_start[c], chunk_stop[c]):
-            j = off + i
-            m[j], v[j] = lamb_moments(g[i], m[j], v[j], grad_scale, sc)
-            u = lamb_direction(p[i], m[j], v[j], sc)
+        for i in range(e - s):
+            mc[i], vc[i] = lamb_moments(g[i], mc[i], vc[i], grad_scale, sc)
+            u = lamb_direction(p[i], mc[i], vc[i], sc)
             sp += np.float64(p[i] * p[i])
             su += np.float64(u * u)
         p_sq[c] = sp
         u_sq[c] = su
-    # Per-tensor trust ratios (chunks of a tensor are contiguous in the table).
+    # Per-tensor trust ratios.
     pn = np.zeros(ntensors, dtype=np.float64)
     un = np.zeros(ntensors, dtype=np.float64)
     for c in range(nchunks):
@@ -118,9 +135,9 @@ def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors,
         ratio[t] = np.float32(lamb_trust_ratio(np.sqrt(pn[t]), np.sqrt(un[t]), np.float64(sc.max_trust_ratio)))
     # Pass 2: apply; u is recomputed from the same float32 inputs, so it is the same value.
     for c in prange(nchunks):
-        t = chunk_tensor[c]
-        p, off = ps[t], offsets[t]
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        o = offsets[t] + s
+        p, mc, vc = ps[t][s:e], m[o : o + e - s], v[o : o + e - s]
         step = sc.lr * ratio[t]
-        for i in range(chunk_start[c], chunk_stop[c]):
-            j = off + i
-            p[i] = p[i] - step * lamb_direction(p[i], m[j], v[j], sc)
+        for i in range(e - s):
+            p[i] = p[i] - step * lamb_direction(p[i], mc[i], vc[i], sc)

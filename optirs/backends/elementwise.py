@@ -5,6 +5,9 @@ parallel CPU loop, a CUDA grid) live in the backends. ``sc`` is the optimizer's 
 :mod:`optirs.scalars`: every field is float32 or bool, so the arithmetic stays float32 (no
 literal floats appear here, since numba would promote them to float64). The branches test
 per-step flags that are the same for every element.
+
+``error_model="numpy"``: division follows IEEE (inf/nan, as on a GPU) instead of raising
+ZeroDivisionError; the raise check would also stop LLVM from vectorizing the CPU loops.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 from numba import njit
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def adam_update(p, g, m, v, vmax, sc):
     """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
     if sc.decoupled:
@@ -32,7 +35,7 @@ def adam_update(p, g, m, v, vmax, sc):
     return p, m, v, vmax
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def sgd_update(p, g, buf, sc):
     """One SGD element: returns (p, momentum_buffer)."""
     g = g + sc.weight_decay * p
@@ -48,7 +51,7 @@ def sgd_update(p, g, buf, sc):
     return p - sc.lr * g, buf
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
     """One RMSprop element: returns (p, square_avg, momentum_buffer, grad_avg)."""
     g = g + sc.weight_decay * p
@@ -66,7 +69,7 @@ def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
     return p, square_avg, buf, grad_avg
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def adagrad_update(p, g, acc, sc):
     """One Adagrad element: returns (p, sum)."""
     g = g + sc.weight_decay * p
@@ -74,14 +77,14 @@ def adagrad_update(p, g, acc, sc):
     return p - sc.clr * g / (math.sqrt(acc) + sc.eps), acc
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def lamb_moments(g, m, v, grad_scale, sc):
     """LAMB's first pass for one element: the clipped gradient folded into (m, v)."""
     g = g * grad_scale
     return sc.beta1 * m + sc.one_minus_beta1 * g, sc.beta2 * v + sc.one_minus_beta2 * g * g
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def lamb_direction(p, m, v, sc):
     """LAMB's update direction u for one element (before the trust ratio and learning rate)."""
     return (m / sc.bias_correction1) / (math.sqrt(v / sc.bias_correction2) + sc.eps) + sc.weight_decay * p
@@ -91,14 +94,14 @@ def lamb_direction(p, m, v, sc):
 # work in float64; the kernels round their results to float32 before the element pass.
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def lamb_trust_ratio(param_norm, update_norm, max_trust_ratio):
     """||p|| / ||u||, 1 where either norm is zero, at most ``max_trust_ratio``."""
     ratio = 1.0 if param_norm == 0.0 or update_norm == 0.0 else param_norm / update_norm
     return min(ratio, max_trust_ratio)
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def clip_scale(norm, max_norm):
     """The global gradient clipping factor min(1, max_norm / norm); ``max_norm`` 0 means off."""
     return max_norm / norm if 0.0 < max_norm < norm else 1.0
