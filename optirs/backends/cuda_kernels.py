@@ -24,7 +24,9 @@ addresses through ctypes: the kernels themselves have no simulator branch.
 from __future__ import annotations
 
 import ctypes
+import math
 
+import numba
 import numpy as np
 from numba import cuda, float64
 
@@ -120,7 +122,11 @@ else:
         return types.void(types.int64, f32, f32, f32, f32), codegen
 
 
-_device = cuda.jit(device=True, inline="always") if not SIMULATOR else cuda.jit(device=True)
+# Helpers are plain ``@njit`` functions, which numba-cuda compiles as device functions (as the
+# shared elementwise math); ``cuda.jit(device=True)`` would ask the driver for the compute
+# capability and so cannot compile PTX on a machine without a GPU. Under the simulator they are
+# plain Python, like the access primitives they call.
+_device = numba.njit if not SIMULATOR else (lambda f: f)
 
 
 @_device
@@ -248,31 +254,29 @@ STEP_FUNCTIONS = {
 
 @_device
 def _block_add(acc, q, index, value):
-    """Sum ``value`` over the block and add it to ``acc[q, index]`` with one atomic."""
-    partial = cuda.shared.array(32, float64)
-    lane = cuda.threadIdx.x & 31
-    warp = cuda.threadIdx.x >> 5
-    offset = 16
-    while offset > 0:
-        value += cuda.shfl_down_sync(0xFFFFFFFF, value, offset)
-        offset >>= 1
-    if lane == 0:
-        partial[warp] = value
+    """Sum ``value`` over the block (a shared-memory tree, any block size up to 1024) and add
+    it to ``acc[q, index]`` with one atomic."""
+    partial = cuda.shared.array(1024, float64)
+    tid = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    partial[tid] = value
     cuda.syncthreads()
-    if warp == 0:
-        nwarps = (cuda.blockDim.x + 31) >> 5
-        value = partial[lane] if lane < nwarps else 0.0
-        offset = 16
-        while offset > 0:
-            value += cuda.shfl_down_sync(0xFFFFFFFF, value, offset)
-            offset >>= 1
-        if lane == 0:
-            cuda.atomic.add(acc, (q, index), value)
+    stride = 1
+    while stride < n:
+        stride <<= 1
+    stride >>= 1
+    while stride > 0:
+        if tid < stride and tid + stride < n:
+            partial[tid] += partial[tid + stride]
+        cuda.syncthreads()
+        stride >>= 1
+    if tid == 0:
+        cuda.atomic.add(acc, (q, index), partial[0])
     cuda.syncthreads()
 
 
-def lamb_grad_norm(chunks, ptrs, nchunks, acc, q, ntensors):
-    """acc[q, 2 * ntensors] += sum of g^2 over the model."""
+def lamb_grad_norm(chunks, ptrs, nchunks, acc, q, ntensors, sc):
+    """acc[q, 2 * ntensors] += sum of g^2 over the model (``sc`` unused: every launch ends with the scalars)."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     s = 0.0
@@ -303,7 +307,7 @@ def lamb_moments_pass(chunks, ptrs, nchunks, s0, s1, acc, q, ntensors, sc):
     nthreads = cuda.blockDim.x
     grad_scale = _F32(1.0)
     if sc.max_grad_norm > 0:
-        grad_scale = _F32(clip_scale(np.sqrt(acc[q, 2 * ntensors]), float64(sc.max_grad_norm)))
+        grad_scale = _F32(clip_scale(math.sqrt(acc[q, 2 * ntensors]), float64(sc.max_grad_norm)))
     current = -1
     sp = 0.0
     su = 0.0
@@ -372,7 +376,7 @@ def lamb_apply_pass(chunks, ptrs, nchunks, s0, s1, acc, q, ntensors, sc):
     c = cuda.blockIdx.x
     while c < nchunks:
         t = chunks[c, 0]
-        ratio = _F32(lamb_trust_ratio(np.sqrt(acc[q, t]), np.sqrt(acc[q, ntensors + t]),
+        ratio = _F32(lamb_trust_ratio(math.sqrt(acc[q, t]), math.sqrt(acc[q, ntensors + t]),
                                       float64(sc.max_trust_ratio)))
         step = sc.lr * ratio
         start = chunks[c, 1]

@@ -1,0 +1,551 @@
+"""The ``cuda`` backend: numba.cuda kernels, device-resident state, one launch per step.
+
+* State slots are flat device arrays (``optirs_alloc``), laid out by :class:`optirs.layout.TensorLayout`.
+* numpy inputs are copied into one reused device buffer per step (params and grads), stepped, and
+  copied back in ``Staged.finish``. Device inputs (anything with ``__cuda_array_interface__``:
+  numba device arrays, CuPy arrays, torch CUDA tensors) are stepped in place: the kernel reads
+  their addresses from a small device pointer table, so there is no host copy.
+* A step is one kernel launch for the whole model (LAMB: a moments pass and an apply pass, plus a
+  norm pass with global gradient clipping), see :mod:`optirs.backends.cuda_kernels`.
+* Host overhead: the compiled kernels, the chunk and pointer tables and the marshalled launch
+  arguments are cached; a step updates the per-step scalars in the cached argument block and
+  calls ``cuLaunchKernel`` once through ctypes.
+* Launch sizes come from the analysis plugins (``optirs_launch_config``, answered by the occupancy
+  plugin from the compiled kernel's registers and shared memory); without an answer the default
+  is 256 threads per block and as many blocks as the compiled kernel keeps resident on every SM
+  at once (the driver's occupancy query), never more blocks than chunks.
+
+numba.cuda is imported by ``optirs_probe`` / ``optirs_open``, never by ``import optirs``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
+from ..hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+
+DEFAULT_BLOCK = 256
+SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
+CUDA_ERROR_OUT_OF_MEMORY = 2
+_LRU = 8  # cached pointer tables per layout, prepared launches per context
+
+
+def _simulator() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+# ------------------------------------------------------------------ arrays and addresses
+
+
+def _address_getter(obj: Any):
+    """The cheapest way to read a device array's address, per type (looked up once per type)."""
+    cls = type(obj)
+    module = cls.__module__
+    if module.startswith("torch"):
+        return lambda a: a.data_ptr()
+    if module.startswith("cupy"):
+        return lambda a: a.data.ptr
+    if cls.__name__ == "FakeCUDAArray":  # simulator: the wrapped numpy array's memory
+        return lambda a: a._ary.__array_interface__["data"][0]
+    if hasattr(obj, "device_ctypes_pointer"):  # numba DeviceNDArray
+        return lambda a: a.device_ctypes_pointer.value or 0
+    if hasattr(obj, "__cuda_array_interface__"):
+        return lambda a: a.__cuda_array_interface__["data"][0] or 0
+    return None
+
+
+_GETTERS: Dict[type, Any] = {}
+
+
+def device_address(obj: Any) -> Optional[int]:
+    """Address of a device array, or None when ``obj`` is not one."""
+    getter = _GETTERS.get(type(obj))
+    if getter is None:
+        getter = _address_getter(obj)
+        if getter is None:
+            return None
+        _GETTERS[type(obj)] = getter
+    return int(getter(obj))
+
+
+class DeviceList(list):
+    """The arrays of one step, with their device addresses (read once, in ``optirs_stage``)."""
+
+    def __init__(self, arrays: Sequence[Any], addresses: Tuple[int, ...]):
+        super().__init__(arrays)
+        self.addresses = addresses
+
+
+# ------------------------------------------------------------------ raw launches
+
+
+class _Launcher:
+    """Calls cuLaunchKernel on a prepared argument block (one ctypes call per step)."""
+
+    def __init__(self) -> None:
+        self.fn = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernel
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            fn.restype = ctypes.c_int
+            self.fn = fn
+        except (OSError, AttributeError):  # pragma: no cover - numba's own launch is the fallback
+            self.fn = None
+
+
+class PreparedLaunch:
+    """One kernel with its arguments marshalled once; ``__call__(sc)`` updates the scalars and launches.
+
+    numba's own marshalling (``_Kernel._prepare_args``) flattens the arguments; the flat values
+    are kept as ctypes objects and the scalars record (the last argument) is rewritten in place
+    when it changes. Without a usable libcuda (or under the simulator) it falls back to numba's
+    launch.
+    """
+
+    def __init__(self, ctx: "CudaContext", compiled: "Compiled", args: tuple, grid: int, block: int):
+        self.compiled, self.args, self.grid, self.block = compiled, args, grid, block
+        self.fn = ctx.launcher.fn if (compiled.handle is not None and not ctx.simulator) else None
+        self.sc = args[-1]
+        if self.fn is None:
+            return
+        flat: List[Any] = []
+        kernel = compiled.kernel
+        for ty, val in zip(kernel.argument_types, args):
+            kernel._prepare_args(ty, val, 0, [], flat)
+        self.cargs = [self._ctype(v) for v in flat]
+        self.nsc = len(self.sc)
+        self.sc_args = self.cargs[len(self.cargs) - self.nsc:]
+        self.pointers = (ctypes.c_void_p * len(self.cargs))(*[ctypes.addressof(c) for c in self.cargs])
+
+    @staticmethod
+    def _ctype(value: Any):
+        if isinstance(value, (bool, np.bool_)):
+            return ctypes.c_bool(bool(value))
+        if isinstance(value, (int, np.integer)):
+            return ctypes.c_int64(int(value))  # pointers, sizes, shapes, strides: all intptr-sized
+        if isinstance(value, ctypes._SimpleCData):
+            return value
+        raise TypeError(f"cannot marshal kernel argument {value!r}")  # pragma: no cover
+
+    def __call__(self, sc: Any) -> None:
+        if self.fn is None:
+            args = self.args[:-1] + (sc,)
+            self.compiled.dispatcher[self.grid, self.block](*args)
+            return
+        if sc is not self.sc:
+            for cval, new, old in zip(self.sc_args, sc, self.sc):
+                if new != old:
+                    cval.value = new
+            self.sc = sc
+        err = self.fn(self.compiled.handle, self.grid, 1, 1, self.block, 1, 1, 0, None, self.pointers, None)
+        if err:
+            if err == CUDA_ERROR_OUT_OF_MEMORY:
+                raise DeviceMemoryError(f"cuLaunchKernel of {self.compiled.name} ran out of device memory")
+            raise GpuOptimError(f"cuLaunchKernel of {self.compiled.name} failed with CUresult {err}")
+
+
+class Compiled:
+    """A kernel compiled for one argument signature, with its driver handle and launch size."""
+
+    def __init__(self, ctx: "CudaContext", name: str, dispatcher: Any, argtypes: tuple):
+        self.name, self.dispatcher = name, dispatcher
+        self.kernel = None
+        self.handle = None
+        if ctx.simulator:
+            return
+        self.kernel = dispatcher.compile(argtypes)
+        try:
+            cufunc = self.kernel._codelibrary.get_cufunc()
+            self.cufunc = cufunc
+            self.handle = ctypes.c_void_p(int(cufunc.handle))
+        except Exception:  # pragma: no cover - fall back to numba's launch path
+            self.handle = None
+
+    def launch_size(self, ctx: "CudaContext", nchunks: int, elements: int) -> Tuple[int, int]:
+        if ctx.simulator:
+            return max(1, min(nchunks, SIM_GRID)), SIM_BLOCK
+        config = None
+        try:
+            from ..registry import REGISTRY
+
+            config = REGISTRY.launch_config(self.kernel, ctx.device, elements)
+        except Exception:
+            config = None
+        if config is not None:
+            grid, block = int(config[0]), int(config[1])
+        else:
+            block = DEFAULT_BLOCK
+            try:
+                per_sm = ctx.context.get_active_blocks_per_multiprocessor(self.cufunc, block, 0)
+            except Exception:
+                per_sm = 2048 // block
+            grid = max(1, per_sm) * ctx.sm_count
+        return max(1, min(grid, nchunks)), block
+
+
+# ------------------------------------------------------------------ the context
+
+
+class CudaContext:
+    """The opened backend: numba.cuda, the kernels, caches of compiled kernels and launches."""
+
+    def __init__(self, options: Dict[str, Any]):
+        from numba import cuda
+
+        from . import cuda_kernels
+
+        self.cuda = cuda
+        self.kernels = cuda_kernels
+        self.simulator = _simulator()
+        device = options.get("device")
+        if device is not None and not self.simulator:
+            cuda.select_device(_device_index(device))
+        self.device = cuda.get_current_device()
+        self.context = None if self.simulator else cuda.current_context()
+        self.sm_count = 1 if self.simulator else int(self.device.MULTIPROCESSOR_COUNT)
+        self.launcher = _Launcher() if not self.simulator else None
+        self._dispatchers: Dict[str, Any] = {}
+        self._compiled: Dict[Tuple[str, Any], Compiled] = {}
+        self._launches: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()
+        self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
+        # Indirection for tests that simulate a failing allocation.
+        self.device_array = cuda.device_array
+
+    # ------------------------------------------------ memory
+
+    def memory_info(self) -> Tuple[Optional[int], Optional[int]]:
+        try:
+            free, total = self.cuda.current_context().get_memory_info()
+            return int(free), int(total)
+        except Exception:
+            return None, None
+
+    def empty(self, size: int, dtype: Any):
+        """A device array, or DeviceMemoryError with the sizes asked and free."""
+        dtype = np.dtype(dtype)
+        try:
+            return self.device_array(int(size), dtype=dtype)
+        except Exception as exc:
+            if _is_oom(exc):
+                free, total = self.memory_info()
+                raise DeviceMemoryError(
+                    f"could not allocate {int(size) * dtype.itemsize} bytes of device memory "
+                    f"({int(size)} x {dtype}) on {self.device.name}: free {free} of {total} bytes"
+                ) from exc
+            raise
+
+    # ------------------------------------------------ kernels
+
+    def compiled(self, name: str, pyfunc: Any, argtypes: tuple) -> Compiled:
+        key = (name, argtypes)
+        hit = self._compiled.get(key)
+        if hit is None:
+            dispatcher = self._dispatchers.get(name)
+            if dispatcher is None:
+                dispatcher = self.cuda.jit(pyfunc, fastmath=False) if not self.simulator else self.cuda.jit(pyfunc)
+                self._dispatchers[name] = dispatcher
+            hit = self._compiled[key] = Compiled(self, name, dispatcher, argtypes)
+        return hit
+
+    def launch(self, name: str, pyfunc: Any, args: tuple, layout: Any, chunk_count: int) -> None:
+        """Launch ``pyfunc`` over the layout's chunks; ``args[-1]`` is the per-step scalars record."""
+        key = (name,) + tuple(a if isinstance(a, (int, np.integer)) else id(a) for a in args[:-1]) + (type(args[-1]),)
+        prepared = self._launches.get(key)
+        if prepared is None:
+            import numba
+
+            argtypes = tuple(numba.typeof(a) if not isinstance(a, (int, np.integer)) else numba.types.int64
+                             for a in args)
+            compiled = self.compiled(name, pyfunc, argtypes)
+            size_key = ("cuda.launch_size", name)
+            size = layout.cache.get(size_key)
+            if size is None:
+                size = layout.cache[size_key] = compiled.launch_size(self, chunk_count, (layout.total + 3) // 4)
+            prepared = PreparedLaunch(self, compiled, args, *size)
+            self._launches[key] = prepared
+            if len(self._launches) > 4 * _LRU:
+                self._launches.popitem(last=False)
+        else:
+            self._launches.move_to_end(key)
+        prepared(args[-1])
+
+    # ------------------------------------------------ tables
+
+    def chunk_table(self, layout: Any):
+        """Device int64[nchunks, 4] (tensor, start, count, state offset), once per layout."""
+        table = layout.cache.get("cuda.chunks")
+        if table is None:
+            tensor, start, stop = layout.chunks(self.kernels.CHUNK)
+            host = np.stack([tensor, start, stop - start, layout.offsets[tensor]], axis=1).astype(np.int64)
+            if len(host) == 0:
+                host = np.zeros((1, 4), np.int64)
+            table = layout.cache["cuda.chunks"] = (self.cuda.to_device(np.ascontiguousarray(host)), len(tensor))
+        return table
+
+    def pointer_table(self, layout: Any, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
+        """Device int64[ntensors, 2] (param address, grad address), cached per address set."""
+        tables = layout.cache.get("cuda.pointers")
+        if tables is None:
+            tables = layout.cache["cuda.pointers"] = OrderedDict()
+        key = (paddr, gaddr)
+        table = tables.get(key)
+        if table is None:
+            host = np.ascontiguousarray(np.array([paddr, gaddr], dtype=np.int64).T)
+            table = tables[key] = self.cuda.to_device(host)
+            if len(tables) > _LRU:
+                tables.popitem(last=False)
+        else:
+            tables.move_to_end(key)
+        return table
+
+    # ------------------------------------------------ staging numpy inputs
+
+    def staging(self, shapes: Tuple[Tuple[int, ...], ...], sizes: List[int]):
+        """Reused device buffers (params, grads) and pinned host buffers for one model's shapes."""
+        hit = self._staging.get(shapes)
+        if hit is None:
+            total = max(1, sum(sizes))
+            dp, dg = self.empty(total, np.float32), self.empty(total, np.float32)
+            try:
+                hp = self.cuda.pinned_array(total, dtype=np.float32)
+                hg = self.cuda.pinned_array(total, dtype=np.float32)
+            except Exception:
+                hp, hg = np.empty(total, np.float32), np.empty(total, np.float32)
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            pbase, gbase = device_address(dp), device_address(dg)
+            paddr = tuple(int(pbase + 4 * o) for o in offsets[:-1])
+            gaddr = tuple(int(gbase + 4 * o) for o in offsets[:-1])
+            hit = (dp, dg, hp, hg, offsets, paddr, gaddr)
+            self._staging[shapes] = hit
+            while len(self._staging) > 2:  # big buffers: keep only the latest models
+                self._staging.popitem(last=False)
+        else:
+            self._staging.move_to_end(shapes)
+        return hit
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    code = getattr(exc, "code", None)
+    try:
+        if code is not None and int(code) == CUDA_ERROR_OUT_OF_MEMORY:
+            return True
+    except (TypeError, ValueError):
+        pass
+    return "OUT_OF_MEMORY" in str(exc).upper().replace(" ", "_")
+
+
+def _device_index(device: Any) -> int:
+    from numba import cuda
+
+    if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        return int(device)
+    if isinstance(device, str):
+        names = [(d.id, d.name.decode() if isinstance(d.name, bytes) else str(d.name)) for d in cuda.gpus]
+        for i, name in names:
+            if device.lower() in name.lower():
+                return i
+        raise InvalidParameterError(f"device={device!r}, expected an index or a substring of one of {[n for _, n in names]}")
+    raise InvalidParameterError(f"device={device!r}, expected a CUDA device index or name substring")
+
+
+# ------------------------------------------------------------------ the plugin
+
+
+class CudaBackend:
+    """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator)."""
+
+    @hookimpl
+    def optirs_plugin_info(self) -> Dict[str, str]:
+        return {"summary": "numba.cuda kernels on NVIDIA GPUs (one launch per step, in-place device arrays)"}
+
+    @hookimpl
+    def optirs_probe(self, options: Dict[str, Any]) -> ProbeResult:
+        try:
+            import numba
+            from numba import cuda
+        except ImportError as exc:
+            return ProbeResult(False, f"numba-cuda is not importable: {exc}")
+        if _simulator():
+            return ProbeResult(True, "", (DeviceInfo("numba CUDA simulator", "simulator", None, 1,
+                                                     {"numba": numba.__version__}),))
+        try:
+            from numba.cuda.cudadrv.driver import driver
+
+            count = driver.get_device_count()
+        except Exception as exc:
+            return ProbeResult(False, "no CUDA GPU: " + " ".join(str(exc).split()))
+        if not count:
+            return ProbeResult(False, "no CUDA GPU: the driver reports 0 devices")
+        devices = []
+        try:
+            for gpu in cuda.gpus:
+                with gpu:
+                    d = cuda.get_current_device()
+                    name = d.name.decode() if isinstance(d.name, bytes) else str(d.name)
+                    free, total = cuda.current_context().get_memory_info()
+                    cc = d.compute_capability
+                    devices.append(DeviceInfo(name, "gpu", int(total), int(d.MULTIPROCESSOR_COUNT),
+                                              {"compute_capability": f"{cc[0]}.{cc[1]}", "id": d.id,
+                                               "numba": numba.__version__}))
+        except Exception as exc:
+            return ProbeResult(False, "no usable CUDA GPU: " + " ".join(str(exc).split()))
+        return ProbeResult(True, "", tuple(devices))
+
+    @hookimpl
+    def optirs_open(self, options: Dict[str, Any]) -> CudaContext:
+        return CudaContext(options)
+
+    # ------------------------------------------------ memory and transfer
+
+    @hookimpl
+    def optirs_alloc(self, ctx: CudaContext, size: int, dtype: Any, fill: float):
+        out = ctx.empty(size, dtype)
+        if size:
+            if ctx.simulator:
+                out.copy_to_device(np.full(size, fill, dtype=out.dtype))
+            else:
+                grid = min(ctx.sm_count * 8, (int(size) + DEFAULT_BLOCK - 1) // DEFAULT_BLOCK)
+                ctx.kernels.fill_kernel[grid, DEFAULT_BLOCK](out, out.dtype.type(fill))
+        return out
+
+    @hookimpl
+    def optirs_to_device(self, ctx: CudaContext, array: Any):
+        host = np.ascontiguousarray(array).reshape(-1)
+        out = ctx.empty(host.size, host.dtype)
+        if host.size:
+            out.copy_to_device(host)
+        return out
+
+    @hookimpl
+    def optirs_to_host(self, ctx: CudaContext, array: Any) -> np.ndarray:
+        if hasattr(array, "copy_to_host"):
+            return np.asarray(array.copy_to_host()).reshape(-1)
+        return np.asarray(ctx.cuda.as_cuda_array(array).copy_to_host()).reshape(-1)
+
+    @hookimpl
+    def optirs_stage(self, ctx: CudaContext, params: List[Any], grads: List[Any]) -> Staged:
+        host = [isinstance(a, np.ndarray) for a in params] + [isinstance(a, np.ndarray) for a in grads]
+        if all(host):
+            return self._stage_host(ctx, params, grads)
+        if any(host):
+            raise InvalidParameterError(
+                "params/grads mix numpy and device arrays, expected all numpy (uploaded) or all device arrays"
+            )
+        addresses = []
+        for label, arrays in (("params", params), ("grads", grads)):
+            found = []
+            for i, a in enumerate(arrays):
+                addr = device_address(a)
+                if addr is None:
+                    raise InvalidParameterError(
+                        f"{label}[{i}] is a {type(a).__module__}.{type(a).__qualname__}, expected a numpy array or "
+                        "a CUDA device array (__cuda_array_interface__) on the cuda backend"
+                    )
+                found.append(addr)
+            addresses.append(tuple(found))
+        return Staged(DeviceList(params, addresses[0]), DeviceList(grads, addresses[1]))
+
+    def _stage_host(self, ctx: CudaContext, params: List[np.ndarray], grads: List[np.ndarray]) -> Staged:
+        shapes = tuple(a.shape for a in params)
+        sizes = [int(a.size) for a in params]
+        dp, dg, hp, hg, offsets, paddr, gaddr = ctx.staging(shapes, sizes)
+        for a, b, o, n in zip(params, grads, offsets[:-1], sizes):
+            hp[o : o + n] = a.reshape(-1)
+            hg[o : o + n] = b.reshape(-1)
+        total = int(offsets[-1])
+        if total:
+            dp[:total].copy_to_device(hp[:total])
+            dg[:total].copy_to_device(hg[:total])
+
+        def finish() -> None:
+            if total:
+                dp[:total].copy_to_host(hp[:total])
+            for a, o, n in zip(params, offsets[:-1], sizes):
+                a.reshape(-1)[...] = hp[o : o + n]
+
+        return Staged(DeviceList([dp] * len(params), paddr), DeviceList([dg] * len(grads), gaddr), finish)
+
+    @hookimpl
+    def optirs_synchronize(self, ctx: CudaContext) -> None:
+        ctx.cuda.synchronize()
+
+    # ------------------------------------------------ steps
+
+    def _tables(self, ctx: CudaContext, params: Any, grads: Any, layout: Any):
+        paddr = getattr(params, "addresses", None)
+        gaddr = getattr(grads, "addresses", None)
+        if paddr is None or gaddr is None:  # called directly with device arrays
+            paddr = tuple(device_address(a) for a in params)
+            gaddr = tuple(device_address(a) for a in grads)
+        chunks, nchunks = ctx.chunk_table(layout)
+        return chunks, ctx.pointer_table(layout, paddr, gaddr), nchunks
+
+    def _generic(self, ctx, name, params, grads, state, layout, scalars, slots) -> None:
+        chunks, ptrs, nchunks = self._tables(ctx, params, grads, layout)
+        if nchunks == 0:
+            return
+        addrs, used = [0, 0, 0], 0
+        for k, slot in enumerate(slots):
+            if slot is not None and slot in state:
+                addrs[k] = device_address(state[slot])
+                used |= 1 << k
+        ctx.launch(name, ctx.kernels.STEP_FUNCTIONS[name], (chunks, ptrs, nchunks, *addrs, used, scalars),
+                   layout, nchunks)
+
+    @hookimpl
+    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars) -> None:
+        self._generic(ctx, "adam", params, grads, state, layout, scalars, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+
+    @hookimpl
+    def optirs_step_adamw(self, ctx, params, grads, state, layout, scalars) -> None:
+        self.optirs_step_adam(ctx, params, grads, state, layout, scalars)
+
+    @hookimpl
+    def optirs_step_sgd(self, ctx, params, grads, state, layout, scalars) -> None:
+        self._generic(ctx, "sgd", params, grads, state, layout, scalars, ("momentum_buffer", None, None))
+
+    @hookimpl
+    def optirs_step_rmsprop(self, ctx, params, grads, state, layout, scalars) -> None:
+        self._generic(ctx, "rmsprop", params, grads, state, layout, scalars, ("square_avg", "momentum_buffer", "grad_avg"))
+
+    @hookimpl
+    def optirs_step_adagrad(self, ctx, params, grads, state, layout, scalars) -> None:
+        self._generic(ctx, "adagrad", params, grads, state, layout, scalars, ("sum", None, None))
+
+    @hookimpl
+    def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
+        chunks, ptrs, nchunks = self._tables(ctx, params, grads, layout)
+        if nchunks == 0:
+            return
+        ntensors = len(layout)
+        acc = layout.cache.get("cuda.lamb_acc")
+        if acc is None:  # per-tensor sums, two alternating rows (see cuda_kernels)
+            acc = layout.cache["cuda.lamb_acc"] = [ctx.cuda.to_device(np.zeros((2, 2 * ntensors + 1))), 0]
+        sums, q = acc
+        m, v = device_address(state["exp_avg"]), device_address(state["exp_avg_sq"])
+        fns = ctx.kernels.LAMB_FUNCTIONS
+        try:
+            if scalars.max_grad_norm > 0:
+                ctx.launch("lamb_grad_norm", fns["grad_norm"], (chunks, ptrs, nchunks, sums, q, ntensors, scalars),
+                           layout, nchunks)
+            ctx.launch("lamb_moments", fns["moments"], (chunks, ptrs, nchunks, m, v, sums, q, ntensors, scalars),
+                       layout, nchunks)
+            ctx.launch("lamb_apply", fns["apply"], (chunks, ptrs, nchunks, m, v, sums, q, ntensors, scalars),
+                       layout, nchunks)
+        except Exception:
+            acc[0] = ctx.cuda.to_device(np.zeros((2, 2 * ntensors + 1)))  # start the sums clean
+            acc[1] = 0
+            raise
+        acc[1] = 1 - q
+
+
+plugin = CudaBackend()
