@@ -73,6 +73,10 @@ class GpuOptimizer:
         self._state: Optional[Dict[str, Any]] = None
         self._state_on_device = False
         self._step = 0
+        # The last (params, grads) lists that passed validation, kept alive so their ids stay
+        # theirs: a training loop passes the same arrays every step, and re-describing hundreds
+        # of device arrays would cost more host time than the step itself.
+        self._validated: Optional[tuple] = None
 
     # ------------------------------------------------------------ hyperparameters
 
@@ -158,6 +162,14 @@ class GpuOptimizer:
         return [arrays]
 
     def _validate(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
+        key = (tuple(map(id, params)), tuple(map(id, grads)))
+        if self._validated is not None and self._validated[0] == key:
+            return self._validated[2]
+        metas = self._describe_all(params, grads)
+        self._validated = (key, (params, grads), metas)
+        return metas
+
+    def _describe_all(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
         if len(params) != len(grads):
             raise ShapeMismatchError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
         metas = []
@@ -252,6 +264,7 @@ class GpuOptimizer:
             if entries or step:
                 raise InvalidParameterError("state_dict has state or steps but no shapes, expected both or neither")
             self._params, self._layout, self._state, self._state_on_device, self._step = params, None, None, False, 0
+            self._validated = None
             return
         if len(entries) != len(shapes):
             raise InvalidParameterError(f"state_dict has {len(entries)} state entries for {len(shapes)} tensors, expected one per tensor")
@@ -268,6 +281,7 @@ class GpuOptimizer:
                 flat[k][off : off + n] = value.reshape(-1)
         self._params, self._layout, self._state, self._state_on_device = params, layout, flat, False
         self._step = int(step)
+        self._validated = None
 
     def __repr__(self) -> str:
         where = self._backend.name if self._backend else self.config.backend

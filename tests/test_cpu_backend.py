@@ -1,0 +1,56 @@
+"""CPU-backend specifics: one kernel call per model step, and the on-disk kernel cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+import optirs
+from optirs.layout import TensorLayout
+
+
+def test_a_model_is_one_kernel_call(monkeypatch, rng):
+    backend = optirs.get_backend("cpu")
+    calls = []
+    real = backend.ctx.kernels.adam
+    monkeypatch.setattr(backend.ctx, "kernels", type("K", (), {
+        "adam": staticmethod(lambda *a: (calls.append(1), real(*a))),
+        "typed_list": staticmethod(backend.ctx.kernels.typed_list)}))
+    params = [rng.standard_normal(n).astype(np.float32) for n in (3, 70000, 1, 512)]
+    opt = optirs.GpuAdam(config=optirs.GpuOptimizerConfig(backend="cpu"))
+    opt.step_gpu(params, [np.ones_like(p) for p in params])
+    assert len(calls) == 1
+
+
+def test_chunk_table_covers_every_element_once():
+    layout = TensorLayout([(3, 5), (0,), (100,), (1,), (65,)])
+    tensor, start, stop = layout.chunks(32)
+    covered = [np.zeros(n, int) for n in layout.sizes]
+    for t, s, e in zip(tensor, start, stop):
+        assert 0 < e - s <= 32
+        covered[t][s:e] += 1
+    assert all((c == 1).all() for c in covered)
+
+
+def test_second_process_loads_kernels_from_disk_cache(tmp_path):
+    code = textwrap.dedent("""
+        import numpy as np, optirs
+        from optirs.backends import cpu_kernels
+        p = np.ones(10, np.float32)
+        optirs.GpuAdam(config=optirs.GpuOptimizerConfig(backend="cpu")).step_gpu(p, p.copy())
+        s = cpu_kernels.adam.stats
+        print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))
+    """)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    first = [int(x) for x in runs[0].stdout.split()]
+    second = [int(x) for x in runs[1].stdout.split()]
+    assert first[1] == 1            # compiled in the first process
+    assert second == [1, 0]         # loaded, not compiled, in the second
