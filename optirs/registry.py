@@ -28,14 +28,14 @@ ENTRY_POINT_GROUP = "optirs"
 AUTOLOAD_ENV = "OPTIRS_DISABLE_PLUGIN_AUTOLOAD"
 SUPPORTED_BACKENDS: Tuple[str, ...] = ("cuda", "opencl", "cpu")
 
-# Built-in plugins: name -> module exposing ``plugin``. Imported when the registry first loads.
-BUILTIN_PLUGINS: Dict[str, str] = {
-    "cpu": "optirs.backends.cpu",
-    "cuda": "optirs.backends.cuda",
-    "opencl": "optirs.backends.opencl",
-    "occupancy": "optirs.analysis.occupancy",
-    "fusion": "optirs.analysis.fusion",
-    "quantization": "optirs.analysis.quantization",
+# Built-in plugins: name -> (module exposing ``plugin``, kind). Imported when the registry first loads.
+BUILTIN_PLUGINS: Dict[str, Tuple[str, str]] = {
+    "cpu": ("optirs.backends.cpu", "backend"),
+    "cuda": ("optirs.backends.cuda", "backend"),
+    "opencl": ("optirs.backends.opencl", "backend"),
+    "occupancy": ("optirs.analysis.occupancy", "analysis"),
+    "fusion": ("optirs.analysis.fusion", "analysis"),
+    "quantization": ("optirs.analysis.quantization", "analysis"),
 }
 
 # Hooks a backend must implement to run any step at all.
@@ -160,7 +160,7 @@ class Registry:
             if self._pm is None:
                 self._pm = pluggy.PluginManager(hookspecs.PROJECT)
                 self._pm.add_hookspecs(hookspecs)
-                for name, module in BUILTIN_PLUGINS.items():
+                for name, (module, _) in BUILTIN_PLUGINS.items():
                     self._load(name, f"built-in ({module})", lambda m=module: importlib.import_module(m).plugin)
                 if not os.environ.get(AUTOLOAD_ENV):
                     self._load_entry_points()
@@ -242,8 +242,10 @@ class Registry:
         return "backend" if self.implementation(name, "optirs_probe") is not None else "analysis"
 
     def backend_names(self) -> List[str]:
+        """Backends, including broken plugins that are (or, for third parties, may be) backends."""
         self.pm
-        return [n for n, r in self.records.items() if r.broken or self.kind(n) == "backend"]
+        return [n for n, r in self.records.items()
+                if self.kind(n) == "backend" or (r.broken and BUILTIN_PLUGINS.get(n, ("", "backend"))[1] == "backend")]
 
     def probe(self, name: str, options: Optional[Dict[str, Any]] = None) -> ProbeResult:
         record = self.records[name]
