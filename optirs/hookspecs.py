@@ -96,18 +96,30 @@ def optirs_open(options: Dict[str, Any]) -> Any:
 def optirs_alloc(ctx: Any, size: int, dtype: Any, fill: float) -> Any:
     """Allocate a flat device array of ``size`` elements of ``dtype``, every element ``fill``.
 
+    :param ctx: the context from :func:`optirs_open`.
+    :param size: number of elements.
+    :param dtype: a numpy dtype.
+    :param fill: the initial value of every element.
     :raises optirs.DeviceMemoryError: when the device cannot hold it (sizes asked and free in the message).
     """
 
 
 @hookspec
 def optirs_to_device(ctx: Any, array: Any) -> Any:
-    """Copy a host numpy array to a new flat device array of the same dtype."""
+    """Copy a host numpy array to a new flat device array of the same dtype.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param array: a numpy array.
+    """
 
 
 @hookspec
 def optirs_to_host(ctx: Any, array: Any) -> Any:
-    """Copy a device array (as made by this backend) to a new flat numpy array."""
+    """Copy a device array (as made by this backend) to a new flat numpy array.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param array: a device array made by this backend.
+    """
 
 
 @hookspec
@@ -118,13 +130,19 @@ def optirs_stage(ctx: Any, params: List[Any], grads: List[Any]) -> Staged:
     device arrays are used in place, without copies. Shapes, dtypes and contiguity were checked
     by the caller.
 
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the caller's parameter arrays (numpy or the backend's device kind).
+    :param grads: the caller's gradient arrays, same kinds and shapes.
     :raises optirs.InvalidParameterError: for an array kind this backend cannot use.
     """
 
 
 @hookspec
 def optirs_synchronize(ctx: Any) -> None:
-    """Wait until all work queued on the context's device has finished."""
+    """Wait until all work queued on the context's device has finished.
+
+    :param ctx: the context from :func:`optirs_open`.
+    """
 
 
 # ---------------------------------------------------------------- optimizer steps
@@ -136,32 +154,80 @@ def optirs_synchronize(ctx: Any) -> None:
 
 @hookspec
 def optirs_step_adam(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """Adam with L2 weight decay (``scalars.decoupled`` False); state: exp_avg, exp_avg_sq[, max_exp_avg_sq]."""
+    """Adam with L2 weight decay (``scalars.decoupled`` False); state: exp_avg, exp_avg_sq[, max_exp_avg_sq].
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: slot name -> flat device array holding every tensor's state, updated in place.
+    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
+    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+    """
 
 
 @hookspec
 def optirs_step_adamw(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """AdamW, decoupled weight decay (``scalars.decoupled`` True); state as Adam."""
+    """AdamW, decoupled weight decay (``scalars.decoupled`` True); state as Adam.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: slot name -> flat device array holding every tensor's state, updated in place.
+    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
+    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+    """
 
 
 @hookspec
 def optirs_step_sgd(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """SGD; state: momentum_buffer when ``scalars.has_momentum``."""
+    """SGD; state: momentum_buffer when ``scalars.has_momentum``.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: slot name -> flat device array holding every tensor's state, updated in place.
+    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
+    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+    """
 
 
 @hookspec
 def optirs_step_rmsprop(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """RMSprop; state: square_avg[, momentum_buffer][, grad_avg]."""
+    """RMSprop; state: square_avg[, momentum_buffer][, grad_avg].
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: slot name -> flat device array holding every tensor's state, updated in place.
+    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
+    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+    """
 
 
 @hookspec
 def optirs_step_adagrad(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """Adagrad; state: sum."""
+    """Adagrad; state: sum.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: slot name -> flat device array holding every tensor's state, updated in place.
+    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
+    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+    """
 
 
 @hookspec
 def optirs_step_lamb(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """LAMB with per-tensor trust ratios and optional global gradient clipping; state: exp_avg, exp_avg_sq."""
+    """LAMB with per-tensor trust ratios and optional global gradient clipping; state: exp_avg, exp_avg_sq.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: slot name -> flat device array holding every tensor's state, updated in place.
+    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
+    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+    """
 
 
 # ---------------------------------------------------------------- analysis

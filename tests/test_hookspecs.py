@@ -1,0 +1,27 @@
+"""A meta-test: every hook is documented, and every backend hook is implemented by a built-in backend."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from optirs import hookspecs
+from optirs.registry import REGISTRY
+
+SPECS = [name for name, fn in vars(hookspecs).items() if name.startswith("optirs_") and callable(fn)]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_hook_is_documented(name):
+    fn = getattr(hookspecs, name)
+    doc = inspect.getdoc(fn) or ""
+    assert doc, f"{name} has no docstring"
+    for arg in inspect.signature(fn).parameters:
+        assert f":param {arg}:" in doc, f"{name} does not document {arg}"
+
+
+@pytest.mark.parametrize("name", [n for n in SPECS if n not in ("optirs_launch_config",)])
+def test_backend_hook_is_implemented_by_cpu(name):
+    assert getattr(REGISTRY.pm.hook, name).spec is not None
+    assert REGISTRY.implementation("cpu", name) is not None, f"the cpu backend does not implement {name}"
