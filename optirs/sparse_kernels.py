@@ -1,0 +1,314 @@
+"""Kernels of the sparse optimizers (:mod:`optirs.sparse_optimizer`) for cpu, cuda and opencl.
+
+A row-sparse gradient reaches a kernel as four arrays:
+
+- ``rows``: the touched table rows, sorted and unique (int64, ``n``);
+- ``seg``: ``n + 1`` offsets; the k-th touched row receives the sum of the gradient rows
+  ``values[order[seg[k]]], ..., values[order[seg[k + 1] - 1]]`` (duplicates summed in the order
+  they were given);
+- ``order``: indices into ``values``' rows (int64, ``nnz``);
+- ``values``: the gradient rows, float32 ``(nnz, dim)``.
+
+The lazy kernels run over the ``n * dim`` touched elements only. The dense-decay kernels run over
+the whole table and look a row's gradient up in ``pos`` (``pos[row] = k``, or -1 for a row with
+no gradient, whose gradient is zero); ``pos`` is scattered before and cleared after the step, so
+it costs O(n), not O(num_rows).
+
+The per-element optimizer math is the shared numba code of :mod:`optirs.backends.elementwise`
+(CPU and CUDA); the OpenCL C below is its one OpenCL transcription for these kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, njit, prange
+
+from .backends.elementwise import adam_update, sgd_update
+
+
+@njit(cache=True)
+def gathered_grad(values, order, start, stop, j):
+    """Column ``j`` of the summed gradient rows ``order[start:stop]`` (a non-empty segment)."""
+    g = values[order[start], j]
+    for q in range(start + 1, stop):
+        g += values[order[q], j]
+    return g
+
+
+# ---------------------------------------------------------------- cpu (numba.njit parallel)
+
+
+@njit(parallel=True, cache=True)
+def cpu_scatter_pos(pos, rows, clear):
+    for k in prange(rows.shape[0]):
+        pos[rows[k]] = -1 if clear else k
+
+
+@njit(parallel=True, cache=True)
+def cpu_adam_lazy(p, m, v, rows, seg, order, values, sc):
+    dim = p.shape[1]
+    for k in prange(rows.shape[0]):
+        r, s, e = rows[k], seg[k], seg[k + 1]
+        for j in range(dim):
+            g = gathered_grad(values, order, s, e, j)
+            p[r, j], m[r, j], v[r, j], _ = adam_update(p[r, j], g, m[r, j], v[r, j], v[r, j], sc)
+
+
+@njit(parallel=True, cache=True)
+def cpu_adam_dense(p, m, v, pos, seg, order, values, sc):
+    dim = p.shape[1]
+    zero = float32(0.0)
+    for r in prange(p.shape[0]):
+        k = pos[r]
+        for j in range(dim):
+            g = zero if k < 0 else gathered_grad(values, order, seg[k], seg[k + 1], j)
+            p[r, j], m[r, j], v[r, j], _ = adam_update(p[r, j], g, m[r, j], v[r, j], v[r, j], sc)
+
+
+@njit(parallel=True, cache=True)
+def cpu_sgd_lazy(p, buf, seen, rows, seg, order, values, sc, sc_first):
+    # A row's momentum buffer starts at its gradient the first time the row is present
+    # (torch's first-step rule, applied per row).
+    dim = p.shape[1]
+    for k in prange(rows.shape[0]):
+        r, s, e = rows[k], seg[k], seg[k + 1]
+        if sc.has_momentum:
+            rsc = sc_first if seen[r] == 0 else sc
+            for j in range(dim):
+                g = gathered_grad(values, order, s, e, j)
+                p[r, j], buf[r, j] = sgd_update(p[r, j], g, buf[r, j], rsc)
+            seen[r] = 1
+        else:
+            for j in range(dim):
+                g = gathered_grad(values, order, s, e, j)
+                p[r, j], _ = sgd_update(p[r, j], g, g, sc)
+
+
+@njit(parallel=True, cache=True)
+def cpu_sgd_dense(p, buf, pos, seg, order, values, sc):
+    dim = p.shape[1]
+    zero = float32(0.0)
+    for r in prange(p.shape[0]):
+        k = pos[r]
+        for j in range(dim):
+            g = zero if k < 0 else gathered_grad(values, order, seg[k], seg[k + 1], j)
+            if sc.has_momentum:
+                p[r, j], buf[r, j] = sgd_update(p[r, j], g, buf[r, j], sc)
+            else:
+                p[r, j], _ = sgd_update(p[r, j], g, g, sc)
+
+
+CPU = {
+    "scatter_pos": cpu_scatter_pos,
+    "adam_lazy": cpu_adam_lazy,
+    "adam_dense": cpu_adam_dense,
+    "sgd_lazy": cpu_sgd_lazy,
+    "sgd_dense": cpu_sgd_dense,
+}
+
+
+# ---------------------------------------------------------------- cuda (numba.cuda)
+
+_CUDA = None
+
+# One thread per (row, column) element: consecutive threads read consecutive columns of a row,
+# so loads and stores coalesce; 256 threads is a full-occupancy block size on every sm_70+ GPU
+# for kernels this small.
+CUDA_BLOCK = 256
+
+
+# The kernel bodies are module-level functions so numba's CUDA simulator can patch the ``cuda``
+# global they read. They call the njit helper as a device function; the simulator's arrays cannot
+# enter compiled code, so there it calls the helper's Python source instead.
+cuda_gathered_grad = gathered_grad
+
+
+def cuda_scatter_pos(pos, rows, clear):
+    k = cuda.grid(1)
+    if k < rows.shape[0]:
+        pos[rows[k]] = -1 if clear else k
+
+
+def cuda_adam_lazy(p, m, v, rows, seg, order, values, sc):
+    i = cuda.grid(1)
+    dim = p.shape[1]
+    if i < rows.shape[0] * dim:
+        k = i // dim
+        j = i - k * dim
+        r = rows[k]
+        g = cuda_gathered_grad(values, order, seg[k], seg[k + 1], j)
+        p[r, j], m[r, j], v[r, j], _ = adam_update(p[r, j], g, m[r, j], v[r, j], v[r, j], sc)
+
+
+def cuda_adam_dense(p, m, v, pos, seg, order, values, sc):
+    i = cuda.grid(1)
+    dim = p.shape[1]
+    if i < p.shape[0] * dim:
+        r = i // dim
+        j = i - r * dim
+        k = pos[r]
+        g = float32(0.0)
+        if k >= 0:
+            g = cuda_gathered_grad(values, order, seg[k], seg[k + 1], j)
+        p[r, j], m[r, j], v[r, j], _ = adam_update(p[r, j], g, m[r, j], v[r, j], v[r, j], sc)
+
+
+def cuda_sgd_lazy(p, buf, seen, rows, seg, order, values, sc, sc_first):
+    i = cuda.grid(1)
+    dim = p.shape[1]
+    if i < rows.shape[0] * dim:
+        k = i // dim
+        j = i - k * dim
+        r = rows[k]
+        g = cuda_gathered_grad(values, order, seg[k], seg[k + 1], j)
+        if sc.has_momentum:
+            # ``seen`` is set by mark_seen after this launch: every thread of the row reads
+            # the same value here.
+            if seen[r] == 0:
+                p[r, j], buf[r, j] = sgd_update(p[r, j], g, buf[r, j], sc_first)
+            else:
+                p[r, j], buf[r, j] = sgd_update(p[r, j], g, buf[r, j], sc)
+        else:
+            p[r, j], _ = sgd_update(p[r, j], g, g, sc)
+
+
+def cuda_mark_seen(seen, rows):
+    k = cuda.grid(1)
+    if k < rows.shape[0]:
+        seen[rows[k]] = 1
+
+
+def cuda_sgd_dense(p, buf, pos, seg, order, values, sc):
+    i = cuda.grid(1)
+    dim = p.shape[1]
+    if i < p.shape[0] * dim:
+        r = i // dim
+        j = i - r * dim
+        k = pos[r]
+        g = float32(0.0)
+        if k >= 0:
+            g = cuda_gathered_grad(values, order, seg[k], seg[k + 1], j)
+        if sc.has_momentum:
+            p[r, j], buf[r, j] = sgd_update(p[r, j], g, buf[r, j], sc)
+        else:
+            p[r, j], _ = sgd_update(p[r, j], g, g, sc)
+
+
+def cuda_kernels():
+    """The CUDA kernels, compiled on first use (numba.cuda.jit; the simulator runs the same code)."""
+    global _CUDA, cuda_gathered_grad
+    if _CUDA is None:
+        from numba.core import config
+
+        cuda_gathered_grad = gathered_grad.py_func if config.ENABLE_CUDASIM else gathered_grad
+        kernels = (cuda_scatter_pos, cuda_adam_lazy, cuda_adam_dense, cuda_sgd_lazy, cuda_mark_seen, cuda_sgd_dense)
+        _CUDA = {fn.__name__[len("cuda_"):]: cuda.jit(fn) for fn in kernels}
+    return _CUDA
+
+
+def cuda_grid(items: int) -> int:
+    return max(1, (int(items) + CUDA_BLOCK - 1) // CUDA_BLOCK)
+
+
+# ---------------------------------------------------------------- opencl (OpenCL C)
+
+# One work item per (row, column) element, as on CUDA. The per-element Adam and SGD math is
+# transcribed from optirs.backends.elementwise; scalars arrive as float (never double).
+OPENCL_SOURCE = r"""
+inline float gathered_grad(__global const float *values, __global const long *order,
+                           long start, long stop, long dim, long j) {
+    float g = values[order[start] * dim + j];
+    for (long q = start + 1; q < stop; ++q) g += values[order[q] * dim + j];
+    return g;
+}
+
+/* Adam element without weight decay or amsgrad (the sparse optimizers use neither):
+   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  p -= step_size m / (sqrt(v) / bc2_sqrt + eps) */
+inline void adam_element(__global float *p, __global float *m, __global float *v, long i, float g,
+                         float beta1, float beta2, float omb1, float omb2, float eps,
+                         float step_size, float bc2_sqrt) {
+    float mi = beta1 * m[i] + omb1 * g;
+    float vi = beta2 * v[i] + omb2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] - step_size * mi / (sqrt(vi) / bc2_sqrt + eps);
+}
+
+/* torch.optim.SGD element: L2 decay, momentum (first step: buffer = gradient), nesterov. */
+inline void sgd_element(__global float *p, __global float *buf, long i, float g, float lr,
+                        float momentum, float dampening_factor, float weight_decay,
+                        int nesterov, int has_momentum, int first_step) {
+    float pi = p[i];
+    g = g + weight_decay * pi;
+    if (has_momentum) {
+        float b = first_step ? g : momentum * buf[i] + dampening_factor * g;
+        buf[i] = b;
+        g = nesterov ? g + momentum * b : b;
+    }
+    p[i] = pi - lr * g;
+}
+
+__kernel void scatter_pos(__global long *pos, __global const long *rows, long n, int clear) {
+    long k = get_global_id(0);
+    if (k < n) pos[rows[k]] = clear ? -1 : k;
+}
+
+__kernel void mark_seen(__global uchar *seen, __global const long *rows, long n) {
+    long k = get_global_id(0);
+    if (k < n) seen[rows[k]] = 1;
+}
+
+__kernel void adam_lazy(__global float *p, __global float *m, __global float *v,
+                        __global const long *rows, __global const long *seg,
+                        __global const long *order, __global const float *values, long n, long dim,
+                        float beta1, float beta2, float omb1, float omb2, float eps,
+                        float step_size, float bc2_sqrt) {
+    long i = get_global_id(0);
+    if (i >= n * dim) return;
+    long k = i / dim, j = i - k * dim;
+    float g = gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
+    adam_element(p, m, v, rows[k] * dim + j, g, beta1, beta2, omb1, omb2, eps, step_size, bc2_sqrt);
+}
+
+__kernel void adam_dense(__global float *p, __global float *m, __global float *v,
+                         __global const long *pos, __global const long *seg,
+                         __global const long *order, __global const float *values, long num_rows,
+                         long dim, float beta1, float beta2, float omb1, float omb2, float eps,
+                         float step_size, float bc2_sqrt) {
+    long i = get_global_id(0);
+    if (i >= num_rows * dim) return;
+    long r = i / dim, j = i - r * dim, k = pos[r];
+    float g = k < 0 ? 0.0f : gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
+    adam_element(p, m, v, i, g, beta1, beta2, omb1, omb2, eps, step_size, bc2_sqrt);
+}
+
+__kernel void sgd_lazy(__global float *p, __global float *buf, __global const uchar *seen,
+                       __global const long *rows, __global const long *seg,
+                       __global const long *order, __global const float *values, long n, long dim,
+                       float lr, float momentum, float dampening_factor, float weight_decay,
+                       int nesterov, int has_momentum) {
+    long i = get_global_id(0);
+    if (i >= n * dim) return;
+    long k = i / dim, j = i - k * dim, r = rows[k];
+    float g = gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
+    sgd_element(p, buf, r * dim + j, g, lr, momentum, dampening_factor, weight_decay, nesterov,
+                has_momentum, has_momentum && seen[r] == 0);
+}
+
+__kernel void sgd_dense(__global float *p, __global float *buf, __global const long *pos,
+                        __global const long *seg, __global const long *order,
+                        __global const float *values, long num_rows, long dim, float lr,
+                        float momentum, float dampening_factor, float weight_decay, int nesterov,
+                        int has_momentum, int first_step) {
+    long i = get_global_id(0);
+    if (i >= num_rows * dim) return;
+    long r = i / dim, j = i - r * dim, k = pos[r];
+    float g = k < 0 ? 0.0f : gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
+    sgd_element(p, buf, i, g, lr, momentum, dampening_factor, weight_decay, nesterov,
+                has_momentum, first_step);
+}
+"""
+
+# Work-group size for the OpenCL kernels (None lets the runtime choose; PoCL and NVIDIA both
+# pick well for a 1-D range this simple).
+OPENCL_LOCAL = None
