@@ -208,6 +208,8 @@ class CudaContext:
         if device is not None and not self.simulator:
             cuda.select_device(_device_index(device))
         self.device = cuda.get_current_device()
+        name = getattr(self.device, "name", "numba CUDA simulator")
+        self.device_name = name.decode() if isinstance(name, bytes) else str(name)
         self.context = None if self.simulator else cuda.current_context()
         self.sm_count = 1 if self.simulator else int(self.device.MULTIPROCESSOR_COUNT)
         self.launcher = _Launcher() if not self.simulator else None
@@ -237,7 +239,7 @@ class CudaContext:
                 free, total = self.memory_info()
                 raise DeviceMemoryError(
                     f"could not allocate {int(size) * dtype.itemsize} bytes of device memory "
-                    f"({int(size)} x {dtype}) on {self.device.name}: free {free} of {total} bytes"
+                    f"({int(size)} x {dtype}) on {self.device_name}: free {free} of {total} bytes"
                 ) from exc
             raise
 
