@@ -1,0 +1,156 @@
+/* The per-element optimizer math in OpenCL C, written once.
+ *
+ * This file is included twice by optirs_steps.cl: with T = float (names suffixed _v1) and with
+ * T = float4 (suffixed _v4), so the scalar tail and the vector body run the same text. Every
+ * formula mirrors optirs/backends/elementwise.py term by term and in the same order; with
+ * FP_CONTRACT off (set in optirs_steps.cl) and correctly rounded division and sqrt, a float
+ * element gets the same bits as on the numba backends.
+ *
+ * Expects: T, FN(name) (name with the suffix), and the structs of optirs_scalars.h.
+ * The *_elem functions load element (or vector) i of the parameter/gradient and j of the
+ * state, update, and store; state slots an option does not use are never touched.
+ */
+
+/* ---------------------------------------------------------------- Adam / AdamW */
+
+void FN(adam_update)(T *p, T g, T *m, T *v, T *vmax, const adam_scalars *sc)
+{
+    T pp = *p;
+    if (sc->decoupled)
+        pp = pp * sc->decay_factor;
+    else
+        g = g + sc->weight_decay * pp;
+    const T mm = sc->beta1 * *m + sc->one_minus_beta1 * g;
+    const T vv = sc->beta2 * *v + sc->one_minus_beta2 * g * g;
+    T denom;
+    if (sc->amsgrad) {
+        const T vm = fmax(*vmax, vv);
+        *vmax = vm;
+        denom = sqrt(vm) / sc->bias_correction2_sqrt + sc->eps;
+    } else {
+        denom = sqrt(vv) / sc->bias_correction2_sqrt + sc->eps;
+    }
+    *p = pp - sc->step_size * mm / denom;
+    *m = mm;
+    *v = vv;
+}
+
+/* s0: exp_avg, s1: exp_avg_sq, s2: max_exp_avg_sq (amsgrad) */
+void FN(adam_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
+                          __global T *s2, size_t i, size_t j, const adam_scalars *sc)
+{
+    T pp = p[i], m = s0[j], v = s1[j], vm = m;
+    if (sc->amsgrad)
+        vm = s2[j];
+    FN(adam_update)(&pp, g[i], &m, &v, &vm, sc);
+    p[i] = pp;
+    s0[j] = m;
+    s1[j] = v;
+    if (sc->amsgrad)
+        s2[j] = vm;
+}
+
+/* ---------------------------------------------------------------- SGD */
+
+void FN(sgd_update)(T *p, T g, T *buf, const sgd_scalars *sc)
+{
+    g = g + sc->weight_decay * *p;
+    if (sc->has_momentum) {
+        if (sc->first_step)
+            *buf = g;
+        else
+            *buf = sc->momentum * *buf + sc->dampening_factor * g;
+        if (sc->nesterov)
+            g = g + sc->momentum * *buf;
+        else
+            g = *buf;
+    }
+    *p = *p - sc->lr * g;
+}
+
+/* s0: momentum_buffer (with momentum) */
+void FN(sgd_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
+                         __global T *s2, size_t i, size_t j, const sgd_scalars *sc)
+{
+    T pp = p[i], buf = pp;
+    if (sc->has_momentum && !sc->first_step)
+        buf = s0[j];
+    FN(sgd_update)(&pp, g[i], &buf, sc);
+    p[i] = pp;
+    if (sc->has_momentum)
+        s0[j] = buf;
+}
+
+/* ---------------------------------------------------------------- RMSprop */
+
+void FN(rmsprop_update)(T *p, T g, T *square_avg, T *buf, T *grad_avg, const rmsprop_scalars *sc)
+{
+    g = g + sc->weight_decay * *p;
+    *square_avg = sc->alpha * *square_avg + sc->one_minus_alpha * g * g;
+    T avg;
+    if (sc->centered) {
+        *grad_avg = sc->alpha * *grad_avg + sc->one_minus_alpha * g;
+        avg = sqrt(*square_avg - *grad_avg * *grad_avg) + sc->eps;
+    } else {
+        avg = sqrt(*square_avg) + sc->eps;
+    }
+    if (sc->has_momentum) {
+        *buf = sc->momentum * *buf + g / avg;
+        *p = *p - sc->lr * *buf;
+    } else {
+        *p = *p - sc->lr * g / avg;
+    }
+}
+
+/* s0: square_avg, s1: momentum_buffer (momentum > 0), s2: grad_avg (centered) */
+void FN(rmsprop_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
+                             __global T *s2, size_t i, size_t j, const rmsprop_scalars *sc)
+{
+    T pp = p[i], sq = s0[j], buf = sq, ga = sq;
+    if (sc->has_momentum)
+        buf = s1[j];
+    if (sc->centered)
+        ga = s2[j];
+    FN(rmsprop_update)(&pp, g[i], &sq, &buf, &ga, sc);
+    p[i] = pp;
+    s0[j] = sq;
+    if (sc->has_momentum)
+        s1[j] = buf;
+    if (sc->centered)
+        s2[j] = ga;
+}
+
+/* ---------------------------------------------------------------- Adagrad */
+
+void FN(adagrad_update)(T *p, T g, T *acc, const adagrad_scalars *sc)
+{
+    g = g + sc->weight_decay * *p;
+    *acc = *acc + g * g;
+    *p = *p - sc->clr * g / (sqrt(*acc) + sc->eps);
+}
+
+/* s0: sum */
+void FN(adagrad_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
+                             __global T *s2, size_t i, size_t j, const adagrad_scalars *sc)
+{
+    T pp = p[i], acc = s0[j];
+    FN(adagrad_update)(&pp, g[i], &acc, sc);
+    p[i] = pp;
+    s0[j] = acc;
+}
+
+/* ---------------------------------------------------------------- LAMB (two passes) */
+
+/* Pass 1: the (clipped) gradient folded into the moments. */
+void FN(lamb_moments)(T g, T *m, T *v, float grad_scale, const lamb_scalars *sc)
+{
+    g = g * grad_scale;
+    *m = sc->beta1 * *m + sc->one_minus_beta1 * g;
+    *v = sc->beta2 * *v + sc->one_minus_beta2 * g * g;
+}
+
+/* The update direction u, before the trust ratio and the learning rate. */
+T FN(lamb_direction)(T p, T m, T v, const lamb_scalars *sc)
+{
+    return (m / sc->bias_correction1) / (sqrt(v / sc->bias_correction2) + sc->eps) + sc->weight_decay * p;
+}

@@ -1,0 +1,38 @@
+/* The per-step scalar records of optirs.scalars, as OpenCL C structs passed by value.
+ *
+ * Field order and types mirror the Python NamedTuples exactly (float32 -> float, bool -> int);
+ * the host builds a numpy record with the same layout and checks sizeof() of every struct
+ * against it when the program is built (kernel optirs_struct_sizes), so a field added on one
+ * side only fails loudly instead of shifting every value.
+ */
+#ifndef OPTIRS_SCALARS_H
+#define OPTIRS_SCALARS_H
+
+typedef struct {
+    float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+    float step_size;             /* lr / (1 - beta1^t) */
+    float bias_correction2_sqrt; /* sqrt(1 - beta2^t) */
+    float decay_factor;          /* 1 - lr * weight_decay (AdamW) */
+    int decoupled, amsgrad;
+} adam_scalars;
+
+typedef struct {
+    float lr, momentum, dampening_factor, weight_decay;
+    int nesterov, has_momentum, first_step;
+} sgd_scalars;
+
+typedef struct {
+    float lr, alpha, one_minus_alpha, eps, weight_decay, momentum;
+    int centered, has_momentum;
+} rmsprop_scalars;
+
+typedef struct {
+    float clr, weight_decay, eps;
+} adagrad_scalars;
+
+typedef struct {
+    float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+    float bias_correction1, bias_correction2, max_trust_ratio, max_grad_norm;
+} lamb_scalars;
+
+#endif

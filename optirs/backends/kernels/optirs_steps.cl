@@ -1,0 +1,312 @@
+/* optirs step kernels in OpenCL C (built once per context by optirs/backends/opencl.py).
+ *
+ * Three launch shapes share the per-element math of optirs_elementwise.h:
+ *   <opt>_flat4   one contiguous range (a single tensor, or a model packed at its layout
+ *                 offsets): one work-item per float4, the last work-item does the 0-3 tail.
+ *                 Needs every base offset to be a multiple of 4 elements (16-byte aligned).
+ *   <opt>_flat1   the same range, one work-item per element (any alignment).
+ *   <opt>_chunks  a model of separate buffers: one work-group per chunk of OPTIRS_CHUNK
+ *                 elements of one tensor (the apex multi_tensor_apply idea). OpenCL 1.2 has no
+ *                 pointer tables, so a launch takes OPTIRS_SLOTS parameter and gradient buffers as
+ *                 arguments and the tensor table names each tensor's slots and offsets.
+ * LAMB runs as chunked passes: [gradient-norm partials, finish,] moments + per-chunk norm
+ * partials, per-tensor trust ratios, apply.
+ *
+ * The host defines OPTIRS_WG (work-group size, a power of two) and OPTIRS_CHUNK.
+ */
+#pragma OPENCL FP_CONTRACT OFF /* no a*b+c -> fma contraction: same rounding as the numba backends */
+
+#ifndef OPTIRS_WG
+#define OPTIRS_WG 256
+#endif
+#ifndef OPTIRS_CHUNK
+#define OPTIRS_CHUNK 8192
+#endif
+#define OPTIRS_SLOTS 16
+
+#ifdef cl_khr_fp64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+typedef double acc_t; /* norms accumulate squares in float64, like the CPU backend */
+#else
+typedef float acc_t;
+#endif
+
+#include "optirs_scalars.h"
+
+#define FN_PASTE(a, b) a##_##b
+#define FN_EXPAND(a, b) FN_PASTE(a, b)
+#define FN(name) FN_EXPAND(name, SUFFIX)
+
+#define T float
+#define SUFFIX v1
+#include "optirs_elementwise.h"
+#undef T
+#undef SUFFIX
+
+#define T float4
+#define SUFFIX v4
+#include "optirs_elementwise.h"
+#undef T
+#undef SUFFIX
+
+/* Lets the host check that its numpy records have the structs' sizes. */
+__kernel void optirs_struct_sizes(__global int *out)
+{
+    out[0] = (int)sizeof(adam_scalars);
+    out[1] = (int)sizeof(sgd_scalars);
+    out[2] = (int)sizeof(rmsprop_scalars);
+    out[3] = (int)sizeof(adagrad_scalars);
+    out[4] = (int)sizeof(lamb_scalars);
+    out[5] = (int)sizeof(acc_t);
+}
+
+/* ---------------------------------------------------------------- buffer slots */
+
+#define SLOT_PARAMS(X, Q)                                                                        \
+    __global Q float *X##0, __global Q float *X##1, __global Q float *X##2, __global Q float *X##3, \
+    __global Q float *X##4, __global Q float *X##5, __global Q float *X##6, __global Q float *X##7, \
+    __global Q float *X##8, __global Q float *X##9, __global Q float *X##10,                        \
+    __global Q float *X##11, __global Q float *X##12, __global Q float *X##13,                      \
+    __global Q float *X##14, __global Q float *X##15
+
+/* The slot's buffer; s is uniform over the work-group (one tensor per chunk). */
+#define PICK(s, X)                                                                               \
+    ((s) < 8 ? ((s) < 4 ? ((s) < 2 ? ((s) == 0 ? X##0 : X##1) : ((s) == 2 ? X##2 : X##3))       \
+                        : ((s) < 6 ? ((s) == 4 ? X##4 : X##5) : ((s) == 6 ? X##6 : X##7)))      \
+             : ((s) < 12 ? ((s) < 10 ? ((s) == 8 ? X##8 : X##9) : ((s) == 10 ? X##10 : X##11))  \
+                         : ((s) < 14 ? ((s) == 12 ? X##12 : X##13) : ((s) == 14 ? X##14 : X##15))))
+
+/* Chunk c of the model: tensor table row tens[t] = (param offset, grad offset, state offset,
+ * size), tinfo[t] = (param slot, grad slot, all offsets 16-byte aligned, unused); the chunk
+ * covers [start, stop) of its tensor. Declares p, g, s_off, start, stop, aligned. */
+#define CHUNK_PROLOGUE(P, G)                                                                     \
+    const uint c = chunk_base + get_group_id(0);                                                \
+    const int t = chunk_tensor[c];                                                               \
+    const long4 o = tens[t];                                                                     \
+    const int4 info = tinfo[t];                                                                  \
+    __global float *p = PICK(info.x, P) + o.x;                                                   \
+    __global const float *g = PICK(info.y, G) + o.y;                                             \
+    const long s_off = o.z;                                                                      \
+    const long start = chunk_start[c];                                                           \
+    const long stop = min(start + (long)OPTIRS_CHUNK, o.w);                                      \
+    const int aligned = info.z;                                                                  \
+    const long lid = get_local_id(0);
+
+#define CHUNK_TABLE_PARAMS                                                                       \
+    __global const long4 *tens, __global const int4 *tinfo, __global const int *chunk_tensor,    \
+    __global const long *chunk_start, uint chunk_base
+
+/* ---------------------------------------------------------------- the elementwise optimizers */
+
+#define STEP_KERNELS(OPT)                                                                        \
+__kernel void OPT##_flat4(__global float *P, ulong p_off, __global const float *G, ulong g_off, \
+                          __global float *S0, __global float *S1, __global float *S2,            \
+                          ulong s_off, ulong n, const OPT##_scalars sc)                          \
+{                                                                                                \
+    const size_t i = get_global_id(0), nv = n / 4;                                               \
+    P += p_off; G += g_off; S0 += s_off; S1 += s_off; S2 += s_off;                               \
+    if (i < nv)                                                                                  \
+        OPT##_elem_v4((__global float4 *)P, (__global const float4 *)G, (__global float4 *)S0,   \
+                      (__global float4 *)S1, (__global float4 *)S2, i, i, &sc);                  \
+    else if (i == nv)                                                                            \
+        for (size_t k = 4 * nv; k < n; ++k)                                                      \
+            OPT##_elem_v1(P, G, S0, S1, S2, k, k, &sc);                                          \
+}                                                                                                \
+__kernel void OPT##_flat1(__global float *P, ulong p_off, __global const float *G, ulong g_off, \
+                          __global float *S0, __global float *S1, __global float *S2,            \
+                          ulong s_off, ulong n, const OPT##_scalars sc)                          \
+{                                                                                                \
+    const size_t i = get_global_id(0);                                                           \
+    if (i < n)                                                                                   \
+        OPT##_elem_v1(P + p_off, G + g_off, S0 + s_off, S1 + s_off, S2 + s_off, i, i, &sc);      \
+}                                                                                                \
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))                                  \
+void OPT##_chunks(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *S0,                   \
+                  __global float *S1, __global float *S2, CHUNK_TABLE_PARAMS,                    \
+                  const OPT##_scalars sc)                                                        \
+{                                                                                                \
+    CHUNK_PROLOGUE(P, G)                                                                         \
+    __global float *s0 = S0 + s_off, *s1 = S1 + s_off, *s2 = S2 + s_off;                         \
+    if (aligned) {                                                                               \
+        const long vstop = stop / 4;                                                             \
+        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG)                                \
+            OPT##_elem_v4((__global float4 *)p, (__global const float4 *)g, (__global float4 *)s0, \
+                          (__global float4 *)s1, (__global float4 *)s2, k, k, &sc);              \
+        if (lid == 0)                                                                            \
+            for (long k = 4 * vstop; k < stop; ++k)                                              \
+                OPT##_elem_v1(p, g, s0, s1, s2, k, k, &sc);                                      \
+    } else {                                                                                     \
+        for (long k = start + lid; k < stop; k += OPTIRS_WG)                                     \
+            OPT##_elem_v1(p, g, s0, s1, s2, k, k, &sc);                                          \
+    }                                                                                            \
+}
+
+STEP_KERNELS(adam)
+STEP_KERNELS(sgd)
+STEP_KERNELS(rmsprop)
+STEP_KERNELS(adagrad)
+
+/* ---------------------------------------------------------------- reductions */
+
+/* Sum of x over the work-group, returned to every work-item. */
+acc_t group_sum(acc_t x, __local acc_t *scratch)
+{
+    const uint lid = get_local_id(0);
+    scratch[lid] = x;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint width = OPTIRS_WG / 2; width > 0; width /= 2) {
+        if (lid < width)
+            scratch[lid] += scratch[lid + width];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const acc_t total = scratch[0];
+    barrier(CLK_LOCAL_MEM_FENCE); /* scratch may be reused right after */
+    return total;
+}
+
+acc_t sum_squares4(float4 x)
+{
+    const float4 x2 = x * x; /* float32 squares widened, as the CPU backend does */
+    return ((acc_t)x2.s0 + (acc_t)x2.s1) + ((acc_t)x2.s2 + (acc_t)x2.s3);
+}
+
+/* ---------------------------------------------------------------- LAMB */
+
+/* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c. */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void lamb_grad_sumsq(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), CHUNK_TABLE_PARAMS, __global acc_t *partial)
+{
+    __local acc_t scratch[OPTIRS_WG];
+    CHUNK_PROLOGUE(P, G)
+    acc_t s = 0;
+    if (aligned) {
+        const long vstop = stop / 4;
+        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG)
+            s += sum_squares4(((__global const float4 *)g)[k]);
+        if (lid == 0)
+            for (long k = 4 * vstop; k < stop; ++k)
+                s += (acc_t)(g[k] * g[k]);
+    } else {
+        for (long k = start + lid; k < stop; k += OPTIRS_WG)
+            s += (acc_t)(g[k] * g[k]);
+    }
+    s = group_sum(s, scratch);
+    if (lid == 0)
+        partial[c] = s;
+    (void)p;
+}
+
+/* Part 2 (one work-group): min(1, max_grad_norm / ||g||) from the partial sums. */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void lamb_grad_scale(__global const acc_t *partial, uint nchunks, float max_grad_norm, __global float *scale)
+{
+    __local acc_t scratch[OPTIRS_WG];
+    acc_t s = 0;
+    for (uint k = get_local_id(0); k < nchunks; k += OPTIRS_WG)
+        s += partial[k];
+    s = group_sum(s, scratch);
+    if (get_local_id(0) == 0) {
+        const acc_t norm = sqrt(s), max_norm = (acc_t)max_grad_norm;
+        scale[0] = (0 < max_norm && max_norm < norm) ? (float)(max_norm / norm) : 1.0f;
+    }
+}
+
+/* Pass 1: moments, and per-chunk sums of p^2 and u^2 (partial[2c], partial[2c+1]). */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void lamb_moments(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *M, __global float *V,
+                  CHUNK_TABLE_PARAMS, __global const float *grad_scale, int clip,
+                  __global acc_t *partial, const lamb_scalars sc)
+{
+    __local acc_t scratch[OPTIRS_WG];
+    CHUNK_PROLOGUE(P, G)
+    __global float *m = M + s_off, *v = V + s_off;
+    const float scale = clip ? grad_scale[0] : 1.0f;
+    acc_t sp = 0, su = 0;
+    if (aligned) {
+        const long vstop = stop / 4;
+        __global float4 *m4 = (__global float4 *)m, *v4 = (__global float4 *)v;
+        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG) {
+            const float4 pp = ((__global const float4 *)p)[k];
+            float4 mm = m4[k], vv = v4[k];
+            lamb_moments_v4(((__global const float4 *)g)[k], &mm, &vv, scale, &sc);
+            m4[k] = mm;
+            v4[k] = vv;
+            sp += sum_squares4(pp);
+            su += sum_squares4(lamb_direction_v4(pp, mm, vv, &sc));
+        }
+        if (lid == 0)
+            for (long k = 4 * vstop; k < stop; ++k) {
+                float mm = m[k], vv = v[k];
+                lamb_moments_v1(g[k], &mm, &vv, scale, &sc);
+                m[k] = mm;
+                v[k] = vv;
+                const float u = lamb_direction_v1(p[k], mm, vv, &sc);
+                sp += (acc_t)(p[k] * p[k]);
+                su += (acc_t)(u * u);
+            }
+    } else {
+        for (long k = start + lid; k < stop; k += OPTIRS_WG) {
+            float mm = m[k], vv = v[k];
+            lamb_moments_v1(g[k], &mm, &vv, scale, &sc);
+            m[k] = mm;
+            v[k] = vv;
+            const float u = lamb_direction_v1(p[k], mm, vv, &sc);
+            sp += (acc_t)(p[k] * p[k]);
+            su += (acc_t)(u * u);
+        }
+    }
+    sp = group_sum(sp, scratch);
+    su = group_sum(su, scratch);
+    if (lid == 0) {
+        partial[2 * (size_t)c] = sp;
+        partial[2 * (size_t)c + 1] = su;
+    }
+}
+
+/* One work-group per tensor: ||p|| / ||u||, 1 where either is zero, at most max_trust_ratio. */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void lamb_trust_ratios(__global const acc_t *partial, __global const int *first_chunk,
+                       __global const int *nchunks, float max_trust_ratio, __global float *ratio)
+{
+    __local acc_t scratch[OPTIRS_WG];
+    const uint t = get_group_id(0);
+    const int first = first_chunk[t], count = nchunks[t];
+    acc_t sp = 0, su = 0;
+    for (int k = get_local_id(0); k < count; k += OPTIRS_WG) {
+        sp += partial[2 * (size_t)(first + k)];
+        su += partial[2 * (size_t)(first + k) + 1];
+    }
+    sp = group_sum(sp, scratch);
+    su = group_sum(su, scratch);
+    if (get_local_id(0) == 0) {
+        const acc_t pn = sqrt(sp), un = sqrt(su);
+        const acc_t r = (pn == 0 || un == 0) ? (acc_t)1 : pn / un;
+        ratio[t] = (float)fmin(r, (acc_t)max_trust_ratio);
+    }
+}
+
+/* Pass 2: p -= lr * ratio * u, with u recomputed from the same float32 inputs (same value). */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void lamb_apply(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global const float *M, __global const float *V,
+                CHUNK_TABLE_PARAMS, __global const float *ratio, const lamb_scalars sc)
+{
+    CHUNK_PROLOGUE(P, G)
+    __global const float *m = M + s_off, *v = V + s_off;
+    const float step = sc.lr * ratio[t];
+    if (aligned) {
+        const long vstop = stop / 4;
+        __global float4 *p4 = (__global float4 *)p;
+        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG) {
+            const float4 pp = p4[k];
+            p4[k] = pp - step * lamb_direction_v4(pp, ((__global const float4 *)m)[k],
+                                                  ((__global const float4 *)v)[k], &sc);
+        }
+        if (lid == 0)
+            for (long k = 4 * vstop; k < stop; ++k)
+                p[k] = p[k] - step * lamb_direction_v1(p[k], m[k], v[k], &sc);
+    } else {
+        for (long k = start + lid; k < stop; k += OPTIRS_WG)
+            p[k] = p[k] - step * lamb_direction_v1(p[k], m[k], v[k], &sc);
+    }
+    (void)g;
+}

@@ -1,0 +1,760 @@
+"""The ``opencl`` backend: the six optimizers in OpenCL C through pyopencl.
+
+Kernels (``kernels/optirs_steps.cl`` with the per-element math in ``kernels/optirs_elementwise.h``)
+are built once per context, with correctly rounded division and sqrt where the device offers
+it and no ``-cl-fast-relaxed-math``; the ``Kernel`` objects are made once with their argument
+types set, so a step is one ``set_args`` and one enqueue per launch.
+
+How a step is launched (see docs/opencl.md for the costs):
+
+- numpy inputs are packed on upload into one flat device buffer at the layout's offsets (the
+  same offsets as the state), stepped by one float4 launch and read back in ``Staged.finish``.
+- ``pyopencl.array.Array`` inputs are stepped in place. When they are views of one allocation
+  at the layout's offsets (a flat parameter buffer) it is the same single float4 launch.
+  Otherwise OpenCL 1.2 has no pointer tables: a chunked kernel takes ``SLOTS`` parameter and
+  ``SLOTS`` gradient buffers as arguments, so a model is one launch per ``SLOTS`` distinct
+  buffers (views of a shared buffer count once), with no copies.
+- LAMB runs as chunked passes (moments with per-chunk norm partials, per-tensor trust ratios,
+  apply; two more with global gradient clipping), each pass one launch per group as above.
+
+pyopencl is imported only when the backend is probed or opened.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import re
+import threading
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import scalars as sc_mod
+from ..errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
+from ..hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+
+# Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
+# tensor's alignment); the chunk table of a 256M-element model is 32K rows.
+CHUNK = 8192
+# Buffers of each kind (parameters, gradients) one chunked launch takes as arguments.
+SLOTS = 16
+# Work-group size asked for (lowered to the device's limit, kept a power of two for reductions).
+WORK_GROUP = 256
+KERNEL_FILE = "optirs_steps.cl"
+ELEMENTWISE = ("adam", "sgd", "rmsprop", "adagrad")
+# The scalar record of each kernel family (optirs.scalars), passed by value as a struct.
+RECORDS = {"adam": sc_mod.AdamScalars, "sgd": sc_mod.SgdScalars, "rmsprop": sc_mod.RmspropScalars,
+           "adagrad": sc_mod.AdagradScalars, "lamb": sc_mod.LambScalars}
+# OpenCL error codes that mean "out of memory".
+_MEMORY_CODES = {-4, -5, -6, -61}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY, INVALID_BUFFER_SIZE
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+# ---------------------------------------------------------------- sources and records
+
+
+def kernel_source() -> str:
+    """The program text: the kernel file with its ``#include "..."`` lines replaced by the headers.
+
+    Headers are inlined on the host rather than found with ``-I``: no path quoting issues, and
+    drivers that cache binaries by source text (NVIDIA's does) see every header change.
+    """
+    root = importlib.resources.files("optirs.backends") / "kernels"
+
+    def expand(name: str, depth: int = 0) -> str:
+        if depth > 8:
+            raise GpuOptimError(f"#include nesting too deep at {name!r} in the optirs OpenCL sources")
+        text = (root / name).read_text(encoding="utf-8")
+        return _INCLUDE.sub(lambda m: expand(m.group(1), depth + 1), text)
+
+    return expand(KERNEL_FILE)
+
+
+def record_dtype(record: type) -> np.dtype:
+    """The numpy record matching the OpenCL struct of an optirs.scalars NamedTuple (float -> f4, bool -> i4)."""
+    fields = []
+    for name, ann in record.__annotations__.items():
+        # annotations may be strings or ForwardRefs (``from __future__ import annotations``)
+        text = ann if isinstance(ann, str) else getattr(ann, "__forward_arg__", getattr(ann, "__name__", str(ann)))
+        if text in ("bool",):
+            fields.append((name, "<i4"))
+        elif text.endswith("float32"):
+            fields.append((name, "<f4"))
+        else:
+            raise GpuOptimError(f"scalar field {record.__name__}.{name} has type {ann!r}, expected np.float32 or bool")
+    return np.dtype(fields)
+
+
+# ---------------------------------------------------------------- choosing a device
+
+
+class _NoDevice(Exception):
+    """Why no device matches (becomes a probe reason or BackendUnavailableError)."""
+
+
+def _check_choice(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str) and not value.strip()):
+        raise _NoDevice(f"{what}={value!r}, expected an index or a (case-insensitive) name substring")
+    if isinstance(value, int) and value < 0:
+        raise _NoDevice(f"{what}={value!r}, expected an index >= 0")
+
+
+def _parse_ctx_env(text: str) -> Tuple[Optional[Any], Optional[Any]]:
+    """``PYOPENCL_CTX`` as pyopencl reads it: ``platform[:device]``, each an index or a name substring."""
+    parts = [s.strip() for s in text.split(":")]
+    if len(parts) > 2:
+        raise _NoDevice(f"PYOPENCL_CTX={text!r}, expected 'platform[:device]'")
+    out: List[Optional[Any]] = []
+    for part in parts + [""] * (2 - len(parts)):
+        out.append(None if part == "" else int(part) if part.isdigit() else part)
+    return out[0], out[1]
+
+
+def _kind(device: Any) -> str:
+    import pyopencl as cl
+
+    t = device.type
+    if t & cl.device_type.GPU:
+        return "gpu"
+    if t & cl.device_type.ACCELERATOR:
+        return "accelerator"
+    if t & cl.device_type.CPU:
+        return "cpu"
+    return "other"
+
+
+def _pick(items: Sequence[Any], choice: Any, what: str, names: Sequence[str]) -> int:
+    if isinstance(choice, int):
+        if choice >= len(items):
+            raise _NoDevice(f"{what}={choice} is out of range, expected an index below {len(items)}: {list(names)}")
+        return choice
+    for i, name in enumerate(names):
+        if choice.lower() in name.lower():
+            return i
+    raise _NoDevice(f"{what}={choice!r} matches none of {list(names)}")
+
+
+def select_device(options: Dict[str, Any]) -> Tuple[Any, Any, List[Tuple[Any, Any]]]:
+    """(platform, device, every (platform, device) pair) chosen by the options.
+
+    ``platform``/``device`` options (an index or a case-insensitive name substring) come first;
+    without either, ``PYOPENCL_CTX`` (``platform[:device]``) is used; otherwise the first GPU,
+    then the first accelerator, then the first device. ``device`` as an index counts within the
+    chosen platform, or over all platforms' devices in order when no platform is named.
+    """
+    import pyopencl as cl
+
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as exc:
+        raise _NoDevice(f"no OpenCL platform is installed ({exc}); install a driver or pip install 'optirs[pocl]'") from exc
+    pairs = [(p, d) for p in platforms for d in _devices(p)]
+    if not pairs:
+        raise _NoDevice(f"the OpenCL platforms {[p.name for p in platforms]} have no devices")
+    plat, dev = options.get("platform"), options.get("device")
+    where = "options"
+    if plat is None and dev is None and os.environ.get("PYOPENCL_CTX", "").strip():
+        plat, dev = _parse_ctx_env(os.environ["PYOPENCL_CTX"])
+        where = f"PYOPENCL_CTX={os.environ['PYOPENCL_CTX']!r}"
+    for what, value in (("platform", plat), ("device", dev)):
+        if value is not None:
+            _check_choice(what, value)
+    try:
+        if plat is not None:
+            chosen = platforms[_pick(platforms, plat, "platform", [p.name for p in platforms])]
+            candidates = [(p, d) for p, d in pairs if p == chosen]
+            if not candidates:
+                raise _NoDevice(f"platform {chosen.name!r} has no devices")
+        else:
+            candidates = pairs
+        if dev is not None:
+            p, d = candidates[_pick(candidates, dev, "device", [d.name.strip() for _, d in candidates])]
+        else:
+            rank = {"gpu": 0, "accelerator": 1}
+            p, d = min(candidates, key=lambda pd: rank.get(_kind(pd[1]), 2))  # stable: first of the best kind
+    except _NoDevice as exc:
+        raise _NoDevice(f"{exc} (from {where})") from None
+    return p, d, pairs
+
+
+def _devices(platform: Any) -> List[Any]:
+    import pyopencl as cl
+
+    try:
+        return list(platform.get_devices())
+    except cl.Error:  # a platform with no devices raises DEVICE_NOT_FOUND
+        return []
+
+
+def describe_device(platform: Any, device: Any, selected: bool = False) -> DeviceInfo:
+    import pyopencl as cl
+
+    return DeviceInfo(
+        name=device.name.strip(), kind=_kind(device), memory_bytes=int(device.global_mem_size),
+        compute_units=int(device.max_compute_units),
+        details={
+            "platform": platform.name.strip(), "vendor": device.vendor.strip(), "opencl": device.version.strip(),
+            "driver": device.driver_version.strip(), "max_work_group_size": int(device.max_work_group_size),
+            "max_mem_alloc_size": int(device.max_mem_alloc_size),
+            "correctly_rounded_divide_sqrt": bool(device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT),
+            "fp64": bool(device.double_fp_config), "selected": selected,
+        },
+    )
+
+
+# ---------------------------------------------------------------- building
+
+
+def build_options(device: Any, work_group: int) -> List[str]:
+    import pyopencl as cl
+
+    opts = [f"-DOPTIRS_WG={work_group}", f"-DOPTIRS_CHUNK={CHUNK}"]
+    # Without it OpenCL allows 2.5 ulp division and 3 ulp sqrt in float; with it, the numba results.
+    if device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
+        opts.append("-cl-fp32-correctly-rounded-divide-sqrt")
+    return opts
+
+
+def build_program(context: Any, device: Any, source: str, options: Sequence[str]) -> Any:
+    """Build ``source`` for ``device``; a failure is a GpuOptimError carrying the compiler log."""
+    import pyopencl as cl
+
+    program = cl.Program(context, source)
+    try:
+        return program.build(options=list(options), devices=[device])
+    except cl.Error as exc:
+        try:
+            log = program.get_build_info(device, cl.program_build_info.LOG)
+        except cl.Error:
+            log = ""
+        log = (log or "").strip() or str(exc)
+        raise GpuOptimError(
+            f"building the optirs OpenCL kernels failed on {device.name.strip()!r} with options {list(options)}:\n"
+            f"--- compiler log ---\n{log}"
+        ) from exc
+
+
+def _work_group(device: Any) -> int:
+    limit = min(WORK_GROUP, int(device.max_work_group_size))
+    return 1 << (limit.bit_length() - 1)
+
+
+# ---------------------------------------------------------------- the context
+
+
+class _Packed(list):
+    """Per-tensor views into one flat device array, back to back at the layout's offsets."""
+
+    flat: Any = None
+
+
+class _StagingArea:
+    """Device (and, for several tensors, host) buffers that numpy inputs are packed into."""
+
+    def __init__(self, ctx: "OpenclContext", sizes: Tuple[int, ...]):
+        total = int(sum(sizes))
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sizes else np.zeros(0, np.int64)
+        self.sizes, self.offsets, self.total = sizes, offsets, total
+        self.params = _Packed(); self.grads = _Packed()
+        for views in (self.params, self.grads):
+            views.flat = ctx.empty(total)
+            views.extend(views.flat[int(o): int(o) + int(n)] for o, n in zip(offsets, sizes))
+        many = len(sizes) > 1
+        self.host_p = np.empty(total, np.float32) if many else None
+        self.host_g = np.empty(total, np.float32) if many else None
+
+
+class OpenclContext:
+    """An opened OpenCL device: context, in-order queue, the built program and its kernels."""
+
+    def __init__(self, platform: Any, device: Any, profiling: bool = False):
+        import pyopencl as cl
+
+        self.cl = cl
+        self.platform, self.device = platform, device
+        self.context = cl.Context([device])
+        props = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
+        self.queue = cl.CommandQueue(self.context, device, properties=props)
+        self.work_group = _work_group(device)
+        self.build_options = build_options(device, self.work_group)
+        self.program = build_program(self.context, device, kernel_source(), self.build_options)
+        self.records = {name: record_dtype(cls) for name, cls in RECORDS.items()}
+        self.kernels: Dict[str, Any] = {}
+        self._make_kernels()
+        self.acc_bytes = self._check_structs()
+        self.dummy = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, 16)  # stands in for unused slots
+        self.lock = threading.Lock()
+        self._staging: Dict[Tuple[int, ...], _StagingArea] = {}
+
+    # kernels are made once, with their argument types, and reused for every launch
+    def _make_kernels(self) -> None:
+        cl = self.cl
+        u64, u32, i32, f32 = np.uint64, np.uint32, np.int32, np.float32
+        slots = [None] * (2 * SLOTS)
+        table = [None, None, None, None, u32]
+        types: Dict[str, list] = {"optirs_struct_sizes": [None]}
+        for fam in ELEMENTWISE:
+            rec = self.records[fam]
+            types[f"{fam}_flat4"] = types[f"{fam}_flat1"] = [None, u64, None, u64, None, None, None, u64, u64, rec]
+            types[f"{fam}_chunks"] = slots + [None, None, None] + table + [rec]
+        lamb = self.records["lamb"]
+        types["lamb_grad_sumsq"] = slots + table + [None]
+        types["lamb_grad_scale"] = [None, u32, f32, None]
+        types["lamb_moments"] = slots + [None, None] + table + [None, i32, None, lamb]
+        types["lamb_trust_ratios"] = [None, None, None, f32, None]
+        types["lamb_apply"] = slots + [None, None] + table + [None, lamb]
+        for name, arg_types in types.items():
+            kernel = cl.Kernel(self.program, name)
+            if kernel.num_args != len(arg_types):
+                raise GpuOptimError(f"OpenCL kernel {name} takes {kernel.num_args} arguments, the host passes "
+                                    f"{len(arg_types)}: optirs_steps.cl and opencl.py disagree")
+            kernel.set_arg_types(arg_types)
+            self.kernels[name] = kernel
+
+    def _check_structs(self) -> int:
+        cl = self.cl
+        out = np.zeros(6, np.int32)
+        buf = cl.Buffer(self.context, cl.mem_flags.WRITE_ONLY, out.nbytes)
+        self.kernels["optirs_struct_sizes"](self.queue, (1,), None, buf)
+        cl.enqueue_copy(self.queue, out, buf)
+        for size, (name, dtype) in zip(out[:5], self.records.items()):
+            if size != dtype.itemsize:
+                raise GpuOptimError(f"OpenCL struct {name}_scalars is {size} bytes but the host record "
+                                    f"{RECORDS[name].__name__} is {dtype.itemsize}: optirs_scalars.h and optirs.scalars disagree")
+        return int(out[5])
+
+    # ------------------------------------------------------------ memory
+
+    def empty(self, size: int, dtype: Any = np.float32, fill: Optional[float] = None) -> Any:
+        """A flat device array; allocation failures become DeviceMemoryError."""
+        import pyopencl.array as cla
+
+        cl, dtype = self.cl, np.dtype(dtype)
+        nbytes = int(size) * dtype.itemsize
+        if size == 0:
+            return cla.empty(self.queue, (0,), dtype)
+        limit = int(self.device.max_mem_alloc_size)
+        if nbytes > limit:
+            raise DeviceMemoryError(
+                f"could not allocate {nbytes} bytes ({size} x {dtype}) on {self.device.name.strip()!r}: one OpenCL "
+                f"buffer may hold at most {limit} bytes (device memory {self.device.global_mem_size} bytes)"
+            )
+        try:
+            buf = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, nbytes)
+            if fill is not None:
+                cl.enqueue_fill_buffer(self.queue, buf, np.array([fill], dtype), 0, nbytes)
+            # OpenCL allocates lazily; waiting here makes an out-of-memory surface now, not mid-step.
+            self.queue.finish()
+        except cl.Error as exc:
+            raise self.translate(exc, f"allocating {nbytes} bytes ({size} x {dtype})") from exc
+        return cla.Array(self.queue, (int(size),), dtype, data=buf)
+
+    def translate(self, exc: Exception, what: str) -> GpuOptimError:
+        code = getattr(exc, "code", None)
+        where = f"{what} on {self.device.name.strip()!r} (device memory {self.device.global_mem_size} bytes, " \
+                f"largest buffer {self.device.max_mem_alloc_size} bytes)"
+        if code in _MEMORY_CODES or isinstance(exc, self.cl.MemoryError):
+            return DeviceMemoryError(f"out of device memory {where}: {exc}")
+        return GpuOptimError(f"OpenCL error {where}: {exc}")
+
+    def staging(self, sizes: Tuple[int, ...]) -> _StagingArea:
+        area = self._staging.get(sizes)
+        if area is None:
+            if len(self._staging) >= 4:  # a few models at a time; drop the oldest
+                self._staging.pop(next(iter(self._staging)))
+            area = self._staging[sizes] = _StagingArea(self, sizes)
+        return area
+
+    def __repr__(self) -> str:
+        return f"<OpenclContext {self.device.name.strip()!r} on {self.platform.name.strip()!r}>"
+
+
+# ---------------------------------------------------------------- launch planning
+
+
+def _cl_array(a: Any) -> bool:
+    return type(a).__module__.startswith("pyopencl")
+
+
+def _flat_range(params: List[Any], grads: List[Any], layout: Any) -> Optional[Tuple[Any, int, Any, int]]:
+    """(param buffer, offset, grad buffer, offset) when the tensors lie back to back at the layout's offsets."""
+    if isinstance(params, _Packed) and isinstance(grads, _Packed):
+        return params.flat.base_data, 0, grads.flat.base_data, 0
+    out = []
+    for arrays in (params, grads):
+        base = first = None
+        for a, off, n in zip(arrays, layout.offsets, layout.sizes):
+            if n == 0:
+                continue
+            if base is None:
+                base, first = a.base_data, a.offset // 4 - int(off)
+                if first < 0:
+                    return None
+            elif a.base_data != base or a.offset // 4 - int(off) != first:
+                return None
+        out += [base, first]
+    return out[0], out[1], out[2], out[3]
+
+
+class _Tables(NamedTuple):
+    chunk_tensor: Any  # device int32 per chunk
+    chunk_start: Any  # device int64 per chunk
+    first_chunk: Any  # device int32 per tensor
+    nchunks: Any  # device int32 per tensor
+    host_first: np.ndarray  # int64, ntensors + 1 (chunk range of tensor t: host_first[t]:host_first[t+1])
+    total_chunks: int
+
+
+def _layout_tables(ctx: OpenclContext, layout: Any) -> _Tables:
+    cache = layout.cache.setdefault(("opencl", id(ctx)), {})
+    tables = cache.get("tables")
+    if tables is None:
+        cl = ctx.cl
+        tensor, start, _ = layout.chunks(CHUNK)
+        counts = np.bincount(tensor, minlength=len(layout)).astype(np.int64) if len(tensor) else np.zeros(len(layout), np.int64)
+        first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+        def up(a: np.ndarray) -> Any:
+            a = np.ascontiguousarray(a)
+            return cl.Buffer(ctx.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=a) if a.nbytes else ctx.dummy
+
+        tables = _Tables(up(tensor.astype(np.int32)), up(start.astype(np.int64)), up(first[:-1].astype(np.int32)),
+                         up(counts.astype(np.int32)), first, int(len(tensor)))
+        cache["tables"] = tables
+    return tables
+
+
+class _Group(NamedTuple):
+    chunk_begin: int
+    chunk_end: int
+    buffers: tuple  # SLOTS parameter buffers then SLOTS gradient buffers (unused ones: the dummy)
+
+
+def _chunk_plan(ctx: OpenclContext, params: List[Any], grads: List[Any], layout: Any, s_base: int,
+                tables: _Tables) -> Tuple[Any, Any, List[_Group]]:
+    """The tensor tables and the launch groups of at most SLOTS distinct buffers of each kind."""
+    ntens = len(layout)
+    tens = np.zeros((ntens, 4), np.int64)
+    info = np.zeros((ntens, 4), np.int32)
+    groups: List[_Group] = []
+    pslots: Dict[int, int] = {}
+    gslots: Dict[int, int] = {}
+    pbufs: List[Any] = []
+    gbufs: List[Any] = []
+    t0 = 0
+
+    def close(t1: int) -> None:
+        if tables.host_first[t1] > tables.host_first[t0]:
+            pad = [ctx.dummy] * (SLOTS - len(pbufs)), [ctx.dummy] * (SLOTS - len(gbufs))
+            groups.append(_Group(int(tables.host_first[t0]), int(tables.host_first[t1]),
+                                 tuple(pbufs + pad[0] + gbufs + pad[1])))
+
+    for t, (p, g) in enumerate(zip(params, grads)):
+        n = int(layout.sizes[t])
+        s_off = s_base + int(layout.offsets[t])
+        if n == 0:
+            tens[t] = (0, 0, s_off, 0)
+            continue
+        pb, gb = p.base_data, g.base_data
+        pk, gk = pb.int_ptr, gb.int_ptr
+        if (pk not in pslots and len(pslots) == SLOTS) or (gk not in gslots and len(gslots) == SLOTS):
+            close(t)
+            t0, pslots, gslots, pbufs, gbufs = t, {}, {}, [], []
+        if pk not in pslots:
+            pslots[pk] = len(pbufs); pbufs.append(pb)
+        if gk not in gslots:
+            gslots[gk] = len(gbufs); gbufs.append(gb)
+        po, go = p.offset // 4, g.offset // 4
+        tens[t] = (po, go, s_off, n)
+        info[t] = (pslots[pk], gslots[gk], int(po % 4 == 0 and go % 4 == 0 and s_off % 4 == 0), 0)
+    close(ntens)
+    # The tables only change when offsets or the sharing of buffers change: upload then.
+    cache = layout.cache.setdefault(("opencl", id(ctx)), {})
+    key = tens.tobytes() + info.tobytes()
+    hit = cache.get("tensor_tables")
+    if hit is None or hit[0] != key:
+        cl = ctx.cl
+        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+        hit = (key, cl.Buffer(ctx.context, flags, hostbuf=tens), cl.Buffer(ctx.context, flags, hostbuf=info))
+        cache["tensor_tables"] = hit
+    return hit[1], hit[2], groups
+
+
+def _lamb_scratch(ctx: OpenclContext, layout: Any, tables: _Tables) -> Tuple[Any, Any, Any, Any]:
+    cache = layout.cache.setdefault(("opencl", id(ctx)), {})
+    scratch = cache.get("lamb_scratch")
+    if scratch is None:
+        cl, rw = ctx.cl, ctx.cl.mem_flags.READ_WRITE
+        nc = max(tables.total_chunks, 1)
+        scratch = (cl.Buffer(ctx.context, rw, nc * ctx.acc_bytes), cl.Buffer(ctx.context, rw, 2 * nc * ctx.acc_bytes),
+                   cl.Buffer(ctx.context, rw, 4), cl.Buffer(ctx.context, rw, 4 * max(len(layout), 1)))
+        cache["lamb_scratch"] = scratch
+    return scratch
+
+
+# ---------------------------------------------------------------- the plugin
+
+
+class OpenclBackend:
+    """OpenCL C kernels through pyopencl, on the device the options (or PYOPENCL_CTX) choose."""
+
+    @hookimpl
+    def optirs_plugin_info(self) -> Dict[str, str]:
+        info = {"summary": "pyopencl: OpenCL C float4 kernels on any OpenCL device (GPU preferred; PoCL on CPUs)"}
+        try:
+            from importlib import metadata
+
+            info["version"] = f"pyopencl {metadata.version('pyopencl')}"
+        except Exception:
+            pass
+        return info
+
+    @hookimpl
+    def optirs_probe(self, options: Dict[str, Any]) -> ProbeResult:
+        try:
+            import pyopencl  # noqa: F401
+        except ImportError as exc:
+            return ProbeResult(False, f"pyopencl is not installed ({exc}); pip install 'optirs[opencl]' or 'optirs[pocl]'")
+        try:
+            platform, device, pairs = select_device(options)
+        except _NoDevice as exc:
+            return ProbeResult(False, str(exc))
+        devices = [describe_device(platform, device, selected=True)]
+        devices += [describe_device(p, d) for p, d in pairs if d != device]
+        return ProbeResult(True, "", tuple(devices))
+
+    @hookimpl
+    def optirs_open(self, options: Dict[str, Any]) -> OpenclContext:
+        try:
+            import pyopencl  # noqa: F401
+        except ImportError as exc:
+            raise BackendUnavailableError(f"backend 'opencl' needs pyopencl: {exc}") from exc
+        try:
+            platform, device, _ = select_device(options)
+        except _NoDevice as exc:
+            raise BackendUnavailableError(f"backend 'opencl' cannot open: {exc}") from None
+        return OpenclContext(platform, device, profiling=bool(options.get("profiling", False)))
+
+    # ------------------------------------------------------------ memory and transfer
+
+    @hookimpl
+    def optirs_alloc(self, ctx: OpenclContext, size: int, dtype: Any, fill: float) -> Any:
+        return ctx.empty(size, dtype, fill)
+
+    @hookimpl
+    def optirs_to_device(self, ctx: OpenclContext, array: Any) -> Any:
+        host = np.ascontiguousarray(array).reshape(-1)
+        out = ctx.empty(host.size, host.dtype)
+        if host.size:
+            ctx.cl.enqueue_copy(ctx.queue, out.base_data, host, is_blocking=True)
+        return out
+
+    @hookimpl
+    def optirs_to_host(self, ctx: OpenclContext, array: Any) -> np.ndarray:
+        if isinstance(array, np.ndarray):
+            return array.reshape(-1).copy()
+        if not _cl_array(array) or not hasattr(array, "get"):
+            raise InvalidParameterError(f"array of type {type(array).__name__}, expected a pyopencl.array.Array")
+        return array.get(queue=ctx.queue).reshape(-1)
+
+    @hookimpl
+    def optirs_stage(self, ctx: OpenclContext, params: List[Any], grads: List[Any]) -> Staged:
+        kinds = {isinstance(a, np.ndarray) for a in params} | {isinstance(a, np.ndarray) for a in grads}
+        if kinds == {True}:
+            return _stage_numpy(ctx, params, grads)
+        for what, arrays in (("params", params), ("grads", grads)):
+            for i, a in enumerate(arrays):
+                if isinstance(a, np.ndarray):
+                    raise InvalidParameterError(
+                        f"{what}[{i}] is a numpy array among pyopencl arrays, expected all numpy or all pyopencl arrays")
+                if not _cl_array(a) or not hasattr(a, "base_data"):
+                    raise InvalidParameterError(
+                        f"{what}[{i}] is a {type(a).__module__}.{type(a).__name__}, expected a numpy array or a "
+                        "pyopencl.array.Array on the opencl backend")
+                if a.size and a.context != ctx.context:
+                    raise InvalidParameterError(
+                        f"{what}[{i}] belongs to another OpenCL context, expected arrays made on "
+                        "optirs.get_backend('opencl').ctx.context (or its .queue)")
+        return _stage_device(ctx, params, grads)
+
+    @hookimpl
+    def optirs_synchronize(self, ctx: OpenclContext) -> None:
+        ctx.queue.finish()
+
+    # ------------------------------------------------------------ steps
+
+    @hookimpl
+    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars) -> None:
+        v = state["exp_avg_sq"]
+        _elementwise(ctx, "adam", params, grads, (state["exp_avg"], v, state.get("max_exp_avg_sq")), layout, scalars)
+
+    @hookimpl
+    def optirs_step_adamw(self, ctx, params, grads, state, layout, scalars) -> None:
+        self.optirs_step_adam(ctx, params, grads, state, layout, scalars)
+
+    @hookimpl
+    def optirs_step_sgd(self, ctx, params, grads, state, layout, scalars) -> None:
+        _elementwise(ctx, "sgd", params, grads, (state.get("momentum_buffer"), None, None), layout, scalars)
+
+    @hookimpl
+    def optirs_step_rmsprop(self, ctx, params, grads, state, layout, scalars) -> None:
+        slots = (state["square_avg"], state.get("momentum_buffer"), state.get("grad_avg"))
+        _elementwise(ctx, "rmsprop", params, grads, slots, layout, scalars)
+
+    @hookimpl
+    def optirs_step_adagrad(self, ctx, params, grads, state, layout, scalars) -> None:
+        _elementwise(ctx, "adagrad", params, grads, (state["sum"], None, None), layout, scalars)
+
+    @hookimpl
+    def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
+        _lamb(ctx, params, grads, state["exp_avg"], state["exp_avg_sq"], layout, scalars)
+
+
+# ---------------------------------------------------------------- staging
+
+
+def _stage_numpy(ctx: OpenclContext, params: List[np.ndarray], grads: List[np.ndarray]) -> Staged:
+    sizes = tuple(int(p.size) for p in params)
+    if sum(sizes) == 0:
+        return Staged(list(params), list(grads))  # nothing to step
+    area = ctx.staging(sizes)
+    cl, q = ctx.cl, ctx.queue
+    try:
+        if area.host_g is None:
+            cl.enqueue_copy(q, area.params.flat.base_data, params[0].reshape(-1), is_blocking=True)
+            cl.enqueue_copy(q, area.grads.flat.base_data, grads[0].reshape(-1), is_blocking=True)
+        else:
+            np.concatenate([p.reshape(-1) for p in params], out=area.host_p)
+            np.concatenate([g.reshape(-1) for g in grads], out=area.host_g)
+            cl.enqueue_copy(q, area.params.flat.base_data, area.host_p, is_blocking=True)
+            cl.enqueue_copy(q, area.grads.flat.base_data, area.host_g, is_blocking=True)
+    except cl.Error as exc:
+        raise ctx.translate(exc, f"uploading {area.total} parameters") from exc
+
+    def finish() -> None:
+        if area.host_p is None:
+            cl.enqueue_copy(q, params[0].reshape(-1), area.params.flat.base_data, is_blocking=True)
+            return
+        cl.enqueue_copy(q, area.host_p, area.params.flat.base_data, is_blocking=True)
+        for p, o, n in zip(params, area.offsets, area.sizes):
+            np.copyto(p.reshape(-1), area.host_p[int(o): int(o) + n])
+
+    return Staged(area.params, area.grads, finish)
+
+
+def _stage_device(ctx: OpenclContext, params: List[Any], grads: List[Any]) -> Staged:
+    """In place. Arrays tied to another queue of the context are ordered with ours by markers."""
+    cl = ctx.cl
+    foreign = {}
+    for a in list(params) + list(grads):
+        q = a.queue
+        if q is not None and q != ctx.queue:
+            foreign[q.int_ptr] = q
+    if not foreign:
+        return Staged(params, grads)
+    # Our queue waits for what their queues have queued so far ...
+    cl.enqueue_barrier(ctx.queue, wait_for=[cl.enqueue_marker(q) for q in foreign.values()])
+
+    def finish() -> None:  # ... and their queues wait for the step.
+        done = cl.enqueue_marker(ctx.queue)
+        for q in foreign.values():
+            cl.enqueue_barrier(q, wait_for=[done])
+
+    return Staged(params, grads, finish)
+
+
+# ---------------------------------------------------------------- step drivers
+
+
+def _state_base(ctx: OpenclContext, arrays: Sequence[Any]) -> Tuple[List[Any], int]:
+    """The state slots' buffers (the dummy for unused ones) and their common element offset."""
+    bufs, offsets = [], set()
+    for a in arrays:
+        if a is None:
+            bufs.append(ctx.dummy)
+        else:
+            bufs.append(a.base_data if a.size else ctx.dummy)
+            offsets.add(a.offset // 4)
+    if len(offsets) > 1:
+        raise InvalidParameterError(f"state buffers start at element offsets {sorted(offsets)}, expected one common offset")
+    return bufs, (offsets.pop() if offsets else 0)
+
+
+def _elementwise(ctx: OpenclContext, family: str, params, grads, state_arrays, layout, scalars) -> None:
+    n = layout.total
+    if n == 0:
+        return
+    rec = np.array(tuple(scalars), ctx.records[family])
+    s_bufs, s_off = _state_base(ctx, state_arrays)
+    wg, cl = ctx.work_group, ctx.cl
+    flat = _flat_range(params, grads, layout)
+    with ctx.lock:
+        try:
+            if flat is not None:
+                pbuf, p_off, gbuf, g_off = flat
+                if p_off % 4 == 0 and g_off % 4 == 0 and s_off % 4 == 0:
+                    kernel, items = ctx.kernels[family + "_flat4"], n // 4 + (1 if n % 4 else 0)
+                else:
+                    kernel, items = ctx.kernels[family + "_flat1"], n
+                gsize = (items + wg - 1) // wg * wg
+                kernel(ctx.queue, (gsize,), (wg,), pbuf, p_off, gbuf, g_off, *s_bufs, s_off, n, rec)
+                return
+            tables = _layout_tables(ctx, layout)
+            tens, info, groups = _chunk_plan(ctx, params, grads, layout, s_off, tables)
+            kernel = ctx.kernels[family + "_chunks"]
+            for grp in groups:
+                kernel(ctx.queue, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers, *s_bufs,
+                       tens, info, tables.chunk_tensor, tables.chunk_start, grp.chunk_begin, rec)
+        except cl.Error as exc:
+            raise ctx.translate(exc, f"running the {family} step over {n} elements") from exc
+
+
+def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
+    n = layout.total
+    if n == 0:
+        return
+    rec = np.array(tuple(scalars), ctx.records["lamb"])
+    (mb, vb), s_off = _state_base(ctx, (m, v))
+    wg, cl, q, k = ctx.work_group, ctx.cl, ctx.queue, ctx.kernels
+    tables = _layout_tables(ctx, layout)
+    flat = _flat_range(params, grads, layout)
+    if flat is not None:  # one buffer each: describe the model as views of it
+        pbuf, p_off, gbuf, g_off = flat
+        params = [_View(pbuf, p_off + int(o)) for o in layout.offsets]
+        grads = [_View(gbuf, g_off + int(o)) for o in layout.offsets]
+    tens, info, groups = _chunk_plan(ctx, params, grads, layout, s_off, tables)
+    partial_g, partial_pu, scale, ratio = _lamb_scratch(ctx, layout, tables)
+    clip = bool(scalars.max_grad_norm > 0)
+    chunk_args = (tens, info, tables.chunk_tensor, tables.chunk_start)
+    with ctx.lock:
+        try:
+            if clip:
+                for grp in groups:
+                    k["lamb_grad_sumsq"](q, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers,
+                                         *chunk_args, grp.chunk_begin, partial_g)
+                k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm, scale)
+            for grp in groups:
+                k["lamb_moments"](q, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers, mb, vb,
+                                  *chunk_args, grp.chunk_begin, scale, int(clip), partial_pu, rec)
+            k["lamb_trust_ratios"](q, (len(layout) * wg,), (wg,), partial_pu, tables.first_chunk, tables.nchunks,
+                                   scalars.max_trust_ratio, ratio)
+            for grp in groups:
+                k["lamb_apply"](q, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers, mb, vb,
+                                *chunk_args, grp.chunk_begin, ratio, rec)
+        except cl.Error as exc:
+            raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
+
+
+class _View(NamedTuple):
+    """A tensor's place in a shared buffer, as the chunk planner reads it from a pyopencl array."""
+
+    base_data: Any
+    element_offset: int
+
+    @property
+    def offset(self) -> int:  # bytes, like pyopencl.array.Array.offset
+        return 4 * self.element_offset
+
+
+plugin = OpenclBackend()
