@@ -212,9 +212,11 @@ def cuda_grid(items: int) -> int:
 
 # ---------------------------------------------------------------- opencl (OpenCL C)
 
-# One work item per (row, column) element, as on CUDA. The per-element Adam and SGD math is
-# transcribed from optirs.backends.elementwise; scalars arrive as float (never double).
-OPENCL_SOURCE = r"""
+# One work item per (row, column) element, as on CUDA. The per-element math is the opencl
+# backend's header (optirs/backends/kernels/optirs_elementwise.h, the OpenCL transcription of
+# optirs.backends.elementwise), included here with T = float; the scalar records are its structs,
+# passed by value.
+OPENCL_KERNELS = r"""
 inline float gathered_grad(__global const float *values, __global const long *order,
                            long start, long stop, long dim, long j) {
     float g = values[order[start] * dim + j];
@@ -222,30 +224,20 @@ inline float gathered_grad(__global const float *values, __global const long *or
     return g;
 }
 
-/* Adam element without weight decay or amsgrad (the sparse optimizers use neither):
-   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  p -= step_size m / (sqrt(v) / bc2_sqrt + eps) */
-inline void adam_element(__global float *p, __global float *m, __global float *v, long i, float g,
-                         float beta1, float beta2, float omb1, float omb2, float eps,
-                         float step_size, float bc2_sqrt) {
-    float mi = beta1 * m[i] + omb1 * g;
-    float vi = beta2 * v[i] + omb2 * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = p[i] - step_size * mi / (sqrt(vi) / bc2_sqrt + eps);
+inline void adam_at(__global float *p, __global float *m, __global float *v, long i, float g,
+                    const adam_scalars *sc) {
+    float pp = p[i], mm = m[i], vv = v[i], vm = vv;
+    adam_update_v1(&pp, g, &mm, &vv, &vm, sc);
+    p[i] = pp;
+    m[i] = mm;
+    v[i] = vv;
 }
 
-/* torch.optim.SGD element: L2 decay, momentum (first step: buffer = gradient), nesterov. */
-inline void sgd_element(__global float *p, __global float *buf, long i, float g, float lr,
-                        float momentum, float dampening_factor, float weight_decay,
-                        int nesterov, int has_momentum, int first_step) {
-    float pi = p[i];
-    g = g + weight_decay * pi;
-    if (has_momentum) {
-        float b = first_step ? g : momentum * buf[i] + dampening_factor * g;
-        buf[i] = b;
-        g = nesterov ? g + momentum * b : b;
-    }
-    p[i] = pi - lr * g;
+inline void sgd_at(__global float *p, __global float *buf, long i, float g, const sgd_scalars *sc) {
+    float pp = p[i], b = sc->has_momentum ? buf[i] : 0.0f;
+    sgd_update_v1(&pp, g, &b, sc);
+    p[i] = pp;
+    if (sc->has_momentum) buf[i] = b;
 }
 
 __kernel void scatter_pos(__global long *pos, __global const long *rows, long n, int clear) {
@@ -261,54 +253,70 @@ __kernel void mark_seen(__global uchar *seen, __global const long *rows, long n)
 __kernel void adam_lazy(__global float *p, __global float *m, __global float *v,
                         __global const long *rows, __global const long *seg,
                         __global const long *order, __global const float *values, long n, long dim,
-                        float beta1, float beta2, float omb1, float omb2, float eps,
-                        float step_size, float bc2_sqrt) {
+                        const adam_scalars sc) {
     long i = get_global_id(0);
     if (i >= n * dim) return;
     long k = i / dim, j = i - k * dim;
-    float g = gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
-    adam_element(p, m, v, rows[k] * dim + j, g, beta1, beta2, omb1, omb2, eps, step_size, bc2_sqrt);
+    adam_at(p, m, v, rows[k] * dim + j, gathered_grad(values, order, seg[k], seg[k + 1], dim, j), &sc);
 }
 
 __kernel void adam_dense(__global float *p, __global float *m, __global float *v,
                          __global const long *pos, __global const long *seg,
                          __global const long *order, __global const float *values, long num_rows,
-                         long dim, float beta1, float beta2, float omb1, float omb2, float eps,
-                         float step_size, float bc2_sqrt) {
+                         long dim, const adam_scalars sc) {
     long i = get_global_id(0);
     if (i >= num_rows * dim) return;
     long r = i / dim, j = i - r * dim, k = pos[r];
-    float g = k < 0 ? 0.0f : gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
-    adam_element(p, m, v, i, g, beta1, beta2, omb1, omb2, eps, step_size, bc2_sqrt);
+    adam_at(p, m, v, i, k < 0 ? 0.0f : gathered_grad(values, order, seg[k], seg[k + 1], dim, j), &sc);
 }
 
 __kernel void sgd_lazy(__global float *p, __global float *buf, __global const uchar *seen,
                        __global const long *rows, __global const long *seg,
                        __global const long *order, __global const float *values, long n, long dim,
-                       float lr, float momentum, float dampening_factor, float weight_decay,
-                       int nesterov, int has_momentum) {
+                       const sgd_scalars sc, const sgd_scalars sc_first) {
     long i = get_global_id(0);
     if (i >= n * dim) return;
     long k = i / dim, j = i - k * dim, r = rows[k];
     float g = gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
-    sgd_element(p, buf, r * dim + j, g, lr, momentum, dampening_factor, weight_decay, nesterov,
-                has_momentum, has_momentum && seen[r] == 0);
+    /* seen is marked by mark_seen after this launch: every item of a row reads the old flag. */
+    sgd_at(p, buf, r * dim + j, g, (sc.has_momentum && seen[r] == 0) ? &sc_first : &sc);
 }
 
 __kernel void sgd_dense(__global float *p, __global float *buf, __global const long *pos,
                         __global const long *seg, __global const long *order,
-                        __global const float *values, long num_rows, long dim, float lr,
-                        float momentum, float dampening_factor, float weight_decay, int nesterov,
-                        int has_momentum, int first_step) {
+                        __global const float *values, long num_rows, long dim, const sgd_scalars sc) {
     long i = get_global_id(0);
     if (i >= num_rows * dim) return;
     long r = i / dim, j = i - r * dim, k = pos[r];
-    float g = k < 0 ? 0.0f : gathered_grad(values, order, seg[k], seg[k + 1], dim, j);
-    sgd_element(p, buf, i, g, lr, momentum, dampening_factor, weight_decay, nesterov,
-                has_momentum, first_step);
+    sgd_at(p, buf, i, k < 0 ? 0.0f : gathered_grad(values, order, seg[k], seg[k + 1], dim, j), &sc);
 }
 """
 
-# Work-group size for the OpenCL kernels (None lets the runtime choose; PoCL and NVIDIA both
-# pick well for a 1-D range this simple).
-OPENCL_LOCAL = None
+
+def opencl_source() -> str:
+    """The sparse kernels with the shared scalar structs and per-element math inlined."""
+    import importlib.resources
+
+    root = importlib.resources.files("optirs.backends") / "kernels"
+    header = (root / "optirs_scalars.h").read_text(encoding="utf-8")
+    elementwise = (root / "optirs_elementwise.h").read_text(encoding="utf-8")
+    return "\n".join([
+        "#pragma OPENCL FP_CONTRACT OFF /* same rounding as the numba kernels */",
+        header,
+        "#define FN_PASTE(a, b) a##_##b",
+        "#define FN_EXPAND(a, b) FN_PASTE(a, b)",
+        "#define FN(name) FN_EXPAND(name, SUFFIX)",
+        "#define T float",
+        "#define SUFFIX v1",
+        elementwise,
+        "#undef T",
+        "#undef SUFFIX",
+        OPENCL_KERNELS,
+    ])
+
+
+def opencl_record(scalars) -> np.ndarray:
+    """An optirs.scalars record as the numpy struct matching optirs_scalars.h (float32 -> f4, bool -> i4)."""
+    dtype = np.dtype([(name, "<i4" if isinstance(value, (bool, np.bool_)) else "<f4")
+                      for name, value in zip(scalars._fields, scalars)])
+    return np.array(tuple(scalars), dtype)

@@ -43,7 +43,7 @@ import numpy as np
 
 from . import scalars as sc
 from .arrays import describe
-from .errors import (BackendUnavailableError, InvalidParameterError, ShapeMismatchError,
+from .errors import (BackendUnavailableError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
                      UnsupportedOperationError)
 from .params import AdamParams, SgdParams
 
@@ -325,15 +325,17 @@ class _OpenclDevice(_Device):
         try:
             ctx = REGISTRY.get_backend("opencl", options).ctx
             self.context, self.queue = ctx.context, ctx.queue
-        except (BackendUnavailableError, AttributeError):
+        except (GpuOptimError, AttributeError):
+            # Not installed, or cannot open: the sparse kernels need no more than a context.
             platforms = cl.get_platforms()
             if not platforms:
                 raise BackendUnavailableError("backend 'opencl' cannot open: no OpenCL platform") from None
             self.context = cl.Context(platforms[0].get_devices())
             self.queue = cl.CommandQueue(self.context)
         self.cl, self.cla = cl, cla
-        program = cl.Program(self.context, sparse_kernels.OPENCL_SOURCE).build(
+        program = cl.Program(self.context, sparse_kernels.opencl_source()).build(
             options=["-cl-fp32-correctly-rounded-divide-sqrt"])
+        self.record = sparse_kernels.opencl_record
         # Kernel objects are built once and reused (looking up program.name per call rebuilds them).
         self.kernels = {k.function_name: k for k in program.all_kernels()}
 
@@ -350,8 +352,8 @@ class _OpenclDevice(_Device):
         if not items:
             return
         k = self.kernels[kernel]
-        k(self.queue, (int(items),), None, *[a.data if hasattr(a, "data") and not isinstance(a, np.generic) else a
-                                               for a in args])
+        # Device arrays go in as their buffers; numpy scalars and struct records by value.
+        k(self.queue, (int(items),), None, *[a.data if isinstance(a, self.cla.Array) else a for a in args])
 
     def synchronize(self):
         self.queue.finish()
@@ -676,17 +678,15 @@ class SparseAdam(_SparseOptimizer):
         dev.run("scatter_pos", n, pos, drows, True)
 
     def _run_opencl(self, dev, table, p, rows, seg, order, values, n, s):
-        hyper = (s.beta1, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.eps, s.step_size,
-                 s.bias_correction2_sqrt)
-        dim = np.int64(table.dim)
+        rec, dim = dev.record(s), np.int64(table.dim)
         if self.config.mode is LazyAdamMode.LAZY:
             dev.run("adam_lazy", n * table.dim, p, table.exp_avg, table.exp_avg_sq, rows, seg, order, values,
-                    np.int64(n), dim, *hyper)
+                    np.int64(n), dim, rec)
             return
         pos = self._pos(dev, table)
         dev.run("scatter_pos", n, pos, rows, np.int64(n), np.int32(0))
         dev.run("adam_dense", table.num_rows * table.dim, p, table.exp_avg, table.exp_avg_sq, pos, seg, order,
-                values, np.int64(table.num_rows), dim, *hyper)
+                values, np.int64(table.num_rows), dim, rec)
         dev.run("scatter_pos", n, pos, rows, np.int64(n), np.int32(1))
 
 
@@ -735,17 +735,16 @@ class SparseSgd(_SparseOptimizer):
         # LAZY decides the first step per row (row_seen), so its shared record is never "first".
         s = self.scalars(max(step, 2) if lazy else step)
         if dev.name == "opencl":
-            hyper = (s.lr, s.momentum, s.dampening_factor, s.weight_decay, np.int32(s.nesterov),
-                     np.int32(s.has_momentum))
             if lazy:
-                dev.run("sgd_lazy", n * dim, p, buf, seen, drows, dseg, dorder, values, np.int64(n), np.int64(dim), *hyper)
+                dev.run("sgd_lazy", n * dim, p, buf, seen, drows, dseg, dorder, values, np.int64(n), np.int64(dim),
+                        dev.record(s), dev.record(self.scalars(1)))
                 if table.row_seen is not None:
                     dev.run("mark_seen", n, seen, drows, np.int64(n))
                 return
             pos = self._pos(dev, table)
             dev.run("scatter_pos", n, pos, drows, np.int64(n), np.int32(0))
             dev.run("sgd_dense", table.num_rows * dim, p, buf, pos, dseg, dorder, values, np.int64(table.num_rows),
-                    np.int64(dim), *hyper, np.int32(s.first_step))
+                    np.int64(dim), dev.record(s))
             dev.run("scatter_pos", n, pos, drows, np.int64(n), np.int32(1))
             return
         if lazy:
