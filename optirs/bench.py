@@ -1,0 +1,619 @@
+"""``optirs bench``: every optimizer on every available backend, beside torch.optim, as fractions of copy bandwidth.
+
+Cases (sizes times ``--size-scale`` except ``small``):
+
+* ``flat``: one 256M-element float32 tensor;
+* ``model``: 300 tensors of lognormal sizes (seed 0) summing to about 134M parameters, each size
+  rounded up to a multiple of 64 elements as real layer shapes are;
+* ``small``: 1M parameters in 50 tensors (same recipe, seed 1): the wall time of a whole step,
+  host included, where launch and Python overheads dominate.
+
+Per case and optimizer it reports the step time (median over batches of back-to-back steps through
+the public API, ``step_gpu``), the kernel time (the backend's step hook alone, no validation),
+the effective bandwidth (bytes the optimizer must move / kernel time), the fraction of the
+device's copy bandwidth measured in the same run, and the speedup over torch.optim (fused where
+torch has it for that optimizer and device, else foreach) on the same device. Before timing,
+every optimizer is checked against :mod:`optirs.reference` on a small model.
+
+Device arrays come from each backend's own kind: numba device arrays (cuda), pyopencl arrays on
+the backend's queue (opencl), numpy (cpu). Timing uses CUDA events on the CUDA device, and
+synchronize + perf_counter elsewhere; arrays are random (never zeros) and warm-up steps run first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+FLAT = 256 * 2**20
+MODEL_TOTAL = 134_000_000
+MODEL_TENSORS = 300
+SMALL_TOTAL = 1_000_000
+SMALL_TENSORS = 50
+CASES = ("flat", "model", "small")
+
+# Bytes per element each optimizer must move with the default hyperparameters used here:
+# read p, g and every state slot, write p and every state slot (4 bytes each). LAMB needs the
+# per-tensor norms of p and of the update before any p is written, so every element is read in
+# two passes: (p, g, m, v) in, (m, v) out; then (p, m, v) in, p out.
+BYTES_PER_ELEMENT = {"adam": 28, "adamw": 28, "sgd": 20, "rmsprop": 20, "adagrad": 20, "lamb": 40}
+
+
+def default_hyperparameters() -> Dict[str, Any]:
+    import optirs
+
+    return {
+        "adam": optirs.AdamParams(lr=1e-3),
+        "adamw": optirs.AdamParams(lr=1e-3, weight_decay=0.01),
+        "sgd": optirs.SgdParams(lr=1e-2, momentum=0.9),
+        "rmsprop": optirs.RmspropParams(lr=1e-2),
+        "adagrad": optirs.AdagradParams(lr=1e-2),
+        "lamb": optirs.LambParams(),
+    }
+
+
+def lognormal_sizes(total: int, count: int, seed: int, multiple: int = 64) -> List[int]:
+    """``count`` lognormal sizes summing to about ``total``, each a multiple of ``multiple``."""
+    rng = np.random.default_rng(seed)
+    raw = rng.lognormal(mean=0.0, sigma=1.5, size=count)
+    sizes = np.maximum(multiple, np.ceil(raw / raw.sum() * total / multiple) * multiple).astype(np.int64)
+    return [int(s) for s in sizes]
+
+
+def case_sizes(case: str, scale: float) -> List[int]:
+    if case == "flat":
+        return [max(64, int(FLAT * scale) // 64 * 64)]
+    if case == "model":
+        return lognormal_sizes(max(MODEL_TENSORS * 64, int(MODEL_TOTAL * scale)), MODEL_TENSORS, seed=0)
+    if case == "small":
+        return lognormal_sizes(SMALL_TOTAL, SMALL_TENSORS, seed=1)
+    raise ValueError(case)
+
+
+# ------------------------------------------------------------------ device kinds
+
+
+class Kind:
+    """Arrays, synchronization and timing for one backend's device."""
+
+    name = "cpu"
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def make(self, host: np.ndarray) -> Any:
+        return host.copy()
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return np.array(array, copy=True)
+
+    def sync(self) -> None:
+        pass
+
+    def time_ms(self, fn: Callable[[], None], reps: int) -> float:
+        """Milliseconds per call over ``reps`` back-to-back calls (device finished)."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3 / reps
+
+    def wall_ms(self, fn: Callable[[], None], reps: int) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3 / reps
+
+    def copy_pair(self, n: int) -> Tuple[Any, Any, Callable[[], None]]:
+        src, dst = self.make(_random(n, 7)), self.make(np.zeros(n, np.float32))
+        return src, dst, lambda: np.copyto(dst, src)
+
+    def copy_candidates(self, n: int) -> List[Tuple[str, Callable[[], None]]]:
+        src, dst, fn = self.copy_pair(n)
+        out = [("numpy copyto", fn)]
+        try:  # all cores, as the optimizer kernels use them
+            from numba import njit, prange
+
+            @njit(parallel=True, cache=False)
+            def pcopy(a, b):
+                for i in prange(a.shape[0]):
+                    b[i] = a[i]
+
+            pcopy(src[:64], dst[:64])
+            out.append(("numba parallel copy", lambda: pcopy(src, dst)))
+        except Exception:  # pragma: no cover
+            pass
+        return out
+
+    def torch_device(self) -> Optional[str]:
+        return "cpu"
+
+    def describe(self) -> str:
+        d = self.backend.devices[0] if self.backend.devices else None
+        return f"{d.name} ({d.compute_units} threads)" if d else "cpu"
+
+
+class CudaKind(Kind):
+    name = "cuda"
+
+    def __init__(self, backend: Any):
+        super().__init__(backend)
+        from numba import cuda
+
+        self.cuda = cuda
+
+    def make(self, host: np.ndarray) -> Any:
+        return self.cuda.to_device(host)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        if hasattr(array, "copy_to_host"):
+            return array.copy_to_host()
+        return array.detach().cpu().numpy()
+
+    def sync(self) -> None:
+        self.cuda.synchronize()
+
+    def time_ms(self, fn: Callable[[], None], reps: int) -> float:
+        if getattr(self.backend.ctx, "simulator", False):
+            return super().time_ms(fn, reps)
+        start, stop = self.cuda.event(), self.cuda.event()
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return self.cuda.event_elapsed_time(start, stop) / reps
+
+    def copy_candidates(self, n: int) -> List[Tuple[str, Callable[[], None]]]:
+        src, dst = self.make(_random(n, 7)), self.cuda.device_array(n, np.float32)
+        return [("device-to-device copy", lambda: dst.copy_to_device(src))]
+
+    def torch_device(self) -> Optional[str]:
+        try:
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else None
+        except ImportError:
+            return None
+
+    def describe(self) -> str:
+        d = self.backend.devices[0]
+        return f"{d.name} ({d.compute_units} SMs, CC {d.details.get('compute_capability', '?')})"
+
+
+class OpenclKind(Kind):
+    name = "opencl"
+
+    def __init__(self, backend: Any):
+        super().__init__(backend)
+        import pyopencl as cl
+        import pyopencl.array as cla
+
+        self.cl, self.cla = cl, cla
+        self.queue = backend.ctx.queue
+
+    def make(self, host: np.ndarray) -> Any:
+        return self.cla.to_device(self.queue, host)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return array.get()
+
+    def sync(self) -> None:
+        self.queue.finish()
+
+    def copy_candidates(self, n: int) -> List[Tuple[str, Callable[[], None]]]:
+        src, dst = self.make(_random(n, 7)), self.make(np.zeros(n, np.float32))
+        return [("buffer copy", lambda: self.cl.enqueue_copy(self.queue, dst.data, src.data))]
+
+    def torch_device(self) -> Optional[str]:
+        return None
+
+    def describe(self) -> str:
+        d = self.backend.devices[0] if self.backend.devices else None
+        return d.name if d else "opencl"
+
+
+def make_kind(backend: Any) -> Kind:
+    return {"cuda": CudaKind, "opencl": OpenclKind}.get(backend.name, Kind)(backend)
+
+
+def _random(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = rng.random(n, dtype=np.float32)
+    out -= np.float32(0.5)
+    return out
+
+
+# ------------------------------------------------------------------ peers
+
+
+def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
+    """torch.optim's implementation of ``name`` (fused where supported, else foreach), or (None, reason)."""
+    import torch
+
+    ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+            "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad}.get(name)
+    if ctor is None:
+        return None, "torch.optim has no " + name
+    kwargs = {
+        "adam": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay),
+        "adamw": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay),
+        "sgd": lambda: dict(lr=hp.lr, momentum=hp.momentum),
+        "rmsprop": lambda: dict(lr=hp.lr, alpha=hp.alpha, eps=hp.eps),
+        "adagrad": lambda: dict(lr=hp.lr, eps=hp.eps),
+    }[name]()
+    for mode in ("fused", "foreach"):
+        try:
+            opt = ctor(params, **kwargs, **{mode: True})
+            opt.step()  # fused support is checked at the first step on some versions
+            return opt, mode
+        except (RuntimeError, TypeError, ValueError):
+            continue
+    return None, "torch rejected fused and foreach"
+
+
+def numpy_step(name: str, hp: Any):
+    """A float32 in-place numpy step (the CPU peer); None where not written."""
+    f32 = np.float32
+    if name in ("adam", "adamw"):
+        def step(p, g, st, t):
+            m, v, tmp = st.setdefault("m", np.zeros_like(p)), st.setdefault("v", np.zeros_like(p)), st.setdefault("t", np.empty_like(p))
+            if name == "adamw":
+                p *= f32(1 - hp.lr * hp.weight_decay)
+            m *= f32(hp.beta1); np.multiply(g, f32(1 - hp.beta1), out=tmp); m += tmp
+            v *= f32(hp.beta2); np.multiply(g, g, out=tmp); tmp *= f32(1 - hp.beta2); v += tmp
+            np.sqrt(v, out=tmp); tmp /= f32(np.sqrt(1 - hp.beta2**t)); tmp += f32(hp.eps)
+            np.divide(m, tmp, out=tmp); tmp *= f32(hp.lr / (1 - hp.beta1**t)); p -= tmp
+        return step
+    if name == "sgd":
+        def step(p, g, st, t):
+            b = st.setdefault("b", g.copy())
+            if t > 1:
+                b *= f32(hp.momentum); b += g
+            tmp = st.setdefault("t", np.empty_like(p)); np.multiply(b, f32(hp.lr), out=tmp); p -= tmp
+        return step
+    if name == "adagrad":
+        def step(p, g, st, t):
+            s, tmp = st.setdefault("s", np.zeros_like(p)), st.setdefault("t", np.empty_like(p))
+            np.multiply(g, g, out=tmp); s += tmp; np.sqrt(s, out=tmp); tmp += f32(hp.eps)
+            np.divide(g, tmp, out=tmp); tmp *= f32(hp.lr); p -= tmp
+        return step
+    if name == "rmsprop":
+        def step(p, g, st, t):
+            s, tmp = st.setdefault("s", np.zeros_like(p)), st.setdefault("t", np.empty_like(p))
+            s *= f32(hp.alpha); np.multiply(g, g, out=tmp); tmp *= f32(1 - hp.alpha); s += tmp
+            np.sqrt(s, out=tmp); tmp += f32(hp.eps); np.divide(g, tmp, out=tmp); tmp *= f32(hp.lr); p -= tmp
+        return step
+    return None
+
+
+# ------------------------------------------------------------------ results
+
+
+@dataclass
+class Row:
+    backend: str
+    impl: str  # "optirs", "torch fused", "torch foreach", "numpy"
+    optimizer: str
+    case: str
+    elements: int
+    tensors: int
+    ms: float  # a whole step through the public API (median)
+    kernel_ms: Optional[float] = None  # the step hook alone (optirs) / same as ms (peers)
+    gbps: Optional[float] = None
+    copy_fraction: Optional[float] = None
+    speedup_vs_torch: Optional[float] = None
+    check: str = ""
+    note: str = ""
+
+
+@dataclass
+class Report:
+    date: str
+    host: str
+    versions: Dict[str, str]
+    devices: Dict[str, str] = field(default_factory=dict)
+    copy_gbps: Dict[str, float] = field(default_factory=dict)
+    copy_method: Dict[str, str] = field(default_factory=dict)
+    checks: Dict[str, str] = field(default_factory=dict)
+    rows: List[Row] = field(default_factory=list)
+    settings: Dict[str, Any] = field(default_factory=dict)
+
+
+def _versions() -> Dict[str, str]:
+    out = {"python": platform.python_version()}
+    for mod in ("optirs", "numpy", "numba", "numba_cuda", "torch", "pyopencl"):
+        try:
+            m = __import__(mod)
+            out[mod] = str(getattr(m, "__version__", "?"))
+        except Exception:
+            pass
+    try:
+        from numba import cuda
+
+        if cuda.is_available() and not getattr(cuda, "simulator_enabled", False):
+            ver = cuda.cudadrv.driver.driver.get_version()
+            out["cuda_driver"] = ".".join(str(v) for v in ver)
+    except Exception:
+        pass
+    return out
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warmup: int, wall: bool = False) -> float:
+    for _ in range(warmup):
+        fn()
+    kind.sync()
+    timer = kind.wall_ms if wall else kind.time_ms
+    times = [timer(fn, reps) for _ in range(repeats)]
+    value = statistics.median(times)
+    if not value > 0:
+        raise RuntimeError(f"timer returned {value} ms: too few repetitions to measure")
+    return value
+
+
+def check_against_reference(backend_name: str, kind: Kind, name: str, hp: Any) -> str:
+    """Three steps on a small model through the public API, compared with optirs.reference."""
+    import optirs
+    from optirs import reference
+    from optirs.optimizers import OPTIMIZERS
+
+    rng = np.random.default_rng(3)
+    shapes = [(1000,), (37,), (65, 63), (4099,)]
+    host = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    expected, _ = reference.run(name, host, grads, hp)
+    params = [kind.make(h) for h in host]
+    opt = OPTIMIZERS[name](hp, optirs.GpuOptimizerConfig(backend=backend_name))
+    for gs in grads:
+        opt.step_gpu(params, [kind.make(g) for g in gs])
+    worst = 0.0
+    for p, e in zip(params, expected):
+        a = kind.to_host(p).reshape(e.shape)
+        scale = float(np.max(np.abs(e))) or 1.0
+        worst = max(worst, float(np.max(np.abs(a - e) / (1e-5 * scale + 1e-5 * np.abs(e)))))
+    if worst > 1.0:
+        return f"FAILED (error {worst:.2f}x the 1e-5 tolerance)"
+    return f"ok ({worst:.2f}x tol)"
+
+
+def measure_copy(kind: Kind, n: int, reps: int, repeats: int) -> Tuple[float, str]:
+    best, method = 0.0, ""
+    for label, fn in kind.copy_candidates(n):
+        ms = _median_ms(kind, fn, reps, repeats, warmup=2)
+        gbps = 2 * 4 * n / ms / 1e6  # bytes read + written
+        if gbps > best:
+            best, method = gbps, label
+    return best, method
+
+
+def bench_optirs(backend: Any, kind: Kind, name: str, hp: Any, params: List[Any], grads: List[Any], sizes: List[int],
+                 reps: int, repeats: int, warmup: int, wall: bool) -> Tuple[float, float]:
+    """(API step ms, hook-only ms) for one optimizer on prepared device arrays."""
+    import optirs
+    from optirs.layout import TensorLayout
+    from optirs.optimizers import OPTIMIZERS
+
+    opt = OPTIMIZERS[name](hp, optirs.GpuOptimizerConfig(backend=backend.name))
+    api_ms = _median_ms(kind, lambda: opt.step_gpu(params, grads), reps, repeats, warmup, wall=wall)
+    state_slots = opt.state_slots(hp)
+    del opt
+    layout = TensorLayout([(n,) for n in sizes])
+    state = {k: backend.alloc(backend.ctx, layout.total, np.float32, float(v)) for k, v in state_slots.items()}
+    staged = backend.stage(backend.ctx, params, grads)
+    step = backend.step_fn(name)
+    sc = OPTIMIZERS[name](hp).step_scalars(2)
+    hook_ms = _median_ms(kind, lambda: step(backend.ctx, staged.params, staged.grads, state, layout, sc),
+                         reps, repeats, warmup, wall=wall)
+    del state, staged
+    return api_ms, hook_ms
+
+
+def run(args: argparse.Namespace, console: Any) -> Report:
+    import optirs
+    from optirs.hookspecs import OPTIMIZER_NAMES
+
+    report = Report(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    platform.node(), _versions())
+    hps = default_hyperparameters()
+    optimizers = args.optimizers or list(OPTIMIZER_NAMES)
+    report.settings = {"size_scale": args.size_scale, "reps": args.reps, "repeats": args.repeats,
+                       "warmup": args.warmup, "cases": args.cases, "optimizers": optimizers}
+    statuses = {s.name: s for s in optirs.list_backends()}
+    names = args.backends or [n for n in ("cuda", "opencl", "cpu") if n in statuses]
+    torch = None
+    if not args.no_torch:
+        try:
+            import torch  # noqa: F811
+        except ImportError:
+            torch = None
+
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        for bname in names:
+            status = statuses.get(bname)
+            if status is None or not status.available:
+                console.print(f"[yellow]skipping backend {bname}: {status.reason if status else 'not installed'}[/]")
+                continue
+            backend = optirs.get_backend(bname)
+            kind = make_kind(backend)
+            report.devices[bname] = kind.describe()
+            flat_n = case_sizes("flat", args.size_scale)[0]
+            gbps, method = measure_copy(kind, flat_n, args.reps, args.repeats)
+            report.copy_gbps[bname], report.copy_method[bname] = gbps, method
+            for name in optimizers:
+                report.checks[f"{bname}/{name}"] = check_against_reference(bname, kind, name, hps[name])
+            tdev = kind.torch_device() if torch is not None else None
+            task = progress.add_task(f"{bname}", total=len(args.cases) * len(optimizers))
+            for case in args.cases:
+                sizes = case_sizes(case, args.size_scale)
+                total = sum(sizes)
+                wall = case == "small"
+                hosts_p = [_random(n, 11 + i) for i, n in enumerate(sizes)]
+                hosts_g = [_random(n, 1000 + i) * np.float32(0.01) for i, n in enumerate(sizes)]
+                params = [kind.make(h) for h in hosts_p]
+                grads = [kind.make(h) for h in hosts_g]
+                reps = max(3, args.reps if not wall else args.reps * 10)
+                for name in optimizers:
+                    progress.update(task, description=f"{bname} {case} {name}")
+                    check = report.checks[f"{bname}/{name}"]
+                    torch_ms = None
+                    if tdev is not None and name != "lamb":
+                        tp = [torch.from_numpy(h).to(tdev) for h in hosts_p]
+                        for p, h in zip(tp, hosts_g):
+                            p.grad = torch.from_numpy(h).to(tdev)
+                        topt, mode = torch_optimizer(name, tp, hps[name], tdev)
+                        if topt is not None:
+                            torch_ms = _median_ms(kind, topt.step, reps, args.repeats, args.warmup, wall=wall)
+                            report.rows.append(_row(bname, f"torch {mode}", name, case, sizes, torch_ms, torch_ms, None,
+                                                    report.copy_gbps[bname], ""))
+                        del tp, topt
+                    if bname == "cpu" and not args.no_numpy:
+                        fn = numpy_step(name, hps[name])
+                        if fn is not None:
+                            nps = [h.copy() for h in hosts_p]
+                            states = [dict() for _ in nps]
+                            counter = [0]
+
+                            def np_step():
+                                counter[0] += 1
+                                for p, g, st in zip(nps, hosts_g, states):
+                                    fn(p, g, st, counter[0])
+
+                            ms = _median_ms(kind, np_step, reps, args.repeats, args.warmup, wall=True)
+                            report.rows.append(_row(bname, "numpy", name, case, sizes, ms, ms, torch_ms,
+                                                    report.copy_gbps[bname], ""))
+                            del nps, states
+                    try:
+                        api_ms, hook_ms = bench_optirs(backend, kind, name, hps[name], params, grads, sizes, reps,
+                                                       args.repeats, args.warmup, wall)
+                        report.rows.append(_row(bname, "optirs", name, case, sizes, api_ms, hook_ms, torch_ms,
+                                                report.copy_gbps[bname], check))
+                    except Exception as exc:  # report and carry on with the other cases
+                        report.rows.append(Row(bname, "optirs", name, case, total, len(sizes), float("nan"),
+                                               check=check, note=f"{type(exc).__name__}: {exc}"))
+                    progress.advance(task)
+                del params, grads, hosts_p, hosts_g
+    return report
+
+
+def _row(backend: str, impl: str, name: str, case: str, sizes: Sequence[int], ms: float, kernel_ms: float,
+         torch_ms: Optional[float], copy_gbps: float, check: str) -> Row:
+    total = sum(sizes)
+    gbps = BYTES_PER_ELEMENT[name] * total / kernel_ms / 1e6
+    return Row(backend, impl, name, case, total, len(sizes), ms, kernel_ms, gbps, gbps / copy_gbps if copy_gbps else None,
+               (torch_ms / ms) if torch_ms else None, check)
+
+
+# ------------------------------------------------------------------ output
+
+
+def print_report(report: Report, console: Any) -> None:
+    from rich.table import Table
+
+    console.print(f"optirs bench, {report.date}; " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
+    for b, d in report.devices.items():
+        console.print(f"  {b}: {d}; copy bandwidth {report.copy_gbps[b]:.1f} GB/s ({report.copy_method[b]})")
+    table = Table(title="optimizer step: ms per step, effective GB/s (bytes the optimizer must move / kernel time)")
+    for col in ("backend", "case", "optimizer", "impl", "elements/tensors", "step ms", "kernel ms", "GB/s",
+                "of copy", "vs torch", "check"):
+        table.add_column(col, justify="right" if col not in ("backend", "case", "optimizer", "impl", "check") else "left")
+    for r in report.rows:
+        table.add_row(r.backend, r.case, r.optimizer, r.impl, f"{r.elements / 1e6:.1f}M/{r.tensors}", _f(r.ms, 3),
+                      _f(r.kernel_ms, 3), _f(r.gbps, 0), _pct(r.copy_fraction),
+                      f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-", r.check or r.note)
+    console.print(table)
+    console.print("step ms: a whole step through step_gpu (small case: wall time, host included); kernel ms: the "
+                  "backend's step hook alone (optirs) or the same step (peers); vs torch: torch step ms / step ms.")
+
+
+def _f(v: Optional[float], digits: int) -> str:
+    return "-" if v is None or v != v else f"{v:.{digits}f}"
+
+
+def _pct(v: Optional[float]) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def write_plot(report: Report, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.rows if r.copy_fraction is not None and r.case != "small"]
+    groups = sorted({(r.backend, r.case, r.optimizer) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
+    impls = sorted({r.impl for r in rows}, key=lambda s: (s != "optirs", s))
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(8, len(groups) * 0.7), 4.5))
+    for k, impl in enumerate(impls):
+        values = []
+        for g in groups:
+            match = [r.copy_fraction for r in rows if (r.backend, r.case, r.optimizer) == g and r.impl == impl]
+            values.append(100 * match[0] if match else 0.0)
+        ax.bar(np.arange(len(groups)) + k * width, values, width, label=impl)
+    ax.set_xticks(np.arange(len(groups)) + width * (len(impls) - 1) / 2)
+    ax.set_xticklabels([f"{b}\n{c}\n{o}" for b, c, o in groups], fontsize=7)
+    ax.set_ylabel("% of copy bandwidth")
+    ax.axhline(100, color="grey", linewidth=0.5)
+    ax.legend()
+    ax.set_title(f"optirs bench {report.date}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from optirs.hookspecs import OPTIMIZER_NAMES
+
+    parser = argparse.ArgumentParser(prog="optirs bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", type=lambda s: s.split(","), default=None, help="comma-separated (default: all available)")
+    parser.add_argument("--optimizers", type=lambda s: s.split(","), default=None, help=f"comma-separated from {','.join(OPTIMIZER_NAMES)}")
+    parser.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help="comma-separated from flat,model,small")
+    parser.add_argument("--size-scale", type=float, default=1.0, help="scale flat and model sizes (e.g. 0.0625: 16M flat)")
+    parser.add_argument("--reps", type=int, default=10, help="back-to-back steps per timed batch (x10 for small)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed batches; the median is reported")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-torch", action="store_true", help="do not time torch.optim")
+    parser.add_argument("--no-numpy", action="store_true", help="do not time the numpy peer (cpu)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart of the fractions of copy bandwidth")
+    args = parser.parse_args(argv)
+    for value, allowed, what in ((args.optimizers or [], OPTIMIZER_NAMES, "optimizer"), (args.cases, CASES, "case")):
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            parser.error(f"unknown {what} {bad}; expected some of {list(allowed)}")
+    if not args.size_scale > 0 or args.reps < 1 or args.repeats < 1 or args.warmup < 0:
+        parser.error("--size-scale must be > 0, --reps and --repeats >= 1, --warmup >= 0")
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    report = run(args, console)
+    print_report(report, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(asdict(report), f, indent=1, default=float)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        write_plot(report, args.plot)
+        console.print(f"wrote {args.plot}")
+    failed = [k for k, v in report.checks.items() if v.startswith("FAILED")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
