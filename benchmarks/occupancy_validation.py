@@ -224,8 +224,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc["limits_from_device"] = dataclasses.asdict(limits)
     try:
         doc["cuda_driver_version"] = drv.check(drv.d.cuDriverGetVersion(), "cuDriverGetVersion")
-        import cuda.bindings
-        doc["cuda_bindings"] = getattr(cuda.bindings, "__version__", "?")
+        import importlib  # (``import cuda.bindings`` here would rebind ``cuda``, numba's module)
+        doc["cuda_bindings"] = getattr(importlib.import_module("cuda.bindings"), "__version__", "?")
     except Exception as exc:
         doc["cuda_driver_version"] = f"? ({exc})"
     print(f"device: {limits.name}, CC {limits.cc}, {limits.sm_count} SMs; driver {doc['cuda_driver_version']}")
@@ -357,11 +357,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{r['name']:<26} {u.get('registers_per_thread', '-'):>4} {u.get('static_shared_mem', '-'):>7} "
               f"{u.get('max_threads_per_block', '-'):>6} {r.get('compared', 0):>8} {r.get('mismatches', '-'):>8}  "
               f"{r.get('launch_config_1M', r.get('error', ''))}")
-    for m in mismatches[:20]:
-        print("MISMATCH active blocks:", m)
-    for p in potential_mismatches[:20]:
-        print("MISMATCH potential block size:", p)
-    for e in errors[:20]:
+    for m in mismatches[:12]:
+        print(f"MISMATCH active blocks: {m['kernel']} block={m['block']} dynamic={m['dynamic']} carveout={m['carveout']}: "
+              f"driver {m['driver']}, ours {m['ours']} {m['limits']}"
+              + (" (block above the kernel's max threads)" if m["beyond_kernel_max_threads"] else ""))
+    for p in potential_mismatches[:12]:
+        print(f"MISMATCH potential block size: {p['kernel']} dynamic={p['dynamic']} carveout={p['carveout']} "
+              f"limit={p['limit']}: driver (grid, block) {p['driver']}, ours {p['ours']}")
+    for e in errors[:12]:
         print("ERROR:", e["kernel"], e.get("what", ""), e["error"])
     print(f"\ncuOccupancyMaxActiveBlocksPerMultiprocessor: {compared} configurations, {len(mismatches)} mismatches "
           f"(table entry instead of device attributes: {table_mismatches}; "
