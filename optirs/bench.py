@@ -372,6 +372,17 @@ def check_against_reference(backend_name: str, kind: Kind, name: str, hp: Any) -
     from optirs import reference
     from optirs.optimizers import OPTIMIZERS
 
+    try:
+        return _check(backend_name, kind, name, hp)
+    except Exception as exc:
+        return f"FAILED ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+
+
+def _check(backend_name: str, kind: Kind, name: str, hp: Any) -> str:
+    import optirs
+    from optirs import reference
+    from optirs.optimizers import OPTIMIZERS
+
     rng = np.random.default_rng(3)
     shapes = [(1000,), (37,), (65, 63), (4099,)]
     host = [rng.standard_normal(s).astype(np.float32) for s in shapes]

@@ -111,7 +111,8 @@ class PreparedLaunch:
 
     def __init__(self, ctx: "CudaContext", compiled: "Compiled", args: tuple, grid: int, block: int):
         self.compiled, self.args, self.grid, self.block = compiled, args, grid, block
-        self.fn = ctx.launcher.fn if (compiled.handle is not None and not ctx.simulator) else None
+        raw = os.environ.get("OPTIRS_CUDA_RAW_LAUNCH", "1") != "0"  # 0: numba's launch (for comparison)
+        self.fn = ctx.launcher.fn if (raw and compiled.handle is not None and not ctx.simulator) else None
         self.sc = args[-1]
         if self.fn is None:
             return
@@ -217,6 +218,7 @@ class CudaContext:
         self._compiled: Dict[Tuple[str, Any], Compiled] = {}
         self._launches: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()
         self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
         # Indirection for tests that simulate a failing allocation.
         self.device_array = cuda.device_array
 
@@ -306,6 +308,33 @@ class CudaContext:
         else:
             tables.move_to_end(key)
         return table
+
+    def addresses(self, arrays: List[Any], label: str) -> Tuple[int, ...]:
+        """Device addresses of a list of arrays, cached by the arrays' identities.
+
+        Like the optimizer's validation cache, this takes an array object to keep its memory
+        between steps (true of numba, CuPy and torch arrays unless ``tensor.data`` is reassigned);
+        the entry keeps the arrays alive, so the identities stay theirs.
+        """
+        key = tuple(map(id, arrays))
+        hit = self._address_cache.get(key)
+        if hit is not None:
+            self._address_cache.move_to_end(key)
+            return hit[1]
+        found = []
+        for i, a in enumerate(arrays):
+            addr = device_address(a)
+            if addr is None:
+                raise InvalidParameterError(
+                    f"{label}[{i}] is a {type(a).__module__}.{type(a).__qualname__}, expected a numpy array or "
+                    "a CUDA device array (__cuda_array_interface__) on the cuda backend"
+                )
+            found.append(addr)
+        out = tuple(found)
+        self._address_cache[key] = (list(arrays), out)
+        if len(self._address_cache) > 2 * _LRU:
+            self._address_cache.popitem(last=False)
+        return out
 
     # ------------------------------------------------ staging numpy inputs
 
@@ -442,19 +471,7 @@ class CudaBackend:
             raise InvalidParameterError(
                 "params/grads mix numpy and device arrays, expected all numpy (uploaded) or all device arrays"
             )
-        addresses = []
-        for label, arrays in (("params", params), ("grads", grads)):
-            found = []
-            for i, a in enumerate(arrays):
-                addr = device_address(a)
-                if addr is None:
-                    raise InvalidParameterError(
-                        f"{label}[{i}] is a {type(a).__module__}.{type(a).__qualname__}, expected a numpy array or "
-                        "a CUDA device array (__cuda_array_interface__) on the cuda backend"
-                    )
-                found.append(addr)
-            addresses.append(tuple(found))
-        return Staged(DeviceList(params, addresses[0]), DeviceList(grads, addresses[1]))
+        return Staged(DeviceList(params, ctx.addresses(params, "params")), DeviceList(grads, ctx.addresses(grads, "grads")))
 
     def _stage_host(self, ctx: CudaContext, params: List[np.ndarray], grads: List[np.ndarray]) -> Staged:
         shapes = tuple(a.shape for a in params)
