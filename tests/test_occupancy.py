@@ -422,3 +422,15 @@ def test_command_prints_tables_and_plots(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert occ.main(["--cc", "3.5"]) == 2
     assert "3.5" in capsys.readouterr().out
+
+
+def test_docs_example_runs():
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "occupancy.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "docs/occupancy.md", "exec"), scope)
+    # The Best Practices Guide's example: 37 registers, 320-thread blocks -> 4 blocks (62.5%).
+    assert scope["r"].active_blocks_per_sm == 4
+    assert scope["best"].block_size * scope["best"].min_grid_size > 0
