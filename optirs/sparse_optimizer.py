@@ -42,7 +42,8 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import scalars as sc
-from .arrays import describe
+from .arrays import ArrayMeta
+from .arrays import describe as _core_describe
 from .errors import (BackendUnavailableError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
                      UnsupportedOperationError)
 from .params import AdamParams, SgdParams
@@ -69,10 +70,21 @@ def _mode(value: Any) -> LazyAdamMode:
 # ---------------------------------------------------------------- gradients
 
 
+def describe(array: Any, what: str = "array") -> ArrayMeta:
+    """optirs.arrays.describe, plus the arrays of numba's CUDA simulator (kind "cuda")."""
+    if type(array).__name__ == "FakeCUDAArray":  # the simulator's arrays have no __cuda_array_interface__
+        a = array._ary
+        return ArrayMeta("cuda", a.shape, a.dtype, bool(a.flags.c_contiguous), bool(a.flags.writeable),
+                         a.__array_interface__["data"][0])
+    return _core_describe(array, what)
+
+
 def _host_ints(array: Any, what: str) -> np.ndarray:
     """An index array as host int64 (device index arrays are small: nnz or num_rows + 1)."""
     if isinstance(array, np.ndarray):
         host = array
+    elif hasattr(array, "copy_to_host"):  # numba device arrays (and the simulator's)
+        host = array.copy_to_host()
     elif hasattr(array, "__cuda_array_interface__"):
         from numba import cuda
 
@@ -300,7 +312,7 @@ class _CudaDevice(_Device):
         return array.copy_to_host()
 
     def adopt(self, array):
-        return self.cuda.as_cuda_array(array)
+        return array if hasattr(array, "copy_to_host") else self.cuda.as_cuda_array(array)
 
     def run(self, kernel, items, *args):
         if items:
