@@ -74,7 +74,7 @@ def main(argv=None):
                 grid, block = min(int(cfg[0]), nchunks), int(cfg[1])
             else:
                 block = launch
-                per_sm = ctx.context.get_active_blocks_per_multiprocessor(compiled.cufunc, block, 0)
+                per_sm = ctx.launcher.active_blocks(compiled.handle, block)
                 grid = min(per_sm * ctx.sm_count, nchunks)
             layout = TensorLayout([(n,)])
             layout.cache[("cuda.launch_size", "adam")] = (grid, block)

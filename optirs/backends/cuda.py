@@ -89,15 +89,33 @@ class _Launcher:
     """Calls cuLaunchKernel on a prepared argument block (one ctypes call per step)."""
 
     def __init__(self) -> None:
-        self.fn = None
+        self.fn = self.lib = None
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             fn = lib.cuLaunchKernel
             fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
             fn.restype = ctypes.c_int
-            self.fn = fn
+            self.fn, self.lib = fn, lib
         except (OSError, AttributeError):  # pragma: no cover - numba's own launch is the fallback
             self.fn = None
+
+    def function(self, handle: int) -> ctypes.c_void_p:
+        """The CUfunction of numba's handle (a CUkernel from cuLibraryLoad; returned as is otherwise)."""
+        out = ctypes.c_void_p()
+        try:
+            if self.lib is not None and self.lib.cuKernelGetFunction(ctypes.byref(out), ctypes.c_void_p(handle)) == 0:
+                return out
+        except AttributeError:  # pragma: no cover - a driver before CUDA 12
+            pass
+        return ctypes.c_void_p(handle)
+
+    def active_blocks(self, function: ctypes.c_void_p, block: int) -> int:
+        """Blocks of ``block`` threads the compiled kernel keeps resident per SM (the driver's occupancy)."""
+        out = ctypes.c_int()
+        if self.lib is None or self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(out), function, ctypes.c_int(block), ctypes.c_size_t(0)) != 0:
+            raise GpuOptimError("cuOccupancyMaxActiveBlocksPerMultiprocessor failed")
+        return int(out.value)
 
 
 class PreparedLaunch:
@@ -165,7 +183,7 @@ class Compiled:
         try:
             cufunc = self.kernel._codelibrary.get_cufunc()
             self.cufunc = cufunc
-            self.handle = ctypes.c_void_p(int(cufunc.handle))
+            self.handle = ctx.launcher.function(int(cufunc.handle)) if ctx.launcher.lib is not None else None
         except Exception:  # pragma: no cover - fall back to numba's launch path
             self.handle = None
 
@@ -184,7 +202,7 @@ class Compiled:
         else:
             block = DEFAULT_BLOCK
             try:
-                per_sm = ctx.context.get_active_blocks_per_multiprocessor(self.cufunc, block, 0)
+                per_sm = ctx.launcher.active_blocks(self.handle, block)
             except Exception:
                 per_sm = 2048 // block
             grid = max(1, per_sm) * ctx.sm_count
