@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import enum
-import math
+import operator
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..errors import BackendUnavailableError, InvalidParameterError
@@ -463,9 +463,14 @@ class BlockSizeSuggestion(NamedTuple):
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    """``value`` as a Python int (numpy integers accepted) when it is an integer >= minimum."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
         raise InvalidParameterError(f"{name}={value!r}, expected an integer >= {minimum}")
-    return value
+    return number
 
 
 def _round_up(x: int, unit: int) -> int:
@@ -535,8 +540,8 @@ def calculate_occupancy(limits: SmResourceLimits, usage: KernelResourceUsage, bl
         raise InvalidParameterError(f"limits={limits!r}, expected an SmResourceLimits")
     if not isinstance(usage, KernelResourceUsage):
         raise InvalidParameterError(f"usage={usage!r}, expected a KernelResourceUsage")
-    _check_int("block_size", block_size, 1)
-    _check_int("dynamic_smem", dynamic_smem, 0)
+    block_size = _check_int("block_size", block_size, 1)
+    dynamic_smem = _check_int("dynamic_smem", dynamic_smem, 0)
     if not isinstance(carveout, int) or isinstance(carveout, bool) or not CARVEOUT_DEFAULT <= carveout <= CARVEOUT_MAX_SHARED:
         raise InvalidParameterError(f"carveout={carveout!r}, expected -1 (no preference) or a percentage 0 <= carveout <= 100")
     if partitioned_caching not in _CACHING:
@@ -655,7 +660,7 @@ def optimal_block_size(limits: SmResourceLimits, usage: KernelResourceUsage, dyn
         raise InvalidParameterError(f"limits={limits!r}, expected an SmResourceLimits")
     if not isinstance(usage, KernelResourceUsage):
         raise InvalidParameterError(f"usage={usage!r}, expected a KernelResourceUsage")
-    _check_int("block_size_limit", block_size_limit, 0)
+    block_size_limit = _check_int("block_size_limit", block_size_limit, 0)
     if callable(dynamic_smem):
         smem_for = dynamic_smem
     else:
@@ -670,9 +675,7 @@ def optimal_block_size(limits: SmResourceLimits, usage: KernelResourceUsage, dyn
     best_block, best_blocks, best_threads = 0, 0, 0
     for aligned in range(_round_up(limit, granularity), 0, -granularity):
         block = min(limit, aligned)
-        smem = smem_for(block)
-        if not isinstance(smem, int) or isinstance(smem, bool) or smem < 0:
-            raise InvalidParameterError(f"dynamic_smem({block}) returned {smem!r}, expected an integer >= 0")
+        smem = _check_int(f"dynamic_smem({block}) returned", smem_for(block), 0)
         blocks = calculate_occupancy(limits, usage, block, smem, carveout=carveout,
                                      partitioned_caching=partitioned_caching).active_blocks_per_sm
         if block * blocks > best_threads:
@@ -687,7 +690,7 @@ def optimal_block_size(limits: SmResourceLimits, usage: KernelResourceUsage, dyn
 def launch_config(limits: SmResourceLimits, usage: KernelResourceUsage, elements: int,
                   dynamic_smem: DynamicSmem = 0) -> Tuple[int, int]:
     """``(grid, block)`` covering ``elements`` work items (one per thread) with the most resident threads per SM."""
-    _check_int("elements", elements, 0)
+    elements = _check_int("elements", elements, 0)
     suggestion = optimal_block_size(limits, usage, dynamic_smem)
     if suggestion.block_size == 0:
         raise InvalidParameterError(
@@ -776,6 +779,13 @@ def _parse_size(text: str) -> int:
 def _block_sizes(limits: SmResourceLimits, usage: KernelResourceUsage) -> List[int]:
     top = min(limits.max_threads_per_block, usage.max_threads_per_block or limits.max_threads_per_block)
     return list(range(limits.warp_size, top + 1, limits.warp_size))
+
+
+_SHORT = {"warps": "warps", "registers": "regs", "shared_memory": "smem", "blocks": "blocks", "barriers": "bars"}
+
+
+def _short(limiter: OccupancyLimiter) -> str:
+    return "+".join(_SHORT[n] for n in limiter.names())
 
 
 def _fmt_limit(n: int) -> str:
@@ -870,15 +880,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     title = (f"Occupancy: {usage.registers_per_thread} registers/thread, {usage.static_shared_mem} B static + "
              f"{args.dynamic_smem} B dynamic shared memory, carveout {args.carveout}")
     occ = Table(title=title)
-    for col in ("block", "warps", "by warps", "by regs", "by smem", "by blocks", "active blocks", "active warps",
-                "occupancy", "limited by"):
-        occ.add_column(col, justify="right" if col != "limited by" else "left")
+    # The per-SM block limit is in the limits table; the rest fits 80 columns.
+    for col in ("block", "by\nwarps", "by\nregs", "by\nsmem", "blocks\n/SM", "warps\n/SM", "occu-\npancy", "limit"):
+        occ.add_column(col, justify="left" if col == "limit" else "right", no_wrap=True)
     for r in rows:
         style = "bold green" if r.block_size == best.block_size else ("bold" if r.block_size == detail_block else None)
-        occ.add_row(str(r.block_size), str(r.warps_per_block), _fmt_limit(r.block_limits["warps"]),
-                    _fmt_limit(r.block_limits["registers"]), _fmt_limit(r.block_limits["shared_memory"]),
-                    _fmt_limit(r.block_limits["blocks"]), str(r.active_blocks_per_sm), str(r.active_warps_per_sm),
-                    f"{r.occupancy:.1%}", str(r.limiter), style=style)
+        occ.add_row(str(r.block_size), _fmt_limit(r.block_limits["warps"]), _fmt_limit(r.block_limits["registers"]),
+                    _fmt_limit(r.block_limits["shared_memory"]), str(r.active_blocks_per_sm),
+                    str(r.active_warps_per_sm), f"{r.occupancy:.1%}", _short(r.limiter), style=style)
     console.print(occ)
     if best.block_size:
         grid = f", minimum grid {best.min_grid_size}" if best.min_grid_size is not None else ""
