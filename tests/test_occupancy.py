@@ -334,7 +334,7 @@ def test_monotonic_in_registers_and_shared_memory(cc, regs, extra_regs, block, d
     (lambda: KernelResourceUsage(32, static_shared_mem=1.5), ["static_shared_mem=1.5"]),
     (lambda: L("4.0"), ["4.0", "9.0"]),
     (lambda: L("nine"), ["nine", "major.minor"]),
-    (lambda: optimal_block_size(L("9.0"), KernelResourceUsage(32), lambda b: -1), ["returned -1"]),
+    (lambda: optimal_block_size(L("9.0"), KernelResourceUsage(32), lambda b: -1), ["returned=-1"]),
     (lambda: optimal_block_size(L("9.0"), KernelResourceUsage(32), block_size_limit=-5), ["block_size_limit=-5"]),
     (lambda: calculate_occupancy("9.0", KernelResourceUsage(32), 64), ["limits="]),
 ])
@@ -434,3 +434,18 @@ def test_docs_example_runs():
     # The Best Practices Guide's example: 37 registers, 320-thread blocks -> 4 blocks (62.5%).
     assert scope["r"].active_blocks_per_sm == 4
     assert scope["best"].block_size * scope["best"].min_grid_size > 0
+
+
+def test_from_device_of_a_larger_part_extends_the_carveouts():
+    # A CC 10.x part with 328 KiB per SM (cuda_occupancy.h's 10.7 has that configuration) and one
+    # barrier slot per block (10.x with minor != 0).
+    class Cc107(FakeDevice):
+        compute_capability = (10, 7)
+        MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 328 * KiB
+        MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 327 * KiB
+    limits = SmResourceLimits.from_device(Cc107())
+    assert limits.shared_mem_configs[-2:] == (228 * KiB, 328 * KiB)
+    assert limits.barrier_slots_per_block == 1
+    # 200 KiB + 1 KiB per block fits once, in the 328 KiB configuration.
+    r = calculate_occupancy(limits, KernelResourceUsage(32, max_dynamic_shared_mem=327 * KiB), 128, 200 * KiB)
+    assert r.active_blocks_per_sm == 1 and r.shared_mem_per_sm == 328 * KiB

@@ -163,8 +163,14 @@ class SmResourceLimits:
         rules = _rules_for(cc)
         get = lambda attr: int(getattr(device, attr))  # noqa: E731  (numba reads CU_DEVICE_ATTRIBUTE_<attr>)
         name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+        smem_per_sm = get("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR")
+        configs = rules.shared_mem_configs
+        if configs and smem_per_sm > configs[-1]:  # a larger part than its table entry (e.g. CC 10.7)
+            configs = configs + (smem_per_sm,)
         return replace(
             rules,
+            shared_mem_configs=configs,
+            barrier_slots_per_block=_barrier_slots(cc),
             compute_capability=cc,
             warp_size=get("WARP_SIZE"),
             max_threads_per_block=get("MAX_THREADS_PER_BLOCK"),
@@ -172,7 +178,7 @@ class SmResourceLimits:
             max_blocks_per_sm=get("MAX_BLOCKS_PER_MULTIPROCESSOR"),
             registers_per_sm=get("MAX_REGISTERS_PER_MULTIPROCESSOR"),
             registers_per_block=get("MAX_REGISTERS_PER_BLOCK"),
-            shared_mem_per_sm=get("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"),
+            shared_mem_per_sm=smem_per_sm,
             shared_mem_per_block=get("MAX_SHARED_MEMORY_PER_BLOCK"),
             shared_mem_per_block_optin=get("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
             reserved_shared_mem_per_block=get("RESERVED_SHARED_MEMORY_PER_BLOCK"),
@@ -281,6 +287,16 @@ def _rules_for(cc: Tuple[int, int]) -> SmResourceLimits:
             f"compute capability {cc[0]}.{cc[1]} has no known allocation rules; expected a major version among "
             + ", ".join(sorted({str(k[0]) for k in _TABLE}, key=int)))
     return _TABLE[min(same_major, key=lambda k: (abs(k[1] - cc[1]), k[1]))]
+
+
+def _barrier_slots(cc: Tuple[int, int]) -> int:
+    """Block barriers per resident-block slot, as cuda_occupancy.h counts them (0: not counted, before 9.0)."""
+    major, minor = cc
+    if major < 9:
+        return 0
+    if major == 9 or (major == 10 and minor == 0) or (major == 11 and minor != 0):
+        return 2
+    return 1
 
 
 def _live_device(device: Any) -> Any:
@@ -710,8 +726,8 @@ def _limits_for(device: Any) -> Optional[SmResourceLimits]:
         return device
     if isinstance(device, (tuple, list, str)):
         try:
-            return _rules_for(_parse_cc(device))
-        except InvalidParameterError:
+            return SmResourceLimits.for_compute_capability(tuple(device) if isinstance(device, list) else device)
+        except InvalidParameterError:  # not in the table: cannot tell
             return None
     try:
         return SmResourceLimits.from_device(device)
