@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from optirs import (AdamParams, GpuAdam, GpuOptimizerConfig, GpuSgd, InvalidParameterError, ShapeMismatchError,
                     SgdParams, UnsupportedOperationError)
@@ -124,6 +126,8 @@ PER_TENSOR_CASES = [
     (2.0, 0, -64, 63),
     (0.019, 100, 0, 127),
     (1.7e-4, -5, -128, 127),
+    (3.0e4, 0, -128, 127),
+    (1e-40, 0, -128, 127),  # subnormal: 1 / scale is inf, as in torch
 ]
 
 
@@ -190,6 +194,34 @@ def test_per_channel_nonfinite_follow_torch(qbackend):
     assert_bits_equal(out, y.detach().numpy())
     per_tensor, _ = torch_fq_tensor(x, 0.5, 2, -128, 127)
     assert per_tensor[0, 1] != out[0, 1]  # +inf: quant_max per tensor, quant_min per channel, as torch
+
+
+F32_TINY, F32_HUGE = float(np.float32(1e-38)), float(np.float32(1e30))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_parameters_and_bit_patterns_match_torch(data):
+    """Any float32 bit pattern as input, scales over the whole positive float32 range."""
+    qmin, qmax = data.draw(st.sampled_from([(-128, 127), (0, 255), (-8, 7), (0, 15), (-64, 63), (0, 127)]))
+    scale = data.draw(st.floats(F32_TINY, F32_HUGE, width=32))
+    zp = data.draw(st.integers(qmin, qmax))
+    raw = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40))
+    x = np.array(raw, np.uint32).view(np.float32)
+    x = np.concatenate([x, (np.array(data.draw(st.lists(st.floats(-300, 300, width=32), max_size=40)), np.float32)
+                            * np.float32(scale))]).astype(np.float32)
+    expected, _ = torch_fq_tensor(x, scale, zp, qmin, qmax)
+    qp = QuantParams(scale, zp, qmin, qmax)
+    for backend in ("numpy", "cpu"):
+        assert_bits_equal(fake_quant_int(x, qp, backend=backend), expected, backend)
+    xc = np.concatenate([x, x[:1]]) if x.size % 2 else x
+    xc = xc.reshape(2, -1)
+    scales = np.array([scale, data.draw(st.floats(F32_TINY, F32_HUGE, width=32))], np.float32)
+    zps = np.array([zp, data.draw(st.integers(qmin, qmax))], np.int32)
+    y, _ = torch_fq_channel(xc, scales, zps, 0, qmin, qmax)
+    qpc = QuantParams(scales, zps, qmin, qmax, axis=0)
+    for backend in ("numpy", "cpu"):
+        assert_bits_equal(fake_quant_int_per_channel(xc, qpc, backend=backend), y.detach().numpy(), backend)
 
 
 # ------------------------------------------------------------------ straight-through gradient vs torch autograd

@@ -204,9 +204,13 @@ class QuantParams:
         want_ndim = 0 if self.axis is None else 1
         if self.axis is not None:
             _int("axis", self.axis)
-        with np.errstate(over="ignore"):
-            scale = np.array(self.scale, dtype=np.float64).astype(np.float32)
-        zp_raw = np.asarray(self.zero_point)
+        try:
+            with np.errstate(over="ignore"):
+                scale = np.array(self.scale, dtype=np.float64).astype(np.float32)
+            zp_raw = np.asarray(self.zero_point)
+        except (TypeError, ValueError):
+            raise InvalidParameterError(
+                f"scale={self.scale!r}, zero_point={self.zero_point!r}, expected numbers or numeric arrays") from None
         if scale.ndim != want_ndim or zp_raw.ndim != want_ndim:
             what = "0-d (per tensor)" if want_ndim == 0 else "1-d (per channel)"
             raise ShapeMismatchError(
@@ -501,7 +505,7 @@ def _run_forward(job: _Job, backend: str, stochastic: bool, keys) -> Tuple[np.nd
     key_lo, key_hi = keys if stochastic else (np.uint64(0), np.uint64(0))
     n = job.x.size
     out = np.empty(n, np.float32)
-    mask = np.empty(n, np.uint8)
+    mask = np.empty(n, bool if backend == "cpu" else np.uint8)
     args = (job.inv, job.scale, job.zp)
     if backend == "cpu":
         from . import quantization_kernels as qk
@@ -533,7 +537,7 @@ def _run_forward(job: _Job, backend: str, stochastic: bool, keys) -> Tuple[np.nd
         cl.enqueue_copy(queue, out, b_out)
         cl.enqueue_copy(queue, mask, b_mask)
         queue.finish()
-    return out.reshape(job.shape), mask.astype(bool).reshape(job.shape)
+    return out.reshape(job.shape), mask.astype(bool, copy=False).reshape(job.shape)
 
 
 def _run_backward(job: _Job, g: np.ndarray, backend: str) -> np.ndarray:
@@ -678,11 +682,10 @@ def fake_quant_fp8(x, fmt: Fp8Format = Fp8Format.E4M3, *, scale: Optional[float]
             raise InvalidParameterError(f"scale={scale!r}, expected a positive finite float32")
         fmt.scale_for(1.0, margin)  # validates margin; an explicit scale ignores it
     with np.errstate(over="ignore", invalid="ignore"):
-        v = x * s if s != 1 else x
+        v = x * s
         if saturate:
             v = np.clip(v, _F32(-fmt.max), _F32(fmt.max))
-        q = v.astype(fmt.ml_dtype).astype(np.float32)
-        return q / s if s != 1 else q
+        return v.astype(fmt.ml_dtype).astype(np.float32) / s
 
 
 # ------------------------------------------------------------------ QAT
@@ -994,6 +997,8 @@ class QatOptimizer:
         if config != self.config:
             raise InvalidParameterError(f"state_dict config {config!r} differs from this optimizer's {self.config!r}")
         step = _int("step", state_dict["step"])
+        if step < 0:
+            raise InvalidParameterError(f"step={step}, expected an integer >= 0")
         shapes = state_dict["shapes"]
         shapes = None if shapes is None else [tuple(int(d) for d in s) for s in shapes]
         entries = list(state_dict["observers"])

@@ -98,23 +98,51 @@ _fq_cpu = njit(cache=True, inline="always")(fq_element)
 # ------------------------------------------------------------------ cpu
 
 
+# Elements per parallel task. Each task walks its range in runs of one channel, with that
+# channel's scalars hoisted: the inner loops are plain loops that LLVM vectorizes.
+CPU_BLOCK = 1 << 14
+
+
 @njit(parallel=True, cache=True)
 def fake_quant_cpu(x, out, mask, inv, scale, zp, inner, nch, qmin, qmax, int64_cast, stochastic, key_lo, key_hi):
     """Forward over a flat float32 array; element i belongs to channel (i // inner) % nch."""
-    for i in prange(x.size):
-        c = (i // inner) % nch
-        o, m = _fq_cpu(x[i] * inv[c], scale[c], zp[c], qmin, qmax, int64_cast, stochastic, key_lo, key_hi, i)
-        out[i] = o
-        mask[i] = m
+    n = x.size
+    for b in prange((n + CPU_BLOCK - 1) // CPU_BLOCK):
+        i = b * CPU_BLOCK
+        stop = min(i + CPU_BLOCK, n)
+        while i < stop:
+            row = i // inner
+            end = min(stop, (row + 1) * inner)
+            c = row % nch
+            iv, s, z = inv[c], scale[c], zp[c]
+            if stochastic:
+                for j in range(i, end):
+                    out[j], mask[j] = _fq_cpu(x[j] * iv, s, z, qmin, qmax, int64_cast, True, key_lo, key_hi, j)
+            elif int64_cast:
+                for j in range(i, end):
+                    out[j], mask[j] = _fq_cpu(x[j] * iv, s, z, qmin, qmax, True, False, key_lo, key_hi, j)
+            else:
+                for j in range(i, end):
+                    out[j], mask[j] = _fq_cpu(x[j] * iv, s, z, qmin, qmax, False, False, key_lo, key_hi, j)
+            i = end
 
 
 @njit(parallel=True, cache=True)
 def fake_quant_backward_cpu(x, g, gin, inv, scale, zp, inner, nch, qmin, qmax, int64_cast):
     """Straight-through gradient: ``gin = g * mask`` (a float multiply, as torch: -0 and NaN kept)."""
-    for i in prange(x.size):
-        c = (i // inner) % nch
-        o, m = _fq_cpu(x[i] * inv[c], scale[c], zp[c], qmin, qmax, int64_cast, False, _U64(0), _U64(0), i)
-        gin[i] = g[i] * (ONE if m else ZERO)
+    n = x.size
+    for b in prange((n + CPU_BLOCK - 1) // CPU_BLOCK):
+        i = b * CPU_BLOCK
+        stop = min(i + CPU_BLOCK, n)
+        while i < stop:
+            row = i // inner
+            end = min(stop, (row + 1) * inner)
+            c = row % nch
+            iv, s, z = inv[c], scale[c], zp[c]
+            for j in range(i, end):
+                o, m = _fq_cpu(x[j] * iv, s, z, qmin, qmax, int64_cast, False, _U64(0), _U64(0), j)
+                gin[j] = g[j] * (ONE if m else ZERO)
+            i = end
 
 
 # ------------------------------------------------------------------ cuda
