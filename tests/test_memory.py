@@ -230,6 +230,12 @@ def test_emm_plugin_allocates_from_the_pool_and_frees_on_release():
     del mem
     gc.collect()
     assert mgr.pool.stats().blocks_in_use == 0 and mgr.pool.stats().bytes_cached == poolmod.SMALL_SEGMENT
+    # numba prepares a context (calling initialize) more than once: the pool must survive it.
+    fresh = cls(context=ctx)
+    fresh.initialize()
+    first = fresh.pool
+    fresh.initialize()
+    assert fresh.pool is first and isinstance(first.allocator, poolmod.CudaDriverAllocator)
 
 
 @pytest.mark.skipif(not SIM, reason="checks the simulator refusal")

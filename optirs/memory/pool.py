@@ -358,7 +358,9 @@ def _make_manager_class():
         """numba.cuda EMM plugin: device allocations come from an optirs :class:`MemoryPool`."""
 
         def initialize(self) -> None:
-            self.pool = MemoryPool(CudaDriverAllocator(), limit=_settings["limit"])
+            # numba calls this every time the context is prepared for use: create the pool once.
+            if getattr(self, "pool", None) is None:
+                self.pool = MemoryPool(CudaDriverAllocator(), limit=_settings["limit"])
 
         def memalloc(self, size: int):
             pool = self.pool
