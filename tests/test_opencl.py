@@ -201,6 +201,27 @@ def test_many_buffers_are_grouped_by_slots(ctx, rng, launches):
         o += a.size + 1
 
 
+def test_launch_plan_follows_the_arrays_passed(ctx, rng):
+    """The plan cached for one list of arrays is not used for another list of the same shapes."""
+    params, grads = problem(rng, [(6,), (9,), (12,)], steps=4)
+    first = [cla.to_device(ctx.queue, p) for p in params]
+    other_host = [p[::-1].copy() for p in params]
+    # the same shapes as views into one buffer with gaps: other offsets, so a stale plan would step the wrong elements
+    packed = cla.to_device(ctx.queue, np.concatenate([np.append(p, np.float32(3)) for p in other_host]))
+    other = [packed[0:6], packed[7:16], packed[17:29]]
+    gdev = [cla.to_device(ctx.queue, g) for g in grads[0]]
+    opt = optirs.GpuSgd(optirs.SgdParams(lr=0.1), CFG)  # stateless: each step depends only on p and g
+    for k, gs in enumerate(grads):
+        for d, g in zip(gdev, gs):  # same gradient objects, new values
+            d.set(g)
+        opt.step_gpu(first if k % 2 == 0 else other, gdev)
+    want_first = reference.run("sgd", params, grads[0::2], optirs.SgdParams(lr=0.1))[0]
+    want_other = reference.run("sgd", other_host, grads[1::2], optirs.SgdParams(lr=0.1))[0]
+    assert_close([d.get() for d in first], want_first)
+    assert_close([d.get() for d in other], want_other)
+    assert np.all(packed.get()[[6, 16, 29]] == np.float32(3))
+
+
 def test_lamb_launch_count_does_not_grow_with_tensors(ctx, rng, launches):
     """LAMB on a 6-tensor numpy model: moments, trust ratios and apply, plus two clipping passes: 5 launches."""
     params, grads = problem(rng, steps=1)

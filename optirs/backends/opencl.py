@@ -26,6 +26,7 @@ import importlib.resources
 import os
 import re
 import threading
+import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -48,6 +49,7 @@ RECORDS = {"adam": sc_mod.AdamScalars, "sgd": sc_mod.SgdScalars, "rmsprop": sc_m
            "adagrad": sc_mod.AdagradScalars, "lamb": sc_mod.LambScalars}
 # OpenCL error codes that mean "out of memory".
 _MEMORY_CODES = {-4, -5, -6, -61}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY, INVALID_BUFFER_SIZE
+_MISSING = object()
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 
 
@@ -377,23 +379,23 @@ def _cl_array(a: Any) -> bool:
     return type(a).__module__.startswith("pyopencl")
 
 
-def _flat_range(params: List[Any], grads: List[Any], layout: Any) -> Optional[Tuple[Any, int, Any, int]]:
-    """(param buffer, offset, grad buffer, offset) when the tensors lie back to back at the layout's offsets."""
-    if isinstance(params, _Packed) and isinstance(grads, _Packed):
-        return params.flat.base_data, 0, grads.flat.base_data, 0
-    out = []
+def _flat_range(params: List[Any], grads: List[Any], layout: Any) -> Optional[Tuple[int, int, int, int]]:
+    """When the tensors lie back to back at the layout's offsets in one buffer (per kind):
+    (index of a tensor holding the parameter buffer, element offset of tensor 0 in it, the same for gradients)."""
+    out: List[int] = []
     for arrays in (params, grads):
-        base = first = None
-        for a, off, n in zip(arrays, layout.offsets, layout.sizes):
+        base = None
+        first = holder = 0
+        for t, (a, off, n) in enumerate(zip(arrays, layout.offsets, layout.sizes)):
             if n == 0:
                 continue
             if base is None:
-                base, first = a.base_data, a.offset // 4 - int(off)
+                base, holder, first = a.base_data, t, a.offset // 4 - int(off)
                 if first < 0:
                     return None
             elif a.base_data != base or a.offset // 4 - int(off) != first:
                 return None
-        out += [base, first]
+        out += [holder, first]
     return out[0], out[1], out[2], out[3]
 
 
@@ -426,59 +428,106 @@ def _layout_tables(ctx: OpenclContext, layout: Any) -> _Tables:
 
 
 class _Group(NamedTuple):
+    """One chunked launch: its chunk range and, per slot, the index of a tensor whose buffer fills it."""
+
     chunk_begin: int
     chunk_end: int
-    buffers: tuple  # SLOTS parameter buffers then SLOTS gradient buffers (unused ones: the dummy)
+    p_holders: Tuple[int, ...]
+    g_holders: Tuple[int, ...]
+
+    def buffers(self, ctx: "OpenclContext", params: List[Any], grads: List[Any]) -> List[Any]:
+        # Buffers are looked up on the caller's arrays at launch, so a cached plan holds no device memory.
+        pad = [ctx.dummy]
+        return ([params[i].base_data for i in self.p_holders] + pad * (SLOTS - len(self.p_holders))
+                + [grads[i].base_data for i in self.g_holders] + pad * (SLOTS - len(self.g_holders)))
 
 
-def _chunk_plan(ctx: OpenclContext, params: List[Any], grads: List[Any], layout: Any, s_base: int,
-                tables: _Tables) -> Tuple[Any, Any, List[_Group]]:
-    """The tensor tables and the launch groups of at most SLOTS distinct buffers of each kind."""
+class _Plan:
+    """How one step launches for a given list of arrays: the flat range, or chunk groups and tensor tables.
+
+    Cached per layout and reused while the caller passes the same array objects (checked through
+    weak references, so the cache keeps nothing alive); rebuilt otherwise.
+    """
+
+    def __init__(self, params: List[Any], grads: List[Any], s_off: int):
+        self.refs = [weakref.ref(a) for a in params] + [weakref.ref(a) for a in grads]
+        self.s_off = s_off
+        self.flat: Optional[Tuple[int, int, int, int]] = None
+        self.groups: Optional[List[_Group]] = None
+        self.tens = self.info = None
+
+    def matches(self, params: List[Any], grads: List[Any], s_off: int) -> bool:
+        refs = self.refs
+        if s_off != self.s_off or len(refs) != len(params) + len(grads):
+            return False
+        n = len(params)
+        for i, a in enumerate(params):
+            if refs[i]() is not a:
+                return False
+        for i, a in enumerate(grads):
+            if refs[n + i]() is not a:
+                return False
+        return True
+
+
+def _plan(ctx: OpenclContext, params: List[Any], grads: List[Any], layout: Any, s_off: int, chunked: bool) -> _Plan:
+    """The cached plan for these arrays; ``chunked`` asks for chunk groups even when the model is flat (LAMB)."""
+    cache = layout.cache.setdefault(("opencl", id(ctx)), {})
+    plan = cache.get("plan")
+    if plan is None or not plan.matches(params, grads, s_off):
+        plan = _Plan(params, grads, s_off)
+        plan.flat = _flat_range(params, grads, layout)
+        cache["plan"] = plan
+    if plan.groups is None and (chunked or plan.flat is None):
+        _chunk_groups(ctx, plan, params, grads, layout, _layout_tables(ctx, layout))
+    return plan
+
+
+def _chunk_groups(ctx: OpenclContext, plan: _Plan, params: List[Any], grads: List[Any], layout: Any,
+                  tables: _Tables) -> None:
+    """Fill the plan's tensor tables and launch groups of at most SLOTS distinct buffers of each kind."""
     ntens = len(layout)
     tens = np.zeros((ntens, 4), np.int64)
     info = np.zeros((ntens, 4), np.int32)
     groups: List[_Group] = []
     pslots: Dict[int, int] = {}
     gslots: Dict[int, int] = {}
-    pbufs: List[Any] = []
-    gbufs: List[Any] = []
+    pholders: List[int] = []
+    gholders: List[int] = []
     t0 = 0
 
     def close(t1: int) -> None:
         if tables.host_first[t1] > tables.host_first[t0]:
-            pad = [ctx.dummy] * (SLOTS - len(pbufs)), [ctx.dummy] * (SLOTS - len(gbufs))
-            groups.append(_Group(int(tables.host_first[t0]), int(tables.host_first[t1]),
-                                 tuple(pbufs + pad[0] + gbufs + pad[1])))
+            groups.append(_Group(int(tables.host_first[t0]), int(tables.host_first[t1]), tuple(pholders), tuple(gholders)))
 
-    for t, (p, g) in enumerate(zip(params, grads)):
+    for t in range(ntens):
         n = int(layout.sizes[t])
-        s_off = s_base + int(layout.offsets[t])
+        s_off = plan.s_off + int(layout.offsets[t])
         if n == 0:
             tens[t] = (0, 0, s_off, 0)
             continue
-        pb, gb = p.base_data, g.base_data
-        pk, gk = pb.int_ptr, gb.int_ptr
+        if plan.flat is not None:  # one buffer of each kind: every tensor in slot 0
+            ph, p0, gh, g0 = plan.flat
+            pk, gk, po, go = -1, -1, p0 + int(layout.offsets[t]), g0 + int(layout.offsets[t])
+        else:
+            p, g = params[t], grads[t]
+            ph, gh, pk, gk, po, go = t, t, p.base_data.int_ptr, g.base_data.int_ptr, p.offset // 4, g.offset // 4
         if (pk not in pslots and len(pslots) == SLOTS) or (gk not in gslots and len(gslots) == SLOTS):
             close(t)
-            t0, pslots, gslots, pbufs, gbufs = t, {}, {}, [], []
+            t0, pslots, gslots, pholders, gholders = t, {}, {}, [], []
         if pk not in pslots:
-            pslots[pk] = len(pbufs); pbufs.append(pb)
+            pslots[pk] = len(pholders)
+            pholders.append(ph)
         if gk not in gslots:
-            gslots[gk] = len(gbufs); gbufs.append(gb)
-        po, go = p.offset // 4, g.offset // 4
+            gslots[gk] = len(gholders)
+            gholders.append(gh)
         tens[t] = (po, go, s_off, n)
         info[t] = (pslots[pk], gslots[gk], int(po % 4 == 0 and go % 4 == 0 and s_off % 4 == 0), 0)
     close(ntens)
-    # The tables only change when offsets or the sharing of buffers change: upload then.
-    cache = layout.cache.setdefault(("opencl", id(ctx)), {})
-    key = tens.tobytes() + info.tobytes()
-    hit = cache.get("tensor_tables")
-    if hit is None or hit[0] != key:
-        cl = ctx.cl
-        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
-        hit = (key, cl.Buffer(ctx.context, flags, hostbuf=tens), cl.Buffer(ctx.context, flags, hostbuf=info))
-        cache["tensor_tables"] = hit
-    return hit[1], hit[2], groups
+    cl = ctx.cl
+    flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+    plan.tens, plan.info = cl.Buffer(ctx.context, flags, hostbuf=tens), cl.Buffer(ctx.context, flags, hostbuf=info)
+    plan.groups = groups
 
 
 def _lamb_scratch(ctx: OpenclContext, layout: Any, tables: _Tables) -> Tuple[Any, Any, Any, Any]:
@@ -560,15 +609,18 @@ class OpenclBackend:
 
     @hookimpl
     def optirs_stage(self, ctx: OpenclContext, params: List[Any], grads: List[Any]) -> Staged:
-        kinds = {isinstance(a, np.ndarray) for a in params} | {isinstance(a, np.ndarray) for a in grads}
-        if kinds == {True}:
-            return _stage_numpy(ctx, params, grads)
+        if all(isinstance(a, np.ndarray) for a in params):
+            return _stage_numpy(ctx, params, grads)  # the caller checked that grads match params
+        ours, foreign = ctx.queue, {}
         for what, arrays in (("params", params), ("grads", grads)):
             for i, a in enumerate(arrays):
+                q = getattr(a, "queue", _MISSING)
+                if q is ours:  # the common case: an array made on our queue is ours to step
+                    continue
                 if isinstance(a, np.ndarray):
                     raise InvalidParameterError(
                         f"{what}[{i}] is a numpy array among pyopencl arrays, expected all numpy or all pyopencl arrays")
-                if not _cl_array(a) or not hasattr(a, "base_data"):
+                if q is _MISSING or not _cl_array(a) or not hasattr(a, "base_data"):
                     raise InvalidParameterError(
                         f"{what}[{i}] is a {type(a).__module__}.{type(a).__name__}, expected a numpy array or a "
                         "pyopencl.array.Array on the opencl backend")
@@ -576,7 +628,9 @@ class OpenclBackend:
                     raise InvalidParameterError(
                         f"{what}[{i}] belongs to another OpenCL context, expected arrays made on "
                         "optirs.get_backend('opencl').ctx.context (or its .queue)")
-        return _stage_device(ctx, params, grads)
+                if q is not None and q != ours:
+                    foreign[q.int_ptr] = q
+        return _stage_device(ctx, params, grads, list(foreign.values()))
 
     @hookimpl
     def optirs_synchronize(self, ctx: OpenclContext) -> None:
@@ -643,22 +697,17 @@ def _stage_numpy(ctx: OpenclContext, params: List[np.ndarray], grads: List[np.nd
     return Staged(area.params, area.grads, finish)
 
 
-def _stage_device(ctx: OpenclContext, params: List[Any], grads: List[Any]) -> Staged:
+def _stage_device(ctx: OpenclContext, params: List[Any], grads: List[Any], foreign: List[Any]) -> Staged:
     """In place. Arrays tied to another queue of the context are ordered with ours by markers."""
-    cl = ctx.cl
-    foreign = {}
-    for a in list(params) + list(grads):
-        q = a.queue
-        if q is not None and q != ctx.queue:
-            foreign[q.int_ptr] = q
     if not foreign:
         return Staged(params, grads)
+    cl = ctx.cl
     # Our queue waits for what their queues have queued so far ...
-    cl.enqueue_barrier(ctx.queue, wait_for=[cl.enqueue_marker(q) for q in foreign.values()])
+    cl.enqueue_barrier(ctx.queue, wait_for=[cl.enqueue_marker(q) for q in foreign])
 
     def finish() -> None:  # ... and their queues wait for the step.
         done = cl.enqueue_marker(ctx.queue)
-        for q in foreign.values():
+        for q in foreign:
             cl.enqueue_barrier(q, wait_for=[done])
 
     return Staged(params, grads, finish)
@@ -688,24 +737,24 @@ def _elementwise(ctx: OpenclContext, family: str, params, grads, state_arrays, l
     rec = np.array(tuple(scalars), ctx.records[family])
     s_bufs, s_off = _state_base(ctx, state_arrays)
     wg, cl = ctx.work_group, ctx.cl
-    flat = _flat_range(params, grads, layout)
     with ctx.lock:
         try:
-            if flat is not None:
-                pbuf, p_off, gbuf, g_off = flat
+            plan = _plan(ctx, params, grads, layout, s_off, chunked=False)
+            if plan.flat is not None:
+                ph, p_off, gh, g_off = plan.flat
                 if p_off % 4 == 0 and g_off % 4 == 0 and s_off % 4 == 0:
                     kernel, items = ctx.kernels[family + "_flat4"], n // 4 + (1 if n % 4 else 0)
                 else:
                     kernel, items = ctx.kernels[family + "_flat1"], n
                 gsize = (items + wg - 1) // wg * wg
-                kernel(ctx.queue, (gsize,), (wg,), pbuf, p_off, gbuf, g_off, *s_bufs, s_off, n, rec)
+                kernel(ctx.queue, (gsize,), (wg,), params[ph].base_data, p_off, grads[gh].base_data, g_off,
+                       *s_bufs, s_off, n, rec)
                 return
             tables = _layout_tables(ctx, layout)
-            tens, info, groups = _chunk_plan(ctx, params, grads, layout, s_off, tables)
             kernel = ctx.kernels[family + "_chunks"]
-            for grp in groups:
-                kernel(ctx.queue, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers, *s_bufs,
-                       tens, info, tables.chunk_tensor, tables.chunk_start, grp.chunk_begin, rec)
+            for grp in plan.groups:
+                kernel(ctx.queue, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers(ctx, params, grads),
+                       *s_bufs, plan.tens, plan.info, tables.chunk_tensor, tables.chunk_start, grp.chunk_begin, rec)
         except cl.Error as exc:
             raise ctx.translate(exc, f"running the {family} step over {n} elements") from exc
 
@@ -717,44 +766,27 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
     rec = np.array(tuple(scalars), ctx.records["lamb"])
     (mb, vb), s_off = _state_base(ctx, (m, v))
     wg, cl, q, k = ctx.work_group, ctx.cl, ctx.queue, ctx.kernels
-    tables = _layout_tables(ctx, layout)
-    flat = _flat_range(params, grads, layout)
-    if flat is not None:  # one buffer each: describe the model as views of it
-        pbuf, p_off, gbuf, g_off = flat
-        params = [_View(pbuf, p_off + int(o)) for o in layout.offsets]
-        grads = [_View(gbuf, g_off + int(o)) for o in layout.offsets]
-    tens, info, groups = _chunk_plan(ctx, params, grads, layout, s_off, tables)
-    partial_g, partial_pu, scale, ratio = _lamb_scratch(ctx, layout, tables)
     clip = bool(scalars.max_grad_norm > 0)
-    chunk_args = (tens, info, tables.chunk_tensor, tables.chunk_start)
     with ctx.lock:
         try:
+            tables = _layout_tables(ctx, layout)
+            plan = _plan(ctx, params, grads, layout, s_off, chunked=True)
+            partial_g, partial_pu, scale, ratio = _lamb_scratch(ctx, layout, tables)
+            chunk_args = (plan.tens, plan.info, tables.chunk_tensor, tables.chunk_start)
+            launches = [(((grp.chunk_end - grp.chunk_begin) * wg,), grp.buffers(ctx, params, grads), grp.chunk_begin)
+                        for grp in plan.groups]
             if clip:
-                for grp in groups:
-                    k["lamb_grad_sumsq"](q, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers,
-                                         *chunk_args, grp.chunk_begin, partial_g)
+                for gsize, bufs, c0 in launches:
+                    k["lamb_grad_sumsq"](q, gsize, (wg,), *bufs, *chunk_args, c0, partial_g)
                 k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm, scale)
-            for grp in groups:
-                k["lamb_moments"](q, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers, mb, vb,
-                                  *chunk_args, grp.chunk_begin, scale, int(clip), partial_pu, rec)
+            for gsize, bufs, c0 in launches:
+                k["lamb_moments"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, scale, int(clip), partial_pu, rec)
             k["lamb_trust_ratios"](q, (len(layout) * wg,), (wg,), partial_pu, tables.first_chunk, tables.nchunks,
                                    scalars.max_trust_ratio, ratio)
-            for grp in groups:
-                k["lamb_apply"](q, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers, mb, vb,
-                                *chunk_args, grp.chunk_begin, ratio, rec)
+            for gsize, bufs, c0 in launches:
+                k["lamb_apply"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, ratio, rec)
         except cl.Error as exc:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
-
-
-class _View(NamedTuple):
-    """A tensor's place in a shared buffer, as the chunk planner reads it from a pyopencl array."""
-
-    base_data: Any
-    element_offset: int
-
-    @property
-    def offset(self) -> int:  # bytes, like pyopencl.array.Array.offset
-        return 4 * self.element_offset
 
 
 plugin = OpenclBackend()
