@@ -543,3 +543,14 @@ def test_policy_orders():
     assert set(mgr.resident) == {"a"}
     with pytest.raises(InvalidParameterError, match="policy='mru'"):
         ResidencyManager(10, "mru")
+
+
+def test_docs_examples_run():
+    """Every python block of docs/memory.md runs."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "memory.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, "docs/memory.md", "exec"), {})
