@@ -109,8 +109,8 @@ def torch_fq_tensor(x, scale, zp, qmin, qmax):
 
 def torch_fq_channel(x, scale, zp, axis, qmin, qmax):
     t = torch.from_numpy(x.copy()).requires_grad_()
-    y = torch.fake_quantize_per_channel_affine(t, torch.from_numpy(np.asarray(scale, np.float32)),
-                                               torch.from_numpy(np.asarray(zp, np.int32)), axis, qmin, qmax)
+    y = torch.fake_quantize_per_channel_affine(t, torch.from_numpy(np.array(scale, np.float32)),
+                                               torch.from_numpy(np.array(zp, np.int32)), axis, qmin, qmax)
     return y, t
 
 
@@ -222,6 +222,42 @@ def test_random_parameters_and_bit_patterns_match_torch(data):
     qpc = QuantParams(scales, zps, qmin, qmax, axis=0)
     for backend in ("numpy", "cpu"):
         assert_bits_equal(fake_quant_int_per_channel(xc, qpc, backend=backend), y.detach().numpy(), backend)
+
+
+def to_device(backend, host):
+    if backend == "cuda":
+        from numba import cuda
+
+        return cuda.to_device(host)
+    import pyopencl.array as cla
+
+    return cla.to_device(qz._opencl_queue(), host)
+
+
+def to_host(a):
+    return a.copy_to_host() if hasattr(a, "copy_to_host") else a.get()
+
+
+@pytest.mark.parametrize("qbackend", [p for p in BACKENDS if p.values[0] in ("cuda", "opencl")])
+def test_device_arrays_stay_on_device(qbackend, rng):
+    x = np.concatenate([SPECIALS, (rng.standard_normal(34) * 4).astype(np.float32)]).reshape(6, 8)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    qp = QuantParams(0.05, 7, -128, 127)
+    qpc = QuantParams(np.linspace(0.01, 0.2, 8).astype(np.float32), np.arange(8) - 4, -128, 127, axis=1)
+    dx, dg = to_device(qbackend, x), to_device(qbackend, g)
+    out, mask = fake_quant_int(dx, qp, backend=qbackend, return_mask=True)
+    assert not isinstance(out, np.ndarray) and tuple(out.shape) == x.shape
+    assert_bits_equal(to_host(out), torch_fq_tensor(x, 0.05, 7, -128, 127)[0])
+    np.testing.assert_array_equal(to_host(mask).astype(bool), fake_quant_int(x, qp, return_mask=True)[1])
+    y, t = torch_fq_channel(x, qpc.scale, qpc.zero_point, 1, -128, 127)
+    assert_bits_equal(to_host(fake_quant_int_per_channel(dx, qpc, backend=qbackend)), y.detach().numpy())
+    y.backward(torch.from_numpy(g))
+    assert_bits_equal(to_host(fake_quant_backward(dg, dx, qpc, backend=qbackend)), t.grad.numpy())
+    np.testing.assert_array_equal(to_host(dx), x)  # the input is not modified
+    with pytest.raises(UnsupportedOperationError, match="device array but backend='cpu'"):
+        fake_quant_int(dx, qp, backend="cpu")
+    with pytest.raises(InvalidParameterError, match="expected the same kind"):
+        fake_quant_backward(g, dx, qp, backend=qbackend)
 
 
 # ------------------------------------------------------------------ straight-through gradient vs torch autograd

@@ -396,28 +396,58 @@ def _uniform(n: int, key_lo: np.uint64, key_hi: np.uint64) -> np.ndarray:
     return (h >> np.uint64(8)).astype(np.float32) * _F32(2.0**-24)
 
 
+def _kind(x) -> Optional[str]:
+    """"numpy", "cuda" (numba device array or __cuda_array_interface__), "opencl" (pyopencl Array) or None."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if hasattr(x, "__cuda_array_interface__") or (hasattr(x, "copy_to_host") and hasattr(x, "is_c_contiguous")):
+        return "cuda"
+    if type(x).__module__.startswith("pyopencl"):
+        return "opencl"
+    return None
+
+
+def _check_input(x, name: str, backend: str):
+    """x as a float32 numpy array, or the backend's own device array (checked, used in place)."""
+    kind = _kind(x)
+    if kind is None or kind == "numpy":
+        return _as_f32(x, name)
+    if kind != backend:
+        raise UnsupportedOperationError(
+            f"{name} is a {kind} device array but backend={backend!r}, expected backend={kind!r} or a numpy array")
+    if np.dtype(x.dtype) != np.float32:
+        raise InvalidParameterError(f"{name} has dtype {np.dtype(x.dtype)}, expected float32")
+    contiguous = x.flags.c_contiguous if kind == "opencl" else (
+        x.is_c_contiguous() if hasattr(x, "is_c_contiguous") else True)
+    if not contiguous:
+        raise ShapeMismatchError(f"{name} is not C-contiguous, expected a contiguous device array")
+    return x
+
+
 class _Job:
     """One fake-quant launch's arguments in the flat (outer, channel, inner) layout the kernels use."""
 
-    def __init__(self, x: np.ndarray, params: QuantParams, per_channel: bool):
-        self.shape = x.shape
-        self.x = np.ascontiguousarray(x).reshape(-1)
+    def __init__(self, x, params: QuantParams, per_channel: bool):
+        self.x = x
+        self.shape = tuple(x.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
         scale = np.atleast_1d(params.scale).astype(np.float32)
         self.scale = scale
-        self.inv = (_F32(1.0) / scale).astype(np.float32)
+        with np.errstate(over="ignore", divide="ignore"):
+            self.inv = (_F32(1.0) / scale).astype(np.float32)  # inf for a subnormal scale, as in torch
         self.zp = np.atleast_1d(params.zero_point).astype(np.float32)
         self.qmin, self.qmax = _F32(params.quant_min), _F32(params.quant_max)
         if per_channel:
-            axis = _normalize_axis(params.axis, x.ndim)
-            if x.shape[axis] != scale.size:
+            ndim = len(self.shape)
+            axis = _normalize_axis(params.axis, ndim)
+            if self.shape[axis] != scale.size:
                 raise ShapeMismatchError(
-                    f"x has {x.shape[axis]} channels along axis {axis} (shape {x.shape}), but the parameters "
+                    f"x has {self.shape[axis]} channels along axis {axis} (shape {self.shape}), but the parameters "
                     f"have {scale.size}, expected one scale per channel")
-            self.inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
+            self.inner = int(np.prod(self.shape[axis + 1:], dtype=np.int64))
             self.nch = scale.size
-            self.axis = axis
         else:
-            self.inner, self.nch, self.axis = max(1, self.x.size), 1, None
+            self.inner, self.nch = max(1, self.size), 1
         self.int64_cast = per_channel
 
     def channel_view(self, a: np.ndarray) -> np.ndarray:
@@ -427,16 +457,19 @@ class _Job:
     def flat3(self, a: np.ndarray) -> np.ndarray:
         return a.reshape(-1, self.nch, self.inner)
 
+    def scalars(self):
+        return self.inner, self.nch, self.qmin, self.qmax, self.int64_cast
+
 
 def _numpy_forward(job: _Job, stochastic: bool, keys) -> Tuple[np.ndarray, np.ndarray]:
-    x = job.flat3(job.x)
+    x = job.flat3(np.ascontiguousarray(job.x))
     inv, scale, zp = job.channel_view(job.inv), job.channel_view(job.scale), job.channel_view(job.zp)
     with np.errstate(over="ignore", invalid="ignore"):
         v = x * inv
         if stochastic:
             r = np.floor(v)
             frac = v - r
-            u = _uniform(job.x.size, *keys).reshape(v.shape)
+            u = _uniform(job.size, *keys).reshape(v.shape)
             r = r + (u < frac).astype(np.float32)
         else:
             r = np.rint(v)
@@ -454,36 +487,43 @@ def _numpy_backward(job: _Job, g: np.ndarray) -> np.ndarray:
     return g * mask.astype(np.float32)
 
 
-_OPENCL = None
+_OPENCL: Dict[int, Any] = {}
 
 
-def _opencl_program():
-    """(context, queue, forward kernel, backward kernel), built once per process."""
-    global _OPENCL
-    if _OPENCL is None:
-        try:
-            import pyopencl as cl
-        except ImportError as exc:
-            raise UnsupportedOperationError(f"backend='opencl' needs pyopencl, which is not importable: {exc}") from None
-        from .quantization_kernels import OPENCL_SOURCE
-
+def _opencl_queue():
+    """A queue on the optirs OpenCL backend's device when it opens, else on the first OpenCL device."""
+    try:
+        import pyopencl as cl
+    except ImportError as exc:
+        raise UnsupportedOperationError(f"backend='opencl' needs pyopencl, which is not importable: {exc}") from None
+    if "queue" not in _OPENCL:
         queue = None
-        try:  # share the optirs OpenCL backend's queue when it opens
+        try:
             from ..registry import REGISTRY
 
             queue = REGISTRY.get_backend("opencl").ctx.queue
         except Exception:
             queue = None
         if queue is None:
-            platforms = cl.get_platforms()
-            devices = [d for p in platforms for d in p.get_devices()]
+            devices = [d for p in cl.get_platforms() for d in p.get_devices()]
             if not devices:
                 raise UnsupportedOperationError("backend='opencl': no OpenCL device found")
-            ctx = cl.Context([devices[0]])
-            queue = cl.CommandQueue(ctx)
-        prg = cl.Program(queue.context, OPENCL_SOURCE).build()
-        _OPENCL = (queue, prg.fake_quant, prg.fake_quant_backward)
-    return _OPENCL
+            queue = cl.CommandQueue(cl.Context([devices[0]]))
+        _OPENCL["queue"] = queue
+    return _OPENCL["queue"]
+
+
+def _opencl_kernels(context):
+    """(forward, backward) kernels built once per OpenCL context."""
+    import pyopencl as cl
+
+    key = context.int_ptr
+    if key not in _OPENCL:
+        from .quantization_kernels import OPENCL_SOURCE
+
+        prg = cl.Program(context, OPENCL_SOURCE).build()
+        _OPENCL[key] = (prg.fake_quant, prg.fake_quant_backward)
+    return _OPENCL[key]
 
 
 def _cuda_module():
@@ -497,85 +537,124 @@ def _cuda_module():
     return cuda
 
 
-def _run_forward(job: _Job, backend: str, stochastic: bool, keys) -> Tuple[np.ndarray, np.ndarray]:
-    if job.x.size == 0:
-        return job.x.reshape(job.shape).copy(), np.zeros(job.shape, bool)
+def _cuda_flat(cuda, a, size):
+    """A flat numba device view of a device array (numba's own, or anything with the CUDA array interface)."""
+    if not hasattr(a, "copy_to_host"):
+        a = cuda.as_cuda_array(a)
+    return a.reshape(size)
+
+
+def _opencl_flat(a):
+    """(queue, buffer) of a contiguous pyopencl Array; a view at an offset is copied first."""
+    if a.offset:
+        a = a.copy()
+    return a.queue, a.base_data
+
+
+def _run_forward(job: _Job, backend: str, stochastic: bool, keys):
+    kind = _kind(job.x)
+    if job.size == 0:
+        if kind == "numpy":
+            return job.x.copy(), np.zeros(job.shape, bool)
+        if kind == "opencl":
+            import pyopencl.array as cla
+
+            return job.x.copy(), cla.zeros(job.x.queue, job.shape, np.uint8)
+        return job.x, job.x  # an empty device array: nothing to compute, nothing to share
     if backend == "numpy":
         return _numpy_forward(job, stochastic, keys)
     key_lo, key_hi = keys if stochastic else (np.uint64(0), np.uint64(0))
-    n = job.x.size
-    out = np.empty(n, np.float32)
-    mask = np.empty(n, bool if backend == "cpu" else np.uint8)
+    n = job.size
     args = (job.inv, job.scale, job.zp)
     if backend == "cpu":
         from . import quantization_kernels as qk
 
-        qk.fake_quant_cpu(job.x, out, mask, *args, job.inner, job.nch, job.qmin, job.qmax,
-                          job.int64_cast, stochastic, key_lo, key_hi)
-    elif backend == "cuda":
+        out, mask = np.empty(n, np.float32), np.empty(n, bool)
+        qk.fake_quant_cpu(np.ascontiguousarray(job.x).reshape(-1), out, mask, *args, *job.scalars(),
+                          stochastic, key_lo, key_hi)
+        return out.reshape(job.shape), mask.reshape(job.shape)
+    if backend == "cuda":
         cuda = _cuda_module()
         from . import quantization_kernels as qk
 
         forward, _ = qk.cuda_kernels()
-        d_out, d_mask = cuda.device_array(n, np.float32), cuda.device_array(n, np.uint8)
-        dev = [cuda.to_device(a) for a in (job.x, *args)]
+        on_device = kind == "cuda"
+        dx = _cuda_flat(cuda, job.x, n) if on_device else cuda.to_device(np.ascontiguousarray(job.x).reshape(-1))
+        d_out, d_mask = cuda.device_array(n, np.float32), cuda.device_array(n, np.bool_)
+        d_args = [cuda.to_device(a) for a in args]
         blocks = (n + qk.BLOCK - 1) // qk.BLOCK
-        forward[blocks, qk.BLOCK](dev[0], d_out, d_mask, dev[1], dev[2], dev[3], job.inner, job.nch, job.qmin,
-                                  job.qmax, job.int64_cast, stochastic, key_lo, key_hi)
-        out, mask = d_out.copy_to_host(), d_mask.copy_to_host()
+        forward[blocks, qk.BLOCK](dx, d_out, d_mask, *d_args, *job.scalars(), stochastic, key_lo, key_hi)
+        if on_device:
+            return d_out.reshape(job.shape), d_mask.reshape(job.shape)
+        return d_out.copy_to_host().reshape(job.shape), d_mask.copy_to_host().reshape(job.shape)
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    on_device = kind == "opencl"
+    if on_device:
+        queue, bx = _opencl_flat(job.x)
     else:
-        import pyopencl as cl
-
-        queue, forward, _ = _opencl_program()
-        mf = cl.mem_flags
-        bufs = [cl.Buffer(queue.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in (job.x, *args)]
-        b_out = cl.Buffer(queue.context, mf.WRITE_ONLY, out.nbytes)
-        b_mask = cl.Buffer(queue.context, mf.WRITE_ONLY, mask.nbytes)
-        forward(queue, (n,), None, bufs[0], b_out, b_mask, bufs[1], bufs[2], bufs[3], np.int64(job.inner),
-                np.int64(job.nch), job.qmin, job.qmax, np.int32(job.int64_cast), np.int32(stochastic),
-                np.uint64(key_lo), np.uint64(key_hi), np.int64(n))
-        cl.enqueue_copy(queue, out, b_out)
-        cl.enqueue_copy(queue, mask, b_mask)
-        queue.finish()
-    return out.reshape(job.shape), mask.astype(bool, copy=False).reshape(job.shape)
+        queue = _opencl_queue()
+        bx = cla.to_device(queue, np.ascontiguousarray(job.x).reshape(-1)).base_data
+    forward, _ = _opencl_kernels(queue.context)
+    out, mask = cla.empty(queue, job.shape, np.float32), cla.empty(queue, job.shape, np.uint8)
+    mf = cl.mem_flags
+    bufs = [cl.Buffer(queue.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in args]
+    forward(queue, (n,), None, bx, out.base_data, mask.base_data, *bufs, np.int64(job.inner), np.int64(job.nch),
+            job.qmin, job.qmax, np.int32(job.int64_cast), np.int32(stochastic), np.uint64(key_lo),
+            np.uint64(key_hi), np.int64(n))
+    if on_device:
+        return out, mask
+    return out.get(), mask.get().astype(bool)
 
 
-def _run_backward(job: _Job, g: np.ndarray, backend: str) -> np.ndarray:
-    if job.x.size == 0:
-        return g.copy()
+def _run_backward(job: _Job, g, backend: str):
+    kind = _kind(job.x)
+    if job.size == 0:
+        return g.copy() if kind != "cuda" else g
     if backend == "numpy":
         return _numpy_backward(job, g)
-    n = job.x.size
-    gflat = np.ascontiguousarray(g).reshape(-1)
-    gin = np.empty(n, np.float32)
+    n = job.size
     args = (job.inv, job.scale, job.zp)
     if backend == "cpu":
         from . import quantization_kernels as qk
 
-        qk.fake_quant_backward_cpu(job.x, gflat, gin, *args, job.inner, job.nch, job.qmin, job.qmax, job.int64_cast)
-    elif backend == "cuda":
+        gin = np.empty(n, np.float32)
+        qk.fake_quant_backward_cpu(np.ascontiguousarray(job.x).reshape(-1), np.ascontiguousarray(g).reshape(-1),
+                                   gin, *args, *job.scalars())
+        return gin.reshape(job.shape)
+    if backend == "cuda":
         cuda = _cuda_module()
         from . import quantization_kernels as qk
 
         _, backward = qk.cuda_kernels()
+        on_device = kind == "cuda"
+        if on_device:
+            dx, dg = _cuda_flat(cuda, job.x, n), _cuda_flat(cuda, g, n)
+        else:
+            dx, dg = (cuda.to_device(np.ascontiguousarray(a).reshape(-1)) for a in (job.x, g))
         d_gin = cuda.device_array(n, np.float32)
-        dev = [cuda.to_device(a) for a in (job.x, gflat, *args)]
+        d_args = [cuda.to_device(a) for a in args]
         blocks = (n + qk.BLOCK - 1) // qk.BLOCK
-        backward[blocks, qk.BLOCK](dev[0], dev[1], d_gin, dev[2], dev[3], dev[4], job.inner, job.nch, job.qmin,
-                                   job.qmax, job.int64_cast)
-        gin = d_gin.copy_to_host()
-    else:
-        import pyopencl as cl
+        backward[blocks, qk.BLOCK](dx, dg, d_gin, *d_args, *job.scalars())
+        return d_gin.reshape(job.shape) if on_device else d_gin.copy_to_host().reshape(job.shape)
+    import pyopencl as cl
+    import pyopencl.array as cla
 
-        queue, _, backward = _opencl_program()
-        mf = cl.mem_flags
-        bufs = [cl.Buffer(queue.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in (job.x, gflat, *args)]
-        b_gin = cl.Buffer(queue.context, mf.WRITE_ONLY, gin.nbytes)
-        backward(queue, (n,), None, bufs[0], bufs[1], b_gin, bufs[2], bufs[3], bufs[4], np.int64(job.inner),
-                 np.int64(job.nch), job.qmin, job.qmax, np.int32(job.int64_cast), np.int64(n))
-        cl.enqueue_copy(queue, gin, b_gin)
-        queue.finish()
-    return gin.reshape(job.shape)
+    on_device = kind == "opencl"
+    if on_device:
+        queue, bx = _opencl_flat(job.x)
+        _, bg = _opencl_flat(g)
+    else:
+        queue = _opencl_queue()
+        bx, bg = (cla.to_device(queue, np.ascontiguousarray(a).reshape(-1)).base_data for a in (job.x, g))
+    _, backward = _opencl_kernels(queue.context)
+    gin = cla.empty(queue, job.shape, np.float32)
+    mf = cl.mem_flags
+    bufs = [cl.Buffer(queue.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in args]
+    backward(queue, (n,), None, bx, bg, gin.base_data, *bufs, np.int64(job.inner), np.int64(job.nch), job.qmin,
+             job.qmax, np.int32(job.int64_cast), np.int64(n))
+    return gin if on_device else gin.get()
 
 
 # ------------------------------------------------------------------ public fake-quant functions
@@ -606,15 +685,18 @@ def fake_quant_int(x, params: QuantParams, *, rounding: RoundingMode = RoundingM
                    seed: Optional[int] = None, backend: str = "numpy", return_mask: bool = False):
     """Per-tensor integer fake-quant, as ``torch.fake_quantize_per_tensor_affine`` (bit for bit).
 
-    :param x: float32 numpy array (any shape).
+    :param x: float32 numpy array (any shape), or the backend's own device array (a numba /
+        ``__cuda_array_interface__`` array for ``"cuda"``, a ``pyopencl.array.Array`` for
+        ``"opencl"``): then the result (and mask) are new device arrays on the same device, and
+        nothing crosses to the host.
     :param params: per-tensor :class:`QuantParams`.
     :param rounding: half-to-even (torch's), or stochastic (needs ``seed``; same bits on every backend).
     :param backend: ``"numpy"``, ``"cpu"``, ``"cuda"`` or ``"opencl"``.
     :param return_mask: also return the boolean straight-through mask.
-    :return: a new float32 array of x's shape (and the mask).
+    :return: a new float32 array of x's shape (and the mask: bool, uint8 for an OpenCL array).
     """
     backend = _check_backend(backend)
-    x = _as_f32(x, "x")
+    x = _check_input(x, "x", backend)
     params = _check_params(params, False, "fake_quant_int")
     stochastic, keys = _rounding_args(rounding, seed)
     out, mask = _run_forward(_Job(x, params, False), backend, stochastic, keys)
@@ -629,7 +711,7 @@ def fake_quant_int_per_channel(x, params: QuantParams, *, rounding: RoundingMode
     ``x`` along ``params.axis``.
     """
     backend = _check_backend(backend)
-    x = _as_f32(x, "x")
+    x = _check_input(x, "x", backend)
     params = _check_params(params, True, "fake_quant_int_per_channel")
     stochastic, keys = _rounding_args(rounding, seed)
     out, mask = _run_forward(_Job(x, params, True), backend, stochastic, keys)
@@ -644,9 +726,11 @@ def fake_quant_backward(grad, x, params: QuantParams, *, backend: str = "numpy")
     Per-tensor or per-channel follows ``params.axis``.
     """
     backend = _check_backend(backend)
-    x = _as_f32(x, "x")
-    grad = _as_f32(grad, "grad")
-    if grad.shape != x.shape:
+    x = _check_input(x, "x", backend)
+    grad = _check_input(grad, "grad", backend)
+    if _kind(grad) != _kind(x):
+        raise InvalidParameterError(f"grad is a {_kind(grad)} array but x a {_kind(x)} array, expected the same kind")
+    if tuple(grad.shape) != tuple(x.shape):
         raise ShapeMismatchError(f"grad has shape {grad.shape}, expected {x.shape} like x")
     if not isinstance(params, QuantParams):
         raise InvalidParameterError(f"params of type {type(params).__name__}, expected QuantParams")

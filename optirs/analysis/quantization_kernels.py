@@ -169,8 +169,9 @@ def cuda_kernels():
             pass
         fq = cuda.jit(device=True)(fq_element)
         if simulator:
-            def mul(a, b):
-                return a * b
+            def mul(a, b):  # numpy scalars under the simulator: overflow to inf is expected here
+                with np.errstate(over="ignore", invalid="ignore"):
+                    return a * b
         else:
             from numba.cuda import libdevice
 
