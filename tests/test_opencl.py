@@ -402,3 +402,13 @@ def test_default_prefers_a_gpu(monkeypatch):
     assert ocl.select_device({"device": "cpu"})[1] is cpu
     assert ocl.select_device({"device": 0})[1] is cpu  # an index counts over all platforms' devices
     assert ocl.select_device({"platform": "vendor", "device": 0})[1] is gpu
+
+
+def test_probe_without_pyopencl_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pyopencl", None)  # makes "import pyopencl" raise ImportError
+    result = ocl.plugin.optirs_probe({})
+    assert not result.available and "pip install 'optirs[opencl]'" in result.reason
+    with pytest.raises(BackendUnavailableError, match="needs pyopencl"):
+        ocl.plugin.optirs_open({})
