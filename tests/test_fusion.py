@@ -249,6 +249,9 @@ def assert_same(got, want, exact, rtol=1e-5):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-6, equal_nan=True)
 
 
+# Execution tests compile a few kernels per example (about a second each with parallel=True).
+RUNS = settings(max_examples=int(os.environ.get("OPTIRS_FUSION_RUNS", "12")), deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 PROPERTY = settings(max_examples=int(os.environ.get("OPTIRS_FUSION_EXAMPLES", "25")), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -535,7 +538,7 @@ def test_greedy_on_large_graph_is_valid():
 # ================================================================ execution on the CPU
 
 
-@PROPERTY
+@RUNS
 @given(graphs(max_ops=10), st.integers(0, 2**31 - 1))
 def test_fused_cpu_equals_numpy_exact_ops(graph, seed):
     """IEEE-exact ops (and max): the fused kernels give numpy's results bit for bit."""
@@ -550,7 +553,7 @@ def test_fused_cpu_equals_numpy_exact_ops(graph, seed):
         assert_same(got[name], want[name], exact=True)
 
 
-@PROPERTY
+@RUNS
 @given(graphs(max_ops=10, unary=["sqrt", "tanh", "sigmoid", "exp", "square"], binary=["add", "mul", "maximum", "div"],
               ternary=["muladd"], reductions=("sum", "max"), compare=False), st.integers(0, 2**31 - 1))
 def test_fused_cpu_close_to_numpy_with_libm_and_sums(graph, seed):
@@ -641,6 +644,21 @@ def test_unfused_plan_runs_one_kernel_per_op():
     np.testing.assert_allclose(plan.run(inp)[g.outputs[0]], numpy_eval(g, inp)[g.outputs[0]], rtol=1e-6)
 
 
+def test_run_into_preallocated_outputs():
+    g = chain_graph(4, size=64)
+    plan = FusionPlanner().plan(g)
+    name = g.outputs[0]
+    buf = np.full(64, np.nan, F32)
+    inp = random_inputs(g, 2, 0.1, 2.0)
+    got = plan.run(inp, out={name: buf})
+    assert got[name] is buf
+    np.testing.assert_allclose(buf, numpy_eval(g, inp)[name], rtol=1e-6)
+    with pytest.raises(ShapeMismatchError, match="expected a numpy array of shape"):
+        plan.run(inp, out={name: np.zeros(63, F32)})
+    with pytest.raises(InvalidParameterError, match="not a graph output"):
+        plan.run(inp, out={"x": np.zeros(64, F32)})
+
+
 def test_run_checks_inputs():
     g = chain_graph(2, size=10)
     plan = FusionPlanner().plan(g)
@@ -724,7 +742,7 @@ def _opencl_available():
 
 
 @pytest.mark.skipif(not _opencl_available(), reason="no OpenCL device (pyopencl with PoCL runs on the CPU)")
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@RUNS
 @given(graphs(max_ops=8), st.integers(0, 2**31 - 1))
 def test_fused_opencl_equals_numpy(graph, seed):
     plan = FusionPlanner(max_group_size=6).plan(graph)

@@ -649,6 +649,7 @@ class FusionPlan:
         self.method = method
         self.optimal = optimal
         self.search_nodes = search_nodes
+        self._compiled: Dict[str, Any] = {}
         self._index = _Index(graph)
         idx = self._index
         masks = []
@@ -745,13 +746,17 @@ class FusionPlan:
 
         return fusion_codegen.compile_plan(self, backend)
 
-    def run(self, inputs: Mapping[str, Any], backend: str = "cpu") -> Dict[str, np.ndarray]:
-        """Execute the graph with one generated kernel per group; returns the graph outputs."""
-        compiled = getattr(self, "_compiled", {}).get(backend)
+    def run(self, inputs: Mapping[str, Any], backend: str = "cpu", out: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
+        """Execute the graph with one generated kernel per group; returns the graph outputs.
+
+        The plan is compiled for ``backend`` on first use and the compiled plan kept; ``out``
+        optionally gives preallocated arrays for graph outputs (see ``CompiledPlan.run``).
+        """
+        compiled = self._compiled.get(backend)
         if compiled is None:
             compiled = self.compile(backend)
-            self.__dict__.setdefault("_compiled", {})[backend] = compiled
-        return compiled.run(inputs)
+            self._compiled[backend] = compiled
+        return compiled.run(inputs, out)
 
     def __repr__(self) -> str:
         return (f"<FusionPlan {len(self.groups)} groups for {self._index.n} ops, "

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import UnsupportedOperationError
+from ..errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from .fusion import FusionGroup, FusionOp, FusionPlan, OpKind, _call_opaque
 from .fusion_ops import OPENCL_HELPERS, OPENCL_HELPERS_FP64, OPS
 
@@ -192,15 +192,17 @@ def _body(spec: KernelSpec, lang: _Lang, idx: str) -> Tuple[List[str], Dict[str,
     strided = [ld for ld in spec.loads if ld.mode == "strided"]
     if strided:
         nd = len(spec.domain)
-        # unravel the flat index into coordinates, last axis fastest (C order)
-        lines.append(f"r_ = {idx}" if lang.py else f"long r_ = {idx};")
+        # unravel the flat index into coordinates, last axis fastest (C order); every name is
+        # assigned once (numba's parfor pass rejects reassigning a name derived from the index)
+        q = idx
         for k in reversed(range(nd)):
             d = f"dims[{k}]" if lang.py else f"d{k}"
             if k == 0:
-                lines.append(f"c{k}_ = r_" if lang.py else f"long c{k}_ = r_;")
+                lines.append(f"c0_ = {q}" if lang.py else f"long c0_ = {q};")
             else:
-                lines.append(f"c{k}_ = r_ % {d}" if lang.py else f"long c{k}_ = r_ % {d};")
-                lines.append(f"r_ = r_ // {d}" if lang.py else f"r_ = r_ / {d};")
+                lines.append(f"c{k}_ = {q} % {d}" if lang.py else f"long c{k}_ = {q} % {d};")
+                lines.append(f"q{k}_ = {q} // {d}" if lang.py else f"long q{k}_ = {q} / {d};")
+                q = f"q{k}_"
     for j, ld in enumerate(spec.loads):
         name = f"in{j}"
         if ld.mode == "full":
@@ -566,7 +568,11 @@ def _cl_kernel(spec: KernelSpec):
             f"fusion backend 'opencl': device {ctx.devices[0].name!r} lacks cl_khr_fp64, which this group needs "
             "(float64 values or float64 reduction accumulators)"
         )
-    prg = cl.Program(ctx, text).build()
+    # Division and sqrt are only correctly rounded (as numpy's are) with this option; OpenCL
+    # otherwise allows 2.5 and 3 ulp. Devices that cannot honour it get the default.
+    dev = ctx.devices[0]
+    exact = bool(dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
+    prg = cl.Program(ctx, text).build(options=["-cl-fp32-correctly-rounded-divide-sqrt"] if exact else [])
     kern = prg.kernel_  # looked up once: prg.<name> builds a new wrapper each time
     fin = prg.finish_ if "finish_" in text else None
     hit = (kern, fin, args, text)
@@ -603,12 +609,35 @@ class CompiledPlan:
     def kernel_count(self) -> int:
         return sum(k is not None for k in self.kernels)
 
-    def run(self, inputs: Mapping[str, Any]) -> Dict[str, np.ndarray]:
-        """Execute the graph; numpy arrays in (shapes and dtypes as declared), numpy arrays out."""
+    def run(self, inputs: Mapping[str, Any], out: Optional[Mapping[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
+        """Execute the graph; numpy arrays in (shapes and dtypes as declared), numpy arrays out.
+
+        :param out: optional preallocated arrays for some graph outputs (C-contiguous, of the
+            output's shape and dtype); they are filled and returned instead of new arrays.
+        """
         graph = self.plan.graph
         host = graph.check_inputs(inputs)
+        out = self._check_out(out or {})
         run = {"cpu": self._run_cpu, "cuda": self._run_cuda, "opencl": self._run_opencl}[self.backend]
-        return run(host)
+        result = run(host, out)
+        for v, a in out.items():
+            if result[v] is not a:  # device backends: copy the downloaded result into place
+                a[...] = result[v]
+                result[v] = a
+        return result
+
+    def _check_out(self, out: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        graph = self.plan.graph
+        for v, a in out.items():
+            if v not in graph.outputs:
+                raise InvalidParameterError(f"out names {v!r}, which is not a graph output; outputs are {list(graph.outputs)}")
+            shape, dt = graph.shape(v), graph.dtype(v)
+            if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dt:
+                raise ShapeMismatchError(f"out[{v!r}]: {getattr(a, 'shape', type(a).__name__)} "
+                                         f"{getattr(a, 'dtype', '')}, expected a numpy array of shape {shape} dtype {dt}")
+            if not (a.flags.c_contiguous and a.flags.writeable):
+                raise ShapeMismatchError(f"out[{v!r}] must be C-contiguous and writeable")
+        return dict(out)
 
     # ---------------------------------------------------------------- argument lists
 
@@ -616,8 +645,8 @@ class CompiledPlan:
         """Arguments for a group's kernel and the arrays it will write (value -> array)."""
         graph = self.plan.graph
         n = math.prod(spec.domain)
-        outs = {v: alloc(math.prod(graph.shape(v)), spec.dtypes[v]) for v in spec.stores}
-        reds = {r.out: alloc(max(1, math.prod(graph.shape(r.out))), r.dtype) for r in spec.reduces}
+        outs = {v: alloc(v, math.prod(graph.shape(v)), spec.dtypes[v]) for v in spec.stores}
+        reds = {r.out: alloc(r.out, max(1, math.prod(graph.shape(r.out))), r.dtype) for r in spec.reduces}
         vals = []
         for p in params:
             if p == "n":
@@ -640,18 +669,22 @@ class CompiledPlan:
 
     # ---------------------------------------------------------------- cpu
 
-    def _run_cpu(self, host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    def _run_cpu(self, host: Dict[str, np.ndarray], out: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         graph = self.plan.graph
         env = {k: np.ascontiguousarray(v).reshape(-1) for k, v in host.items()}
+        flat_out = {v: a.reshape(-1) for v, a in out.items()}  # views: the kernels write into them
         for g, spec, kern in zip(self.plan.groups, self.specs, self.kernels):
             if spec is None:
                 env.update(self._opaque(g, env))
                 continue
             fn, params, _ = kern
-            vals, made = self._args(spec, params, env, lambda size, dt: np.empty(size, dt))
+            vals, made = self._args(spec, params, env, lambda v, size, dt: flat_out[v] if v in flat_out else np.empty(size, dt))
             fn(*vals)
             env.update(made)
-        return {v: env[v].reshape(graph.shape(v)) for v in graph.outputs}
+        for g in self.plan.groups:  # an opaque op's result lands in its out array too
+            if g.opaque and g.ops[0] in out:
+                out[g.ops[0]][...] = env[g.ops[0]].reshape(out[g.ops[0]].shape)
+        return {v: out[v] if v in out else env[v].reshape(graph.shape(v)) for v in graph.outputs}
 
     def _opaque(self, g: FusionGroup, env, to_host=lambda a: a, to_dev=lambda a: a):
         graph = self.plan.graph
@@ -663,7 +696,7 @@ class CompiledPlan:
 
     # ---------------------------------------------------------------- cuda
 
-    def _run_cuda(self, host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    def _run_cuda(self, host: Dict[str, np.ndarray], out: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         from numba import cuda
 
         graph = self.plan.graph
@@ -674,7 +707,7 @@ class CompiledPlan:
                 continue
             fn, fin, params, _ = kern
             ps = list(params)
-            vals, made = self._args(spec, ps, env, lambda size, dt: cuda.device_array(size, dt))
+            vals, made = self._args(spec, ps, env, lambda v, size, dt: cuda.device_array(size, dt))
             n = math.prod(spec.domain)
             if spec.reduces and spec.layout is None:
                 nchunk = max(1, -(-n // REDUCE_CHUNK))
@@ -697,7 +730,7 @@ class CompiledPlan:
 
     # ---------------------------------------------------------------- opencl
 
-    def _run_opencl(self, host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    def _run_opencl(self, host: Dict[str, np.ndarray], out: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         import pyopencl as cl
         import pyopencl.array as cla
 

@@ -100,8 +100,10 @@ OPS: Dict[str, OpSpec] = {
     )
 }
 
-# OpenCL C helpers the OpenCL templates rely on (numpy's NaN and signed-zero behaviour).
+# OpenCL C helpers the OpenCL templates rely on (numpy's NaN and signed-zero behaviour). OpenCL C
+# contracts a * b + c into an fma by default; numpy rounds twice, so contraction is switched off.
 OPENCL_HELPERS = """
+#pragma OPENCL FP_CONTRACT OFF
 inline float optirs_fmax_float(float a, float b) { return (a > b || a != a) ? a : b; }
 inline float optirs_fmin_float(float a, float b) { return (a < b || a != a) ? a : b; }
 """
