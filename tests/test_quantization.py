@@ -149,6 +149,18 @@ def test_per_tensor_matches_torch(qbackend, scale, zp, qmin, qmax, rng):
     np.testing.assert_array_equal(mask, t.grad.numpy() == 1)
 
 
+def test_operation_order_matters(rng):
+    """Dividing by the scale instead of multiplying by its float32 inverse disagrees with torch:
+    the order of operations is part of the specification, not a detail."""
+    scale = np.float32(0.1)
+    k = rng.integers(-120, 120, 20000)
+    x = ((k + 0.5) * scale).astype(np.float32)  # near-ties, where one rounding decides
+    expected, _ = torch_fq_tensor(x, scale, 0, -128, 127)
+    by_division = (np.clip(np.rint(x / scale), -128, 127) * scale).astype(np.float32)
+    assert (bits(by_division) != bits(expected)).any()
+    assert_bits_equal(fake_quant_int(x, QuantParams(scale, 0)), expected)
+
+
 @pytest.mark.parametrize("qbackend", BACKENDS)
 def test_per_tensor_shapes_and_constant_tensors(qbackend, rng):
     qp = QuantParams(0.05, -3, -128, 127)
@@ -749,3 +761,15 @@ def test_plugin_is_registered():
     assert "fake-quant" in info["summary"]
     status = {p.name: p for p in optirs.list_plugins()}
     assert status["quantization"].error == "" and status["quantization"].summary == info["summary"]
+
+
+def test_docs_examples_run():
+    """Every python block of docs/quantization.md runs."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        exec(compile(block, "docs/quantization.md", "exec"), {})
