@@ -478,6 +478,82 @@ def _cuda_kernels():
     return K
 
 
+# The same conversions in OpenCL C: float16 loads through vload_half (core OpenCL, exact; no
+# cl_khr_fp16 needed), every rounding in integer arithmetic as above so results match numpy and
+# ml_dtypes bit for bit on any device.
+OPENCL_SOURCE = r"""
+inline ushort optirs_f16_encode(uint u) {
+    uint sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu, h;
+    if (a >= 0x7F800000u) {
+        if (a == 0x7F800000u) return (ushort)(sign | 0x7C00u);
+        h = 0x7C00u | ((a >> 13) & 0x3FFu);
+        return (ushort)(sign | (h == 0x7C00u ? 0x7C01u : h));
+    }
+    if (a >= 0x477FF000u) return (ushort)(sign | 0x7C00u);
+    if (a >= 0x38800000u) {
+        uint rem = a & 0x1FFFu;
+        h = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3FFu);
+        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h += 1u;
+        return (ushort)(sign | h);
+    }
+    if (a <= 0x33000000u) return (ushort)sign;
+    uint shift = 126u - (a >> 23), mant = (a & 0x7FFFFFu) | 0x800000u;
+    uint rem = mant & ((1u << shift) - 1u), half_ = 1u << (shift - 1u);
+    h = mant >> shift;
+    if (rem > half_ || (rem == half_ && (h & 1u))) h += 1u;
+    return (ushort)(sign | h);
+}
+
+inline ushort optirs_bf16_encode(uint u) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 31) ? (ushort)0xFFC0u : (ushort)0x7FC0u;
+    return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+__kernel void optirs_mp_unscale(__global const ushort *g, ulong g_off, __global float *out, ulong out_off,
+                                uint n, float inv_scale, int bf16, __global int *found_inf) {
+    size_t i = get_global_id(0);
+    if (i >= n) return;
+    float x = bf16 ? as_float(((uint)g[g_off + i]) << 16) : vload_half(g_off + i, (__global const half *)g);
+    x *= inv_scale;
+    out[out_off + i] = x;
+    if (!isfinite(x)) *found_inf = 1;  /* every writer stores the same value */
+}
+
+__kernel void optirs_mp_narrow(__global const uint *master, ulong m_off, __global ushort *p, ulong p_off,
+                               uint n, int bf16) {
+    size_t i = get_global_id(0);
+    if (i >= n) return;
+    uint u = master[m_off + i];
+    p[p_off + i] = bf16 ? optirs_bf16_encode(u) : optirs_f16_encode(u);
+}
+"""
+
+_ocl_programs: "weakref.WeakKeyDictionary" = None  # type: ignore[assignment]
+
+
+def _opencl_kernels(ctx: Any):
+    """The two kernels built for an optirs OpenCL context (once per context)."""
+    global _ocl_programs
+    import weakref
+
+    import pyopencl as cl
+
+    if _ocl_programs is None:
+        _ocl_programs = weakref.WeakKeyDictionary()
+    hit = _ocl_programs.get(ctx)
+    if hit is None:
+        prg = cl.Program(ctx.context, OPENCL_SOURCE).build()
+        hit = {"unscale": prg.optirs_mp_unscale, "narrow": prg.optirs_mp_narrow,
+               "found": cl.Buffer(ctx.context, cl.mem_flags.READ_WRITE, 4)}
+        _ocl_programs[ctx] = hit
+    return hit
+
+
+def _cl_parts(a: Any, itemsize: int):
+    """(buffer, element offset, element count) of a pyopencl array."""
+    return a.base_data, np.uint64(a.offset // itemsize), int(a.size)
+
+
 def encode_bits(values32: np.ndarray, dtype: Any) -> np.ndarray:
     """The kernel's float32 -> float16/bfloat16 rounding on the CPU, as uint16 bit patterns (for tests)."""
     bf16 = _half_dtype(dtype).name == "bfloat16"
@@ -525,10 +601,11 @@ class MixedPrecisionOptimizer:
     (2) if none, the inner optimizer steps the master weights with it; (3) one pass writes the
     master weights, rounded to nearest even, into the caller's parameters. Gradients of an
     overflowing step leave everything untouched; the scaler backs off either way.
-    Backends: ``cpu`` (numba parallel loops) and ``cuda`` (numba.cuda, one launch per tensor per pass).
+    Backends: ``cpu`` (numba parallel loops over the chunk table, one call per pass), ``cuda``
+    (numba.cuda) and ``opencl`` (OpenCL C), one launch per tensor per pass on the devices.
     """
 
-    SUPPORTED_BACKENDS = ("cpu", "cuda")
+    SUPPORTED_BACKENDS = ("cpu", "cuda", "opencl")
 
     def __init__(self, inner: Any, config: Optional[MixedPrecisionConfig] = None):
         from .optimizers import STATE_DTYPE, GpuOptimizer
@@ -602,10 +679,14 @@ class MixedPrecisionOptimizer:
                     raise InvalidParameterError(f"{label}[{i}] is a {type(a).__name__}, expected a numpy array on the cpu backend")
                 if kind == "cuda" and isinstance(a, np.ndarray):
                     raise InvalidParameterError(f"{label}[{i}] is a numpy array, expected a CUDA device array on the cuda backend")
+                if kind == "opencl" and not type(a).__module__.startswith("pyopencl"):
+                    raise InvalidParameterError(f"{label}[{i}] is a {type(a).__name__}, expected a pyopencl.array.Array on the opencl backend")
                 dt = np.dtype(getattr(a, "dtype", None))
                 if dt != want:
                     raise ShapeMismatchError(f"{label}[{i}] has dtype {dt}, expected {want} (MixedPrecisionConfig.param_dtype)")
-                if isinstance(a, np.ndarray) and not a.flags.c_contiguous:
+                flags = getattr(a, "flags", None)
+                contiguous = flags.get("C_CONTIGUOUS", True) if isinstance(flags, dict) else getattr(flags, "c_contiguous", True)
+                if not contiguous:
                     raise ShapeMismatchError(f"{label}[{i}] is not C-contiguous, expected a contiguous array")
             if tuple(g.shape) != tuple(p.shape):
                 raise ShapeMismatchError(f"grads[{i}] has shape {tuple(g.shape)}, expected {tuple(p.shape)} like params[{i}]")
@@ -710,6 +791,8 @@ class MixedPrecisionOptimizer:
             flags = np.zeros(ct.shape[0], np.uint8)
             k.unscale(glist, self._grads32, offsets, ct, cs, ce, inv, bf16, flags)
             return bool(flags.any())
+        if kind == "opencl":
+            return self._unscale_opencl(grads, inv, bf16)
         k = _cuda_kernels()
         found = k.cuda.to_device(np.zeros(1, np.int32))
         offsets, _ = self._chunks()
@@ -729,6 +812,9 @@ class MixedPrecisionOptimizer:
             plist = self._typed_bits(params)
             k.narrow(self._master.view(np.uint32), plist, offsets, ct, cs, ce, bf16)
             return
+        if kind == "opencl":
+            self._narrow_opencl(params, bf16)
+            return
         k = _cuda_kernels()
         offsets, _ = self._chunks()
         bits = _as_numba(k.cuda, self._master).view(np.uint32)
@@ -737,6 +823,34 @@ class MixedPrecisionOptimizer:
             n = p16.shape[0]
             if n:
                 k.narrow[(n + _CUDA_BLOCK - 1) // _CUDA_BLOCK, _CUDA_BLOCK](bits, p16, int(off), bf16)
+
+    def _unscale_opencl(self, grads: List[Any], inv: np.float32, bf16: bool) -> bool:
+        import pyopencl as cl
+
+        ctx = self.backend.ctx
+        k = _opencl_kernels(ctx)
+        cl.enqueue_fill_buffer(ctx.queue, k["found"], np.zeros(1, np.int32), 0, 4)
+        out, out_off, _ = _cl_parts(self._grads32, 4)
+        offsets, _ = self._chunks()
+        for g, off in zip(grads, offsets):
+            buf, g_off, n = _cl_parts(g, 2)
+            if n:
+                k["unscale"](ctx.queue, (_round_up(n, _CUDA_BLOCK),), None, buf, g_off, out,
+                             np.uint64(int(out_off) + int(off)), np.uint32(n), inv, np.int32(bf16), k["found"])
+        found = np.zeros(1, np.int32)
+        cl.enqueue_copy(ctx.queue, found, k["found"])  # blocking: the flag decides the step
+        return bool(found[0])
+
+    def _narrow_opencl(self, params: List[Any], bf16: bool) -> None:
+        ctx = self.backend.ctx
+        k = _opencl_kernels(ctx)
+        master, m_off, _ = _cl_parts(self._master, 4)
+        offsets, _ = self._chunks()
+        for p, off in zip(params, offsets):
+            buf, p_off, n = _cl_parts(p, 2)
+            if n:
+                k["narrow"](ctx.queue, (_round_up(n, _CUDA_BLOCK),), None, master, np.uint64(int(m_off) + int(off)),
+                            buf, p_off, np.uint32(n), np.int32(bf16))
 
     # ------------------------------------------------------------ checkpoints
 
@@ -768,6 +882,10 @@ class MixedPrecisionOptimizer:
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.inner!r}, {self.config.param_dtype.name}, {self.scaler!r})"
+
+
+def _round_up(n: int, q: int) -> int:
+    return -(-n // q) * q
 
 
 def _as_numba(cuda: Any, a: Any):

@@ -421,13 +421,16 @@ def test_state_dict_round_trip(rng):
         b.load_state_dict({**sd, "param_dtype": "float16"})
 
 
-def test_backend_without_half_kernels_is_refused():
-    status = {s.name: s for s in optirs.list_backends()}.get("opencl")
-    if status is None or not status.available:
-        pytest.skip("the opencl backend does not open here")
-    opt = MixedPrecisionOptimizer(optirs.GpuAdam(config=optirs.GpuOptimizerConfig("opencl")))
-    with pytest.raises(optirs.UnsupportedOperationError, match="not 'opencl'"):
-        opt.step_gpu(np.ones(2, np.float16), np.ones(2, np.float16))
+def test_backend_without_half_kernels_is_refused(fresh_registry):
+    """A third-party backend (here: the cpu plugin under another name) gets a clear refusal."""
+    from optirs.backends.cpu import CpuBackend
+
+    optirs.register_plugin(CpuBackend(), "elsewhere")
+    opt = MixedPrecisionOptimizer(optirs.GpuAdam(config=optirs.GpuOptimizerConfig("elsewhere")))
+    p = np.ones(2, np.float16)
+    with pytest.raises(optirs.UnsupportedOperationError, match="not 'elsewhere'"):
+        opt.step_gpu(p, np.ones(2, np.float16))
+    assert np.array_equal(p, np.ones(2, np.float16))
 
 
 @pytest.mark.cuda
@@ -455,6 +458,43 @@ def test_cuda_kernels_in_simulator(rng, dtype):
     k.narrow[1, 256](cuda.to_device(master.view(np.uint32)), p, 5, dtype == "bfloat16")
     with np.errstate(all="ignore"):
         assert np.array_equal(p.copy_to_host(), master[5:].astype(DTYPES[dtype]).view(np.uint16))
+
+
+@pytest.mark.opencl
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_opencl_kernels_bit_for_bit(rng, dtype):
+    """The OpenCL passes on every half pattern and on float32 edges/NaNs, against numpy/ml_dtypes."""
+    status = {s.name: s for s in optirs.list_backends()}.get("opencl")
+    if status is None or not status.available:
+        pytest.skip("the opencl backend does not open here")
+    import pyopencl as cl
+    import pyopencl.array as cla
+
+    from optirs.mixed_precision import _opencl_kernels
+
+    ctx = optirs.get_backend("opencl").ctx
+    k = _opencl_kernels(ctx)
+    bf16 = np.int32(dtype == "bfloat16")
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    g = cla.to_device(ctx.queue, bits)
+    out = cla.zeros(ctx.queue, 65536 + 3, np.float32)
+    inv = np.float32(1 / 8)
+    cl.enqueue_fill_buffer(ctx.queue, k["found"], np.zeros(1, np.int32), 0, 4)
+    k["unscale"](ctx.queue, (65536,), None, g.data, np.uint64(0), out.data, np.uint64(3), np.uint32(65536), inv,
+                 bf16, k["found"])
+    ref = bits.view(DTYPES[dtype]).astype(np.float32) * inv
+    got = out.get()[3:]
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan) and np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    found = np.zeros(1, np.int32)
+    cl.enqueue_copy(ctx.queue, found, k["found"])
+    assert found[0] == 1  # the inf and NaN patterns
+    master = float32_bit_samples(rng, 20_000).view(np.float32)
+    p = cla.zeros(ctx.queue, master.size, np.uint16)
+    k["narrow"](ctx.queue, (master.size,), None, cla.to_device(ctx.queue, master.view(np.uint32)).data, np.uint64(0),
+                p.data, np.uint64(0), np.uint32(master.size), bf16)
+    with np.errstate(all="ignore"):
+        assert np.array_equal(p.get(), master.astype(DTYPES[dtype]).view(np.uint16))
 
 
 @pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", reason="the simulator has no compiler")
