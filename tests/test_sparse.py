@@ -342,3 +342,39 @@ def test_cuda_kernels_compile_to_sm90_ptx(monkeypatch):
         ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
         assert ".target sm_90" in ptx
         assert ".f64" not in ptx, f"{fn.__name__} computes in float64"
+
+
+@pytest.mark.parametrize("mode", ["lazy", "dense_decay"])
+def test_device_tables_step_in_place(sparse_backend, mode):
+    """The backend's own arrays (table and gradient values) are stepped in place, matching numpy tables."""
+    rng = np.random.default_rng(17)
+    p0 = rng.standard_normal((R, D)).astype(np.float32)
+    host = SparseAdam(SparseAdamConfig(lr=0.05, mode=mode, backend=sparse_backend))
+    dev = SparseAdam(SparseAdamConfig(lr=0.05, mode=mode, backend=sparse_backend))
+    p_host = p0.copy()
+    if sparse_backend == "cpu":
+        p_dev, put, get = p0.copy(), np.copy, np.copy
+    elif sparse_backend == "cuda":
+        from numba import cuda
+
+        p_dev, put, get = cuda.to_device(p0), cuda.to_device, lambda a: a.copy_to_host()
+    else:
+        import pyopencl.array as cla
+
+        queue = dev.device.queue
+        p_dev, put, get = cla.to_device(queue, p0), lambda a: cla.to_device(queue, a), lambda a: a.get()
+    for idx, vals in _steps(18, 3):
+        host.step(p_host, CooGradient(idx, vals))
+        dev.step(p_dev, CooGradient(idx, put(vals)))
+    np.testing.assert_array_equal(get(p_dev), p_host)
+
+
+def test_docs_example_runs(capsys):
+    """The example at the top of docs/sparse.md runs and prints what its comment says."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "sparse.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "docs/sparse.md", "exec"), {})
+    assert capsys.readouterr().out.split() == ["1", "0.2"]
