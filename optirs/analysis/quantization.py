@@ -27,9 +27,8 @@ Nothing heavy is imported with this module: numba, pyopencl and ml_dtypes load o
 from __future__ import annotations
 
 import enum
-import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -786,7 +785,8 @@ class QatConfig:
     :param reduce_range, quant_min, quant_max, eps: as torch's observers.
     :param observer: ``"minmax"`` (running min/max, ``MinMaxObserver``) or ``"moving_average"``
         (``MovingAverageMinMaxObserver`` with ``averaging_constant``).
-    :param freeze_observers_after: stop updating observers after this many steps (None: never).
+    :param freeze_observers_after: stop updating observers after this many steps (None: never;
+        an observer that has seen nothing still records its first step).
     :param rounding, seed: rounding of the weights (and gradients); stochastic needs a seed;
         each step and tensor draws from its own stream derived from it.
     :param targets: :class:`QuantTarget` members: WEIGHTS (after each step) and/or GRADIENTS.
@@ -980,8 +980,11 @@ class QatOptimizer:
     def step_gpu(self, params, grads) -> None:
         """One step: (fake-quantize gradients,) inner step on the master weights, observe, fake-quantize.
 
-        Everything is validated before anything changes; on error parameters, state and
-        observers are as they were.
+        Everything is validated before anything changes (shapes, dtypes, finite values); on
+        such an error parameters, state and observers are as they were. The one exception is
+        an inner step that overflows to non-finite weights: that step stays applied, the
+        observers and the quantized view stay those of the previous step, and
+        InvalidParameterError says so.
         """
         cfg = self.config
         plist = list(params) if isinstance(params, (list, tuple)) else [params]
