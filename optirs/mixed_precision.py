@@ -631,6 +631,7 @@ class MixedPrecisionOptimizer:
         self._grad_views: List[Any] = []
         self._lists: Dict[tuple, tuple] = {}
         self._layout_cache = None
+        self._found_flag = None  # cuda: the device word the unscale pass raises
 
     # ------------------------------------------------------------ properties
 
@@ -681,7 +682,7 @@ class MixedPrecisionOptimizer:
                     raise InvalidParameterError(f"{label}[{i}] is a numpy array, expected a CUDA device array on the cuda backend")
                 if kind == "opencl" and not type(a).__module__.startswith("pyopencl"):
                     raise InvalidParameterError(f"{label}[{i}] is a {type(a).__name__}, expected a pyopencl.array.Array on the opencl backend")
-                dt = np.dtype(getattr(a, "dtype", None))
+                dt = _dtype_of(a)
                 if dt != want:
                     raise ShapeMismatchError(f"{label}[{i}] has dtype {dt}, expected {want} (MixedPrecisionConfig.param_dtype)")
                 flags = getattr(a, "flags", None)
@@ -794,7 +795,11 @@ class MixedPrecisionOptimizer:
         if kind == "opencl":
             return self._unscale_opencl(grads, inv, bf16)
         k = _cuda_kernels()
-        found = k.cuda.to_device(np.zeros(1, np.int32))
+        found = self._found_flag
+        if found is None:
+            found = self._found_flag = k.cuda.to_device(np.zeros(1, np.int32))
+        else:
+            found.copy_to_device(np.zeros(1, np.int32))
         offsets, _ = self._chunks()
         out = _as_numba(k.cuda, self._grads32)
         for g, off in zip(grads, offsets):
@@ -882,6 +887,22 @@ class MixedPrecisionOptimizer:
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.inner!r}, {self.config.param_dtype.name}, {self.scaler!r})"
+
+
+def _dtype_of(a: Any) -> Optional[np.dtype]:
+    """numpy/numba/pyopencl arrays carry a numpy dtype; other CUDA arrays (torch, CuPy) say it in
+    ``__cuda_array_interface__``."""
+    dt = getattr(a, "dtype", None)
+    if isinstance(dt, np.dtype):
+        return dt
+    try:
+        return np.dtype(a.__cuda_array_interface__["typestr"])
+    except (AttributeError, KeyError, TypeError):
+        pass
+    try:
+        return np.dtype(dt)
+    except TypeError:
+        return None
 
 
 def _round_up(n: int, q: int) -> int:
