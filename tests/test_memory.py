@@ -230,6 +230,18 @@ def test_emm_plugin_allocates_from_the_pool_and_frees_on_release():
     del mem
     gc.collect()
     assert mgr.pool.stats().blocks_in_use == 0 and mgr.pool.stats().bytes_cached == poolmod.SMALL_SEGMENT
+    # A context reset frees everything; a pointer dropped afterwards must not free a new block
+    # that happens to get the same address.
+    stale = mgr.memalloc(2000)
+    base = min(fake.live)
+    mgr.reset()
+    assert not fake.live
+    fake.next = base  # the driver hands the same range out again
+    fresh_block = mgr.pool.malloc(2000)
+    assert fresh_block == stale.device_pointer_value
+    del stale
+    gc.collect()
+    assert mgr.pool.stats().blocks_in_use == 1 and mgr.pool.size_of(fresh_block) == 2048
     # numba prepares a context (calling initialize) more than once: the pool must survive it.
     fresh = cls(context=ctx)
     fresh.initialize()

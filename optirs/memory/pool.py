@@ -107,6 +107,7 @@ class MemoryPool:
         self._in_use = self._requested = self._reserved = 0
         self._peak_in_use = self._peak_reserved = 0
         self._allocs = self._frees = self._hits = self._seg_allocs = self._seg_frees = 0
+        self._generation = 0  # bumped by release_all: handles from before it are void
 
     @staticmethod
     def _check_limit(limit: Any) -> None:
@@ -149,9 +150,20 @@ class MemoryPool:
             self._allocs += 1
             return block.address
 
-    def free(self, address: int) -> None:
-        """Return a block to the cache (merged with free neighbours of its segment)."""
+    @property
+    def generation(self) -> int:
+        """Changes when :meth:`release_all` voids every outstanding address."""
+        return self._generation
+
+    def free(self, address: int, generation: Optional[int] = None) -> None:
+        """Return a block to the cache (merged with free neighbours of its segment).
+
+        With ``generation`` (the value of :attr:`generation` when the block was allocated), a free
+        that arrives after :meth:`release_all` is ignored: the address may belong to a new block.
+        """
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return
             block = self._live.pop(address, None)
             if block is None:
                 raise InvalidParameterError(f"address={address:#x} was not allocated by this pool (or freed twice)")
@@ -191,6 +203,7 @@ class MemoryPool:
                 self._release(base, force=True)
             self._live.clear()
             self._in_use = self._requested = 0
+            self._generation += 1
 
     # ------------------------------------------------------------ statistics
 
@@ -365,9 +378,11 @@ def _make_manager_class():
         def memalloc(self, size: int):
             pool = self.pool
             address = pool.malloc(int(size))
+            generation = pool.generation
             # The finalizer only returns the block to the pool's cache: no driver call, no sync.
+            # After a context reset (release_all) it is a no-op: the address may be reused.
             return MemoryPointer(weakref.proxy(self.context), ctypes.c_void_p(address), size,
-                                 finalizer=lambda: pool.free(address))
+                                 finalizer=lambda: pool.free(address, generation))
 
         def get_memory_info(self):
             from numba.cuda.cudadrv.driver import driver
