@@ -88,12 +88,13 @@ def _checks(cuda, np):
     res["data_intact"] = all(np.array_equal(d.copy_to_host(), h) for d, h in zip(devs, hosts))
     del devs
     # 2. An optirs step on device arrays: state buffers come from the pool, result matches the reference.
-    before = pool.stats().bytes_in_use
     p = rng.standard_normal(1 << 20).astype(np.float32)
     g = rng.standard_normal(1 << 20).astype(np.float32)
     opt = optirs.GpuAdam(optirs.AdamParams(lr=1e-2), config=optirs.GpuOptimizerConfig(backend="cuda"))
     dp, dg = cuda.to_device(p), cuda.to_device(g)
-    opt.step_gpu(dp, dg)
+    cuda.synchronize()
+    before = pool.stats().bytes_in_use
+    opt.step_gpu(dp, dg)  # allocates exp_avg and exp_avg_sq (4 MiB each) on the device
     cuda.synchronize()
     ref, _ = reference.adam([p], [g], [{}], optirs.AdamParams(lr=1e-2), 1)
     res["adam_max_abs_err"] = float(np.max(np.abs(dp.copy_to_host() - ref[0])))
@@ -191,7 +192,10 @@ def main(argv) -> int:
     print(f"{'size':>14}  {'numba us':>10}  {'pool us':>10}  {'speedup':>8}")
     for name, a, b, s in rows:
         print(f"{name:>14}  {a:10.2f}  {b:10.2f}  {s:8.1f}x")
-    ok = bool(rows) and all(p.get("checks", {}).get(k) for k in ("pool_installed", "data_intact", "limit_raises"))
+    checks = p.get("checks", {})
+    ok = bool(rows) and all(checks.get(k) for k in ("pool_installed", "data_intact", "limit_raises",
+                                                    "optimizer_state_from_pool"))
+    ok = ok and checks.get("adam_max_abs_err", 1.0) < 1e-5
     return 0 if ok else 1
 
 
