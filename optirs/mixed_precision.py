@@ -600,7 +600,9 @@ class MixedPrecisionOptimizer:
     Per step: (1) one pass unscales every half gradient into a float32 buffer and flags inf/NaN;
     (2) if none, the inner optimizer steps the master weights with it; (3) one pass writes the
     master weights, rounded to nearest even, into the caller's parameters. Gradients of an
-    overflowing step leave everything untouched; the scaler backs off either way.
+    overflowing step leave everything untouched; the scaler backs off either way. The master
+    weights are authoritative: edits to the half parameters between steps are overwritten by the
+    next applied step (load a checkpoint to change them).
     Backends: ``cpu`` (numba parallel loops over the chunk table, one call per pass), ``cuda``
     (numba.cuda) and ``opencl`` (OpenCL C), one launch per tensor per pass on the devices.
     """
@@ -870,6 +872,8 @@ class MixedPrecisionOptimizer:
             raise InvalidParameterError(f"state_dict keys {sorted(state_dict) if isinstance(state_dict, Mapping) else state_dict!r}, expected {sorted(keys)}")
         if state_dict["param_dtype"] != self.config.param_dtype.name:
             raise InvalidParameterError(f"state_dict is for {state_dict['param_dtype']!r} parameters, expected {self.config.param_dtype.name!r}")
+        if not isinstance(state_dict["inner"], Mapping):
+            raise InvalidParameterError(f"state_dict['inner'] of type {type(state_dict['inner']).__name__}, expected the inner optimizer's state_dict")
         master = [np.asarray(m, dtype=np.float32) for m in state_dict["master"]]
         shapes = [tuple(m.shape) for m in master]
         inner_shapes = [tuple(s) for s in state_dict["inner"].get("shapes", [])]
