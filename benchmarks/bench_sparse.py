@@ -50,8 +50,8 @@ class Dev:
             from numba import cuda
 
             self.cuda = cuda
-            self.name = cuda.get_current_device().name
-            self.name = self.name.decode() if isinstance(self.name, bytes) else self.name
+            name = getattr(cuda.get_current_device(), "name", "numba CUDA simulator")
+            self.name = name.decode() if isinstance(name, bytes) else name
         elif backend == "opencl":
             import optirs
             import pyopencl.array as cla
