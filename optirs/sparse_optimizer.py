@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
