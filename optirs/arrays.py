@@ -45,6 +45,12 @@ def describe(array: Any, what: str = "array") -> ArrayMeta:
     if isinstance(array, np.ndarray):
         return ArrayMeta("numpy", array.shape, array.dtype, bool(array.flags.c_contiguous),
                          bool(array.flags.writeable), array.__array_interface__["data"][0])
+    if type(array).__module__.startswith("numba.cuda.simulator"):
+        # The CUDA simulator's device arrays wrap a host array and expose no
+        # __cuda_array_interface__; describe the array they wrap.
+        host = array._ary
+        return ArrayMeta("cuda", host.shape, host.dtype, bool(host.flags.c_contiguous), True,
+                         host.__array_interface__["data"][0])
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(int(d) for d in cai["shape"])
