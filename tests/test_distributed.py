@@ -16,6 +16,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from typing import Dict, List
 
 import numpy as np
@@ -119,19 +120,24 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     port = _free_port()
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out / f"rank{r}.pkl")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(WORLD)]
-    logs = []
+    # Logs go to files, not pipes: a rank blocked on a full pipe would look like a hang.
+    logs = [out / f"rank{r}.log" for r in range(WORLD)]
+    procs = []
+    for r in range(WORLD):
+        with open(logs[r], "wb") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out / f"rank{r}.pkl")],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + 600
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=600)[0].decode(errors="replace"))
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
+            p.wait()
         pytest.fail("the two gloo workers did not finish within 600 s (hang in a collective?)")
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r].read_text(errors='replace')[-4000:]}"
     results = []
     for r in range(WORLD):
         with open(out / f"rank{r}.pkl", "rb") as f:
