@@ -143,6 +143,10 @@ class CooGradient:
                 raise InvalidParameterError(
                     f"indices contain {high} at position {int(np.argmax(idx))}, expected rows < num_rows={num_rows}"
                 )
+        if idx.size and bool(np.all(idx[1:] > idx[:-1])):
+            # Already sorted and unique (a coalesced gradient): no sort, one row per entry.
+            n = idx.size
+            return idx.copy(), np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64)
         # A stable sort keeps duplicates in the order given, so sums are reproducible.
         order = np.argsort(idx, kind="stable")
         ordered = idx[order]
@@ -581,7 +585,12 @@ class _SparseOptimizer:
     def _arrays(self, dev, rows, seg, order):
         if dev.kind == "numpy":
             return rows, seg, order
-        return dev.upload(rows), dev.upload(seg), dev.upload(order)
+        if dev.kind == "opencl":  # kernel arguments must start at their buffer's beginning
+            return dev.upload(rows), dev.upload(seg), dev.upload(order)
+        # One host-to-device copy for the three index arrays, then views into it.
+        both = dev.upload(np.concatenate([rows, seg, order]))
+        a, b = rows.size, rows.size + seg.size
+        return both[:a], both[a:b], both[b:]
 
     def _pos(self, dev, table):
         if table.pos is None:

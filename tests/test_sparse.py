@@ -378,3 +378,19 @@ def test_docs_example_runs(capsys):
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     exec(compile(code, "docs/sparse.md", "exec"), {})
     assert capsys.readouterr().out.split() == ["1", "0.2"]
+
+
+def test_sorted_unique_fast_path_equals_general_path(sparse_backend):
+    """Coalesced gradients (sorted unique rows) skip the sort; the result is the shuffled input's."""
+    rng = np.random.default_rng(19)
+    p0 = rng.standard_normal((R, D)).astype(np.float32)
+    idx = np.sort(rng.choice(R, 10, replace=False))
+    vals = rng.standard_normal((10, D)).astype(np.float32)
+    perm = rng.permutation(10)
+    fast, general = SparseAdam(SparseAdamConfig(backend=sparse_backend)), SparseAdam(SparseAdamConfig(backend=sparse_backend))
+    pf, pg = p0.copy(), p0.copy()
+    for _ in range(2):
+        fast.step(pf, CooGradient(idx, vals))
+        general.step(pg, CooGradient(idx[perm], vals[perm]))
+    np.testing.assert_array_equal(pf, pg)
+    assert not np.array_equal(pf, p0)
