@@ -416,6 +416,31 @@ def _cpu_kernel(spec: KernelSpec):
     return hit
 
 
+class _SimMath:
+    """``math`` for kernels run by numba's CUDA simulator, which executes them as Python.
+
+    Python's math raises on sqrt(-1) or log(0) where the device returns NaN or -inf; numpy's
+    scalar functions give the IEEE results the compiled kernel does, in the operand's dtype.
+    """
+
+    nan, inf = math.nan, math.inf
+
+    def __getattr__(self, name):
+        fn = getattr(np, {"pow": "power"}.get(name, name))
+
+        def ieee(*args):
+            with np.errstate(all="ignore"):
+                return fn(*args)
+
+        return ieee
+
+
+def _cuda_math():
+    from numba import config
+
+    return _SimMath() if config.ENABLE_CUDASIM else math
+
+
 def _cuda_kernel(spec: KernelSpec):
     text, params = _py_source(spec, "cuda")
     key = ("cuda", text)
@@ -426,7 +451,7 @@ def _cuda_kernel(spec: KernelSpec):
     from numba import cuda
     import numba
 
-    ns = _exec_source(text, "cuda", {"np": np, "math": math, "cuda": cuda,
+    ns = _exec_source(text, "cuda", {"np": np, "math": _cuda_math(), "cuda": cuda,
                                       "f32": numba.float32, "f64": numba.float64, "bool": numba.boolean})
     kern = cuda.jit(ns["kernel_"])
     fin = cuda.jit(ns["finish_"]) if "finish_" in ns else None
