@@ -287,6 +287,19 @@ def _torch_view(array: Any, what: str):
     )
 
 
+def broadcast_parameters(params: Any, src: int = 0, process_group: Any = None) -> None:
+    """Make every rank's parameters equal to rank ``src``'s, in place (call once before training).
+
+    :param params: one array or a list (numpy with gloo, CUDA arrays with NCCL), same shapes on every rank.
+    """
+    _, dist = _dist()
+    plist = list(params) if isinstance(params, (list, tuple)) else [params]
+    tensors = [_torch_view(p, f"params[{i}]") for i, p in enumerate(plist)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        for t in tensors:
+            dist.broadcast(t, src=src, group=process_group)
+
+
 def _as_optirs(tensor):
     """What an optirs optimizer steps: numpy for CPU tensors (shared memory), the tensor itself on CUDA."""
     return tensor.numpy() if tensor.device.type == "cpu" else tensor
@@ -649,4 +662,4 @@ def _split(flat, pieces, wrap):
 
 
 __all__ = ["reduce_replicas", "reduce_across_devices", "DataParallelOptimizer", "ShardPlan",
-           "init_process_group_from_env", "MODES", "REDUCE_OPS"]
+           "init_process_group_from_env", "broadcast_parameters", "MODES", "REDUCE_OPS"]

@@ -78,8 +78,13 @@ def worker(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
+    from optirs.multi_gpu import broadcast_parameters
+
     mine = lambda params, t: rank_grads(params, t, rank)  # noqa: E731
     results: Dict[str, dict] = {}
+    differing = [p + np.float32(rank) for p in initial_params()]  # each rank starts elsewhere ...
+    broadcast_parameters(differing)  # ... until rank 0's values are broadcast
+    results["broadcast"] = differing
     for name, make in CASES.items():
         for mode in MODES:
             opt = DataParallelOptimizer(make(), mode=mode)
@@ -193,6 +198,12 @@ def test_two_rank_checkpoint_loads_on_one_rank(two_ranks, name, mode):
     plain.load_state_dict(checkpoint)
     params = train(plain, [p.copy() for p in r0["at_checkpoint"]], STEPS - CHECKPOINT_AT, CHECKPOINT_AT, mean_grads)
     _close(params, r0["final"])
+
+
+def test_broadcast_makes_parameters_equal(two_ranks):
+    for r in range(WORLD):
+        for a, b in zip(two_ranks[r]["broadcast"], initial_params()):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_zero1_shards_lamb_on_tensor_boundaries_and_adam_evenly():
