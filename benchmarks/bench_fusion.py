@@ -1,7 +1,8 @@
 """Fused vs op-by-op: a chain of 8 elementwise ops on 16M float32 elements.
 
-Three ways to run the same graph, each the median of ``--repeats`` timed runs after a warm-up
-(compilation excluded):
+Three ways to run the same graph, timed in ``--repeats`` rounds after a warm-up (compilation
+excluded), every round running each variant once; times are medians, ratios medians of the
+per-round ratios:
 
 * fused: the planner's plan, one generated kernel for the whole chain;
 * op-by-op, same backend: the ``unfused`` plan, one generated kernel per op;
@@ -11,7 +12,8 @@ Every variant allocates its outputs and intermediates per run, as numpy does; a 
 runs the fused kernel into a preallocated output, to compare with the copy at equal bytes.
 
 Printed as ratios (the fused speed-up over each), beside the bytes each moves and a plain copy
-(``np.copyto``) of the same size as the memory-bandwidth yardstick measured in the same run.
+of the same size (a numba ``prange`` loop with the same threads) as the memory-bandwidth yardstick
+measured in the same run.
 
     python benchmarks/bench_fusion.py [--elements N] [--repeats R] [--backend cpu] [--json out.json]
 """
@@ -27,6 +29,7 @@ import statistics
 import sys
 import time
 
+import numba
 import numpy as np
 
 
@@ -46,14 +49,31 @@ def chain_graph(n: int):
     return g
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: page faults of fresh outputs, thread pool start
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _copy(dst, src):
+    for i in numba.prange(src.size):
+        dst[i] = src[i]
+
+
+def interleaved_times(variants: dict, repeats: int) -> dict:
+    """Per variant, its time in each round; every round runs every variant once.
+
+    Interleaving puts the variants under the same background load in each round (this machine
+    is shared), so the per-round ratios are steadier than ratios of separately taken medians.
+    """
+    for fn in variants.values():  # warm-up: page faults of fresh outputs, thread pool start
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(repeats):
+        for k in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
+            t0 = time.perf_counter()
+            variants[k]()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median_ratio(num, den) -> float:
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def cpu_name() -> str:
@@ -70,12 +90,10 @@ def cpu_name() -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--elements", type=int, default=16 * 1024 * 1024)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
-
-    import numba
 
     from optirs.analysis.fusion import FusionPlanner
 
@@ -95,12 +113,21 @@ def main(argv=None) -> dict:
     np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-6)
 
     dst = np.empty_like(x)
-    t_copy = median_time(lambda: np.copyto(dst, x), args.repeats)
-    t_fused = median_time(lambda: cf.run(inputs), args.repeats)
+    # the yardstick: a copy with the same threads as the fused kernel (np.copyto uses one)
+    par_copy = numba.njit(parallel=True)(_copy)
+    par_copy(dst, x)
     res_out = {out: np.empty_like(x)}
-    t_fused_pre = median_time(lambda: cf.run(inputs, res_out), args.repeats)
-    t_unfused = median_time(lambda: cu.run(inputs), args.repeats)
-    t_numpy = median_time(lambda: graph.evaluate(inputs), args.repeats)
+    times = interleaved_times({
+        "fused": lambda: cf.run(inputs),
+        "fused_preallocated": lambda: cf.run(inputs, res_out),
+        "op_by_op": lambda: cu.run(inputs),
+        "numpy_op_by_op": lambda: graph.evaluate(inputs),
+        "parallel_copy": lambda: par_copy(dst, x),
+        "np_copyto": lambda: np.copyto(dst, x),
+    }, args.repeats)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    t_fused, t_fused_pre, t_unfused = med["fused"], med["fused_preallocated"], med["op_by_op"]
+    t_numpy, t_copy, t_npcopy = med["numpy_op_by_op"], med["parallel_copy"], med["np_copyto"]
 
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -111,10 +138,12 @@ def main(argv=None) -> dict:
         "repeats": args.repeats,
         "kernels": {"fused": cf.kernel_count, "op_by_op": cu.kernel_count},
         "bytes": {"fused": fused.bytes_after, "op_by_op": unfused.bytes_after},
-        "seconds": {"copy": t_copy, "fused": t_fused, "fused_preallocated": t_fused_pre, "op_by_op": t_unfused, "numpy_op_by_op": t_numpy},
-        "ratio": {"op_by_op / fused": t_unfused / t_fused, "numpy_op_by_op / fused": t_numpy / t_fused},
+        "seconds_median": med,
+        # medians of the per-round ratios
+        "ratio": {"op_by_op / fused": median_ratio(times["op_by_op"], times["fused"]),
+                  "numpy_op_by_op / fused": median_ratio(times["numpy_op_by_op"], times["fused"])},
         # both move the same bytes into a preallocated array: the kernel's share of bandwidth
-        "fused_fraction_of_copy": t_copy / t_fused_pre,
+        "fused_fraction_of_copy": median_ratio(times["parallel_copy"], times["fused_preallocated"]),
     }
     print(f"fusion benchmark: chain of 8 elementwise ops, {n} float32 elements, backend {args.backend}")
     print(f"  {res['date']}; {res['machine']}; numpy {np.__version__}, numba {numba.__version__}")
@@ -123,7 +152,8 @@ def main(argv=None) -> dict:
             ("fused, output preallocated", cf.kernel_count, fused.bytes_after, t_fused_pre),
             ("op-by-op (generated)", cu.kernel_count, unfused.bytes_after, t_unfused),
             ("numpy op-by-op", len(graph), unfused.bytes_after, t_numpy),
-            ("np.copyto (yardstick)", 1, 2 * x.nbytes, t_copy)]
+            ("parallel copy (yardstick)", 1, 2 * x.nbytes, t_copy),
+            ("np.copyto (one thread)", 1, 2 * x.nbytes, t_npcopy)]
     for name, k, nbytes, t in rows:
         print(f"  {name:<26}{k:>8}{nbytes / 1e6:>10.0f}{t * 1e3:>11.2f}{nbytes / t / 1e9:>8.2f}")
     print(f"  fused speed-up: {res['ratio']['op_by_op / fused']:.2f}x over op-by-op on {args.backend}, "

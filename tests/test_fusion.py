@@ -256,6 +256,32 @@ PROPERTY = settings(max_examples=int(os.environ.get("OPTIRS_FUSION_EXAMPLES", "2
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
+def _cuda_available():
+    try:
+        from numba import cuda
+        return cuda.is_available()
+    except Exception:
+        return False
+
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+def _opencl_available():
+    try:
+        fusion_codegen._cl_queue()
+        return True
+    except Exception:
+        return False
+
+
+def _backends():
+    out = [pytest.param("cpu", id="cpu")]
+    for name, ok in (("opencl", _opencl_available), ("cuda", _cuda_available)):
+        out.append(pytest.param(name, id=name, marks=pytest.mark.skipif(not ok(), reason=f"{name} is not available here")))
+    return out
+
+
 # ================================================================ graph building and errors
 
 
@@ -601,7 +627,8 @@ def test_all_ops_on_cpu():
                 np.testing.assert_array_equal(np.signbit(got[o][num]), np.signbit(want[o][num]), err_msg=o)
 
 
-def test_broadcast_operands_and_reductions_on_cpu():
+@pytest.mark.parametrize("fb", _backends())
+def test_broadcast_operands_and_reductions(fb):
     rng = np.random.default_rng(3)
     g = FusionGraph()
     x = g.input("x", (3, 4, 5))
@@ -618,7 +645,7 @@ def test_broadcast_operands_and_reductions_on_cpu():
               "s": np.float32(0.25), "v": rng.standard_normal(5).astype(F32)}
     plan = FusionPlanner().plan(g)
     check_plan(g, plan, 32)
-    got, want = plan.run(inputs), numpy_eval(g, inputs)
+    got, want = plan.run(inputs, backend=fb), numpy_eval(g, inputs)
     for name in g.outputs:
         exact = not name.startswith("sum")
         assert_same(got[name], want[name], exact=exact, rtol=1e-5)
@@ -642,6 +669,44 @@ def test_unfused_plan_runs_one_kernel_per_op():
     assert plan.compile("cpu").kernel_count == 4
     inp = random_inputs(g, 0, 0.1, 2.0)
     np.testing.assert_allclose(plan.run(inp)[g.outputs[0]], numpy_eval(g, inp)[g.outputs[0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("fb", _backends())
+def test_mixed_dtypes_and_empty_arrays(fb):
+    g = FusionGraph()
+    x = g.input("x", (0, 3), F32)
+    d = g.input("d", (3,), np.float64)
+    y = g.op("mul", x, d, name="y")  # float64, numpy's promotion
+    g.reduce("sum", y, axis=0, name="s")  # sum over an empty axis: zeros
+    g.op("sqrt", d, name="r")
+    g.mark_output("y", "s", "r")
+    inputs = {"x": np.zeros((0, 3), F32), "d": np.array([0.5, 2.0, 9.0])}
+    plan = FusionPlanner().plan(g)
+    check_plan(g, plan, 32)
+    got, want = plan.run(inputs, backend=fb), numpy_eval(g, inputs)
+    for name in ("y", "s", "r"):
+        assert_same(got[name], want[name], exact=True)
+
+
+def test_search_budget_exhausted_is_reported():
+    g = FusionGraph()
+    xs = [g.input(f"x{k}", (8,)) for k in range(3)]
+    for k in range(10):
+        g.op("add", xs[k % 3], xs[(k + 1) % 3])
+    plan = FusionPlanner(max_group_size=3, search_budget=5).plan(g)
+    assert not plan.optimal and "budget" in plan.method
+    check_plan(g, plan, 3)
+    full = FusionPlanner(max_group_size=3).plan(g)
+    assert full.optimal and full.bytes_after <= plan.bytes_after
+    assert full.bytes_after == brute_force_min(g, 3) if len(g) <= 8 else True
+
+
+def test_docs_example_runs():
+    """The example in docs/fusion.md runs as written."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "fusion.md")
+    text = open(path).read()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/fusion.md", "exec"), {})
 
 
 def test_run_into_preallocated_outputs():
@@ -692,17 +757,6 @@ def test_plugin_is_listed():
 # ================================================================ cuda and opencl
 
 
-def _cuda_available():
-    try:
-        from numba import cuda
-        return cuda.is_available()
-    except Exception:
-        return False
-
-
-SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-
-
 @pytest.mark.skipif(SIM, reason="compile_ptx needs the real CUDA compiler, not the simulator")
 def test_cuda_kernels_compile_to_ptx_for_sm90():
     pytest.importorskip("numba.cuda")
@@ -730,14 +784,6 @@ def test_fused_cuda_equals_numpy(graph, seed):
     got, want = plan.run(inputs, backend="cuda"), numpy_eval(graph, inputs)
     for name in graph.outputs:
         assert_same(got[name], want[name], exact=True)
-
-
-def _opencl_available():
-    try:
-        fusion_codegen._cl_queue()
-        return True
-    except Exception:
-        return False
 
 
 @pytest.mark.skipif(not _opencl_available(), reason="no OpenCL device (pyopencl with PoCL runs on the CPU)")
