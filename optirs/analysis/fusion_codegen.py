@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -384,7 +385,7 @@ def _numba_types(spec: KernelSpec, params: Sequence[str]):
         elif p == "dims" or p.startswith("st"):
             sig.append(types.UniTuple(types.int64, nd))
         else:
-            j = int(p.lstrip("inoutredpart"))
+            j = int(re.sub(r"^[a-z]+", "", p))  # in3 -> 3
             if p.startswith("in"):
                 dt = spec.loads[j].dtype
             elif p.startswith("out"):
@@ -439,6 +440,19 @@ def _cuda_math():
     from numba import config
 
     return _SimMath() if config.ENABLE_CUDASIM else math
+
+
+def _cuda_launch(kernel, work: int) -> Tuple[int, int]:
+    """(grid, block) from the occupancy plugin (the launch-configuration hook), else 256-thread
+    blocks; the kernels loop grid-stride, so any grid computes every element."""
+    from numba import cuda
+
+    from ..registry import REGISTRY
+
+    config = REGISTRY.launch_config(kernel, cuda.get_current_device(), work)
+    if config is not None:
+        return int(config[0]), int(config[1])
+    return max(1, min(-(-work // BLOCK), 8192)), BLOCK
 
 
 def _cuda_kernel(spec: KernelSpec):
@@ -666,7 +680,7 @@ class CompiledPlan:
 
     # ---------------------------------------------------------------- argument lists
 
-    def _args(self, spec: KernelSpec, params: Sequence[str], env, alloc, n_key: str = "n"):
+    def _args(self, spec: KernelSpec, params: Sequence[str], env, alloc):
         """Arguments for a group's kernel and the arrays it will write (value -> array)."""
         graph = self.plan.graph
         n = math.prod(spec.domain)
@@ -745,8 +759,8 @@ class CompiledPlan:
             else:
                 work = n
             if work > 0:
-                blocks = max(1, min(-(-work // BLOCK), 8192))
-                fn[blocks, BLOCK](*vals)
+                grid, block = _cuda_launch(fn, work)
+                fn[grid, block](*vals)
             if fin is not None:
                 fin[1, 1](np.int64(max(1, -(-n // REDUCE_CHUNK))), *parts, *[made[r.out] for r in spec.reduces])
             env.update(made)

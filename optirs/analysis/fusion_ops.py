@@ -9,8 +9,8 @@ Every elementwise op has three spellings that must agree:
 
 Templates see only names of already-computed scalars (``{0}``, ``{1}``, ``{2}``), never nested
 expressions, so repeating an operand in a template is cheap and side-effect free. ``{zero}`` and
-``{one}`` are typed literals (``{T}`` the C type name in OpenCL) of the op's compute dtype (a bare ``0.0`` would promote float32
-arithmetic to float64 in numba). ``maximum``/``minimum`` are spelt out so that NaN and signed
+``{one}`` are typed literals of the op's compute dtype (a bare ``0.0`` would promote float32
+arithmetic to float64 in numba); ``{T}`` is its C type name in OpenCL. ``maximum``/``minimum`` are spelt out so that NaN and signed
 zeros come out exactly as numpy's ufuncs give them (``a if a > b or a != a else b``), which
 neither Python's ``max`` nor OpenCL's ``fmax`` does.
 """
