@@ -115,15 +115,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    pytest.importorskip("torch")
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    out = tmp_path_factory.mktemp("ranks")
-    port = _free_port()
+def _launch(out, port: int) -> str:
+    """Run the two workers; return '' on success, else the failing rank's log tail."""
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
     # Logs go to files, not pipes: a rank blocked on a full pipe would look like a hang.
     logs = [out / f"rank{r}.log" for r in range(WORLD)]
@@ -142,7 +135,26 @@ def two_ranks(tmp_path_factory):
             p.wait()
         pytest.fail("the two gloo workers did not finish within 600 s (hang in a collective?)")
     for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r].read_text(errors='replace')[-4000:]}"
+        if p.returncode != 0:
+            return f"rank {r} failed (exit {p.returncode}):\n{logs[r].read_text(errors='replace')[-4000:]}"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("ranks")
+    for attempt in range(3):
+        failed = _launch(out, _free_port())
+        # The free port can be taken by another process between our probe and rank 0's bind:
+        # only that is retried; any other failure is reported at once.
+        if not failed or "address already in use" not in failed.lower():
+            break
+    assert not failed, failed
     results = []
     for r in range(WORLD):
         with open(out / f"rank{r}.pkl", "rb") as f:
