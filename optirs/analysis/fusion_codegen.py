@@ -573,31 +573,24 @@ def opencl_source(spec: KernelSpec) -> Tuple[str, List[Tuple[str, str]]]:
     return text, args
 
 
-_CL_CTX: Dict[str, Any] = {}
-
-
 def _cl_queue():
-    """A pyopencl context and queue on the first OpenCL device (PYOPENCL_CTX chooses another)."""
-    if "queue" not in _CL_CTX:
-        try:
-            import pyopencl as cl
-        except ImportError as exc:
-            raise UnsupportedOperationError(f"fusion backend 'opencl' needs pyopencl, which is not importable: {exc}") from exc
-        try:
-            ctx = cl.create_some_context(interactive=False)
-        except Exception as exc:  # no platform, no device
-            raise UnsupportedOperationError(f"fusion backend 'opencl' found no OpenCL device: {exc}") from exc
-        _CL_CTX["ctx"] = ctx
-        _CL_CTX["queue"] = cl.CommandQueue(ctx)
-    return _CL_CTX["ctx"], _CL_CTX["queue"]
+    """The OpenCL backend's context and queue (its device choice and options apply here too)."""
+    from ..errors import BackendUnavailableError
+    from ..registry import REGISTRY
+
+    try:
+        ctx = REGISTRY.get_backend("opencl").ctx
+    except BackendUnavailableError as exc:
+        raise UnsupportedOperationError(f"fusion backend 'opencl' is unavailable: {exc}") from exc
+    return ctx.context, ctx.queue
 
 
 def _cl_kernel(spec: KernelSpec):
+    ctx, _ = _cl_queue()  # first: it says why when pyopencl or a device is missing
     import pyopencl as cl
 
-    ctx, _ = _cl_queue()
     text, args = opencl_source(spec)
-    key = ("opencl", text)
+    key = ("opencl", str(id(ctx)), text)  # programs belong to one context (kept alive by the entry)
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
     if hit is not None:
@@ -614,7 +607,7 @@ def _cl_kernel(spec: KernelSpec):
     prg = cl.Program(ctx, text).build(options=["-cl-fp32-correctly-rounded-divide-sqrt"] if exact else [])
     kern = prg.kernel_  # looked up once: prg.<name> builds a new wrapper each time
     fin = prg.finish_ if "finish_" in text else None
-    hit = (kern, fin, args, text)
+    hit = (kern, fin, args, ctx, text)
     with _CACHE_LOCK:
         _CACHE[key] = hit
     return hit
@@ -795,7 +788,7 @@ class CompiledPlan:
                 (name,) = g.ops
                 env.update({name: dev(self._opaque(g, {v: back(env[v], v) for v in graph[name].inputs})[name])})
                 continue
-            fn, fin, args, _ = kern
+            fn, fin, args, _, _ = kern
             n = math.prod(spec.domain)
             outs = {v: alloc(math.prod(graph.shape(v)), spec.dtypes[v]) for v in spec.stores}
             reds = {r.out: alloc(math.prod(graph.shape(r.out)), r.dtype) for r in spec.reduces}
