@@ -748,6 +748,13 @@ def test_unknown_backend_is_unsupported():
         plan.compile("vulkan")
 
 
+@pytest.mark.skipif(_cuda_available(), reason="a CUDA device (or the simulator) is present")
+def test_cuda_without_device_is_unsupported():
+    plan = FusionPlanner().plan(chain_graph(2))
+    with pytest.raises(UnsupportedOperationError, match="'cuda'"):
+        plan.compile("cuda")
+
+
 def test_plugin_is_listed():
     plugins = {p.name: p for p in optirs.list_plugins()}
     assert plugins["fusion"].kind == "analysis"
