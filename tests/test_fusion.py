@@ -6,7 +6,6 @@ docs/fusion.md (rules, cost model, numpy meaning of each op), not taken from the
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 
@@ -17,7 +16,7 @@ from hypothesis import strategies as st
 
 import optirs
 from optirs.analysis import fusion_codegen
-from optirs.analysis.fusion import FusionGraph, FusionGroup, FusionOp, FusionPlan, FusionPlanner, OpKind
+from optirs.analysis.fusion import FusionGraph, FusionOp, FusionPlan, FusionPlanner, OpKind
 from optirs.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 
 F32 = np.float32

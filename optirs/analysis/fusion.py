@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from ..errors import InvalidParameterError, ShapeMismatchError
 from ..hookspecs import hookimpl
 from .fusion_ops import DTYPES, OPS, REDUCTIONS
 
