@@ -16,10 +16,44 @@ from .registry import (SUPPORTED_BACKENDS, get_backend, list_backends, list_plug
 
 __version__ = "0.1.0"
 
+# The seed's re-exports from the analysis and training modules, imported on first access so
+# `import optirs` stays light.
+_LAZY = {
+    "optirs.analysis.fusion": ["FusionGraph", "FusionGroup", "FusionOp", "FusionPlan", "FusionPlanner", "OpKind"],
+    "optirs.memory": ["MemoryPool"],
+    "optirs.mixed_precision": ["f16_bits_to_f32", "f32_to_f16_bits", "DynamicLossScaler", "MixedPrecisionConfig",
+                               "OverflowStats", "MixedPrecisionOptimizer"],
+    "optirs.analysis.occupancy": ["calculate_occupancy", "optimal_block_size", "KernelResourceUsage",
+                                  "OccupancyLimiter", "OccupancyResult", "SmResourceLimits"],
+    "optirs.analysis.quantization": ["fake_quant_backward", "fake_quant_fp8", "fake_quant_int",
+                                     "fake_quant_int_per_channel", "per_channel_params", "Fp8Format", "IntDtype",
+                                     "QatConfig", "QatOptimizer", "QuantParams", "QuantScheme", "QuantTarget",
+                                     "RoundingMode"],
+    "optirs.sparse_optimizer": ["CooGradient", "CsrGradient", "LazyAdamMode", "SparseAdam", "SparseAdamConfig",
+                                "SparseAdamTable", "SparseSgd", "SparseSgdConfig", "SparseSgdTable"],
+}
+_LAZY_NAMES = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _LAZY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'optirs' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY_NAMES))
+
 __all__ = [
     "GpuOptimError", "BackendUnavailableError", "UnsupportedOperationError", "InvalidParameterError",
     "ShapeMismatchError", "DeviceMemoryError", "PluginError",
     "GpuOptimizer", "GpuOptimizerConfig", "GpuAdam", "GpuAdamW", "GpuSgd", "GpuRmsprop", "GpuAdagrad", "GpuLamb",
     "AdamParams", "SgdParams", "RmspropParams", "AdagradParams", "LambParams",
     "SUPPORTED_BACKENDS", "get_backend", "list_backends", "list_plugins", "register_plugin", "unregister_plugin",
+    *_LAZY_NAMES,
 ]

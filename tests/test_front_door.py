@@ -48,7 +48,12 @@ def test_cli_unknown_command_lists_known_ones():
     assert "unknown command 'frobnicate'" in out.stderr and "info" in out.stderr
 
 
-@pytest.mark.parametrize("name", ["GpuAdam", "AdamParams", "GpuOptimizerConfig", "SUPPORTED_BACKENDS", "list_backends"])
-def test_public_names(name):
-    assert hasattr(optirs, name)
+@pytest.mark.parametrize("name", sorted(optirs.__all__))
+def test_public_names_resolve(name):
+    assert getattr(optirs, name) is not None
     assert optirs.SUPPORTED_BACKENDS == ("cuda", "opencl", "cpu")
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'GpuAdamm'"):
+        optirs.GpuAdamm
