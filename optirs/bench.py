@@ -174,7 +174,7 @@ class CudaKind(Kind):
             fn()
         stop.record()
         stop.synchronize()
-        return self.cuda.event_elapsed_time(start, stop) / reps
+        return start.elapsed_time(stop) / reps
 
     def copy_candidates(self, n: int) -> List[Tuple[str, Callable[[], None]]]:
         src, dst = self.make(_random(n, 7)), self.cuda.device_array(n, np.float32)

@@ -187,26 +187,29 @@ class Compiled:
         except Exception:  # pragma: no cover - fall back to numba's launch path
             self.handle = None
 
-    def launch_size(self, ctx: "CudaContext", nchunks: int, elements: int) -> Tuple[int, int]:
+    def launch_size(self, ctx: "CudaContext", elements: int) -> Tuple[int, int]:
+        """(grid, block) before capping the grid to the number of chunks."""
         if ctx.simulator:
-            return max(1, min(nchunks, SIM_GRID)), SIM_BLOCK
+            return SIM_GRID, SIM_BLOCK
         config = None
-        try:
-            from ..registry import REGISTRY
+        forced = int(os.environ.get("OPTIRS_CUDA_BLOCK", "0") or 0)  # tuning: resident grid of this block size
+        if not forced:
+            try:
+                from ..registry import REGISTRY
 
-            config = REGISTRY.launch_config(self.kernel, ctx.device, elements)
-        except Exception:
-            config = None
+                config = REGISTRY.launch_config(self.kernel, ctx.device, elements)
+            except Exception:
+                config = None
         if config is not None:
             grid, block = int(config[0]), int(config[1])
         else:
-            block = DEFAULT_BLOCK
+            block = forced or DEFAULT_BLOCK
             try:
                 per_sm = ctx.launcher.active_blocks(self.handle, block)
             except Exception:
                 per_sm = 2048 // block
             grid = max(1, per_sm) * ctx.sm_count
-        return max(1, min(grid, nchunks)), block
+        return max(1, grid), block
 
 
 # ------------------------------------------------------------------ the context
@@ -276,21 +279,31 @@ class CudaContext:
             hit = self._compiled[key] = Compiled(self, name, dispatcher, argtypes)
         return hit
 
-    def launch(self, name: str, pyfunc: Any, args: tuple, layout: Any, chunk_count: int) -> None:
-        """Launch ``pyfunc`` over the layout's chunks; ``args[-1]`` is the per-step scalars record."""
-        key = (name,) + tuple(a if isinstance(a, (int, np.integer)) else id(a) for a in args[:-1]) + (type(args[-1]),)
-        prepared = self._launches.get(key)
-        if prepared is None:
+    def plan(self, name: str, pyfunc: Any, family: str, scalars: Any, layout: Any) -> Tuple[Compiled, int, int, int]:
+        """(compiled kernel, chunk elements, grid, block) for this kernel on this layout, once per layout.
+
+        The block comes from the launch configuration (occupancy plugin, or the default); the
+        chunk is sized so that every thread moves at least MIN_VECTORS_PER_THREAD float4 vectors
+        per chunk (short-lived blocks measured slower), and the grid is capped at one block per chunk.
+        """
+        key = ("cuda.plan", name)
+        plan = layout.cache.get(key)
+        if plan is None:
             import numba
 
-            argtypes = tuple(numba.typeof(a) if not isinstance(a, (int, np.integer)) else numba.types.int64
-                             for a in args)
-            compiled = self.compiled(name, pyfunc, argtypes)
-            size_key = ("cuda.launch_size", name)
-            size = layout.cache.get(size_key)
-            if size is None:
-                size = layout.cache[size_key] = compiled.launch_size(self, chunk_count, (layout.total + 3) // 4)
-            prepared = PreparedLaunch(self, compiled, args, *size)
+            compiled = self.compiled(name, pyfunc, _head_types(family) + (numba.typeof(scalars),))
+            grid, block = compiled.launch_size(self, (layout.total + 3) // 4)
+            chunk = self.kernels.chunk_elements(block)
+            nchunks = len(layout.chunks(chunk)[0])
+            plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
+        return plan
+
+    def launch(self, compiled: Compiled, args: tuple, grid: int, block: int) -> None:
+        """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place)."""
+        key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer)) else id(a) for a in args[:-1])
+        prepared = self._launches.get(key)
+        if prepared is None:
+            prepared = PreparedLaunch(self, compiled, args, grid, block)
             self._launches[key] = prepared
             if len(self._launches) > 4 * _LRU:
                 self._launches.popitem(last=False)
@@ -300,15 +313,16 @@ class CudaContext:
 
     # ------------------------------------------------ tables
 
-    def chunk_table(self, layout: Any):
-        """Device int64[nchunks, 4] (tensor, start, count, state offset), once per layout."""
-        table = layout.cache.get("cuda.chunks")
+    def chunk_table(self, layout: Any, chunk: int):
+        """Device int64[nchunks, 4] (tensor, start, count, state offset), once per layout and chunk size."""
+        key = ("cuda.chunks", chunk)
+        table = layout.cache.get(key)
         if table is None:
-            tensor, start, stop = layout.chunks(self.kernels.CHUNK)
+            tensor, start, stop = layout.chunks(chunk)
             host = np.stack([tensor, start, stop - start, layout.offsets[tensor]], axis=1).astype(np.int64)
             if len(host) == 0:
                 host = np.zeros((1, 4), np.int64)
-            table = layout.cache["cuda.chunks"] = (self.cuda.to_device(np.ascontiguousarray(host)), len(tensor))
+            table = layout.cache[key] = (self.cuda.to_device(np.ascontiguousarray(host)), len(tensor))
         return table
 
     def pointer_table(self, layout: Any, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
@@ -378,6 +392,16 @@ class CudaContext:
         else:
             self._staging.move_to_end(shapes)
         return hit
+
+
+def _head_types(family: str) -> tuple:
+    """numba types of a kernel family's arguments before the scalars record (see cuda_kernels)."""
+    from numba import types
+
+    table, i64, acc = types.int64[:, ::1], types.int64, types.float64[:, ::1]
+    return {"step": (table, table, i64, i64, i64, i64, i64),
+            "grad_norm": (table, table, i64, acc, i64, i64),
+            "lamb": (table, table, i64, i64, i64, acc, i64, i64)}[family]
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -517,26 +541,27 @@ class CudaBackend:
 
     # ------------------------------------------------ steps
 
-    def _tables(self, ctx: CudaContext, params: Any, grads: Any, layout: Any):
+    @staticmethod
+    def _pointers(ctx: CudaContext, params: Any, grads: Any, layout: Any):
         paddr = getattr(params, "addresses", None)
         gaddr = getattr(grads, "addresses", None)
         if paddr is None or gaddr is None:  # called directly with device arrays
             paddr = tuple(device_address(a) for a in params)
             gaddr = tuple(device_address(a) for a in grads)
-        chunks, nchunks = ctx.chunk_table(layout)
-        return chunks, ctx.pointer_table(layout, paddr, gaddr), nchunks
+        return ctx.pointer_table(layout, paddr, gaddr)
 
     def _generic(self, ctx, name, params, grads, state, layout, scalars, slots) -> None:
-        chunks, ptrs, nchunks = self._tables(ctx, params, grads, layout)
-        if nchunks == 0:
+        if layout.total == 0:
             return
+        compiled, chunk, grid, block = ctx.plan(name, ctx.kernels.STEP_FUNCTIONS[name], "step", scalars, layout)
+        chunks, nchunks = ctx.chunk_table(layout, chunk)
+        ptrs = self._pointers(ctx, params, grads, layout)
         addrs, used = [0, 0, 0], 0
         for k, slot in enumerate(slots):
             if slot is not None and slot in state:
                 addrs[k] = device_address(state[slot])
                 used |= 1 << k
-        ctx.launch(name, ctx.kernels.STEP_FUNCTIONS[name], (chunks, ptrs, nchunks, *addrs, used, scalars),
-                   layout, nchunks)
+        ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, scalars), grid, block)
 
     @hookimpl
     def optirs_step_adam(self, ctx, params, grads, state, layout, scalars) -> None:
@@ -560,9 +585,9 @@ class CudaBackend:
 
     @hookimpl
     def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
-        chunks, ptrs, nchunks = self._tables(ctx, params, grads, layout)
-        if nchunks == 0:
+        if layout.total == 0:
             return
+        ptrs = self._pointers(ctx, params, grads, layout)
         ntensors = len(layout)
         acc = layout.cache.get("cuda.lamb_acc")
         if acc is None:  # per-tensor sums, two alternating rows (see cuda_kernels)
@@ -570,14 +595,14 @@ class CudaBackend:
         sums, q = acc
         m, v = device_address(state["exp_avg"]), device_address(state["exp_avg_sq"])
         fns = ctx.kernels.LAMB_FUNCTIONS
+        passes = (("lamb_moments", "moments", "lamb", (m, v)), ("lamb_apply", "apply", "lamb", (m, v)))
+        if scalars.max_grad_norm > 0:
+            passes = (("lamb_grad_norm", "grad_norm", "grad_norm", ()),) + passes
         try:
-            if scalars.max_grad_norm > 0:
-                ctx.launch("lamb_grad_norm", fns["grad_norm"], (chunks, ptrs, nchunks, sums, q, ntensors, scalars),
-                           layout, nchunks)
-            ctx.launch("lamb_moments", fns["moments"], (chunks, ptrs, nchunks, m, v, sums, q, ntensors, scalars),
-                       layout, nchunks)
-            ctx.launch("lamb_apply", fns["apply"], (chunks, ptrs, nchunks, m, v, sums, q, ntensors, scalars),
-                       layout, nchunks)
+            for name, fn, family, slots in passes:
+                compiled, chunk, grid, block = ctx.plan(name, fns[fn], family, scalars, layout)
+                chunks, nchunks = ctx.chunk_table(layout, chunk)
+                ctx.launch(compiled, (chunks, ptrs, nchunks, *slots, sums, q, ntensors, scalars), grid, block)
         except Exception:
             acc[0] = ctx.cuda.to_device(np.zeros((2, 2 * ntensors + 1)))  # start the sums clean
             acc[1] = 0
