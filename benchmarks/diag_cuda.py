@@ -89,6 +89,8 @@ def main(argv=None):
             for launch in ("plan", 256, 1024):
                 layout = TensorLayout([(n,)])
                 compiled, chunk, grid, block = ctx.plan(vname, fn, "step", sc, layout)
+                if launch != "plan" and launch > getattr(compiled.kernel, "max_threads_per_block", 1024):
+                    continue  # too many registers for blocks this large
                 if launch != "plan":
                     per_sm = ctx.launcher.active_blocks(compiled.handle, launch) if ctx.launcher else 1
                     chunk, block = K.CHUNK, launch

@@ -200,10 +200,11 @@ class Compiled:
                 config = REGISTRY.launch_config(self.kernel, ctx.device, elements)
             except Exception:
                 config = None
+        limit = int(getattr(self.kernel, "max_threads_per_block", 1024) or 1024)  # registers can lower it
         if config is not None:
-            grid, block = int(config[0]), int(config[1])
+            grid, block = int(config[0]), min(int(config[1]), limit)
         else:
-            block = forced or DEFAULT_BLOCK
+            block = min(forced or DEFAULT_BLOCK, limit)
             try:
                 per_sm = ctx.launcher.active_blocks(self.handle, block)
             except Exception:
