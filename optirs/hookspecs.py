@@ -154,80 +154,47 @@ def optirs_synchronize(ctx: Any) -> None:
 
 @hookspec
 def optirs_step_adam(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """Adam with L2 weight decay (``scalars.decoupled`` False); state: exp_avg, exp_avg_sq[, max_exp_avg_sq].
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
-    :param grads: the gradients, staged like ``params``.
-    :param state: slot name -> flat device array holding every tensor's state, updated in place.
-    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
-    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
-    """
+    """Adam with L2 weight decay (``scalars.decoupled`` False); state: exp_avg, exp_avg_sq[, max_exp_avg_sq]."""
 
 
 @hookspec
 def optirs_step_adamw(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """AdamW, decoupled weight decay (``scalars.decoupled`` True); state as Adam.
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
-    :param grads: the gradients, staged like ``params``.
-    :param state: slot name -> flat device array holding every tensor's state, updated in place.
-    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
-    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
-    """
+    """AdamW, decoupled weight decay (``scalars.decoupled`` True); state as Adam."""
 
 
 @hookspec
 def optirs_step_sgd(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """SGD; state: momentum_buffer when ``scalars.has_momentum``.
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
-    :param grads: the gradients, staged like ``params``.
-    :param state: slot name -> flat device array holding every tensor's state, updated in place.
-    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
-    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
-    """
+    """SGD; state: momentum_buffer when ``scalars.has_momentum``."""
 
 
 @hookspec
 def optirs_step_rmsprop(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """RMSprop; state: square_avg[, momentum_buffer][, grad_avg].
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
-    :param grads: the gradients, staged like ``params``.
-    :param state: slot name -> flat device array holding every tensor's state, updated in place.
-    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
-    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
-    """
+    """RMSprop; state: square_avg[, momentum_buffer][, grad_avg]."""
 
 
 @hookspec
 def optirs_step_adagrad(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """Adagrad; state: sum.
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
-    :param grads: the gradients, staged like ``params``.
-    :param state: slot name -> flat device array holding every tensor's state, updated in place.
-    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
-    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
-    """
+    """Adagrad; state: sum."""
 
 
 @hookspec
 def optirs_step_lamb(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """LAMB with per-tensor trust ratios and optional global gradient clipping; state: exp_avg, exp_avg_sq.
+    """LAMB with per-tensor trust ratios and optional global gradient clipping; state: exp_avg, exp_avg_sq."""
 
-    :param ctx: the context from :func:`optirs_open`.
-    :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
-    :param grads: the gradients, staged like ``params``.
-    :param state: slot name -> flat device array holding every tensor's state, updated in place.
-    :param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
-    :param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
-    """
+
+# The six step hooks share their arguments; document them once.
+_STEP_ARGS = """
+
+:param ctx: the context from :func:`optirs_open`.
+:param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+:param grads: the gradients, staged like ``params``.
+:param state: slot name -> flat device array holding every tensor's state, updated in place.
+:param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
+:param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+"""
+for _step in (optirs_step_adam, optirs_step_adamw, optirs_step_sgd, optirs_step_rmsprop, optirs_step_adagrad,
+              optirs_step_lamb):
+    _step.__doc__ = (_step.__doc__ or "") + _STEP_ARGS
 
 
 # ---------------------------------------------------------------- analysis
