@@ -32,6 +32,8 @@ import time
 import numba
 import numpy as np
 
+from optirs.backends.cpu import cpu_name
+
 
 def chain_graph(n: int):
     from optirs.analysis.fusion import FusionGraph
@@ -74,17 +76,6 @@ def interleaved_times(variants: dict, repeats: int) -> dict:
 
 def median_ratio(num, den) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> dict:

@@ -60,12 +60,9 @@ class Dev:
             self.queue = optirs.get_backend("opencl").ctx.queue
             self.name = self.queue.device.name
         else:
-            self.name = platform.processor() or platform.machine()
-            try:
-                with open("/proc/cpuinfo") as f:
-                    self.name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-            except (OSError, StopIteration):
-                pass
+            from optirs.backends.cpu import cpu_name
+
+            self.name = cpu_name()
 
     def put(self, host: np.ndarray):
         if self.backend == "cuda":

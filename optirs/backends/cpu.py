@@ -23,7 +23,8 @@ from ..hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 CHUNK = 1 << 15
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The host processor's model name (for device listings and benchmark records)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -77,7 +78,7 @@ class CpuBackend:
         except ImportError as exc:  # pragma: no cover - numba is a dependency
             return ProbeResult(False, f"numba is not importable: {exc}")
         threads = numba.config.NUMBA_NUM_THREADS
-        return ProbeResult(True, "", (DeviceInfo(_cpu_name(), "cpu", _total_memory(), threads,
+        return ProbeResult(True, "", (DeviceInfo(cpu_name(), "cpu", _total_memory(), threads,
                                                  {"numba": numba.__version__, "threads": threads}),))
 
     @hookimpl
