@@ -779,6 +779,10 @@ def test_cuda_kernels_compile_to_ptx_for_sm90():
         except Exception as exc:  # noqa: BLE001 - no CUDA toolkit here
             pytest.skip(f"numba.cuda.compile_ptx unavailable: {exc}")
         assert ".target sm_90" in ptx and "kernel_" in ptx
+        if "mul_f32(" in fusion_codegen.cuda_source(plan, group):
+            # a * b + c stays two roundings, as numpy computes it: the product is an explicit
+            # round-to-nearest multiply that NVVM may not contract into an fma.
+            assert "mul.rn.f32" in ptx
 
 
 @pytest.mark.skipif(not _cuda_available(), reason="no CUDA device (NUMBA_ENABLE_CUDASIM=1 runs the simulator)")

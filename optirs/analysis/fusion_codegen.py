@@ -247,7 +247,8 @@ def _tmp_cast(lines: List[str], lang: _Lang, src: str, dt: np.dtype, name: str) 
 def _apply(opspec, args: List[str], compute: np.dtype, result: np.dtype, lang: _Lang, out: str) -> List[str]:
     """Statements assigning ``out`` = op(args); composite ops expand into their steps."""
     fill = {"zero": lang.literal(0.0, compute), "one": lang.literal(1.0, compute),
-            "T": "float" if compute == np.float32 else "double"}
+            "T": "float" if compute == np.float32 else "double",
+            "mul": "mul_f32" if compute == np.float32 else "mul_f64"}
     if opspec.steps:
         lines, prev = [], None
         for s, (name, picks) in enumerate(opspec.steps):
@@ -407,7 +408,8 @@ def _cpu_kernel(spec: KernelSpec):
         return hit
     import numba
 
-    ns = _exec_source(text, "cpu", {"np": np, "math": math, "prange": numba.prange,
+    mul = numba.njit(_product)
+    ns = _exec_source(text, "cpu", {"np": np, "math": math, "prange": numba.prange, "mul_f32": mul, "mul_f64": mul,
                                      "f32": np.float32, "f64": np.float64, "bool": bool})
     fn = numba.njit(parallel=True, error_model="numpy", fastmath=False)(ns["kernel_"])
     fn.compile(_numba_types(spec, params))  # compile now, not on the first run
@@ -434,6 +436,19 @@ class _SimMath:
                 return fn(*args)
 
         return ieee
+
+
+def _product(a, b):
+    return a * b
+
+
+def _cuda_products(simulator: bool) -> Dict[str, object]:
+    """Products NVVM cannot contract into an fma with a following add (see fusion_ops)."""
+    if simulator:  # kernels run as Python: a plain product is already rounded on its own
+        return {"mul_f32": _product, "mul_f64": _product}
+    from numba.cuda import libdevice
+
+    return {"mul_f32": libdevice.fmul_rn, "mul_f64": libdevice.dmul_rn}
 
 
 def _cuda_math():
@@ -465,7 +480,10 @@ def _cuda_kernel(spec: KernelSpec):
     from numba import cuda
     import numba
 
+    from numba import config
+
     ns = _exec_source(text, "cuda", {"np": np, "math": _cuda_math(), "cuda": cuda,
+                                      **_cuda_products(bool(config.ENABLE_CUDASIM)),
                                       "f32": numba.float32, "f64": numba.float64, "bool": numba.boolean})
     kern = cuda.jit(ns["kernel_"])
     fin = cuda.jit(ns["finish_"]) if "finish_" in ns else None
@@ -492,7 +510,7 @@ def compile_ptx(plan: FusionPlan, group: FusionGroup, cc: Tuple[int, int] = (9, 
 
     spec = kernel_spec(plan, group)
     text, params = _py_source(spec, "cuda")
-    ns = _exec_source(text, "cuda-ptx", {"np": np, "math": math, "cuda": cuda,
+    ns = _exec_source(text, "cuda-ptx", {"np": np, "math": math, "cuda": cuda, **_cuda_products(False),
                                           "f32": numba.float32, "f64": numba.float64, "bool": numba.boolean})
     sig = _numba_types(spec, params)
     ptx, _ = cuda.compile_ptx(ns["kernel_"], sig, cc=cc)

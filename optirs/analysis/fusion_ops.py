@@ -60,6 +60,9 @@ def _clip(x, lo, hi):
     return np.minimum(np.maximum(x, lo), hi)
 
 
+# numba templates multiply through ``mul_f32``/``mul_f64`` (a plain product on the CPU;
+# libdevice's fmul_rn/dmul_rn on CUDA, where NVVM would otherwise contract a * b + c into an fma
+# that rounds once, unlike numpy op by op). fusion_codegen puts them in each kernel's namespace.
 _MAX_NB = "({0} if ({0} > {1} or {0} != {0}) else {1})"
 _MIN_NB = "({0} if ({0} < {1} or {0} != {0}) else {1})"
 _MAX_CL = "optirs_fmax_{T}({0}, {1})"
@@ -71,7 +74,7 @@ OPS: Dict[str, OpSpec] = {
         # ---- unary
         OpSpec("neg", 1, np.negative, "(-{0})", "(-{0})"),
         OpSpec("abs", 1, np.abs, "abs({0})", "fabs({0})"),
-        OpSpec("square", 1, np.square, "({0} * {0})", "({0} * {0})"),
+        OpSpec("square", 1, np.square, "{mul}({0}, {0})", "({0} * {0})"),
         OpSpec("reciprocal", 1, np.reciprocal, "({one} / {0})", "({one} / {0})"),
         OpSpec("sqrt", 1, np.sqrt, "math.sqrt({0})", "sqrt({0})"),
         OpSpec("relu", 1, _relu, "({0} if ({0} > {zero} or {0} != {0}) else {zero})", "optirs_fmax_{T}({0}, {zero})"),
@@ -84,7 +87,7 @@ OPS: Dict[str, OpSpec] = {
         # ---- binary
         OpSpec("add", 2, np.add, "({0} + {1})", "({0} + {1})"),
         OpSpec("sub", 2, np.subtract, "({0} - {1})", "({0} - {1})"),
-        OpSpec("mul", 2, np.multiply, "({0} * {1})", "({0} * {1})"),
+        OpSpec("mul", 2, np.multiply, "{mul}({0}, {1})", "({0} * {1})"),
         OpSpec("div", 2, np.divide, "({0} / {1})", "({0} / {1})"),
         OpSpec("maximum", 2, np.maximum, _MAX_NB, _MAX_CL),
         OpSpec("minimum", 2, np.minimum, _MIN_NB, _MIN_CL),
@@ -95,7 +98,7 @@ OPS: Dict[str, OpSpec] = {
         # ---- ternary
         OpSpec("where", 3, np.where, "({1} if {0} else {2})", "({0} ? {1} : {2})", typing="select"),
         # a * b + c with two roundings, as numpy op by op computes it (not a single-rounding fma).
-        OpSpec("muladd", 3, _muladd, "({0} * {1} + {2})", "({0} * {1} + {2})"),
+        OpSpec("muladd", 3, _muladd, "({mul}({0}, {1}) + {2})", "({0} * {1} + {2})"),
         OpSpec("clip", 3, _clip, "", "", steps=(("maximum", (0, 1)), ("minimum", (-1, 2)))),
     )
 }
