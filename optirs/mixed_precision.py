@@ -685,7 +685,10 @@ class MixedPrecisionOptimizer:
                 if kind == "opencl" and not type(a).__module__.startswith("pyopencl"):
                     raise InvalidParameterError(f"{label}[{i}] is a {type(a).__name__}, expected a pyopencl.array.Array on the opencl backend")
                 dt = _dtype_of(a)
-                if dt != want:
+                # numba, CuPy and torch's __cuda_array_interface__ have no bfloat16: on the cuda
+                # backend bfloat16 tensors arrive as their 16-bit patterns.
+                bf16_bits = kind == "cuda" and want.name == "bfloat16" and dt in (np.dtype(np.uint16), np.dtype(np.int16))
+                if dt != want and not bf16_bits:
                     raise ShapeMismatchError(f"{label}[{i}] has dtype {dt}, expected {want} (MixedPrecisionConfig.param_dtype)")
                 flags = getattr(a, "flags", None)
                 contiguous = flags.get("C_CONTIGUOUS", True) if isinstance(flags, dict) else getattr(flags, "c_contiguous", True)

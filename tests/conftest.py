@@ -62,6 +62,8 @@ def to_backend_array(backend_name: str, host: np.ndarray):
     if backend_name == "cuda":
         from numba import cuda
 
+        if host.dtype.name == "bfloat16":  # CUDA arrays hold ml_dtypes' bfloat16 as its 16-bit patterns
+            host = host.view(np.uint16)
         return cuda.to_device(host)
     if backend_name == "opencl":
         import pyopencl.array as cla
