@@ -128,6 +128,9 @@ def fake_quant_cpu(x, out, mask, inv, scale, zp, inner, nch, qmin, qmax, int64_c
 
 
 @njit(parallel=True, cache=True)
+# _pass_gradient_note: inside the range the gradient passes by selection, not by multiplying
+# with 1: a GPU's multiply returns the canonical NaN, while torch (multiplying on the CPU) keeps
+# a NaN gradient's bits. Outside, multiplying by 0 keeps torch's NaN * 0 and sign of zero.
 def fake_quant_backward_cpu(x, g, gin, inv, scale, zp, inner, nch, qmin, qmax, int64_cast):
     """Straight-through gradient: ``gin = g * mask`` (a float multiply, as torch: -0 and NaN kept)."""
     n = x.size
@@ -141,7 +144,7 @@ def fake_quant_backward_cpu(x, g, gin, inv, scale, zp, inner, nch, qmin, qmax, i
             iv, s, z = inv[c], scale[c], zp[c]
             for j in range(i, end):
                 o, m = _fq_cpu(x[j] * iv, s, z, qmin, qmax, int64_cast, False, _U64(0), _U64(0), j)
-                gin[j] = g[j] * (ONE if m else ZERO)
+                gin[j] = g[j] if m else g[j] * ZERO  # see _pass_gradient_note
             i = end
 
 
@@ -194,7 +197,7 @@ def cuda_kernels():
             if i < x.size:
                 c = (i // inner) % nch
                 o, m = fq(mul(x[i], inv[c]), scale[c], zp[c], qmin, qmax, int64_cast, False, _U64(0), _U64(0), i)
-                gin[i] = g[i] * (ONE if m else ZERO)
+                gin[i] = g[i] if m else g[i] * ZERO  # see _pass_gradient_note
 
         _cuda_kernels = (forward, backward)
     return _cuda_kernels
@@ -255,6 +258,6 @@ __kernel void fake_quant_backward(__global const float *x, __global const float 
     int inside;
     float v = x[i] * inv[c];
     fq_element(v, scale[c], zp[c], qmin, qmax, int64_cast, 0, 0UL, 0UL, (ulong)i, &inside);
-    gin[i] = g[i] * (inside ? 1.0f : 0.0f);
+    gin[i] = inside ? g[i] : g[i] * 0.0f;  /* pass the gradient's bits unchanged inside */
 }
 """
