@@ -783,13 +783,14 @@ class SparseSgd(_SparseOptimizer):
         dev.run("sgd_dense", table.num_rows * dim, p, buf, pos, dseg, dorder, values, s)
         dev.run("scatter_pos", n, pos, drows, True)
 
-    _dummies: Dict[Tuple[int, str, int], Any] = {}
-
     def _dummy(self, dev, dtype, ndim):
-        key = (id(dev), np.dtype(dtype).str, ndim)
-        if key not in self._dummies:
-            self._dummies[key] = dev.upload(np.zeros((1,) * ndim, dtype))
-        return self._dummies[key]
+        """A one-element stand-in for a state buffer these hyperparameters do not use, kept on the
+        device object itself (an id()-keyed cache could hand a freed device's array to a new one)."""
+        cache = dev.__dict__.setdefault("_dummies", {})
+        key = (np.dtype(dtype).str, ndim)
+        if key not in cache:
+            cache[key] = dev.upload(np.zeros((1,) * ndim, dtype))
+        return cache[key]
 
 
 __all__ = [
