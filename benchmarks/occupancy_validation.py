@@ -7,7 +7,10 @@ multiples), compare
 
 - ``calculate_occupancy`` with ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, and
 - ``optimal_block_size`` with ``cuOccupancyMaxPotentialBlockSize`` (constant and
-  block-size-dependent dynamic shared memory, several block-size limits),
+  block-size-dependent dynamic shared memory, several block-size limits), and
+  ``optimal_block_size(api="runtime")`` with the search of the runtime's C++
+  ``cudaOccupancyMaxPotentialBlockSize`` (cuda_runtime.h), done here over the driver's
+  active-block query,
 
 reading each kernel's resources from the driver (``cuFuncGetAttribute``) and the device's limits
 from its attributes (``SmResourceLimits.from_device``). The table entry of the device's compute
@@ -37,6 +40,9 @@ from typing import Any, Callable, Dict, List, Optional
 KiB = 1024
 BLOCK_SIZES = list(range(32, 1025, 32)) + [1, 17, 33, 100, 250, 1000]
 CARVEOUTS = (-1, 0, 25, 50, 75, 100)
+# Preferences the first H200 run did not try: where the driver's block-size search stops honouring
+# the carveout (0 honoured; 25, 50, 75 searched as if there were none).
+PROBE_CARVEOUTS = (1, 5, 10, 20, 80)
 
 
 def write(path: str, doc: Dict[str, Any]) -> None:
@@ -119,7 +125,7 @@ def build_kernels(cuda, numba_types) -> List[Dict[str, Any]]:
             out[i] = buf[cuda.blockDim.x - 1 - t]
 
     dynamic_sizes = (0, 1, 1000, 4 * KiB, 8 * KiB, 20 * KiB, 33 * KiB, 47 * KiB, 48 * KiB)
-    add("dynamic_smem", cuda.jit(dyn), (arr32, arr32), dynamic=dynamic_sizes, carveouts=CARVEOUTS)
+    add("dynamic_smem", cuda.jit(dyn), (arr32, arr32), dynamic=dynamic_sizes, carveouts=CARVEOUTS + PROBE_CARVEOUTS)
     optin_sizes = (48 * KiB + 4, 64 * KiB, 100 * KiB, 113 * KiB, 150 * KiB, 200 * KiB, 227 * KiB, 227 * KiB + 1)
     add("dynamic_smem_optin", cuda.jit(dyn), (arr32, arr32), dynamic=(0, 8 * KiB) + optin_sizes, opt_in=True,
         carveouts=(-1, 0, 50, 100))
@@ -179,6 +185,23 @@ class Driver:
                                  "cuOccupancyMaxPotentialBlockSize")
         del keep
         return int(grid), int(block)
+
+    def runtime_potential(self, f, smem_for: Callable[[int], int], limit: int, device_max_threads: int,
+                          threads_per_sm: int, warp: int, sm_count: int):
+        """(min grid, block) as the runtime's C++ cudaOccupancyMaxPotentialBlockSize finds them: its
+        search (cuda_runtime.h), asking the driver's active-block query for every block size."""
+        top = min(device_max_threads, self.get(f, "CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK"))
+        if 0 < limit < top:
+            top = limit
+        best_block = best_blocks = best_threads = 0
+        for aligned in range(-(-top // warp) * warp, 0, -warp):
+            block = min(top, aligned)
+            blocks = self.active_blocks(f, block, smem_for(block))
+            if block * blocks > best_threads:
+                best_block, best_blocks, best_threads = block, blocks, block * blocks
+            if best_threads == threads_per_sm:
+                break
+        return best_blocks * sm_count, best_block
 
 
 # ---------------------------------------------------------------- the study
@@ -254,6 +277,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     errors: List[Dict[str, str]] = []
     compared = 0
     compared_potential = 0
+    runtime_out: List[Dict[str, Any]] = []
+
+    def compare_runtime(f, name, dynamic, smem_for, carveout, limit) -> Dict[str, Any]:
+        grid, block = drv.runtime_potential(f, smem_for, limit, limits.max_threads_per_block,
+                                            limits.max_threads_per_sm, limits.warp_size, limits.sm_count)
+        s = optimal_block_size(limits, usage, smem_for, limit, carveout=carveout, api="runtime")
+        return dict(kernel=name, dynamic=dynamic, carveout=carveout, limit=limit, runtime=[grid, block],
+                    ours=[s.min_grid_size, s.block_size], match=(s.min_grid_size, s.block_size) == (grid, block))
 
     for spec in build_kernels(cuda, numba_types):
         name = spec["name"]
@@ -307,11 +338,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                             table_mismatches += t.active_blocks_per_sm != theirs
                     for limit in (0, 1000, 256, 96):
                         grid, block = drv.potential(f, dynamic, limit)
-                        s = optimal_block_size(limits, usage, dynamic, limit, carveout=carveout)
+                        s = optimal_block_size(limits, usage, dynamic, limit, carveout=carveout, api="driver")
                         ok = (s.min_grid_size, s.block_size) == (grid, block)
                         compared_potential += 1
                         potential_out.append(dict(kernel=name, dynamic=dynamic, carveout=carveout, limit=limit,
                                                   driver=[grid, block], ours=[s.min_grid_size, s.block_size], match=ok))
+                        runtime_out.append(compare_runtime(f, name, dynamic, lambda _b, d=dynamic: d, carveout, limit))
                 # Block-size-dependent dynamic shared memory (cudaOccupancyMaxPotentialBlockSizeVariableSMem).
                 if spec["dynamic"] != (0,):
                     for per_thread in (4, 16, 48):
@@ -321,11 +353,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         except Exception as exc:
                             errors.append({"kernel": name, "what": f"variable smem {per_thread} B/thread", "error": str(exc)})
                             continue
-                        s = optimal_block_size(limits, usage, b2d, 0, carveout=carveout)
+                        s = optimal_block_size(limits, usage, b2d, 0, carveout=carveout, api="driver")
                         ok = (s.min_grid_size, s.block_size) == (grid, block)
                         compared_potential += 1
                         potential_out.append(dict(kernel=name, dynamic=f"{per_thread}*block", carveout=carveout, limit=0,
                                                   driver=[grid, block], ours=[s.min_grid_size, s.block_size], match=ok))
+                        runtime_out.append(compare_runtime(f, name, f"{per_thread}*block", b2d, carveout, 0))
             drv.set(f, "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", -1)
             record.update(compared=n_compared, mismatches=len(mismatches) - n_before)
             compared += n_compared
@@ -337,6 +370,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             record["error"] = str(exc)
 
     potential_mismatches = [p for p in potential_out if not p["match"]]
+    runtime_mismatches = [p for p in runtime_out if not p["match"]]
     doc.update(
         status="done",
         block_sizes=BLOCK_SIZES,
@@ -346,6 +380,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                        "mismatches_if_kernel_max_threads_enforced": alt_mismatches},
         potential_block_size={"compared": compared_potential, "mismatches": len(potential_mismatches),
                               "mismatch_examples": potential_mismatches[:50], "all": potential_out},
+        runtime_potential_block_size={"compared": len(runtime_out), "mismatches": len(runtime_mismatches),
+                                      "all": runtime_out},
         errors=errors,
         seconds=round(time.time() - started, 1),
     )
@@ -364,14 +400,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     for p in potential_mismatches[:12]:
         print(f"MISMATCH potential block size: {p['kernel']} dynamic={p['dynamic']} carveout={p['carveout']} "
               f"limit={p['limit']}: driver (grid, block) {p['driver']}, ours {p['ours']}")
+    for p in runtime_mismatches[:12]:
+        print(f"MISMATCH runtime potential block size: {p['kernel']} dynamic={p['dynamic']} carveout={p['carveout']} "
+              f"limit={p['limit']}: runtime search (grid, block) {p['runtime']}, ours {p['ours']}")
     for e in errors[:12]:
         print("ERROR:", e["kernel"], e.get("what", ""), e["error"])
     print(f"\ncuOccupancyMaxActiveBlocksPerMultiprocessor: {compared} configurations, {len(mismatches)} mismatches "
           f"(table entry instead of device attributes: {table_mismatches}; "
           f"if the kernel's own max threads per block were enforced: {alt_mismatches})")
     print(f"cuOccupancyMaxPotentialBlockSize: {compared_potential} configurations, {len(potential_mismatches)} mismatches")
+    print(f"runtime cudaOccupancyMaxPotentialBlockSize search: {len(runtime_out)} configurations, "
+          f"{len(runtime_mismatches)} mismatches")
     print(f"errors: {len(errors)}; wrote {args.out}")
-    return 0 if not mismatches and not potential_mismatches and not errors and table_mismatches == 0 else 1
+    return 0 if (not mismatches and not potential_mismatches and not runtime_mismatches and not errors
+                 and table_mismatches == 0) else 1
 
 
 if __name__ == "__main__":

@@ -234,14 +234,14 @@ def test_optimal_block_size_nothing_runs():
     assert s.block_size == 0 and s.blocks_per_sm == 0 and s.occupancy == 0
 
 
-def brute_force(limits, usage, smem_for, block_size_limit=0):
+def brute_force(limits, usage, smem_for, block_size_limit=0, carveout=-1):
     """Every candidate block size, best resident threads, ties to the larger block."""
     top = min(block_size_limit or limits.max_threads_per_block, limits.max_threads_per_block,
               usage.max_threads_per_block or limits.max_threads_per_block)
     candidates = sorted({top} | set(range(limits.warp_size, top + 1, limits.warp_size)))
     best = (0, 0)  # (threads, block)
     for b in candidates:
-        n = calculate_occupancy(limits, usage, b, smem_for(b)).active_blocks_per_sm
+        n = calculate_occupancy(limits, usage, b, smem_for(b), carveout=carveout).active_blocks_per_sm
         best = max(best, (b * n, b if n else 0))
     return best
 
@@ -273,6 +273,52 @@ def test_optimal_block_size_with_block_dependent_shared_memory(cc, regs, per_thr
     s = optimal_block_size(limits, usage, smem_for)
     threads, block = brute_force(limits, usage, smem_for)
     assert (s.block_size * s.blocks_per_sm, s.block_size) == (threads, block)
+
+
+# The H200's own answers (benchmarks/results/h200-occupancy-run1.json: driver 580.159.04, CUDA 13.0,
+# 132 SMs), measured with cuOccupancyMaxPotentialBlockSize on numba.cuda kernels of 16 registers and
+# no static shared memory: the real driver, so an independent reference. "dynamic" is bytes, or
+# bytes per thread ("4*block") for the block-size-dependent query; limit 0 means none.
+# (kernel's MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic, carveout, limit) -> (min grid, block)
+H200_DRIVER_ANSWERS = [
+    (48 * KiB, 4096, -1, 96, (4224, 64)),
+    (48 * KiB, 0, 0, 96, (1056, 96)),
+    (48 * KiB, 48128, 0, 0, (132, 1024)),
+    (48 * KiB, "4*block", 0, 0, (264, 768)),
+    # A preference of 25, 50 or 75 is searched as if there were none (the first run's 50 mismatches).
+    (48 * KiB, 4096, 25, 96, (4224, 64)),
+    (48 * KiB, 48128, 25, 0, (264, 1024)),
+    (48 * KiB, 20480, 25, 1000, (528, 512)),
+    (48 * KiB, "48*block", 25, 0, (264, 1024)),
+    (48 * KiB, 33792, 75, 256, (792, 256)),
+    (227 * KiB, 65536, 50, 1000, (396, 672)),
+    (227 * KiB, 115712, 50, 0, (264, 1024)),
+    (227 * KiB, 65536, 0, 96, (132, 96)),
+    (227 * KiB, 232449, 50, 0, (0, 0)),
+]
+
+
+@pytest.mark.parametrize("max_dynamic, dynamic, carveout, limit, expected", H200_DRIVER_ANSWERS)
+def test_optimal_block_size_reproduces_the_h200_driver(max_dynamic, dynamic, carveout, limit, expected):
+    h200 = L("9.0", sm_count=132)  # the run found the table entry identical to the H200's attributes
+    usage = KernelResourceUsage(16, 0, max_threads_per_block=1024, max_dynamic_shared_mem=max_dynamic)
+    smem = (lambda b, k=int(dynamic.split("*")[0]): k * b) if isinstance(dynamic, str) else dynamic
+    s = optimal_block_size(h200, usage, smem, limit, carveout=carveout)
+    assert (s.min_grid_size, s.block_size) == expected
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cc=ccs, usage=usages, smem=st.integers(0, 64 * KiB), limit=st.integers(0, 1100), carveout=st.integers(-1, 100))
+def test_driver_and_runtime_block_size_searches_and_the_carveout(cc, usage, smem, limit, carveout):
+    limits = L(cc, sm_count=7)
+    runtime = optimal_block_size(limits, usage, smem, limit, carveout=carveout, api="runtime")
+    driver = optimal_block_size(limits, usage, smem, limit, carveout=carveout, api="driver")
+    # The runtime's template asks the active-block query for every size: the carveout counts.
+    threads, block = brute_force(limits, usage, lambda b: smem, limit, carveout=carveout)
+    assert (runtime.block_size * runtime.blocks_per_sm, runtime.block_size) == (threads, block)
+    # The driver's search keeps a preference of 0 and drops any other.
+    kept = carveout if carveout == 0 else -1
+    assert driver == optimal_block_size(limits, usage, smem, limit, carveout=kept, api="runtime")
 
 
 # ---------------------------------------------------------------- invariants
@@ -336,6 +382,8 @@ def test_monotonic_in_registers_and_shared_memory(cc, regs, extra_regs, block, d
     (lambda: L("nine"), ["nine", "major.minor"]),
     (lambda: optimal_block_size(L("9.0"), KernelResourceUsage(32), lambda b: -1), ["returned=-1"]),
     (lambda: optimal_block_size(L("9.0"), KernelResourceUsage(32), block_size_limit=-5), ["block_size_limit=-5"]),
+    (lambda: optimal_block_size(L("9.0"), KernelResourceUsage(32), carveout=101), ["carveout=101", "100"]),
+    (lambda: optimal_block_size(L("9.0"), KernelResourceUsage(32), api="cuda"), ["api='cuda'", "driver", "runtime"]),
     (lambda: calculate_occupancy("9.0", KernelResourceUsage(32), 64), ["limits="]),
 ])
 def test_bad_input_raises_with_the_value(call, words):

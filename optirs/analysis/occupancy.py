@@ -1,8 +1,10 @@
 """The CUDA occupancy calculator: how many blocks of a kernel fit on one SM, and which block size to launch.
 
 :func:`calculate_occupancy` answers what ``cudaOccupancyMaxActiveBlocksPerMultiprocessor`` answers and
-:func:`optimal_block_size` what ``cudaOccupancyMaxPotentialBlockSize`` answers, on the CPU, for any
-compute capability from 5.0 to 12.0, following the rules of NVIDIA's ``cuda_occupancy.h`` (CUDA 13):
+:func:`optimal_block_size` what ``cuOccupancyMaxPotentialBlockSize`` answers (or, with
+``api="runtime"``, the runtime's ``cudaOccupancyMaxPotentialBlockSize``; they differ only for a
+carveout preference other than 0), on the CPU, for any compute capability from 5.0 to 12.0,
+following the rules of NVIDIA's ``cuda_occupancy.h`` (CUDA 13):
 
 - registers are allocated per warp, rounded up to 256, inside each of the SM's sub-partitions (so the
   register file holds ``sub_partitions * floor(regs_per_sm / sub_partitions / regs_per_warp)`` warps);
@@ -38,6 +40,7 @@ from ..hookspecs import hookimpl
 __all__ = [
     "calculate_occupancy",
     "optimal_block_size",
+    "driver_potential_carveout",
     "KernelResourceUsage",
     "OccupancyLimiter",
     "OccupancyResult",
@@ -503,6 +506,12 @@ def _align_to_config(size: int, limits: SmResourceLimits) -> int:
         f"(largest {limits.shared_mem_configs[-1] if limits.shared_mem_configs else limits.shared_mem_per_sm} B)")
 
 
+def _check_carveout(carveout: Any) -> int:
+    if not isinstance(carveout, int) or isinstance(carveout, bool) or not CARVEOUT_DEFAULT <= carveout <= CARVEOUT_MAX_SHARED:
+        raise InvalidParameterError(f"carveout={carveout!r}, expected -1 (no preference) or a percentage 0 <= carveout <= 100")
+    return carveout
+
+
 def _preferred_shared_mem(limits: SmResourceLimits, carveout: int) -> int:
     """The per-SM shared memory the carveout preference asks for (the whole of it where it is fixed)."""
     if not limits.shared_mem_configs:  # Maxwell, Pascal: dedicated shared memory
@@ -558,8 +567,7 @@ def calculate_occupancy(limits: SmResourceLimits, usage: KernelResourceUsage, bl
         raise InvalidParameterError(f"usage={usage!r}, expected a KernelResourceUsage")
     block_size = _check_int("block_size", block_size, 1)
     dynamic_smem = _check_int("dynamic_smem", dynamic_smem, 0)
-    if not isinstance(carveout, int) or isinstance(carveout, bool) or not CARVEOUT_DEFAULT <= carveout <= CARVEOUT_MAX_SHARED:
-        raise InvalidParameterError(f"carveout={carveout!r}, expected -1 (no preference) or a percentage 0 <= carveout <= 100")
+    _check_carveout(carveout)
     if partitioned_caching not in _CACHING:
         raise InvalidParameterError(f"partitioned_caching={partitioned_caching!r}, expected one of {_CACHING}")
 
@@ -658,25 +666,56 @@ def calculate_occupancy(limits: SmResourceLimits, usage: KernelResourceUsage, bl
 DynamicSmem = Union[int, Callable[[int], int]]
 
 
+_APIS = ("driver", "runtime")
+
+
+def driver_potential_carveout(carveout: int) -> int:
+    """The carveout preference ``cuOccupancyMaxPotentialBlockSize`` computes with, for the kernel's ``carveout``.
+
+    Measured on an H200 (driver 580.159.04, CUDA 13.0; benchmarks/results/h200-occupancy-run1.json):
+    the driver's block-size search honours a preference of 0 (maximum L1) but answers for 25, 50 and
+    75 exactly as with no preference (all 538 recorded answers agree), although its active-block
+    query honours every value. Values 1-24 and 76-99 were not measured; they are taken as 25-75 are.
+    """
+    carveout = _check_carveout(carveout)
+    return carveout if carveout == CARVEOUT_MAX_L1 else CARVEOUT_DEFAULT
+
+
 def optimal_block_size(limits: SmResourceLimits, usage: KernelResourceUsage, dynamic_smem: DynamicSmem = 0,
                        block_size_limit: int = 0, *, carveout: int = CARVEOUT_DEFAULT,
-                       partitioned_caching: str = "off") -> BlockSizeSuggestion:
-    """The block size that keeps the most threads resident per SM, as ``cudaOccupancyMaxPotentialBlockSize`` picks it.
+                       partitioned_caching: str = "off", api: str = "driver") -> BlockSizeSuggestion:
+    """The block size that keeps the most threads resident per SM, as ``cuOccupancyMaxPotentialBlockSize`` picks it.
 
     Block sizes are tried from the largest allowed down in steps of the warp size (the largest first
     even when it is not a multiple of the warp size); a smaller block wins only with strictly more
     resident threads, so ties go to the larger block; the search stops once the SM is full.
 
+    The driver's query and the runtime's C++ template differ in one respect, the kernel's
+    shared-memory carveout preference: the driver's (``api="driver"``, measured) honours only a
+    preference of 0 and searches as if there were none for any other value
+    (:func:`driver_potential_carveout`); the runtime's ``cudaOccupancyMaxPotentialBlockSize``
+    (``api="runtime"``) asks ``cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags`` for every
+    block size, so the preference counts as :func:`calculate_occupancy` counts it. With no
+    preference (-1) or 0 the two agree.
+
     :param dynamic_smem: bytes of dynamic shared memory per block, or a callable mapping a block size
         to them (``cudaOccupancyMaxPotentialBlockSizeVariableSMem``).
     :param block_size_limit: the largest block the kernel can take; 0 for the device's and the kernel's limit.
+    :param carveout: the kernel's preferred shared-memory carveout, as for :func:`calculate_occupancy`.
+    :param api: ``"driver"`` (``cuOccupancyMaxPotentialBlockSize``) or ``"runtime"``.
     :return: a :class:`BlockSizeSuggestion`; ``block_size`` 0 when no block size can run.
+        ``blocks_per_sm`` and ``min_grid_size`` are counted as the chosen API counts them.
     """
     if not isinstance(limits, SmResourceLimits):
         raise InvalidParameterError(f"limits={limits!r}, expected an SmResourceLimits")
     if not isinstance(usage, KernelResourceUsage):
         raise InvalidParameterError(f"usage={usage!r}, expected a KernelResourceUsage")
     block_size_limit = _check_int("block_size_limit", block_size_limit, 0)
+    carveout = _check_carveout(carveout)
+    if api not in _APIS:
+        raise InvalidParameterError(f"api={api!r}, expected one of {_APIS}")
+    if api == "driver":
+        carveout = driver_potential_carveout(carveout)
     if callable(dynamic_smem):
         smem_for = dynamic_smem
     else:
@@ -878,6 +917,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         usage = KernelResourceUsage(registers_per_thread=args.registers, static_shared_mem=args.smem,
                                     max_dynamic_shared_mem=args.max_dynamic_smem)
         best = optimal_block_size(limits, usage, args.dynamic_smem, carveout=args.carveout)
+        runtime_best = optimal_block_size(limits, usage, args.dynamic_smem, carveout=args.carveout, api="runtime")
         detail_block = args.block_size or best.block_size or limits.warp_size
         detail = calculate_occupancy(limits, usage, detail_block, args.dynamic_smem, carveout=args.carveout)
         rows = [calculate_occupancy(limits, usage, b, args.dynamic_smem, carveout=args.carveout)
@@ -907,8 +947,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     console.print(occ)
     if best.block_size:
         grid = f", minimum grid {best.min_grid_size}" if best.min_grid_size is not None else ""
-        console.print(f"optimal block size (cudaOccupancyMaxPotentialBlockSize): [green]{best.block_size}[/] "
+        console.print(f"optimal block size (cuOccupancyMaxPotentialBlockSize): [green]{best.block_size}[/] "
                       f"-> {best.blocks_per_sm} blocks/SM, occupancy {best.occupancy:.1%}{grid}")
+        if runtime_best != best:
+            # The driver's search drops a carveout preference other than 0; the table above keeps it.
+            console.print(f"  the driver's query ignores carveout {args.carveout} (its blocks/SM are those without a "
+                          f"preference); counting the carveout for every block size (cudaOccupancyMaxPotentialBlockSize): "
+                          f"{runtime_best.block_size} -> {runtime_best.blocks_per_sm} blocks/SM, "
+                          f"occupancy {runtime_best.occupancy:.1%}")
     else:
         console.print("[red]no block size can run[/]")
     console.print(f"block size {detail.block_size}: {detail.active_blocks_per_sm} blocks/SM, {detail.active_warps_per_sm} "
