@@ -120,20 +120,24 @@ def test_changing_hyperparameters_that_change_state_is_refused(rng):
 shapes = st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple), min_size=1, max_size=4)
 
 
-@settings(max_examples=25, deadline=None)
-@given(shapes=shapes, lr=st.floats(1e-4, 0.1), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
-       wd=st.floats(0.0, 0.2), amsgrad=st.booleans(), seed=st.integers(0, 2**16))
-def test_adam_any_shapes_and_hyperparameters(shapes, lr, beta1, beta2, wd, amsgrad, seed):
+def _three_steps_match_reference(cls, name, hp, shapes, seed):
     rng = np.random.default_rng(seed)
-    hp = optirs.AdamParams(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, amsgrad=amsgrad)
     params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
-    expected, _ = reference.run("adam", params, grads, hp)
-    opt = optirs.GpuAdam(hp, optirs.GpuOptimizerConfig(backend="cpu"))
+    expected, _ = reference.run(name, params, grads, hp)
+    opt = cls(hp, optirs.GpuOptimizerConfig(backend="cpu"))
     for g in grads:
         opt.step_gpu(params, g)
     for a, e in zip(params, expected):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(e).max())))
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=shapes, lr=st.floats(1e-4, 0.1), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
+       wd=st.floats(0.0, 0.2), amsgrad=st.booleans(), seed=st.integers(0, 2**16))
+def test_adam_any_shapes_and_hyperparameters(shapes, lr, beta1, beta2, wd, amsgrad, seed):
+    hp = optirs.AdamParams(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, amsgrad=amsgrad)
+    _three_steps_match_reference(optirs.GpuAdam, "adam", hp, shapes, seed)
 
 
 @settings(max_examples=25, deadline=None)
@@ -144,16 +148,8 @@ def test_sgd_any_shapes_and_hyperparameters(shapes, momentum, dampening, nestero
         with pytest.raises(InvalidParameterError):
             optirs.SgdParams(momentum=momentum, dampening=dampening, nesterov=nesterov)
         return
-    rng = np.random.default_rng(seed)
     hp = optirs.SgdParams(lr=0.05, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=wd)
-    params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
-    expected, _ = reference.run("sgd", params, grads, hp)
-    opt = optirs.GpuSgd(hp, optirs.GpuOptimizerConfig(backend="cpu"))
-    for g in grads:
-        opt.step_gpu(params, g)
-    for a, e in zip(params, expected):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(e).max())))
+    _three_steps_match_reference(optirs.GpuSgd, "sgd", hp, shapes, seed)
 
 
 @settings(max_examples=40, deadline=None)
