@@ -55,6 +55,16 @@ class GpuOptimizerConfig:
 ArrayOrList = Union[Any, Sequence[Any]]
 
 
+def _storage_pointers(arrays: List[Any]) -> List[tuple]:
+    """(tensor, data pointer) for arrays whose storage can be swapped under the same object:
+    a torch tensor after ``tensor.data = ...``. Other kinds keep their memory for life."""
+    return [(a, a.data_ptr()) for a in arrays if hasattr(a, "data_ptr")]
+
+
+def _same_storage(pointers: List[tuple]) -> bool:
+    return all(a.data_ptr() == ptr for a, ptr in pointers)
+
+
 class GpuOptimizer:
     """Base of the six optimizers. Subclasses name their optimizer, state slots and scalars."""
 
@@ -163,10 +173,10 @@ class GpuOptimizer:
 
     def _validate(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
         key = (tuple(map(id, params)), tuple(map(id, grads)))
-        if self._validated is not None and self._validated[0] == key:
+        if self._validated is not None and self._validated[0] == key and _same_storage(self._validated[3]):
             return self._validated[2]
         metas = self._describe_all(params, grads)
-        self._validated = (key, (params, grads), metas)
+        self._validated = (key, (params, grads), metas, _storage_pointers(params + grads))
         return metas
 
     def _describe_all(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:

@@ -279,6 +279,26 @@ def test_torch_cuda_tensors_stepped_in_place(rng):
     _close([p.cpu().numpy() for p in params], expected)
 
 
+def test_torch_tensor_with_swapped_storage_is_followed(rng):
+    """``tensor.data = ...`` keeps the tensor object but moves its memory: the step must follow it."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or SIMULATOR:
+        pytest.skip("torch.cuda is not available here")
+    _cuda_backend()
+    host = rng.standard_normal(1000).astype(np.float32)
+    g = torch.ones(1000, device="cuda")
+    p = torch.from_numpy(host.copy()).cuda()
+    hp = optirs.SgdParams(lr=0.5)
+    opt = optirs.GpuSgd(hp, optirs.GpuOptimizerConfig(backend="cuda"))
+    opt.step_gpu([p], [g])
+    old = p.data
+    p.data = torch.from_numpy(host.copy()).cuda()  # new storage, same object
+    opt.step_gpu([p], [g])
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(p.cpu().numpy(), host - 0.5, rtol=1e-6)  # stepped once, in the new storage
+    np.testing.assert_allclose(old.cpu().numpy(), host - 0.5, rtol=1e-6)  # the old one not again
+
+
 # ------------------------------------------------------------------ the benchmark harness
 
 

@@ -161,3 +161,63 @@ def test_beta1_accepts_exactly_the_unit_interval(value):
     else:
         with pytest.raises(InvalidParameterError, match="beta1="):
             optirs.AdamParams(beta1=value)
+
+
+class _SwappableTensor:
+    """Stands in for a torch CUDA tensor whose storage can be replaced (``tensor.data = ...``)."""
+
+    def __init__(self, host: np.ndarray):
+        self.host = host
+
+    def data_ptr(self) -> int:
+        return self.host.__array_interface__["data"][0]
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.host.shape, "typestr": self.host.dtype.str, "data": (self.data_ptr(), False),
+                "strides": None, "version": 3}
+
+
+def test_swapped_storage_is_validated_again(fresh_registry):
+    """The same objects with new storage of another shape are checked again, not trusted from the last step."""
+    from optirs.hookspecs import ProbeResult, Staged, hookimpl
+
+    class HostCai:
+        @hookimpl
+        def optirs_probe(self, options):
+            return ProbeResult(True)
+
+        @hookimpl
+        def optirs_open(self, options):
+            return None
+
+        @hookimpl
+        def optirs_alloc(self, size, dtype, fill):
+            return np.full(size, fill, dtype)
+
+        @hookimpl
+        def optirs_to_device(self, array):
+            return np.array(array).reshape(-1)
+
+        @hookimpl
+        def optirs_to_host(self, array):
+            return np.array(array)
+
+        @hookimpl
+        def optirs_stage(self, params, grads):
+            return Staged([p.host.reshape(-1) for p in params], [g.host.reshape(-1) for g in grads])
+
+        @hookimpl
+        def optirs_step_sgd(self, params, grads, scalars):
+            for p, g in zip(params, grads):
+                p -= scalars.lr * g
+
+    optirs.register_plugin(HostCai(), "hostcai")
+    p, g = _SwappableTensor(np.ones(4, np.float32)), _SwappableTensor(np.ones(4, np.float32))
+    opt = optirs.GpuSgd(optirs.SgdParams(lr=0.5), optirs.GpuOptimizerConfig(backend="hostcai"))
+    opt.step_gpu([p], [g])
+    np.testing.assert_array_equal(p.host, 0.5)
+    p.host, g.host = np.ones(5, np.float32), np.ones(5, np.float32)
+    with pytest.raises(ShapeMismatchError, match="parameter list changed"):
+        opt.step_gpu([p], [g])
+    np.testing.assert_array_equal(p.host, 1.0)

@@ -346,12 +346,15 @@ class CudaContext:
         """Device addresses of a list of arrays, cached by the arrays' identities.
 
         Like the optimizer's validation cache, this takes an array object to keep its memory
-        between steps (true of numba, CuPy and torch arrays unless ``tensor.data`` is reassigned);
-        the entry keeps the arrays alive, so the identities stay theirs.
+        between steps (true of numba and CuPy arrays; torch tensors are re-checked through
+        ``data_ptr()``, since ``tensor.data`` can be reassigned); the entry keeps the arrays alive,
+        so the identities stay theirs.
         """
         key = tuple(map(id, arrays))
         hit = self._address_cache.get(key)
-        if hit is not None:
+        # A torch tensor can change storage under the same object (``tensor.data = ...``):
+        # its data_ptr() is cheap, so check those before trusting the cached addresses.
+        if hit is not None and all(arrays[i].data_ptr() == hit[1][i] for i in hit[2]):
             self._address_cache.move_to_end(key)
             return hit[1]
         found = []
@@ -364,7 +367,8 @@ class CudaContext:
                 )
             found.append(addr)
         out = tuple(found)
-        self._address_cache[key] = (list(arrays), out)
+        swappable = tuple(i for i, a in enumerate(arrays) if hasattr(a, "data_ptr"))
+        self._address_cache[key] = (list(arrays), out, swappable)
         if len(self._address_cache) > 2 * _LRU:
             self._address_cache.popitem(last=False)
         return out
