@@ -528,7 +528,7 @@ __kernel void optirs_mp_narrow(__global const uint *master, ulong m_off, __globa
 }
 """
 
-_ocl_programs: "weakref.WeakKeyDictionary" = None  # type: ignore[assignment]
+_ocl_programs: Any = None  # weakref.WeakKeyDictionary: OpenCL context -> built kernels
 
 
 def _opencl_kernels(ctx: Any):

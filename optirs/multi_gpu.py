@@ -589,7 +589,7 @@ class DataParallelOptimizer:
         if plan is None:
             return {**base, "shapes": [], "state": []}
         torch, _ = _dist()
-        world, rank, S = plan.world, self.rank, plan.segment
+        world, S = plan.world, plan.segment
         local = self.inner._host_state() if self.inner._state is not None else {}
         # NCCL gathers CUDA tensors, gloo CPU ones; the checkpoint itself is numpy.
         _, dist = _dist()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import optirs
+from optirs.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.registry import REGISTRY
 
 BUILTIN_BACKENDS = ("cpu", "cuda", "opencl")
@@ -78,3 +79,34 @@ def from_backend_array(array) -> np.ndarray:
     if hasattr(array, "copy_to_host"):
         return array.copy_to_host()
     return array.get()
+
+
+class FakeHostBackend:
+    """A minimal backend on host memory, for registry and validation tests; availability is set by the test."""
+
+    def __init__(self, available=True):
+        self.available = available
+
+    @hookimpl
+    def optirs_probe(self, options):
+        return ProbeResult(self.available, "" if self.available else "no fake device", (DeviceInfo("fake"),))
+
+    @hookimpl
+    def optirs_open(self, options):
+        return object()
+
+    @hookimpl
+    def optirs_alloc(self, size, dtype, fill):
+        return np.full(size, fill, dtype)
+
+    @hookimpl
+    def optirs_to_device(self, array):
+        return np.array(array).reshape(-1)
+
+    @hookimpl
+    def optirs_to_host(self, array):
+        return np.array(array)
+
+    @hookimpl
+    def optirs_stage(self, params, grads):
+        return Staged(params, grads)

@@ -14,8 +14,10 @@ import pytest
 import optirs
 from optirs import reference, registry
 from optirs.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
-from optirs.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.hookspecs import ProbeResult, hookimpl
 from optirs.registry import REGISTRY, PluginWarning
+
+from conftest import FakeHostBackend
 
 PLUGINS = Path(__file__).parent / "plugins"
 
@@ -122,46 +124,15 @@ def test_unknown_backend_lists_known_names(fresh_registry):
         optirs.get_backend("nope")
 
 
-class _FakeBackend:
-    """A minimal backend whose availability is set by the test."""
-
-    def __init__(self, available=True):
-        self.available = available
-
-    @hookimpl
-    def optirs_probe(self, options):
-        return ProbeResult(self.available, "" if self.available else "no fake device", (DeviceInfo("fake"),))
-
-    @hookimpl
-    def optirs_open(self, options):
-        return object()
-
-    @hookimpl
-    def optirs_alloc(self, size, dtype, fill):
-        return np.full(size, fill, dtype)
-
-    @hookimpl
-    def optirs_to_device(self, array):
-        return np.array(array).reshape(-1)
-
-    @hookimpl
-    def optirs_to_host(self, array):
-        return np.array(array)
-
-    @hookimpl
-    def optirs_stage(self, params, grads):
-        return Staged(params, grads)
-
-
 def test_auto_probes_in_order(fresh_registry, monkeypatch):
     monkeypatch.setattr(registry, "SUPPORTED_BACKENDS", ("fake_gpu", "cpu"))
-    fake = _FakeBackend(available=False)
+    fake = FakeHostBackend(available=False)
     optirs.register_plugin(fake, "fake_gpu")
     assert optirs.get_backend("auto").name == "cpu"
     with pytest.raises(BackendUnavailableError, match="cannot open: no fake device"):
         optirs.get_backend("fake_gpu")
     fresh_registry.reload()
-    optirs.register_plugin(_FakeBackend(available=True), "fake_gpu")
+    optirs.register_plugin(FakeHostBackend(available=True), "fake_gpu")
     assert optirs.get_backend("auto").name == "fake_gpu"
     assert optirs.GpuAdam().backend.name == "fake_gpu"
 
@@ -173,7 +144,7 @@ def test_default_auto_picks_first_available_builtin(fresh_registry):
 
 
 def test_backend_without_step_hooks_raises_unsupported(fresh_registry):
-    optirs.register_plugin(_FakeBackend(), "nosteps")
+    optirs.register_plugin(FakeHostBackend(), "nosteps")
     status = {s.name: s for s in optirs.list_backends()}["nosteps"]
     assert status.optimizers == ()
     p = np.ones(3, np.float32)
@@ -209,13 +180,13 @@ def test_runtime_registration_validates(fresh_registry):
     with pytest.raises(PluginError, match="pinned"):
         optirs.register_plugin(BadArgs(), "badargs")
     with pytest.raises(PluginError, match="already registered"):
-        optirs.register_plugin(_FakeBackend(), "cpu")
+        optirs.register_plugin(FakeHostBackend(), "cpu")
     assert "misspelt" not in {p.name for p in optirs.list_plugins()}
     assert optirs.get_backend("cpu").name == "cpu"
 
 
 def test_probe_that_raises_is_reported(fresh_registry):
-    class Exploding(_FakeBackend):
+    class Exploding(FakeHostBackend):
         @hookimpl
         def optirs_probe(self, options):
             raise OSError("driver exploded")

@@ -10,7 +10,7 @@ import optirs
 from optirs import reference
 from optirs.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError
 
-from conftest import from_backend_array, to_backend_array
+from conftest import FakeHostBackend
 
 
 @pytest.mark.parametrize("cls,kwargs,pattern", [
@@ -180,29 +180,9 @@ class _SwappableTensor:
 
 def test_swapped_storage_is_validated_again(fresh_registry):
     """The same objects with new storage of another shape are checked again, not trusted from the last step."""
-    from optirs.hookspecs import ProbeResult, Staged, hookimpl
+    from optirs.hookspecs import Staged, hookimpl
 
-    class HostCai:
-        @hookimpl
-        def optirs_probe(self, options):
-            return ProbeResult(True)
-
-        @hookimpl
-        def optirs_open(self, options):
-            return None
-
-        @hookimpl
-        def optirs_alloc(self, size, dtype, fill):
-            return np.full(size, fill, dtype)
-
-        @hookimpl
-        def optirs_to_device(self, array):
-            return np.array(array).reshape(-1)
-
-        @hookimpl
-        def optirs_to_host(self, array):
-            return np.array(array)
-
+    class HostCai(FakeHostBackend):
         @hookimpl
         def optirs_stage(self, params, grads):
             return Staged([p.host.reshape(-1) for p in params], [g.host.reshape(-1) for g in grads])
