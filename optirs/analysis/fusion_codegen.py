@@ -399,24 +399,31 @@ def _numba_types(spec: KernelSpec, params: Sequence[str]):
     return tuple(sig)
 
 
-def _cpu_kernel(spec: KernelSpec):
-    text, params = _py_source(spec, "cpu")
-    key = ("cpu", text)
+def _cached(key: Tuple[str, ...], build) -> Any:
+    """The compiled kernel cached under ``key``, built (outside the lock) on first use."""
     with _CACHE_LOCK:
         hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
-    import numba
-
-    mul = numba.njit(_product)
-    ns = _exec_source(text, "cpu", {"np": np, "math": math, "prange": numba.prange, "mul_f32": mul, "mul_f64": mul,
-                                     "f32": np.float32, "f64": np.float64, "bool": bool})
-    fn = numba.njit(parallel=True, error_model="numpy", fastmath=False)(ns["kernel_"])
-    fn.compile(_numba_types(spec, params))  # compile now, not on the first run
-    hit = (fn, params, text)
-    with _CACHE_LOCK:
-        _CACHE[key] = hit
+    if hit is None:
+        hit = build()
+        with _CACHE_LOCK:
+            hit = _CACHE.setdefault(key, hit)
     return hit
+
+
+def _cpu_kernel(spec: KernelSpec):
+    text, params = _py_source(spec, "cpu")
+
+    def build():
+        import numba
+
+        mul = numba.njit(_product)
+        ns = _exec_source(text, "cpu", {"np": np, "math": math, "prange": numba.prange, "mul_f32": mul,
+                                         "mul_f64": mul, "f32": np.float32, "f64": np.float64, "bool": bool})
+        fn = numba.njit(parallel=True, error_model="numpy", fastmath=False)(ns["kernel_"])
+        fn.compile(_numba_types(spec, params))  # compile now, not on the first run
+        return fn, params, text
+
+    return _cached(("cpu", text), build)
 
 
 class _SimMath:
@@ -451,10 +458,13 @@ def _cuda_products(simulator: bool) -> Dict[str, object]:
     return {"mul_f32": libdevice.fmul_rn, "mul_f64": libdevice.dmul_rn}
 
 
-def _cuda_math():
-    from numba import config
+def _cuda_namespace(simulator: bool) -> Dict[str, object]:
+    """The globals a generated numba.cuda kernel sees (simulator: IEEE numpy math, plain products)."""
+    import numba
+    from numba import cuda
 
-    return _SimMath() if config.ENABLE_CUDASIM else math
+    return {"np": np, "math": _SimMath() if simulator else math, "cuda": cuda, **_cuda_products(simulator),
+            "f32": numba.float32, "f64": numba.float64, "bool": numba.boolean}
 
 
 def _cuda_launch(kernel, work: int) -> Tuple[int, int]:
@@ -472,25 +482,15 @@ def _cuda_launch(kernel, work: int) -> Tuple[int, int]:
 
 def _cuda_kernel(spec: KernelSpec):
     text, params = _py_source(spec, "cuda")
-    key = ("cuda", text)
-    with _CACHE_LOCK:
-        hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
-    from numba import cuda
-    import numba
 
-    from numba import config
+    def build():
+        from numba import config, cuda
 
-    ns = _exec_source(text, "cuda", {"np": np, "math": _cuda_math(), "cuda": cuda,
-                                      **_cuda_products(bool(config.ENABLE_CUDASIM)),
-                                      "f32": numba.float32, "f64": numba.float64, "bool": numba.boolean})
-    kern = cuda.jit(ns["kernel_"])
-    fin = cuda.jit(ns["finish_"]) if "finish_" in ns else None
-    hit = (kern, fin, params, text)
-    with _CACHE_LOCK:
-        _CACHE[key] = hit
-    return hit
+        ns = _exec_source(text, "cuda", _cuda_namespace(bool(config.ENABLE_CUDASIM)))
+        fin = cuda.jit(ns["finish_"]) if "finish_" in ns else None
+        return cuda.jit(ns["kernel_"]), fin, params, text
+
+    return _cached(("cuda", text), build)
 
 
 def cuda_source(plan: FusionPlan, group: FusionGroup) -> str:
@@ -506,12 +506,10 @@ def cpu_source(plan: FusionPlan, group: FusionGroup) -> str:
 def compile_ptx(plan: FusionPlan, group: FusionGroup, cc: Tuple[int, int] = (9, 0)) -> str:
     """PTX of one group's CUDA kernel for compute capability ``cc`` (no GPU needed)."""
     from numba import cuda
-    import numba
 
     spec = kernel_spec(plan, group)
     text, params = _py_source(spec, "cuda")
-    ns = _exec_source(text, "cuda-ptx", {"np": np, "math": math, "cuda": cuda, **_cuda_products(False),
-                                          "f32": numba.float32, "f64": numba.float64, "bool": numba.boolean})
+    ns = _exec_source(text, "cuda-ptx", _cuda_namespace(False))
     sig = _numba_types(spec, params)
     ptx, _ = cuda.compile_ptx(ns["kernel_"], sig, cc=cc)
     return ptx
@@ -609,26 +607,23 @@ def _cl_kernel(spec: KernelSpec):
 
     text, args = opencl_source(spec)
     key = ("opencl", str(id(ctx)), text)  # programs belong to one context (kept alive by the entry)
-    with _CACHE_LOCK:
-        hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
-    if "cl_khr_fp64" in text and "cl_khr_fp64" not in ctx.devices[0].extensions:
-        raise UnsupportedOperationError(
-            f"fusion backend 'opencl': device {ctx.devices[0].name!r} lacks cl_khr_fp64, which this group needs "
-            "(float64 values or float64 reduction accumulators)"
-        )
-    # Division and sqrt are only correctly rounded (as numpy's are) with this option; OpenCL
-    # otherwise allows 2.5 and 3 ulp. Devices that cannot honour it get the default.
-    dev = ctx.devices[0]
-    exact = bool(dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
-    prg = cl.Program(ctx, text).build(options=["-cl-fp32-correctly-rounded-divide-sqrt"] if exact else [])
-    kern = prg.kernel_  # looked up once: prg.<name> builds a new wrapper each time
-    fin = prg.finish_ if "finish_" in text else None
-    hit = (kern, fin, args, ctx, text)
-    with _CACHE_LOCK:
-        _CACHE[key] = hit
-    return hit
+
+    def build():
+        if "cl_khr_fp64" in text and "cl_khr_fp64" not in ctx.devices[0].extensions:
+            raise UnsupportedOperationError(
+                f"fusion backend 'opencl': device {ctx.devices[0].name!r} lacks cl_khr_fp64, which this group needs "
+                "(float64 values or float64 reduction accumulators)"
+            )
+        # Division and sqrt are only correctly rounded (as numpy's are) with this option; OpenCL
+        # otherwise allows 2.5 and 3 ulp. Devices that cannot honour it get the default.
+        dev = ctx.devices[0]
+        exact = bool(dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
+        prg = cl.Program(ctx, text).build(options=["-cl-fp32-correctly-rounded-divide-sqrt"] if exact else [])
+        kern = prg.kernel_  # looked up once: prg.<name> builds a new wrapper each time
+        fin = prg.finish_ if "finish_" in text else None
+        return kern, fin, args, ctx, text
+
+    return _cached(key, build)
 
 
 # ================================================================ compiled plans
@@ -781,7 +776,6 @@ class CompiledPlan:
     # ---------------------------------------------------------------- opencl
 
     def _run_opencl(self, host: Dict[str, np.ndarray], out: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        import pyopencl as cl
         import pyopencl.array as cla
 
         ctx, queue = _cl_queue()
