@@ -127,12 +127,12 @@ def fake_quant_cpu(x, out, mask, inv, scale, zp, inner, nch, qmin, qmax, int64_c
             i = end
 
 
-@njit(parallel=True, cache=True)
 # _pass_gradient_note: inside the range the gradient passes by selection, not by multiplying
 # with 1: a GPU's multiply returns the canonical NaN, while torch (multiplying on the CPU) keeps
 # a NaN gradient's bits. Outside, multiplying by 0 keeps torch's NaN * 0 and sign of zero.
+@njit(parallel=True, cache=True)
 def fake_quant_backward_cpu(x, g, gin, inv, scale, zp, inner, nch, qmin, qmax, int64_cast):
-    """Straight-through gradient: ``gin = g * mask`` (a float multiply, as torch: -0 and NaN kept)."""
+    """Straight-through gradient: ``g`` inside the range (bits unchanged), ``g * 0`` outside (as torch)."""
     n = x.size
     for b in prange((n + CPU_BLOCK - 1) // CPU_BLOCK):
         i = b * CPU_BLOCK
