@@ -150,9 +150,7 @@ class GpuOptimizer:
     def move_to_cpu(self) -> None:
         """Bring the state back to host memory (numpy); the next step sends it back."""
         if self._state is not None and self._state_on_device:
-            backend = self.backend
-            host = {k: np.asarray(backend.to_host(backend.ctx, v), dtype=STATE_DTYPE) for k, v in self._state.items()}
-            self._state, self._state_on_device = host, False
+            self._state, self._state_on_device = self._host_state(), False
 
     def _host_state(self) -> Dict[str, np.ndarray]:
         assert self._state is not None
