@@ -8,7 +8,7 @@ and torch's fused CPU optimizers, as fractions of the machine's measured memory 
 
 import sys
 
-from optirs.bench import main
+from optirs.tools.bench import main
 
 DEFAULTS = ["--backends", "cpu", "--cases", "flat", "--size-scale", "0.0625", "--reps", "5", "--repeats", "9"]
 

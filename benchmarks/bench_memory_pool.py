@@ -74,7 +74,7 @@ def _time_mixed(cuda, np):
 def _checks(cuda, np):
     """Pool mode only: the wiring on the real device."""
     import optirs
-    from optirs import reference
+    from optirs.core import reference
     from optirs.memory import current_pool
 
     pool = current_pool()

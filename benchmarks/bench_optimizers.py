@@ -7,7 +7,7 @@ Same as ``optirs bench``; extra arguments are passed through (``--backends cuda`
 
 import sys
 
-from optirs.bench import main
+from optirs.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

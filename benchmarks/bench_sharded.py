@@ -55,7 +55,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from optirs import AdamParams, GpuAdam, GpuLamb, GpuOptimizerConfig, LambParams
-    from optirs.multi_gpu import DataParallelOptimizer, init_process_group_from_env
+    from optirs.optim.data_parallel import DataParallelOptimizer, init_process_group_from_env
 
     rank, world = init_process_group_from_env("nccl" if args.backend == "cuda" else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "cuda" else torch.device("cpu")

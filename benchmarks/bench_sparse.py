@@ -107,7 +107,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     steps = args.steps or (5 if args.backend == "cpu" else 20)
 
     from optirs import AdamParams, GpuAdam, GpuOptimizerConfig
-    from optirs.sparse_optimizer import CooGradient, LazyAdamMode, SparseAdam, SparseAdamConfig
+    from optirs.optim.sparse import CooGradient, LazyAdamMode, SparseAdam, SparseAdamConfig
 
     dev = Dev(args.backend)
     rows, dim = args.rows, args.dim

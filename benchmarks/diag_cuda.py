@@ -46,9 +46,9 @@ def main(argv=None):
     import optirs
     from optirs.backends import cuda_kernels as K
     from optirs.backends.cuda import device_address
-    from optirs.layout import TensorLayout
-    from optirs.optimizers import GpuAdagrad, GpuRmsprop
-    from optirs.registry import REGISTRY
+    from optirs.core.layout import TensorLayout
+    from optirs.optim.optimizers import GpuAdagrad, GpuRmsprop
+    from optirs.plugin.registry import REGISTRY
 
     backend = optirs.get_backend("cuda")
     ctx = backend.ctx
@@ -106,7 +106,7 @@ def main(argv=None):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     # The plan every optimizer's kernels get on this tensor (occupancy plugin + chunk rule).
-    from optirs.optimizers import OPTIMIZERS
+    from optirs.optim.optimizers import OPTIMIZERS
 
     for name, cls in OPTIMIZERS.items():
         layout = TensorLayout([(n,)])

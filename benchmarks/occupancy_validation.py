@@ -240,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from optirs.analysis.occupancy import (KernelResourceUsage, SmResourceLimits, calculate_occupancy,
                                            optimal_block_size)
-    from optirs.registry import REGISTRY
+    from optirs.plugin.registry import REGISTRY
 
     limits = SmResourceLimits.from_device(device)
     doc["device"] = {"name": limits.name, "compute_capability": limits.cc, "sm_count": limits.sm_count}

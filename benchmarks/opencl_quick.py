@@ -7,7 +7,7 @@ Runs on the device optirs' opencl backend picks (or the one given by --platform/
 PYOPENCL_CTX). Every figure is a median of batches of back-to-back steps timed on the host
 after a queue finish, on random (non-zero) data in arrays far larger than any cache; bytes are
 what each kernel must move per element (Adam: read p, g, m, v, write p, m, v = 28 B). The same
-run checks the stepped values against optirs.reference.
+run checks the stepped values against optirs.core.reference.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 import numpy as np
 
 import optirs
-from optirs import reference
-from optirs.optimizers import OPTIMIZERS
+from optirs.core import reference
+from optirs.optim.optimizers import OPTIMIZERS
 
 # name, hyperparameters, bytes per element, target fraction of copy
 CASES = [

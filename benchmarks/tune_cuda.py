@@ -24,9 +24,9 @@ def main(argv=None):
 
     import optirs
     from optirs.backends import cuda_kernels as K
-    from optirs.layout import TensorLayout
-    from optirs.optimizers import GpuAdam
-    from optirs.registry import REGISTRY
+    from optirs.core.layout import TensorLayout
+    from optirs.optim.optimizers import GpuAdam
+    from optirs.plugin.registry import REGISTRY
 
     backend = optirs.get_backend("cuda")
     ctx = backend.ctx
@@ -87,7 +87,7 @@ def main(argv=None):
     # with the cached raw launch and with numba's own launch path.
     import time
 
-    from optirs.bench import case_sizes
+    from optirs.tools.bench import case_sizes
 
     sizes = case_sizes("small", 1.0)
     ps = [cuda.to_device(rng.random(k, dtype=np.float32)) for k in sizes]

@@ -6,12 +6,12 @@ until a backend is first needed.
 
 from __future__ import annotations
 
-from .errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError,
+from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError,
                      PluginError, ShapeMismatchError, UnsupportedOperationError)
-from .optimizers import (GpuAdagrad, GpuAdam, GpuAdamW, GpuLamb, GpuOptimizer, GpuOptimizerConfig, GpuRmsprop,
+from optirs.optim.optimizers import (GpuAdagrad, GpuAdam, GpuAdamW, GpuLamb, GpuOptimizer, GpuOptimizerConfig, GpuRmsprop,
                          GpuSgd)
-from .params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
-from .registry import (SUPPORTED_BACKENDS, get_backend, list_backends, list_plugins, register_plugin,
+from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.plugin.registry import (SUPPORTED_BACKENDS, get_backend, list_backends, list_plugins, register_plugin,
                        unregister_plugin)
 
 __version__ = "0.1.0"
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "optirs.analysis.fusion": ["FusionGraph", "FusionGroup", "FusionOp", "FusionPlan", "FusionPlanner", "OpKind"],
     "optirs.memory": ["MemoryPool"],
-    "optirs.mixed_precision": ["f16_bits_to_f32", "f32_to_f16_bits", "DynamicLossScaler", "MixedPrecisionConfig",
+    "optirs.optim.mixed_precision": ["f16_bits_to_f32", "f32_to_f16_bits", "DynamicLossScaler", "MixedPrecisionConfig",
                                "OverflowStats", "MixedPrecisionOptimizer"],
     "optirs.analysis.occupancy": ["calculate_occupancy", "optimal_block_size", "KernelResourceUsage",
                                   "OccupancyLimiter", "OccupancyResult", "SmResourceLimits"],
@@ -29,7 +29,7 @@ _LAZY = {
                                      "fake_quant_int_per_channel", "per_channel_params", "Fp8Format", "IntDtype",
                                      "QatConfig", "QatOptimizer", "QuantParams", "QuantScheme", "QuantTarget",
                                      "RoundingMode"],
-    "optirs.sparse_optimizer": ["CooGradient", "CsrGradient", "LazyAdamMode", "SparseAdam", "SparseAdamConfig",
+    "optirs.optim.sparse": ["CooGradient", "CsrGradient", "LazyAdamMode", "SparseAdam", "SparseAdamConfig",
                                 "SparseAdamTable", "SparseSgd", "SparseSgdConfig", "SparseSgdTable"],
 }
 _LAZY_NAMES = {name: module for module, names in _LAZY.items() for name in names}

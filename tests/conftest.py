@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import optirs
-from optirs.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
-from optirs.registry import REGISTRY
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.plugin.registry import REGISTRY
 
 BUILTIN_BACKENDS = ("cpu", "cuda", "opencl")
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 
 import optirs
-from optirs.layout import TensorLayout
+from optirs.core.layout import TensorLayout
 
 
 def test_a_model_is_one_kernel_call(monkeypatch, rng):

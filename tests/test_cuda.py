@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import optirs
-from optirs import reference
-from optirs.errors import DeviceMemoryError, InvalidParameterError
-from optirs.layout import TensorLayout
-from optirs.optimizers import OPTIMIZERS
+from optirs.core import reference
+from optirs.core.errors import DeviceMemoryError, InvalidParameterError
+from optirs.core.layout import TensorLayout
+from optirs.optim.optimizers import OPTIMIZERS
 
 from conftest import SIMULATOR
 
@@ -78,8 +78,8 @@ def _signatures():
     import numba
     from numba import types
 
-    from optirs import params as P
-    from optirs import scalars as S
+    from optirs.core import params as P
+    from optirs.core import scalars as S
     from optirs.backends import cuda_kernels as K
 
     i64, table, acc = types.int64, types.int64[:, ::1], types.float64[:, ::1]
@@ -175,7 +175,7 @@ def test_optimizer_accepts_device_arrays(rng):
     """Through the public API: a numba device array is updated in place (arrays.describe must know it)."""
     from numba import cuda
 
-    from optirs.arrays import describe
+    from optirs.core.arrays import describe
 
     _cuda_backend()
     host = rng.standard_normal(37).astype(np.float32)
@@ -183,7 +183,7 @@ def test_optimizer_accepts_device_arrays(rng):
     try:
         describe(param)
     except InvalidParameterError as exc:
-        pytest.skip(f"optirs.arrays.describe does not accept this device array kind yet: {exc}")
+        pytest.skip(f"optirs.core.arrays.describe does not accept this device array kind yet: {exc}")
     grads = [[rng.standard_normal(37).astype(np.float32)] for _ in range(3)]
     expected, _ = reference.run("adam", [host], grads, optirs.AdamParams())
     opt = optirs.GpuAdam(optirs.AdamParams(), optirs.GpuOptimizerConfig(backend="cuda"))
@@ -306,7 +306,7 @@ def test_bench_checks_and_times_the_cuda_backend(tmp_path):
     """``optirs bench`` on this backend (tiny sizes): the reference check passes and every time is positive."""
     import json
 
-    from optirs import bench
+    from optirs.tools import bench
 
     _cuda_backend()
     out = tmp_path / "bench.json"
@@ -325,7 +325,7 @@ def test_bench_checks_and_times_the_cuda_backend(tmp_path):
 
 
 def test_bench_rejects_unknown_names():
-    from optirs import bench
+    from optirs.tools import bench
 
     with pytest.raises(SystemExit) as exc:
         bench.main(["--optimizers", "adamx"])

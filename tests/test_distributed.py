@@ -74,11 +74,11 @@ def worker(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from optirs.multi_gpu import DataParallelOptimizer
+    from optirs.optim.data_parallel import DataParallelOptimizer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
-    from optirs.multi_gpu import broadcast_parameters
+    from optirs.optim.data_parallel import broadcast_parameters
 
     mine = lambda params, t: rank_grads(params, t, rank)  # noqa: E731
     results: Dict[str, dict] = {}
@@ -171,7 +171,7 @@ def _close(actual, expected):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_equal_one_rank(two_ranks, name, mode):
-    from optirs.multi_gpu import DataParallelOptimizer
+    from optirs.optim.data_parallel import DataParallelOptimizer
 
     one = train(DataParallelOptimizer(CASES[name](), mode=mode), initial_params(), STEPS, 0, mean_grads)
     plain = train(CASES[name](), initial_params(), STEPS, 0, mean_grads)
@@ -195,7 +195,7 @@ def test_two_ranks_equal_one_rank(two_ranks, name, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["adam", "sgd", "lamb-clip"])
 def test_two_rank_checkpoint_loads_on_one_rank(two_ranks, name, mode):
-    from optirs.multi_gpu import DataParallelOptimizer
+    from optirs.optim.data_parallel import DataParallelOptimizer
 
     r0 = two_ranks[0][f"{name}/{mode}"]
     checkpoint = r0["checkpoint"]
@@ -219,7 +219,7 @@ def test_broadcast_makes_parameters_equal(two_ranks):
 
 
 def test_zero1_shards_lamb_on_tensor_boundaries_and_adam_evenly():
-    from optirs.multi_gpu import ShardPlan
+    from optirs.optim.data_parallel import ShardPlan
 
     even = ShardPlan(SHAPES, 2, tensor_boundaries=False)
     total = sum(int(np.prod(s)) for s in SHAPES)
@@ -234,8 +234,8 @@ def test_zero1_shards_lamb_on_tensor_boundaries_and_adam_evenly():
 
 
 def test_bad_wrapping_is_refused():
-    from optirs.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-    from optirs.multi_gpu import DataParallelOptimizer
+    from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+    from optirs.optim.data_parallel import DataParallelOptimizer
 
     with pytest.raises(InvalidParameterError, match="mode='zero2'"):
         DataParallelOptimizer(CASES["adam"](), mode="zero2")
@@ -250,7 +250,7 @@ def test_bad_wrapping_is_refused():
     with pytest.raises(ShapeMismatchError, match="expected"):
         opt.step_gpu(params, mean_grads(params, 0)[:-1])
     with pytest.raises(UnsupportedOperationError, match="OpenCL"):
-        from optirs.multi_gpu import _torch_view
+        from optirs.optim.data_parallel import _torch_view
 
         _torch_view(type("Buffer", (), {})(), "params[0]")
     assert opt.step_count == 0

@@ -32,7 +32,7 @@ def test_quickstart_example(backend):
 
 def test_optirs_info_command():
     exe = shutil.which("optirs")
-    args = [exe, "info"] if exe else [sys.executable, "-m", "optirs.cli", "info"]
+    args = [exe, "info"] if exe else [sys.executable, "-m", "optirs.tools.cli", "info"]
     out = _run(args)
     assert out.returncode == 0, out.stderr
     assert "Capability matrix" in out.stdout
@@ -43,7 +43,7 @@ def test_optirs_info_command():
 
 
 def test_cli_unknown_command_lists_known_ones():
-    out = _run([sys.executable, "-m", "optirs.cli", "frobnicate"])
+    out = _run([sys.executable, "-m", "optirs.tools.cli", "frobnicate"])
     assert out.returncode == 2
     assert "unknown command 'frobnicate'" in out.stderr and "info" in out.stderr
 

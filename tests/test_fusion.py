@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import optirs
 from optirs.analysis import fusion_codegen
 from optirs.analysis.fusion import FusionGraph, FusionOp, FusionPlan, FusionPlanner, OpKind
-from optirs.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 
 F32 = np.float32
 

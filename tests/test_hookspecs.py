@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from optirs import hookspecs
-from optirs.registry import REGISTRY
+from optirs.plugin import hookspecs
+from optirs.plugin.registry import REGISTRY
 
 SPECS = [name for name, fn in vars(hookspecs).items() if name.startswith("optirs_") and callable(fn)]
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from optirs.errors import DeviceMemoryError, InvalidParameterError, UnsupportedOperationError
+from optirs.core.errors import DeviceMemoryError, InvalidParameterError, UnsupportedOperationError
 from optirs.memory import MemoryPool, pool as poolmod
 from optirs.memory.allocation import ArenaAllocator, BuddyAllocator, SlabAllocator
 from optirs.memory.management import (POLICIES, FIFOPolicy, LargestFirstPolicy, LFUPolicy, LRUPolicy,

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import optirs
-import optirs.arrays
-from optirs import reference
-from optirs.errors import InvalidParameterError, ShapeMismatchError
-from optirs.mixed_precision import (DynamicLossScaler, MixedPrecisionConfig, MixedPrecisionOptimizer, OverflowStats,
+import optirs.core.arrays
+from optirs.core import reference
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.optim.mixed_precision import (DynamicLossScaler, MixedPrecisionConfig, MixedPrecisionOptimizer, OverflowStats,
                                     decode_bits, encode_bits, f16_bits_to_f32, f32_to_f16_bits)
-from optirs.optimizers import OPTIMIZERS
+from optirs.optim.optimizers import OPTIMIZERS
 
 from conftest import from_backend_array, to_backend_array
 
@@ -280,31 +280,31 @@ def require_in_place(backend):
     if backend not in MixedPrecisionOptimizer.SUPPORTED_BACKENDS:
         pytest.skip(f"no half-precision passes for the {backend} backend (test_backend_without_half_kernels_is_refused)")
     try:
-        optirs.arrays.describe(to_backend_array(backend, np.zeros(1, np.float32)))
+        optirs.core.arrays.describe(to_backend_array(backend, np.zeros(1, np.float32)))
     except InvalidParameterError as exc:
-        pytest.skip(f"optirs.arrays.describe does not accept this backend's device arrays yet: {exc}")
+        pytest.skip(f"optirs.core.arrays.describe does not accept this backend's device arrays yet: {exc}")
 
 
 @pytest.fixture
 def simulator_arrays(monkeypatch):
     """Under the CUDA simulator, let the optimizers' validation describe the simulator's device
-    arrays (optirs.arrays.describe does not know them yet: a core change is requested), so the
+    arrays (optirs.core.arrays.describe does not know them yet: a core change is requested), so the
     whole cuda path runs here."""
     if not (os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"):
         return
-    import optirs.optimizers as optimizers_module
+    import optirs.optim.optimizers as optimizers_module
 
     original = optimizers_module.describe
 
     def describe(array, what="array"):
         if type(array).__name__ == "FakeCUDAArray":
             host = array._ary
-            return optirs.arrays.ArrayMeta("cuda", host.shape, host.dtype, bool(host.flags.c_contiguous), True,
+            return optirs.core.arrays.ArrayMeta("cuda", host.shape, host.dtype, bool(host.flags.c_contiguous), True,
                                            host.__array_interface__["data"][0])
         return original(array, what)
 
     monkeypatch.setattr(optimizers_module, "describe", describe)
-    monkeypatch.setattr(optirs.arrays, "describe", describe)
+    monkeypatch.setattr(optirs.core.arrays, "describe", describe)
 
 
 def make_opt(backend, name, hp, dtype, **cfg):
@@ -462,7 +462,7 @@ def test_cuda_kernels_in_simulator(rng, dtype):
     """The numba.cuda passes (unscale + flag, narrow) against numpy/ml_dtypes, in the simulator."""
     from numba import cuda
 
-    from optirs.mixed_precision import _cuda_kernels
+    from optirs.optim.mixed_precision import _cuda_kernels
 
     k = _cuda_kernels()
     g = (rng.standard_normal(300) * 100).astype(DTYPES[dtype])
@@ -492,7 +492,7 @@ def test_opencl_kernels_bit_for_bit(rng, dtype):
     import pyopencl as cl
     import pyopencl.array as cla
 
-    from optirs.mixed_precision import _opencl_kernels
+    from optirs.optim.mixed_precision import _opencl_kernels
 
     ctx = optirs.get_backend("opencl").ctx
     k = _opencl_kernels(ctx)
@@ -527,7 +527,7 @@ def test_cuda_passes_compile_to_ptx_for_sm90(monkeypatch):
     import numba.cuda.dispatcher as dispatcher
     from numba import cuda, types
 
-    from optirs.mixed_precision import _cuda_kernels
+    from optirs.optim.mixed_precision import _cuda_kernels
 
     if not cuda.is_available():  # device functions are compiled for the current device: name it
         monkeypatch.setattr(dispatcher, "get_current_device", lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))

@@ -1,4 +1,4 @@
-"""optirs.multi_gpu.reduce_replicas: the single-device reduction kernel on cpu, cuda (simulator) and opencl,
+"""optirs.optim.data_parallel.reduce_replicas: the single-device reduction kernel on cpu, cuda (simulator) and opencl,
 checked bit for bit against numpy's float32 left fold."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from optirs.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-from optirs.multi_gpu import reduce_across_devices, reduce_replicas
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.optim.data_parallel import reduce_across_devices, reduce_replicas
 
 
 def _kind_available(kind: str) -> str:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from optirs.analysis import occupancy as occ
 from optirs.analysis.occupancy import (KNOWN_COMPUTE_CAPABILITIES, UNLIMITED, KernelResourceUsage, OccupancyLimiter,
                                        SmResourceLimits, calculate_occupancy, optimal_block_size)
-from optirs.errors import InvalidParameterError
+from optirs.core.errors import InvalidParameterError
 
 KiB = 1024
 L = SmResourceLimits.for_compute_capability
@@ -441,7 +441,7 @@ def test_plugin_is_registered_as_analysis():
 
 
 def test_launch_config_hook_covers_the_elements():
-    from optirs.registry import REGISTRY
+    from optirs.plugin.registry import REGISTRY
     usage = KernelResourceUsage(255)
     grid, block = REGISTRY.launch_config(kernel=usage, device=(9, 0), elements=10_000)
     _, best_block = brute_force(L("9.0"), usage, lambda b: 0)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import optirs
-from optirs import reference
-from optirs.errors import BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError
-from optirs.optimizers import OPTIMIZERS
+from optirs.core import reference
+from optirs.core.errors import BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError
+from optirs.optim.optimizers import OPTIMIZERS
 
 cl = pytest.importorskip("pyopencl")
 cla = pytest.importorskip("pyopencl.array")
@@ -310,8 +310,8 @@ def test_build_options_keep_exact_math(ctx):
 
 
 def test_struct_records_match_the_scalars():
-    """Host records follow optirs.scalars field by field (the device sizes are checked at open)."""
-    from optirs import scalars
+    """Host records follow optirs.core.scalars field by field (the device sizes are checked at open)."""
+    from optirs.core import scalars
 
     rec = ocl.record_dtype(scalars.AdamScalars)
     assert rec.names == scalars.AdamScalars._fields

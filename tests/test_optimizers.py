@@ -1,4 +1,4 @@
-"""Every optimizer and option, on every backend, against the float64 reference (optirs.reference)."""
+"""Every optimizer and option, on every backend, against the float64 reference (optirs.core.reference)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import optirs
-from optirs import reference
-from optirs.optimizers import OPTIMIZERS
+from optirs.core import reference
+from optirs.optim.optimizers import OPTIMIZERS
 
 from conftest import from_backend_array, to_backend_array
 

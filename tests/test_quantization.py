@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from optirs import (AdamParams, GpuAdam, GpuOptimizerConfig, GpuSgd, InvalidParameterError, ShapeMismatchError,
                     SgdParams, UnsupportedOperationError)
-from optirs import reference
+from optirs.core import reference
 from optirs.analysis import quantization as qz
 from optirs.analysis.quantization import (Fp8Format, IntDtype, QatConfig, QatOptimizer, QuantParams, QuantScheme,
                                           QuantTarget, RoundingMode, fake_quant_backward, fake_quant_fp8,

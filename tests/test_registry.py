@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 import optirs
-from optirs import reference, registry
-from optirs.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
-from optirs.hookspecs import ProbeResult, hookimpl
-from optirs.registry import REGISTRY, PluginWarning
+from optirs.core import reference
+from optirs.plugin import registry
+from optirs.core.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
+from optirs.plugin.hookspecs import ProbeResult, hookimpl
+from optirs.plugin.registry import REGISTRY, PluginWarning
 
 from conftest import FakeHostBackend
 

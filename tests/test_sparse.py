@@ -1,4 +1,4 @@
-"""optirs.sparse_optimizer against torch.optim (SparseAdam, SGD on sparse gradients) and optirs.reference.
+"""optirs.optim.sparse against torch.optim (SparseAdam, SGD on sparse gradients) and optirs.core.reference.
 
 Every backend that opens here runs the same checks: cpu always, opencl on PoCL, cuda on a GPU or
 under numba's simulator (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``).
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from optirs import AdamParams, SgdParams, reference
-from optirs.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-from optirs.sparse_optimizer import (CooGradient, CsrGradient, LazyAdamMode, SparseAdam, SparseAdamConfig,
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.optim.sparse import (CooGradient, CsrGradient, LazyAdamMode, SparseAdam, SparseAdamConfig,
                                      SparseAdamTable, SparseSgd, SparseSgdConfig, SparseSgdTable)
 
 torch = pytest.importorskip("torch")
@@ -320,8 +320,8 @@ def test_cuda_kernels_compile_to_sm90_ptx(monkeypatch):
     from numba import cuda, float32, int64, typeof, uint8
     import numba.cuda.dispatcher as dispatcher
 
-    from optirs import scalars
-    from optirs import sparse_kernels as sk
+    from optirs.core import scalars
+    from optirs.backends.common import sparse_kernels as sk
 
     # compile_ptx takes the target from cc=, but device functions called from a kernel ask the
     # current device for it; stand in for the GPU this machine does not have.

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optirs
-from optirs import tensor_cores as tc
-from optirs.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.hookspecs import DeviceInfo
-from optirs.mixed_precision import MixedPrecisionOptimizer
-from optirs.tensor_cores import Precision as P
+from optirs.analysis import tensor_cores as tc
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.plugin.hookspecs import DeviceInfo
+from optirs.optim.mixed_precision import MixedPrecisionOptimizer
+from optirs.analysis.tensor_cores import Precision as P
 
 KNOWN = [(7, 0), (7, 2), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (12, 0), (12, 1)]
 

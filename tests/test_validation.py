@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import optirs
-from optirs import reference
-from optirs.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError
+from optirs.core import reference
+from optirs.core.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError
 
 from conftest import FakeHostBackend
 
@@ -180,7 +180,7 @@ class _SwappableTensor:
 
 def test_swapped_storage_is_validated_again(fresh_registry):
     """The same objects with new storage of another shape are checked again, not trusted from the last step."""
-    from optirs.hookspecs import Staged, hookimpl
+    from optirs.plugin.hookspecs import Staged, hookimpl
 
     class HostCai(FakeHostBackend):
         @hookimpl

@@ -29,9 +29,9 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from ..errors import InvalidParameterError, ShapeMismatchError
-from ..hookspecs import hookimpl
-from .fusion_ops import DTYPES, OPS, REDUCTIONS
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.plugin.hookspecs import hookimpl
+from optirs.analysis.fusion_ops import DTYPES, OPS, REDUCTIONS
 
 __all__ = ["OpKind", "FusionOp", "FusionGraph", "FusionGroup", "FusionPlan", "FusionPlanner", "plugin"]
 
@@ -742,7 +742,7 @@ class FusionPlan:
         :raises UnsupportedOperationError: for any other backend name, or one not installed here.
         """
         self.validate()
-        from . import fusion_codegen
+        from optirs.analysis import fusion_codegen
 
         return fusion_codegen.compile_plan(self, backend)
 

@@ -31,9 +31,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-from .fusion import FusionGroup, FusionOp, FusionPlan, OpKind, _call_opaque
-from .fusion_ops import OPENCL_HELPERS, OPENCL_HELPERS_FP64, OPS
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.analysis.fusion import FusionGroup, FusionOp, FusionPlan, OpKind, _call_opaque
+from optirs.analysis.fusion_ops import OPENCL_HELPERS, OPENCL_HELPERS_FP64, OPS
 
 BACKENDS = ("cpu", "cuda", "opencl")
 # Elements per chunk of an all-axes reduction: enough work per chunk to hide the loop's cost.
@@ -472,7 +472,7 @@ def _cuda_launch(kernel, work: int) -> Tuple[int, int]:
     blocks; the kernels loop grid-stride, so any grid computes every element."""
     from numba import cuda
 
-    from ..registry import REGISTRY
+    from optirs.plugin.registry import REGISTRY
 
     config = REGISTRY.launch_config(kernel, cuda.get_current_device(), work)
     if config is not None:
@@ -591,8 +591,8 @@ def opencl_source(spec: KernelSpec) -> Tuple[str, List[Tuple[str, str]]]:
 
 def _cl_queue():
     """The OpenCL backend's context and queue (its device choice and options apply here too)."""
-    from ..errors import BackendUnavailableError
-    from ..registry import REGISTRY
+    from optirs.core.errors import BackendUnavailableError
+    from optirs.plugin.registry import REGISTRY
 
     try:
         ctx = REGISTRY.get_backend("opencl").ctx

@@ -34,8 +34,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from ..errors import BackendUnavailableError, InvalidParameterError
-from ..hookspecs import hookimpl
+from optirs.core.errors import BackendUnavailableError, InvalidParameterError
+from optirs.plugin.hookspecs import hookimpl
 
 __all__ = [
     "calculate_occupancy",

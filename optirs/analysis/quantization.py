@@ -33,8 +33,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-from ..hookspecs import hookimpl
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.plugin.hookspecs import hookimpl
 
 __all__ = [
     "fake_quant_int", "fake_quant_int_per_channel", "fake_quant_fp8", "fake_quant_backward",
@@ -498,7 +498,7 @@ def _opencl_queue():
     if "queue" not in _OPENCL:
         queue = None
         try:
-            from ..registry import REGISTRY
+            from optirs.plugin.registry import REGISTRY
 
             queue = REGISTRY.get_backend("opencl").ctx.queue
         except Exception:
@@ -518,7 +518,7 @@ def _opencl_kernels(context):
 
     key = context.int_ptr
     if key not in _OPENCL:
-        from .quantization_kernels import OPENCL_SOURCE
+        from optirs.analysis.quantization_kernels import OPENCL_SOURCE
 
         prg = cl.Program(context, OPENCL_SOURCE).build()
         _OPENCL[key] = (prg.fake_quant, prg.fake_quant_backward)
@@ -566,7 +566,7 @@ def _run_forward(job: _Job, backend: str, stochastic: bool, keys):
     n = job.size
     args = (job.inv, job.scale, job.zp)
     if backend == "cpu":
-        from . import quantization_kernels as qk
+        from optirs.analysis import quantization_kernels as qk
 
         out, mask = np.empty(n, np.float32), np.empty(n, bool)
         qk.fake_quant_cpu(np.ascontiguousarray(job.x).reshape(-1), out, mask, *args, *job.scalars(),
@@ -574,7 +574,7 @@ def _run_forward(job: _Job, backend: str, stochastic: bool, keys):
         return out.reshape(job.shape), mask.reshape(job.shape)
     if backend == "cuda":
         cuda = _cuda_module()
-        from . import quantization_kernels as qk
+        from optirs.analysis import quantization_kernels as qk
 
         forward, _ = qk.cuda_kernels()
         on_device = kind == "cuda"
@@ -616,7 +616,7 @@ def _run_backward(job: _Job, g, backend: str):
     n = job.size
     args = (job.inv, job.scale, job.zp)
     if backend == "cpu":
-        from . import quantization_kernels as qk
+        from optirs.analysis import quantization_kernels as qk
 
         gin = np.empty(n, np.float32)
         qk.fake_quant_backward_cpu(np.ascontiguousarray(job.x).reshape(-1), np.ascontiguousarray(g).reshape(-1),
@@ -624,7 +624,7 @@ def _run_backward(job: _Job, g, backend: str):
         return gin.reshape(job.shape)
     if backend == "cuda":
         cuda = _cuda_module()
-        from . import quantization_kernels as qk
+        from optirs.analysis import quantization_kernels as qk
 
         _, backward = qk.cuda_kernels()
         on_device = kind == "cuda"
@@ -916,7 +916,7 @@ class QatOptimizer:
     """
 
     def __init__(self, inner: Any, config: Optional[QatConfig] = None):
-        from ..optimizers import GpuOptimizer
+        from optirs.optim.optimizers import GpuOptimizer
 
         if not isinstance(inner, GpuOptimizer):
             raise InvalidParameterError(f"inner of type {type(inner).__name__}, expected an optirs optimizer (GpuAdam, GpuSgd, ...)")

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from .pool import MemoryPool, PoolStats, current_pool, install
+from optirs.memory.pool import MemoryPool, PoolStats, current_pool, install
 
 __all__ = ["MemoryPool", "PoolStats", "install", "current_pool", "allocation", "management"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from ..errors import DeviceMemoryError, InvalidParameterError
+from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 
 __all__ = ["AllocatorStats", "BuddyAllocator", "SlabAllocator", "ArenaAllocator"]
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import DeviceMemoryError, InvalidParameterError
+from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "LFUPolicy", "FIFOPolicy", "LargestFirstPolicy", "POLICIES",
            "ResidencyManager", "Move", "DefragPlan", "plan_defragmentation"]

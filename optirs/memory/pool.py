@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..errors import DeviceMemoryError, InvalidParameterError, UnsupportedOperationError
+from optirs.core.errors import DeviceMemoryError, InvalidParameterError, UnsupportedOperationError
 
 ALIGNMENT = 512
 SMALL_REQUEST = 1 << 20  # requests up to this size share small segments

@@ -1,6 +1,6 @@
 """A plugin whose hook takes an argument the specification does not have."""
 
-from optirs.hookspecs import ProbeResult, hookimpl
+from optirs.plugin.hookspecs import ProbeResult, hookimpl
 
 
 @hookimpl

@@ -1,6 +1,6 @@
 """A plugin with a misspelt hook name: pluggy's check_pending catches it."""
 
-from optirs.hookspecs import ProbeResult, hookimpl
+from optirs.plugin.hookspecs import ProbeResult, hookimpl
 
 
 @hookimpl

@@ -5,7 +5,7 @@ rest) and, as pluggy allows, some hooks take only the arguments they use.
 """
 
 import numpy as np
-from optirs.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 
 @hookimpl

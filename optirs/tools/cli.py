@@ -12,8 +12,8 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
-    "info": ("optirs.cli:info_main", "list backends, devices, status, capability matrix and plugins"),
-    "bench": ("optirs.bench:main", "time every optimizer on every backend beside torch"),
+    "info": ("optirs.tools.cli:info_main", "list backends, devices, status, capability matrix and plugins"),
+    "bench": ("optirs.tools.bench:main", "time every optimizer on every backend beside torch"),
     "occupancy": ("optirs.analysis.occupancy:main", "CUDA occupancy table and curves"),
 }
 
@@ -30,7 +30,7 @@ def _fmt_bytes(n: Optional[int]) -> str:
 
 def info_main(argv: List[str]) -> int:
     import optirs
-    from optirs.hookspecs import OPTIMIZER_NAMES
+    from optirs.plugin.hookspecs import OPTIMIZER_NAMES
 
     parser = argparse.ArgumentParser(prog="optirs info", description=SUBCOMMANDS["info"][1])
     parser.parse_args(argv)

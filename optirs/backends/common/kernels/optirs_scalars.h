@@ -1,4 +1,4 @@
-/* The per-step scalar records of optirs.scalars, as OpenCL C structs passed by value.
+/* The per-step scalar records of optirs.core.scalars, as OpenCL C structs passed by value.
  *
  * Field order and types mirror the Python NamedTuples exactly (float32 -> float, bool -> int);
  * the host builds a numpy record with the same layout and checks sizeof() of every struct

@@ -148,8 +148,8 @@ def optirs_synchronize(ctx: Any) -> None:
 # ---------------------------------------------------------------- optimizer steps
 # Every step hook updates ``params`` and the flat ``state`` buffers in place, for all tensors of
 # the model at once (one launch per step). ``state`` maps slot names to flat device arrays laid
-# out by ``layout`` (optirs.layout.TensorLayout); ``scalars`` is the optimizer's record from
-# optirs.scalars, already rounded to float32.
+# out by ``layout`` (optirs.core.layout.TensorLayout); ``scalars`` is the optimizer's record from
+# optirs.core.scalars, already rounded to float32.
 
 
 @hookspec
@@ -189,8 +189,8 @@ _STEP_ARGS = """
 :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
 :param grads: the gradients, staged like ``params``.
 :param state: slot name -> flat device array holding every tensor's state, updated in place.
-:param layout: the :class:`optirs.layout.TensorLayout` (offsets, chunk table, ``cache``).
-:param scalars: the per-step record from :mod:`optirs.scalars`, already float32.
+:param layout: the :class:`optirs.core.layout.TensorLayout` (offsets, chunk table, ``cache``).
+:param scalars: the per-step record from :mod:`optirs.core.scalars`, already float32.
 """
 for _step in (optirs_step_adam, optirs_step_adamw, optirs_step_sgd, optirs_step_rmsprop, optirs_step_adagrad,
               optirs_step_lamb):

@@ -12,7 +12,7 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from optirs.core.errors import InvalidParameterError
 
 
 @dataclass(frozen=True)

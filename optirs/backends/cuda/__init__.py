@@ -1,12 +1,12 @@
 """The ``cuda`` backend: numba.cuda kernels, device-resident state, one launch per step.
 
-* State slots are flat device arrays (``optirs_alloc``), laid out by :class:`optirs.layout.TensorLayout`.
+* State slots are flat device arrays (``optirs_alloc``), laid out by :class:`optirs.core.layout.TensorLayout`.
 * numpy inputs are copied into one reused device buffer per step (params and grads), stepped, and
   copied back in ``Staged.finish``. Device inputs (anything with ``__cuda_array_interface__``:
   numba device arrays, CuPy arrays, torch CUDA tensors) are stepped in place: the kernel reads
   their addresses from a small device pointer table, so there is no host copy.
 * A step is one kernel launch for the whole model (LAMB: a moments pass and an apply pass, plus a
-  norm pass with global gradient clipping), see :mod:`optirs.backends.cuda_kernels`.
+  norm pass with global gradient clipping), see :mod:`optirs.backends.cuda.kernels`.
 * Host overhead: the compiled kernels, the chunk and pointer tables and the marshalled launch
   arguments are cached; a step updates the per-step scalars in the cached argument block and
   calls ``cuLaunchKernel`` once through ctypes.
@@ -27,8 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
-from ..hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
@@ -195,7 +195,7 @@ class Compiled:
         forced = int(os.environ.get("OPTIRS_CUDA_BLOCK", "0") or 0)  # tuning: resident grid of this block size
         if not forced:
             try:
-                from ..registry import REGISTRY
+                from optirs.plugin.registry import REGISTRY
 
                 config = REGISTRY.launch_config(self.kernel, ctx.device, elements)
             except Exception:
@@ -222,7 +222,7 @@ class CudaContext:
     def __init__(self, options: Dict[str, Any]):
         from numba import cuda
 
-        from . import cuda_kernels
+        from optirs.backends.cuda import kernels as cuda_kernels
 
         self.cuda = cuda
         self.kernels = cuda_kernels

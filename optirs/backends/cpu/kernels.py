@@ -2,7 +2,7 @@
 
 Each kernel runs one parallel loop over the chunk table (tensor, start, stop). A chunk takes
 plain slices of its tensor and of the flat state buffers and runs a simple counted loop that
-calls the per-element function from :mod:`optirs.backends.elementwise`; written this way (flags
+calls the per-element function from :mod:`optirs.backends.common.elementwise`; written this way (flags
 tested outside the loop, IEEE division via ``error_model="numpy"``) LLVM vectorizes it.
 Parameters and gradients are numba typed lists of 1-D views.
 """
@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from .elementwise import (adagrad_update, adam_update, clip_scale, lamb_direction, lamb_moments,
+from optirs.backends.common.elementwise import (adagrad_update, adam_update, clip_scale, lamb_direction, lamb_moments,
                           lamb_trust_ratio, rmsprop_update, sgd_update)
 
 jit = njit(parallel=True, cache=True, error_model="numpy")

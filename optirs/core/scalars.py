@@ -3,7 +3,7 @@
 The host computes everything that changes per step (bias corrections, decayed learning rates)
 in float64 and rounds once to float32 here, so kernels keep pure float32 arithmetic. Every
 field is a ``numpy.float32`` or a ``bool``: numba types them as float32 and boolean, and the
-per-element functions in ``optirs.backends.elementwise`` read them by name.
+per-element functions in ``optirs.backends.common.elementwise`` read them by name.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
 
 f32 = np.float32
 

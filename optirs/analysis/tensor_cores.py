@@ -20,7 +20,7 @@ from typing import Any, Dict, FrozenSet, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import InvalidParameterError, UnsupportedOperationError
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 
 __all__ = ["Precision", "Architecture", "ARCHITECTURES", "compute_capability", "architecture",
            "tensor_core_precisions", "supports", "TileMultiples", "tile_multiples", "MatrixLayout",
@@ -300,7 +300,7 @@ class AmpPlan:
         """The optimizer to train with: ``optimizer`` itself, or a MixedPrecisionOptimizer around it."""
         if self.config is None:
             return optimizer
-        from .mixed_precision import MixedPrecisionOptimizer
+        from optirs.optim.mixed_precision import MixedPrecisionOptimizer
 
         wrapped = MixedPrecisionOptimizer(optimizer, self.config)
         wrapped.scaler = self.scaler  # one scaler: the plan's and the optimizer's
@@ -324,9 +324,9 @@ class AmpPlan:
 def amp_plan(device: Any, purpose: str = "training", prefer: Optional[Sequence[Any]] = None, **scaler_options) -> AmpPlan:
     """Choose a precision for ``device`` and build its loss-scaling setup.
 
-    ``scaler_options`` go to :class:`optirs.mixed_precision.MixedPrecisionConfig` (fp16/bf16 only).
+    ``scaler_options`` go to :class:`optirs.optim.mixed_precision.MixedPrecisionConfig` (fp16/bf16 only).
     """
-    from .mixed_precision import MixedPrecisionConfig
+    from optirs.optim.mixed_precision import MixedPrecisionConfig
 
     choice = select_precision(device, purpose, prefer)
     if choice.precision is P.FP16:

@@ -1,8 +1,8 @@
 """The optimizers: a common base that validates, owns the state and calls the chosen backend.
 
 State (moments, accumulators) is one flat buffer per slot on the backend's device, laid out by
-:class:`optirs.layout.TensorLayout`; the step count is kept on the host. The per-step scalars are
-computed on the host in float64 (:mod:`optirs.scalars`). Every check runs before anything is
+:class:`optirs.core.layout.TensorLayout`; the step count is kept on the host. The per-step scalars are
+computed on the host in float64 (:mod:`optirs.core.scalars`). Every check runs before anything is
 modified, so a failed call leaves parameters and state as they were.
 """
 
@@ -13,12 +13,12 @@ from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 import numpy as np
 
-from . import scalars as sc
-from .arrays import ArrayMeta, describe
-from .errors import InvalidParameterError, ShapeMismatchError
-from .layout import TensorLayout
-from .params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
-from .registry import REGISTRY, Backend
+from optirs.core import scalars as sc
+from optirs.core.arrays import ArrayMeta, describe
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.core.layout import TensorLayout
+from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.plugin.registry import REGISTRY, Backend
 
 STATE_DTYPE = np.dtype(np.float32)
 

@@ -13,7 +13,7 @@ the public API, ``step_gpu``), the kernel time (the backend's step hook alone, n
 the effective bandwidth (bytes the optimizer must move / kernel time), the fraction of the
 device's copy bandwidth measured in the same run, and the speedup over torch.optim (fused where
 torch has it for that optimizer and device, else foreach) on the same device. Before timing,
-every optimizer is checked against :mod:`optirs.reference` on a small model.
+every optimizer is checked against :mod:`optirs.core.reference` on a small model.
 
 Device arrays come from each backend's own kind: numba device arrays (cuda), pyopencl arrays on
 the backend's queue (opencl), numpy (cpu). Timing uses CUDA events on the CUDA device, and
@@ -367,10 +367,10 @@ def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warm
 
 
 def check_against_reference(backend_name: str, kind: Kind, name: str, hp: Any) -> str:
-    """Three steps on a small model through the public API, compared with optirs.reference."""
+    """Three steps on a small model through the public API, compared with optirs.core.reference."""
     import optirs
-    from optirs import reference
-    from optirs.optimizers import OPTIMIZERS
+    from optirs.core import reference
+    from optirs.optim.optimizers import OPTIMIZERS
 
     try:
         return _check(backend_name, kind, name, hp)
@@ -380,8 +380,8 @@ def check_against_reference(backend_name: str, kind: Kind, name: str, hp: Any) -
 
 def _check(backend_name: str, kind: Kind, name: str, hp: Any) -> str:
     import optirs
-    from optirs import reference
-    from optirs.optimizers import OPTIMIZERS
+    from optirs.core import reference
+    from optirs.optim.optimizers import OPTIMIZERS
 
     rng = np.random.default_rng(3)
     shapes = [(1000,), (37,), (65, 63), (4099,)]
@@ -416,8 +416,8 @@ def bench_optirs(backend: Any, kind: Kind, name: str, hp: Any, params: List[Any]
                  reps: int, repeats: int, warmup: int, wall: bool) -> Tuple[float, float]:
     """(API step ms, hook-only ms) for one optimizer on prepared device arrays."""
     import optirs
-    from optirs.layout import TensorLayout
-    from optirs.optimizers import OPTIMIZERS
+    from optirs.core.layout import TensorLayout
+    from optirs.optim.optimizers import OPTIMIZERS
 
     opt = OPTIMIZERS[name](hp, optirs.GpuOptimizerConfig(backend=backend.name))
     api_ms = _median_ms(kind, lambda: opt.step_gpu(params, grads), reps, repeats, warmup, wall=wall)
@@ -436,7 +436,7 @@ def bench_optirs(backend: Any, kind: Kind, name: str, hp: Any, params: List[Any]
 
 def run(args: argparse.Namespace, console: Any) -> Report:
     import optirs
-    from optirs.hookspecs import OPTIMIZER_NAMES
+    from optirs.plugin.hookspecs import OPTIMIZER_NAMES
 
     report = Report(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     platform.node(), _versions())
@@ -589,7 +589,7 @@ def write_plot(report: Report, path: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from optirs.hookspecs import OPTIMIZER_NAMES
+    from optirs.plugin.hookspecs import OPTIMIZER_NAMES
 
     parser = argparse.ArgumentParser(prog="optirs bench", description=__doc__.split("\n")[0])
     parser.add_argument("--backends", type=lambda s: s.split(","), default=None, help="comma-separated (default: all available)")

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
 
 State = Dict[str, np.ndarray]
 StepResult = Tuple[List[np.ndarray], List[State]]

@@ -1,4 +1,4 @@
-"""Kernels of the sparse optimizers (:mod:`optirs.sparse_optimizer`) for cpu, cuda and opencl.
+"""Kernels of the sparse optimizers (:mod:`optirs.optim.sparse`) for cpu, cuda and opencl.
 
 A row-sparse gradient reaches a kernel as four arrays:
 
@@ -14,7 +14,7 @@ the whole table and look a row's gradient up in ``pos`` (``pos[row] = k``, or -1
 no gradient, whose gradient is zero); ``pos`` is scattered before and cleared after the step, so
 it costs O(n), not O(num_rows).
 
-The per-element optimizer math is the shared numba code of :mod:`optirs.backends.elementwise`
+The per-element optimizer math is the shared numba code of :mod:`optirs.backends.common.elementwise`
 (CPU and CUDA); the OpenCL C below is its one OpenCL transcription for these kernels.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, njit, prange
 
-from .backends.elementwise import adam_update, sgd_update
+from optirs.backends.common.elementwise import adam_update, sgd_update
 
 
 @njit(cache=True)
@@ -232,8 +232,8 @@ def cuda_grid(items: int) -> int:
 # ---------------------------------------------------------------- opencl (OpenCL C)
 
 # One work item per (row, column) element, as on CUDA. The per-element math is the opencl
-# backend's header (optirs/backends/kernels/optirs_elementwise.h, the OpenCL transcription of
-# optirs.backends.elementwise), included here with T = float; the scalar records are its structs,
+# backend's header (optirs/backends/common/kernels/optirs_elementwise.h, the OpenCL transcription of
+# optirs.backends.common.elementwise), included here with T = float; the scalar records are its structs,
 # passed by value.
 OPENCL_KERNELS = r"""
 inline float gathered_grad(__global const float *values, __global const long *order,
@@ -316,7 +316,7 @@ def opencl_source() -> str:
     """The sparse kernels with the shared scalar structs and per-element math inlined."""
     import importlib.resources
 
-    root = importlib.resources.files("optirs.backends") / "kernels"
+    root = importlib.resources.files("optirs.backends.common") / "kernels"
     header = (root / "optirs_scalars.h").read_text(encoding="utf-8")
     elementwise = (root / "optirs_elementwise.h").read_text(encoding="utf-8")
     return "\n".join([
@@ -335,7 +335,7 @@ def opencl_source() -> str:
 
 
 def opencl_record(scalars) -> np.ndarray:
-    """An optirs.scalars record as the numpy struct matching optirs_scalars.h (float32 -> f4, bool -> i4)."""
+    """An optirs.core.scalars record as the numpy struct matching optirs_scalars.h (float32 -> f4, bool -> i4)."""
     dtype = np.dtype([(name, "<i4" if isinstance(value, (bool, np.bool_)) else "<f4")
                       for name, value in zip(scalars._fields, scalars)])
     return np.array(tuple(scalars), dtype)

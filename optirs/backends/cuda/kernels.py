@@ -3,7 +3,7 @@
 Every step kernel covers a whole model in one launch. Two small device tables drive it:
 
 * the chunk table (``int64[nchunks, 4]``: tensor, start, count, state offset), cut from
-  :meth:`optirs.layout.TensorLayout.chunks`, cached per layout;
+  :meth:`optirs.core.layout.TensorLayout.chunks`, cached per layout;
 * the pointer table (``int64[ntensors, 2]``: parameter and gradient addresses), so parameters
   and gradients may be separate allocations (numba, CuPy, torch tensors) and are used in place.
 
@@ -12,7 +12,7 @@ Each block takes whole chunks (grid-stride over the chunk table); inside a chunk
 is what brings a memory-bound step close to copy bandwidth. Chunks whose addresses are not
 16-byte aligned (a tensor view at an odd offset, a state offset that is not a multiple of 4) take
 the scalar path. The per-element math is the shared ``@njit`` code of
-:mod:`optirs.backends.elementwise`, compiled here as device functions.
+:mod:`optirs.backends.common.elementwise`, compiled here as device functions.
 
 Memory is reached through raw addresses, so a kernel does not care where an array came from.
 On the GPU the access primitives are LLVM intrinsics (``inttoptr`` into the global address
@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from numba import cuda, float64
 
-from .elementwise import (adagrad_update, adam_update, clip_scale, lamb_direction, lamb_moments,
+from optirs.backends.common.elementwise import (adagrad_update, adam_update, clip_scale, lamb_direction, lamb_moments,
                           lamb_trust_ratio, rmsprop_update, sgd_update)
 
 SIMULATOR = bool(cuda.simulator_enabled if hasattr(cuda, "simulator_enabled") else False)

@@ -29,7 +29,7 @@ gradients with momentum), ``LAZY`` updates only present rows, each row's momentu
 starting at its gradient the first time the row is present.
 
 Each table's state is a :class:`SparseAdamTable` / :class:`SparseSgdTable` on the chosen
-backend (``cpu``, ``cuda``, ``opencl``); the kernels are in :mod:`optirs.sparse_kernels`.
+backend (``cpu``, ``cuda``, ``opencl``); the kernels are in :mod:`optirs.backends.common.sparse_kernels`.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
-from . import scalars as sc
-from .arrays import ArrayMeta
-from .arrays import describe as _core_describe
-from .errors import (BackendUnavailableError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
+from optirs.core import scalars as sc
+from optirs.core.arrays import ArrayMeta
+from optirs.core.arrays import describe as _core_describe
+from optirs.core.errors import (BackendUnavailableError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
                      UnsupportedOperationError)
-from .params import AdamParams, SgdParams
+from optirs.core.params import AdamParams, SgdParams
 
 F32 = np.dtype(np.float32)
 
@@ -71,7 +71,7 @@ def _mode(value: Any) -> LazyAdamMode:
 
 
 def describe(array: Any, what: str = "array") -> ArrayMeta:
-    """optirs.arrays.describe, plus the arrays of numba's CUDA simulator (kind "cuda")."""
+    """optirs.core.arrays.describe, plus the arrays of numba's CUDA simulator (kind "cuda")."""
     if type(array).__name__ == "FakeCUDAArray":  # the simulator's arrays have no __cuda_array_interface__
         a = array._ary
         return ArrayMeta("cuda", a.shape, a.dtype, bool(a.flags.c_contiguous), bool(a.flags.writeable),
@@ -133,7 +133,7 @@ class CooGradient:
         self.nnz = nnz
 
     def segments(self, num_rows: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, seg, order) as the kernels take them (see optirs.sparse_kernels); checks the indices."""
+        """(rows, seg, order) as the kernels take them (see optirs.backends.common.sparse_kernels); checks the indices."""
         idx = self.indices
         if idx.size:
             low, high = int(idx.min()), int(idx.max())
@@ -249,7 +249,7 @@ class _Device:
     """Where a sparse optimizer keeps its tables and runs its kernels (one subclass per backend)."""
 
     name: ClassVar[str]
-    kind: ClassVar[str]  # the optirs.arrays kind of this device's arrays
+    kind: ClassVar[str]  # the optirs.core.arrays kind of this device's arrays
 
     def zeros(self, shape, dtype):
         raise NotImplementedError
@@ -272,7 +272,7 @@ class _CpuDevice(_Device):
     name, kind = "cpu", "numpy"
 
     def __init__(self):
-        from . import sparse_kernels
+        from optirs.backends.common import sparse_kernels
 
         self.kernels = sparse_kernels.CPU
 
@@ -303,7 +303,7 @@ class _CudaDevice(_Device):
             raise BackendUnavailableError("backend 'cuda' cannot open: numba.cuda finds no CUDA GPU (or the simulator is off)")
         if device is not None:
             cuda.select_device(int(device))
-        from . import sparse_kernels
+        from optirs.backends.common import sparse_kernels
 
         self.cuda = cuda
         self.kernels = sparse_kernels.cuda_kernels()
@@ -337,8 +337,8 @@ class _OpenclDevice(_Device):
         import pyopencl as cl
         import pyopencl.array as cla
 
-        from . import sparse_kernels
-        from .registry import REGISTRY
+        from optirs.backends.common import sparse_kernels
+        from optirs.plugin.registry import REGISTRY
 
         # Share the opencl backend's context and queue when it is installed, so arrays made for
         # the dense optimizers can be stepped here too.
@@ -382,7 +382,7 @@ class _OpenclDevice(_Device):
 def _open_device(backend: str, device, platform) -> _Device:
     name = backend
     if backend == "auto":
-        from .registry import REGISTRY
+        from optirs.plugin.registry import REGISTRY
 
         name = REGISTRY.get_backend("auto", {}).name
     if name == "cpu":

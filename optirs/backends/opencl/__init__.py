@@ -31,9 +31,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import scalars as sc_mod
-from ..errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
-from ..hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.core import scalars as sc_mod
+from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
@@ -44,7 +44,7 @@ SLOTS = 16
 WORK_GROUP = 256
 KERNEL_FILE = "optirs_steps.cl"
 ELEMENTWISE = ("adam", "sgd", "rmsprop", "adagrad")
-# The scalar record of each kernel family (optirs.scalars), passed by value as a struct.
+# The scalar record of each kernel family (optirs.core.scalars), passed by value as a struct.
 RECORDS = {"adam": sc_mod.AdamScalars, "sgd": sc_mod.SgdScalars, "rmsprop": sc_mod.RmspropScalars,
            "adagrad": sc_mod.AdagradScalars, "lamb": sc_mod.LambScalars}
 # OpenCL error codes that mean "out of memory".
@@ -62,7 +62,7 @@ def kernel_source() -> str:
     Headers are inlined on the host rather than found with ``-I``: no path quoting issues, and
     drivers that cache binaries by source text (NVIDIA's does) see every header change.
     """
-    root = importlib.resources.files("optirs.backends") / "kernels"
+    root = importlib.resources.files("optirs.backends.common") / "kernels"
 
     def expand(name: str, depth: int = 0) -> str:
         if depth > 8:
@@ -74,7 +74,7 @@ def kernel_source() -> str:
 
 
 def record_dtype(record: type) -> np.dtype:
-    """The numpy record matching the OpenCL struct of an optirs.scalars NamedTuple (float -> f4, bool -> i4)."""
+    """The numpy record matching the OpenCL struct of an optirs.core.scalars NamedTuple (float -> f4, bool -> i4)."""
     fields = []
     for name, ann in record.__annotations__.items():
         # annotations may be strings or ForwardRefs (``from __future__ import annotations``)
@@ -323,7 +323,7 @@ class OpenclContext:
         for size, (name, dtype) in zip(out[:5], self.records.items()):
             if size != dtype.itemsize:
                 raise GpuOptimError(f"OpenCL struct {name}_scalars is {size} bytes but the host record "
-                                    f"{RECORDS[name].__name__} is {dtype.itemsize}: optirs_scalars.h and optirs.scalars disagree")
+                                    f"{RECORDS[name].__name__} is {dtype.itemsize}: optirs_scalars.h and optirs.core.scalars disagree")
         return int(out[5])
 
     # ------------------------------------------------------------ memory

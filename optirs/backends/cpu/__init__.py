@@ -1,7 +1,7 @@
 """The ``cpu`` backend: numba.njit(parallel) loops over the model's chunk table.
 
-One call steps every tensor of the model: a parallel loop over chunks (optirs.layout) whose
-body calls the shared per-element math in :mod:`optirs.backends.elementwise`. Kernels are
+One call steps every tensor of the model: a parallel loop over chunks (optirs.core.layout) whose
+body calls the shared per-element math in :mod:`optirs.backends.common.elementwise`. Kernels are
 cached on disk (``cache=True``), so a second process does not recompile. numba is imported
 when the backend opens, not when optirs is imported.
 """
@@ -15,8 +15,8 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from ..errors import DeviceMemoryError, InvalidParameterError
-from ..hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.core.errors import DeviceMemoryError, InvalidParameterError
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 # Elements per chunk: large enough to amortise the loop's bookkeeping, small enough to balance
 # a model of uneven tensors over the threads.
@@ -83,7 +83,7 @@ class CpuBackend:
 
     @hookimpl
     def optirs_open(self, options: Dict[str, Any]) -> CpuContext:
-        from . import cpu_kernels
+        from optirs.backends.cpu import kernels as cpu_kernels
 
         return CpuContext(cpu_kernels)
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from .errors import InvalidParameterError
+from optirs.core.errors import InvalidParameterError
 
 
 def _real(name: str, value: Any) -> float:

@@ -5,7 +5,7 @@ Two parts, honest about which is which:
 - :func:`reduce_replicas`: a real reduction kernel on ONE device: the sum or mean of N gradient
   replicas, written in place into the first (cpu: numba.njit parallel; cuda: numba.cuda;
   opencl: pyopencl). Replicas on two different physical devices raise
-  :class:`~optirs.errors.UnsupportedOperationError`: optirs does not move data between devices
+  :class:`~optirs.core.errors.UnsupportedOperationError`: optirs does not move data between devices
   itself.
 - :class:`DataParallelOptimizer`: wraps any optirs optimizer for data-parallel training through
   an existing engine, ``torch.distributed`` (NCCL between GPUs, gloo between CPU processes,
@@ -27,9 +27,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .sparse_optimizer import describe  # optirs.arrays.describe + simulator arrays
-from .errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-from .layout import TensorLayout
+from optirs.optim.sparse import describe  # optirs.core.arrays.describe + simulator arrays
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.core.layout import TensorLayout
 
 F32 = np.dtype(np.float32)
 
@@ -222,7 +222,7 @@ def reduce_across_devices(*args: Any, **kwargs: Any) -> None:
     """
     raise UnsupportedOperationError(
         "reducing across physical devices needs a collective library; optirs does it through torch.distributed "
-        "(NCCL on GPUs): wrap the optimizer in optirs.multi_gpu.DataParallelOptimizer and launch with torchrun"
+        "(NCCL on GPUs): wrap the optimizer in optirs.optim.data_parallel.DataParallelOptimizer and launch with torchrun"
     )
 
 
@@ -354,7 +354,7 @@ class DataParallelOptimizer:
 
     .. code-block:: python
 
-        rank, world = optirs.multi_gpu.init_process_group_from_env()      # under torchrun
+        rank, world = optirs.optim.data_parallel.init_process_group_from_env()      # under torchrun
         opt = DataParallelOptimizer(GpuAdam(AdamParams(lr=1e-3), config), mode="zero1")
         opt.step_gpu(params, grads)   # grads: this rank's; params: identical on every rank
 
@@ -377,7 +377,7 @@ class DataParallelOptimizer:
     """
 
     def __init__(self, optimizer: Any, mode: str = "allreduce", process_group: Any = None):
-        from .optimizers import GpuOptimizer
+        from optirs.optim.optimizers import GpuOptimizer
 
         if not isinstance(optimizer, GpuOptimizer):
             raise InvalidParameterError(f"optimizer={optimizer!r}, expected an optirs GpuOptimizer (GpuAdam, GpuLamb, ...)")
@@ -562,7 +562,7 @@ class DataParallelOptimizer:
     def _clip_globally(self, shard, world):
         """LAMB's global gradient-norm clipping with the norm of the whole (averaged) gradient."""
         torch, _ = _dist()
-        from .backends.elementwise import clip_scale
+        from optirs.backends.common.elementwise import clip_scale
 
         sq = torch.sum(shard.double() * shard.double()).reshape(1)
         if world > 1:

@@ -2,7 +2,7 @@
 
 Each function updates one element and returns the new values; the loops that call them (a
 parallel CPU loop, a CUDA grid) live in the backends. ``sc`` is the optimizer's record from
-:mod:`optirs.scalars`: every field is float32 or bool, so the arithmetic stays float32 (no
+:mod:`optirs.core.scalars`: every field is float32 or bool, so the arithmetic stays float32 (no
 literal floats appear here, since numba would promote them to float64). The branches test
 per-step flags that are the same for every element.
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 
 __all__ = [
     "f32_to_f16_bits", "f16_bits_to_f32", "DynamicLossScaler", "OverflowStats", "MixedPrecisionConfig",
@@ -610,7 +610,7 @@ class MixedPrecisionOptimizer:
     SUPPORTED_BACKENDS = ("cpu", "cuda", "opencl")
 
     def __init__(self, inner: Any, config: Optional[MixedPrecisionConfig] = None):
-        from .optimizers import STATE_DTYPE, GpuOptimizer
+        from optirs.optim.optimizers import STATE_DTYPE, GpuOptimizer
 
         if not isinstance(inner, GpuOptimizer):
             raise InvalidParameterError(f"inner={inner!r}, expected an optirs optimizer (GpuOptimizer)")
@@ -737,8 +737,8 @@ class MixedPrecisionOptimizer:
         self._layout_cache = None
 
     def _chunks(self):
-        from .backends.cpu import CHUNK
-        from .layout import TensorLayout
+        from optirs.backends.cpu import CHUNK
+        from optirs.core.layout import TensorLayout
 
         if self._layout_cache is None:
             self._layout_cache = TensorLayout(self._shapes)

@@ -20,9 +20,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pluggy
 
-from . import hookspecs
-from .errors import BackendUnavailableError, PluginError, UnsupportedOperationError
-from .hookspecs import STEP_HOOKS, DeviceInfo, ProbeResult
+from optirs.plugin import hookspecs
+from optirs.core.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
+from optirs.plugin.hookspecs import STEP_HOOKS, DeviceInfo, ProbeResult
 
 ENTRY_POINT_GROUP = "optirs"
 AUTOLOAD_ENV = "OPTIRS_DISABLE_PLUGIN_AUTOLOAD"

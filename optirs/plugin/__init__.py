@@ -1,0 +1,1 @@
+"""The plugin layer: the hook specifications (THE backend interface) and the registry."""

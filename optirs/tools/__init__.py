@@ -1,0 +1,1 @@
+"""Commands: ``optirs info``, ``optirs bench``, ``optirs occupancy`` and plots."""
