@@ -34,13 +34,27 @@ _LAZY = {
 }
 _LAZY_NAMES = {name: module for module, names in _LAZY.items() for name in names}
 
+# Modules that moved into the layers keep their old attribute names (``from optirs import reference``).
+_MOVED_MODULES = {
+    "reference": "optirs.core.reference", "params": "optirs.core.params", "scalars": "optirs.core.scalars",
+    "errors": "optirs.core.errors", "arrays": "optirs.core.arrays", "layout": "optirs.core.layout",
+    "hookspecs": "optirs.plugin.hookspecs", "registry": "optirs.plugin.registry",
+    "optimizers": "optirs.optim.optimizers", "mixed_precision": "optirs.optim.mixed_precision",
+    "sparse_optimizer": "optirs.optim.sparse", "multi_gpu": "optirs.optim.data_parallel",
+    "tensor_cores": "optirs.analysis.tensor_cores", "cli": "optirs.tools.cli", "bench": "optirs.tools.bench",
+}
+
 
 def __getattr__(name: str):
+    import importlib
+
+    if name in _MOVED_MODULES:
+        value = importlib.import_module(_MOVED_MODULES[name])
+        globals()[name] = value
+        return value
     module = _LAZY_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'optirs' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

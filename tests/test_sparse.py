@@ -12,7 +12,8 @@ import warnings
 import numpy as np
 import pytest
 
-from optirs import AdamParams, SgdParams, reference
+from optirs import AdamParams, SgdParams
+from optirs.core import reference
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.optim.sparse import (CooGradient, CsrGradient, LazyAdamMode, SparseAdam, SparseAdamConfig,
                                      SparseAdamTable, SparseSgd, SparseSgdConfig, SparseSgdTable)
