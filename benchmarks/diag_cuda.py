@@ -44,7 +44,7 @@ def main(argv=None):
     from numba import cuda
 
     import optirs
-    from optirs.backends import cuda_kernels as K
+    from optirs.backends.cuda import kernels as K
     from optirs.backends.cuda import device_address
     from optirs.core.layout import TensorLayout
     from optirs.optim.optimizers import GpuAdagrad, GpuRmsprop

@@ -23,7 +23,7 @@ def main(argv=None):
     from numba import cuda
 
     import optirs
-    from optirs.backends import cuda_kernels as K
+    from optirs.backends.cuda import kernels as K
     from optirs.core.layout import TensorLayout
     from optirs.optim.optimizers import GpuAdam
     from optirs.plugin.registry import REGISTRY

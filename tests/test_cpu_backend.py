@@ -39,7 +39,7 @@ def test_chunk_table_covers_every_element_once():
 def test_second_process_loads_kernels_from_disk_cache(tmp_path):
     code = textwrap.dedent("""
         import numpy as np, optirs
-        from optirs.backends import cpu_kernels
+        from optirs.backends.cpu import kernels as cpu_kernels
         p = np.ones(10, np.float32)
         optirs.GpuAdam(config=optirs.GpuOptimizerConfig(backend="cpu")).step_gpu(p, p.copy())
         s = cpu_kernels.adam.stats

@@ -80,7 +80,7 @@ def _signatures():
 
     from optirs.core import params as P
     from optirs.core import scalars as S
-    from optirs.backends import cuda_kernels as K
+    from optirs.backends.cuda import kernels as K
 
     i64, table, acc = types.int64, types.int64[:, ::1], types.float64[:, ::1]
     step_sc = {"adam": S.adam_scalars(P.AdamParams(), 1, False), "sgd": S.sgd_scalars(P.SgdParams(lr=0.1), 1),
@@ -154,7 +154,7 @@ def _run_hooks(backend, name, hp, host_params, host_grads, as_device):
 @pytest.mark.parametrize("name", list(CASES))
 def test_device_arrays_stepped_in_place_over_both_kernel_paths(name, rng, monkeypatch):
     """Tensors spanning several chunks, at 16-byte aligned and misaligned offsets, given as device arrays."""
-    from optirs.backends import cuda_kernels
+    from optirs.backends.cuda import kernels as cuda_kernels
 
     backend = _cuda_backend()
     # Any host staging would be a copy: fail loudly if the device path tried it.

@@ -14,7 +14,7 @@ Lifecycle: ``optirs_probe`` (cheap, never raises) -> ``optirs_open`` (a context)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pluggy
 
@@ -209,6 +209,27 @@ def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[An
     :param elements: how many work items the launch must cover.
     :return: ``(grid, block)`` or None to defer to another plugin.
     """
+
+
+# ---------------------------------------------------------------- capabilities beyond the dense step
+# Each feature above the interface asks the bound backend for a capability: the hooks listed in
+# CAPABILITIES. A backend that lacks one raises UnsupportedOperationError naming the backend and the
+# capability. Sections below are grouped by capability; each starts with its banner.
+
+# ---- mixed precision (section owned by the mixed-precision work)
+
+# ---- sparse rows (section owned by the sparse work)
+
+# ---- replica reduction (section owned by the data-parallel work)
+
+# ---- fake quantization (section owned by the quantization work)
+
+# ---- fused elementwise groups (section owned by the fusion work)
+
+
+# Capability name -> the hooks a backend implements to offer it (all of them).
+CAPABILITIES: Dict[str, Tuple[str, ...]] = {
+}
 
 
 STEP_HOOKS = {

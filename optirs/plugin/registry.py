@@ -22,7 +22,7 @@ import pluggy
 
 from optirs.plugin import hookspecs
 from optirs.core.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
-from optirs.plugin.hookspecs import STEP_HOOKS, DeviceInfo, ProbeResult
+from optirs.plugin.hookspecs import CAPABILITIES, STEP_HOOKS, DeviceInfo, ProbeResult
 
 ENTRY_POINT_GROUP = "optirs"
 AUTOLOAD_ENV = "OPTIRS_DISABLE_PLUGIN_AUTOLOAD"
@@ -70,6 +70,7 @@ class BackendStatus:
     devices: Tuple[DeviceInfo, ...]
     optimizers: Tuple[str, ...]
     source: str
+    capabilities: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,31 @@ class Backend:
         self._synchronize = impl("optirs_synchronize")
         self._steps = {opt: impl(hook) for opt, hook in STEP_HOOKS.items()}
         self.optimizers = tuple(opt for opt, fn in self._steps.items() if fn is not None)
+        self._hooks: Dict[str, Optional[Callable]] = {}
+        self._impl = impl
+        self.capabilities = registry.capabilities(name)
+
+    def supports(self, capability: str) -> bool:
+        """Whether this backend implements every hook of ``capability`` (a key of CAPABILITIES)."""
+        return capability in self.capabilities
+
+    def hook(self, capability: str, hook: str) -> Callable:
+        """This backend's own implementation of ``hook``, bound once, for the feature ``capability``.
+
+        Features above the interface call this instead of asking which backend they run on.
+
+        :raises UnsupportedOperationError: naming the backend and the capability when it lacks the hook.
+        """
+        fn = self._hooks.get(hook)
+        if fn is None:
+            fn = self._impl(hook)
+            if fn is None:
+                raise UnsupportedOperationError(
+                    f"backend {self.name!r} does not implement the {capability!r} capability (hook {hook}); "
+                    f"it implements {sorted(self.capabilities)}"
+                )
+            self._hooks[hook] = fn
+        return fn
 
     def step_fn(self, optimizer: str) -> Callable:
         fn = self._steps.get(optimizer)
@@ -258,6 +284,11 @@ class Registry:
             return ProbeResult(False, f"probe raised {type(exc).__name__}: {exc}")
         return result if isinstance(result, ProbeResult) else ProbeResult(False, f"probe returned {result!r}")
 
+    def capabilities(self, name: str) -> Tuple[str, ...]:
+        """The capabilities (keys of CAPABILITIES) whose every hook the named plugin implements."""
+        return tuple(cap for cap, hooks in CAPABILITIES.items()
+                     if all(self.implementation(name, h) is not None for h in hooks))
+
     def optimizers(self, name: str) -> Tuple[str, ...]:
         return tuple(opt for opt, hook in STEP_HOOKS.items() if self.implementation(name, hook) is not None)
 
@@ -267,7 +298,7 @@ class Registry:
             probe = self.probe(name, options)
             record = self.records[name]
             out.append(BackendStatus(name, probe.available, probe.reason, tuple(probe.devices),
-                                     self.optimizers(name), record.source))
+                                     self.optimizers(name), record.source, self.capabilities(name)))
         return out
 
     def list_plugins(self) -> List[PluginStatus]:
