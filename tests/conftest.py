@@ -7,6 +7,8 @@ parametrized with it carry the ``cuda`` marker, so ``pytest -m cuda`` is the sim
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,10 @@ from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.plugin.registry import REGISTRY
 
 BUILTIN_BACKENDS = ("cpu", "cuda", "opencl")
+# The third-party example backend (tests/plugins/optirs_numpy_backend), registered by the
+# ``feature_backend`` fixture so feature tests run on it like on the built-ins.
+THIRD_PARTY_BACKEND = "numpy"
+THIRD_PARTY_DIR = Path(__file__).parent / "plugins" / "optirs_numpy_backend"
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
@@ -36,6 +42,45 @@ def pytest_generate_tests(metafunc):
                 marks.append(pytest.mark.skip(reason=f"backend {name} cannot open here: {s.reason}"))
             params.append(pytest.param(name, marks=marks, id=name))
         metafunc.parametrize("backend", params)
+    if "feature_backend" in metafunc.fixturenames:
+        status = _status()
+        params = []
+        for name in BUILTIN_BACKENDS:
+            s = status.get(name)
+            marks = [getattr(pytest.mark, name)]
+            if s is None:
+                marks.append(pytest.mark.skip(reason=f"backend {name} is not installed"))
+            elif not s.available:
+                marks.append(pytest.mark.skip(reason=f"backend {name} cannot open here: {s.reason}"))
+            params.append(pytest.param(name, marks=marks, id=name))
+        params.append(pytest.param(THIRD_PARTY_BACKEND, id=THIRD_PARTY_BACKEND))
+        metafunc.parametrize("feature_backend", params, indirect=True)
+
+
+def register_third_party_backend() -> None:
+    """Register the example numpy backend (once per registry load) under THIRD_PARTY_BACKEND.
+
+    With its folder on sys.path, pip's build metadata there can make the registry find it as an
+    entry point by itself; then it is already registered.
+    """
+    if str(THIRD_PARTY_DIR) not in sys.path:
+        sys.path.insert(0, str(THIRD_PARTY_DIR))
+    REGISTRY.pm
+    if THIRD_PARTY_BACKEND in REGISTRY.records and not REGISTRY.records[THIRD_PARTY_BACKEND].broken:
+        return
+    if str(THIRD_PARTY_DIR) not in sys.path:
+        sys.path.insert(0, str(THIRD_PARTY_DIR))
+    import optirs_numpy_backend
+
+    optirs.register_plugin(optirs_numpy_backend, THIRD_PARTY_BACKEND)
+
+
+@pytest.fixture
+def feature_backend(request):
+    """A backend name: every built-in that opens, and the third-party numpy example."""
+    if request.param == THIRD_PARTY_BACKEND:
+        register_third_party_backend()
+    return request.param
 
 
 def pytest_configure(config):
