@@ -259,6 +259,33 @@ def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Tu
 # ---- sparse rows (section owned by the sparse work)
 
 # ---- replica reduction (section owned by the data-parallel work)
+# One device sums (or averages) N gradient replicas into the first: the single-device half of data
+# parallelism (optirs.optim.data_parallel.reduce_replicas). Moving data between devices is a
+# collective's job (torch.distributed), never this hook's.
+
+
+@hookspec
+def optirs_replica_reduce(ctx: Any, replicas: Sequence[Any], average: bool) -> None:
+    """Reduce N gradient replicas on the backend's device into the first, in place.
+
+    ``replicas[0][i] = replicas[0][i] + replicas[1][i] + ... + replicas[N-1][i]``, added left to
+    right in float32, then divided by ``float32(N)`` with IEEE division when ``average`` (so every
+    backend returns numpy's float32 left fold bit for bit). The other replicas are only read.
+    The caller has checked that there are at least two replicas (or one with ``average``), all
+    float32, C-contiguous, of one shape and array kind, distinct in memory, ``replicas[0]``
+    writeable and not empty. Host numpy replicas may be accepted by a device backend (uploaded,
+    reduced and written back), as :func:`optirs_stage` does.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param replicas: the replicas, each the backend's own device array (a numba / CuPy / torch CUDA
+        array, a ``pyopencl.array.Array``, ...) or a host numpy array; any shape, read as flat.
+    :param average: divide the sum by ``len(replicas)`` (``op="mean"``) rather than keep it (``"sum"``).
+    :raises optirs.UnsupportedOperationError: when the replicas live on different physical
+        devices (or another device than the context's), before anything is written.
+    :raises optirs.InvalidParameterError: for an array kind this backend cannot reduce, before
+        anything is written.
+    """
+
 
 # ---- fake quantization (section owned by the quantization work)
 
@@ -267,5 +294,6 @@ def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Tu
 
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
+    "replica_reduce": ("optirs_replica_reduce",),
 }
 

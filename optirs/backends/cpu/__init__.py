@@ -17,6 +17,7 @@ import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
 
 from optirs.backends.cpu.steps import CHUNK, CpuSteps
 
@@ -124,7 +125,7 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
@@ -549,7 +550,7 @@ class CudaDevice:
 from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
 
-class CudaBackend(CudaDevice, CudaSteps):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -33,6 +33,7 @@ from optirs.backends.common.opencl_source import program_source
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
@@ -782,7 +783,7 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 
