@@ -30,7 +30,7 @@ def _fmt_bytes(n: Optional[int]) -> str:
 
 def info_main(argv: List[str]) -> int:
     import optirs
-    from optirs.plugin.hookspecs import OPTIMIZER_NAMES
+    from optirs.plugin.hookspecs import CAPABILITIES, OPTIMIZER_NAMES
 
     parser = argparse.ArgumentParser(prog="optirs info", description=SUBCOMMANDS["info"][1])
     parser.parse_args(argv)
@@ -52,12 +52,15 @@ def info_main(argv: List[str]) -> int:
         ) or "-"
         table.add_row(b.name, status, devices)
     console.print(table)
-    matrix = Table(title="Capability matrix (step hooks each backend implements)")
+    matrix = Table(title="Capability matrix (from the hooks each backend implements)")
     matrix.add_column("backend")
     for opt in OPTIMIZER_NAMES:
         matrix.add_column(opt, justify="center")
+    for cap in CAPABILITIES:
+        matrix.add_column(cap, justify="center")
     for b in backends:
-        matrix.add_row(b.name, *["yes" if opt in b.optimizers else "-" for opt in OPTIMIZER_NAMES])
+        matrix.add_row(b.name, *["yes" if opt in b.optimizers else "-" for opt in OPTIMIZER_NAMES],
+                       *["yes" if cap in b.capabilities else "-" for cap in CAPABILITIES])
     console.print(matrix)
     plugins = Table(title="Plugins")
     for col in ("plugin", "kind", "source", "summary / error"):
