@@ -1,0 +1,85 @@
+"""A complete optirs backend in numpy: the device hooks and the SGD step (docs/plugins.md).
+
+Run it to register the backend under the name "tiny" and train with it:
+
+    python examples/minimal_backend.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import optirs
+from optirs.core.layout import TensorLayout
+from optirs.core.scalars import SgdScalars
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+
+
+class TinyContext:
+    """What optirs_open returns: here, only a step counter."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+
+class TinyBackend:
+    """Host memory is the device; numpy does the math."""
+
+    @hookimpl
+    def optirs_plugin_info(self):
+        return {"summary": "numpy SGD (the docs/plugins.md example)"}
+
+    @hookimpl
+    def optirs_probe(self, options):
+        return ProbeResult(True, "", (DeviceInfo("numpy on the host", "cpu"),))
+
+    @hookimpl
+    def optirs_open(self, options):
+        return TinyContext()
+
+    @hookimpl
+    def optirs_alloc(self, ctx, size, dtype, fill):
+        return np.full(size, fill, dtype=dtype)
+
+    @hookimpl
+    def optirs_to_device(self, ctx, array):
+        return np.array(array, copy=True).reshape(-1)
+
+    @hookimpl
+    def optirs_to_host(self, ctx, array):
+        return np.array(array, copy=True)
+
+    @hookimpl
+    def optirs_stage(self, ctx, params, grads):
+        # numpy arrays are already "on the device": flat views, updated in place
+        return Staged([p.reshape(-1) for p in params], [g.reshape(-1) for g in grads])
+
+    @hookimpl
+    def optirs_step_sgd(self, ctx, params, grads, state, layout: TensorLayout, scalars: SgdScalars):
+        ctx.steps += 1
+        for p, g, start, size in zip(params, grads, layout.offsets, layout.sizes):
+            g = g + scalars.weight_decay * p
+            if scalars.has_momentum:  # the state buffer holds every tensor back to back
+                buf = state["momentum_buffer"][start : start + size]
+                buf[...] = g if scalars.first_step else scalars.momentum * buf + scalars.dampening_factor * g
+                g = g + scalars.momentum * buf if scalars.nesterov else buf
+            p -= scalars.lr * g
+
+
+def main() -> None:
+    optirs.register_plugin(TinyBackend(), "tiny")
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal(5).astype(np.float32)]
+    hp = optirs.SgdParams(lr=0.1, momentum=0.9, nesterov=True)
+    opt = optirs.GpuSgd(hp, optirs.GpuOptimizerConfig(backend="tiny"))
+    for _ in range(3):
+        opt.step_gpu(params, [2 * p for p in params])  # the gradient of sum(p^2)
+    print("tiny backend, 3 SGD steps: |p| =", round(float(sum(np.abs(p).sum() for p in params)), 4))
+    try:
+        optirs.GpuAdam(config=optirs.GpuOptimizerConfig(backend="tiny")).step_gpu(params, params)
+    except optirs.UnsupportedOperationError as exc:
+        print("as expected:", exc)
+
+
+if __name__ == "__main__":
+    main()
