@@ -19,7 +19,7 @@ each backend implements as a capability.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Tuple
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 from optirs.core import params as hp_types
 from optirs.core import reference, scalars
@@ -54,7 +54,10 @@ class OptimizerDefinition:
     :param summary: one line: the hook's and the class's first line.
     :param algorithm: the update written out, for the class docstring.
     :param defaults: hyperparameter defaults that differ from ``params_type()``'s (AdamW's decay).
-    :param examples: hyperparameter sets covering every option (tests, benchmark: the first).
+    :param examples: hyperparameter sets covering every option (the reference tests).
+    :param benchmark: the hyperparameters ``optirs bench`` times (default: the first example).
+    :param traffic: bytes a step moves per element with ``benchmark`` (default: read p, g and
+        every slot, write p and every slot, 4 bytes each), the numerator of bandwidth figures.
     """
 
     name: str
@@ -68,6 +71,8 @@ class OptimizerDefinition:
     algorithm: str = ""
     defaults: Mapping[str, Any] = field(default_factory=dict)
     examples: Tuple[Any, ...] = ()
+    benchmark: Any = None
+    traffic: Optional[int] = None
 
     @property
     def hook(self) -> str:
@@ -90,6 +95,15 @@ class OptimizerDefinition:
     def state_slots(self, hp: Any) -> Dict[str, float]:
         """Slot name -> initial value of every state buffer these hyperparameters need, in kernel order."""
         return {s.name: float(s.initial(hp)) for s in self.slots if s.needed(hp)}
+
+    def benchmark_params(self) -> Any:
+        return self.benchmark if self.benchmark is not None else self.examples[0]
+
+    def bytes_per_element(self) -> int:
+        """Bytes one step moves per element with the benchmark's hyperparameters."""
+        if self.traffic is not None:
+            return self.traffic
+        return 4 * (3 + 2 * len(self.state_slots(self.benchmark_params())))
 
     def slot_names(self) -> Tuple[str, ...]:
         """Every slot's name in kernel order (slot k of a generic kernel is ``slot_names()[k]``)."""
@@ -136,6 +150,7 @@ SGD = OptimizerDefinition(
         b = g (first step), else momentum * b + (1 - dampening) * g
         g = g + momentum * b (nesterov), else b        (when momentum != 0)
         p = p - lr * g""",
+    benchmark=P.SgdParams(lr=1e-2, momentum=0.9),
     examples=(P.SgdParams(lr=0.01), P.SgdParams(lr=0.01, weight_decay=0.1), P.SgdParams(lr=0.01, momentum=0.9),
               P.SgdParams(lr=0.01, momentum=0.9, dampening=0.5),
               P.SgdParams(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01)),
@@ -154,6 +169,7 @@ RMSPROP = OptimizerDefinition(
         d = sqrt(s) + eps                                            (otherwise)
         b = momentum * b + g / d;  p = p - lr * b                    (momentum > 0)
         p = p - lr * g / d                                           (otherwise)""",
+    benchmark=P.RmspropParams(lr=1e-2),
     examples=(P.RmspropParams(), P.RmspropParams(weight_decay=0.1), P.RmspropParams(momentum=0.9),
               P.RmspropParams(centered=True), P.RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True)),
 )
@@ -167,6 +183,7 @@ ADAGRAD = OptimizerDefinition(
         g = g + weight_decay * p
         s = s + g^2                       (s starts at initial_accumulator_value)
         p = p - lr / (1 + (t - 1) * lr_decay) * g / (sqrt(s) + eps)""",
+    benchmark=P.AdagradParams(lr=1e-2),
     examples=(P.AdagradParams(), P.AdagradParams(lr_decay=0.1), P.AdagradParams(initial_accumulator_value=0.5),
               P.AdagradParams(weight_decay=0.1, eps=1e-6)),
 )
@@ -182,6 +199,8 @@ LAMB = OptimizerDefinition(
         u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p    (bc = 1 without bias correction)
         r = ||p|| / ||u|| per tensor, 1 where either is 0, at most max_trust_ratio
         p = p - lr * r * u""",
+    # two passes: (p, g, m, v) in and (m, v) out for the moments and norms; (p, m, v) in, p out
+    traffic=40,
     examples=(P.LambParams(), P.LambParams(bias_correction=False), P.LambParams(max_trust_ratio=0.5),
               P.LambParams(max_grad_norm=1.0),
               P.LambParams(lr=1e-2, weight_decay=0.0, max_trust_ratio=10.0, max_grad_norm=5.0)),

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from optirs.core.definitions import DEFINITIONS
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.registry import SUPPORTED_BACKENDS
 
@@ -50,20 +51,12 @@ HOST_DEVICE_KINDS = frozenset({"cpu"})
 # read p, g and every state slot, write p and every state slot (4 bytes each). LAMB needs the
 # per-tensor norms of p and of the update before any p is written, so every element is read in
 # two passes: (p, g, m, v) in, (m, v) out; then (p, m, v) in, p out.
-BYTES_PER_ELEMENT = {"adam": 28, "adamw": 28, "sgd": 20, "rmsprop": 20, "adagrad": 20, "lamb": 40}
+BYTES_PER_ELEMENT = {name: d.bytes_per_element() for name, d in DEFINITIONS.items()}
 
 
 def default_hyperparameters() -> Dict[str, Any]:
-    import optirs
-
-    return {
-        "adam": optirs.AdamParams(lr=1e-3),
-        "adamw": optirs.AdamParams(lr=1e-3, weight_decay=0.01),
-        "sgd": optirs.SgdParams(lr=1e-2, momentum=0.9),
-        "rmsprop": optirs.RmspropParams(lr=1e-2),
-        "adagrad": optirs.AdagradParams(lr=1e-2),
-        "lamb": optirs.LambParams(),
-    }
+    """The hyperparameters each optimizer is timed with (its definition's ``benchmark``)."""
+    return {name: d.benchmark_params() for name, d in DEFINITIONS.items()}
 
 
 def lognormal_sizes(total: int, count: int, seed: int, multiple: int = 64) -> List[int]:
