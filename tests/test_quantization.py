@@ -15,10 +15,10 @@ import optirs
 from optirs.core import reference
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.analysis import quantization as qz
-from optirs.analysis.quantization import (Fp8Format, IntDtype, QatConfig, QatOptimizer, QuantParams, QuantScheme,
-                                          QuantTarget, RoundingMode, fake_quant_backward, fake_quant_fp8,
-                                          fake_quant_int, fake_quant_int_per_channel, per_channel_params,
-                                          per_tensor_params)
+from optirs.analysis.quantization import (Fp8Format, IntDtype, QuantParams, QuantScheme, QuantTarget, RoundingMode,
+                                          fake_quant_backward, fake_quant_fp8, fake_quant_int,
+                                          fake_quant_int_per_channel, per_channel_params, per_tensor_params)
+from optirs.optim.qat import QatConfig, QatOptimizer
 
 from conftest import FakeHostBackend, from_backend_array, to_backend_array  # noqa: E402
 
@@ -787,6 +787,11 @@ def test_fake_quant_on_every_feature_backend(feature_backend, rng):
     assert_bits_equal(fake_quant_int_per_channel(x, qpc, backend=bound), y.detach().numpy())
     y.backward(torch.from_numpy(g))
     assert_bits_equal(fake_quant_backward(g, x, qpc, backend=bound), t.grad.numpy())
+
+
+def test_qat_names_stay_importable_from_their_old_paths():
+    assert optirs.QatOptimizer is QatOptimizer and optirs.QatConfig is QatConfig
+    assert qz.QatOptimizer is QatOptimizer and qz.QatConfig is QatConfig
 
 
 def test_plugin_is_registered():
