@@ -573,9 +573,10 @@ def fake_quant_backward(grad, x, params: QuantParams, *, backend: Any = HOST_REF
     bound = fake_quant_backend(backend)
     x = _check_array(x, "x")
     grad = _check_array(grad, "grad")
-    if type(grad) is not type(x):
+    if isinstance(grad, np.ndarray) != isinstance(x, np.ndarray):  # which device, the backend checks
         raise InvalidParameterError(
-            f"grad is a {type(grad).__qualname__} but x a {type(x).__qualname__}, expected the same kind of array")
+            f"grad is a {type(grad).__qualname__} but x a {type(x).__qualname__}, expected the same kind of array "
+            "(both numpy, or both the backend's device arrays)")
     if tuple(grad.shape) != tuple(x.shape):
         raise ShapeMismatchError(f"grad has shape {tuple(grad.shape)}, expected {tuple(x.shape)} like x")
     if not isinstance(params, QuantParams):
