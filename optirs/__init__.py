@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError,
                      PluginError, ShapeMismatchError, UnsupportedOperationError)
-from optirs.optim.optimizers import (GpuAdagrad, GpuAdam, GpuAdamW, GpuLamb, GpuOptimizer, GpuOptimizerConfig, GpuRmsprop,
-                         GpuSgd)
-from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.core.definitions import DEFINITIONS
+from optirs.optim.optimizers import OPTIMIZERS, GpuOptimizer, GpuOptimizerConfig
 from optirs.plugin.registry import (SUPPORTED_BACKENDS, get_backend, list_backends, list_plugins, register_plugin,
                        unregister_plugin)
 
 __version__ = "0.1.0"
+
+# One class and one hyperparameter type per optimizer definition (GpuAdam, AdamParams, ...).
+_OPTIMIZER_NAMES = [cls.__name__ for cls in OPTIMIZERS.values()]
+_PARAMS_NAMES = list(dict.fromkeys(d.params_type.__name__ for d in DEFINITIONS.values()))
+globals().update({cls.__name__: cls for cls in OPTIMIZERS.values()})
+globals().update({d.params_type.__name__: d.params_type for d in DEFINITIONS.values()})
 
 # The seed's re-exports from the analysis and training modules, imported on first access so
 # `import optirs` stays light.
@@ -66,8 +71,7 @@ def __dir__():
 __all__ = [
     "GpuOptimError", "BackendUnavailableError", "UnsupportedOperationError", "InvalidParameterError",
     "ShapeMismatchError", "DeviceMemoryError", "PluginError",
-    "GpuOptimizer", "GpuOptimizerConfig", "GpuAdam", "GpuAdamW", "GpuSgd", "GpuRmsprop", "GpuAdagrad", "GpuLamb",
-    "AdamParams", "SgdParams", "RmspropParams", "AdagradParams", "LambParams",
+    "GpuOptimizer", "GpuOptimizerConfig", *_OPTIMIZER_NAMES, *_PARAMS_NAMES,
     "SUPPORTED_BACKENDS", "get_backend", "list_backends", "list_plugins", "register_plugin", "unregister_plugin",
     *_LAZY_NAMES,
 ]

@@ -83,8 +83,10 @@ def _signatures():
     from optirs.backends.cuda import kernels as K
 
     i64, table, acc = types.int64, types.int64[:, ::1], types.float64[:, ::1]
-    step_sc = {"adam": S.adam_scalars(P.AdamParams(), 1, False), "sgd": S.sgd_scalars(P.SgdParams(lr=0.1), 1),
-               "rmsprop": S.rmsprop_scalars(P.RmspropParams(), 1), "adagrad": S.adagrad_scalars(P.AdagradParams(), 1)}
+    from optirs.core.definitions import DEFINITIONS
+
+    # one scalars record per elementwise kernel family, from its definition
+    step_sc = {d.kernel: d.scalars(d.examples[0], 1) for d in DEFINITIONS.values() if d.pointwise}
     lamb_sc = numba.typeof(S.lamb_scalars(P.LambParams(), 1))
     for name, fn in K.STEP_FUNCTIONS.items():
         yield name, fn, (table, table, i64, i64, i64, i64, i64, numba.typeof(step_sc[name]))

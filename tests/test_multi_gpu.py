@@ -1,98 +1,115 @@
-"""optirs.optim.data_parallel.reduce_replicas: the single-device reduction kernel on cpu, cuda (simulator) and opencl,
-checked bit for bit against numpy's float32 left fold."""
+"""optirs.optim.data_parallel.reduce_replicas: the ``replica_reduce`` capability of cpu, cuda (simulator) and opencl,
+checked bit for bit against numpy's float32 left fold, and refused by a backend without it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import BUILTIN_BACKENDS, from_backend_array, to_backend_array
 
+import optirs
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.optim.data_parallel import reduce_across_devices, reduce_replicas
 
 
-def _kind_available(kind: str) -> str:
+def _opencl_missing() -> str:
     try:
-        if kind == "cuda":
-            from numba import cuda
+        import pyopencl as cl
 
-            if not cuda.is_available():
-                return "numba.cuda finds no GPU (run with NUMBA_ENABLE_CUDASIM=1 for the simulator)"
-        if kind == "opencl":
-            import pyopencl as cl
-
-            if not cl.get_platforms():
-                return "no OpenCL platform"
+        if not cl.get_platforms():
+            return "no OpenCL platform"
     except Exception as exc:  # noqa: BLE001 - shown in the skip reason
         return f"{type(exc).__name__}: {exc}"
     return ""
 
 
-def _kinds():
-    out = []
-    for kind in ("cpu", "cuda", "opencl"):
-        why = _kind_available(kind)
-        marks = [getattr(pytest.mark, kind)] + ([pytest.mark.skip(reason=why)] if why else [])
-        out.append(pytest.param(kind, marks=marks, id=kind))
-    return out
-
-
 @pytest.fixture(scope="module")
 def cl_queue():
+    """A queue on a context of the test's own (not the backend's): replicas carry their context."""
     import pyopencl as cl
 
     ctx = cl.Context(cl.get_platforms()[0].get_devices()[:1])
     return cl.CommandQueue(ctx)
 
 
-def _to(kind, host, request):
-    if kind == "cpu":
-        return host.copy()
-    if kind == "cuda":
-        from numba import cuda
-
-        return cuda.to_device(host)
-    import pyopencl.array as cla
-
-    return cla.to_device(request.getfixturevalue("cl_queue"), host)
-
-
-def _back(kind, arr):
-    if kind == "cpu":
-        return arr.copy()
-    return arr.copy_to_host() if kind == "cuda" else arr.get()
-
-
-@pytest.mark.parametrize("kind", _kinds())
-@pytest.mark.parametrize("n", [1, 2, 4, 5, 7])
-@pytest.mark.parametrize("op", ["sum", "mean"])
-def test_reduce_equals_float32_left_fold(kind, n, op, request):
-    rng = np.random.default_rng(n)
-    shape = (3, 37) if kind == "cuda" else (5, 301)  # the simulator runs each thread in Python
-    hosts = [(rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4)).astype(np.float32) for _ in range(n)]
+def _left_fold(hosts, op):
     expected = hosts[0].copy()
     for h in hosts[1:]:
         expected = expected + h  # float32 + float32, left to right
     if op == "mean":
-        expected = expected / np.float32(n)
-    arrays = [_to(kind, h, request) for h in hosts]
-    out = reduce_replicas(arrays, op=op)
+        expected = expected / np.float32(len(hosts))
+    return expected
+
+
+def _replicas(n, shape, seed):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4)).astype(np.float32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 7])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_reduce_equals_float32_left_fold(backend, n, op):
+    shape = (3, 37) if backend == "cuda" else (5, 301)  # the simulator runs each thread in Python
+    hosts = _replicas(n, shape, n)
+    expected = _left_fold(hosts, op)
+    arrays = [to_backend_array(backend, h) for h in hosts]
+    out = reduce_replicas(arrays, op=op, backend=backend)
     assert out is arrays[0]
-    np.testing.assert_array_equal(_back(kind, arrays[0]), expected)
+    np.testing.assert_array_equal(from_backend_array(arrays[0]), expected)
     for a, h in zip(arrays[1:], hosts[1:]):
-        np.testing.assert_array_equal(_back(kind, a), h)  # sources untouched
+        np.testing.assert_array_equal(from_backend_array(a), h)  # sources untouched
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_host_replicas_reduce_on_every_backend(backend, op):
+    """numpy replicas on a device backend are uploaded, reduced there and written back."""
+    hosts = _replicas(5, (4, 9), 3)
+    expected = _left_fold(hosts, op)
+    arrays = [h.copy() for h in hosts]
+    assert reduce_replicas(arrays, op=op, backend=optirs.get_backend(backend)) is arrays[0]
+    np.testing.assert_array_equal(arrays[0], expected)
+    for a, h in zip(arrays[1:], hosts[1:]):
+        np.testing.assert_array_equal(a, h)
+
+
+def test_the_optimizers_backend_reduces():
+    opt = optirs.GpuAdam(optirs.AdamParams(), optirs.GpuOptimizerConfig(backend="cpu"))
+    hosts = _replicas(3, (17,), 5)
+    arrays = [h.copy() for h in hosts]
+    reduce_replicas(arrays, op="mean", backend=opt)
+    np.testing.assert_array_equal(arrays[0], _left_fold(hosts, "mean"))
+    with pytest.raises(InvalidParameterError, match="backend=42"):
+        reduce_replicas(arrays, backend=42)
+
+
+def test_a_backend_without_the_capability_refuses(feature_backend):
+    bound = optirs.get_backend(feature_backend)
+    hosts = _replicas(2, (6,), 7)
+    arrays = [h.copy() for h in hosts]
+    if feature_backend in BUILTIN_BACKENDS:
+        assert bound.supports("replica_reduce")
+        reduce_replicas(arrays, op="sum", backend=bound)
+        np.testing.assert_array_equal(arrays[0], _left_fold(hosts, "sum"))
+        return
+    assert not bound.supports("replica_reduce")  # the third-party example implements the dense steps only
+    with pytest.raises(UnsupportedOperationError) as info:
+        reduce_replicas(arrays, op="sum", backend=bound)
+    assert repr(feature_backend) in str(info.value) and "'replica_reduce'" in str(info.value)
+    np.testing.assert_array_equal(arrays[0], hosts[0])  # nothing changed
+
+
+@pytest.mark.opencl
 def test_reduce_opencl_views_with_offsets(cl_queue):
     """pyopencl arrays that are views at an offset into a larger buffer reduce at the right place."""
-    if _kind_available("opencl"):
-        pytest.skip("no OpenCL")
+    if _opencl_missing():
+        pytest.skip(_opencl_missing())
     import pyopencl.array as cla
 
     rng = np.random.default_rng(1)
     host = rng.standard_normal(40).astype(np.float32)
     big = cla.to_device(cl_queue, host)
     a, b = big[3:13], big[20:30]
-    reduce_replicas([a, b], op="sum")
+    reduce_replicas([a, b], op="sum", backend="opencl")
     expected = host.copy()
     expected[3:13] = host[3:13] + host[20:30]
     np.testing.assert_array_equal(big.get(), expected)
@@ -107,9 +124,30 @@ class _FakeTorchCuda:
                                          "strides": None}
 
 
-def test_replicas_on_two_devices_are_refused():
+@pytest.mark.cuda
+def test_replicas_on_two_gpus_are_refused():
+    status = {s.name: s for s in optirs.list_backends()}["cuda"]
+    if not status.available:
+        pytest.skip(f"backend cuda cannot open here: {status.reason}")
     with pytest.raises(UnsupportedOperationError, match="DataParallelOptimizer"):
-        reduce_replicas([_FakeTorchCuda(0, 4096), _FakeTorchCuda(1, 8192)])
+        reduce_replicas([_FakeTorchCuda(0, 4096), _FakeTorchCuda(1, 8192)], backend="cuda")
+
+
+@pytest.mark.opencl
+def test_replicas_in_two_opencl_contexts_are_refused(cl_queue):
+    if _opencl_missing():
+        pytest.skip(_opencl_missing())
+    import pyopencl.array as cla
+
+    host = np.arange(8, dtype=np.float32)
+    mine = cla.to_device(cl_queue, host)
+    theirs = cla.to_device(optirs.get_backend("opencl").ctx.queue, host + 1)
+    with pytest.raises(UnsupportedOperationError, match="another OpenCL context"):
+        reduce_replicas([mine, theirs], backend="opencl")
+    np.testing.assert_array_equal(mine.get(), host)
+
+
+def test_reducing_across_devices_points_to_torch_distributed():
     with pytest.raises(UnsupportedOperationError, match="torch.distributed"):
         reduce_across_devices([np.zeros(3, np.float32)])
 

@@ -7,6 +7,7 @@ import pytest
 
 import optirs
 from optirs.core import reference
+from optirs.core.definitions import DEFINITIONS
 from optirs.optim.optimizers import OPTIMIZERS
 
 from conftest import from_backend_array, to_backend_array
@@ -14,23 +15,8 @@ from conftest import from_backend_array, to_backend_array
 MODEL_SHAPES = [(17, 9), (300,), (5,), (2, 3, 4), (1,)]
 STEPS = 20
 
-CASES = {
-    "adam": [optirs.AdamParams(), optirs.AdamParams(lr=1e-2, weight_decay=0.1),
-             optirs.AdamParams(amsgrad=True), optirs.AdamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6,
-                                                                 weight_decay=0.05, amsgrad=True)],
-    "adamw": [optirs.AdamParams(weight_decay=0.01), optirs.AdamParams(lr=1e-2, weight_decay=0.3),
-              optirs.AdamParams(weight_decay=0.1, amsgrad=True)],
-    "sgd": [optirs.SgdParams(lr=0.01), optirs.SgdParams(lr=0.01, weight_decay=0.1),
-            optirs.SgdParams(lr=0.01, momentum=0.9), optirs.SgdParams(lr=0.01, momentum=0.9, dampening=0.5),
-            optirs.SgdParams(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01)],
-    "rmsprop": [optirs.RmspropParams(), optirs.RmspropParams(weight_decay=0.1), optirs.RmspropParams(momentum=0.9),
-                optirs.RmspropParams(centered=True), optirs.RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True)],
-    "adagrad": [optirs.AdagradParams(), optirs.AdagradParams(lr_decay=0.1), optirs.AdagradParams(initial_accumulator_value=0.5),
-                optirs.AdagradParams(weight_decay=0.1, eps=1e-6)],
-    "lamb": [optirs.LambParams(), optirs.LambParams(bias_correction=False), optirs.LambParams(max_trust_ratio=0.5),
-             optirs.LambParams(max_grad_norm=1.0), optirs.LambParams(lr=1e-2, weight_decay=0.0, max_trust_ratio=10.0,
-                                                                    max_grad_norm=5.0)],
-}
+# Every definition's example hyperparameters cover its options.
+CASES = {name: d.examples for name, d in DEFINITIONS.items()}
 ALL_CASES = [pytest.param(name, hp, id=f"{name}-{i}") for name, hps in CASES.items() for i, hp in enumerate(hps)]
 
 

@@ -146,19 +146,14 @@ def lamb(params, grads, state, hp: LambParams, step: int) -> StepResult:
     return new_p, new_s
 
 
-STEPS: Dict[str, Callable[..., StepResult]] = {
-    "adam": adam,
-    "adamw": adamw,
-    "sgd": sgd,
-    "rmsprop": rmsprop,
-    "adagrad": adagrad,
-    "lamb": lamb,
-}
-
-
 def run(name: str, params, grad_sequence, hp, start_step: int = 1, state=None) -> StepResult:
-    """Apply ``len(grad_sequence)`` steps of optimizer ``name`` and return the final params and state."""
-    step_fn = STEPS[name]
+    """Apply ``len(grad_sequence)`` steps of optimizer ``name`` and return the final params and state.
+
+    The step function is the definition's (optirs.core.definitions, which imports this module).
+    """
+    from optirs.core.definitions import definition
+
+    step_fn = definition(name).reference
     state = state or [{} for _ in params]
     params = _f64(params)
     for k, grads in enumerate(grad_sequence):

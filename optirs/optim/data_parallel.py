@@ -3,8 +3,8 @@
 Two parts, honest about which is which:
 
 - :func:`reduce_replicas`: a real reduction kernel on ONE device: the sum or mean of N gradient
-  replicas, written in place into the first (cpu: numba.njit parallel; cuda: numba.cuda;
-  opencl: pyopencl). Replicas on two different physical devices raise
+  replicas, written in place into the first, by the bound backend's ``replica_reduce``
+  capability (hook ``optirs_replica_reduce``). Replicas on two different physical devices raise
   :class:`~optirs.core.errors.UnsupportedOperationError`: optirs does not move data between devices
   itself.
 - :class:`DataParallelOptimizer`: wraps any optirs optimizer for data-parallel training through
@@ -27,120 +27,54 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from optirs.optim.sparse import describe  # optirs.core.arrays.describe + simulator arrays
+from optirs.core.arrays import describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.layout import TensorLayout
+from optirs.plugin.registry import REGISTRY, Backend
 
 F32 = np.dtype(np.float32)
+CAPABILITY = "replica_reduce"
 
 # ================================================================ one device: reduce_replicas
 
 REDUCE_OPS = ("sum", "mean")
-# Sources folded per CUDA/OpenCL launch: each launch reads dst and up to 3 replicas and writes
-# dst once, so N replicas cost about (N + 1) * 4 / 3 passes over memory instead of 3 (N - 1).
-GROUP = 3
 
 
-def _njit_reduce():
-    from numba import njit, prange
-
-    @njit(parallel=True, cache=True)
-    def reduce_cpu(replicas, divisor, divide):
-        dst = replicas[0]
-        n = dst.shape[0]
-        for i in prange(n):
-            acc = dst[i]
-            for r in range(1, len(replicas)):
-                acc += replicas[r][i]
-            if divide:
-                acc = acc / divisor
-            dst[i] = acc
-
-    return reduce_cpu
+def _bound_backend(backend: Any) -> Backend:
+    """The opened backend for ``backend``: a name (``"auto"`` too), a Backend, or an optimizer."""
+    if isinstance(backend, Backend):
+        return backend
+    if isinstance(backend, str):
+        return REGISTRY.get_backend(backend)
+    bound = getattr(backend, "backend", None)  # an optirs optimizer (or a wrapper of one)
+    if isinstance(bound, Backend):
+        return bound
+    raise InvalidParameterError(
+        f"backend={backend!r}, expected a backend name, an optirs Backend (optirs.get_backend) or an optirs optimizer"
+    )
 
 
-def _cuda_reduce_body(dst, a, b, c, count, divisor, divide):
-    i = cuda.grid(1)  # noqa: F821 - the module global set by _cuda_reduce (patched by the simulator)
-    if i < dst.shape[0]:
-        acc = dst[i]
-        if count > 0:
-            acc += a[i]
-        if count > 1:
-            acc += b[i]
-        if count > 2:
-            acc += c[i]
-        if divide:
-            acc = acc / divisor
-        dst[i] = acc
-
-
-_KERNELS: Dict[str, Any] = {}
-cuda = None  # numba.cuda, imported on first CUDA use
-
-OPENCL_REDUCE = r"""
-__kernel void reduce3(__global float *dst, long dst_off, __global const float *a, long a_off,
-                      __global const float *b, long b_off, __global const float *c, long c_off,
-                      long n, int count, float divisor, int divide) {
-    long i = get_global_id(0);
-    if (i >= n) return;
-    float acc = dst[dst_off + i];  /* the same left-to-right order as the cpu and cuda kernels */
-    if (count > 0) acc += a[a_off + i];
-    if (count > 1) acc += b[b_off + i];
-    if (count > 2) acc += c[c_off + i];
-    if (divide) acc = acc / divisor;
-    dst[dst_off + i] = acc;
-}
-"""
-
-
-def _cuda_reduce():
-    global cuda
-    if "cuda" not in _KERNELS:
-        from numba import cuda as numba_cuda
-
-        cuda = numba_cuda
-        _KERNELS["cuda"] = numba_cuda.jit(_cuda_reduce_body)
-    return _KERNELS["cuda"]
-
-
-def _opencl_reduce(context):
-    key = ("opencl", context.int_ptr)
-    if key not in _KERNELS:
-        import pyopencl as cl
-
-        prg = cl.Program(context, OPENCL_REDUCE).build(options=["-cl-fp32-correctly-rounded-divide-sqrt"])
-        _KERNELS[key] = prg.reduce3
-    return _KERNELS[key]
-
-
-def _device_of(array: Any, kind: str) -> Optional[Any]:
-    """The physical device an array lives on, where its library says (None: not known)."""
-    if kind == "opencl":
-        return array.queue.device.int_ptr
-    dev = getattr(array, "device", None)
-    if dev is not None:
-        if getattr(dev, "type", None) == "cuda":  # torch
-            return dev.index
-        if hasattr(dev, "id"):  # cupy
-            return dev.id
-    gpu_data = getattr(array, "gpu_data", None)  # numba DeviceNDArray
-    ctx = getattr(gpu_data, "context", None)
-    if ctx is not None and getattr(ctx, "device", None) is not None:
-        return ctx.device.id
-    return None
-
-
-def reduce_replicas(replicas: Sequence[Any], op: str = "mean") -> Any:
+def reduce_replicas(replicas: Sequence[Any], op: str = "mean", backend: Any = "auto") -> Any:
     """Reduce N gradient replicas on one device into the first, in place, and return it.
 
     ``replicas[0] = replicas[0] + replicas[1] + ... + replicas[N-1]`` (summed left to right in
-    float32), divided by N for ``op="mean"``. The other replicas are not modified.
+    float32), divided by N for ``op="mean"``. The other replicas are not modified. The backend's
+    ``replica_reduce`` capability (hook ``optirs_replica_reduce``) does the work on its device.
 
-    :param replicas: float32 arrays of one shape and one kind: numpy (cpu kernel), objects with
-        ``__cuda_array_interface__`` (CUDA kernel), or ``pyopencl.array.Array`` (OpenCL kernel).
+    :param replicas: float32 arrays of one shape and one kind: the backend's own device arrays
+        (numba / CuPy / torch CUDA arrays on cuda, ``pyopencl.array.Array`` on opencl) or host
+        numpy arrays (which every built-in backend accepts; a device backend uploads them).
     :param op: ``"sum"`` or ``"mean"``.
-    :raises UnsupportedOperationError: when the replicas live on different physical devices
-        (that needs a collective: :class:`DataParallelOptimizer` over torch.distributed).
+    :param backend: where to reduce: a backend name (``"auto"``: the first of
+        ``optirs.SUPPORTED_BACKENDS`` that opens), a Backend from :func:`optirs.get_backend`, or
+        an optirs optimizer (its bound backend).
+    :return: ``replicas[0]``.
+    :raises InvalidParameterError: for an unknown ``op``, an empty list or the same memory twice.
+    :raises ShapeMismatchError: for replicas that differ in kind, shape or dtype, are not float32,
+        not C-contiguous, or a read-only ``replicas[0]``.
+    :raises UnsupportedOperationError: when the backend lacks the ``replica_reduce`` capability, or
+        the replicas live on different physical devices (that needs a collective:
+        :class:`DataParallelOptimizer` over torch.distributed).
     """
     if op not in REDUCE_OPS:
         raise InvalidParameterError(f"op={op!r}, expected one of {list(REDUCE_OPS)}")
@@ -149,7 +83,6 @@ def reduce_replicas(replicas: Sequence[Any], op: str = "mean") -> Any:
     metas = [describe(r, f"replicas[{i}]") for i, r in enumerate(replicas)]
     first = metas[0]
     addresses: Dict[int, int] = {}
-    devices = set()
     for i, m in enumerate(metas):
         if m.kind != first.kind:
             raise ShapeMismatchError(f"replicas[{i}] is a {m.kind} array, expected {first.kind} like replicas[0]")
@@ -162,56 +95,14 @@ def reduce_replicas(replicas: Sequence[Any], op: str = "mean") -> Any:
         if m.size and m.address in addresses:
             raise InvalidParameterError(f"replicas[{i}] is the same memory as replicas[{addresses[m.address]}], expected distinct arrays")
         addresses[m.address] = i
-        dev = _device_of(replicas[i], m.kind) if m.kind != "numpy" else "host"
-        if dev is not None:
-            devices.add(dev)
-    if len(devices) > 1:
-        raise UnsupportedOperationError(
-            f"replicas live on {len(devices)} different devices ({sorted(map(str, devices))}); optirs reduces on one "
-            "device only. Reduce across devices with a collective: DataParallelOptimizer over torch.distributed (NCCL)"
-        )
     if not first.writeable:
         raise ShapeMismatchError("replicas[0] is read-only, expected a writeable array (it receives the result)")
-    n = len(replicas)
-    divisor, divide = np.float32(n), op == "mean"
-    if first.size == 0 or (n == 1 and not divide):
+    bound = _bound_backend(backend)
+    reduce = bound.hook(CAPABILITY, "optirs_replica_reduce")
+    average = op == "mean"
+    if first.size == 0 or (len(replicas) == 1 and not average):
         return replicas[0]
-    if first.kind == "numpy":
-        if "cpu" not in _KERNELS:
-            _KERNELS["cpu"] = _njit_reduce()
-        from numba.typed import List
-
-        flat = List()
-        for r in replicas:
-            flat.append(r.reshape(-1))
-        _KERNELS["cpu"](flat, divisor, divide)
-        return replicas[0]
-    if first.kind == "cuda":
-        kernel = _cuda_reduce()
-        arrs = [(r if hasattr(r, "copy_to_host") else cuda.as_cuda_array(r)).reshape(-1) for r in replicas]
-        dst, rest = arrs[0], arrs[1:]
-        size = first.size
-        grid = (size + 255) // 256  # one thread per element, 256 per block
-        groups = [rest[i:i + GROUP] for i in range(0, len(rest), GROUP)] or [[]]
-        for gi, group in enumerate(groups):
-            srcs = group + [dst] * (GROUP - len(group))  # unused slots are never read
-            kernel[grid, 256](dst, *srcs, len(group), divisor, divide and gi == len(groups) - 1)
-        return replicas[0]
-    # opencl
-    kernel = _opencl_reduce(replicas[0].context)
-    queue = replicas[0].queue
-    size = first.size
-    rest = list(replicas[1:])
-    groups = [rest[i:i + GROUP] for i in range(0, len(rest), GROUP)] or [[]]
-    dst = replicas[0]
-    item = F32.itemsize
-    for gi, group in enumerate(groups):
-        srcs = group + [dst] * (GROUP - len(group))
-        args = [dst.base_data, np.int64(dst.offset // item)]
-        for s in srcs:
-            args += [s.base_data, np.int64(s.offset // item)]
-        kernel(queue, (size,), None, *args, np.int64(size), np.int32(len(group)), divisor,
-               np.int32(divide and gi == len(groups) - 1))
+    reduce(bound.ctx, list(replicas), average)
     return replicas[0]
 
 
@@ -271,19 +162,19 @@ def init_process_group_from_env(backend: Optional[str] = None, timeout_s: float 
 
 
 def _torch_view(array: Any, what: str):
-    """A torch tensor sharing ``array``'s memory (no host copy)."""
+    """A torch tensor sharing ``array``'s memory (no host copy), through the array protocols torch reads."""
     torch, _ = _dist()
     if isinstance(array, torch.Tensor):
         return array
-    if isinstance(array, np.ndarray):
-        return torch.from_numpy(array)
-    if hasattr(array, "__cuda_array_interface__"):
-        return torch.as_tensor(array, device="cuda")
+    # torch.as_tensor shares the memory of a float32 __array_interface__ (host) or
+    # __cuda_array_interface__ (device) array instead of copying it.
+    if hasattr(array, "__array_interface__") or hasattr(array, "__cuda_array_interface__"):
+        return torch.as_tensor(array)
     if hasattr(array, "__dlpack__"):
         return torch.from_dlpack(array)
     raise UnsupportedOperationError(
-        f"{what} is a {type(array).__module__}.{type(array).__name__}; torch.distributed exchanges numpy (gloo) "
-        "and CUDA arrays (NCCL) without host copies, not OpenCL buffers"
+        f"{what} is a {type(array).__module__}.{type(array).__name__}; torch.distributed exchanges host arrays (gloo) "
+        "and CUDA arrays (NCCL) without host copies, not OpenCL buffers or other memory torch cannot view"
     )
 
 
@@ -301,8 +192,9 @@ def broadcast_parameters(params: Any, src: int = 0, process_group: Any = None) -
 
 
 def _as_optirs(tensor):
-    """What an optirs optimizer steps: numpy for CPU tensors (shared memory), the tensor itself on CUDA."""
-    return tensor.numpy() if tensor.device.type == "cpu" else tensor
+    """What an optirs optimizer steps: numpy for host tensors (shared memory; every backend stages
+    numpy), the tensor itself on a device (a CUDA backend steps it in place)."""
+    return tensor.numpy() if tensor.is_cpu else tensor
 
 
 class ShardPlan:
@@ -459,8 +351,6 @@ class DataParallelOptimizer:
                 raise ShapeMismatchError(f"grads[{i}] has shape {gm.shape}, expected {pm.shape} like params[{i}]")
             if not (pm.contiguous and gm.contiguous) or not pm.writeable:
                 raise ShapeMismatchError(f"params[{i}] and grads[{i}] must be C-contiguous and params[{i}] writeable")
-            if pm.kind == "opencl":
-                _torch_view(p, f"params[{i}]")  # raises UnsupportedOperationError with the reason
             shapes.append(pm.shape)
         if self._plan is not None and not self._plan.layout.matches(shapes):
             raise ShapeMismatchError(f"parameter shapes {shapes}, expected {self._plan.layout.shapes} as in earlier steps")
@@ -487,13 +377,14 @@ class DataParallelOptimizer:
         if not plist:
             raise InvalidParameterError("params=[], expected at least one array")
         shapes = self._check(plist, glist)
+        # Memory torch cannot view raises UnsupportedOperationError here, before anything changes.
+        tp = [_torch_view(p, f"params[{i}]") for i, p in enumerate(plist)]
+        tg = [_torch_view(g, f"grads[{i}]") for i, g in enumerate(glist)]
         world = self.world_size
         if self._plan is None or self._plan.world != world:
             self._plan = ShardPlan(shapes, world, self.inner.name not in ELEMENTWISE_OPTIMIZERS)
             if self.inner.params != self._effective(self._hyper):
                 self.inner.params = self._effective(self._hyper)
-        tp = [_torch_view(p, f"params[{i}]") for i, p in enumerate(plist)]
-        tg = [_torch_view(g, f"grads[{i}]") for i, g in enumerate(glist)]
         if self.mode == "allreduce":
             self._step_allreduce(plist, tg, world)
         else:

@@ -13,11 +13,10 @@ from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 import numpy as np
 
-from optirs.core import scalars as sc
+from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.layout import TensorLayout
-from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
 from optirs.plugin.registry import REGISTRY, Backend
 
 STATE_DTYPE = np.dtype(np.float32)
@@ -66,10 +65,11 @@ def _same_storage(pointers: List[tuple]) -> bool:
 
 
 class GpuOptimizer:
-    """Base of the six optimizers. Subclasses name their optimizer, state slots and scalars."""
+    """Base of every optimizer; each subclass is made from one :class:`OptimizerDefinition`."""
 
     name: ClassVar[str]
     params_type: ClassVar[type]
+    definition: ClassVar[OptimizerDefinition]
     # Parameter dtypes this optimizer steps directly (float32 master weights).
     param_dtypes: ClassVar[tuple] = (STATE_DTYPE,)
 
@@ -91,7 +91,7 @@ class GpuOptimizer:
     # ------------------------------------------------------------ hyperparameters
 
     def default_params(self):
-        return self.params_type()
+        return self.definition.default_params()
 
     def _check_params(self, params: Any):
         if not isinstance(params, self.params_type):
@@ -117,11 +117,11 @@ class GpuOptimizer:
 
     def state_slots(self, params) -> Dict[str, float]:
         """Slot name -> initial value of every per-element state buffer these hyperparameters need."""
-        raise NotImplementedError
+        return self.definition.state_slots(params)
 
     def step_scalars(self, step: int) -> NamedTuple:
         """The per-step scalars for 1-based step ``step``."""
-        raise NotImplementedError
+        return self.definition.scalars(self._params, step)
 
     # ------------------------------------------------------------ backend and state placement
 
@@ -296,130 +296,15 @@ class GpuOptimizer:
         return f"{type(self).__name__}({self._params!r}, backend={where!r}, step={self._step})"
 
 
-class GpuAdam(GpuOptimizer):
-    """Adam (Kingma & Ba), as ``torch.optim.Adam``; ``weight_decay`` is L2 (added to the gradient).
-
-    .. code-block:: text
-
-        g = g + weight_decay * p
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g^2
-        v_max = max(v_max, v)                      (amsgrad; then v_max replaces v below)
-        p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-    """
-
-    name = "adam"
-    params_type = AdamParams
-
-    def state_slots(self, params: AdamParams) -> Dict[str, float]:
-        slots = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
-        if params.amsgrad:
-            slots["max_exp_avg_sq"] = 0.0
-        return slots
-
-    def step_scalars(self, step: int) -> sc.AdamScalars:
-        return sc.adam_scalars(self._params, step, decoupled=self.name == "adamw")
+def optimizer_class(definition: OptimizerDefinition) -> type:
+    """The seed API's class for one optimizer definition (``GpuAdam`` for ``adam``)."""
+    doc = f"{definition.summary}\n\n.. code-block:: text\n{definition.algorithm}\n"
+    return type(definition.class_name, (GpuOptimizer,), {
+        "__doc__": doc, "__module__": __name__, "name": definition.name,
+        "params_type": definition.params_type, "definition": definition,
+    })
 
 
-class GpuAdamW(GpuAdam):
-    """AdamW (Loshchilov & Hutter), as ``torch.optim.AdamW``: decoupled decay ``p *= 1 - lr * weight_decay``
-    before the Adam update; weight_decay defaults to 0.01."""
-
-    name = "adamw"
-
-    def default_params(self) -> AdamParams:
-        return AdamParams(weight_decay=0.01)
-
-
-class GpuSgd(GpuOptimizer):
-    """SGD with momentum, as ``torch.optim.SGD``.
-
-    .. code-block:: text
-
-        g = g + weight_decay * p
-        b = g (first step), else momentum * b + (1 - dampening) * g
-        g = g + momentum * b (nesterov), else b        (when momentum != 0)
-        p = p - lr * g
-    """
-
-    name = "sgd"
-    params_type = SgdParams
-
-    def state_slots(self, params: SgdParams) -> Dict[str, float]:
-        return {"momentum_buffer": 0.0} if params.momentum != 0.0 else {}
-
-    def step_scalars(self, step: int) -> sc.SgdScalars:
-        return sc.sgd_scalars(self._params, step)
-
-
-class GpuRmsprop(GpuOptimizer):
-    """RMSprop, as ``torch.optim.RMSprop``.
-
-    .. code-block:: text
-
-        g = g + weight_decay * p
-        s = alpha * s + (1 - alpha) * g^2
-        a = alpha * a + (1 - alpha) * g;  d = sqrt(s - a^2) + eps   (centered)
-        d = sqrt(s) + eps                                            (otherwise)
-        b = momentum * b + g / d;  p = p - lr * b                    (momentum > 0)
-        p = p - lr * g / d                                           (otherwise)
-    """
-
-    name = "rmsprop"
-    params_type = RmspropParams
-
-    def state_slots(self, params: RmspropParams) -> Dict[str, float]:
-        slots = {"square_avg": 0.0}
-        if params.momentum > 0.0:
-            slots["momentum_buffer"] = 0.0
-        if params.centered:
-            slots["grad_avg"] = 0.0
-        return slots
-
-    def step_scalars(self, step: int) -> sc.RmspropScalars:
-        return sc.rmsprop_scalars(self._params, step)
-
-
-class GpuAdagrad(GpuOptimizer):
-    """Adagrad, as ``torch.optim.Adagrad``.
-
-    .. code-block:: text
-
-        g = g + weight_decay * p
-        s = s + g^2                       (s starts at initial_accumulator_value)
-        p = p - lr / (1 + (t - 1) * lr_decay) * g / (sqrt(s) + eps)
-    """
-
-    name = "adagrad"
-    params_type = AdagradParams
-
-    def state_slots(self, params: AdagradParams) -> Dict[str, float]:
-        return {"sum": params.initial_accumulator_value}
-
-    def step_scalars(self, step: int) -> sc.AdagradScalars:
-        return sc.adagrad_scalars(self._params, step)
-
-
-class GpuLamb(GpuOptimizer):
-    """LAMB (You et al. 2019), as optax.lamb, with the options where implementations differ.
-
-    .. code-block:: text
-
-        g = g * min(1, max_grad_norm / ||all g||)          (global clipping, optional)
-        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
-        u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p    (bc = 1 without bias correction)
-        r = ||p|| / ||u|| per tensor, 1 where either is 0, at most max_trust_ratio
-        p = p - lr * r * u
-    """
-
-    name = "lamb"
-    params_type = LambParams
-
-    def state_slots(self, params: LambParams) -> Dict[str, float]:
-        return {"exp_avg": 0.0, "exp_avg_sq": 0.0}
-
-    def step_scalars(self, step: int) -> sc.LambScalars:
-        return sc.lamb_scalars(self._params, step)
-
-
-OPTIMIZERS = {cls.name: cls for cls in (GpuAdam, GpuAdamW, GpuSgd, GpuRmsprop, GpuAdagrad, GpuLamb)}
+# name -> class, one per definition; each class is also a module attribute (GpuAdam, GpuSgd, ...).
+OPTIMIZERS: Dict[str, type] = {name: optimizer_class(d) for name, d in DEFINITIONS.items()}
+globals().update({cls.__name__: cls for cls in OPTIMIZERS.values()})

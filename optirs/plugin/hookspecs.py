@@ -1,27 +1,69 @@
-"""The plugin interface of optirs, as pluggy hook specifications.
+"""The plugin interface of optirs, as pluggy hook specifications: THE backend interface.
 
 A *backend* is one plugin object registered under its name (``cpu``, ``cuda``, ``opencl``, or a
 third party's entry-point name). The registry binds a chosen backend's own implementations once;
 the hot path calls them directly and never loops over every plugin. A backend may implement a
-subset of the step hooks: the capability matrix (``optirs info``) is read from which it implements.
+subset of the hooks: every feature asks the bound backend for a *capability* (a set of hooks,
+:data:`CAPABILITIES`), and what a backend lacks raises ``UnsupportedOperationError`` naming the
+backend and the capability. The capability matrix of ``optirs info`` is read from the hooks each
+plugin implements.
 
-An *analysis* plugin (occupancy, fusion, quantization, ...) answers the analysis hooks at the end.
+An *analysis* plugin (occupancy, fusion, quantization, ...) answers the analysis hooks.
 
 Lifecycle: ``optirs_probe`` (cheap, never raises) -> ``optirs_open`` (a context) -> per step
 ``optirs_stage`` -> ``optirs_step_<optimizer>`` -> ``Staged.finish()``.
+
+Backend hooks are called on the bound backend only, so none of them is ``firstresult``; the
+analysis hooks are called on every plugin, and say so where the first answer wins.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 import numpy as np
 import pluggy
 
+from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
+from optirs.core.layout import TensorLayout
+
 PROJECT = "optirs"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---------------------------------------------------------------- the types that cross the interface
+
+
+@runtime_checkable
+class DeviceArray(Protocol):
+    """A flat array in a backend's memory: numpy on the host, a numba/CuPy/torch CUDA array, a
+    ``pyopencl.array.Array``, or a third party's own kind. optirs reads only its shape and dtype;
+    everything else is the backend's business."""
+
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+
+class BackendContext(Protocol):
+    """What a backend's :func:`optirs_open` returns and every other backend hook receives as ``ctx``:
+    the opened device with the backend's caches (kernels, queues, staging buffers). Opaque to optirs."""
+
+
+# Slot name -> flat device array holding that state slot for every tensor of the model.
+SlotBuffers = Dict[str, DeviceArray]
+
+
+class StepScalars(Protocol):
+    """The per-step scalars record of one kernel family (a NamedTuple of ``numpy.float32`` and
+    ``bool`` fields from :mod:`optirs.core.scalars`), already rounded to float32 on the host."""
+
+    _fields: Tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -53,8 +95,8 @@ class Staged:
     their values.
     """
 
-    params: List[Any]
-    grads: List[Any]
+    params: List[DeviceArray]
+    grads: List[DeviceArray]
     finish: Optional[Callable[[], None]] = None
 
 
@@ -80,12 +122,13 @@ def optirs_probe(options: Dict[str, Any]) -> ProbeResult:
 
 
 @hookspec
-def optirs_open(options: Dict[str, Any]) -> Any:
+def optirs_open(options: Dict[str, Any]) -> BackendContext:
     """Open the backend on the device the options choose and return its context.
 
     The context is passed back as ``ctx`` to every other backend hook.
 
     :param options: backend options, as for :func:`optirs_probe`.
+    :return: the backend's context.
     :raises optirs.BackendUnavailableError: when it cannot open, saying why.
     """
 
@@ -94,37 +137,40 @@ def optirs_open(options: Dict[str, Any]) -> Any:
 
 
 @hookspec
-def optirs_alloc(ctx: Any, size: int, dtype: Any, fill: float) -> Any:
+def optirs_alloc(ctx: BackendContext, size: int, dtype: np.dtype, fill: float) -> DeviceArray:
     """Allocate a flat device array of ``size`` elements of ``dtype``, every element ``fill``.
 
     :param ctx: the context from :func:`optirs_open`.
     :param size: number of elements.
     :param dtype: a numpy dtype.
     :param fill: the initial value of every element.
+    :return: the new device array.
     :raises optirs.DeviceMemoryError: when the device cannot hold it (sizes asked and free in the message).
     """
 
 
 @hookspec
-def optirs_to_device(ctx: Any, array: Any) -> Any:
+def optirs_to_device(ctx: BackendContext, array: np.ndarray) -> DeviceArray:
     """Copy a host numpy array to a new flat device array of the same dtype.
 
     :param ctx: the context from :func:`optirs_open`.
     :param array: a numpy array.
+    :return: the new device array.
     """
 
 
 @hookspec
-def optirs_to_host(ctx: Any, array: Any) -> Any:
+def optirs_to_host(ctx: BackendContext, array: DeviceArray) -> np.ndarray:
     """Copy a device array (as made by this backend) to a new flat numpy array.
 
     :param ctx: the context from :func:`optirs_open`.
     :param array: a device array made by this backend.
+    :return: a new numpy array.
     """
 
 
 @hookspec
-def optirs_stage(ctx: Any, params: List[Any], grads: List[Any]) -> Staged:
+def optirs_stage(ctx: BackendContext, params: List[Any], grads: List[Any]) -> Staged:
     """Make one step's inputs usable by the step hooks.
 
     Host numpy arrays are uploaded (and written back by ``Staged.finish``); the backend's own
@@ -134,12 +180,13 @@ def optirs_stage(ctx: Any, params: List[Any], grads: List[Any]) -> Staged:
     :param ctx: the context from :func:`optirs_open`.
     :param params: the caller's parameter arrays (numpy or the backend's device kind).
     :param grads: the caller's gradient arrays, same kinds and shapes.
+    :return: the staged arrays.
     :raises optirs.InvalidParameterError: for an array kind this backend cannot use.
     """
 
 
 @hookspec
-def optirs_synchronize(ctx: Any) -> None:
+def optirs_synchronize(ctx: BackendContext) -> None:
     """Wait until all work queued on the context's device has finished.
 
     :param ctx: the context from :func:`optirs_open`.
@@ -147,68 +194,58 @@ def optirs_synchronize(ctx: Any) -> None:
 
 
 # ---------------------------------------------------------------- optimizer steps
-# Every step hook updates ``params`` and the flat ``state`` buffers in place, for all tensors of
-# the model at once (one launch per step). ``state`` maps slot names to flat device arrays laid
-# out by ``layout`` (optirs.core.layout.TensorLayout); ``scalars`` is the optimizer's record from
-# optirs.core.scalars, already rounded to float32.
+# One hook per optimizer definition (optirs.core.definitions): ``optirs_step_<name>``. Every step
+# hook updates ``params`` and the flat ``state`` buffers in place, for all tensors of the model
+# at once (one launch per step where the optimizer allows). The hooks are made from the
+# definitions, so adding an optimizer adds its hook.
 
+_STEP_DOC = """{summary}
 
-@hookspec
-def optirs_step_adam(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """Adam with L2 weight decay (``scalars.decoupled`` False); state: exp_avg, exp_avg_sq[, max_exp_avg_sq]."""
+The update, per element (``t`` the 1-based step):
 
-
-@hookspec
-def optirs_step_adamw(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """AdamW, decoupled weight decay (``scalars.decoupled`` True); state as Adam."""
-
-
-@hookspec
-def optirs_step_sgd(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """SGD; state: momentum_buffer when ``scalars.has_momentum``."""
-
-
-@hookspec
-def optirs_step_rmsprop(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """RMSprop; state: square_avg[, momentum_buffer][, grad_avg]."""
-
-
-@hookspec
-def optirs_step_adagrad(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """Adagrad; state: sum."""
-
-
-@hookspec
-def optirs_step_lamb(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: Any, scalars: Any) -> None:
-    """LAMB with per-tensor trust ratios and optional global gradient clipping; state: exp_avg, exp_avg_sq."""
-
-
-# The six step hooks share their arguments; document them once.
-_STEP_ARGS = """
+.. code-block:: text
+{algorithm}
 
 :param ctx: the context from :func:`optirs_open`.
 :param params: the model's parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
 :param grads: the gradients, staged like ``params``.
-:param state: slot name -> flat device array holding every tensor's state, updated in place.
-:param layout: the :class:`optirs.core.layout.TensorLayout` (offsets, chunk table, ``cache``).
-:param scalars: the per-step record from :mod:`optirs.core.scalars`, already float32.
+:param state: slot name -> flat device array holding every tensor's state ({slots}), updated in place;
+    only the slots the hyperparameters need are present.
+:param layout: the model's :class:`~optirs.core.layout.TensorLayout` (offsets, chunk table, ``cache``).
+:param scalars: the per-step scalars (:class:`optirs.core.scalars.{scalars}`), already float32.
 """
-for _step in (optirs_step_adam, optirs_step_adamw, optirs_step_sgd, optirs_step_rmsprop, optirs_step_adagrad,
-              optirs_step_lamb):
-    _step.__doc__ = (_step.__doc__ or "") + _STEP_ARGS
+
+
+def _step_spec(definition: OptimizerDefinition) -> Callable:
+    def spec(ctx: BackendContext, params: List[DeviceArray], grads: List[DeviceArray], state: SlotBuffers,
+             layout: TensorLayout, scalars: StepScalars) -> None:
+        pass
+
+    spec.__name__ = spec.__qualname__ = definition.hook
+    spec.__doc__ = _STEP_DOC.format(summary=definition.summary, algorithm=definition.algorithm,
+                                    slots=", ".join(definition.slot_names()),
+                                    scalars=definition.scalars_type.__name__)
+    return hookspec(spec)
+
+
+for _definition in DEFINITIONS.values():
+    globals()[_definition.hook] = _step_spec(_definition)
+
+STEP_HOOKS: Dict[str, str] = {d.name: d.hook for d in DEFINITIONS.values()}
+OPTIMIZER_NAMES: Tuple[str, ...] = tuple(STEP_HOOKS)
 
 
 # ---------------------------------------------------------------- analysis
 
 
 @hookspec(firstresult=True)
-def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Any]:
+def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Tuple[int, int]]:
     """Choose (grid, block) for a compiled CUDA kernel on a device. Stops at the first non-None result.
 
-    :param kernel: the compiled kernel (register and shared-memory use are read from it).
-    :param device: the device whose limits apply (a numba CUDA device, or compute capability tuple).
+    :param kernel: the compiled numba CUDA kernel (its register and shared-memory use are read from it).
+    :param device: the device whose limits apply (a numba CUDA device, or a compute capability tuple).
     :param elements: how many work items the launch must cover.
-    :return: ``(grid, block)`` or None to defer to another plugin.
+    :return: ``(grid, block)``, or None to defer to another plugin.
     """
 
 
@@ -222,6 +259,33 @@ def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[An
 # ---- sparse rows (section owned by the sparse work)
 
 # ---- replica reduction (section owned by the data-parallel work)
+# One device sums (or averages) N gradient replicas into the first: the single-device half of data
+# parallelism (optirs.optim.data_parallel.reduce_replicas). Moving data between devices is a
+# collective's job (torch.distributed), never this hook's.
+
+
+@hookspec
+def optirs_replica_reduce(ctx: Any, replicas: Sequence[Any], average: bool) -> None:
+    """Reduce N gradient replicas on the backend's device into the first, in place.
+
+    ``replicas[0][i] = replicas[0][i] + replicas[1][i] + ... + replicas[N-1][i]``, added left to
+    right in float32, then divided by ``float32(N)`` with IEEE division when ``average`` (so every
+    backend returns numpy's float32 left fold bit for bit). The other replicas are only read.
+    The caller has checked that there are at least two replicas (or one with ``average``), all
+    float32, C-contiguous, of one shape and array kind, distinct in memory, ``replicas[0]``
+    writeable and not empty. Host numpy replicas may be accepted by a device backend (uploaded,
+    reduced and written back), as :func:`optirs_stage` does.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param replicas: the replicas, each the backend's own device array (a numba / CuPy / torch CUDA
+        array, a ``pyopencl.array.Array``, ...) or a host numpy array; any shape, read as flat.
+    :param average: divide the sum by ``len(replicas)`` (``op="mean"``) rather than keep it (``"sum"``).
+    :raises optirs.UnsupportedOperationError: when the replicas live on different physical
+        devices (or another device than the context's), before anything is written.
+    :raises optirs.InvalidParameterError: for an array kind this backend cannot reduce, before
+        anything is written.
+    """
+
 
 # ---- fake quantization (section owned by the quantization work)
 
@@ -255,8 +319,8 @@ class StochasticKeys(NamedTuple):
 
 
 @hookspec
-def optirs_fake_quant_forward(ctx: Any, x: Any, grid: FakeQuantGrid,
-                              rounding: Optional[StochasticKeys]) -> Tuple[Any, Any]:
+def optirs_fake_quant_forward(ctx: BackendContext, x: DeviceArray, grid: FakeQuantGrid,
+                              rounding: Optional[StochasticKeys]) -> Tuple[DeviceArray, DeviceArray]:
     """Fake-quantize ``x`` on ``grid`` (quantize, clamp, dequantize), bit for bit as torch's CPU kernel.
 
     :param ctx: the context from :func:`optirs_open`.
@@ -275,7 +339,8 @@ def optirs_fake_quant_forward(ctx: Any, x: Any, grid: FakeQuantGrid,
 
 
 @hookspec
-def optirs_fake_quant_backward(ctx: Any, x: Any, grad: Any, grid: FakeQuantGrid) -> Any:
+def optirs_fake_quant_backward(ctx: BackendContext, x: DeviceArray, grad: DeviceArray,
+                               grid: FakeQuantGrid) -> DeviceArray:
     """The straight-through gradient: ``grad`` where ``x`` quantizes inside the range (bits unchanged), ``grad * 0`` elsewhere.
 
     :param ctx: the context from :func:`optirs_open`.
@@ -292,16 +357,7 @@ def optirs_fake_quant_backward(ctx: Any, x: Any, grad: Any, grid: FakeQuantGrid)
 
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
+    "replica_reduce": ("optirs_replica_reduce",),
     "fake_quant": ("optirs_fake_quant_forward", "optirs_fake_quant_backward"),
 }
 
-
-STEP_HOOKS = {
-    "adam": "optirs_step_adam",
-    "adamw": "optirs_step_adamw",
-    "sgd": "optirs_step_sgd",
-    "rmsprop": "optirs_step_rmsprop",
-    "adagrad": "optirs_step_adagrad",
-    "lamb": "optirs_step_lamb",
-}
-OPTIMIZER_NAMES = tuple(STEP_HOOKS)

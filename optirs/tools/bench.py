@@ -34,12 +34,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from optirs.core.simulator import cuda_simulator_enabled
+from optirs.plugin.registry import SUPPORTED_BACKENDS
+
 FLAT = 256 * 2**20
 MODEL_TOTAL = 134_000_000
 MODEL_TENSORS = 300
 SMALL_TOTAL = 1_000_000
 SMALL_TENSORS = 50
 CASES = ("flat", "model", "small")
+# DeviceInfo.kind values of devices that are the host's processor (the numpy peer runs there too).
+HOST_DEVICE_KINDS = frozenset({"cpu"})
 
 # Bytes per element each optimizer must move with the default hyperparameters used here:
 # read p, g and every state slot, write p and every state slot (4 bytes each). LAMB needs the
@@ -83,7 +88,8 @@ def case_sizes(case: str, scale: float) -> List[int]:
 
 
 class Kind:
-    """Arrays, synchronization and timing for one backend's device."""
+    """Arrays, synchronization and timing for one backend's device, through the backend's own hooks
+    (so any backend, a third party's too, is measured); subclasses refine timing and the copy peer."""
 
     name = "cpu"
 
@@ -91,13 +97,13 @@ class Kind:
         self.backend = backend
 
     def make(self, host: np.ndarray) -> Any:
-        return host.copy()
+        return self.backend.to_device(self.backend.ctx, host)
 
     def to_host(self, array: Any) -> np.ndarray:
-        return np.array(array, copy=True)
+        return np.asarray(self.backend.to_host(self.backend.ctx, array))
 
     def sync(self) -> None:
-        pass
+        self.backend.synchronize()
 
     def time_ms(self, fn: Callable[[], None], reps: int) -> float:
         """Milliseconds per call over ``reps`` back-to-back calls (device finished)."""
@@ -166,7 +172,7 @@ class CudaKind(Kind):
         self.cuda.synchronize()
 
     def time_ms(self, fn: Callable[[], None], reps: int) -> float:
-        if getattr(self.backend.ctx, "simulator", False):
+        if cuda_simulator_enabled():  # the simulator has no events: host timing
             return super().time_ms(fn, reps)
         start, stop = self.cuda.event(), self.cuda.event()
         start.record()
@@ -343,7 +349,7 @@ def _versions() -> Dict[str, str]:
     try:
         from numba import cuda
 
-        if cuda.is_available() and not getattr(cuda, "simulator_enabled", False):
+        if not cuda_simulator_enabled() and cuda.is_available():
             ver = cuda.cudadrv.driver.driver.get_version()
             out["cuda_driver"] = ".".join(str(v) for v in ver)
     except Exception:
@@ -445,7 +451,7 @@ def run(args: argparse.Namespace, console: Any) -> Report:
     report.settings = {"size_scale": args.size_scale, "reps": args.reps, "repeats": args.repeats,
                        "warmup": args.warmup, "cases": args.cases, "optimizers": optimizers}
     statuses = {s.name: s for s in optirs.list_backends()}
-    names = args.backends or [n for n in ("cuda", "opencl", "cpu") if n in statuses]
+    names = args.backends or [n for n in SUPPORTED_BACKENDS if n in statuses]
     torch = None
     if not args.no_torch:
         try:
@@ -463,6 +469,8 @@ def run(args: argparse.Namespace, console: Any) -> Report:
                 continue
             backend = optirs.get_backend(bname)
             kind = make_kind(backend)
+            # numpy's loops are a peer only where the backend computes on the host's own processor.
+            on_host = any(d.kind in HOST_DEVICE_KINDS for d in backend.devices[:1])
             report.devices[bname] = kind.describe()
             flat_n = case_sizes("flat", args.size_scale)[0]
             gbps, method = measure_copy(kind, flat_n, args.reps, args.repeats)
@@ -494,7 +502,7 @@ def run(args: argparse.Namespace, console: Any) -> Report:
                             report.rows.append(_row(bname, f"torch {mode}", name, case, sizes, torch_ms, torch_ms, None,
                                                     report.copy_gbps[bname], ""))
                         del tp, topt
-                    if bname == "cpu" and not args.no_numpy:
+                    if on_host and not args.no_numpy:
                         fn = numpy_step(name, hps[name])
                         if fn is not None:
                             nps = [h.copy() for h in hosts_p]

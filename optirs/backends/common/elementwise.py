@@ -15,6 +15,9 @@ from __future__ import annotations
 import math
 
 from numba import njit
+from numba.extending import overload
+
+from optirs.core.definitions import DEFINITIONS
 
 
 @njit(cache=True, error_model="numpy")
@@ -105,3 +108,73 @@ def lamb_trust_ratio(param_norm, update_norm, max_trust_ratio):
 def clip_scale(norm, max_norm):
     """The global gradient clipping factor min(1, max_norm / norm); ``max_norm`` 0 means off."""
     return max_norm / norm if 0.0 < max_norm < norm else 1.0
+
+
+# ---------------------------------------------------------------- the generic kernels' element steps
+# Every elementwise kernel family has one element step of one shape,
+# ``(p, g, s0, s1, s2, sc) -> (p, s0, s1, s2)``: slot k is the definition's k-th state slot
+# (optirs.core.definitions); a slot the hyperparameters do not use comes in as 0 and its result is
+# dropped. The generic loops (a CPU chunk loop, a CUDA grid) are written once against this shape.
+
+ELEMENT_STEPS = {}
+
+
+def element_step(family: str):
+    """Register the element step of kernel family ``family`` (a definition's ``kernel``)."""
+
+    def register(fn):
+        ELEMENT_STEPS[family] = fn
+        return fn
+
+    return register
+
+
+@element_step("adam")
+@njit(cache=True, error_model="numpy")
+def adam_element(p, g, m, v, vmax, sc):
+    return adam_update(p, g, m, v, vmax, sc)
+
+
+@element_step("sgd")
+@njit(cache=True, error_model="numpy")
+def sgd_element(p, g, buf, unused1, unused2, sc):
+    p, buf = sgd_update(p, g, buf, sc)
+    return p, buf, unused1, unused2
+
+
+@element_step("rmsprop")
+@njit(cache=True, error_model="numpy")
+def rmsprop_element(p, g, square_avg, buf, grad_avg, sc):
+    return rmsprop_update(p, g, square_avg, buf, grad_avg, sc)
+
+
+@element_step("adagrad")
+@njit(cache=True, error_model="numpy")
+def adagrad_element(p, g, acc, unused1, unused2, sc):
+    p, acc = adagrad_update(p, g, acc, sc)
+    return p, acc, unused1, unused2
+
+
+def _by_scalars_type():
+    return {d.scalars_type: ELEMENT_STEPS[d.kernel] for d in DEFINITIONS.values() if d.kernel in ELEMENT_STEPS}
+
+
+def element_update(p, g, s0, s1, s2, sc):
+    """The element step for ``sc``'s kernel family (chosen by the type of the scalars record).
+
+    In compiled code the choice is made once, at typing time (the overload below), so a generic
+    loop calling this compiles to the family's own math and caches on disk per family.
+    """
+    return _by_scalars_type()[type(sc)](p, g, s0, s1, s2, sc)
+
+
+@overload(element_update, jit_options={"error_model": "numpy"})
+def _element_update_typed(p, g, s0, s1, s2, sc):
+    fn = _by_scalars_type().get(getattr(sc, "instance_class", None))
+    if fn is None:
+        return None
+
+    def impl(p, g, s0, s1, s2, sc):
+        return fn(p, g, s0, s1, s2, sc)
+
+    return impl

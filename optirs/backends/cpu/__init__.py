@@ -18,10 +18,9 @@ import numpy as np
 from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 from optirs.backends.cpu.fake_quant import CpuFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
 
-# Elements per chunk: large enough to amortise the loop's bookkeeping, small enough to balance
-# a model of uneven tensors over the threads.
-CHUNK = 1 << 15
+from optirs.backends.cpu.steps import CHUNK, CpuSteps
 
 
 def cpu_name() -> str:
@@ -65,8 +64,8 @@ class CpuContext:
         return hit[1]
 
 
-class CpuBackend(CpuFakeQuant):
-    """numba.njit kernels on the host's cores."""
+class CpuDevice:
+    """The device hooks: probing, opening, memory, staging."""
 
     @hookimpl
     def optirs_plugin_info(self) -> Dict[str, str]:
@@ -119,46 +118,16 @@ class CpuBackend(CpuFakeQuant):
     def optirs_synchronize(self, ctx: CpuContext) -> None:
         return None
 
-    @hookimpl
-    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars) -> None:
-        v = state["exp_avg_sq"]
-        chunks = layout.chunks(CHUNK)
-        ctx.kernels.adam(params, grads, state["exp_avg"], v, state.get("max_exp_avg_sq", v),
-                         layout.offsets, *chunks, scalars)
-
-    @hookimpl
-    def optirs_step_adamw(self, ctx, params, grads, state, layout, scalars) -> None:
-        self.optirs_step_adam(ctx, params, grads, state, layout, scalars)
-
-    @hookimpl
-    def optirs_step_sgd(self, ctx, params, grads, state, layout, scalars) -> None:
-        buf = state.get("momentum_buffer", _EMPTY)
-        ctx.kernels.sgd(params, grads, buf, layout.offsets, *layout.chunks(CHUNK), scalars)
-
-    @hookimpl
-    def optirs_step_rmsprop(self, ctx, params, grads, state, layout, scalars) -> None:
-        ctx.kernels.rmsprop(params, grads, state["square_avg"], state.get("momentum_buffer", _EMPTY),
-                            state.get("grad_avg", _EMPTY), layout.offsets, *layout.chunks(CHUNK), scalars)
-
-    @hookimpl
-    def optirs_step_adagrad(self, ctx, params, grads, state, layout, scalars) -> None:
-        ctx.kernels.adagrad(params, grads, state["sum"], layout.offsets, *layout.chunks(CHUNK), scalars)
-
-    @hookimpl
-    def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
-        ctx.kernels.lamb(params, grads, state["exp_avg"], state["exp_avg_sq"], layout.offsets,
-                         *layout.chunks(CHUNK), len(layout), scalars)
-
-
-# Stands in for a state slot the hyperparameters do not use (never indexed).
-_EMPTY = np.zeros(0, dtype=np.float32)
-
 
 def _available_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant):
+    """numba.njit kernels on the host's cores: one mixin per capability."""
 
 
 plugin = CpuBackend()

@@ -4,6 +4,8 @@ Each kernel runs one parallel loop over the chunk table (tensor, start, stop). A
 plain slices of its tensor and of the flat state buffers and runs a simple counted loop that
 calls the per-element function from :mod:`optirs.backends.common.elementwise`; written this way (flags
 tested outside the loop, IEEE division via ``error_model="numpy"``) LLVM vectorizes it.
+``pointwise`` serves every elementwise optimizer (its element step is chosen by the scalars'
+type when it compiles, and cached on disk per optimizer family); LAMB has passes of its own.
 Parameters and gradients are numba typed lists of 1-D views.
 """
 
@@ -13,8 +15,8 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from optirs.backends.common.elementwise import (adagrad_update, adam_update, clip_scale, lamb_direction, lamb_moments,
-                          lamb_trust_ratio, rmsprop_update, sgd_update)
+from optirs.backends.common.elementwise import (clip_scale, element_update, lamb_direction, lamb_moments,
+                                               lamb_trust_ratio)
 
 jit = njit(parallel=True, cache=True, error_model="numpy")
 
@@ -27,66 +29,50 @@ def typed_list(arrays):
 
 
 @jit
-def adam(ps, gs, m, v, vmax, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
+def pointwise(ps, gs, s0, s1, s2, used, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
+    """Every elementwise optimizer: the element step of ``sc``'s family over the chunk table.
+
+    Bit k of ``used`` says state slot k exists. Each combination has its own inner loop, so
+    the flags are tested once per chunk and LLVM vectorizes a plain counted loop; a missing
+    slot is read as 0 and never written.
+    """
+    zero = np.float32(0.0)
     for c in prange(chunk_tensor.shape[0]):
         t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
         o = offsets[t] + s
-        p, g, mc, vc = ps[t][s:e], gs[t][s:e], m[o : o + e - s], v[o : o + e - s]
-        if sc.amsgrad:
-            xc = vmax[o : o + e - s]
-            for i in range(e - s):
-                p[i], mc[i], vc[i], xc[i] = adam_update(p[i], g[i], mc[i], vc[i], xc[i], sc)
-        else:
-            for i in range(e - s):
-                p[i], mc[i], vc[i], _ = adam_update(p[i], g[i], mc[i], vc[i], vc[i], sc)
-
-
-@jit
-def sgd(ps, gs, buf, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
-    for c in prange(chunk_tensor.shape[0]):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        o = offsets[t] + s
+        n = e - s
         p, g = ps[t][s:e], gs[t][s:e]
-        if sc.has_momentum:
-            b = buf[o : o + e - s]
-            for i in range(e - s):
-                p[i], b[i] = sgd_update(p[i], g[i], b[i], sc)
+        if used == 7:
+            a, b, x = s0[o : o + n], s1[o : o + n], s2[o : o + n]
+            for i in range(n):
+                p[i], a[i], b[i], x[i] = element_update(p[i], g[i], a[i], b[i], x[i], sc)
+        elif used == 3:
+            a, b = s0[o : o + n], s1[o : o + n]
+            for i in range(n):
+                p[i], a[i], b[i], _ = element_update(p[i], g[i], a[i], b[i], zero, sc)
+        elif used == 5:
+            a, x = s0[o : o + n], s2[o : o + n]
+            for i in range(n):
+                p[i], a[i], _, x[i] = element_update(p[i], g[i], a[i], zero, x[i], sc)
+        elif used == 1:
+            a = s0[o : o + n]
+            for i in range(n):
+                p[i], a[i], _, _ = element_update(p[i], g[i], a[i], zero, zero, sc)
+        elif used == 6:
+            b, x = s1[o : o + n], s2[o : o + n]
+            for i in range(n):
+                p[i], _, b[i], x[i] = element_update(p[i], g[i], zero, b[i], x[i], sc)
+        elif used == 2:
+            b = s1[o : o + n]
+            for i in range(n):
+                p[i], _, b[i], _ = element_update(p[i], g[i], zero, b[i], zero, sc)
+        elif used == 4:
+            x = s2[o : o + n]
+            for i in range(n):
+                p[i], _, _, x[i] = element_update(p[i], g[i], zero, zero, x[i], sc)
         else:
-            for i in range(e - s):
-                p[i], _ = sgd_update(p[i], g[i], g[i], sc)
-
-
-@jit
-def rmsprop(ps, gs, square_avg, buf, grad_avg, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
-    for c in prange(chunk_tensor.shape[0]):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        o = offsets[t] + s
-        p, g, sq = ps[t][s:e], gs[t][s:e], square_avg[o : o + e - s]
-        # Unused slots alias square_avg and are never written back.
-        b = buf[o : o + e - s] if sc.has_momentum else sq
-        a = grad_avg[o : o + e - s] if sc.centered else sq
-        if sc.has_momentum and sc.centered:
-            for i in range(e - s):
-                p[i], sq[i], b[i], a[i] = rmsprop_update(p[i], g[i], sq[i], b[i], a[i], sc)
-        elif sc.has_momentum:
-            for i in range(e - s):
-                p[i], sq[i], b[i], _ = rmsprop_update(p[i], g[i], sq[i], b[i], sq[i], sc)
-        elif sc.centered:
-            for i in range(e - s):
-                p[i], sq[i], _, a[i] = rmsprop_update(p[i], g[i], sq[i], sq[i], a[i], sc)
-        else:
-            for i in range(e - s):
-                p[i], sq[i], _, _ = rmsprop_update(p[i], g[i], sq[i], sq[i], sq[i], sc)
-
-
-@jit
-def adagrad(ps, gs, acc, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
-    for c in prange(chunk_tensor.shape[0]):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        o = offsets[t] + s
-        p, g, a = ps[t][s:e], gs[t][s:e], acc[o : o + e - s]
-        for i in range(e - s):
-            p[i], a[i] = adagrad_update(p[i], g[i], a[i], sc)
+            for i in range(n):
+                p[i], _, _, _ = element_update(p[i], g[i], zero, zero, zero, sc)
 
 
 # Sums of squares for LAMB's norms, in float64. ``reassoc`` lets LLVM split the sum over vector

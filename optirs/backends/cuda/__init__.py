@@ -29,7 +29,9 @@ import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
 from optirs.backends.cuda.fake_quant import CudaFakeQuant
+from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
@@ -38,7 +40,7 @@ _LRU = 8  # cached pointer tables per layout, prepared launches per context
 
 
 def _simulator() -> bool:
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+    return cuda_simulator_enabled()
 
 
 # ------------------------------------------------------------------ arrays and addresses
@@ -439,8 +441,8 @@ def _device_index(device: Any) -> int:
 # ------------------------------------------------------------------ the plugin
 
 
-class CudaBackend(CudaFakeQuant):
-    """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator)."""
+class CudaDevice:
+    """The device hooks: probing, opening, memory, staging."""
 
     @hookimpl
     def optirs_plugin_info(self) -> Dict[str, str]:
@@ -545,75 +547,12 @@ class CudaBackend(CudaFakeQuant):
     def optirs_synchronize(self, ctx: CudaContext) -> None:
         ctx.cuda.synchronize()
 
-    # ------------------------------------------------ steps
 
-    @staticmethod
-    def _pointers(ctx: CudaContext, params: Any, grads: Any, layout: Any):
-        paddr = getattr(params, "addresses", None)
-        gaddr = getattr(grads, "addresses", None)
-        if paddr is None or gaddr is None:  # called directly with device arrays
-            paddr = tuple(device_address(a) for a in params)
-            gaddr = tuple(device_address(a) for a in grads)
-        return ctx.pointer_table(layout, paddr, gaddr)
+from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
-    def _generic(self, ctx, name, params, grads, state, layout, scalars, slots) -> None:
-        if layout.total == 0:
-            return
-        compiled, chunk, grid, block = ctx.plan(name, ctx.kernels.STEP_FUNCTIONS[name], "step", scalars, layout)
-        chunks, nchunks = ctx.chunk_table(layout, chunk)
-        ptrs = self._pointers(ctx, params, grads, layout)
-        addrs, used = [0, 0, 0], 0
-        for k, slot in enumerate(slots):
-            if slot is not None and slot in state:
-                addrs[k] = device_address(state[slot])
-                used |= 1 << k
-        ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, scalars), grid, block)
 
-    @hookimpl
-    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars) -> None:
-        self._generic(ctx, "adam", params, grads, state, layout, scalars, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
-
-    @hookimpl
-    def optirs_step_adamw(self, ctx, params, grads, state, layout, scalars) -> None:
-        self.optirs_step_adam(ctx, params, grads, state, layout, scalars)
-
-    @hookimpl
-    def optirs_step_sgd(self, ctx, params, grads, state, layout, scalars) -> None:
-        self._generic(ctx, "sgd", params, grads, state, layout, scalars, ("momentum_buffer", None, None))
-
-    @hookimpl
-    def optirs_step_rmsprop(self, ctx, params, grads, state, layout, scalars) -> None:
-        self._generic(ctx, "rmsprop", params, grads, state, layout, scalars, ("square_avg", "momentum_buffer", "grad_avg"))
-
-    @hookimpl
-    def optirs_step_adagrad(self, ctx, params, grads, state, layout, scalars) -> None:
-        self._generic(ctx, "adagrad", params, grads, state, layout, scalars, ("sum", None, None))
-
-    @hookimpl
-    def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
-        if layout.total == 0:
-            return
-        ptrs = self._pointers(ctx, params, grads, layout)
-        ntensors = len(layout)
-        acc = layout.cache.get("cuda.lamb_acc")
-        if acc is None:  # per-tensor sums, two alternating rows (see cuda_kernels)
-            acc = layout.cache["cuda.lamb_acc"] = [ctx.cuda.to_device(np.zeros((2, 2 * ntensors + 1))), 0]
-        sums, q = acc
-        m, v = device_address(state["exp_avg"]), device_address(state["exp_avg_sq"])
-        fns = ctx.kernels.LAMB_FUNCTIONS
-        passes = (("lamb_moments", "moments", "lamb", (m, v)), ("lamb_apply", "apply", "lamb", (m, v)))
-        if scalars.max_grad_norm > 0:
-            passes = (("lamb_grad_norm", "grad_norm", "grad_norm", ()),) + passes
-        try:
-            for name, fn, family, slots in passes:
-                compiled, chunk, grid, block = ctx.plan(name, fns[fn], family, scalars, layout)
-                chunks, nchunks = ctx.chunk_table(layout, chunk)
-                ctx.launch(compiled, (chunks, ptrs, nchunks, *slots, sums, q, ntensors, scalars), grid, block)
-        except Exception:
-            acc[0] = ctx.cuda.to_device(np.zeros((2, 2 * ntensors + 1)))  # start the sums clean
-            acc[1] = 0
-            raise
-        acc[1] = 1 - q
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant):
+    """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 
 plugin = CudaBackend()

@@ -30,16 +30,12 @@ import numba
 import numpy as np
 from numba import cuda, float64
 
-from optirs.backends.common.elementwise import (adagrad_update, adam_update, clip_scale, lamb_direction, lamb_moments,
-                          lamb_trust_ratio, rmsprop_update, sgd_update)
+from optirs.backends.common.elementwise import (ELEMENT_STEPS, clip_scale, lamb_direction, lamb_moments,
+                                               lamb_trust_ratio)
 
-SIMULATOR = bool(cuda.simulator_enabled if hasattr(cuda, "simulator_enabled") else False)
-try:  # the authoritative switch
-    from numba.cuda import config as _config
+from optirs.core.simulator import cuda_simulator_enabled
 
-    SIMULATOR = bool(_config.ENABLE_CUDASIM)
-except Exception:  # pragma: no cover
-    pass
+SIMULATOR = cuda_simulator_enabled()
 
 # Elements per chunk, at least: a multiple of 1024, small enough that the last round of blocks
 # leaves few SMs idle. Larger blocks get larger chunks (chunk_elements), so that every thread
@@ -154,34 +150,9 @@ def ld_if(flag, addr):
     return _F32(0.0)
 
 
-# ------------------------------------------------------------------ per-optimizer element adapters
-# Every adapter has the generic kernel's shape: (p, g, slot0, slot1, slot2, sc) -> (p, slot0..2).
-
-
-@_device
-def _adam(p, g, m, v, vmax, sc):
-    return adam_update(p, g, m, v, vmax, sc)
-
-
-@_device
-def _sgd(p, g, buf, unused1, unused2, sc):
-    p, buf = sgd_update(p, g, buf, sc)
-    return p, buf, unused1, unused2
-
-
-@_device
-def _rmsprop(p, g, square_avg, buf, grad_avg, sc):
-    return rmsprop_update(p, g, square_avg, buf, grad_avg, sc)
-
-
-@_device
-def _adagrad(p, g, acc, unused1, unused2, sc):
-    p, acc = adagrad_update(p, g, acc, sc)
-    return p, acc, unused1, unused2
-
-
-def _make_step_kernel(update):
-    """The generic one-launch step kernel around one element adapter.
+def _make_step_kernel(update, family):
+    """The generic one-launch step kernel around one family's element step
+    ``(p, g, slot0, slot1, slot2, sc) -> (p, slot0..2)`` (optirs.backends.common.elementwise).
 
     ``s0``..``s2`` are the state slots' base addresses; bit k of ``used`` says slot k exists
     (an unused slot is neither read nor written).
@@ -241,17 +212,13 @@ def _make_step_kernel(update):
                 i += nthreads
             c += cuda.gridDim.x
 
-    step.__name__ = f"step_{update.__name__.strip('_') if hasattr(update, '__name__') else 'kernel'}"
+    step.__name__ = step.__qualname__ = f"step_{family}"
     return step
 
 
-# The Python functions (compiled lazily by the backend for the scalars' numba type).
-STEP_FUNCTIONS = {
-    "adam": _make_step_kernel(_adam),
-    "sgd": _make_step_kernel(_sgd),
-    "rmsprop": _make_step_kernel(_rmsprop),
-    "adagrad": _make_step_kernel(_adagrad),
-}
+# The generic kernel around each elementwise family's element step (compiled lazily by the
+# backend for the scalars' numba type).
+STEP_FUNCTIONS = {family: _make_step_kernel(update, family) for family, update in ELEMENT_STEPS.items()}
 
 
 # ------------------------------------------------------------------ LAMB

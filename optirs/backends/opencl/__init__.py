@@ -22,19 +22,19 @@ pyopencl is imported only when the backend is probed or opened.
 
 from __future__ import annotations
 
-import importlib.resources
 import os
-import re
 import threading
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core import scalars as sc_mod
+from optirs.backends.common.opencl_source import program_source
+from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
 from optirs.backends.opencl.fake_quant import OpenclFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
@@ -44,34 +44,31 @@ SLOTS = 16
 # Work-group size asked for (lowered to the device's limit, kept a power of two for reductions).
 WORK_GROUP = 256
 KERNEL_FILE = "optirs_steps.cl"
-ELEMENTWISE = ("adam", "sgd", "rmsprop", "adagrad")
-# The scalar record of each kernel family (optirs.core.scalars), passed by value as a struct.
-RECORDS = {"adam": sc_mod.AdamScalars, "sgd": sc_mod.SgdScalars, "rmsprop": sc_mod.RmspropScalars,
-           "adagrad": sc_mod.AdagradScalars, "lamb": sc_mod.LambScalars}
+# The elementwise kernel families (each gets <family>_flat4/_flat1/_chunks from STEP_KERNELS) and
+# the scalar record of every family (optirs.core.scalars), passed by value as a struct.
+ELEMENTWISE = tuple(dict.fromkeys(d.kernel for d in DEFINITIONS.values() if d.pointwise))
+RECORDS = {d.kernel: d.scalars_type for d in DEFINITIONS.values()}
 # OpenCL error codes that mean "out of memory".
 _MEMORY_CODES = {-4, -5, -6, -61}  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY, INVALID_BUFFER_SIZE
 _MISSING = object()
-_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 
 
 # ---------------------------------------------------------------- sources and records
 
 
 def kernel_source() -> str:
-    """The program text: the kernel file with its ``#include "..."`` lines replaced by the headers.
-
-    Headers are inlined on the host rather than found with ``-I``: no path quoting issues, and
-    drivers that cache binaries by source text (NVIDIA's does) see every header change.
-    """
-    root = importlib.resources.files("optirs.backends.common") / "kernels"
-
-    def expand(name: str, depth: int = 0) -> str:
-        if depth > 8:
-            raise GpuOptimError(f"#include nesting too deep at {name!r} in the optirs OpenCL sources")
-        text = (root / name).read_text(encoding="utf-8")
-        return _INCLUDE.sub(lambda m: expand(m.group(1), depth + 1), text)
-
-    return expand(KERNEL_FILE)
+    """The program text: optirs_steps.cl with its headers inlined, then the kernels of every
+    elementwise family and the struct-size check, generated from the definitions."""
+    sizes = "\n".join(f"    out[{k}] = (int)sizeof({family}_scalars);" for k, family in enumerate(RECORDS))
+    return "\n".join([
+        program_source(KERNEL_FILE),
+        *(f"STEP_KERNELS({family})" for family in ELEMENTWISE),
+        "/* Lets the host check that its numpy records have the structs' sizes. */",
+        "__kernel void optirs_struct_sizes(__global int *out)\n{",
+        sizes,
+        f"    out[{len(RECORDS)}] = (int)sizeof(acc_t);",
+        "}",
+    ])
 
 
 def record_dtype(record: type) -> np.dtype:
@@ -317,15 +314,15 @@ class OpenclContext:
 
     def _check_structs(self) -> int:
         cl = self.cl
-        out = np.zeros(6, np.int32)
+        out = np.zeros(len(RECORDS) + 1, np.int32)
         buf = cl.Buffer(self.context, cl.mem_flags.WRITE_ONLY, out.nbytes)
         self.kernels["optirs_struct_sizes"](self.queue, (1,), None, buf)
         cl.enqueue_copy(self.queue, out, buf)
-        for size, (name, dtype) in zip(out[:5], self.records.items()):
+        for size, (name, dtype) in zip(out[:-1], self.records.items()):
             if size != dtype.itemsize:
                 raise GpuOptimError(f"OpenCL struct {name}_scalars is {size} bytes but the host record "
                                     f"{RECORDS[name].__name__} is {dtype.itemsize}: optirs_scalars.h and optirs.core.scalars disagree")
-        return int(out[5])
+        return int(out[-1])
 
     # ------------------------------------------------------------ memory
 
@@ -546,7 +543,7 @@ def _lamb_scratch(ctx: OpenclContext, layout: Any, tables: _Tables) -> Tuple[Any
 # ---------------------------------------------------------------- the plugin
 
 
-class OpenclBackend(OpenclFakeQuant):
+class OpenclDevice:
     """OpenCL C kernels through pyopencl, on the device the options (or PYOPENCL_CTX) choose."""
 
     @hookimpl
@@ -637,33 +634,30 @@ class OpenclBackend(OpenclFakeQuant):
     def optirs_synchronize(self, ctx: OpenclContext) -> None:
         ctx.queue.finish()
 
-    # ------------------------------------------------------------ steps
 
-    @hookimpl
-    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars) -> None:
-        v = state["exp_avg_sq"]
-        _elementwise(ctx, "adam", params, grads, (state["exp_avg"], v, state.get("max_exp_avg_sq")), layout, scalars)
+def _pointwise_step(definition: OptimizerDefinition) -> Callable:
+    names = definition.slot_names()
 
-    @hookimpl
-    def optirs_step_adamw(self, ctx, params, grads, state, layout, scalars) -> None:
-        self.optirs_step_adam(ctx, params, grads, state, layout, scalars)
+    def step(self, ctx, params, grads, state, layout, scalars) -> None:
+        slots = tuple(state.get(names[k]) if k < len(names) else None for k in range(3))
+        _elementwise(ctx, definition.kernel, params, grads, slots, layout, scalars)
 
-    @hookimpl
-    def optirs_step_sgd(self, ctx, params, grads, state, layout, scalars) -> None:
-        _elementwise(ctx, "sgd", params, grads, (state.get("momentum_buffer"), None, None), layout, scalars)
+    step.__name__ = step.__qualname__ = definition.hook
+    step.__doc__ = f"{definition.summary} (the generic STEP_KERNELS of its family)"
+    return hookimpl(step)
 
-    @hookimpl
-    def optirs_step_rmsprop(self, ctx, params, grads, state, layout, scalars) -> None:
-        slots = (state["square_avg"], state.get("momentum_buffer"), state.get("grad_avg"))
-        _elementwise(ctx, "rmsprop", params, grads, slots, layout, scalars)
 
-    @hookimpl
-    def optirs_step_adagrad(self, ctx, params, grads, state, layout, scalars) -> None:
-        _elementwise(ctx, "adagrad", params, grads, (state["sum"], None, None), layout, scalars)
+class OpenclSteps:
+    """The dense step of every optimizer definition."""
 
     @hookimpl
     def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
         _lamb(ctx, params, grads, state["exp_avg"], state["exp_avg_sq"], layout, scalars)
+
+
+for _definition in DEFINITIONS.values():
+    if _definition.pointwise:
+        setattr(OpenclSteps, _definition.hook, _pointwise_step(_definition))
 
 
 # ---------------------------------------------------------------- staging
@@ -788,6 +782,10 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
                 k["lamb_apply"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, ratio, rec)
         except cl.Error as exc:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
+
+
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant):
+    """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 
 plugin = OpenclBackend()

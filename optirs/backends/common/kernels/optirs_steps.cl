@@ -12,7 +12,8 @@
  * LAMB runs as chunked passes: [gradient-norm partials, finish,] moments + per-chunk norm
  * partials, per-tensor trust ratios, apply.
  *
- * The host defines OPTIRS_WG (work-group size, a power of two) and OPTIRS_CHUNK.
+ * The host defines OPTIRS_WG (work-group size, a power of two) and OPTIRS_CHUNK, and appends the
+ * elementwise families' kernels and the struct-size check (optirs/backends/opencl).
  */
 #pragma OPENCL FP_CONTRACT OFF /* no a*b+c -> fma contraction: same rounding as the numba backends */
 
@@ -48,17 +49,6 @@ typedef float acc_t;
 #include "optirs_elementwise.h"
 #undef T
 #undef SUFFIX
-
-/* Lets the host check that its numpy records have the structs' sizes. */
-__kernel void optirs_struct_sizes(__global int *out)
-{
-    out[0] = (int)sizeof(adam_scalars);
-    out[1] = (int)sizeof(sgd_scalars);
-    out[2] = (int)sizeof(rmsprop_scalars);
-    out[3] = (int)sizeof(adagrad_scalars);
-    out[4] = (int)sizeof(lamb_scalars);
-    out[5] = (int)sizeof(acc_t);
-}
 
 /* ---------------------------------------------------------------- buffer slots */
 
@@ -141,10 +131,8 @@ void OPT##_chunks(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *S0,  
     }                                                                                            \
 }
 
-STEP_KERNELS(adam)
-STEP_KERNELS(sgd)
-STEP_KERNELS(rmsprop)
-STEP_KERNELS(adagrad)
+/* The host appends STEP_KERNELS(<family>) for every elementwise family of optirs.core.definitions,
+ * and optirs_struct_sizes, which reports each family's struct size (see optirs/backends/opencl). */
 
 /* ---------------------------------------------------------------- reductions */
 
