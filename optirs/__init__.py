@@ -32,8 +32,8 @@ _LAZY = {
                                   "OccupancyLimiter", "OccupancyResult", "SmResourceLimits"],
     "optirs.analysis.quantization": ["fake_quant_backward", "fake_quant_fp8", "fake_quant_int",
                                      "fake_quant_int_per_channel", "per_channel_params", "Fp8Format", "IntDtype",
-                                     "QatConfig", "QatOptimizer", "QuantParams", "QuantScheme", "QuantTarget",
-                                     "RoundingMode"],
+                                     "QuantParams", "QuantScheme", "QuantTarget", "RoundingMode"],
+    "optirs.optim.qat": ["QatConfig", "QatOptimizer"],
     "optirs.optim.sparse": ["CooGradient", "CsrGradient", "LazyAdamMode", "SparseAdam", "SparseAdamConfig",
                                 "SparseAdamTable", "SparseSgd", "SparseSgdConfig", "SparseSgdTable"],
 }

@@ -4,8 +4,6 @@ every fake-quant backend installed here (numpy, cpu, cuda or its simulator, open
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,12 +11,16 @@ from hypothesis import strategies as st
 
 from optirs import (AdamParams, GpuAdam, GpuOptimizerConfig, GpuSgd, InvalidParameterError, ShapeMismatchError,
                     SgdParams, UnsupportedOperationError)
+import optirs
 from optirs.core import reference
+from optirs.core.simulator import cuda_simulator_enabled
 from optirs.analysis import quantization as qz
-from optirs.analysis.quantization import (Fp8Format, IntDtype, QatConfig, QatOptimizer, QuantParams, QuantScheme,
-                                          QuantTarget, RoundingMode, fake_quant_backward, fake_quant_fp8,
-                                          fake_quant_int, fake_quant_int_per_channel, per_channel_params,
-                                          per_tensor_params)
+from optirs.analysis.quantization import (Fp8Format, IntDtype, QuantParams, QuantScheme, QuantTarget, RoundingMode,
+                                          fake_quant_backward, fake_quant_fp8, fake_quant_int,
+                                          fake_quant_int_per_channel, per_channel_params, per_tensor_params)
+from optirs.optim.qat import QatConfig, QatOptimizer
+
+from conftest import FakeHostBackend, from_backend_array, to_backend_array  # noqa: E402
 
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -237,17 +239,11 @@ def test_random_parameters_and_bit_patterns_match_torch(data):
 
 
 def to_device(backend, host):
-    if backend == "cuda":
-        from numba import cuda
-
-        return cuda.to_device(host)
-    import pyopencl.array as cla
-
-    return cla.to_device(qz._opencl_queue(), host)
+    return to_backend_array(backend, host)
 
 
 def to_host(a):
-    return a.copy_to_host() if hasattr(a, "copy_to_host") else a.get()
+    return from_backend_array(a)
 
 
 @pytest.mark.parametrize("qbackend", [p for p in BACKENDS if p.values[0] in ("cuda", "opencl")])
@@ -724,12 +720,12 @@ def test_qat_freeze_observers(rng):
 def test_cuda_element_compiles_for_sm90_without_fma():
     """The per-element device code compiles for sm_90, and no multiply is fused into an FMA
     (which would skip the float32 rounding of x * inv_scale torch performs)."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    if cuda_simulator_enabled():
         pytest.skip("numba's simulator is on: no PTX to inspect")
     from numba import cuda
     from numba.cuda import libdevice
 
-    from optirs.analysis.quantization_kernels import fq_element
+    from optirs.backends.common.fake_quant import fq_element
 
     sig = "Tuple((float32, boolean))(float32, float32, float32, float32, float32, boolean, boolean, uint64, uint64, int64)"
     ptx, _ = cuda.compile_ptx(fq_element, sig, device=True, cc=(9, 0))
@@ -751,6 +747,51 @@ def test_cuda_element_compiles_for_sm90_without_fma():
 
     ptx, _ = cuda.compile_ptx(plain, "(float32[:], float32[:], float32, float32)", cc=(9, 0))
     assert "\tfma.rn.f32" in ptx
+
+
+# ------------------------------------------------------------------ the fake_quant capability
+
+
+def test_backend_without_the_hooks_raises_naming_it_and_the_capability(fresh_registry, rng):
+    """A backend that does not implement fake_quant is refused by name, and nothing is computed."""
+    optirs.register_plugin(FakeHostBackend(), "nofq")
+    x = rng.standard_normal(10).astype(np.float32)
+    qp, qpc = QuantParams(0.1, 0), QuantParams(np.full(2, 0.1, np.float32), np.zeros(2), axis=0)
+    bound = optirs.get_backend("nofq")
+    assert not bound.supports(qz.CAPABILITY)
+    calls = (lambda b: fake_quant_int(x, qp, backend=b),
+             lambda b: fake_quant_int_per_channel(x.reshape(2, 5), qpc, backend=b),
+             lambda b: fake_quant_backward(x, x, qp, backend=b))
+    for call in calls:
+        for backend in ("nofq", bound):
+            with pytest.raises(UnsupportedOperationError, match=r"backend 'nofq' does not implement the 'fake_quant'"):
+                call(backend)
+    with pytest.raises(UnsupportedOperationError, match=r"'nofq'.*'fake_quant'"):
+        QatOptimizer(GpuSgd(SgdParams(lr=0.1), GpuOptimizerConfig("cpu")), QatConfig(backend="nofq"))
+
+
+def test_fake_quant_on_every_feature_backend(feature_backend, rng):
+    """Through the bound backend object: the built-ins match the reference bit for bit; the
+    third-party example (no fake_quant hooks) is refused naming it and the capability."""
+    bound = optirs.get_backend(feature_backend)
+    x = np.concatenate([SPECIALS, (rng.standard_normal(50) * 3).astype(np.float32)]).reshape(8, 8)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    qp = QuantParams(0.05, 3, -128, 127)
+    qpc = QuantParams(np.linspace(0.01, 0.3, 8).astype(np.float32), np.arange(8) - 4, -128, 127, axis=1)
+    if not bound.supports(qz.CAPABILITY):
+        with pytest.raises(UnsupportedOperationError, match=rf"backend '{feature_backend}'.*'fake_quant'"):
+            fake_quant_int(x, qp, backend=bound)
+        return
+    assert_bits_equal(fake_quant_int(x, qp, backend=bound), torch_fq_tensor(x, 0.05, 3, -128, 127)[0])
+    y, t = torch_fq_channel(x, qpc.scale, qpc.zero_point, 1, -128, 127)
+    assert_bits_equal(fake_quant_int_per_channel(x, qpc, backend=bound), y.detach().numpy())
+    y.backward(torch.from_numpy(g))
+    assert_bits_equal(fake_quant_backward(g, x, qpc, backend=bound), t.grad.numpy())
+
+
+def test_qat_names_stay_importable_from_their_old_paths():
+    assert optirs.QatOptimizer is QatOptimizer and optirs.QatConfig is QatConfig
+    assert qz.QatOptimizer is QatOptimizer and qz.QatConfig is QatConfig
 
 
 def test_plugin_is_registered():

@@ -16,10 +16,17 @@ variants). Every float32 operation is the one torch's CPU kernel performs, in th
 FP8 (E4M3 "fn" and E5M2) rounds to nearest even through ml_dtypes' casts, optionally scaled per
 tensor from the absolute maximum, saturating or not.
 
-Backends: ``"numpy"`` (vectorized, the reference path, default), ``"cpu"`` (numba parallel
-loops), ``"cuda"`` (numba.cuda, or its simulator) and ``"opencl"`` (pyopencl) for integer
-fake-quant and its gradient; see :mod:`optirs.analysis.quantization_kernels`. FP8 runs on
-numpy only (the conversion is ml_dtypes').
+Where it runs: ``backend="numpy"`` is the vectorized host reference (the default, no backend);
+any other name (or a bound :class:`optirs.plugin.registry.Backend`) runs integer fake-quant and
+its gradient through that backend's ``fake_quant`` capability, the hooks
+``optirs_fake_quant_forward`` / ``optirs_fake_quant_backward`` taking a
+:class:`~optirs.plugin.hookspecs.FakeQuantGrid`. The built-in backends implement them in
+``optirs/backends/<name>/fake_quant.py`` (shared per-element math:
+:mod:`optirs.backends.common.fake_quant`). FP8 runs on the host reference only (the conversion
+is ml_dtypes').
+
+:class:`QatConfig` and :class:`QatOptimizer` live in :mod:`optirs.optim.qat`; they are
+re-exported here.
 
 Nothing heavy is imported with this module: numba, pyopencl and ml_dtypes load on first use.
 """
@@ -29,22 +36,27 @@ from __future__ import annotations
 import enum
 import numbers
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-from optirs.plugin.hookspecs import hookimpl
+from optirs.plugin.hookspecs import FakeQuantGrid, StochasticKeys, hookimpl
 
 __all__ = [
     "fake_quant_int", "fake_quant_int_per_channel", "fake_quant_fp8", "fake_quant_backward",
     "per_channel_params", "per_tensor_params", "QuantParams", "QuantScheme", "QuantTarget", "IntDtype",
-    "Fp8Format", "RoundingMode", "QatConfig", "QatOptimizer", "BACKENDS", "plugin",
+    "Fp8Format", "RoundingMode", "QatConfig", "QatOptimizer", "BACKENDS", "HOST_REFERENCE", "CAPABILITY",
+    "Observer", "fake_quant_backend", "make_grid", "observe_min_max", "seed_keys", "plugin",
 ]
 
 _F32 = np.float32
 EPS = float(np.finfo(np.float32).eps)  # torch observers' default eps
-BACKENDS = ("numpy", "cpu", "cuda", "opencl")
+HOST_REFERENCE = "numpy"  # the backend argument that means: no backend, the vectorized host reference
+CAPABILITY = "fake_quant"  # the capability (hooks in optirs.plugin.hookspecs) the other backends need
+# The reference and the built-in backends that implement the capability; any registered backend
+# that implements it works as well.
+BACKENDS = (HOST_REFERENCE, "cpu", "cuda", "opencl")
 _TWO63 = _F32(2.0**63)
 
 
@@ -305,7 +317,7 @@ class QuantParams:
         return cls(scale, zp, qmin, qmax, axis)
 
 
-def _observe(x: np.ndarray, axis: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
+def observe_min_max(x: np.ndarray, axis: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
     """(min, max) of x overall (0-d) or per channel along ``axis``."""
     if axis is None:
         return np.asarray(x.min(), np.float32), np.asarray(x.max(), np.float32)
@@ -329,7 +341,7 @@ def per_tensor_params(x, dtype: IntDtype = IntDtype.INT8, scheme: QuantScheme = 
     x = _as_f32(x, "x")
     if x.size == 0:
         raise ShapeMismatchError("x is empty, expected at least one element to observe")
-    lo, hi = _observe(x, None)
+    lo, hi = observe_min_max(x, None)
     return QuantParams.from_min_max(lo, hi, dtype, scheme, **kwargs)
 
 
@@ -343,11 +355,11 @@ def per_channel_params(x, axis: int = 0, dtype: IntDtype = IntDtype.INT8, scheme
     axis = _normalize_axis(axis, x.ndim)
     if x.size == 0:
         raise ShapeMismatchError(f"x of shape {x.shape} is empty, expected at least one element per channel")
-    lo, hi = _observe(x, axis)
+    lo, hi = observe_min_max(x, axis)
     return QuantParams.from_min_max(lo, hi, dtype, scheme, axis=axis, **kwargs)
 
 
-# ------------------------------------------------------------------ input checks and backends
+# ------------------------------------------------------------------ input checks, the grid record, backends
 
 
 def _as_f32(x, name: str) -> np.ndarray:
@@ -361,20 +373,14 @@ def _as_f32(x, name: str) -> np.ndarray:
     return x
 
 
-def _check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise UnsupportedOperationError(f"backend={backend!r}, expected one of {list(BACKENDS)}")
-    return backend
-
-
-def _seed_keys(seed: Any) -> Tuple[np.uint64, np.uint64]:
-    """Two 32-bit hash keys from a seed (an integer in [0, 2**64))."""
+def seed_keys(seed: Any) -> StochasticKeys:
+    """The stochastic-rounding hash keys of a seed (an integer in [0, 2**64))."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**64:
         raise InvalidParameterError(f"seed={seed!r}, expected an integer in [0, 2**64) for stochastic rounding")
     seed = int(seed)
     lo = _lowbias32(np.uint64(seed & 0xFFFFFFFF) ^ np.uint64(0x9E3779B9))
     hi = _lowbias32(np.uint64(seed >> 32) ^ np.uint64(0x85EBCA6B))
-    return np.uint64(lo), np.uint64(hi)
+    return StochasticKeys(np.uint64(lo), np.uint64(hi))
 
 
 def _lowbias32(h):
@@ -386,287 +392,130 @@ def _lowbias32(h):
     return h ^ (h >> np.uint64(16))
 
 
-def _uniform(n: int, key_lo: np.uint64, key_hi: np.uint64) -> np.ndarray:
+def _uniform(n: int, keys: StochasticKeys) -> np.ndarray:
     """u in [0, 1) per flat index, the same bits as the kernels' hash."""
     i = np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        h = _lowbias32((i & np.uint64(0xFFFFFFFF)) ^ key_lo)
-        h = _lowbias32(h ^ (i >> np.uint64(32)) ^ key_hi)
+        h = _lowbias32((i & np.uint64(0xFFFFFFFF)) ^ keys.key_lo)
+        h = _lowbias32(h ^ (i >> np.uint64(32)) ^ keys.key_hi)
     return (h >> np.uint64(8)).astype(np.float32) * _F32(2.0**-24)
 
 
-def _kind(x) -> Optional[str]:
-    """"numpy", "cuda" (numba device array or __cuda_array_interface__), "opencl" (pyopencl Array) or None."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    if hasattr(x, "__cuda_array_interface__") or (hasattr(x, "copy_to_host") and hasattr(x, "is_c_contiguous")):
-        return "cuda"
-    if type(x).__module__.startswith("pyopencl"):
-        return "opencl"
-    return None
-
-
-def _check_input(x, name: str, backend: str):
-    """x as a float32 numpy array, or the backend's own device array (checked, used in place)."""
-    kind = _kind(x)
-    if kind is None or kind == "numpy":
-        return _as_f32(x, name)
-    if kind != backend:
-        raise UnsupportedOperationError(
-            f"{name} is a {kind} device array but backend={backend!r}, expected backend={kind!r} or a numpy array")
-    if np.dtype(x.dtype) != np.float32:
-        raise InvalidParameterError(f"{name} has dtype {np.dtype(x.dtype)}, expected float32")
-    contiguous = x.flags.c_contiguous if kind == "opencl" else (
-        x.is_c_contiguous() if hasattr(x, "is_c_contiguous") else True)
-    if not contiguous:
-        raise ShapeMismatchError(f"{name} is not C-contiguous, expected a contiguous device array")
+def _check_array(x, name: str) -> Any:
+    """x as it goes to the backend: Python numbers and lists become numpy; anything else must be a
+    float32 array (numpy, or a device array the backend checks itself)."""
+    if isinstance(x, (list, tuple, float, int)):
+        return np.asarray(x, dtype=np.float32)
+    dtype = getattr(x, "dtype", None)
+    try:
+        dtype = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not hasattr(x, "shape"):
+        raise InvalidParameterError(
+            f"{name} of type {type(x).__name__}, expected a float32 numpy array or the backend's device array")
+    if dtype != np.float32:
+        raise InvalidParameterError(f"{name} has dtype {dtype}, expected float32")
     return x
 
 
-class _Job:
-    """One fake-quant launch's arguments in the flat (outer, channel, inner) layout the kernels use."""
-
-    def __init__(self, x, params: QuantParams, per_channel: bool):
-        self.x = x
-        self.shape = tuple(x.shape)
-        self.size = int(np.prod(self.shape, dtype=np.int64))
-        scale = np.atleast_1d(params.scale).astype(np.float32)
-        self.scale = scale
-        with np.errstate(over="ignore", divide="ignore"):
-            self.inv = (_F32(1.0) / scale).astype(np.float32)  # inf for a subnormal scale, as in torch
-        self.zp = np.atleast_1d(params.zero_point).astype(np.float32)
-        self.qmin, self.qmax = _F32(params.quant_min), _F32(params.quant_max)
-        if per_channel:
-            ndim = len(self.shape)
-            axis = _normalize_axis(params.axis, ndim)
-            if self.shape[axis] != scale.size:
-                raise ShapeMismatchError(
-                    f"x has {self.shape[axis]} channels along axis {axis} (shape {self.shape}), but the parameters "
-                    f"have {scale.size}, expected one scale per channel")
-            self.inner = int(np.prod(self.shape[axis + 1:], dtype=np.int64))
-            self.nch = scale.size
-        else:
-            self.inner, self.nch = max(1, self.size), 1
-        self.int64_cast = per_channel
-
-    def channel_view(self, a: np.ndarray) -> np.ndarray:
-        """Broadcast per-channel vector ``a`` against the flat array's (outer, nch, inner) view."""
-        return a.reshape(1, self.nch, 1)
-
-    def flat3(self, a: np.ndarray) -> np.ndarray:
-        return a.reshape(-1, self.nch, self.inner)
-
-    def scalars(self):
-        return self.inner, self.nch, self.qmin, self.qmax, self.int64_cast
+def make_grid(shape: Sequence[int], params: QuantParams, per_channel: bool) -> FakeQuantGrid:
+    """The flat-layout record the fake-quant hooks take, for an input of ``shape``."""
+    shape = tuple(int(d) for d in shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    scale = np.atleast_1d(params.scale).astype(np.float32)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv = (_F32(1.0) / scale).astype(np.float32)  # inf for a subnormal scale, as in torch
+    zp = np.atleast_1d(params.zero_point).astype(np.float32)
+    if per_channel:
+        axis = _normalize_axis(params.axis, len(shape))
+        if shape[axis] != scale.size:
+            raise ShapeMismatchError(
+                f"x has {shape[axis]} channels along axis {axis} (shape {shape}), but the parameters "
+                f"have {scale.size}, expected one scale per channel")
+        inner, channels = int(np.prod(shape[axis + 1:], dtype=np.int64)), int(scale.size)
+    else:
+        inner, channels = max(1, size), 1
+    return FakeQuantGrid(shape, size, inv, scale, zp, _F32(params.quant_min), _F32(params.quant_max), inner,
+                         channels, bool(per_channel))
 
 
-def _numpy_forward(job: _Job, stochastic: bool, keys) -> Tuple[np.ndarray, np.ndarray]:
-    x = job.flat3(np.ascontiguousarray(job.x))
-    inv, scale, zp = job.channel_view(job.inv), job.channel_view(job.scale), job.channel_view(job.zp)
+def _numpy_forward(x: np.ndarray, grid: FakeQuantGrid, rounding: Optional[StochasticKeys]):
+    """The host reference: torch's float32 operations, vectorized."""
+    if grid.size == 0:
+        return x.copy(), np.zeros(grid.shape, bool)
+    x3 = np.ascontiguousarray(x).reshape(-1, grid.channels, grid.inner)
+    inv, scale, zp = (a.reshape(1, grid.channels, 1) for a in (grid.inv_scale, grid.scale, grid.zero_point))
     with np.errstate(over="ignore", invalid="ignore"):
-        v = x * inv
-        if stochastic:
+        v = x3 * inv
+        if rounding is not None:
             r = np.floor(v)
             frac = v - r
-            u = _uniform(job.size, *keys).reshape(v.shape)
-            r = r + (u < frac).astype(np.float32)
+            r = r + (_uniform(grid.size, rounding).reshape(v.shape) < frac).astype(np.float32)
         else:
             r = np.rint(v)
         q = zp + r
-        mask = (q >= job.qmin) & (q <= job.qmax)
-        if job.int64_cast:
-            q = np.where(q < _TWO63, q, job.qmin)  # torch's int64 cast: NaN/inf/huge -> quant_min
-        q = np.fmin(np.fmax(q, job.qmin), job.qmax)
+        mask = (q >= grid.quant_min) & (q <= grid.quant_max)
+        if grid.int64_cast:
+            q = np.where(q < _TWO63, q, grid.quant_min)  # torch's int64 cast: NaN/inf/huge -> quant_min
+        q = np.fmin(np.fmax(q, grid.quant_min), grid.quant_max)
         out = (q - zp) * scale
-    return out.astype(np.float32, copy=False).reshape(job.shape), mask.reshape(job.shape)
+    return out.astype(np.float32, copy=False).reshape(grid.shape), mask.reshape(grid.shape)
 
 
-def _numpy_backward(job: _Job, g: np.ndarray) -> np.ndarray:
-    _, mask = _numpy_forward(job, False, None)
-    return g * mask.astype(np.float32)
+def _numpy_backward(x: np.ndarray, grad: np.ndarray, grid: FakeQuantGrid) -> np.ndarray:
+    if grid.size == 0:
+        return grad.copy()
+    _, mask = _numpy_forward(x, grid, None)
+    return grad * mask.astype(np.float32)
 
 
-_OPENCL: Dict[int, Any] = {}
+def fake_quant_backend(backend: Any) -> Optional[Any]:
+    """None for the host reference (``"numpy"``), else the bound :class:`optirs.plugin.registry.Backend`."""
+    from optirs.core.errors import BackendUnavailableError
+    from optirs.plugin.registry import Backend, get_backend
 
-
-def _opencl_queue():
-    """A queue on the optirs OpenCL backend's device when it opens, else on the first OpenCL device."""
+    if isinstance(backend, Backend):
+        return backend
+    if not isinstance(backend, str):
+        raise InvalidParameterError(
+            f"backend of type {type(backend).__name__}, expected a backend name or an optirs Backend")
+    if backend == HOST_REFERENCE:
+        return None
     try:
-        import pyopencl as cl
-    except ImportError as exc:
-        raise UnsupportedOperationError(f"backend='opencl' needs pyopencl, which is not importable: {exc}") from None
-    if "queue" not in _OPENCL:
-        queue = None
-        try:
-            from optirs.plugin.registry import REGISTRY
-
-            queue = REGISTRY.get_backend("opencl").ctx.queue
-        except Exception:
-            queue = None
-        if queue is None:
-            devices = [d for p in cl.get_platforms() for d in p.get_devices()]
-            if not devices:
-                raise UnsupportedOperationError("backend='opencl': no OpenCL device found")
-            queue = cl.CommandQueue(cl.Context([devices[0]]))
-        _OPENCL["queue"] = queue
-    return _OPENCL["queue"]
+        return get_backend(backend)
+    except BackendUnavailableError as exc:
+        raise UnsupportedOperationError(f"backend={backend!r} cannot run fake-quant: {exc}") from exc
 
 
-def _opencl_kernels(context):
-    """(forward, backward) kernels built once per OpenCL context."""
-    import pyopencl as cl
-
-    key = context.int_ptr
-    if key not in _OPENCL:
-        from optirs.analysis.quantization_kernels import OPENCL_SOURCE
-
-        prg = cl.Program(context, OPENCL_SOURCE).build()
-        _OPENCL[key] = (prg.fake_quant, prg.fake_quant_backward)
-    return _OPENCL[key]
-
-
-def _cuda_module():
-    try:
-        from numba import cuda
-    except ImportError as exc:  # pragma: no cover
-        raise UnsupportedOperationError(f"backend='cuda' needs numba.cuda: {exc}") from None
-    if not cuda.is_available():
+def _host_only(x, name: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
         raise UnsupportedOperationError(
-            "backend='cuda' has no CUDA device here (set NUMBA_ENABLE_CUDASIM=1 for numba's simulator)")
-    return cuda
+            f"{name} of type {type(x).__module__}.{type(x).__qualname__} is a device array but backend='numpy' "
+            "(the host reference), expected a numpy array or the backend that holds it")
+    return x
 
 
-def _cuda_flat(cuda, a, size):
-    """A flat numba device view of a device array (numba's own, or anything with the CUDA array interface)."""
-    if not hasattr(a, "copy_to_host"):
-        a = cuda.as_cuda_array(a)
-    return a.reshape(size)
-
-
-def _opencl_flat(a):
-    """(queue, buffer) of a contiguous pyopencl Array; a view at an offset is copied first."""
-    if a.offset:
-        a = a.copy()
-    return a.queue, a.base_data
-
-
-def _run_forward(job: _Job, backend: str, stochastic: bool, keys):
-    kind = _kind(job.x)
-    if job.size == 0:
-        if kind == "numpy":
-            return job.x.copy(), np.zeros(job.shape, bool)
-        if kind == "opencl":
-            import pyopencl.array as cla
-
-            return job.x.copy(), cla.zeros(job.x.queue, job.shape, np.uint8)
-        return job.x, job.x  # an empty device array: nothing to compute, nothing to share
-    if backend == "numpy":
-        return _numpy_forward(job, stochastic, keys)
-    key_lo, key_hi = keys if stochastic else (np.uint64(0), np.uint64(0))
-    n = job.size
-    args = (job.inv, job.scale, job.zp)
-    if backend == "cpu":
-        from optirs.analysis import quantization_kernels as qk
-
-        out, mask = np.empty(n, np.float32), np.empty(n, bool)
-        qk.fake_quant_cpu(np.ascontiguousarray(job.x).reshape(-1), out, mask, *args, *job.scalars(),
-                          stochastic, key_lo, key_hi)
-        return out.reshape(job.shape), mask.reshape(job.shape)
-    if backend == "cuda":
-        cuda = _cuda_module()
-        from optirs.analysis import quantization_kernels as qk
-
-        forward, _ = qk.cuda_kernels()
-        on_device = kind == "cuda"
-        dx = _cuda_flat(cuda, job.x, n) if on_device else cuda.to_device(np.ascontiguousarray(job.x).reshape(-1))
-        d_out, d_mask = cuda.device_array(n, np.float32), cuda.device_array(n, np.bool_)
-        d_args = [cuda.to_device(a) for a in args]
-        blocks = (n + qk.BLOCK - 1) // qk.BLOCK
-        forward[blocks, qk.BLOCK](dx, d_out, d_mask, *d_args, *job.scalars(), stochastic, key_lo, key_hi)
-        if on_device:
-            return d_out.reshape(job.shape), d_mask.reshape(job.shape)
-        return d_out.copy_to_host().reshape(job.shape), d_mask.copy_to_host().reshape(job.shape)
-    import pyopencl as cl
-    import pyopencl.array as cla
-
-    on_device = kind == "opencl"
-    if on_device:
-        queue, bx = _opencl_flat(job.x)
-    else:
-        queue = _opencl_queue()
-        bx = cla.to_device(queue, np.ascontiguousarray(job.x).reshape(-1)).base_data
-    forward, _ = _opencl_kernels(queue.context)
-    out, mask = cla.empty(queue, job.shape, np.float32), cla.empty(queue, job.shape, np.uint8)
-    mf = cl.mem_flags
-    bufs = [cl.Buffer(queue.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in args]
-    forward(queue, (n,), None, bx, out.base_data, mask.base_data, *bufs, np.int64(job.inner), np.int64(job.nch),
-            job.qmin, job.qmax, np.int32(job.int64_cast), np.int32(stochastic), np.uint64(key_lo),
-            np.uint64(key_hi), np.int64(n))
-    if on_device:
-        return out, mask
-    return out.get(), mask.get().astype(bool)
-
-
-def _run_backward(job: _Job, g, backend: str):
-    kind = _kind(job.x)
-    if job.size == 0:
-        return g.copy() if kind != "cuda" else g
-    if backend == "numpy":
-        return _numpy_backward(job, g)
-    n = job.size
-    args = (job.inv, job.scale, job.zp)
-    if backend == "cpu":
-        from optirs.analysis import quantization_kernels as qk
-
-        gin = np.empty(n, np.float32)
-        qk.fake_quant_backward_cpu(np.ascontiguousarray(job.x).reshape(-1), np.ascontiguousarray(g).reshape(-1),
-                                   gin, *args, *job.scalars())
-        return gin.reshape(job.shape)
-    if backend == "cuda":
-        cuda = _cuda_module()
-        from optirs.analysis import quantization_kernels as qk
-
-        _, backward = qk.cuda_kernels()
-        on_device = kind == "cuda"
-        if on_device:
-            dx, dg = _cuda_flat(cuda, job.x, n), _cuda_flat(cuda, g, n)
-        else:
-            dx, dg = (cuda.to_device(np.ascontiguousarray(a).reshape(-1)) for a in (job.x, g))
-        d_gin = cuda.device_array(n, np.float32)
-        d_args = [cuda.to_device(a) for a in args]
-        blocks = (n + qk.BLOCK - 1) // qk.BLOCK
-        backward[blocks, qk.BLOCK](dx, dg, d_gin, *d_args, *job.scalars())
-        return d_gin.reshape(job.shape) if on_device else d_gin.copy_to_host().reshape(job.shape)
-    import pyopencl as cl
-    import pyopencl.array as cla
-
-    on_device = kind == "opencl"
-    if on_device:
-        queue, bx = _opencl_flat(job.x)
-        _, bg = _opencl_flat(g)
-    else:
-        queue = _opencl_queue()
-        bx, bg = (cla.to_device(queue, np.ascontiguousarray(a).reshape(-1)).base_data for a in (job.x, g))
-    _, backward = _opencl_kernels(queue.context)
-    gin = cla.empty(queue, job.shape, np.float32)
-    mf = cl.mem_flags
-    bufs = [cl.Buffer(queue.context, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=a) for a in args]
-    backward(queue, (n,), None, bx, bg, gin.base_data, *bufs, np.int64(job.inner), np.int64(job.nch), job.qmin,
-             job.qmax, np.int32(job.int64_cast), np.int64(n))
-    return gin if on_device else gin.get()
+def _forward(x, params: QuantParams, per_channel: bool, rounding, seed, backend):
+    bound = fake_quant_backend(backend)
+    x = _check_array(x, "x")
+    keys = _rounding_keys(rounding, seed)
+    grid = make_grid(x.shape, params, per_channel)
+    if bound is None:
+        return _numpy_forward(_host_only(x, "x"), grid, keys)
+    return bound.hook(CAPABILITY, "optirs_fake_quant_forward")(bound.ctx, x, grid, keys)
 
 
 # ------------------------------------------------------------------ public fake-quant functions
 
 
-def _rounding_args(rounding, seed):
+def _rounding_keys(rounding, seed) -> Optional[StochasticKeys]:
     rounding = _enum(RoundingMode, rounding, "rounding")
-    stochastic = rounding is RoundingMode.STOCHASTIC
-    if stochastic:
+    if rounding is RoundingMode.STOCHASTIC:
         if seed is None:
             raise InvalidParameterError("seed=None with stochastic rounding, expected an integer seed (results are reproducible per seed)")
-        return True, _seed_keys(seed)
-    return False, None
+        return seed_keys(seed)
+    return None
 
 
 def _check_params(params, per_channel: bool, fn: str) -> QuantParams:
@@ -681,7 +530,7 @@ def _check_params(params, per_channel: bool, fn: str) -> QuantParams:
 
 
 def fake_quant_int(x, params: QuantParams, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN,
-                   seed: Optional[int] = None, backend: str = "numpy", return_mask: bool = False):
+                   seed: Optional[int] = None, backend: Any = HOST_REFERENCE, return_mask: bool = False):
     """Per-tensor integer fake-quant, as ``torch.fake_quantize_per_tensor_affine`` (bit for bit).
 
     :param x: float32 numpy array (any shape), or the backend's own device array (a numba /
@@ -690,54 +539,56 @@ def fake_quant_int(x, params: QuantParams, *, rounding: RoundingMode = RoundingM
         nothing crosses to the host.
     :param params: per-tensor :class:`QuantParams`.
     :param rounding: half-to-even (torch's), or stochastic (needs ``seed``; same bits on every backend).
-    :param backend: ``"numpy"``, ``"cpu"``, ``"cuda"`` or ``"opencl"``.
+    :param backend: ``"numpy"`` (the host reference, no backend), the name of a registered backend
+        with the ``fake_quant`` capability (``"cpu"``, ``"cuda"``, ``"opencl"``, ...), or a bound
+        :class:`optirs.plugin.registry.Backend` (``optirs.get_backend(name)``).
     :param return_mask: also return the boolean straight-through mask.
     :return: a new float32 array of x's shape (and the mask: bool, uint8 for an OpenCL array).
+    :raises UnsupportedOperationError: for a backend that cannot open or lacks ``fake_quant``.
     """
-    backend = _check_backend(backend)
-    x = _check_input(x, "x", backend)
     params = _check_params(params, False, "fake_quant_int")
-    stochastic, keys = _rounding_args(rounding, seed)
-    out, mask = _run_forward(_Job(x, params, False), backend, stochastic, keys)
+    out, mask = _forward(x, params, False, rounding, seed, backend)
     return (out, mask) if return_mask else out
 
 
 def fake_quant_int_per_channel(x, params: QuantParams, *, rounding: RoundingMode = RoundingMode.NEAREST_EVEN,
-                               seed: Optional[int] = None, backend: str = "numpy", return_mask: bool = False):
+                               seed: Optional[int] = None, backend: Any = HOST_REFERENCE, return_mask: bool = False):
     """Per-channel integer fake-quant along ``params.axis``, as ``torch.fake_quantize_per_channel_affine``.
 
     Arguments as :func:`fake_quant_int`; ``params`` is per-channel with one scale per slice of
     ``x`` along ``params.axis``.
     """
-    backend = _check_backend(backend)
-    x = _check_input(x, "x", backend)
     params = _check_params(params, True, "fake_quant_int_per_channel")
-    stochastic, keys = _rounding_args(rounding, seed)
-    out, mask = _run_forward(_Job(x, params, True), backend, stochastic, keys)
+    out, mask = _forward(x, params, True, rounding, seed, backend)
     return (out, mask) if return_mask else out
 
 
-def fake_quant_backward(grad, x, params: QuantParams, *, backend: str = "numpy"):
+def fake_quant_backward(grad, x, params: QuantParams, *, backend: Any = HOST_REFERENCE):
     """The straight-through estimator: ``grad`` where ``x`` quantizes inside [quant_min, quant_max], 0 elsewhere.
 
     Equal to the gradient torch's autograd gives for ``fake_quantize_per_tensor_affine`` /
     ``_per_channel_affine`` (``grad * mask`` as a float multiply, so -0 and NaN propagate as in torch).
-    Per-tensor or per-channel follows ``params.axis``.
+    Per-tensor or per-channel follows ``params.axis``; ``backend`` as for :func:`fake_quant_int`.
     """
-    backend = _check_backend(backend)
-    x = _check_input(x, "x", backend)
-    grad = _check_input(grad, "grad", backend)
-    if _kind(grad) != _kind(x):
-        raise InvalidParameterError(f"grad is a {_kind(grad)} array but x a {_kind(x)} array, expected the same kind")
+    bound = fake_quant_backend(backend)
+    x = _check_array(x, "x")
+    grad = _check_array(grad, "grad")
+    if isinstance(grad, np.ndarray) != isinstance(x, np.ndarray):  # which device, the backend checks
+        raise InvalidParameterError(
+            f"grad is a {type(grad).__qualname__} but x a {type(x).__qualname__}, expected the same kind of array "
+            "(both numpy, or both the backend's device arrays)")
     if tuple(grad.shape) != tuple(x.shape):
-        raise ShapeMismatchError(f"grad has shape {grad.shape}, expected {x.shape} like x")
+        raise ShapeMismatchError(f"grad has shape {tuple(grad.shape)}, expected {tuple(x.shape)} like x")
     if not isinstance(params, QuantParams):
         raise InvalidParameterError(f"params of type {type(params).__name__}, expected QuantParams")
-    return _run_backward(_Job(x, params, params.per_channel), grad, backend)
+    grid = make_grid(x.shape, params, params.per_channel)
+    if bound is None:
+        return _numpy_backward(_host_only(x, "x"), grad, grid)
+    return bound.hook(CAPABILITY, "optirs_fake_quant_backward")(bound.ctx, x, grad, grid)
 
 
 def fake_quant_fp8(x, fmt: Fp8Format = Fp8Format.E4M3, *, scale: Optional[float] = None, saturate: bool = False,
-                   margin: int = 0, backend: str = "numpy") -> np.ndarray:
+                   margin: int = 0, backend: Any = HOST_REFERENCE) -> np.ndarray:
     """FP8 fake-quant: ``cast_fp8(x * scale) / scale`` in float32, rounding to nearest even.
 
     :param fmt: E4M3 (``float8_e4m3fn``) or E5M2.
@@ -748,8 +599,7 @@ def fake_quant_fp8(x, fmt: Fp8Format = Fp8Format.E4M3, *, scale: Optional[float]
         clamps to the largest finite value first (infinities included; NaN stays NaN).
     """
     fmt = _enum(Fp8Format, fmt, "fmt")
-    _check_backend(backend)
-    if backend != "numpy":
+    if backend != HOST_REFERENCE:  # a name or a bound Backend: FP8 has no backend hook
         raise UnsupportedOperationError(
             f"fake_quant_fp8 on backend={backend!r}: FP8 conversion runs through ml_dtypes on the host, "
             "expected backend='numpy'")
@@ -771,115 +621,12 @@ def fake_quant_fp8(x, fmt: Fp8Format = Fp8Format.E4M3, *, scale: Optional[float]
         return v.astype(fmt.ml_dtype).astype(np.float32) / s
 
 
-# ------------------------------------------------------------------ QAT
+# ------------------------------------------------------------------ observers
 
 
-@dataclass(frozen=True)
-class QatConfig:
-    """How :class:`QatOptimizer` quantizes.
-
-    :param dtype: an :class:`IntDtype` (integer fake-quant) or an :class:`Fp8Format`.
-    :param scheme: symmetric or affine (integer only).
-    :param axis: per-channel axis for weights of ndim > axis (None: per tensor). Tensors with
-        fewer dimensions are quantized per tensor.
-    :param reduce_range, quant_min, quant_max, eps: as torch's observers.
-    :param observer: ``"minmax"`` (running min/max, ``MinMaxObserver``) or ``"moving_average"``
-        (``MovingAverageMinMaxObserver`` with ``averaging_constant``).
-    :param freeze_observers_after: stop updating observers after this many steps (None: never;
-        an observer that has seen nothing still records its first step).
-    :param rounding, seed: rounding of the weights (and gradients); stochastic needs a seed;
-        each step and tensor draws from its own stream derived from it.
-    :param targets: :class:`QuantTarget` members: WEIGHTS (after each step) and/or GRADIENTS.
-    :param fp8_saturate, fp8_margin: FP8 only.
-    :param backend: where integer fake-quant runs (``"numpy"``, ``"cpu"``, ``"cuda"``, ``"opencl"``).
-    """
-
-    dtype: Union[IntDtype, Fp8Format] = IntDtype.INT8
-    scheme: QuantScheme = QuantScheme.SYMMETRIC
-    axis: Optional[int] = None
-    reduce_range: bool = False
-    quant_min: Optional[int] = None
-    quant_max: Optional[int] = None
-    eps: float = EPS
-    observer: str = "minmax"
-    averaging_constant: float = 0.01
-    freeze_observers_after: Optional[int] = None
-    rounding: RoundingMode = RoundingMode.NEAREST_EVEN
-    seed: Optional[int] = None
-    targets: Tuple[QuantTarget, ...] = (QuantTarget.WEIGHTS,)
-    fp8_saturate: bool = True
-    fp8_margin: int = 0
-    backend: str = "numpy"
-
-    def __post_init__(self) -> None:
-        dtype = self.dtype
-        if isinstance(dtype, str):
-            try:
-                dtype = IntDtype(dtype)
-            except ValueError:
-                dtype = _enum(Fp8Format, dtype, "dtype")
-        if not isinstance(dtype, (IntDtype, Fp8Format)):
-            raise InvalidParameterError(f"dtype={self.dtype!r}, expected an IntDtype or Fp8Format")
-        object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "scheme", _enum(QuantScheme, self.scheme, "scheme"))
-        object.__setattr__(self, "rounding", _enum(RoundingMode, self.rounding, "rounding"))
-        targets = self.targets if isinstance(self.targets, (tuple, list, set, frozenset)) else (self.targets,)
-        targets = tuple(dict.fromkeys(_enum(QuantTarget, t, "targets") for t in targets))
-        if not targets:
-            raise InvalidParameterError("targets=(), expected at least one QuantTarget")
-        object.__setattr__(self, "targets", targets)
-        if self.axis is not None and (_int("axis", self.axis) < 0):
-            raise InvalidParameterError(f"axis={self.axis}, expected an integer >= 0 or None")
-        if self.observer not in ("minmax", "moving_average"):
-            raise InvalidParameterError(f"observer={self.observer!r}, expected 'minmax' or 'moving_average'")
-        c = self.averaging_constant
-        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not 0 < c <= 1:
-            raise InvalidParameterError(f"averaging_constant={c!r}, expected 0 < averaging_constant <= 1")
-        if self.freeze_observers_after is not None and _int("freeze_observers_after", self.freeze_observers_after) < 0:
-            raise InvalidParameterError(f"freeze_observers_after={self.freeze_observers_after}, expected >= 0 or None")
-        if self.rounding is RoundingMode.STOCHASTIC:
-            _seed_keys(self.seed)
-        _check_backend(self.backend)
-        if isinstance(dtype, IntDtype):
-            # Check the range and scheme combination now, not at the first step.
-            QuantParams.from_min_max(_F32(-1), _F32(1), dtype, self.scheme, reduce_range=self.reduce_range,
-                                     quant_min=self.quant_min, quant_max=self.quant_max, eps=self.eps)
-        else:
-            if self.backend != "numpy":
-                raise UnsupportedOperationError(
-                    f"dtype={dtype.value} with backend={self.backend!r}: FP8 runs through ml_dtypes, expected backend='numpy'")
-            if self.rounding is not RoundingMode.NEAREST_EVEN:
-                raise UnsupportedOperationError(f"rounding={self.rounding.value} with FP8: ml_dtypes rounds to nearest even only")
-            if not isinstance(self.fp8_saturate, bool):
-                raise InvalidParameterError(f"fp8_saturate={self.fp8_saturate!r}, expected True or False")
-            dtype.scale_for(1.0, self.fp8_margin)
-
-    def to_dict(self) -> Dict[str, Any]:
-        out = {}
-        for name in self.__dataclass_fields__:
-            v = getattr(self, name)
-            if isinstance(v, enum.Enum):
-                v = v.value
-            elif name == "targets":
-                v = [t.value for t in v]
-            out[name] = v
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "QatConfig":
-        if not isinstance(data, Mapping):
-            raise InvalidParameterError(f"config of type {type(data).__name__}, expected a mapping")
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise InvalidParameterError(f"unknown QatConfig fields {sorted(unknown)}, expected a subset of {sorted(cls.__dataclass_fields__)}")
-        data = dict(data)
-        if "targets" in data:
-            data["targets"] = tuple(data["targets"])
-        return cls(**data)
-
-
-class _Observer:
-    """Running or moving-average min/max of one tensor, per tensor or per channel (float32, as torch)."""
+class Observer:
+    """Running or moving-average min/max of one tensor, per tensor or per channel (float32, as torch's
+    ``MinMaxObserver`` / ``MovingAverageMinMaxObserver`` and their per-channel forms)."""
 
     def __init__(self, axis: Optional[int], moving: bool, c: float):
         self.axis, self.moving, self.c = axis, moving, _F32(c)
@@ -889,7 +636,7 @@ class _Observer:
     def update(self, x: np.ndarray) -> None:
         if x.size == 0:
             return
-        lo, hi = _observe(x, self.axis)
+        lo, hi = observe_min_max(x, self.axis)
         if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
             raise InvalidParameterError(
                 f"a tensor of shape {x.shape} holds non-finite values (min={lo.tolist()}, max={hi.tolist()}), "
@@ -903,219 +650,6 @@ class _Observer:
             self.min_val, self.max_val = np.minimum(self.min_val, lo), np.maximum(self.max_val, hi)
 
 
-class QatOptimizer:
-    """Quantization-aware training around any optirs optimizer.
-
-    The caller's float32 arrays are the master weights: :meth:`step_gpu` steps them with the
-    inner optimizer (gradients first fake-quantized when ``QuantTarget.GRADIENTS`` is set), then
-    updates each weight's observer and computes the fake-quantized view of the new weights,
-    returned by :meth:`quantized_params` (use it for the next forward pass). The master
-    weights themselves are never rounded.
-
-    Parameters must be host (numpy) arrays; the inner optimizer may run on any backend.
-    """
-
-    def __init__(self, inner: Any, config: Optional[QatConfig] = None):
-        from optirs.optim.optimizers import GpuOptimizer
-
-        if not isinstance(inner, GpuOptimizer):
-            raise InvalidParameterError(f"inner of type {type(inner).__name__}, expected an optirs optimizer (GpuAdam, GpuSgd, ...)")
-        if config is not None and not isinstance(config, QatConfig):
-            raise InvalidParameterError(f"config of type {type(config).__name__}, expected a QatConfig")
-        self.inner = inner
-        self.config = config or QatConfig()
-        if isinstance(self.config.dtype, IntDtype) and self.config.backend != "numpy":
-            # Open the fake-quant backend now (compiles its kernels), so a missing one fails here.
-            fake_quant_int(np.zeros(1, np.float32), QuantParams(1.0, 0, -128, 127), backend=self.config.backend)
-        self._observers: List[_Observer] = []
-        self._shapes: Optional[List[Tuple[int, ...]]] = None
-        self._quantized: List[np.ndarray] = []
-        self._qparams: List[Any] = []
-        self._step = 0
-
-    # ------------------------------------------------------------ helpers
-
-    def _axis_for(self, shape: Tuple[int, ...]) -> Optional[int]:
-        axis = self.config.axis
-        if axis is None or isinstance(self.config.dtype, Fp8Format) or len(shape) <= axis:
-            return None
-        return axis
-
-    def _params_for(self, lo, hi, axis) -> Any:
-        cfg = self.config
-        if isinstance(cfg.dtype, Fp8Format):
-            amax = float(max(-float(np.min(lo)), float(np.max(hi)), 0.0))
-            return cfg.dtype.scale_for(amax, cfg.fp8_margin)
-        return QuantParams.from_min_max(lo, hi, cfg.dtype, cfg.scheme, reduce_range=cfg.reduce_range,
-                                        quant_min=cfg.quant_min, quant_max=cfg.quant_max, eps=cfg.eps, axis=axis)
-
-    def _fake_quant(self, x: np.ndarray, qp: Any, stream: int) -> np.ndarray:
-        cfg = self.config
-        if isinstance(cfg.dtype, Fp8Format):
-            return fake_quant_fp8(x, cfg.dtype, scale=float(qp), saturate=cfg.fp8_saturate)
-        seed = None
-        if cfg.rounding is RoundingMode.STOCHASTIC:
-            # One stream per (seed, step, tensor, target): reproducible, never reused.
-            seed = (int(cfg.seed) + stream * 0x9E3779B97F4A7C15) % 2**64
-        fn = fake_quant_int_per_channel if qp.per_channel else fake_quant_int
-        return fn(x, qp, rounding=cfg.rounding, seed=seed, backend=cfg.backend)
-
-    def _stream(self, step: int, tensor: int, target: int) -> int:
-        return (step * 1000003 + tensor) * 2 + target
-
-    @staticmethod
-    def _check_host(arrays: Sequence[Any], what: str) -> None:
-        for i, a in enumerate(arrays):
-            if not isinstance(a, np.ndarray):
-                raise UnsupportedOperationError(
-                    f"{what}[{i}] of type {type(a).__module__}.{type(a).__qualname__}: QatOptimizer observes and "
-                    "fake-quantizes host arrays, expected numpy float32 master weights")
-
-    # ------------------------------------------------------------ the step
-
-    @property
-    def step_count(self) -> int:
-        return self._step
-
-    def step_gpu(self, params, grads) -> None:
-        """One step: (fake-quantize gradients,) inner step on the master weights, observe, fake-quantize.
-
-        Everything is validated before anything changes (shapes, dtypes, finite values); on
-        such an error parameters, state and observers are as they were. The one exception is
-        an inner step that overflows to non-finite weights: that step stays applied, the
-        observers and the quantized view stay those of the previous step, and
-        InvalidParameterError says so.
-        """
-        cfg = self.config
-        plist = list(params) if isinstance(params, (list, tuple)) else [params]
-        glist = list(grads) if isinstance(grads, (list, tuple)) else [grads]
-        self._check_host(plist, "params")
-        self._check_host(glist, "grads")
-        if len(plist) != len(glist):
-            raise ShapeMismatchError(f"{len(plist)} params and {len(glist)} grads, expected one gradient per parameter")
-        for i, (p, g) in enumerate(zip(plist, glist)):
-            if g.shape != p.shape:
-                raise ShapeMismatchError(f"grads[{i}] has shape {g.shape}, expected {p.shape} like params[{i}]")
-            if p.dtype != np.float32 or g.dtype != np.float32:
-                raise ShapeMismatchError(f"params[{i}]/grads[{i}] have dtypes {p.dtype}/{g.dtype}, expected float32")
-        for what, arrays in (("params", plist), ("grads", glist)):
-            for i, a in enumerate(arrays):
-                if not np.isfinite(a).all():
-                    raise InvalidParameterError(f"{what}[{i}] holds non-finite values, expected finite {what}")
-        shapes = [p.shape for p in plist]
-        if self._shapes is not None and shapes != self._shapes:
-            raise ShapeMismatchError(f"the parameter list changed: got shapes {shapes}, expected {self._shapes} as in earlier steps")
-        step = self._step + 1
-        if QuantTarget.GRADIENTS in cfg.targets:
-            qgrads = []
-            for i, g in enumerate(glist):
-                if g.size == 0:
-                    qgrads.append(g.copy())
-                    continue
-                axis = self._axis_for(g.shape)
-                lo, hi = _observe(g, axis)
-                qp = self._params_for(lo, hi, axis)
-                qgrads.append(self._fake_quant(g, qp, self._stream(step, i, 1)))
-            glist = qgrads
-        self.inner.step_gpu(plist if isinstance(params, (list, tuple)) else plist[0],
-                            glist if isinstance(grads, (list, tuple)) else glist[0])
-        observers = self._observers or [_Observer(self._axis_for(s), cfg.observer == "moving_average",
-                                                  cfg.averaging_constant) for s in shapes]
-        frozen = cfg.freeze_observers_after is not None and self._step >= cfg.freeze_observers_after
-        new_obs = []
-        for i, (p, ob) in enumerate(zip(plist, observers)):
-            nob = _Observer(ob.axis, ob.moving, float(ob.c))
-            nob.min_val, nob.max_val = ob.min_val, ob.max_val
-            if not frozen or nob.min_val is None:
-                try:
-                    nob.update(p)
-                except InvalidParameterError as exc:
-                    # Inputs were finite (checked above): the step itself overflowed.
-                    raise InvalidParameterError(
-                        f"params[{i}] became non-finite in step {step} of the inner optimizer (applied; observers "
-                        f"and the quantized view are kept from step {self._step}): {exc}") from None
-            new_obs.append(nob)
-        qparams, quantized = [], []
-        for i, (p, ob) in enumerate(zip(plist, new_obs)):
-            if ob.min_val is None:  # empty tensor
-                qparams.append(None)
-                quantized.append(p.copy())
-                continue
-            qp = self._params_for(ob.min_val, ob.max_val, ob.axis)
-            qparams.append(qp)
-            quantized.append(self._fake_quant(p, qp, self._stream(step, i, 0)))
-        self._observers, self._qparams, self._quantized = new_obs, qparams, quantized
-        self._shapes = shapes
-        self._step = step
-
-    def quantized_params(self) -> List[np.ndarray]:
-        """The fake-quantized view of the master weights after the last step (float32 copies)."""
-        return [q.copy() for q in self._quantized]
-
-    def quant_params(self) -> List[Any]:
-        """Per tensor: its :class:`QuantParams` (integer), or its float32 scale (FP8), after the last step."""
-        return list(self._qparams)
-
-    # ------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The inner optimizer's checkpoint plus the QAT config, step and observer state (numpy copies)."""
-        return {
-            "inner": self.inner.state_dict(),
-            "config": self.config.to_dict(),
-            "step": self._step,
-            "shapes": [list(s) for s in self._shapes] if self._shapes is not None else None,
-            "observers": [
-                {"axis": ob.axis,
-                 "min_val": None if ob.min_val is None else ob.min_val.copy(),
-                 "max_val": None if ob.max_val is None else ob.max_val.copy()}
-                for ob in self._observers],
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`. The config must equal this optimizer's; everything is
-        checked before anything changes. The quantized view is recomputed at the next step."""
-        if not isinstance(state_dict, Mapping):
-            raise InvalidParameterError(f"state_dict of type {type(state_dict).__name__}, expected a mapping")
-        keys = {"inner", "config", "step", "shapes", "observers"}
-        if set(state_dict) != keys:
-            raise InvalidParameterError(f"state_dict keys {sorted(state_dict)}, expected {sorted(keys)}")
-        config = QatConfig.from_dict(state_dict["config"])
-        if config != self.config:
-            raise InvalidParameterError(f"state_dict config {config!r} differs from this optimizer's {self.config!r}")
-        step = _int("step", state_dict["step"])
-        if step < 0:
-            raise InvalidParameterError(f"step={step}, expected an integer >= 0")
-        shapes = state_dict["shapes"]
-        shapes = None if shapes is None else [tuple(int(d) for d in s) for s in shapes]
-        entries = list(state_dict["observers"])
-        if (shapes is None) != (not entries) or (shapes is not None and len(entries) != len(shapes)):
-            raise InvalidParameterError(f"state_dict has {len(entries)} observers for shapes {shapes}, expected one per tensor")
-        observers = []
-        for i, e in enumerate(entries):
-            if set(e) != {"axis", "min_val", "max_val"}:
-                raise InvalidParameterError(f"observers[{i}] keys {sorted(e)}, expected ['axis', 'max_val', 'min_val']")
-            axis = self._axis_for(shapes[i])
-            if e["axis"] != axis:
-                raise InvalidParameterError(f"observers[{i}] axis={e['axis']!r}, expected {axis!r} for shape {shapes[i]}")
-            ob = _Observer(axis, config.observer == "moving_average", config.averaging_constant)
-            if (e["min_val"] is None) != (e["max_val"] is None):
-                raise InvalidParameterError(f"observers[{i}] has only one of min_val/max_val, expected both or neither")
-            if e["min_val"] is not None:
-                want = () if axis is None else (shapes[i][axis],)
-                lo, hi = np.asarray(e["min_val"], np.float32), np.asarray(e["max_val"], np.float32)
-                if lo.shape != want or hi.shape != want:
-                    raise ShapeMismatchError(f"observers[{i}] min/max of shapes {lo.shape}/{hi.shape}, expected {want}")
-                ob.min_val, ob.max_val = lo.copy(), hi.copy()
-            observers.append(ob)
-        self.inner.load_state_dict(state_dict["inner"])  # validates itself; raises before changing
-        self._observers, self._shapes, self._step = observers, shapes, step
-        self._quantized, self._qparams = [], []
-
-    def __repr__(self) -> str:
-        return f"QatOptimizer({self.inner!r}, {self.config!r}, step={self._step})"
-
-
 # ------------------------------------------------------------------ plugin
 
 
@@ -1125,7 +659,16 @@ class QuantizationPlugin:
     @hookimpl
     def optirs_plugin_info(self) -> Dict[str, str]:
         return {"summary": "QAT: int8/uint8/int4/uint4 and FP8 fake-quant (bit-exact with torch / ml_dtypes), "
-                           "observers and QatOptimizer; numpy, cpu, cuda and opencl kernels"}
+                           "observers and QatOptimizer; host reference or any backend with the fake_quant hooks"}
 
 
 plugin = QuantizationPlugin()
+
+
+def __getattr__(name: str):
+    # QatConfig and QatOptimizer moved to optirs.optim.qat (which imports this module): re-exported lazily.
+    if name in ("QatConfig", "QatOptimizer"):
+        from optirs.optim import qat
+
+        return getattr(qat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -289,11 +289,75 @@ def optirs_replica_reduce(ctx: Any, replicas: Sequence[Any], average: bool) -> N
 
 # ---- fake quantization (section owned by the quantization work)
 
+
+class FakeQuantGrid(NamedTuple):
+    """One integer fake-quant call's grid, in the flat layout the kernels walk.
+
+    Element ``i`` of the C-ordered input belongs to channel ``(i // inner) % channels``; per
+    tensor, ``channels`` is 1 and ``inner`` the size. Every float is float32, as torch's CPU kernel
+    computes it (:mod:`optirs.analysis.quantization` builds the record and states the arithmetic).
+    """
+
+    shape: Tuple[int, ...]  # the input's shape (results have it too)
+    size: int  # the number of elements
+    inv_scale: np.ndarray  # float32 (channels,): 1.0f / scale, inf for a subnormal scale as in torch
+    scale: np.ndarray  # float32 (channels,)
+    zero_point: np.ndarray  # float32 (channels,), integral values
+    quant_min: np.float32
+    quant_max: np.float32
+    inner: int  # elements of one channel's contiguous run
+    channels: int
+    int64_cast: bool  # per channel: torch casts q to int64 before clamping (NaN, inf, >= 2**63 -> quant_min)
+
+
+class StochasticKeys(NamedTuple):
+    """The two 32-bit hash keys of stochastic rounding, derived from the caller's seed: element ``i``
+    draws ``u`` in [0, 1) from a hash of (keys, i), so every backend gives the same bits."""
+
+    key_lo: np.uint64
+    key_hi: np.uint64
+
+
+@hookspec
+def optirs_fake_quant_forward(ctx: BackendContext, x: DeviceArray, grid: FakeQuantGrid,
+                              rounding: Optional[StochasticKeys]) -> Tuple[DeviceArray, DeviceArray]:
+    """Fake-quantize ``x`` on ``grid`` (quantize, clamp, dequantize), bit for bit as torch's CPU kernel.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param x: float32 input of ``grid.shape``: a host numpy array (uploaded, results read back), or
+        this backend's own device array (read in place, results left on the device).
+    :param grid: the scales, zero points, range and flat channel layout.
+    :param rounding: None rounds half to even (torch's ``nearbyint``); :class:`StochasticKeys` round
+        down, then up with probability of the fraction, drawing from the keyed hash.
+    :return: ``(out, mask)``, new arrays of ``grid.shape`` of the same kind as ``x``: the float32
+        values and the straight-through mask ``quant_min <= q <= quant_max`` (bool on the host; a
+        device may hold it as bool or uint8).
+    :raises optirs.UnsupportedOperationError: for an array this backend cannot read (another
+        backend's device array).
+    :raises optirs.ShapeMismatchError: for a device array that is not C-contiguous.
+    """
+
+
+@hookspec
+def optirs_fake_quant_backward(ctx: BackendContext, x: DeviceArray, grad: DeviceArray,
+                               grid: FakeQuantGrid) -> DeviceArray:
+    """The straight-through gradient: ``grad`` where ``x`` quantizes inside the range (bits unchanged), ``grad * 0`` elsewhere.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param x: the forward input, as for :func:`optirs_fake_quant_forward`.
+    :param grad: float32 gradient of ``grid.shape``, the same kind of array as ``x``.
+    :param grid: the grid the forward pass used.
+    :return: a new float32 array of ``grid.shape``, of the same kind as ``x``.
+    :raises optirs.UnsupportedOperationError: for arrays this backend cannot read.
+    :raises optirs.ShapeMismatchError: for a device array that is not C-contiguous.
+    """
+
 # ---- fused elementwise groups (section owned by the fusion work)
 
 
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
+    "fake_quant": ("optirs_fake_quant_forward", "optirs_fake_quant_backward"),
 }
 

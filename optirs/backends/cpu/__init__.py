@@ -16,6 +16,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, InvalidParameterError
+from optirs.backends.cpu.fake_quant import CpuFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
 
@@ -125,7 +126,7 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
+from optirs.backends.cuda.fake_quant import CudaFakeQuant
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
@@ -550,7 +551,7 @@ class CudaDevice:
 from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from optirs.backends.common.opencl_source import program_source
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
+from optirs.backends.opencl.fake_quant import OpenclFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
 
@@ -783,7 +784,7 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 
