@@ -468,6 +468,45 @@ def test_state_dict_round_trip(rng):
         b.load_state_dict({**sd, "param_dtype": "float16"})
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_capability_hooks_bit_for_bit(feature_backend, rng, dtype, simulator_arrays):
+    """The two passes called through Backend.hook on several tensors at their layout offsets,
+    against numpy float16 / ml_dtypes bfloat16."""
+    from optirs.core.layout import TensorLayout
+
+    require_in_place(feature_backend)
+    backend = optirs.get_backend(feature_backend)
+    unscale = backend.hook("mixed_precision", "optirs_mixed_precision_unscale")
+    narrow = backend.hook("mixed_precision", "optirs_mixed_precision_narrow")
+    describe = backend.hook("mixed_precision", "optirs_mixed_precision_describe")
+    bf16, half = dtype == "bfloat16", DTYPES[dtype]
+    inv = np.float32(1 / 64)
+    bits = rng.integers(0, 65536, 4000).astype(np.uint16)
+    finite = bits[np.isfinite(bits.view(half).astype(np.float32))][:1500]
+    shapes = [(20, 25), (7,), (finite.size - 507,)]
+    layout = TensorLayout(shapes)
+    grads = [to_backend_array(feature_backend, g.view(half).reshape(s)) for g, s in zip(np.split(finite, [500, 507]), shapes)]
+    meta = describe(backend.ctx, grads[0], "grads[0]", half)
+    assert meta.dtype == half and tuple(meta.shape) == shapes[0] and meta.contiguous
+    out = backend.alloc(backend.ctx, layout.total, np.float32, 0.0)
+    assert unscale(backend.ctx, grads, out, layout, inv, bf16) is False
+    ref = finite.view(half).astype(np.float32) * inv
+    assert np.array_equal(np.asarray(backend.to_host(backend.ctx, out)).view(np.uint32), ref.view(np.uint32))
+    poisoned = finite.copy()
+    poisoned[503] = 0x7F80 if bf16 else 0x7C00  # +inf, in the middle tensor
+    grads = [to_backend_array(feature_backend, g.view(half).reshape(s)) for g, s in zip(np.split(poisoned, [500, 507]), shapes)]
+    assert unscale(backend.ctx, grads, out, layout, inv, bf16) is True
+    masters = float32_bit_samples(rng, 600).view(np.float32)[-layout.total :]  # the edges are last
+    params = [to_backend_array(feature_backend, np.zeros(s, half)) for s in shapes]
+    narrow(backend.ctx, backend.to_device(backend.ctx, masters), params, layout, bf16)
+    with np.errstate(all="ignore"):
+        expected = masters.astype(half).view(np.uint16)
+    got = np.concatenate([from_backend_array(p).reshape(-1).view(np.uint16) for p in params])
+    assert np.array_equal(got, expected)
+    with pytest.raises(InvalidParameterError, match=r"params\[1\] is a list"):
+        describe(backend.ctx, [1.0], "params[1]", half)
+
+
 class HostBackendWithSteps(FakeHostBackend):
     """A backend with every step a GpuAdam needs, but without the mixed_precision hooks."""
 
