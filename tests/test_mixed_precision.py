@@ -16,12 +16,17 @@ import torch
 import optirs
 import optirs.core.arrays
 from optirs.core import reference
+from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.backends.cpu.mixed_precision import decode_bits, encode_bits
+from optirs.core.errors import UnsupportedOperationError
 from optirs.optim.mixed_precision import (DynamicLossScaler, MixedPrecisionConfig, MixedPrecisionOptimizer, OverflowStats,
-                                    decode_bits, encode_bits, f16_bits_to_f32, f32_to_f16_bits)
+                                          f16_bits_to_f32, f32_to_f16_bits)
 from optirs.optim.optimizers import OPTIMIZERS
+from optirs.plugin.hookspecs import hookimpl
 
-from conftest import from_backend_array, to_backend_array
+import conftest
+from conftest import THIRD_PARTY_BACKEND, FakeHostBackend, from_backend_array
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BF16}
@@ -275,10 +280,15 @@ CASES = [
 ]
 
 
+def to_backend_array(backend, host):
+    """The backend's own array kind holding ``host``; the numpy example backend takes numpy arrays."""
+    return host.copy() if backend == THIRD_PARTY_BACKEND else conftest.to_backend_array(backend, host)
+
+
 def require_in_place(backend):
     """The master weights are the backend's device arrays, handed to the inner optimizer in place."""
-    if backend not in MixedPrecisionOptimizer.SUPPORTED_BACKENDS:
-        pytest.skip(f"no half-precision passes for the {backend} backend (test_backend_without_half_kernels_is_refused)")
+    if not optirs.get_backend(backend).supports("mixed_precision"):
+        pytest.skip(f"the {backend} backend has no mixed_precision capability (test_backend_without_the_hooks_is_refused)")
     try:
         optirs.core.arrays.describe(to_backend_array(backend, np.zeros(1, np.float32)))
     except InvalidParameterError as exc:
@@ -323,9 +333,24 @@ def expected_half(master, dtype):
     return [m.astype(DTYPES[dtype]).view(np.uint16) for m in master]
 
 
+# The optimizers the third-party numpy example implements run on it too (feature_backend).
+FEATURE_CASES = [c for c in CASES if c[0] in ("adam", "sgd")]
+BACKEND_CASES = [c for c in CASES if c not in FEATURE_CASES]
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name,hp", CASES, ids=[c[0] for c in CASES])
-def test_half_steps_follow_reference_on_master_weights(backend, rng, dtype, name, hp, simulator_arrays):
+@pytest.mark.parametrize("name,hp", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+def test_half_steps_follow_reference_on_master_weights(feature_backend, rng, dtype, name, hp, simulator_arrays):
+    check_half_steps(feature_backend, rng, dtype, name, hp)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name,hp", BACKEND_CASES, ids=[c[0] for c in BACKEND_CASES])
+def test_half_steps_of_other_optimizers_follow_reference(backend, rng, dtype, name, hp, simulator_arrays):
+    check_half_steps(backend, rng, dtype, name, hp)
+
+
+def check_half_steps(backend, rng, dtype, name, hp):
     steps = 4
     params, grads = half_problem(rng, dtype, steps)
     opt = make_opt(backend, name, hp, dtype, init_scale=64.0, growth_interval=2, growth_factor=1.5)
@@ -336,7 +361,7 @@ def test_half_steps_follow_reference_on_master_weights(backend, rng, dtype, name
         inv = opt.scaler.inv_scale  # the scale changes after step 2: unscaling must follow it
         unscaled = [g.astype(np.float32) * inv for g in grads[k]]
         assert opt.step_gpu(dev, [to_backend_array(backend, g) for g in grads[k]]) is True
-        master, state = reference.STEPS[name](master, unscaled, state, hp, k + 1)
+        master, state = DEFINITIONS[name].reference(master, unscaled, state, hp, k + 1)
         got = opt.master_weights()
         for g, r in zip(got, master):
             np.testing.assert_allclose(g, r, rtol=2e-5, atol=2e-6)
@@ -348,7 +373,8 @@ def test_half_steps_follow_reference_on_master_weights(backend, rng, dtype, name
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_overflow_skips_everything(backend, rng, dtype, bad, simulator_arrays):
+def test_overflow_skips_everything(feature_backend, rng, dtype, bad, simulator_arrays):
+    backend = feature_backend
     params, grads = half_problem(rng, dtype, 3)
     opt = make_opt(backend, "adam", optirs.AdamParams(lr=1e-2), dtype, init_scale=1024.0)
     dev = [to_backend_array(backend, p) for p in params]
@@ -443,16 +469,64 @@ def test_state_dict_round_trip(rng):
         b.load_state_dict({**sd, "param_dtype": "float16"})
 
 
-def test_backend_without_half_kernels_is_refused(fresh_registry):
-    """A third-party backend (here: the cpu plugin under another name) gets a clear refusal."""
-    from optirs.backends.cpu import CpuBackend
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_capability_hooks_bit_for_bit(feature_backend, rng, dtype, simulator_arrays):
+    """The two passes called through Backend.hook on several tensors at their layout offsets,
+    against numpy float16 / ml_dtypes bfloat16."""
+    from optirs.core.layout import TensorLayout
 
-    optirs.register_plugin(CpuBackend(), "elsewhere")
+    require_in_place(feature_backend)
+    backend = optirs.get_backend(feature_backend)
+    unscale = backend.hook("mixed_precision", "optirs_mixed_precision_unscale")
+    narrow = backend.hook("mixed_precision", "optirs_mixed_precision_narrow")
+    describe = backend.hook("mixed_precision", "optirs_mixed_precision_describe")
+    bf16, half = dtype == "bfloat16", DTYPES[dtype]
+    inv = np.float32(1 / 64)
+    bits = rng.integers(0, 65536, 4000).astype(np.uint16)
+    finite = bits[np.isfinite(bits.view(half).astype(np.float32))][:1500]
+    shapes = [(20, 25), (7,), (finite.size - 507,)]
+    layout = TensorLayout(shapes)
+    grads = [to_backend_array(feature_backend, g.view(half).reshape(s)) for g, s in zip(np.split(finite, [500, 507]), shapes)]
+    meta = describe(backend.ctx, grads[0], "grads[0]", half)
+    assert meta.dtype == half and tuple(meta.shape) == shapes[0] and meta.contiguous
+    out = backend.alloc(backend.ctx, layout.total, np.float32, 0.0)
+    assert unscale(backend.ctx, grads, out, layout, inv, bf16) is False
+    ref = finite.view(half).astype(np.float32) * inv
+    assert np.array_equal(np.asarray(backend.to_host(backend.ctx, out)).view(np.uint32), ref.view(np.uint32))
+    poisoned = finite.copy()
+    poisoned[503] = 0x7F80 if bf16 else 0x7C00  # +inf, in the middle tensor
+    grads = [to_backend_array(feature_backend, g.view(half).reshape(s)) for g, s in zip(np.split(poisoned, [500, 507]), shapes)]
+    assert unscale(backend.ctx, grads, out, layout, inv, bf16) is True
+    masters = float32_bit_samples(rng, 600).view(np.float32)[-layout.total :]  # the edges are last
+    params = [to_backend_array(feature_backend, np.zeros(s, half)) for s in shapes]
+    narrow(backend.ctx, backend.to_device(backend.ctx, masters), params, layout, bf16)
+    with np.errstate(all="ignore"):
+        expected = masters.astype(half).view(np.uint16)
+    got = np.concatenate([from_backend_array(p).reshape(-1).view(np.uint16) for p in params])
+    assert np.array_equal(got, expected)
+    with pytest.raises(InvalidParameterError, match=r"params\[1\] is a list"):
+        describe(backend.ctx, [1.0], "params[1]", half)
+
+
+class HostBackendWithSteps(FakeHostBackend):
+    """A backend with every step a GpuAdam needs, but without the mixed_precision hooks."""
+
+    @hookimpl
+    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars):
+        raise AssertionError("a refused mixed-precision step must not reach the optimizer")
+
+
+def test_backend_without_the_hooks_is_refused(fresh_registry):
+    """A backend that lacks the capability refuses the first step, naming itself and the capability."""
+    optirs.register_plugin(HostBackendWithSteps(), "elsewhere")
+    backend = optirs.get_backend("elsewhere")
+    assert not backend.supports("mixed_precision") and optirs.get_backend("cpu").supports("mixed_precision")
     opt = MixedPrecisionOptimizer(optirs.GpuAdam(config=optirs.GpuOptimizerConfig("elsewhere")))
     p = np.ones(2, np.float16)
-    with pytest.raises(optirs.UnsupportedOperationError, match="not 'elsewhere'"):
+    with pytest.raises(UnsupportedOperationError, match=r"backend 'elsewhere' .*'mixed_precision'"):
         opt.step_gpu(p, np.ones(2, np.float16))
     assert np.array_equal(p, np.ones(2, np.float16))
+    assert opt.master_weights() == [] and opt.step_count == 0 and opt.scaler.stats.steps == 0
 
 
 @pytest.mark.cuda
@@ -462,9 +536,9 @@ def test_cuda_kernels_in_simulator(rng, dtype):
     """The numba.cuda passes (unscale + flag, narrow) against numpy/ml_dtypes, in the simulator."""
     from numba import cuda
 
-    from optirs.optim.mixed_precision import _cuda_kernels
+    from optirs.backends.cuda.mixed_precision import cuda_kernels
 
-    k = _cuda_kernels()
+    k = cuda_kernels()
     g = (rng.standard_normal(300) * 100).astype(DTYPES[dtype])
     out = cuda.to_device(np.zeros(310, np.float32))
     found = cuda.to_device(np.zeros(1, np.int32))
@@ -492,10 +566,10 @@ def test_opencl_kernels_bit_for_bit(rng, dtype):
     import pyopencl as cl
     import pyopencl.array as cla
 
-    from optirs.optim.mixed_precision import _opencl_kernels
+    from optirs.backends.opencl.mixed_precision import opencl_kernels
 
     ctx = optirs.get_backend("opencl").ctx
-    k = _opencl_kernels(ctx)
+    k = opencl_kernels(ctx)
     bf16 = np.int32(dtype == "bfloat16")
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     g = cla.to_device(ctx.queue, bits)
@@ -527,11 +601,11 @@ def test_cuda_passes_compile_to_ptx_for_sm90(monkeypatch):
     import numba.cuda.dispatcher as dispatcher
     from numba import cuda, types
 
-    from optirs.optim.mixed_precision import _cuda_kernels
+    from optirs.backends.cuda.mixed_precision import cuda_kernels
 
     if not cuda.is_available():  # device functions are compiled for the current device: name it
         monkeypatch.setattr(dispatcher, "get_current_device", lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
-    k = _cuda_kernels()
+    k = cuda_kernels()
     sigs = [(k.unscale, (types.uint16[::1], types.float32[::1], types.int64, types.float32, types.boolean, types.int32[::1])),
             (k.narrow, (types.uint32[::1], types.uint16[::1], types.int64, types.boolean))]
     for kernel, sig in sigs:
@@ -539,9 +613,10 @@ def test_cuda_passes_compile_to_ptx_for_sm90(monkeypatch):
         assert ".target sm_90" in ptx and ".f64" not in ptx
 
 
-def test_first_step_overflow_changes_nothing(backend, rng):
+def test_first_step_overflow_changes_nothing(feature_backend, rng):
     """An overflow on the very first step: no master weights are stepped, parameters untouched.
     (The inner optimizer is never called, so this runs the device passes in the simulator too.)"""
+    backend = feature_backend
     params, grads = half_problem(rng, "float16", 1)
     inner = OPTIMIZERS["adam"](optirs.AdamParams(), config=optirs.GpuOptimizerConfig(backend=backend))
     opt = MixedPrecisionOptimizer(inner, MixedPrecisionConfig("float16", init_scale=8.0))

@@ -13,21 +13,23 @@
   gradient is non-finite nothing is touched (parameters, master weights, state, step count) and
   the scaler backs off.
 
-The per-element conversions below are integer and exact-float32 arithmetic only, written once as
-plain functions and compiled both by ``numba.njit`` (cpu) and ``numba.cuda.jit(device=True)``:
-numba has no float16 on the CPU and no bfloat16 anywhere, so half arrays are handled as their
-uint16 bit patterns. They are tested bit for bit against numpy's float16 and ml_dtypes' bfloat16.
+The two passes are a backend capability, ``"mixed_precision"`` (hooks in
+:mod:`optirs.plugin.hookspecs`): the built-in backends implement them in
+``optirs/backends/<backend>/mixed_precision.py`` (the per-element conversions, integer and
+exact-float32 arithmetic shared by numba on cpu and cuda, are in
+:mod:`optirs.backends.common.half`); this module only drives them through ``backend.hook``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.core.layout import TensorLayout
 
 __all__ = [
     "f32_to_f16_bits", "f16_bits_to_f32", "DynamicLossScaler", "OverflowStats", "MixedPrecisionConfig",
@@ -302,289 +304,7 @@ class MixedPrecisionConfig:
         return DynamicLossScaler.from_config(self)
 
 
-# ----------------------------------------------------------------------------- per-element math
-# Plain functions, compiled for the CPU (njit) and for CUDA (device functions) below. Integer
-# constants only; the one float multiply per decode is exact (an integer < 2048 times a power of 2).
-
-# _POW2[k] = 2**(k - 134): every scale a binary16 or bfloat16 exponent field needs, exact in float32.
-_POW2 = np.array([2.0 ** (k - 134) for k in range(256)], dtype=np.float32)
-_INF = np.float32(np.inf)
-_NAN = np.float32(np.nan)
-
-
-def _py_f16_decode(h):
-    """binary16 bits -> float32 value (NaN payloads not kept: only gradients are decoded)."""
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0x1F:
-        v = _INF if m == 0 else _NAN
-    elif e == 0:
-        v = np.float32(m) * _POW2[110]  # m * 2**-24
-    else:
-        v = np.float32(m | 0x400) * _POW2[e + 109]  # 1.m * 2**(e-15)
-    return -v if (h >> 15) & 1 else v
-
-
-def _py_bf16_decode(h):
-    """bfloat16 bits -> float32 value (NaN payloads not kept)."""
-    e = (h >> 7) & 0xFF
-    m = h & 0x7F
-    if e == 0xFF:
-        v = _INF if m == 0 else _NAN
-    elif e == 0:
-        v = np.float32(m) * _POW2[1]  # m * 2**-133
-    else:
-        v = np.float32(m | 0x80) * _POW2[e]  # 1.m * 2**(e-127)
-    return -v if (h >> 15) & 1 else v
-
-
-def _py_f16_encode(u):
-    """float32 bits -> binary16 bits, round to nearest even, as numpy's float32 -> float16 cast."""
-    sign = (u >> 16) & 0x8000
-    a = u & 0x7FFFFFFF
-    if a >= 0x7F800000:
-        if a == 0x7F800000:
-            return sign | 0x7C00
-        h = 0x7C00 | ((a >> 13) & 0x3FF)  # NaN: keep the top payload bits, never turn into inf
-        if h == 0x7C00:
-            h = 0x7C01
-        return sign | h
-    if a >= 0x477FF000:  # >= 65520 rounds to inf
-        return sign | 0x7C00
-    if a >= 0x38800000:  # normal half (>= 2**-14)
-        h = (((a >> 23) - 112) << 10) | ((a >> 13) & 0x3FF)
-        rem = a & 0x1FFF
-        if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
-            h += 1
-        return sign | h
-    if a <= 0x33000000:  # <= 2**-25 rounds to zero (the tie goes to the even zero)
-        return sign
-    shift = 126 - (a >> 23)  # 14..24: the value in units of 2**-24 is mant >> shift
-    mant = (a & 0x7FFFFF) | 0x800000
-    h = mant >> shift
-    rem = mant & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    if rem > half or (rem == half and (h & 1) == 1):
-        h += 1
-    return sign | h
-
-
-def _py_bf16_encode(u):
-    """float32 bits -> bfloat16 bits, round to nearest even, NaN -> quiet NaN (as ml_dtypes)."""
-    if (u & 0x7FFFFFFF) > 0x7F800000:
-        return 0xFFC0 if (u >> 31) & 1 else 0x7FC0
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
-
-_cpu = None
-_cuda = None
-cuda = None  # numba.cuda, imported by _cuda_kernels
-
-
-def _cpu_kernels():
-    """The njit conversions and the two parallel passes (compiled on first use)."""
-    global _cpu
-    if _cpu is not None:
-        return _cpu
-    from numba import njit, prange
-    from numba.typed import List
-
-    f16_decode = njit(cache=True)(_py_f16_decode)
-    bf16_decode = njit(cache=True)(_py_bf16_decode)
-    f16_encode = njit(cache=True)(_py_f16_encode)
-    bf16_encode = njit(cache=True)(_py_bf16_encode)
-
-    @njit(parallel=True, cache=True)
-    def unscale(gs, out, offsets, chunk_tensor, chunk_start, chunk_stop, inv_scale, bf16, flags):
-        # One pass: decode, multiply by 1/scale, store float32, flag non-finite results per chunk.
-        for c in prange(chunk_tensor.shape[0]):
-            t = chunk_tensor[c]
-            g, off = gs[t], offsets[t]
-            bad = 0
-            for i in range(chunk_start[c], chunk_stop[c]):
-                x = (bf16_decode(g[i]) if bf16 else f16_decode(g[i])) * inv_scale
-                out[off + i] = x
-                if not math.isfinite(x):
-                    bad = 1
-            flags[c] = bad
-
-    @njit(parallel=True, cache=True)
-    def narrow(master_bits, ps, offsets, chunk_tensor, chunk_start, chunk_stop, bf16):
-        for c in prange(chunk_tensor.shape[0]):
-            t = chunk_tensor[c]
-            p, off = ps[t], offsets[t]
-            for i in range(chunk_start[c], chunk_stop[c]):
-                u = master_bits[off + i]
-                p[i] = bf16_encode(u) if bf16 else f16_encode(u)
-
-    @njit(parallel=True, cache=True)
-    def encode_all(bits, out, bf16):
-        for i in prange(bits.shape[0]):
-            out[i] = bf16_encode(bits[i]) if bf16 else f16_encode(bits[i])
-
-    @njit(parallel=True, cache=True)
-    def decode_all(bits, out, bf16):
-        for i in prange(bits.shape[0]):
-            out[i] = bf16_decode(bits[i]) if bf16 else f16_decode(bits[i])
-
-    def typed_list(arrays):
-        out = List()
-        for a in arrays:
-            out.append(a)
-        return out
-
-    class K:
-        pass
-
-    K.unscale, K.narrow, K.encode_all, K.decode_all, K.typed_list = unscale, narrow, encode_all, decode_all, typed_list
-    _cpu = K
-    return K
-
-
-def _cuda_kernels():
-    """numba.cuda versions: one launch per tensor (half arrays are separate allocations)."""
-    # ``cuda`` must be a module global for the kernels: the simulator swaps the kernels' globals.
-    global _cuda, cuda
-    if _cuda is not None:
-        return _cuda
-    from numba import cuda
-
-    f16_decode = cuda.jit(device=True)(_py_f16_decode)
-    bf16_decode = cuda.jit(device=True)(_py_bf16_decode)
-    f16_encode = cuda.jit(device=True)(_py_f16_encode)
-    bf16_encode = cuda.jit(device=True)(_py_bf16_encode)
-
-    @cuda.jit
-    def unscale(g, out, offset, inv_scale, bf16, found_inf):
-        i = cuda.grid(1)
-        if i < g.shape[0]:
-            x = (bf16_decode(g[i]) if bf16 else f16_decode(g[i])) * inv_scale
-            out[offset + i] = x
-            if not math.isfinite(x):
-                found_inf[0] = 1  # every writer stores the same value: no atomic needed
-
-    @cuda.jit
-    def narrow(master_bits, p, offset, bf16):
-        i = cuda.grid(1)
-        if i < p.shape[0]:
-            u = master_bits[offset + i]
-            p[i] = bf16_encode(u) if bf16 else f16_encode(u)
-
-    class K:
-        pass
-
-    K.unscale, K.narrow, K.cuda = unscale, narrow, cuda
-    _cuda = K
-    return K
-
-
-# The same conversions in OpenCL C: float16 loads through vload_half (core OpenCL, exact; no
-# cl_khr_fp16 needed), every rounding in integer arithmetic as above so results match numpy and
-# ml_dtypes bit for bit on any device.
-OPENCL_SOURCE = r"""
-inline ushort optirs_f16_encode(uint u) {
-    uint sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu, h;
-    if (a >= 0x7F800000u) {
-        if (a == 0x7F800000u) return (ushort)(sign | 0x7C00u);
-        h = 0x7C00u | ((a >> 13) & 0x3FFu);
-        return (ushort)(sign | (h == 0x7C00u ? 0x7C01u : h));
-    }
-    if (a >= 0x477FF000u) return (ushort)(sign | 0x7C00u);
-    if (a >= 0x38800000u) {
-        uint rem = a & 0x1FFFu;
-        h = (((a >> 23) - 112u) << 10) | ((a >> 13) & 0x3FFu);
-        if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h += 1u;
-        return (ushort)(sign | h);
-    }
-    if (a <= 0x33000000u) return (ushort)sign;
-    uint shift = 126u - (a >> 23), mant = (a & 0x7FFFFFu) | 0x800000u;
-    uint rem = mant & ((1u << shift) - 1u), half_ = 1u << (shift - 1u);
-    h = mant >> shift;
-    if (rem > half_ || (rem == half_ && (h & 1u))) h += 1u;
-    return (ushort)(sign | h);
-}
-
-inline ushort optirs_bf16_encode(uint u) {
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 31) ? (ushort)0xFFC0u : (ushort)0x7FC0u;
-    return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-__kernel void optirs_mp_unscale(__global const ushort *g, ulong g_off, __global float *out, ulong out_off,
-                                uint n, float inv_scale, int bf16, __global int *found_inf) {
-    size_t i = get_global_id(0);
-    if (i >= n) return;
-    float x = bf16 ? as_float(((uint)g[g_off + i]) << 16) : vload_half(g_off + i, (__global const half *)g);
-    x *= inv_scale;
-    out[out_off + i] = x;
-    if (!isfinite(x)) *found_inf = 1;  /* every writer stores the same value */
-}
-
-__kernel void optirs_mp_narrow(__global const uint *master, ulong m_off, __global ushort *p, ulong p_off,
-                               uint n, int bf16) {
-    size_t i = get_global_id(0);
-    if (i >= n) return;
-    uint u = master[m_off + i];
-    p[p_off + i] = bf16 ? optirs_bf16_encode(u) : optirs_f16_encode(u);
-}
-"""
-
-_ocl_programs: Any = None  # weakref.WeakKeyDictionary: OpenCL context -> built kernels
-
-
-def _opencl_kernels(ctx: Any):
-    """The two kernels built for an optirs OpenCL context (once per context)."""
-    global _ocl_programs
-    import weakref
-
-    import pyopencl as cl
-
-    if _ocl_programs is None:
-        _ocl_programs = weakref.WeakKeyDictionary()
-    hit = _ocl_programs.get(ctx)
-    if hit is None:
-        prg = cl.Program(ctx.context, OPENCL_SOURCE).build()
-        hit = {"unscale": prg.optirs_mp_unscale, "narrow": prg.optirs_mp_narrow,
-               "found": cl.Buffer(ctx.context, cl.mem_flags.READ_WRITE, 4)}
-        _ocl_programs[ctx] = hit
-    return hit
-
-
-def _cl_parts(a: Any, itemsize: int):
-    """(buffer, element offset, element count) of a pyopencl array."""
-    return a.base_data, np.uint64(a.offset // itemsize), int(a.size)
-
-
-def encode_bits(values32: np.ndarray, dtype: Any) -> np.ndarray:
-    """The kernel's float32 -> float16/bfloat16 rounding on the CPU, as uint16 bit patterns (for tests)."""
-    bf16 = _half_dtype(dtype).name == "bfloat16"
-    bits = np.ascontiguousarray(values32, dtype=np.float32).reshape(-1).view(np.uint32)
-    out = np.empty(bits.shape, np.uint16)
-    _cpu_kernels().encode_all(bits, out, bf16)
-    return out
-
-
-def decode_bits(bits: np.ndarray, dtype: Any) -> np.ndarray:
-    """The kernel's float16/bfloat16 -> float32 decoding on the CPU (for tests)."""
-    bf16 = _half_dtype(dtype).name == "bfloat16"
-    b = np.ascontiguousarray(bits, dtype=np.uint16).reshape(-1)
-    out = np.empty(b.shape, np.float32)
-    _cpu_kernels().decode_all(b, out, bf16)
-    return out
-
-
-def _half_dtype(dtype: Any) -> np.dtype:
-    return MixedPrecisionConfig(param_dtype=dtype).param_dtype
-
-
-# Threads per block for the CUDA passes: simple elementwise, any multiple of the warp works.
-_CUDA_BLOCK = 256
-
-
 # ----------------------------------------------------------------------------- the optimizer wrapper
-
-
-def _is_numba_device_array(a: Any) -> bool:
-    return hasattr(a, "copy_to_host") and hasattr(a, "view")
 
 
 class MixedPrecisionOptimizer:
@@ -603,11 +323,12 @@ class MixedPrecisionOptimizer:
     overflowing step leave everything untouched; the scaler backs off either way. The master
     weights are authoritative: edits to the half parameters between steps are overwritten by the
     next applied step (load a checkpoint to change them).
-    Backends: ``cpu`` (numba parallel loops over the chunk table, one call per pass), ``cuda``
-    (numba.cuda) and ``opencl`` (OpenCL C), one launch per tensor per pass on the devices.
+    The passes are the inner optimizer's backend's ``mixed_precision`` capability (the hooks
+    ``optirs_mixed_precision_describe``, ``_unscale`` and ``_narrow``); a backend without it
+    raises :class:`~optirs.core.errors.UnsupportedOperationError` on the first step.
     """
 
-    SUPPORTED_BACKENDS = ("cpu", "cuda", "opencl")
+    CAPABILITY = "mixed_precision"
 
     def __init__(self, inner: Any, config: Optional[MixedPrecisionConfig] = None):
         from optirs.optim.optimizers import STATE_DTYPE, GpuOptimizer
@@ -631,21 +352,19 @@ class MixedPrecisionOptimizer:
         self._grads32 = None
         self._master_views: List[Any] = []
         self._grad_views: List[Any] = []
-        self._lists: Dict[tuple, tuple] = {}
-        self._layout_cache = None
-        self._found_flag = None  # cuda: the device word the unscale pass raises
+        self._layout: Optional[TensorLayout] = None  # the backends keep per-model data in its cache
 
     # ------------------------------------------------------------ properties
 
     @property
     def backend(self):
-        backend = self.inner.backend
-        if backend.name not in self.SUPPORTED_BACKENDS:
-            raise UnsupportedOperationError(
-                f"mixed-precision steps are implemented for backends {list(self.SUPPORTED_BACKENDS)}, "
-                f"not {backend.name!r}"
-            )
-        return backend
+        """The inner optimizer's bound backend (an :class:`optirs.plugin.registry.Backend`)."""
+        return self.inner.backend
+
+    def _hook(self, name: str) -> Callable:
+        """The backend's implementation of a mixed-precision hook; raises UnsupportedOperationError
+        naming the backend and the capability when it has none."""
+        return self.backend.hook(self.CAPABILITY, name)
 
     @property
     def step_count(self) -> int:
@@ -670,40 +389,33 @@ class MixedPrecisionOptimizer:
 
     # ------------------------------------------------------------ validation
 
-    def _validate(self, params: List[Any], grads: List[Any], kind: str) -> List[Tuple[int, ...]]:
+    def _validate(self, params: List[Any], grads: List[Any]) -> List[Tuple[int, ...]]:
         if len(params) != len(grads):
             raise ShapeMismatchError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
+        backend = self.backend
+        describe = self._hook("optirs_mixed_precision_describe")
         want = self.config.param_dtype
         shapes = []
         seen: Dict[int, int] = {}
         for i, (p, g) in enumerate(zip(params, grads)):
+            metas = []
             for a, label in ((p, "params"), (g, "grads")):
-                if kind == "cpu" and not isinstance(a, np.ndarray):
-                    raise InvalidParameterError(f"{label}[{i}] is a {type(a).__name__}, expected a numpy array on the cpu backend")
-                if kind == "cuda" and isinstance(a, np.ndarray):
-                    raise InvalidParameterError(f"{label}[{i}] is a numpy array, expected a CUDA device array on the cuda backend")
-                if kind == "opencl" and not type(a).__module__.startswith("pyopencl"):
-                    raise InvalidParameterError(f"{label}[{i}] is a {type(a).__name__}, expected a pyopencl.array.Array on the opencl backend")
-                dt = _dtype_of(a)
-                # numba, CuPy and torch's __cuda_array_interface__ have no bfloat16: on the cuda
-                # backend bfloat16 tensors arrive as their 16-bit patterns.
-                bf16_bits = kind == "cuda" and want.name == "bfloat16" and dt in (np.dtype(np.uint16), np.dtype(np.int16))
-                if dt != want and not bf16_bits:
-                    raise ShapeMismatchError(f"{label}[{i}] has dtype {dt}, expected {want} (MixedPrecisionConfig.param_dtype)")
-                flags = getattr(a, "flags", None)
-                contiguous = flags.get("C_CONTIGUOUS", True) if isinstance(flags, dict) else getattr(flags, "c_contiguous", True)
-                if not contiguous:
+                meta = describe(backend.ctx, a, f"{label}[{i}]", want)
+                if meta.dtype != want:
+                    raise ShapeMismatchError(f"{label}[{i}] has dtype {meta.dtype}, expected {want} (MixedPrecisionConfig.param_dtype)")
+                if not meta.contiguous:
                     raise ShapeMismatchError(f"{label}[{i}] is not C-contiguous, expected a contiguous array")
-            if tuple(g.shape) != tuple(p.shape):
-                raise ShapeMismatchError(f"grads[{i}] has shape {tuple(g.shape)}, expected {tuple(p.shape)} like params[{i}]")
-            if isinstance(p, np.ndarray):
-                if not p.flags.writeable:
-                    raise ShapeMismatchError(f"params[{i}] is read-only, expected a writeable array (updated in place)")
-                addr = p.__array_interface__["data"][0]
-                if p.size and addr in seen:
-                    raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[addr]}], expected distinct tensors")
-                seen[addr] = i
-            shapes.append(tuple(int(d) for d in p.shape))
+                metas.append(meta)
+            pm, gm = metas
+            if tuple(gm.shape) != tuple(pm.shape):
+                raise ShapeMismatchError(f"grads[{i}] has shape {tuple(gm.shape)}, expected {tuple(pm.shape)} like params[{i}]")
+            if not pm.writeable:
+                raise ShapeMismatchError(f"params[{i}] is read-only, expected a writeable array (updated in place)")
+            if pm.size and pm.address:
+                if pm.address in seen:
+                    raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[pm.address]}], expected distinct tensors")
+                seen[pm.address] = i
+            shapes.append(tuple(int(d) for d in pm.shape))
         if self._shapes is not None and shapes != self._shapes:
             raise ShapeMismatchError(
                 f"the parameter list changed: got {len(shapes)} tensors with shapes {shapes}, "
@@ -734,28 +446,7 @@ class MixedPrecisionOptimizer:
             off += n
         self._master, self._grads32, self._master_views, self._grad_views = master, grads32, mviews, gviews
         self._shapes = list(shapes)
-        self._layout_cache = None
-
-    def _chunks(self):
-        from optirs.backends.cpu import CHUNK
-        from optirs.core.layout import TensorLayout
-
-        if self._layout_cache is None:
-            self._layout_cache = TensorLayout(self._shapes)
-        layout = self._layout_cache
-        return layout.offsets, layout.chunks(CHUNK)
-
-    def _typed_bits(self, arrays):
-        """A numba typed list of the arrays' flat uint16 views, cached by the arrays' identities
-        (the entry keeps them alive, so the ids stay theirs)."""
-        key = tuple(id(a) for a in arrays)
-        hit = self._lists.get(key)
-        if hit is None:
-            hit = (arrays, _cpu_kernels().typed_list([a.view(np.uint16).reshape(-1) for a in arrays]))
-            if len(self._lists) >= 8:
-                self._lists.pop(next(iter(self._lists)))
-            self._lists[key] = hit
-        return hit[1]
+        self._layout = TensorLayout(self._shapes)
 
     # ------------------------------------------------------------ the step
 
@@ -770,97 +461,29 @@ class MixedPrecisionOptimizer:
         if not plist:
             raise InvalidParameterError("params=[], expected at least one array")
         backend = self.backend
-        shapes = self._validate(plist, glist, backend.name)
+        # Every hook is looked up before anything changes: a backend without the capability refuses here.
+        unscale = self._hook("optirs_mixed_precision_unscale")
+        narrow = self._hook("optirs_mixed_precision_narrow")
+        shapes = self._validate(plist, glist)
+        bf16 = self.config.is_bfloat16
         fresh = self._master is None
         if fresh:
             self._init_buffers(plist, shapes)
         try:
-            found_inf = self._unscale(backend.name, glist)
+            found_inf = bool(unscale(backend.ctx, glist, self._grads32, self._layout, self.scaler.inv_scale, bf16))
             if not found_inf:
                 self.inner.step_gpu(self._master_views, self._grad_views)
         except BaseException:
             if fresh:  # a failed first step leaves the wrapper as it was
-                self._master = self._grads32 = None
-                self._shapes, self._master_views, self._grad_views = None, [], []
+                self._clear_master()
             raise
         if not found_inf:
-            self._narrow(backend.name, plist)
+            narrow(backend.ctx, self._master, plist, self._layout, bf16)
         return self.scaler.update(found_inf)
 
-    def _unscale(self, kind: str, grads: List[Any]) -> bool:
-        inv = self.scaler.inv_scale
-        bf16 = self.config.is_bfloat16
-        if kind == "cpu":
-            k = _cpu_kernels()
-            offsets, (ct, cs, ce) = self._chunks()
-            glist = self._typed_bits(grads)
-            flags = np.zeros(ct.shape[0], np.uint8)
-            k.unscale(glist, self._grads32, offsets, ct, cs, ce, inv, bf16, flags)
-            return bool(flags.any())
-        if kind == "opencl":
-            return self._unscale_opencl(grads, inv, bf16)
-        k = _cuda_kernels()
-        found = self._found_flag
-        if found is None:
-            found = self._found_flag = k.cuda.to_device(np.zeros(1, np.int32))
-        else:
-            found.copy_to_device(np.zeros(1, np.int32))
-        offsets, _ = self._chunks()
-        out = _as_numba(k.cuda, self._grads32)
-        for g, off in zip(grads, offsets):
-            g16 = _as_numba(k.cuda, g).reshape(-1).view(np.uint16)
-            n = g16.shape[0]
-            if n:
-                k.unscale[(n + _CUDA_BLOCK - 1) // _CUDA_BLOCK, _CUDA_BLOCK](g16, out, int(off), inv, bf16, found)
-        return bool(found.copy_to_host()[0])
-
-    def _narrow(self, kind: str, params: List[Any]) -> None:
-        bf16 = self.config.is_bfloat16
-        if kind == "cpu":
-            k = _cpu_kernels()
-            offsets, (ct, cs, ce) = self._chunks()
-            plist = self._typed_bits(params)
-            k.narrow(self._master.view(np.uint32), plist, offsets, ct, cs, ce, bf16)
-            return
-        if kind == "opencl":
-            self._narrow_opencl(params, bf16)
-            return
-        k = _cuda_kernels()
-        offsets, _ = self._chunks()
-        bits = _as_numba(k.cuda, self._master).view(np.uint32)
-        for p, off in zip(params, offsets):
-            p16 = _as_numba(k.cuda, p).reshape(-1).view(np.uint16)
-            n = p16.shape[0]
-            if n:
-                k.narrow[(n + _CUDA_BLOCK - 1) // _CUDA_BLOCK, _CUDA_BLOCK](bits, p16, int(off), bf16)
-
-    def _unscale_opencl(self, grads: List[Any], inv: np.float32, bf16: bool) -> bool:
-        import pyopencl as cl
-
-        ctx = self.backend.ctx
-        k = _opencl_kernels(ctx)
-        cl.enqueue_fill_buffer(ctx.queue, k["found"], np.zeros(1, np.int32), 0, 4)
-        out, out_off, _ = _cl_parts(self._grads32, 4)
-        offsets, _ = self._chunks()
-        for g, off in zip(grads, offsets):
-            buf, g_off, n = _cl_parts(g, 2)
-            if n:
-                k["unscale"](ctx.queue, (_round_up(n, _CUDA_BLOCK),), None, buf, g_off, out,
-                             np.uint64(int(out_off) + int(off)), np.uint32(n), inv, np.int32(bf16), k["found"])
-        found = np.zeros(1, np.int32)
-        cl.enqueue_copy(ctx.queue, found, k["found"])  # blocking: the flag decides the step
-        return bool(found[0])
-
-    def _narrow_opencl(self, params: List[Any], bf16: bool) -> None:
-        ctx = self.backend.ctx
-        k = _opencl_kernels(ctx)
-        master, m_off, _ = _cl_parts(self._master, 4)
-        offsets, _ = self._chunks()
-        for p, off in zip(params, offsets):
-            buf, p_off, n = _cl_parts(p, 2)
-            if n:
-                k["narrow"](ctx.queue, (_round_up(n, _CUDA_BLOCK),), None, master, np.uint64(int(m_off) + int(off)),
-                            buf, p_off, np.uint32(n), np.int32(bf16))
+    def _clear_master(self) -> None:
+        self._master = self._grads32 = None
+        self._shapes, self._master_views, self._grad_views, self._layout = None, [], [], None
 
     # ------------------------------------------------------------ checkpoints
 
@@ -889,32 +512,8 @@ class MixedPrecisionOptimizer:
         if master:
             self._install_master(np.concatenate([m.reshape(-1) for m in master]), shapes)
         else:
-            self._master = self._grads32 = None
-            self._shapes, self._master_views, self._grad_views = None, [], []
+            self._clear_master()
 
     def __repr__(self) -> str:
         return f"MixedPrecisionOptimizer({self.inner!r}, {self.config.param_dtype.name}, {self.scaler!r})"
 
-
-def _dtype_of(a: Any) -> Optional[np.dtype]:
-    """numpy/numba/pyopencl arrays carry a numpy dtype; other CUDA arrays (torch, CuPy) say it in
-    ``__cuda_array_interface__``."""
-    dt = getattr(a, "dtype", None)
-    if isinstance(dt, np.dtype):
-        return dt
-    try:
-        return np.dtype(a.__cuda_array_interface__["typestr"])
-    except (AttributeError, KeyError, TypeError):
-        pass
-    try:
-        return np.dtype(dt)
-    except TypeError:
-        return None
-
-
-def _round_up(n: int, q: int) -> int:
-    return -(-n // q) * q
-
-
-def _as_numba(cuda: Any, a: Any):
-    return a if _is_numba_device_array(a) else cuda.as_cuda_array(a)

@@ -27,6 +27,7 @@ import numpy as np
 import pluggy
 
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
+from optirs.core.arrays import ArrayMeta
 from optirs.core.layout import TensorLayout
 
 PROJECT = "optirs"
@@ -255,6 +256,72 @@ def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Tu
 # capability. Sections below are grouped by capability; each starts with its banner.
 
 # ---- mixed precision (section owned by the mixed-precision work)
+# optirs.optim.mixed_precision.MixedPrecisionOptimizer steps float16/bfloat16 parameters over
+# float32 master weights that live on the backend. Per step it describes the caller's half arrays,
+# runs one unscale pass (half gradients -> float32 buffer, flagging inf/NaN) and, when the step is
+# applied, one narrow pass (float32 masters -> rounded half parameters). Both passes cover every
+# tensor of ``layout``; float16 rounds as numpy's cast, bfloat16 as ml_dtypes' (nearest even).
+
+
+@hookspec
+def optirs_mixed_precision_describe(ctx: Any, array: Any, what: str, half_dtype: np.dtype) -> ArrayMeta:
+    """Describe one of the caller's half-precision arrays as the mixed-precision passes will read it.
+
+    The backend checks that ``array`` is its own kind (e.g. a numpy array on the host, a CUDA
+    device array, a ``pyopencl.array.Array``) and reports its dtype as the passes see it (the
+    cuda backend reports ``half_dtype`` for bfloat16 tensors handed over as uint16/int16 bit
+    patterns, since ``__cuda_array_interface__`` has no bfloat16). The caller compares dtypes,
+    shapes, contiguity, writeability and addresses itself.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param array: a parameter or gradient of the caller (the backend's device array kind).
+    :param what: how error messages name the array, e.g. ``"params[3]"``.
+    :param half_dtype: the dtype the caller configured: numpy float16 or ml_dtypes bfloat16.
+    :return: an :class:`optirs.core.arrays.ArrayMeta`; ``address`` tells aliases apart
+        (0 when unknown).
+    :raises optirs.InvalidParameterError: when ``array`` is not an array this backend can use,
+        naming ``what`` and the kind expected.
+    """
+
+
+@hookspec
+def optirs_mixed_precision_unscale(ctx: Any, grads: List[Any], out: Any, layout: TensorLayout,
+                                   inv_scale: np.float32, bfloat16: bool) -> bool:
+    """Write ``float32(grad) * inv_scale`` of every half gradient into ``out`` and tell whether any is inf/NaN.
+
+    One pass over the model (one call on the CPU; on devices at most one launch per tensor).
+    A finite half gradient whose product overflows float32 counts as non-finite.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param grads: the caller's half gradients (checked by :func:`optirs_mixed_precision_describe`),
+        one per tensor of ``layout``, any shape with that tensor's size.
+    :param out: a flat float32 device array of ``layout.total`` elements (from :func:`optirs_alloc`);
+        tensor ``t`` goes to ``out[layout.offsets[t]:][:layout.sizes[t]]``.
+    :param layout: the model's :class:`optirs.core.layout.TensorLayout`; backends may keep
+        prepared data in ``layout.cache``.
+    :param inv_scale: 1 / loss scale, a float32 value; products are float32.
+    :param bfloat16: True when the gradients are bfloat16, False for float16.
+    :return: True when any unscaled value is inf or NaN (``out`` then holds them, and the caller
+        skips the step).
+    """
+
+
+@hookspec
+def optirs_mixed_precision_narrow(ctx: Any, masters: Any, params: List[Any], layout: TensorLayout,
+                                  bfloat16: bool) -> None:
+    """Round the float32 master weights to nearest even into the caller's half parameters, in place.
+
+    One pass over the model, like :func:`optirs_mixed_precision_unscale`. NaN stays NaN (float16
+    keeps the top payload bits, bfloat16 becomes the quiet NaN, as ml_dtypes), values beyond the
+    half range become inf.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param masters: the flat float32 device array of master weights, laid out by ``layout``.
+    :param params: the caller's half parameters (checked by :func:`optirs_mixed_precision_describe`),
+        one per tensor of ``layout``; overwritten.
+    :param layout: the model's :class:`optirs.core.layout.TensorLayout`.
+    :param bfloat16: True when the parameters are bfloat16, False for float16.
+    """
 
 # ---- sparse rows (section owned by the sparse work)
 
@@ -359,5 +426,7 @@ def optirs_fake_quant_backward(ctx: BackendContext, x: DeviceArray, grad: Device
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
     "fake_quant": ("optirs_fake_quant_forward", "optirs_fake_quant_backward"),
+    "mixed_precision": ("optirs_mixed_precision_describe", "optirs_mixed_precision_unscale",
+                        "optirs_mixed_precision_narrow"),
 }
 

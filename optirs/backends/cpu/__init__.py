@@ -19,6 +19,7 @@ from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 from optirs.backends.cpu.fake_quant import CpuFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
+from optirs.backends.cpu.mixed_precision import CpuMixedPrecision
 
 from optirs.backends.cpu.steps import CHUNK, CpuSteps
 
@@ -126,7 +127,7 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

@@ -35,6 +35,7 @@ from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuO
 from optirs.backends.opencl.fake_quant import OpenclFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
+from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
@@ -784,7 +785,7 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 

@@ -7,6 +7,9 @@ rest) and, as pluggy allows, some hooks take only the arguments they use.
 import numpy as np
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
+from optirs_numpy_backend.mixed_precision import (optirs_mixed_precision_describe, optirs_mixed_precision_narrow,
+                                                  optirs_mixed_precision_unscale)
+
 
 @hookimpl
 def optirs_plugin_info():
