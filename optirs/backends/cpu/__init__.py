@@ -18,6 +18,7 @@ import numpy as np
 from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
+from optirs.backends.cpu.sparse import CpuSparse
 
 from optirs.backends.cpu.steps import CHUNK, CpuSteps
 
@@ -125,7 +126,7 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuSparse):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

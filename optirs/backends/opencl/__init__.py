@@ -34,6 +34,7 @@ from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
+from optirs.backends.opencl.sparse import OpenclSparse
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
@@ -783,7 +784,7 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclSparse):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 

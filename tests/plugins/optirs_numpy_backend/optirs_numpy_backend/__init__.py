@@ -7,6 +7,9 @@ rest) and, as pluggy allows, some hooks take only the arguments they use.
 import numpy as np
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
+# The sparse capability's hooks, in their own module; importing them here registers them.
+from .sparse import optirs_sparse_adam_step, optirs_sparse_sgd_step, optirs_sparse_stage  # noqa: F401
+
 
 @hookimpl
 def optirs_plugin_info():
