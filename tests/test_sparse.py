@@ -388,3 +388,27 @@ def test_sorted_unique_fast_path_equals_general_path(feature_backend):
         general.step(pg, CooGradient(idx[perm], vals[perm]))
     np.testing.assert_array_equal(pf, pg)
     assert not np.array_equal(pf, p0)
+
+
+def test_device_index_arrays_are_read_through_the_backend(feature_backend):
+    """Index arrays on the device are copied at the step by the backend's to_host; a bad one changes nothing."""
+    rng = np.random.default_rng(20)
+    p0 = rng.standard_normal((R, D)).astype(np.float32)
+    put = (lambda a: to_backend_array(feature_backend, a)) if feature_backend in BUILTIN_BACKENDS else np.copy
+    idx, vals = _steps(21, 1)[0]
+    csr = CsrGradient.from_coo(CooGradient(idx, vals), R)
+    host, dev = SparseAdam(SparseAdamConfig(backend=feature_backend)), SparseAdam(SparseAdamConfig(backend=feature_backend))
+    ph, pd = p0.copy(), p0.copy()
+    host.step(ph, CooGradient(idx, vals))
+    dev.step(pd, CooGradient(put(idx), vals))
+    np.testing.assert_array_equal(pd, ph)
+    host.step(ph, csr)
+    dev.step(pd, CsrGradient(put(csr.indptr), vals[np.argsort(idx, kind="stable")]))
+    np.testing.assert_array_equal(pd, ph)
+    bad = csr.indptr.copy()
+    bad[1], bad[2] = bad[2] + 1, bad[2]  # not sorted any more
+    before = pd.copy()
+    with pytest.raises(InvalidParameterError, match="not sorted"):
+        dev.step(pd, CsrGradient(put(bad), vals))
+    np.testing.assert_array_equal(pd, before)
+    assert dev.tables[0].step == 2
