@@ -9,7 +9,7 @@ the results are those of the numba kernels. pyopencl is imported only once a ste
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
