@@ -45,7 +45,10 @@ class Dev:
     """Arrays and synchronization on the chosen backend (device-resident inputs: no transfers timed)."""
 
     def __init__(self, backend: str):
+        import optirs
+
         self.backend = backend
+        self.bound = optirs.get_backend(backend)  # the optimizers' backend: its synchronize hook
         if backend == "cuda":
             from numba import cuda
 
@@ -72,10 +75,7 @@ class Dev:
         return host
 
     def sync(self) -> None:
-        if self.backend == "cuda":
-            self.cuda.synchronize()
-        elif self.backend == "opencl":
-            self.queue.finish()
+        self.bound.synchronize()
 
 
 def timed(step: Callable[[int], None], dev: Dev, warmup: int, steps: int) -> Dict[str, float]:

@@ -1,7 +1,8 @@
 """optirs.optim.sparse against torch.optim (SparseAdam, SGD on sparse gradients) and optirs.core.reference.
 
-Every backend that opens here runs the same checks: cpu always, opencl on PoCL, cuda on a GPU or
-under numba's simulator (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``).
+Every backend that opens here runs the same checks (the ``feature_backend`` fixture): cpu always,
+opencl on PoCL, cuda on a GPU or under numba's simulator (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``),
+and the third-party numpy example backend, which implements the ``sparse`` hooks in numpy.
 """
 
 from __future__ import annotations
@@ -14,36 +15,15 @@ import pytest
 
 from optirs import AdamParams, SgdParams
 from optirs.core import reference
-from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.core.errors import (BackendUnavailableError, InvalidParameterError, ShapeMismatchError,
+                                UnsupportedOperationError)
 from optirs.optim.sparse import (CooGradient, CsrGradient, LazyAdamMode, SparseAdam, SparseAdamConfig,
                                      SparseAdamTable, SparseSgd, SparseSgdConfig, SparseSgdTable)
 
+from conftest import BUILTIN_BACKENDS, from_backend_array, to_backend_array
+
 torch = pytest.importorskip("torch")
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-
-
-def _opens(name: str) -> str:
-    try:
-        SparseAdam(SparseAdamConfig(backend=name)).device
-    except Exception as exc:  # noqa: BLE001 - the reason is shown in the skip
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
-def _backend_params():
-    params = []
-    for name in ("cpu", "cuda", "opencl"):
-        marks = [getattr(pytest.mark, name)]
-        why = _opens(name)
-        if why:
-            marks.append(pytest.mark.skip(reason=f"sparse backend {name} cannot open here: {why}"))
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
-
-
-@pytest.fixture(params=_backend_params())
-def sparse_backend(request):
-    return request.param
 
 
 R, D = 24, 5  # tiny tables: the simulator runs every thread in Python
@@ -77,10 +57,10 @@ def _grad(form: str, idx, vals):
 
 
 @pytest.mark.parametrize("form", ["coo", "csr"])
-def test_lazy_adam_equals_torch_sparse_adam(sparse_backend, form):
+def test_lazy_adam_equals_torch_sparse_adam(feature_backend, form):
     rng = np.random.default_rng(3)
     p0 = rng.standard_normal((R, D)).astype(np.float32)
-    opt = SparseAdam(SparseAdamConfig(lr=0.05, beta1=0.8, beta2=0.95, eps=1e-6, backend=sparse_backend))
+    opt = SparseAdam(SparseAdamConfig(lr=0.05, beta1=0.8, beta2=0.95, eps=1e-6, backend=feature_backend))
     p = p0.copy()
     tp = torch.tensor(p0, requires_grad=True)
     topt = torch.optim.SparseAdam([tp], lr=0.05, betas=(0.8, 0.95), eps=1e-6)
@@ -102,11 +82,11 @@ def test_lazy_adam_equals_torch_sparse_adam(sparse_backend, form):
     np.testing.assert_array_equal(state["exp_avg"][untouched], 0.0)
 
 
-def test_lazy_adam_two_tables_step_counts_are_per_table(sparse_backend):
+def test_lazy_adam_two_tables_step_counts_are_per_table(feature_backend):
     """A table whose gradient is None does not step (as torch skips a parameter without grad)."""
     rng = np.random.default_rng(4)
     a0, b0 = rng.standard_normal((R, D)).astype(np.float32), rng.standard_normal((R, D)).astype(np.float32)
-    opt = SparseAdam(SparseAdamConfig(lr=0.05, backend=sparse_backend))
+    opt = SparseAdam(SparseAdamConfig(lr=0.05, backend=feature_backend))
     a, b = a0.copy(), b0.copy()
     ta, tb = torch.tensor(a0, requires_grad=True), torch.tensor(b0, requires_grad=True)
     topt = torch.optim.SparseAdam([ta, tb], lr=0.05)
@@ -123,11 +103,11 @@ def test_lazy_adam_two_tables_step_counts_are_per_table(sparse_backend):
 
 
 @pytest.mark.parametrize("form", ["coo", "csr"])
-def test_dense_decay_adam_equals_dense_adam_with_zero_gradients(sparse_backend, form):
+def test_dense_decay_adam_equals_dense_adam_with_zero_gradients(feature_backend, form):
     rng = np.random.default_rng(6)
     p0 = rng.standard_normal((R, D)).astype(np.float32)
     cfg = SparseAdamConfig(lr=0.05, beta1=0.8, beta2=0.95, eps=1e-6, mode=LazyAdamMode.DENSE_DECAY,
-                           backend=sparse_backend)
+                           backend=feature_backend)
     opt = SparseAdam(cfg)
     p = p0.copy()
     ref_p, ref_s = [p0], [{}]
@@ -152,10 +132,10 @@ def test_dense_decay_adam_equals_dense_adam_with_zero_gradients(sparse_backend, 
 
 @pytest.mark.parametrize("kw", [dict(momentum=0.0), dict(momentum=0.9, dampening=0.2),
                                 dict(momentum=0.8, nesterov=True)], ids=["plain", "dampening", "nesterov"])
-def test_dense_decay_sgd_equals_torch_sgd_on_sparse_gradients(sparse_backend, kw):
+def test_dense_decay_sgd_equals_torch_sgd_on_sparse_gradients(feature_backend, kw):
     rng = np.random.default_rng(8)
     p0 = rng.standard_normal((R, D)).astype(np.float32)
-    opt = SparseSgd(SparseSgdConfig(lr=0.1, mode="dense_decay", backend=sparse_backend, **kw))
+    opt = SparseSgd(SparseSgdConfig(lr=0.1, mode="dense_decay", backend=feature_backend, **kw))
     p = p0.copy()
     tp = torch.tensor(p0, requires_grad=True)
     topt = torch.optim.SGD([tp], lr=0.1, **kw)
@@ -169,13 +149,13 @@ def test_dense_decay_sgd_equals_torch_sgd_on_sparse_gradients(sparse_backend, kw
                                    topt.state[tp]["momentum_buffer"].to_dense().numpy(), rtol=1e-6, atol=1e-6)
 
 
-def test_dense_decay_sgd_with_weight_decay_equals_reference(sparse_backend):
+def test_dense_decay_sgd_with_weight_decay_equals_reference(feature_backend):
     """torch.optim.SGD cannot add weight decay to a sparse gradient; the dense reference can."""
     rng = np.random.default_rng(10)
     p0 = rng.standard_normal((R, D)).astype(np.float32)
     hp = SgdParams(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.05)
     opt = SparseSgd(SparseSgdConfig(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.05,
-                                    mode="dense_decay", backend=sparse_backend))
+                                    mode="dense_decay", backend=feature_backend))
     p, ref_p, ref_s = p0.copy(), [p0], [{}]
     for t, (idx, vals) in enumerate(_steps(11, 4), start=1):
         g = CsrGradient.from_coo(CooGradient(idx, vals), R)
@@ -186,12 +166,12 @@ def test_dense_decay_sgd_with_weight_decay_equals_reference(sparse_backend):
 
 @pytest.mark.parametrize("kw", [dict(momentum=0.9, dampening=0.3, weight_decay=0.05), dict(momentum=0.0)],
                          ids=["momentum", "plain"])
-def test_lazy_sgd_equals_per_row_reference(sparse_backend, kw):
+def test_lazy_sgd_equals_per_row_reference(feature_backend, kw):
     """LAZY: each row steps as torch's SGD would over only the steps in which the row is present."""
     rng = np.random.default_rng(12)
     p0 = rng.standard_normal((R, D)).astype(np.float32)
     hp = SgdParams(lr=0.1, **kw)
-    opt = SparseSgd(SparseSgdConfig(lr=0.1, backend=sparse_backend, **kw))
+    opt = SparseSgd(SparseSgdConfig(lr=0.1, backend=feature_backend, **kw))
     p = p0.copy()
     rows = {r: ([p0[r]], [{}], 0) for r in range(R)}
     for idx, vals in _steps(13, 5, nnz=6):
@@ -283,8 +263,27 @@ def test_bad_tables_and_configs():
         SparseAdamConfig(mode="bogus")
     with pytest.raises(InvalidParameterError, match="nesterov"):
         SparseSgdConfig(nesterov=True)
-    with pytest.raises(UnsupportedOperationError, match="no sparse kernels"):
+    with pytest.raises(BackendUnavailableError, match="unknown backend 'some-plugin'"):
         SparseSgd(SparseSgdConfig(backend="some-plugin")).step(np.zeros((R, D), np.float32), g)
+
+
+@pytest.mark.parametrize("cls, cfg", [(SparseAdam, SparseAdamConfig), (SparseSgd, SparseSgdConfig)])
+def test_backend_without_sparse_hooks_raises_and_changes_nothing(fresh_registry, cls, cfg):
+    """A backend that lacks the capability is refused by name, before anything changes."""
+    from conftest import FakeHostBackend
+
+    import optirs
+
+    optirs.register_plugin(FakeHostBackend(), "densehost")
+    assert not optirs.get_backend("densehost").supports("sparse")
+    opt = cls(cfg(backend="densehost"))
+    p0 = np.ones((R, D), np.float32)
+    p = p0.copy()
+    with pytest.raises(UnsupportedOperationError) as info:
+        opt.step(p, CooGradient(np.array([0, 3]), np.ones((2, D), np.float32)))
+    assert "'densehost'" in str(info.value) and "'sparse'" in str(info.value)
+    np.testing.assert_array_equal(p, p0)
+    assert opt.tables == []
 
 
 @pytest.mark.parametrize("cls, cfg", [
@@ -322,7 +321,7 @@ def test_cuda_kernels_compile_to_sm90_ptx(monkeypatch):
     import numba.cuda.dispatcher as dispatcher
 
     from optirs.core import scalars
-    from optirs.backends.common import sparse_kernels as sk
+    from optirs.backends.cuda import sparse_kernels as sk
 
     # compile_ptx takes the target from cc=, but device functions called from a kernel ask the
     # current device for it; stand in for the GPU this machine does not have.
@@ -334,10 +333,10 @@ def test_cuda_kernels_compile_to_sm90_ptx(monkeypatch):
     adam_sc = typeof(SparseAdam(SparseAdamConfig(backend="cpu")).scalars(3))
     sgd_sc = typeof(scalars.sgd_scalars(SgdParams(momentum=0.9), 3))
     cases = {
-        sk.cuda_adam_lazy: (f2, f2, f2, i1, i1, i1, f2, adam_sc),
-        sk.cuda_adam_dense: (f2, f2, f2, i1, i1, i1, f2, adam_sc),
-        sk.cuda_sgd_lazy: (f2, f2, uint8[::1], i1, i1, i1, f2, sgd_sc, sgd_sc),
-        sk.cuda_sgd_dense: (f2, f2, i1, i1, i1, f2, sgd_sc),
+        sk.adam_lazy: (f2, f2, f2, i1, i1, i1, f2, adam_sc),
+        sk.adam_dense: (f2, f2, f2, i1, i1, i1, f2, adam_sc),
+        sk.sgd_lazy: (f2, f2, uint8[::1], i1, i1, i1, f2, sgd_sc, sgd_sc),
+        sk.sgd_dense: (f2, f2, i1, i1, i1, f2, sgd_sc),
     }
     for fn, sig in cases.items():
         ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
@@ -346,28 +345,22 @@ def test_cuda_kernels_compile_to_sm90_ptx(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["lazy", "dense_decay"])
-def test_device_tables_step_in_place(sparse_backend, mode):
+def test_device_tables_step_in_place(feature_backend, mode):
     """The backend's own arrays (table and gradient values) are stepped in place, matching numpy tables."""
     rng = np.random.default_rng(17)
     p0 = rng.standard_normal((R, D)).astype(np.float32)
-    host = SparseAdam(SparseAdamConfig(lr=0.05, mode=mode, backend=sparse_backend))
-    dev = SparseAdam(SparseAdamConfig(lr=0.05, mode=mode, backend=sparse_backend))
+    host = SparseAdam(SparseAdamConfig(lr=0.05, mode=mode, backend=feature_backend))
+    dev = SparseAdam(SparseAdamConfig(lr=0.05, mode=mode, backend=feature_backend))
     p_host = p0.copy()
-    if sparse_backend == "cpu":
-        p_dev, put, get = p0.copy(), np.copy, np.copy
-    elif sparse_backend == "cuda":
-        from numba import cuda
-
-        p_dev, put, get = cuda.to_device(p0), cuda.to_device, lambda a: a.copy_to_host()
-    else:
-        import pyopencl.array as cla
-
-        queue = dev.device.queue
-        p_dev, put, get = cla.to_device(queue, p0), lambda a: cla.to_device(queue, a), lambda a: a.get()
+    if feature_backend in BUILTIN_BACKENDS:
+        put = lambda a: to_backend_array(feature_backend, a)  # noqa: E731
+    else:  # the numpy example backend's device arrays are numpy arrays
+        put = np.copy
+    p_dev = put(p0)
     for idx, vals in _steps(18, 3):
         host.step(p_host, CooGradient(idx, vals))
         dev.step(p_dev, CooGradient(idx, put(vals)))
-    np.testing.assert_array_equal(get(p_dev), p_host)
+    np.testing.assert_array_equal(from_backend_array(p_dev), p_host)
 
 
 def test_docs_example_runs(capsys):
@@ -381,17 +374,41 @@ def test_docs_example_runs(capsys):
     assert capsys.readouterr().out.split() == ["1", "0.2"]
 
 
-def test_sorted_unique_fast_path_equals_general_path(sparse_backend):
+def test_sorted_unique_fast_path_equals_general_path(feature_backend):
     """Coalesced gradients (sorted unique rows) skip the sort; the result is the shuffled input's."""
     rng = np.random.default_rng(19)
     p0 = rng.standard_normal((R, D)).astype(np.float32)
     idx = np.sort(rng.choice(R, 10, replace=False))
     vals = rng.standard_normal((10, D)).astype(np.float32)
     perm = rng.permutation(10)
-    fast, general = SparseAdam(SparseAdamConfig(backend=sparse_backend)), SparseAdam(SparseAdamConfig(backend=sparse_backend))
+    fast, general = SparseAdam(SparseAdamConfig(backend=feature_backend)), SparseAdam(SparseAdamConfig(backend=feature_backend))
     pf, pg = p0.copy(), p0.copy()
     for _ in range(2):
         fast.step(pf, CooGradient(idx, vals))
         general.step(pg, CooGradient(idx[perm], vals[perm]))
     np.testing.assert_array_equal(pf, pg)
     assert not np.array_equal(pf, p0)
+
+
+def test_device_index_arrays_are_read_through_the_backend(feature_backend):
+    """Index arrays on the device are copied at the step by the backend's to_host; a bad one changes nothing."""
+    rng = np.random.default_rng(20)
+    p0 = rng.standard_normal((R, D)).astype(np.float32)
+    put = (lambda a: to_backend_array(feature_backend, a)) if feature_backend in BUILTIN_BACKENDS else np.copy
+    idx, vals = _steps(21, 1)[0]
+    csr = CsrGradient.from_coo(CooGradient(idx, vals), R)
+    host, dev = SparseAdam(SparseAdamConfig(backend=feature_backend)), SparseAdam(SparseAdamConfig(backend=feature_backend))
+    ph, pd = p0.copy(), p0.copy()
+    host.step(ph, CooGradient(idx, vals))
+    dev.step(pd, CooGradient(put(idx), vals))
+    np.testing.assert_array_equal(pd, ph)
+    host.step(ph, csr)
+    dev.step(pd, CsrGradient(put(csr.indptr), vals[np.argsort(idx, kind="stable")]))
+    np.testing.assert_array_equal(pd, ph)
+    bad = csr.indptr.copy()
+    bad[1], bad[2] = bad[2] + 1, bad[2]  # not sorted any more
+    before = pd.copy()
+    with pytest.raises(InvalidParameterError, match="not sorted"):
+        dev.step(pd, CsrGradient(put(bad), vals))
+    np.testing.assert_array_equal(pd, before)
+    assert dev.tables[0].step == 2

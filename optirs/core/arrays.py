@@ -13,6 +13,7 @@ from typing import Any, Tuple
 import numpy as np
 
 from optirs.core.errors import InvalidParameterError
+from optirs.core.simulator import is_simulator_array
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def describe(array: Any, what: str = "array") -> ArrayMeta:
     if isinstance(array, np.ndarray):
         return ArrayMeta("numpy", array.shape, array.dtype, bool(array.flags.c_contiguous),
                          bool(array.flags.writeable), array.__array_interface__["data"][0])
-    if type(array).__module__.startswith("numba.cuda.simulator"):
+    if is_simulator_array(array):
         # The CUDA simulator's device arrays wrap a host array and expose no
         # __cuda_array_interface__; describe the array they wrap.
         host = array._ary

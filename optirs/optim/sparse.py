@@ -29,7 +29,12 @@ gradients with momentum), ``LAZY`` updates only present rows, each row's momentu
 starting at its gradient the first time the row is present.
 
 Each table's state is a :class:`SparseAdamTable` / :class:`SparseSgdTable` on the chosen
-backend (``cpu``, ``cuda``, ``opencl``); the kernels are in :mod:`optirs.backends.common.sparse_kernels`.
+backend, opened through the registry (``cpu``, ``cuda``, ``opencl`` or a plugin). The optimizers
+check and sort the gradient on the host and call only the backend's hooks: the ``sparse``
+capability (``optirs_sparse_stage``, ``optirs_sparse_adam_step``, ``optirs_sparse_sgd_step``, see
+:mod:`optirs.plugin.hookspecs`) and the dense ``optirs_alloc`` / ``optirs_to_device`` /
+``optirs_to_host`` for the state. A backend without the capability raises
+UnsupportedOperationError naming it. The built-in kernels are in ``optirs/backends/<b>/sparse*.py``.
 """
 
 from __future__ import annotations
@@ -37,16 +42,19 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from optirs.core import scalars as sc
-from optirs.core.arrays import ArrayMeta
-from optirs.core.arrays import describe as _core_describe
-from optirs.core.errors import (BackendUnavailableError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
-                     UnsupportedOperationError)
+from optirs.core.arrays import describe  # also imported from here by optirs.optim.data_parallel
+from optirs.core.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.params import AdamParams, SgdParams
+from optirs.plugin.hookspecs import SparseRows, SparseTable
+from optirs.plugin.registry import Backend, get_backend
+
+# The capability (optirs.plugin.hookspecs.CAPABILITIES) whose hooks these optimizers call.
+CAPABILITY = "sparse"
 
 F32 = np.dtype(np.float32)
 
@@ -70,40 +78,30 @@ def _mode(value: Any) -> LazyAdamMode:
 # ---------------------------------------------------------------- gradients
 
 
-def describe(array: Any, what: str = "array") -> ArrayMeta:
-    """optirs.core.arrays.describe, plus the arrays of numba's CUDA simulator (kind "cuda")."""
-    if type(array).__name__ == "FakeCUDAArray":  # the simulator's arrays have no __cuda_array_interface__
-        a = array._ary
-        return ArrayMeta("cuda", a.shape, a.dtype, bool(a.flags.c_contiguous), bool(a.flags.writeable),
-                         a.__array_interface__["data"][0])
-    return _core_describe(array, what)
+def _host_ints(array: Any, what: str) -> Any:
+    """An index array checked as 1-D integers: host int64, or a device array kept as given (it is
+    small, nnz or num_rows + 1, and the optimizer's step copies it through its backend's to_host)."""
+    if isinstance(array, (list, tuple)):
+        array = np.asarray(array)
+        if array.size == 0:
+            array = array.astype(np.int64)
+    meta = describe(array, what)
+    if len(meta.shape) != 1:
+        raise ShapeMismatchError(f"{what} has shape {meta.shape}, expected a 1-D array")
+    if meta.dtype.kind not in "iu":
+        raise InvalidParameterError(f"{what} has dtype {meta.dtype}, expected an integer dtype")
+    return array.astype(np.int64, copy=False) if isinstance(array, np.ndarray) else array
 
 
-def _host_ints(array: Any, what: str) -> np.ndarray:
-    """An index array as host int64 (device index arrays are small: nnz or num_rows + 1)."""
-    if isinstance(array, np.ndarray):
-        host = array
-    elif hasattr(array, "copy_to_host"):  # numba device arrays (and the simulator's)
-        host = array.copy_to_host()
-    elif hasattr(array, "__cuda_array_interface__"):
-        from numba import cuda
+def _on_host(array: Any, what: str) -> np.ndarray:
+    if not isinstance(array, np.ndarray):
+        raise UnsupportedOperationError(
+            f"{what} is a device array; the optimizer's step copies it to the host, or pass host indices")
+    return array
 
-        host = cuda.as_cuda_array(array).copy_to_host()
-    elif type(array).__module__.startswith("pyopencl"):
-        host = array.get()
-    elif isinstance(array, (list, tuple)):
-        host = np.asarray(array)
-        if host.size == 0:
-            host = host.astype(np.int64)
-    else:
-        raise InvalidParameterError(
-            f"{what} of type {type(array).__name__}, expected an integer numpy array (or a device array)"
-        )
-    if host.ndim != 1:
-        raise ShapeMismatchError(f"{what} has shape {host.shape}, expected a 1-D array")
-    if host.dtype.kind not in "iu":
-        raise InvalidParameterError(f"{what} has dtype {host.dtype}, expected an integer dtype")
-    return host.astype(np.int64, copy=False)
+
+def _length(array: Any, what: str) -> int:
+    return int(describe(array, what).shape[0])
 
 
 def _check_values(values: Any, what: str = "values") -> Tuple[int, int]:
@@ -128,13 +126,20 @@ class CooGradient:
         self.values = values
         self.indices = _host_ints(indices, "indices")
         nnz, self.dim = _check_values(values)
-        if self.indices.shape[0] != nnz:
-            raise ShapeMismatchError(f"{self.indices.shape[0]} indices for {nnz} value rows, expected one index per row")
+        count = _length(self.indices, "indices")
+        if count != nnz:
+            raise ShapeMismatchError(f"{count} indices for {nnz} value rows, expected one index per row")
         self.nnz = nnz
 
+    def _copy_indices_to_host(self, to_host: Callable[[Any], np.ndarray]) -> None:
+        """Device indices as host int64, through the stepping backend's ``to_host`` (once)."""
+        if not isinstance(self.indices, np.ndarray):
+            self.indices = np.asarray(to_host(self.indices)).reshape(-1).astype(np.int64, copy=False)
+
     def segments(self, num_rows: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, seg, order) as the kernels take them (see optirs.backends.common.sparse_kernels); checks the indices."""
-        idx = self.indices
+        """(rows, segments, order) as the sparse step hooks take them (:class:`optirs.plugin.hookspecs.SparseRows`);
+        checks the indices."""
+        idx = _on_host(self.indices, "indices")
         if idx.size:
             low, high = int(idx.min()), int(idx.max())
             if low < 0:
@@ -183,9 +188,15 @@ class CsrGradient:
         self.values = values
         self.indptr = _host_ints(indptr, "indptr")
         self.nnz, self.dim = _check_values(values)
-        ptr = self.indptr
-        if ptr.size == 0:
+        count = _length(self.indptr, "indptr")
+        if count == 0:
             raise ShapeMismatchError("indptr is empty, expected num_rows + 1 offsets")
+        self.num_rows = count - 1
+        if isinstance(self.indptr, np.ndarray):
+            self._check_offsets()
+
+    def _check_offsets(self) -> None:
+        ptr = self.indptr
         if ptr[0] != 0:
             raise InvalidParameterError(f"indptr[0]={int(ptr[0])}, expected 0")
         drops = np.flatnonzero(np.diff(ptr) < 0)
@@ -197,7 +208,17 @@ class CsrGradient:
             )
         if ptr[-1] != self.nnz:
             raise ShapeMismatchError(f"indptr[-1]={int(ptr[-1])}, expected nnz={self.nnz} (the number of value rows)")
-        self.num_rows = ptr.size - 1
+
+    def _copy_indices_to_host(self, to_host: Callable[[Any], np.ndarray]) -> None:
+        """Device offsets as host int64, through the stepping backend's ``to_host`` (once), then checked."""
+        if not isinstance(self.indptr, np.ndarray):
+            host = np.asarray(to_host(self.indptr)).reshape(-1).astype(np.int64, copy=False)
+            device, self.indptr = self.indptr, host
+            try:
+                self._check_offsets()
+            except GpuOptimError:
+                self.indptr = device
+                raise
 
     @classmethod
     def from_coo(cls, coo: CooGradient, num_rows: int) -> "CsrGradient":
@@ -211,11 +232,12 @@ class CsrGradient:
     def segments(self, num_rows: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.num_rows != num_rows:
             raise ShapeMismatchError(
-                f"indptr has {self.indptr.size} entries, expected num_rows + 1 = {num_rows + 1} for this table"
+                f"indptr has {self.num_rows + 1} entries, expected num_rows + 1 = {num_rows + 1} for this table"
             )
-        rows = np.flatnonzero(np.diff(self.indptr)).astype(np.int64)
+        indptr = _on_host(self.indptr, "indptr")
+        rows = np.flatnonzero(np.diff(indptr)).astype(np.int64)
         # Empty rows between touched ones contribute nothing, so the segments are contiguous.
-        seg = np.append(self.indptr[rows], self.nnz).astype(np.int64)
+        seg = np.append(indptr[rows], self.nnz).astype(np.int64)
         return rows, seg, np.arange(self.nnz, dtype=np.int64)
 
     def to_dense(self, num_rows: int) -> np.ndarray:
@@ -240,161 +262,6 @@ def _numpy_values(values: Any) -> np.ndarray:
     if not isinstance(values, np.ndarray):
         raise UnsupportedOperationError("to_dense/from_coo need host (numpy) values; copy device values to the host first")
     return values
-
-
-# ---------------------------------------------------------------- devices
-
-
-class _Device:
-    """Where a sparse optimizer keeps its tables and runs its kernels (one subclass per backend)."""
-
-    name: ClassVar[str]
-    kind: ClassVar[str]  # the optirs.core.arrays kind of this device's arrays
-
-    def zeros(self, shape, dtype):
-        raise NotImplementedError
-
-    def upload(self, host: np.ndarray):
-        raise NotImplementedError
-
-    def download(self, array) -> np.ndarray:
-        raise NotImplementedError
-
-    def adopt(self, array):
-        """The caller's device array as something the kernels take (no copy)."""
-        return array
-
-    def run(self, kernel: str, items: int, *args) -> None:
-        raise NotImplementedError
-
-
-class _CpuDevice(_Device):
-    name, kind = "cpu", "numpy"
-
-    def __init__(self):
-        from optirs.backends.common import sparse_kernels
-
-        self.kernels = sparse_kernels.CPU
-
-    def zeros(self, shape, dtype):
-        # Written now rather than calloc'd: otherwise the lazy steps pay the page faults of a
-        # table's untouched pages one random row at a time.
-        out = np.empty(shape, dtype)
-        out.fill(0)
-        return out
-
-    def upload(self, host):
-        return np.ascontiguousarray(host)
-
-    def download(self, array):
-        return np.array(array, copy=True)
-
-    def run(self, kernel, items, *args):
-        self.kernels[kernel](*args)
-
-
-class _CudaDevice(_Device):
-    name, kind = "cuda", "cuda"
-
-    def __init__(self, device: Optional[int]):
-        from numba import cuda
-
-        if not cuda.is_available():
-            raise BackendUnavailableError("backend 'cuda' cannot open: numba.cuda finds no CUDA GPU (or the simulator is off)")
-        if device is not None:
-            cuda.select_device(int(device))
-        from optirs.backends.common import sparse_kernels
-
-        self.cuda = cuda
-        self.kernels = sparse_kernels.cuda_kernels()
-        self.grid = sparse_kernels.cuda_grid
-        self.block = sparse_kernels.CUDA_BLOCK
-
-    def zeros(self, shape, dtype):
-        return self.cuda.to_device(np.zeros(shape, dtype))
-
-    def upload(self, host):
-        return self.cuda.to_device(np.ascontiguousarray(host))
-
-    def download(self, array):
-        return array.copy_to_host()
-
-    def adopt(self, array):
-        return array if hasattr(array, "copy_to_host") else self.cuda.as_cuda_array(array)
-
-    def run(self, kernel, items, *args):
-        if items:
-            self.kernels[kernel][self.grid(items), self.block](*args)
-
-    def synchronize(self):
-        self.cuda.synchronize()
-
-
-class _OpenclDevice(_Device):
-    name, kind = "opencl", "opencl"
-
-    def __init__(self, options: Dict[str, Any]):
-        import pyopencl as cl
-        import pyopencl.array as cla
-
-        from optirs.backends.common import sparse_kernels
-        from optirs.plugin.registry import REGISTRY
-
-        # Share the opencl backend's context and queue when it is installed, so arrays made for
-        # the dense optimizers can be stepped here too.
-        try:
-            ctx = REGISTRY.get_backend("opencl", options).ctx
-            self.context, self.queue = ctx.context, ctx.queue
-        except (GpuOptimError, AttributeError):
-            # Not installed, or cannot open: the sparse kernels need no more than a context.
-            platforms = cl.get_platforms()
-            if not platforms:
-                raise BackendUnavailableError("backend 'opencl' cannot open: no OpenCL platform") from None
-            self.context = cl.Context(platforms[0].get_devices())
-            self.queue = cl.CommandQueue(self.context)
-        self.cl, self.cla = cl, cla
-        program = cl.Program(self.context, sparse_kernels.opencl_source()).build(
-            options=["-cl-fp32-correctly-rounded-divide-sqrt"])
-        self.record = sparse_kernels.opencl_record
-        # Kernel objects are built once and reused (looking up program.name per call rebuilds them).
-        self.kernels = {k.function_name: k for k in program.all_kernels()}
-
-    def zeros(self, shape, dtype):
-        return self.cla.zeros(self.queue, shape, dtype)
-
-    def upload(self, host):
-        return self.cla.to_device(self.queue, np.ascontiguousarray(host))
-
-    def download(self, array):
-        return array.get()
-
-    def run(self, kernel, items, *args):
-        if not items:
-            return
-        k = self.kernels[kernel]
-        # Device arrays go in as their buffers; numpy scalars and struct records by value.
-        k(self.queue, (int(items),), None, *[a.data if isinstance(a, self.cla.Array) else a for a in args])
-
-    def synchronize(self):
-        self.queue.finish()
-
-
-def _open_device(backend: str, device, platform) -> _Device:
-    name = backend
-    if backend == "auto":
-        from optirs.plugin.registry import REGISTRY
-
-        name = REGISTRY.get_backend("auto", {}).name
-    if name == "cpu":
-        return _CpuDevice()
-    if name == "cuda":
-        return _CudaDevice(device if isinstance(device, int) else None)
-    if name == "opencl":
-        opts = {k: v for k, v in (("device", device), ("platform", platform)) if v is not None}
-        return _OpenclDevice(opts)
-    raise UnsupportedOperationError(
-        f"backend {name!r} has no sparse kernels; the sparse optimizers run on 'cpu', 'cuda' and 'opencl'"
-    )
 
 
 # ---------------------------------------------------------------- configs and tables
@@ -454,7 +321,11 @@ class SparseSgdConfig:
 
 @dataclass
 class SparseAdamTable:
-    """One embedding table's SparseAdam state on the device: moments and its own step count."""
+    """One embedding table's SparseAdam state on the backend: moments and its own step count.
+
+    The moments are flat arrays of the backend (``optirs_alloc``) of ``num_rows * dim`` elements,
+    row-major; ``state_dict()`` returns them as ``(num_rows, dim)`` numpy arrays.
+    """
 
     SLOTS: ClassVar[Tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     num_rows: int
@@ -462,12 +333,16 @@ class SparseAdamTable:
     step: int
     exp_avg: Any
     exp_avg_sq: Any
-    pos: Any = None  # DENSE_DECAY's row -> gradient-segment map (-1 for absent rows)
+    pos: Any = None  # DENSE_DECAY's row -> gradient-segment map (int64, -1 for absent rows): "row_position"
 
 
 @dataclass
 class SparseSgdTable:
-    """One embedding table's SparseSgd state: momentum buffer, per-row first-seen flags (LAZY), step count."""
+    """One embedding table's SparseSgd state: momentum buffer, per-row first-seen flags (LAZY), step count.
+
+    Flat arrays of the backend: ``momentum_buffer`` has ``num_rows * dim`` float32 elements,
+    ``row_seen`` ``num_rows`` uint8 flags; each is None when the hyperparameters do not use it.
+    """
 
     SLOTS: ClassVar[Tuple[str, ...]] = ("momentum_buffer", "row_seen")
     num_rows: int
@@ -491,18 +366,25 @@ class _SparseOptimizer:
         if not isinstance(config, self.config_type):
             raise InvalidParameterError(f"config={config!r}, expected a {self.config_type.__name__}")
         self.config = config
-        self._device: Optional[_Device] = None
+        self._backend: Optional[Backend] = None
         self.tables: List[Any] = []
 
     @property
-    def device(self) -> _Device:
-        if self._device is None:
-            self._device = _open_device(self.config.backend, self.config.device, self.config.platform)
-        return self._device
+    def backend(self) -> Backend:
+        """The opened backend (opened on first use); raises UnsupportedOperationError when it lacks
+        the ``sparse`` capability."""
+        if self._backend is None:
+            c = self.config
+            options = {k: v for k, v in (("device", c.device), ("platform", c.platform)) if v is not None}
+            backend = get_backend(c.backend, **options)
+            self._stage = backend.hook(CAPABILITY, "optirs_sparse_stage")
+            self._step_hook = backend.hook(CAPABILITY, self.step_hook)
+            self._backend = backend
+        return self._backend
 
     @property
     def backend_name(self) -> str:
-        return self.device.name
+        return self.backend.name
 
     # ------------------------------------------------------------ validation
 
@@ -511,7 +393,7 @@ class _SparseOptimizer:
             raise ShapeMismatchError(f"{len(params)} tables and {len(grads)} gradients, expected one gradient per table")
         if self.tables and len(self.tables) != len(params):
             raise ShapeMismatchError(f"{len(params)} tables, expected {len(self.tables)} as in earlier steps")
-        dev = self.device
+        backend = self.backend
         plans = []
         seen: Dict[int, int] = {}
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -522,10 +404,6 @@ class _SparseOptimizer:
                 raise ShapeMismatchError(f"params[{i}] has dtype {meta.dtype}, expected float32")
             if not meta.contiguous or not meta.writeable:
                 raise ShapeMismatchError(f"params[{i}] must be C-contiguous and writeable (updated in place)")
-            if meta.kind not in ("numpy", dev.kind):
-                raise InvalidParameterError(
-                    f"params[{i}] is a {meta.kind} array, expected numpy or a {dev.kind} array on backend {dev.name!r}"
-                )
             if meta.address in seen:
                 raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[meta.address]}], expected distinct tables")
             seen[meta.address] = i
@@ -541,11 +419,7 @@ class _SparseOptimizer:
                 raise InvalidParameterError(f"grads[{i}] is a {type(g).__name__}, expected a CooGradient, CsrGradient or None")
             if g.dim != dim:
                 raise ShapeMismatchError(f"grads[{i}] has rows of {g.dim} values, expected dim={dim} like params[{i}]")
-            vkind = describe(g.values, f"grads[{i}].values").kind
-            if vkind not in ("numpy", dev.kind):
-                raise InvalidParameterError(
-                    f"grads[{i}].values is a {vkind} array, expected numpy or a {dev.kind} array on backend {dev.name!r}"
-                )
+            g._copy_indices_to_host(lambda a: backend.to_host(backend.ctx, a))
             plans.append(g.segments(num_rows))
         return plans
 
@@ -567,47 +441,44 @@ class _SparseOptimizer:
         """
         plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
         plans = self._check(plist, glist)
-        dev = self.device
+        backend = self.backend
+        live = [i for i, plan in enumerate(plans) if plan is not None]
+        # Staged before any table changes: an array kind the backend cannot use changes nothing.
+        staged = self._stage(backend.ctx, [plist[i] for i in live], [glist[i].values for i in live])
         if not self.tables:
             self.tables = [self._new_table(*describe(p).shape) for p in plist]
-        for p, g, plan, table in zip(plist, glist, plans, self.tables):
-            if plan is None:
-                continue
-            host_param = isinstance(p, np.ndarray) and dev.kind != "numpy"
-            dp = dev.upload(p) if host_param else dev.adopt(p)
-            values = dev.upload(g.values) if isinstance(g.values, np.ndarray) else dev.adopt(g.values)
-            rows, seg, order = plan
-            self._run(dev, table, table.step + 1, dp, rows, seg, order, values)
+        for param, values, i in zip(staged.params, staged.grads, live):
+            table = self.tables[i]
+            rows, segments, order = plans[i]
+            self._run(table, table.step + 1, param, SparseRows(rows, segments, order, values))
             table.step += 1
-            if host_param:
-                p[...] = dev.download(dp).reshape(p.shape)
+        if staged.finish is not None:
+            staged.finish()
 
-    def _arrays(self, dev, rows, seg, order):
-        if dev.kind == "numpy":
-            return rows, seg, order
-        if dev.kind == "opencl":  # kernel arguments must start at their buffer's beginning
-            return dev.upload(rows), dev.upload(seg), dev.upload(order)
-        # One host-to-device copy for the three index arrays, then views into it.
-        both = dev.upload(np.concatenate([rows, seg, order]))
-        a, b = rows.size, rows.size + seg.size
-        return both[:a], both[a:b], both[b:]
+    def _alloc(self, size: int, dtype: Any, fill: float = 0.0) -> Any:
+        backend = self.backend
+        return backend.alloc(backend.ctx, int(size), np.dtype(dtype), fill)
 
-    def _pos(self, dev, table):
+    def _positions(self, table) -> Any:
+        """DENSE_DECAY's row -> segment map (every element -1 between steps), made on first use."""
         if table.pos is None:
-            table.pos = dev.upload(np.full(table.num_rows, -1, np.int64))
+            table.pos = self._alloc(table.num_rows, np.int64, -1)
         return table.pos
 
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> Dict[str, Any]:
         """A self-contained checkpoint (numpy copies of every table's state)."""
-        dev = self._device
         tables = []
         for t in self.tables:
             entry = {"num_rows": t.num_rows, "dim": t.dim, "step": t.step}
             for slot in t.SLOTS:
                 arr = getattr(t, slot)
-                entry[slot] = None if arr is None else (dev.download(arr) if dev is not None else np.array(arr))
+                if arr is not None:
+                    backend = self.backend
+                    shape = self._slot_shape(self.config, slot, t.num_rows, t.dim)
+                    arr = np.asarray(backend.to_host(backend.ctx, arr)).reshape(shape)
+                entry[slot] = arr
             tables.append(entry)
         return {"optimizer": self.name, "hyperparameters": self.config.hyperparameters(), "tables": tables}
 
@@ -640,18 +511,18 @@ class _SparseOptimizer:
                     raise ShapeMismatchError(f"tables[{i}][{slot!r}] has shape {value.shape}, expected {expected}")
                 slots[slot] = value
             host_tables.append((num_rows, dim, step, slots))
-        dev = self.device
+        backend = self.backend
+        arrays = [{k: None if v is None else backend.to_device(backend.ctx, v.astype(self._slot_dtype(k), copy=True))
+                   for k, v in slots.items()} for _, _, _, slots in host_tables]
         self.config = config
-        self.tables = []
-        for num_rows, dim, step, slots in host_tables:
-            arrays = {k: None if v is None else dev.upload(v.astype(self._slot_dtype(k), copy=True)) for k, v in slots.items()}
-            self.tables.append(self.table_type(num_rows, dim, step, **arrays))
+        self.tables = [self.table_type(num_rows, dim, step, **a)
+                       for (num_rows, dim, step, _), a in zip(host_tables, arrays)]
 
     def _slot_dtype(self, slot):
         return np.uint8 if slot == "row_seen" else F32
 
     def __repr__(self) -> str:
-        where = self._device.name if self._device else self.config.backend
+        where = self._backend.name if self._backend else self.config.backend
         return f"{type(self).__name__}({self.config.hyperparameters()}, backend={where!r}, tables={len(self.tables)})"
 
 
@@ -670,10 +541,10 @@ class SparseAdam(_SparseOptimizer):
     name = "sparse_adam"
     config_type = SparseAdamConfig
     table_type = SparseAdamTable
+    step_hook = "optirs_sparse_adam_step"
 
     def _new_table(self, num_rows, dim):
-        dev = self.device
-        return SparseAdamTable(num_rows, dim, 0, dev.zeros((num_rows, dim), F32), dev.zeros((num_rows, dim), F32))
+        return SparseAdamTable(num_rows, dim, 0, self._alloc(num_rows * dim, F32), self._alloc(num_rows * dim, F32))
 
     def _slot_shape(self, config, slot, num_rows, dim):
         return (num_rows, dim)
@@ -688,31 +559,13 @@ class SparseAdam(_SparseOptimizer):
         return sc.AdamScalars(f(c.beta1), f(c.beta2), f(1.0 - c.beta1), f(1.0 - c.beta2), f(c.eps), f(0.0),
                               f(c.lr * math.sqrt(bc2) / bc1), f(1.0), f(1.0), False, False)
 
-    def _run(self, dev, table, step, p, rows, seg, order, values):
-        s = self.scalars(step)
-        drows, dseg, dorder = self._arrays(dev, rows, seg, order)
-        n, dim = rows.shape[0], table.dim
-        if dev.name == "opencl":
-            return self._run_opencl(dev, table, p, drows, dseg, dorder, values, n, s)
-        if self.config.mode is LazyAdamMode.LAZY:
-            dev.run("adam_lazy", n * dim, p, table.exp_avg, table.exp_avg_sq, drows, dseg, dorder, values, s)
-            return
-        pos = self._pos(dev, table)
-        dev.run("scatter_pos", n, pos, drows, False)
-        dev.run("adam_dense", table.num_rows * dim, p, table.exp_avg, table.exp_avg_sq, pos, dseg, dorder, values, s)
-        dev.run("scatter_pos", n, pos, drows, True)
-
-    def _run_opencl(self, dev, table, p, rows, seg, order, values, n, s):
-        rec, dim = dev.record(s), np.int64(table.dim)
-        if self.config.mode is LazyAdamMode.LAZY:
-            dev.run("adam_lazy", n * table.dim, p, table.exp_avg, table.exp_avg_sq, rows, seg, order, values,
-                    np.int64(n), dim, rec)
-            return
-        pos = self._pos(dev, table)
-        dev.run("scatter_pos", n, pos, rows, np.int64(n), np.int32(0))
-        dev.run("adam_dense", table.num_rows * table.dim, p, table.exp_avg, table.exp_avg_sq, pos, seg, order,
-                values, np.int64(table.num_rows), dim, rec)
-        dev.run("scatter_pos", n, pos, rows, np.int64(n), np.int32(1))
+    def _run(self, table, step, param, grad):
+        dense = self.config.mode is LazyAdamMode.DENSE_DECAY
+        state = {"exp_avg": table.exp_avg, "exp_avg_sq": table.exp_avg_sq}
+        if dense:
+            state["row_position"] = self._positions(table)
+        self._step_hook(self.backend.ctx, SparseTable(param, table.num_rows, table.dim, state), grad,
+                        self.scalars(step), dense)
 
 
 class SparseSgd(_SparseOptimizer):
@@ -726,14 +579,15 @@ class SparseSgd(_SparseOptimizer):
     name = "sparse_sgd"
     config_type = SparseSgdConfig
     table_type = SparseSgdTable
+    step_hook = "optirs_sparse_sgd_step"
 
     def _has_momentum(self, config=None) -> bool:
         return (config or self.config).momentum != 0.0
 
     def _new_table(self, num_rows, dim):
-        dev = self.device
-        buf = dev.zeros((num_rows, dim), F32) if self._has_momentum() else None
-        seen = dev.zeros(num_rows, np.uint8) if self._has_momentum() and self.config.mode is LazyAdamMode.LAZY else None
+        momentum = self._has_momentum()
+        buf = self._alloc(num_rows * dim, F32) if momentum else None
+        seen = self._alloc(num_rows, np.uint8) if momentum and self.config.mode is LazyAdamMode.LAZY else None
         return SparseSgdTable(num_rows, dim, 0, buf, seen)
 
     def _slot_shape(self, config, slot, num_rows, dim):
@@ -750,47 +604,19 @@ class SparseSgd(_SparseOptimizer):
                        nesterov=c.nesterov)
         return sc.sgd_scalars(hp, step)
 
-    def _run(self, dev, table, step, p, rows, seg, order, values):
-        drows, dseg, dorder = self._arrays(dev, rows, seg, order)
-        n, dim = rows.shape[0], table.dim
-        lazy = self.config.mode is LazyAdamMode.LAZY
-        # Stand-ins for slots these hyperparameters do not use (never indexed by the kernels).
-        buf = table.momentum_buffer if table.momentum_buffer is not None else self._dummy(dev, np.float32, 2)
-        seen = table.row_seen if table.row_seen is not None else self._dummy(dev, np.uint8, 1)
+    def _run(self, table, step, param, grad):
+        dense = self.config.mode is LazyAdamMode.DENSE_DECAY
+        state = {}
+        if table.momentum_buffer is not None:
+            state["momentum_buffer"] = table.momentum_buffer
+        if table.row_seen is not None:
+            state["row_seen"] = table.row_seen
+        if dense:
+            state["row_position"] = self._positions(table)
         # LAZY decides the first step per row (row_seen), so its shared record is never "first".
-        s = self.scalars(max(step, 2) if lazy else step)
-        if dev.name == "opencl":
-            if lazy:
-                dev.run("sgd_lazy", n * dim, p, buf, seen, drows, dseg, dorder, values, np.int64(n), np.int64(dim),
-                        dev.record(s), dev.record(self.scalars(1)))
-                if table.row_seen is not None:
-                    dev.run("mark_seen", n, seen, drows, np.int64(n))
-                return
-            pos = self._pos(dev, table)
-            dev.run("scatter_pos", n, pos, drows, np.int64(n), np.int32(0))
-            dev.run("sgd_dense", table.num_rows * dim, p, buf, pos, dseg, dorder, values, np.int64(table.num_rows),
-                    np.int64(dim), dev.record(s))
-            dev.run("scatter_pos", n, pos, drows, np.int64(n), np.int32(1))
-            return
-        if lazy:
-            dev.run("sgd_lazy", n * dim, p, buf, seen, drows, dseg, dorder, values, s, self.scalars(1))
-            # The CPU loop marks rows itself; on CUDA every thread of a row must first read the old flag.
-            if dev.name == "cuda" and table.row_seen is not None:
-                dev.run("mark_seen", n, seen, drows)
-            return
-        pos = self._pos(dev, table)
-        dev.run("scatter_pos", n, pos, drows, False)
-        dev.run("sgd_dense", table.num_rows * dim, p, buf, pos, dseg, dorder, values, s)
-        dev.run("scatter_pos", n, pos, drows, True)
-
-    def _dummy(self, dev, dtype, ndim):
-        """A one-element stand-in for a state buffer these hyperparameters do not use, kept on the
-        device object itself (an id()-keyed cache could hand a freed device's array to a new one)."""
-        cache = dev.__dict__.setdefault("_dummies", {})
-        key = (np.dtype(dtype).str, ndim)
-        if key not in cache:
-            cache[key] = dev.upload(np.zeros((1,) * ndim, dtype))
-        return cache[key]
+        scalars = self.scalars(step if dense else max(step, 2))
+        self._step_hook(self.backend.ctx, SparseTable(param, table.num_rows, table.dim, state), grad,
+                        scalars, self.scalars(1), dense)
 
 
 __all__ = [

@@ -29,6 +29,7 @@ import pluggy
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta
 from optirs.core.layout import TensorLayout
+from optirs.core.scalars import AdamScalars, SgdScalars
 
 PROJECT = "optirs"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -324,6 +325,91 @@ def optirs_mixed_precision_narrow(ctx: Any, masters: Any, params: List[Any], lay
     """
 
 # ---- sparse rows (section owned by the sparse work)
+# Row-sparse steps of embedding tables (optirs.optim.sparse: SparseAdam, SparseSgd). The optimizer
+# checks the gradient on the host and sorts it into segments (SparseRows); state slots are flat
+# arrays of this backend made with optirs_alloc and read back with optirs_to_host. A step is one
+# launch per table on a GPU (dense decay: plus two O(touched rows) launches for row_position).
+
+
+class SparseRows(NamedTuple):
+    """A row-sparse gradient sorted into segments, as the sparse step hooks take it.
+
+    Segment ``k`` is the gradient of table row ``rows[k]``: the sum, in this order, of the value
+    rows ``values[order[q]]`` for ``segments[k] <= q < segments[k + 1]`` (duplicates summed in the
+    order the caller gave them). The index arrays are host numpy int64 arrays (small: touched
+    rows and nnz); the backend copies them to its device as it needs.
+    """
+
+    rows: np.ndarray  # int64 (n,): the touched table rows, sorted, unique, in [0, num_rows)
+    segments: np.ndarray  # int64 (n + 1,): segment offsets into order, segments[n] == nnz
+    order: np.ndarray  # int64 (nnz,): indices into the rows of values
+    values: Any  # float32 (nnz, dim): the gradient rows as staged by optirs_sparse_stage
+
+
+class SparseTable(NamedTuple):
+    """One embedding table and its optimizer state, as the sparse step hooks update them in place."""
+
+    param: Any  # the float32 (num_rows, dim) table as staged by optirs_sparse_stage
+    num_rows: int
+    dim: int
+    state: Dict[str, Any]  # slot name -> flat array of this backend (optirs_alloc), row-major
+
+
+@hookspec
+def optirs_sparse_stage(ctx: Any, tables: List[Any], values: List[Any]) -> Staged:
+    """Make one sparse step's tables and gradient values usable by the sparse step hooks.
+
+    numpy arrays are uploaded (tables are written back by ``Staged.finish``); this backend's own
+    device arrays are used in place, without copies. Called for every table of the step before
+    any table steps, so a rejected array leaves every table and state as it was.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param tables: float32 ``(num_rows, dim)`` C-contiguous writeable tables, numpy or this
+        backend's device arrays (shapes, dtypes and contiguity were checked by the caller).
+    :param values: the float32 ``(nnz, dim)`` gradient rows of each table, numpy or this backend's
+        device arrays.
+    :return: a :class:`Staged` whose ``params`` are the staged tables and ``grads`` the staged values.
+    :raises optirs.InvalidParameterError: for an array kind this backend cannot use, naming it.
+    """
+
+
+@hookspec
+def optirs_sparse_adam_step(ctx: Any, table: SparseTable, grad: SparseRows, scalars: AdamScalars,
+                            dense_decay: bool) -> None:
+    """Step one table with Adam on a row-sparse gradient (``m``, ``v`` and the table updated in place).
+
+    Lazy (``dense_decay`` False): only the rows in ``grad`` change, as ``torch.optim.SparseAdam``.
+    Dense decay: every row steps, absent rows with a zero gradient, as dense ``torch.optim.Adam``.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param table: the table; ``state`` holds ``exp_avg`` and ``exp_avg_sq`` (float32,
+        ``num_rows * dim``) and, with dense decay, ``row_position`` (int64, ``num_rows``, every
+        element -1 on entry and again on return: the row -> segment map of the step).
+    :param grad: the table's gradient, sorted into segments.
+    :param scalars: the step's Adam record (the optimizer folds its bias corrections in).
+    :param dense_decay: False: touch only the rows present; True: step every row.
+    """
+
+
+@hookspec
+def optirs_sparse_sgd_step(ctx: Any, table: SparseTable, grad: SparseRows, scalars: SgdScalars,
+                           first_scalars: SgdScalars, dense_decay: bool) -> None:
+    """Step one table with SGD (momentum, dampening, nesterov, L2 decay) on a row-sparse gradient.
+
+    Lazy (``dense_decay`` False): only the rows in ``grad`` change; a row whose ``row_seen`` flag is
+    0 steps with ``first_scalars`` (its momentum buffer starts at its gradient) and is then marked 1.
+    Dense decay: every row steps with ``scalars``, absent rows with a zero gradient.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param table: the table; ``state`` holds ``momentum_buffer`` (float32, ``num_rows * dim``) when
+        ``scalars.has_momentum``, ``row_seen`` (uint8, ``num_rows``) when lazy with momentum, and
+        ``row_position`` (int64, ``num_rows``, -1 on entry and on return) with dense decay.
+    :param grad: the table's gradient, sorted into segments.
+    :param scalars: the step's SGD record (lazy: ``first_step`` False, rows decide it).
+    :param first_scalars: lazy with momentum: the record of a row's first step (``first_step``
+        True); otherwise unused.
+    :param dense_decay: False: touch only the rows present; True: step every row.
+    """
 
 # ---- replica reduction (section owned by the data-parallel work)
 # One device sums (or averages) N gradient replicas into the first: the single-device half of data
@@ -428,5 +514,6 @@ CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "fake_quant": ("optirs_fake_quant_forward", "optirs_fake_quant_backward"),
     "mixed_precision": ("optirs_mixed_precision_describe", "optirs_mixed_precision_unscale",
                         "optirs_mixed_precision_narrow"),
+    "sparse": ("optirs_sparse_stage", "optirs_sparse_adam_step", "optirs_sparse_sgd_step"),
 }
 

@@ -33,6 +33,7 @@ from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
 from optirs.backends.cuda.mixed_precision import CudaMixedPrecision
+from optirs.backends.cuda.sparse import CudaSparse
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
@@ -552,7 +553,7 @@ class CudaDevice:
 from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -9,6 +9,8 @@ from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 from optirs_numpy_backend.mixed_precision import (optirs_mixed_precision_describe, optirs_mixed_precision_narrow,
                                                   optirs_mixed_precision_unscale)
+# The sparse capability's hooks, in their own module; importing them here registers them.
+from .sparse import optirs_sparse_adam_step, optirs_sparse_sgd_step, optirs_sparse_stage  # noqa: F401
 
 
 @hookimpl
