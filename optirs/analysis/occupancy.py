@@ -308,7 +308,8 @@ def _live_device(device: Any) -> Any:
         from numba import cuda
     except Exception as exc:  # numba-cuda missing or broken
         raise BackendUnavailableError(f"numba.cuda cannot be imported: {exc}") from exc
-    if cuda_simulator_enabled():
+    # An explicit device object is read as given; only the simulator's own device has no limits.
+    if (device is None and cuda_simulator_enabled()) or type(device).__module__.startswith("numba.cuda.simulator"):
         raise BackendUnavailableError("numba's CUDA simulator has no occupancy (NUMBA_ENABLE_CUDASIM=1)")
     if device is None:
         if not cuda.is_available():
