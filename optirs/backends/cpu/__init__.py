@@ -17,6 +17,7 @@ import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.cpu.fusion import CpuFusion
 
 # Elements per chunk: large enough to amortise the loop's bookkeeping, small enough to balance
 # a model of uneven tensors over the threads.
@@ -64,7 +65,7 @@ class CpuContext:
         return hit[1]
 
 
-class CpuBackend:
+class CpuBackend(CpuFusion):
     """numba.njit kernels on the host's cores."""
 
     @hookimpl

@@ -29,6 +29,7 @@ import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.cuda.fusion import CudaFusion
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
@@ -438,7 +439,7 @@ def _device_index(device: Any) -> int:
 # ------------------------------------------------------------------ the plugin
 
 
-class CudaBackend:
+class CudaBackend(CudaFusion):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator)."""
 
     @hookimpl

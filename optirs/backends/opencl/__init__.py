@@ -34,6 +34,7 @@ import numpy as np
 from optirs.core import scalars as sc_mod
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.opencl.fusion import OpenclFusion
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
@@ -545,7 +546,7 @@ def _lamb_scratch(ctx: OpenclContext, layout: Any, tables: _Tables) -> Tuple[Any
 # ---------------------------------------------------------------- the plugin
 
 
-class OpenclBackend:
+class OpenclBackend(OpenclFusion):
     """OpenCL C kernels through pyopencl, on the device the options (or PYOPENCL_CTX) choose."""
 
     @hookimpl
