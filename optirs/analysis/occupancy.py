@@ -31,7 +31,7 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from optirs.core.errors import BackendUnavailableError, InvalidParameterError
 from optirs.core.simulator import cuda_simulator_enabled
