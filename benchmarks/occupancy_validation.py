@@ -225,8 +225,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             doc["numba_cuda"] = getattr(numba_cuda, "__version__", "?")
         except Exception:
             pass
-        from optirs.analysis.occupancy import _simulating
-        if _simulating():
+        from optirs.core.simulator import cuda_simulator_enabled
+        if cuda_simulator_enabled():
             raise RuntimeError("numba's CUDA simulator is enabled (NUMBA_ENABLE_CUDASIM=1)")
         if not cuda.is_available():
             raise RuntimeError("numba.cuda sees no CUDA GPU")

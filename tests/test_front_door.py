@@ -36,8 +36,7 @@ def test_optirs_info_command():
     out = _run(args)
     assert out.returncode == 0, out.stderr
     assert "Capability matrix" in out.stdout
-    status = {s.name: s for s in optirs.list_backends()}
-    for name in status:
+    for name in ("cpu", "cuda", "opencl"):  # the built-ins (this process may also hold test plugins)
         assert name in out.stdout
     assert "available" in out.stdout
 

@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import optirs
-from optirs.analysis import fusion_codegen
-from optirs.analysis.fusion import FusionGraph, FusionOp, FusionPlan, FusionPlanner, OpKind
+from optirs.analysis.fusion import FusionGraph, FusionOp, FusionPlan, FusionPlanner, OpKind, codegen
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 
 F32 = np.float32
@@ -268,7 +267,7 @@ SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 def _opencl_available():
     try:
-        fusion_codegen._cl_queue()
+        optirs.get_backend("opencl")
         return True
     except Exception:
         return False
@@ -277,7 +276,8 @@ def _opencl_available():
 def _backends():
     out = [pytest.param("cpu", id="cpu")]
     for name, ok in (("opencl", _opencl_available), ("cuda", _cuda_available)):
-        out.append(pytest.param(name, id=name, marks=pytest.mark.skipif(not ok(), reason=f"{name} is not available here")))
+        marks = [getattr(pytest.mark, name), pytest.mark.skipif(not ok(), reason=f"{name} is not available here")]
+        out.append(pytest.param(name, id=name, marks=marks))
     return out
 
 
@@ -658,7 +658,7 @@ def test_generated_kernel_is_cached_per_signature():
     c1 = plan.compile("cpu")
     c2 = FusionPlanner().plan(chain_graph(6, size=70)).compile("cpu")  # same structure, other size
     assert c1.kernel_count == 1
-    assert c1.kernels[0][0] is c2.kernels[0][0]
+    assert c1.kernels[0].kernel is c2.kernels[0].kernel
     assert "prange" in c1.sources()[0]
 
 
@@ -747,11 +747,35 @@ def test_unknown_backend_is_unsupported():
         plan.compile("vulkan")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(_cuda_available(), reason="a CUDA device (or the simulator) is present")
 def test_cuda_without_device_is_unsupported():
     plan = FusionPlanner().plan(chain_graph(2))
     with pytest.raises(UnsupportedOperationError, match="'cuda'"):
         plan.compile("cuda")
+
+
+def test_every_backend_runs_a_plan_or_says_it_lacks_fusion(feature_backend):
+    """Built-ins run the plan through their fusion hooks; a backend without them says so, naming itself."""
+    g = FusionGraph()
+    x = g.input("x", (5, 7))
+    v = g.input("v", (7,))
+    y = g.op("muladd", x, v, 0.25, name="y")
+    g.reduce("max", y, axis=1, name="m")
+    g.mark_output(y)
+    rng = np.random.default_rng(11)
+    inputs = {"x": rng.standard_normal((5, 7)).astype(F32), "v": rng.standard_normal(7).astype(F32)}
+    plan = FusionPlanner().plan(g)
+    backend = optirs.get_backend(feature_backend)
+    if not backend.supports("fusion"):
+        with pytest.raises(UnsupportedOperationError, match=rf"'{feature_backend}'.*'fusion'"):
+            plan.run(inputs, backend=feature_backend)
+        with pytest.raises(UnsupportedOperationError, match=rf"'{feature_backend}'.*'fusion'"):
+            plan.compile(backend)
+        return
+    got, want = plan.run(inputs, backend=backend), numpy_eval(g, inputs)
+    for name in g.outputs:
+        assert_same(got[name], want[name], exact=True)
 
 
 def test_plugin_is_listed():
@@ -763,6 +787,7 @@ def test_plugin_is_listed():
 # ================================================================ cuda and opencl
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(SIM, reason="compile_ptx needs the real CUDA compiler, not the simulator")
 def test_cuda_kernels_compile_to_ptx_for_sm90():
     pytest.importorskip("numba.cuda")
@@ -775,16 +800,19 @@ def test_cuda_kernels_compile_to_ptx_for_sm90():
     plan = FusionPlanner().plan(g)
     for group in plan.groups:
         try:
-            ptx = fusion_codegen.compile_ptx(plan, group, cc=(9, 0))
+            from optirs.backends.cuda.fusion import compile_ptx
+
+            ptx = compile_ptx(codegen.group_source(plan.graph, group), cc=(9, 0))
         except Exception as exc:  # noqa: BLE001 - no CUDA toolkit here
             pytest.skip(f"numba.cuda.compile_ptx unavailable: {exc}")
         assert ".target sm_90" in ptx and "kernel_" in ptx
-        if "mul_f32(" in fusion_codegen.cuda_source(plan, group):
+        if "mul_f32(" in codegen.cuda_source(plan, group):
             # a * b + c stays two roundings, as numpy computes it: the product is an explicit
             # round-to-nearest multiply that NVVM may not contract into an fma.
             assert "mul.rn.f32" in ptx
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not _cuda_available(), reason="no CUDA device (NUMBA_ENABLE_CUDASIM=1 runs the simulator)")
 @RUNS
 @given(graphs(max_ops=6), st.integers(0, 2**31 - 1))

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from optirs.analysis import occupancy as occ
+from optirs.tools import occupancy_cli
 from optirs.analysis.occupancy import (KNOWN_COMPUTE_CAPABILITIES, UNLIMITED, KernelResourceUsage, OccupancyLimiter,
                                        SmResourceLimits, calculate_occupancy, optimal_block_size)
 from optirs.core.errors import InvalidParameterError
@@ -464,11 +465,11 @@ def test_launch_config_defers_when_it_cannot_tell():
 
 def test_command_prints_tables_and_plots(tmp_path, capsys):
     png = tmp_path / "occ.png"
-    assert occ.main(["--cc", "7.0", "--registers", "37", "--block-size", "320", "--plot", str(png)]) == 0
+    assert occupancy_cli.main(["--cc", "7.0", "--registers", "37", "--block-size", "320", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "SM limits" in out and "Occupancy" in out and "62.5%" in out  # the Best Practices example
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert occ.main(["--cc", "3.5"]) == 2
+    assert occupancy_cli.main(["--cc", "3.5"]) == 2
     assert "3.5" in capsys.readouterr().out
 
 

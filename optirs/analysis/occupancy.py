@@ -22,19 +22,19 @@ malformed input (negative sizes, an unknown compute capability) raises
 :class:`optirs.InvalidParameterError`.
 
 The module is also the ``occupancy`` analysis plugin: it answers ``optirs_launch_config`` for compiled
-numba.cuda kernels, and ``optirs occupancy`` prints the tables and curves (:func:`main`).
+numba.cuda kernels. The ``optirs occupancy`` command (tables) is :mod:`optirs.tools.occupancy_cli`
+and its curves are drawn by :func:`optirs.tools.plots.occupancy_curves`.
 """
 
 from __future__ import annotations
 
-import argparse
 import enum
 import operator
-import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from optirs.core.errors import BackendUnavailableError, InvalidParameterError
+from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import hookimpl
 
 __all__ = [
@@ -48,7 +48,7 @@ __all__ = [
     "BlockSizeSuggestion",
     "KNOWN_COMPUTE_CAPABILITIES",
     "launch_config",
-    "main",
+    "block_sizes",
     "plugin",
 ]
 
@@ -308,7 +308,8 @@ def _live_device(device: Any) -> Any:
         from numba import cuda
     except Exception as exc:  # numba-cuda missing or broken
         raise BackendUnavailableError(f"numba.cuda cannot be imported: {exc}") from exc
-    if _simulating():
+    # An explicit device object is read as given; only the simulator's own device has no limits.
+    if (device is None and cuda_simulator_enabled()) or type(device).__module__.startswith("numba.cuda.simulator"):
         raise BackendUnavailableError("numba's CUDA simulator has no occupancy (NUMBA_ENABLE_CUDASIM=1)")
     if device is None:
         if not cuda.is_available():
@@ -317,14 +318,6 @@ def _live_device(device: Any) -> Any:
     if not hasattr(device, "compute_capability"):
         raise InvalidParameterError(f"device={device!r}, expected a numba.cuda device")
     return device
-
-
-def _simulating() -> bool:
-    try:
-        from numba.cuda import config
-        return bool(config.ENABLE_CUDASIM)
-    except Exception:
-        return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 # ---------------------------------------------------------------- kernel resources
@@ -759,6 +752,12 @@ def launch_config(limits: SmResourceLimits, usage: KernelResourceUsage, elements
 # ---------------------------------------------------------------- the plugin
 
 
+def block_sizes(limits: SmResourceLimits, usage: KernelResourceUsage) -> List[int]:
+    """Every whole-warp block size the kernel and the SM allow, smallest first."""
+    top = min(limits.max_threads_per_block, usage.max_threads_per_block or limits.max_threads_per_block)
+    return list(range(limits.warp_size, top + 1, limits.warp_size))
+
+
 def _limits_for(device: Any) -> Optional[SmResourceLimits]:
     """The SM limits of a numba device, a compute capability, or the current device; None when unknowable."""
     if isinstance(device, SmResourceLimits):
@@ -790,7 +789,7 @@ class OccupancyPlugin:
         if isinstance(kernel, KernelResourceUsage):
             usage = kernel
         else:
-            if _simulating():
+            if cuda_simulator_enabled():
                 return None
             overload = _compiled_overload(kernel)
             if overload is None:
@@ -809,160 +808,3 @@ class OccupancyPlugin:
 
 
 plugin = OccupancyPlugin()
-
-
-# ---------------------------------------------------------------- the command
-
-
-def _parse_size(text: str) -> int:
-    """Bytes from '4096', '48K', '48KiB', '1.5K'."""
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = 1
-    if t.endswith("k"):
-        scale, t = KiB, t[:-1]
-    elif t.endswith("m"):
-        scale, t = KiB * KiB, t[:-1]
-    try:
-        value = float(t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in bytes (e.g. 4096, 48K)") from None
-    if value < 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole, non-negative number of bytes")
-    return int(value)
-
-
-def _block_sizes(limits: SmResourceLimits, usage: KernelResourceUsage) -> List[int]:
-    top = min(limits.max_threads_per_block, usage.max_threads_per_block or limits.max_threads_per_block)
-    return list(range(limits.warp_size, top + 1, limits.warp_size))
-
-
-_SHORT = {"warps": "warps", "registers": "regs", "shared_memory": "smem", "blocks": "blocks", "barriers": "bars"}
-
-
-def _short(limiter: OccupancyLimiter) -> str:
-    return "+".join(_SHORT[n] for n in limiter.names())
-
-
-def _fmt_limit(n: int) -> str:
-    return "-" if n == UNLIMITED else str(n)
-
-
-def _plot(path: str, limits: SmResourceLimits, usage: KernelResourceUsage, dynamic_smem: int, block_size: int,
-          carveout: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def occ(u: KernelResourceUsage, b: int, d: int) -> float:
-        return calculate_occupancy(limits, u, b, d, carveout=carveout).occupancy * 100
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    blocks = _block_sizes(limits, usage)
-    axes[0].plot(blocks, [occ(usage, b, dynamic_smem) for b in blocks], marker=".")
-    axes[0].axvline(block_size, color="grey", linestyle=":")
-    axes[0].set(title=f"vs block size ({usage.registers_per_thread} regs, {usage.static_shared_mem + dynamic_smem} B smem)",
-                xlabel="threads per block", ylabel="occupancy (%)")
-    regs = list(range(0, limits.max_registers_per_thread + 1))
-    axes[1].step(regs, [occ(replace(usage, registers_per_thread=r), block_size, dynamic_smem) for r in regs], where="post")
-    axes[1].axvline(usage.registers_per_thread, color="grey", linestyle=":")
-    axes[1].set(title=f"vs registers per thread (block {block_size})", xlabel="registers per thread")
-    # Shared memory up to the opt-in maximum, as if the kernel opted in.
-    optin = replace(usage, max_dynamic_shared_mem=max(0, limits.shared_mem_per_block_optin - usage.static_shared_mem))
-    top = max(0, limits.shared_mem_per_block_optin - usage.static_shared_mem)
-    step = max(1, top // 512)
-    smem = list(range(0, top + 1, step))
-    axes[2].step([(usage.static_shared_mem + s) / KiB for s in smem], [occ(optin, block_size, s) for s in smem], where="post")
-    axes[2].axvline((usage.static_shared_mem + dynamic_smem) / KiB, color="grey", linestyle=":")
-    axes[2].set(title=f"vs shared memory per block (block {block_size})", xlabel="shared memory per block (KiB)")
-    for ax in axes:
-        ax.set_ylim(0, 105)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"CUDA occupancy, compute capability {limits.cc} ({limits.architecture})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``optirs occupancy``: the SM limits and the occupancy of every block size for a kernel's resources."""
-    parser = argparse.ArgumentParser(prog="optirs occupancy",
-                                     description="CUDA occupancy: SM limits, occupancy per block size, optimal block size")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--cc", help="compute capability, e.g. 9.0 (known: "
-                       + ", ".join(f"{a}.{b}" for a, b in _TABLE) + "); default 9.0")
-    where.add_argument("--device", action="store_true", help="use the live CUDA device (numba.cuda)")
-    parser.add_argument("--sm-count", type=int, help="SMs of the product (for the minimum grid size)")
-    parser.add_argument("--block-size", type=int, help="the block size to detail (default: the optimal one)")
-    parser.add_argument("--registers", type=int, default=32, help="registers per thread (default 32)")
-    parser.add_argument("--smem", type=_parse_size, default=0, help="static shared memory per block, bytes or 48K")
-    parser.add_argument("--dynamic-smem", type=_parse_size, default=0, help="dynamic shared memory per block")
-    parser.add_argument("--max-dynamic-smem", type=_parse_size,
-                        help="the kernel's dynamic shared memory maximum (opt-in); default: the driver's default")
-    parser.add_argument("--carveout", type=int, default=CARVEOUT_DEFAULT,
-                        help="preferred shared-memory carveout in percent, -1 for none (default)")
-    parser.add_argument("--plot", metavar="PNG", help="write occupancy vs block size, registers and shared memory")
-    args = parser.parse_args(None if argv is None else list(argv))
-
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    try:
-        if args.device:
-            limits = SmResourceLimits.from_device()
-        else:
-            limits = SmResourceLimits.for_compute_capability(args.cc or "9.0", sm_count=args.sm_count)
-        if args.sm_count is not None:
-            limits = replace(limits, sm_count=args.sm_count)
-        usage = KernelResourceUsage(registers_per_thread=args.registers, static_shared_mem=args.smem,
-                                    max_dynamic_shared_mem=args.max_dynamic_smem)
-        best = optimal_block_size(limits, usage, args.dynamic_smem, carveout=args.carveout)
-        runtime_best = optimal_block_size(limits, usage, args.dynamic_smem, carveout=args.carveout, api="runtime")
-        detail_block = args.block_size or best.block_size or limits.warp_size
-        detail = calculate_occupancy(limits, usage, detail_block, args.dynamic_smem, carveout=args.carveout)
-        rows = [calculate_occupancy(limits, usage, b, args.dynamic_smem, carveout=args.carveout)
-                for b in _block_sizes(limits, usage)]
-    except (InvalidParameterError, BackendUnavailableError) as exc:
-        console.print(f"[red]optirs occupancy:[/] {exc}")
-        return 2
-
-    table = Table(title=f"SM limits, compute capability {limits.cc}")
-    table.add_column("quantity")
-    table.add_column("value", justify="right")
-    for name, value in limits.as_rows():
-        table.add_row(name, value)
-    console.print(table)
-
-    title = (f"Occupancy: {usage.registers_per_thread} registers/thread, {usage.static_shared_mem} B static + "
-             f"{args.dynamic_smem} B dynamic shared memory, carveout {args.carveout}")
-    occ = Table(title=title)
-    # The per-SM block limit is in the limits table; the rest fits 80 columns.
-    for col in ("block", "by\nwarps", "by\nregs", "by\nsmem", "blocks\n/SM", "warps\n/SM", "occu-\npancy", "limit"):
-        occ.add_column(col, justify="left" if col == "limit" else "right", no_wrap=True)
-    for r in rows:
-        style = "bold green" if r.block_size == best.block_size else ("bold" if r.block_size == detail_block else None)
-        occ.add_row(str(r.block_size), _fmt_limit(r.block_limits["warps"]), _fmt_limit(r.block_limits["registers"]),
-                    _fmt_limit(r.block_limits["shared_memory"]), str(r.active_blocks_per_sm),
-                    str(r.active_warps_per_sm), f"{r.occupancy:.1%}", _short(r.limiter), style=style)
-    console.print(occ)
-    if best.block_size:
-        grid = f", minimum grid {best.min_grid_size}" if best.min_grid_size is not None else ""
-        console.print(f"optimal block size (cuOccupancyMaxPotentialBlockSize): [green]{best.block_size}[/] "
-                      f"-> {best.blocks_per_sm} blocks/SM, occupancy {best.occupancy:.1%}{grid}")
-        if runtime_best != best:
-            # The driver's search drops a carveout preference other than 0; the table above keeps it.
-            console.print(f"  the driver's query ignores carveout {args.carveout} (its blocks/SM are those without a "
-                          f"preference); counting the carveout for every block size (cudaOccupancyMaxPotentialBlockSize): "
-                          f"{runtime_best.block_size} -> {runtime_best.blocks_per_sm} blocks/SM, "
-                          f"occupancy {runtime_best.occupancy:.1%}")
-    else:
-        console.print("[red]no block size can run[/]")
-    console.print(f"block size {detail.block_size}: {detail.active_blocks_per_sm} blocks/SM, {detail.active_warps_per_sm} "
-                  f"warps, occupancy {detail.occupancy:.1%}, limited by {detail.limiter}; registers/block "
-                  f"{detail.allocated_registers_per_block}, shared memory/block {detail.allocated_shared_mem_per_block} B "
-                  f"of a {detail.shared_mem_per_sm} B carveout"
-                  + (f"\n[red]cannot run:[/] {detail.reason}" if detail.reason else ""))
-    if args.plot:
-        _plot(args.plot, limits, usage, args.dynamic_smem, detail_block, args.carveout)
-        console.print(f"wrote {args.plot}")
-    return 0

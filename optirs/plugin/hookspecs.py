@@ -506,6 +506,136 @@ def optirs_fake_quant_backward(ctx: BackendContext, x: DeviceArray, grad: Device
     """
 
 # ---- fused elementwise groups (section owned by the fusion work)
+# A fusion plan (optirs.analysis.fusion) becomes one kernel per group. The ``fusion`` analysis
+# plugin generates each group's source in every dialect (optirs_fusion_generate); a backend with
+# the ``fusion`` capability compiles the dialect it runs (optirs_fusion_compile) and runs it on its
+# own flat device arrays (optirs_fusion_run). Kernel text names no sizes, so a backend may cache
+# compiled kernels by text and share them between groups and plans.
+
+# Imported here (not at the top) to keep this section's edits within its banner.
+from typing import TYPE_CHECKING  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+if TYPE_CHECKING:  # types of the analysis layer, named in hook signatures only
+    from optirs.analysis.fusion import FusionGraph, FusionGroup
+
+FUSION_DIALECTS = ("numba-parallel", "numba-cuda", "opencl-c")
+"""The languages fused kernels are generated in: Python for ``numba.njit(parallel=True)`` (function
+``kernel_``), Python for ``numba.cuda.jit`` (``kernel_`` and, for reductions over all axes,
+``finish_``), and OpenCL C (kernels ``kernel_`` [``finish_``], ``#include`` lines for
+``optirs.backends.common.opencl_source``)."""
+
+
+@dataclass(frozen=True)
+class FusedKernelText:
+    """One dialect's program for a fused group: its source text and its kernel's parameters, in order.
+
+    Parameter names say what to pass: ``n`` (elements of the domain), ``chunk``, ``layout`` (A, K, B)
+    or ``A_``/``K_``/``B_``, ``dims`` or ``d<k>`` (the domain), ``st<j>`` or ``s<j>_<k>`` (input j's
+    element strides), ``in<j>``, ``out<j>`` (elementwise outputs), ``red<j>`` (reductions), ``part<j>``
+    (float64 partials of an all-axes reduction, one per chunk, made by the backend).
+    """
+
+    dialect: str
+    text: str
+    params: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FusedGroupSource:
+    """The generated source of one fused group, with its arity, dtypes and sizes.
+
+    Outputs are the group's elementwise outputs (written at each element's flat index), then its
+    reductions (``reductions[j]`` is ``"sum"`` or ``"max"``; sums accumulate in float64).
+    """
+
+    group: int
+    input_names: Tuple[str, ...]  # the graph values read, one per input
+    output_names: Tuple[str, ...]  # the graph values written, one per output
+    domain: Tuple[int, ...]
+    input_dtypes: Tuple[np.dtype, ...]
+    input_strides: Tuple[Tuple[int, ...], ...]  # element strides along the domain, 0 where broadcast
+    output_dtypes: Tuple[np.dtype, ...]
+    output_sizes: Tuple[int, ...]
+    reductions: Tuple[str, ...]
+    layout: Optional[Tuple[int, int, int]]  # (A, K, B) of a one-axis reduction, else None
+    chunk: int  # elements per partial of an all-axes reduction
+    kernels: Tuple[FusedKernelText, ...]
+
+    @property
+    def arity(self) -> Tuple[int, int]:
+        """(inputs, outputs)."""
+        return len(self.input_dtypes), len(self.output_dtypes)
+
+    @property
+    def elements(self) -> int:
+        """Elements of the iteration domain (the ``n`` of :func:`optirs_fusion_run`)."""
+        return int(np.prod(self.domain, dtype=np.int64))
+
+    def kernel(self, dialect: str) -> FusedKernelText:
+        """The program in ``dialect``.
+
+        :raises UnsupportedOperationError: when it was not generated in that dialect.
+        """
+        for k in self.kernels:
+            if k.dialect == dialect:
+                return k
+        from optirs.core.errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"fused group {self.group}: dialect {dialect!r} was not generated; have {[k.dialect for k in self.kernels]}"
+        )
+
+
+@dataclass(frozen=True)
+class CompiledFusedKernel:
+    """A fused group compiled by a backend: what it was made from and the backend's own kernel object.
+
+    ``kernel`` is of the backend's own kind (a numba dispatcher, a pyopencl kernel, ...); only the
+    backend that made it reads it. ``extra`` holds whatever else that backend keeps with it.
+    """
+
+    source: FusedGroupSource
+    text: str  # the program text compiled (the backend's dialect, headers inlined)
+    kernel: Any
+    extra: Any = None
+
+
+@hookspec(firstresult=True)
+def optirs_fusion_generate(graph: "FusionGraph", group: "FusionGroup") -> Optional[FusedGroupSource]:
+    """Generate the kernels of one fused group in every dialect a plugin knows. Stops at the first non-None result.
+
+    :param graph: the :class:`optirs.analysis.fusion.FusionGraph` the group belongs to.
+    :param group: the :class:`optirs.analysis.fusion.FusionGroup` (not opaque) to generate.
+    :return: the group's :class:`FusedGroupSource`, or None to defer to another plugin.
+    """
+
+
+@hookspec
+def optirs_fusion_compile(ctx: Any, source: FusedGroupSource) -> CompiledFusedKernel:
+    """Compile one fused group's kernel in this backend's dialect; the handle goes to :func:`optirs_fusion_run`.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param source: the group's generated source, dtypes and sizes.
+    :return: the compiled kernel, holding ``source``.
+    :raises optirs.UnsupportedOperationError: when the device cannot run it (e.g. no float64), or
+        ``source`` lacks this backend's dialect.
+    """
+
+
+@hookspec
+def optirs_fusion_run(ctx: Any, compiled: CompiledFusedKernel, inputs: Sequence[Any], outputs: Sequence[Any], n: int) -> None:
+    """Run one compiled fused group: read ``inputs``, write ``outputs`` (queued; synchronize to wait).
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param compiled: what :func:`optirs_fusion_compile` returned on this context.
+    :param inputs: flat device arrays of this backend (as :func:`optirs_to_device` makes), one per
+        ``source.input_dtypes``, in order.
+    :param outputs: flat device arrays of this backend (as :func:`optirs_alloc` makes), one per
+        ``source.output_dtypes`` and of ``source.output_sizes``, written in place.
+    :param n: elements of the group's domain (``source.elements``).
+    """
 
 
 # Capability name -> the hooks a backend implements to offer it (all of them).
@@ -515,5 +645,6 @@ CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "mixed_precision": ("optirs_mixed_precision_describe", "optirs_mixed_precision_unscale",
                         "optirs_mixed_precision_narrow"),
     "sparse": ("optirs_sparse_stage", "optirs_sparse_adam_step", "optirs_sparse_sgd_step"),
+    "fusion": ("optirs_fusion_compile", "optirs_fusion_run"),
 }
 

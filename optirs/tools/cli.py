@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "info": ("optirs.tools.cli:info_main", "list backends, devices, status, capability matrix and plugins"),
     "bench": ("optirs.tools.bench:main", "time every optimizer on every backend beside torch"),
-    "occupancy": ("optirs.analysis.occupancy:main", "CUDA occupancy table and curves"),
+    "occupancy": ("optirs.tools.occupancy_cli:main", "CUDA occupancy table and curves"),
 }
 
 

@@ -21,6 +21,7 @@ from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
 from optirs.backends.cpu.mixed_precision import CpuMixedPrecision
 from optirs.backends.cpu.sparse import CpuSparse
+from optirs.backends.cpu.fusion import CpuFusion
 
 from optirs.backends.cpu.steps import CHUNK, CpuSteps
 
@@ -128,7 +129,7 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

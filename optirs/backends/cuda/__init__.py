@@ -34,6 +34,7 @@ from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
 from optirs.backends.cuda.mixed_precision import CudaMixedPrecision
 from optirs.backends.cuda.sparse import CudaSparse
+from optirs.backends.cuda.fusion import CudaFusion
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
@@ -553,7 +554,7 @@ class CudaDevice:
 from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -37,6 +37,7 @@ from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
 from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
 from optirs.backends.opencl.sparse import OpenclSparse
+from optirs.backends.opencl.fusion import OpenclFusion
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
@@ -786,7 +787,7 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 

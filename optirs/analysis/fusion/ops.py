@@ -62,7 +62,7 @@ def _clip(x, lo, hi):
 
 # numba templates multiply through ``mul_f32``/``mul_f64`` (a plain product on the CPU;
 # libdevice's fmul_rn/dmul_rn on CUDA, where NVVM would otherwise contract a * b + c into an fma
-# that rounds once, unlike numpy op by op). fusion_codegen puts them in each kernel's namespace.
+# that rounds once, unlike numpy op by op). The backend that compiles a kernel puts them in its namespace.
 _MAX_NB = "({0} if ({0} > {1} or {0} != {0}) else {1})"
 _MIN_NB = "({0} if ({0} < {1} or {0} != {0}) else {1})"
 _MAX_CL = "optirs_fmax_{T}({0}, {1})"
@@ -103,20 +103,10 @@ OPS: Dict[str, OpSpec] = {
     )
 }
 
-# OpenCL C helpers the OpenCL templates rely on (numpy's NaN and signed-zero behaviour). OpenCL C
-# contracts a * b + c into an fma by default; numpy rounds twice, so contraction is switched off.
-OPENCL_HELPERS = """
-#pragma OPENCL FP_CONTRACT OFF
-inline float optirs_fmax_float(float a, float b) { return (a > b || a != a) ? a : b; }
-inline float optirs_fmin_float(float a, float b) { return (a < b || a != a) ? a : b; }
-"""
-
-# Added to the helpers when a kernel uses float64 (needs cl_khr_fp64).
-OPENCL_HELPERS_FP64 = """
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-inline double optirs_fmax_double(double a, double b) { return (a > b || a != a) ? a : b; }
-inline double optirs_fmin_double(double a, double b) { return (a < b || a != a) ? a : b; }
-"""
+# The OpenCL templates call optirs_fmax_<T>/optirs_fmin_<T>, defined (with FP_CONTRACT OFF, since
+# numpy rounds a * b + c twice) in the headers the generated programs include:
+OPENCL_HEADERS = ("optirs_fusion.h",)
+OPENCL_HEADERS_FP64 = ("optirs_fusion_fp64.h",)  # kernels that use float64 (cl_khr_fp64)
 
 REDUCTIONS = ("sum", "max")
 UNARY = tuple(n for n, s in OPS.items() if s.arity == 1)
