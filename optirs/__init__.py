@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError,
                      PluginError, ShapeMismatchError, UnsupportedOperationError)
-from optirs.optim.optimizers import (GpuAdagrad, GpuAdam, GpuAdamW, GpuLamb, GpuOptimizer, GpuOptimizerConfig, GpuRmsprop,
-                         GpuSgd)
-from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.optim.optimizers import (GpuAdafactor, GpuAdagrad, GpuAdam, GpuAdamW, GpuLamb, GpuLion, GpuOptimizer,
+                                     GpuOptimizerConfig, GpuRmsprop, GpuSgd)
+from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
+                                SgdParams)
 from optirs.plugin.registry import (SUPPORTED_BACKENDS, get_backend, list_backends, list_plugins, register_plugin,
                        unregister_plugin)
 
@@ -67,7 +68,8 @@ __all__ = [
     "GpuOptimError", "BackendUnavailableError", "UnsupportedOperationError", "InvalidParameterError",
     "ShapeMismatchError", "DeviceMemoryError", "PluginError",
     "GpuOptimizer", "GpuOptimizerConfig", "GpuAdam", "GpuAdamW", "GpuSgd", "GpuRmsprop", "GpuAdagrad", "GpuLamb",
-    "AdamParams", "SgdParams", "RmspropParams", "AdagradParams", "LambParams",
+    "GpuLion", "GpuAdafactor",
+    "AdamParams", "SgdParams", "RmspropParams", "AdagradParams", "LambParams", "LionParams", "AdafactorParams",
     "SUPPORTED_BACKENDS", "get_backend", "list_backends", "list_plugins", "register_plugin", "unregister_plugin",
     *_LAZY_NAMES,
 ]

@@ -17,7 +17,9 @@ from optirs.core import scalars as sc
 from optirs.core.arrays import ArrayMeta, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.layout import TensorLayout
-from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.core.factored import SLOTS as FACTORED_SLOTS, factored_layout
+from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
+                                SgdParams)
 from optirs.plugin.registry import REGISTRY, Backend
 
 STATE_DTYPE = np.dtype(np.float32)
@@ -423,3 +425,127 @@ class GpuLamb(GpuOptimizer):
 
 
 OPTIMIZERS = {cls.name: cls for cls in (GpuAdam, GpuAdamW, GpuSgd, GpuRmsprop, GpuAdagrad, GpuLamb)}
+
+
+class GpuLion(GpuOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as lion-pytorch.
+
+    .. code-block:: text
+
+        p = p * (1 - lr * weight_decay)
+        p = p - lr * sign(beta1 * m + (1 - beta1) * g)        (sign(0) = 0)
+        m = beta2 * m + (1 - beta2) * g
+    """
+
+    name = "lion"
+    params_type = LionParams
+
+    def state_slots(self, params: LionParams) -> Dict[str, float]:
+        return {"exp_avg": 0.0}
+
+    def step_scalars(self, step: int) -> sc.LionScalars:
+        return sc.lion_scalars(self._params, step)
+
+
+class GpuAdafactor(GpuOptimizer):
+    """Adafactor (Shazeer & Stern 2018), as ``torch.optim.Adafactor``.
+
+    .. code-block:: text
+
+        g = -g (maximize);  w = t^beta2_decay;  rho = min(lr, 1 / sqrt(t))
+        alpha = max(eps2, RMS(p)) * rho;  p = p * (1 - lr * weight_decay)
+        2+ dims:  R = R + w * (mean(g^2, last dim) - R);  C = C + w * (mean(g^2, dim -2) - C)
+                  v = R C / max(mean(R), eps1)
+        0-1 dims: v = v + w * (g^2 - v)
+        u = g / sqrt(max(v, eps1^2));  p = p - alpha / max(1, RMS(u) / d) * u
+
+    The state of a 2+ dim tensor is its row and column means only (``row_var``, ``col_var``, over the
+    last two dims, leading dims batched), so its slots do not follow the parameters' layout: they
+    are flat buffers laid out by :class:`optirs.core.factored.FactoredLayout`. ``state_dict()``
+    gives them per tensor in torch's shapes (``row_var``: ``shape[:-1] + (1,)``, ``col_var``:
+    ``shape[:-2] + (1,) + shape[-1:]``, ``variance``: ``shape``).
+    """
+
+    name = "adafactor"
+    params_type = AdafactorParams
+
+    def state_slots(self, params: AdafactorParams) -> Dict[str, float]:
+        return {slot: 0.0 for slot in FACTORED_SLOTS}
+
+    def step_scalars(self, step: int) -> sc.AdafactorScalars:
+        return sc.adafactor_scalars(self._params, step)
+
+    def step_gpu(self, params: ArrayOrList, grads: ArrayOrList) -> None:
+        """One step, as :meth:`GpuOptimizer.step_gpu`; the first one sizes the factored state first."""
+        if self._state is not None:
+            return super().step_gpu(params, grads)
+        metas = self._validate(self._as_list(params, "params"), self._as_list(grads, "grads"))
+        sizes = factored_layout(TensorLayout([m.shape for m in metas])).buffer_sizes()
+        # Host zeros: the base step moves them to the device before stepping.
+        self._state = {k: np.zeros(n, STATE_DTYPE) for k, n in sizes.items()}
+        self._state_on_device = False
+        try:
+            super().step_gpu(params, grads)
+        except BaseException:
+            self._state, self._state_on_device = None, False  # a failed first step leaves no state
+            raise
+
+    def state_dict(self) -> Dict[str, Any]:
+        """A self-contained checkpoint (numpy copies); each tensor's slots in torch's shapes."""
+        per_param: List[Dict[str, np.ndarray]] = []
+        if self._state is not None and self._layout is not None:
+            flat = self._host_state()
+            fl = factored_layout(self._layout)
+            views = {k: fl.views(k, flat[k]) for k in FACTORED_SLOTS}
+            per_param = [{k: views[k][i].copy() for k in fl.state_shapes(i)} for i in range(len(fl))]
+        return {
+            "optimizer": self.name,
+            "hyperparameters": self._params.to_dict(),
+            "step": self._step,
+            "shapes": [list(s) for s in self._layout.shapes] if self._layout else [],
+            "state": per_param,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a checkpoint from :meth:`state_dict` (torch's per-tensor shapes); all checked first."""
+        if not isinstance(state_dict, Mapping):
+            raise InvalidParameterError(f"state_dict of type {type(state_dict).__name__}, expected a mapping")
+        expected_keys = {"optimizer", "hyperparameters", "step", "shapes", "state"}
+        if set(state_dict) != expected_keys:
+            raise InvalidParameterError(f"state_dict keys {sorted(state_dict)}, expected {sorted(expected_keys)}")
+        if state_dict["optimizer"] != self.name:
+            raise InvalidParameterError(f"state_dict is for optimizer {state_dict['optimizer']!r}, expected {self.name!r}")
+        params = self._check_params(self.params_type.from_dict(dict(state_dict["hyperparameters"])))
+        step = state_dict["step"]
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise InvalidParameterError(f"step={step!r}, expected an integer >= 0")
+        shapes = [tuple(int(d) for d in s) for s in state_dict["shapes"]]
+        entries = list(state_dict["state"])
+        if not shapes:
+            if entries or step:
+                raise InvalidParameterError("state_dict has state or steps but no shapes, expected both or neither")
+            self._params, self._layout, self._state, self._state_on_device, self._step = params, None, None, False, 0
+            self._validated = None
+            return
+        if len(entries) != len(shapes):
+            raise InvalidParameterError(f"state_dict has {len(entries)} state entries for {len(shapes)} tensors, expected one per tensor")
+        layout = TensorLayout(shapes)
+        fl = factored_layout(layout)
+        flat = {k: np.zeros(n, STATE_DTYPE) for k, n in fl.buffer_sizes().items()}
+        views = {k: fl.views(k, flat[k]) for k in FACTORED_SLOTS}
+        for i, entry in enumerate(entries):
+            wanted = fl.state_shapes(i)
+            if not isinstance(entry, Mapping) or set(entry) != set(wanted):
+                got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+                raise InvalidParameterError(f"state[{i}] has slots {got}, expected {sorted(wanted)} for shape {shapes[i]}")
+            for k, shape in wanted.items():
+                value = np.asarray(entry[k])
+                if value.shape != shape:
+                    raise ShapeMismatchError(f"state[{i}][{k!r}] has shape {value.shape}, expected {shape}")
+                views[k][i][...] = value
+        self._params, self._layout, self._state, self._state_on_device = params, layout, flat, False
+        self._step = int(step)
+        self._validated = None
+
+
+OPTIMIZERS.update({cls.name: cls for cls in (GpuLion, GpuAdafactor)})

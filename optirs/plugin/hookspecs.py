@@ -18,6 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pluggy
 
+from optirs.core.layout import TensorLayout
+from optirs.core.scalars import AdafactorScalars, LionScalars
+
 PROJECT = "optirs"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -197,6 +200,44 @@ for _step in (optirs_step_adam, optirs_step_adamw, optirs_step_sgd, optirs_step_
     _step.__doc__ = (_step.__doc__ or "") + _STEP_ARGS
 
 
+@hookspec
+def optirs_step_lion(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: TensorLayout,
+                     scalars: LionScalars) -> None:
+    """Lion (sign of the interpolated momentum, decoupled weight decay); state: exp_avg.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (the backend's flat device
+        arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: ``{"exp_avg": flat device array}`` holding every tensor's momentum at ``layout``'s offsets,
+        updated in place.
+    :param layout: the model's tensor shapes, offsets and chunk table.
+    :param scalars: the step's float32 scalars (:func:`optirs.core.scalars.lion_scalars`).
+    """
+
+
+@hookspec
+def optirs_step_adafactor(ctx: Any, params: List[Any], grads: List[Any], state: Dict[str, Any], layout: TensorLayout,
+                          scalars: AdafactorScalars) -> None:
+    """Adafactor as torch.optim.Adafactor, with its per-tensor and row/column reductions; state:
+    row_var, col_var, variance, laid out by :class:`optirs.core.factored.FactoredLayout` (not by ``layout``).
+
+    A tensor of 2+ dims keeps a row mean per row and a column mean per column of its last two dims
+    (``row_var``, ``col_var``), a 0-1 dim tensor a full ``variance``; the step size uses RMS(p) per
+    tensor and the update is clipped by its RMS, so a backend reduces per tensor before it writes p.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the model's parameters as staged by :func:`optirs_stage` (the backend's flat device
+        arrays), updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: ``{"row_var", "col_var", "variance"}`` -> flat float32 device arrays of at least
+        ``optirs.core.factored.factored_layout(layout).buffer_sizes()`` elements, updated in place.
+    :param layout: the model's tensor shapes and offsets; the slots' own offsets come from
+        ``optirs.core.factored.factored_layout(layout)``.
+    :param scalars: the step's float32 scalars (:func:`optirs.core.scalars.adafactor_scalars`).
+    """
+
+
 # ---------------------------------------------------------------- analysis
 
 
@@ -239,5 +280,7 @@ STEP_HOOKS = {
     "rmsprop": "optirs_step_rmsprop",
     "adagrad": "optirs_step_adagrad",
     "lamb": "optirs_step_lamb",
+    "lion": "optirs_step_lion",
+    "adafactor": "optirs_step_adafactor",
 }
 OPTIMIZER_NAMES = tuple(STEP_HOOKS)

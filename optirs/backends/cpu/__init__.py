@@ -16,6 +16,8 @@ from typing import Any, Dict, List
 import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, InvalidParameterError
+from optirs.backends.cpu.adafactor import CpuAdafactor
+from optirs.backends.cpu.lion import CpuLion
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 # Elements per chunk: large enough to amortise the loop's bookkeeping, small enough to balance
@@ -64,7 +66,7 @@ class CpuContext:
         return hit[1]
 
 
-class CpuBackend:
+class CpuBackend(CpuLion, CpuAdafactor):
     """numba.njit kernels on the host's cores."""
 
     @hookimpl

@@ -154,3 +154,16 @@ def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors,
         step = sc.lr * ratio[t]
         for i in range(e - s):
             p[i] = p[i] - step * lamb_direction(p[i], mc[i], vc[i], sc)
+
+
+from optirs.backends.common.elementwise import lion_update  # noqa: E402  (appended optimizer)
+
+
+@jit
+def lion(ps, gs, m, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
+    for c in prange(chunk_tensor.shape[0]):
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        o = offsets[t] + s
+        p, g, mc = ps[t][s:e], gs[t][s:e], m[o : o + e - s]
+        for i in range(e - s):
+            p[i], mc[i] = lion_update(p[i], g[i], mc[i], sc)
