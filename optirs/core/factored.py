@@ -35,7 +35,7 @@ class FactoredLayout:
             table[t, SIZE] = size
             if len(shape) >= 2:
                 rows, cols = shape[-2], shape[-1]
-                batch = size // (rows * cols) if rows * cols else 0
+                batch = int(np.prod(shape[:-2], dtype=np.int64))
                 table[t, [FACTORED, BATCH, ROWS, COLS]] = (1, batch, rows, cols)
         self.row_sizes = table[:, BATCH] * table[:, ROWS]
         self.col_sizes = table[:, BATCH] * table[:, COLS]

@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
+from optirs.backends.cuda.adafactor import CudaAdafactor
+from optirs.backends.cuda.lion import CudaLion
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 DEFAULT_BLOCK = 256
@@ -438,7 +440,7 @@ def _device_index(device: Any) -> int:
 # ------------------------------------------------------------------ the plugin
 
 
-class CudaBackend:
+class CudaBackend(CudaLion, CudaAdafactor):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator)."""
 
     @hookimpl

@@ -428,3 +428,17 @@ def fill(out, value):
 
 
 fill_kernel = cuda.jit(fill)
+
+
+# ------------------------------------------------------------------ Lion (appended optimizer)
+
+from optirs.backends.common.elementwise import lion_update  # noqa: E402
+
+
+@_device
+def _lion(p, g, m, unused1, unused2, sc):
+    p, m = lion_update(p, g, m, sc)
+    return p, m, unused1, unused2
+
+
+STEP_FUNCTIONS["lion"] = _make_step_kernel(_lion)
