@@ -33,6 +33,8 @@ import numpy as np
 
 from optirs.core import scalars as sc_mod
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
+from optirs.backends.opencl.adafactor import OpenclAdafactor
+from optirs.backends.opencl.lion import OpenclLion
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
@@ -545,7 +547,7 @@ def _lamb_scratch(ctx: OpenclContext, layout: Any, tables: _Tables) -> Tuple[Any
 # ---------------------------------------------------------------- the plugin
 
 
-class OpenclBackend:
+class OpenclBackend(OpenclLion, OpenclAdafactor):
     """OpenCL C kernels through pyopencl, on the device the options (or PYOPENCL_CTX) choose."""
 
     @hookimpl
