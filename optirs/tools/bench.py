@@ -45,7 +45,10 @@ CASES = ("flat", "model", "small")
 # read p, g and every state slot, write p and every state slot (4 bytes each). LAMB needs the
 # per-tensor norms of p and of the update before any p is written, so every element is read in
 # two passes: (p, g, m, v) in, (m, v) out; then (p, m, v) in, p out.
-BYTES_PER_ELEMENT = {"adam": 28, "adamw": 28, "sgd": 20, "rmsprop": 20, "adagrad": 20, "lamb": 40}
+BYTES_PER_ELEMENT = {"adam": 28, "adamw": 28, "sgd": 20, "rmsprop": 20, "adagrad": 20, "lamb": 40,
+                     # Lion: (p, g, m) in, (p, m) out. Adafactor on the benchmark's 1-d tensors (full
+                     # variance): p in for RMS(p); (g, v) in, v out; then (p, g, v) in, p out.
+                     "lion": 20, "adafactor": 32}
 
 
 def default_hyperparameters() -> Dict[str, Any]:
@@ -58,6 +61,8 @@ def default_hyperparameters() -> Dict[str, Any]:
         "rmsprop": optirs.RmspropParams(lr=1e-2),
         "adagrad": optirs.AdagradParams(lr=1e-2),
         "lamb": optirs.LambParams(),
+        "lion": optirs.LionParams(),
+        "adafactor": optirs.AdafactorParams(),
     }
 
 
@@ -244,7 +249,8 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
     import torch
 
     ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-            "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad}.get(name)
+            "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad,
+            "adafactor": getattr(torch.optim, "Adafactor", None)}.get(name)
     if ctor is None:
         return None, "torch.optim has no " + name
     kwargs = {
@@ -253,6 +259,8 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
         "sgd": lambda: dict(lr=hp.lr, momentum=hp.momentum),
         "rmsprop": lambda: dict(lr=hp.lr, alpha=hp.alpha, eps=hp.eps),
         "adagrad": lambda: dict(lr=hp.lr, eps=hp.eps),
+        "adafactor": lambda: dict(lr=hp.lr, beta2_decay=hp.beta2_decay, eps=hp.eps, d=hp.d,
+                                  weight_decay=hp.weight_decay, maximize=hp.maximize),
     }[name]()
     for mode in ("fused", "foreach"):
         try:
