@@ -245,3 +245,27 @@ def test_wrong_params_type_raises_and_public_names():
     for name in ("GpuLion", "GpuAdafactor", "LionParams", "AdafactorParams"):
         assert name in optirs.__all__ and hasattr(optirs, name)
     assert optirs.AdafactorParams.from_dict({"eps": [None, 1e-3]}).eps == (None, 1e-3)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("NUMBA_ENABLE_CUDASIM") == "1",
+                    reason="compiles real PTX; the simulator has no compiler")
+def test_cuda_kernels_compile_to_sm90_ptx(monkeypatch):
+    """Lion's and Adafactor's CUDA kernels compile for the H200 (sm_90) without a GPU; Lion in float32 only
+    (Adafactor's per-tensor sums are float64 by design, its per-element math float32)."""
+    import types as pytypes
+
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda, typeof
+
+    from optirs.backends.cuda import _head_types
+    from optirs.backends.cuda import adafactor_kernels, kernels
+    from optirs.core import scalars
+
+    # device functions called from a kernel ask the current device for its compute capability
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+    lion_sc = scalars.lion_scalars(optirs.LionParams(), 3)
+    ptx, _ = cuda.compile_ptx(kernels.STEP_FUNCTIONS["lion"], _head_types("step") + (typeof(lion_sc),), cc=(9, 0))
+    assert ".target sm_90" in ptx and ".f64" not in ptx
+    ada_sc = scalars.adafactor_scalars(optirs.AdafactorParams(), 3)
+    ptx, _ = cuda.compile_ptx(adafactor_kernels.adafactor_step, adafactor_kernels.argument_types(ada_sc), cc=(9, 0))
+    assert ".target sm_90" in ptx
