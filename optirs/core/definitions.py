@@ -19,14 +19,18 @@ each backend implements as a capability.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
+
+import numpy as np
 
 from optirs.core import params as hp_types
 from optirs.core import reference, scalars
+from optirs.core.factored import factored_layout
+from optirs.core.layout import TensorLayout
 
 # Kernel families whose step is elementwise: the generic one-launch kernels of every backend run
 # them from the per-element math alone. Other families need reductions of their own.
-POINTWISE_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad")
+POINTWISE_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,26 @@ class StateSlot:
     name: str
     initial: Callable[[Any], float] = lambda hp: 0.0
     needed: Callable[[Any], bool] = lambda hp: True
+
+
+class ElementwiseState:
+    """Where each tensor's state lives when every slot holds one value per element (most
+    optimizers): each slot is laid out like the parameters."""
+
+    def __init__(self, layout: TensorLayout, slots: Tuple[str, ...]):
+        self.layout, self.slots = layout, slots
+
+    def buffer_sizes(self) -> Dict[str, int]:
+        """Elements of each slot's flat buffer."""
+        return {k: self.layout.total for k in self.slots}
+
+    def state_shapes(self, t: int) -> Dict[str, Tuple[int, ...]]:
+        """Slot name -> the shape of tensor ``t``'s state in a checkpoint."""
+        return {k: self.layout.shapes[t] for k in self.slots}
+
+    def views(self, slot: str, flat: np.ndarray) -> List[Optional[np.ndarray]]:
+        """Per-tensor views of a flat host buffer of ``slot`` (None where a tensor lacks the slot)."""
+        return list(self.layout.views(flat))
 
 
 @dataclass(frozen=True)
@@ -56,6 +80,9 @@ class OptimizerDefinition:
     :param defaults: hyperparameter defaults that differ from ``params_type()``'s (AdamW's decay).
     :param examples: hyperparameter sets covering every option (the reference tests).
     :param benchmark: the hyperparameters ``optirs bench`` times (default: the first example).
+    :param state_layout: ``(layout, slot names) -> `` where each tensor's slots live in their flat
+        buffers (:class:`ElementwiseState` unless the state is not one value per element, as
+        Adafactor's factored moments).
     :param traffic: bytes a step moves per element with ``benchmark`` (default: read p, g and
         every slot, write p and every slot, 4 bytes each), the numerator of bandwidth figures.
     """
@@ -73,6 +100,7 @@ class OptimizerDefinition:
     examples: Tuple[Any, ...] = ()
     benchmark: Any = None
     traffic: Optional[int] = None
+    state_layout: Callable[[TensorLayout, Tuple[str, ...]], Any] = ElementwiseState
 
     @property
     def hook(self) -> str:
@@ -206,8 +234,42 @@ LAMB = OptimizerDefinition(
               P.LambParams(lr=1e-2, weight_decay=0.0, max_trust_ratio=10.0, max_grad_norm=5.0)),
 )
 
+LION = OptimizerDefinition(
+    name="lion", class_name="GpuLion", params_type=P.LionParams, kernel="lion",
+    scalars=scalars.lion_scalars, reference=reference.lion,
+    slots=(StateSlot("exp_avg"),),
+    summary="Lion (Chen et al. 2023), as the lion-pytorch package: the sign of an interpolated momentum.",
+    algorithm="""
+        p = p * (1 - lr * weight_decay)
+        p = p - lr * sign(beta1 * m + (1 - beta1) * g)        (sign(0) = 0)
+        m = beta2 * m + (1 - beta2) * g""",
+    examples=(P.LionParams(), P.LionParams(lr=3e-4, weight_decay=0.1),
+              P.LionParams(lr=1e-3, beta1=0.95, beta2=0.98, weight_decay=0.01)),
+)
+
+ADAFACTOR = OptimizerDefinition(
+    name="adafactor", class_name="GpuAdafactor", params_type=P.AdafactorParams, kernel="adafactor",
+    scalars=scalars.adafactor_scalars, reference=reference.adafactor,
+    slots=(StateSlot("row_var"), StateSlot("col_var"), StateSlot("variance")),
+    # a 2+ dim tensor keeps row and column means of its last two dims, a 0-1 dim one a variance
+    state_layout=lambda layout, slots: factored_layout(layout),
+    summary="Adafactor (Shazeer & Stern 2018), as torch.optim.Adafactor: factored second moments.",
+    algorithm="""
+        g = -g (maximize);  w = t^beta2_decay;  rho = min(lr, 1 / sqrt(t))
+        alpha = max(eps2, RMS(p)) * rho;  p = p * (1 - lr * weight_decay)
+        2+ dims:  R = R + w * (mean(g^2, last dim) - R);  C = C + w * (mean(g^2, dim -2) - C)
+                  v = R C / max(mean(R), eps1)
+        0-1 dims: v = v + w * (g^2 - v)
+        u = g / sqrt(max(v, eps1^2));  p = p - alpha / max(1, RMS(u) / d) * u""",
+    # on the benchmark's 1-d tensors: p in for RMS(p); (g, v) in, v out; then (p, g, v) in, p out
+    traffic=32,
+    examples=(P.AdafactorParams(), P.AdafactorParams(lr=1e-3, weight_decay=0.1),
+              P.AdafactorParams(beta2_decay=-0.5, eps=(1e-30, 1e-3), d=2.0, maximize=True)),
+)
+
 # Every optimizer, in the order listings show them.
-DEFINITIONS: Dict[str, OptimizerDefinition] = {d.name: d for d in (ADAM, ADAMW, SGD, RMSPROP, ADAGRAD, LAMB)}
+DEFINITIONS: Dict[str, OptimizerDefinition] = {
+    d.name: d for d in (ADAM, ADAMW, SGD, RMSPROP, ADAGRAD, LAMB, LION, ADAFACTOR)}
 
 
 def definition(name: str) -> OptimizerDefinition:

@@ -169,4 +169,55 @@ class LambParams(_Params):
             _positive("max_grad_norm", self.max_grad_norm)
 
 
-__all__ = ["AdamParams", "SgdParams", "RmspropParams", "AdagradParams", "LambParams"]
+__all__ = ["AdamParams", "SgdParams", "RmspropParams", "AdagradParams", "LambParams", "LionParams",
+           "AdafactorParams"]
+
+
+def _closed_unit_interval(name: str, value: Any) -> None:
+    if not 0.0 <= _real(name, value) <= 1.0:
+        raise InvalidParameterError(f"{name}={value!r}, expected 0 <= {name} <= 1")
+
+
+@dataclass(frozen=True)
+class LionParams(_Params):
+    """Lion (Chen et al. 2023) as the lion-pytorch package: sign of an interpolated momentum,
+    decoupled weight decay ``p *= 1 - lr * weight_decay``."""
+
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _closed_unit_interval("beta1", self.beta1)
+        _closed_unit_interval("beta2", self.beta2)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+
+
+@dataclass(frozen=True)
+class AdafactorParams(_Params):
+    """Adafactor as ``torch.optim.Adafactor``: ``eps = (eps1, eps2)``, eps1 None meaning the
+    float32 machine epsilon; ``beta2_decay`` <= 0, clipping threshold ``d`` >= 1, decoupled decay."""
+
+    lr: float = 1e-2
+    beta2_decay: float = -0.8
+    eps: Any = (None, 1e-3)
+    d: float = 1.0
+    weight_decay: float = 0.0
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        if _real("beta2_decay", self.beta2_decay) > 0.0:
+            raise InvalidParameterError(f"beta2_decay={self.beta2_decay!r}, expected beta2_decay <= 0")
+        if isinstance(self.eps, (str, bytes)) or not hasattr(self.eps, "__len__") or len(self.eps) != 2:
+            raise InvalidParameterError(f"eps={self.eps!r}, expected a pair (eps1 or None, eps2)")
+        eps1, eps2 = self.eps
+        if eps1 is not None:
+            _at_least("eps[0]", eps1, 0.0)
+        _at_least("eps[1]", eps2, 0.0)
+        object.__setattr__(self, "eps", (eps1, eps2))  # a list from a checkpoint becomes the tuple
+        _at_least("d", self.d, 1.0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        _flag("maximize", self.maximize)

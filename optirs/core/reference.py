@@ -13,7 +13,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
+                                SgdParams)
 
 State = Dict[str, np.ndarray]
 StepResult = Tuple[List[np.ndarray], List[State]]
@@ -159,3 +160,59 @@ def run(name: str, params, grad_sequence, hp, start_step: int = 1, state=None) -
     for k, grads in enumerate(grad_sequence):
         params, state = step_fn(params, grads, state, hp, start_step + k)
     return params, state
+
+
+def lion(params, grads, state, hp: LionParams, step: int) -> StepResult:
+    """Lion as lion-pytorch: p *= 1 - lr * wd; p -= lr * sign(beta1 * m + (1 - beta1) * g);
+    m = beta2 * m + (1 - beta2) * g. sign(0) = 0, as torch.sign."""
+    state = state if state and state[0] else _zeros_like_all(params, ["exp_avg"])
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        p = p * (1.0 - hp.lr * hp.weight_decay)
+        update = np.sign(hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g)
+        new_p.append(p - hp.lr * update)
+        new_s.append({"exp_avg": hp.beta2 * s["exp_avg"] + (1.0 - hp.beta2) * g})
+    return new_p, new_s
+
+
+def adafactor_state_shapes(shape: Sequence[int]) -> Dict[str, Tuple[int, ...]]:
+    """The state slots of one tensor and their shapes, as torch.optim.Adafactor keeps them:
+    row_var and col_var (keepdim shapes) for 2+ dims, a full variance otherwise."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) >= 2:
+        return {"row_var": shape[:-1] + (1,), "col_var": shape[:-2] + (1,) + shape[-1:]}
+    return {"variance": shape}
+
+
+def adafactor(params, grads, state, hp: AdafactorParams, step: int) -> StepResult:
+    """Adafactor as torch.optim.Adafactor (torch 2.13): factored second moment over the last two
+    dims for 2+ dim tensors, relative step size from RMS(p), update clipped by RMS(update) / d."""
+    if not (state and state[0]):
+        state = [{k: np.zeros(s, np.float64) for k, s in adafactor_state_shapes(p.shape).items()} for p in params]
+    weight = float(step) ** hp.beta2_decay  # 1 - beta2_t
+    rho = min(hp.lr, 1.0 / np.sqrt(step))
+    eps1 = float(np.finfo(np.float32).eps) if hp.eps[0] is None else float(hp.eps[0])
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        if p.size == 0:
+            new_p.append(p.copy())
+            new_s.append({k: v.copy() for k, v in s.items()})
+            continue
+        g = -g if hp.maximize else g
+        alpha = max(hp.eps[1], float(np.sqrt(np.mean(p * p)))) * rho  # RMS of p before the decay
+        p = p * (1.0 - hp.lr * hp.weight_decay)
+        if p.ndim >= 2:
+            row = s["row_var"] + weight * (np.mean(g * g, axis=-1, keepdims=True) - s["row_var"])
+            col = s["col_var"] + weight * (np.mean(g * g, axis=-2, keepdims=True) - s["col_var"])
+            var = row * col / np.maximum(np.mean(row, axis=-2, keepdims=True), eps1)
+            ns = {"row_var": row, "col_var": col}
+        else:
+            var = s["variance"] + weight * (g * g - s["variance"])
+            ns = {"variance": var}
+        update = g / np.sqrt(np.maximum(var, eps1 * eps1))
+        denom = max(1.0, float(np.sqrt(np.mean(update * update))) / hp.d)
+        new_p.append(p - (alpha / denom) * update)
+        new_s.append(ns)
+    return new_p, new_s
+
+

@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from optirs.core.params import AdagradParams, AdamParams, LambParams, RmspropParams, SgdParams
+from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
+                                SgdParams)
 
 f32 = np.float32
 
@@ -107,4 +108,42 @@ def lamb_scalars(hp: LambParams, step: int) -> LambScalars:
         f32(hp.weight_decay), f32(bc1), f32(bc2),
         f32(np.inf if hp.max_trust_ratio is None else hp.max_trust_ratio),
         f32(0.0 if hp.max_grad_norm is None else hp.max_grad_norm),
+    )
+
+
+class LionScalars(NamedTuple):
+    lr: np.float32
+    beta1: np.float32
+    one_minus_beta1: np.float32
+    beta2: np.float32
+    one_minus_beta2: np.float32
+    decay_factor: np.float32  # 1 - lr * weight_decay
+
+
+def lion_scalars(hp: LionParams, step: int) -> LionScalars:
+    return LionScalars(f32(hp.lr), f32(hp.beta1), f32(1.0 - hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta2),
+                       f32(1.0 - hp.lr * hp.weight_decay))
+
+
+class AdafactorScalars(NamedTuple):
+    beta2_weight: np.float32  # step^beta2_decay: the weight of the new mean in the running means (1 - beta2_t)
+    rho: np.float32  # min(lr, 1 / sqrt(step))
+    eps1: np.float32  # floor of the row-mean normaliser
+    eps1_squared: np.float32  # floor of the variance estimate
+    eps2: np.float32  # floor of RMS(p) in the step size
+    d: np.float32  # clipping threshold of RMS(update)
+    decay_factor: np.float32  # 1 - lr * weight_decay
+    maximize: bool
+
+
+def adafactor_eps1(hp: AdafactorParams) -> float:
+    """eps1, where None means float32's machine epsilon (torch.finfo(param.dtype).eps)."""
+    return float(np.finfo(np.float32).eps) if hp.eps[0] is None else float(hp.eps[0])
+
+
+def adafactor_scalars(hp: AdafactorParams, step: int) -> AdafactorScalars:
+    eps1 = adafactor_eps1(hp)
+    return AdafactorScalars(
+        f32(float(step) ** hp.beta2_decay), f32(min(hp.lr, 1.0 / math.sqrt(step))), f32(eps1), f32(eps1 * eps1),
+        f32(hp.eps[1]), f32(hp.d), f32(1.0 - hp.lr * hp.weight_decay), bool(hp.maximize),
     )

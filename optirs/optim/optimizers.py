@@ -223,8 +223,9 @@ class GpuOptimizer:
         step = backend.step_fn(self.name)
         layout = self._layout or TensorLayout([m.shape for m in metas])
         if self._state is None:
-            state = {k: backend.alloc(backend.ctx, layout.total, STATE_DTYPE, float(fill))
-                     for k, fill in self.state_slots(self._params).items()}
+            slots = self.state_slots(self._params)
+            sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
+            state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
         else:
             self.move_to_gpu()
             state = self._state
@@ -242,8 +243,10 @@ class GpuOptimizer:
         per_param: List[Dict[str, np.ndarray]] = []
         if self._state is not None and self._layout is not None:
             flat = self._host_state()
-            views = {k: self._layout.views(v) for k, v in flat.items()}
-            per_param = [{k: views[k][i].copy() for k in flat} for i in range(len(self._layout))]
+            state_layout = self.definition.state_layout(self._layout, tuple(flat))
+            views = {k: state_layout.views(k, v) for k, v in flat.items()}
+            per_param = [{k: views[k][i].copy() for k in flat if views[k][i] is not None}
+                         for i in range(len(self._layout))]
         return {
             "optimizer": self.name,
             "hyperparameters": self._params.to_dict(),
@@ -277,16 +280,19 @@ class GpuOptimizer:
         if len(entries) != len(shapes):
             raise InvalidParameterError(f"state_dict has {len(entries)} state entries for {len(shapes)} tensors, expected one per tensor")
         layout = TensorLayout(shapes)
-        flat = {k: np.empty(layout.total, STATE_DTYPE) for k in slots}
-        for i, (entry, shape) in enumerate(zip(entries, shapes)):
-            if set(entry) != set(slots):
-                raise InvalidParameterError(f"state[{i}] has slots {sorted(entry)}, expected {sorted(slots)}")
-            for k, value in entry.items():
-                value = np.asarray(value)
+        state_layout = self.definition.state_layout(layout, tuple(slots))
+        flat = {k: np.zeros(n, STATE_DTYPE) for k, n in state_layout.buffer_sizes().items()}
+        views = {k: state_layout.views(k, flat[k]) for k in flat}
+        for i, entry in enumerate(entries):
+            wanted = state_layout.state_shapes(i)
+            if not isinstance(entry, Mapping) or set(entry) != set(wanted):
+                got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+                raise InvalidParameterError(f"state[{i}] has slots {got}, expected {sorted(wanted)} for shape {shapes[i]}")
+            for k, shape in wanted.items():
+                value = np.asarray(entry[k])
                 if value.shape != shape:
                     raise ShapeMismatchError(f"state[{i}][{k!r}] has shape {value.shape}, expected {shape}")
-                off, n = int(layout.offsets[i]), int(layout.sizes[i])
-                flat[k][off : off + n] = value.reshape(-1)
+                views[k][i][...] = value
         self._params, self._layout, self._state, self._state_on_device = params, layout, flat, False
         self._step = int(step)
         self._validated = None

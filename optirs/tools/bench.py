@@ -243,7 +243,8 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
     import torch
 
     ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-            "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad}.get(name)
+            "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad,
+            "adafactor": getattr(torch.optim, "Adafactor", None)}.get(name)
     if ctor is None:
         return None, "torch.optim has no " + name
     kwargs = {
@@ -252,6 +253,8 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
         "sgd": lambda: dict(lr=hp.lr, momentum=hp.momentum),
         "rmsprop": lambda: dict(lr=hp.lr, alpha=hp.alpha, eps=hp.eps),
         "adagrad": lambda: dict(lr=hp.lr, eps=hp.eps),
+        "adafactor": lambda: dict(lr=hp.lr, beta2_decay=hp.beta2_decay, eps=hp.eps, d=hp.d,
+                                  weight_decay=hp.weight_decay, maximize=hp.maximize),
     }[name]()
     for mode in ("fused", "foreach"):
         try:

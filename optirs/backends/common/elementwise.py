@@ -110,6 +110,56 @@ def clip_scale(norm, max_norm):
     return max_norm / norm if 0.0 < max_norm < norm else 1.0
 
 
+@njit(cache=True, error_model="numpy")
+def lion_update(p, g, m, sc):
+    """One Lion element: returns (p, exp_avg). The sign is taken by branches so the step is
+    exactly p -/+ lr (no multiply); c of 0 or NaN gives p - lr * c (p, or NaN), as torch.sign."""
+    p = p * sc.decay_factor
+    c = sc.beta1 * m + sc.one_minus_beta1 * g
+    if c > 0:
+        p = p - sc.lr
+    elif c < 0:
+        p = p + sc.lr
+    else:
+        p = p - sc.lr * c
+    return p, sc.beta2 * m + sc.one_minus_beta2 * g
+
+
+# Adafactor's per-element pieces; the per-tensor sums around them live in the backends'
+# adafactor modules. ``sc`` is optirs.core.scalars.AdafactorScalars.
+
+
+@njit(cache=True, error_model="numpy")
+def adafactor_grad(g, sc):
+    """The gradient as Adafactor uses it (negated with maximize)."""
+    return -g if sc.maximize else g
+
+
+@njit(cache=True, error_model="numpy")
+def adafactor_running_mean(old, new, sc):
+    """old + w * (new - old), w = step^beta2_decay (torch's lerp_ of the running means)."""
+    return old + sc.beta2_weight * (new - old)
+
+
+@njit(cache=True, error_model="numpy")
+def adafactor_factored_direction(g, row, col, row_mean, sc):
+    """The update of one element of a factored tensor: g / sqrt(max(row * col / max(mean(row), eps1), eps1^2))."""
+    v = row * col / max(row_mean, sc.eps1)
+    return g / math.sqrt(max(v, sc.eps1_squared))
+
+
+@njit(cache=True, error_model="numpy")
+def adafactor_direction(g, variance, sc):
+    """The update of one element of a 0-1 dim tensor: g / sqrt(max(variance, eps1^2))."""
+    return g / math.sqrt(max(variance, sc.eps1_squared))
+
+
+@njit(cache=True, error_model="numpy")
+def adafactor_apply(p, u, step, sc):
+    """p * (1 - lr * wd) - (alpha / clip) * u, with ``step`` = alpha / clip of the tensor (float32)."""
+    return p * sc.decay_factor - step * u
+
+
 # ---------------------------------------------------------------- the generic kernels' element steps
 # Every elementwise kernel family has one element step of one shape,
 # ``(p, g, s0, s1, s2, sc) -> (p, s0, s1, s2)``: slot k is the definition's k-th state slot
@@ -153,6 +203,13 @@ def rmsprop_element(p, g, square_avg, buf, grad_avg, sc):
 def adagrad_element(p, g, acc, unused1, unused2, sc):
     p, acc = adagrad_update(p, g, acc, sc)
     return p, acc, unused1, unused2
+
+
+@element_step("lion")
+@njit(cache=True, error_model="numpy")
+def lion_element(p, g, m, unused1, unused2, sc):
+    p, m = lion_update(p, g, m, sc)
+    return p, m, unused1, unused2
 
 
 def _by_scalars_type():

@@ -34,6 +34,7 @@ from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
 from optirs.backends.opencl.fake_quant import OpenclFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.backends.opencl.adafactor import OpenclAdafactor
 from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
 from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
 from optirs.backends.opencl.sparse import OpenclSparse
@@ -787,7 +788,7 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion, OpenclAdafactor):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 

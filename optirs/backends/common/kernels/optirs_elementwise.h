@@ -154,3 +154,55 @@ T FN(lamb_direction)(T p, T m, T v, const lamb_scalars *sc)
 {
     return (m / sc->bias_correction1) / (sqrt(v / sc->bias_correction2) + sc->eps) + sc->weight_decay * p;
 }
+
+/* ---------------------------------------------------------------- Lion */
+
+/* sign() is 0 for NaN in OpenCL but NaN in torch: keep c where it is NaN, so p becomes NaN. */
+void FN(lion_update)(T *p, T g, T *m, const lion_scalars *sc)
+{
+    const T pp = *p * sc->decay_factor;
+    const T c = sc->beta1 * *m + sc->one_minus_beta1 * g;
+    const T s = select(sign(c), c, isnan(c));
+    *p = pp - sc->lr * s;
+    *m = sc->beta2 * *m + sc->one_minus_beta2 * g;
+}
+
+/* s0: exp_avg */
+void FN(lion_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
+                   __global T *s2, size_t i, size_t j, const lion_scalars *sc)
+{
+    T pp = p[i], m = s0[j];
+    FN(lion_update)(&pp, g[i], &m, sc);
+    p[i] = pp;
+    s0[j] = m;
+}
+
+/* ---------------------------------------------------------------- Adafactor (per element; the
+ * per-tensor sums are in optirs_steps.cl's adafactor_step) */
+
+T FN(adafactor_grad)(T g, const adafactor_scalars *sc)
+{
+    return sc->maximize ? -g : g;
+}
+
+/* old + w * (new - old): torch's lerp_ of the running means. */
+T FN(adafactor_running_mean)(T old, T mean, const adafactor_scalars *sc)
+{
+    return old + sc->beta2_weight * (mean - old);
+}
+
+T FN(adafactor_factored_direction)(T g, T row, T col, float row_mean, const adafactor_scalars *sc)
+{
+    const T v = row * col / fmax(row_mean, sc->eps1);
+    return g / sqrt(fmax(v, sc->eps1_squared));
+}
+
+T FN(adafactor_direction)(T g, T variance, const adafactor_scalars *sc)
+{
+    return g / sqrt(fmax(variance, sc->eps1_squared));
+}
+
+T FN(adafactor_apply)(T p, T u, float step, const adafactor_scalars *sc)
+{
+    return p * sc->decay_factor - step * u;
+}

@@ -35,4 +35,18 @@ typedef struct {
     float bias_correction1, bias_correction2, max_trust_ratio, max_grad_norm;
 } lamb_scalars;
 
+/* Appended optimizers (their sizes are checked by optirs_struct_sizes_appended). */
+typedef struct {
+    float lr, beta1, one_minus_beta1, beta2, one_minus_beta2;
+    float decay_factor; /* 1 - lr * weight_decay */
+} lion_scalars;
+
+typedef struct {
+    float beta2_weight;  /* step^beta2_decay, the new mean's weight in the running means */
+    float rho;           /* min(lr, 1 / sqrt(step)) */
+    float eps1, eps1_squared, eps2, d;
+    float decay_factor;  /* 1 - lr * weight_decay */
+    int maximize;
+} adafactor_scalars;
+
 #endif

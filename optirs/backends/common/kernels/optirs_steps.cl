@@ -298,3 +298,115 @@ void lamb_apply(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global const float *M
     }
     (void)g;
 }
+
+/* ---------------------------------------------------------------- Adafactor */
+
+/* Adafactor: one work-group per tensor (t0 + group id), phases separated by barriers: RMS(p), the
+ * row and column means of g^2 (one work-item per row and per column, fixed summation order) and
+ * their running means, each batch's mean of the row means (into MEAN), RMS(update), then p.
+ * table: optirs.core.factored.FactoredLayout.table, 9 longs per tensor; offs[t]: the tensor's
+ * element offsets in P and G; the state slots start at s_off in their buffers. */
+#define AF_FACTORED 0
+#define AF_SIZE 1
+#define AF_BATCH 2
+#define AF_ROWS 3
+#define AF_COLS 4
+#define AF_ROW_OFF 5
+#define AF_COL_OFF 6
+#define AF_VAR_OFF 7
+#define AF_BATCH_OFF 8
+#define AF_COLUMNS 9
+
+float adafactor_step_size(acc_t p_sumsq, acc_t u_sumsq, long n, const adafactor_scalars *sc)
+{
+    const acc_t alpha = fmax((acc_t)sc->eps2, sqrt(p_sumsq / (acc_t)n)) * (acc_t)sc->rho;
+    return (float)(alpha / fmax((acc_t)1, sqrt(u_sumsq / (acc_t)n) / (acc_t)sc->d));
+}
+
+float adafactor_factored_update(__global const float *g, __global const float *row, __global const float *col,
+                                __global const float *mean, long i, long rows, long cols,
+                                const adafactor_scalars *sc)
+{
+    const long plane = rows * cols, b = i / plane, rem = i - b * plane, r = rem / cols, c = rem - r * cols;
+    return adafactor_factored_direction_v1(adafactor_grad_v1(g[i], sc), row[b * rows + r], col[b * cols + c],
+                                           mean[b], sc);
+}
+
+/* Every barrier is reached by the whole work-group: branches hold loops only (PoCL compiles
+ * barriers in uniform top-level code). */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void adafactor_step(__global float *P, __global const float *G, __global float *ROW, __global float *COL,
+                    __global float *VAR, __global float *MEAN, ulong s_off, __global const long *table,
+                    __global const long2 *offs, uint t0, const adafactor_scalars sc)
+{
+    __local acc_t scratch[OPTIRS_WG];
+    const uint t = t0 + get_group_id(0);
+    const long lid = get_local_id(0);
+    __global const long *info = table + (size_t)t * AF_COLUMNS;
+    const long n = info[AF_SIZE];
+    const int factored = n > 0 && info[AF_FACTORED]; /* an empty tensor keeps its (zero) state */
+    const long batches = info[AF_BATCH], rows = info[AF_ROWS], cols = info[AF_COLS];
+    __global float *p = P + offs[t].x;
+    __global const float *g = G + offs[t].y;
+    __global float *row = ROW + s_off + info[AF_ROW_OFF], *col = COL + s_off + info[AF_COL_OFF];
+    __global float *var = VAR + s_off + info[AF_VAR_OFF];
+    __global float *mean = MEAN + info[AF_BATCH_OFF];
+
+    acc_t s = 0;
+    for (long i = lid; i < n; i += OPTIRS_WG)
+        s += (acc_t)(p[i] * p[i]);
+    const acc_t p_sumsq = group_sum(s, scratch);
+
+    acc_t u_sumsq = 0;
+    if (factored) {
+        for (long k = lid; k < batches * rows; k += OPTIRS_WG) {
+            __global const float *gr = g + k * cols;
+            acc_t sum = 0;
+            for (long c = 0; c < cols; ++c) {
+                const float x = adafactor_grad_v1(gr[c], &sc);
+                sum += (acc_t)(x * x);
+            }
+            row[k] = adafactor_running_mean_v1(row[k], (float)(sum / (acc_t)cols), &sc);
+        }
+        for (long k = lid; k < batches * cols; k += OPTIRS_WG) {
+            const long b = k / cols;
+            __global const float *gc = g + b * rows * cols + (k - b * cols);
+            acc_t sum = 0;
+            for (long r = 0; r < rows; ++r) {
+                const float x = adafactor_grad_v1(gc[r * cols], &sc);
+                sum += (acc_t)(x * x);
+            }
+            col[k] = adafactor_running_mean_v1(col[k], (float)(sum / (acc_t)rows), &sc);
+        }
+    } else {
+        for (long i = lid; i < n; i += OPTIRS_WG) { /* each work-item reads back only what it wrote */
+            const float x = adafactor_grad_v1(g[i], &sc);
+            const float v = adafactor_running_mean_v1(var[i], x * x, &sc);
+            var[i] = v;
+            const float u = adafactor_direction_v1(x, v, &sc);
+            u_sumsq += (acc_t)(u * u);
+        }
+    }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    if (factored)
+        for (long k = lid; k < batches; k += OPTIRS_WG) {
+            acc_t sum = 0;
+            for (long r = 0; r < rows; ++r)
+                sum += (acc_t)row[k * rows + r];
+            mean[k] = (float)(sum / (acc_t)rows);
+        }
+    barrier(CLK_GLOBAL_MEM_FENCE);
+    if (factored)
+        for (long i = lid; i < n; i += OPTIRS_WG) {
+            const float u = adafactor_factored_update(g, row, col, mean, i, rows, cols, &sc);
+            u_sumsq += (acc_t)(u * u);
+        }
+    u_sumsq = group_sum(u_sumsq, scratch);
+    const float step = n > 0 ? adafactor_step_size(p_sumsq, u_sumsq, n, &sc) : 0.0f;
+    if (factored)
+        for (long i = lid; i < n; i += OPTIRS_WG)
+            p[i] = adafactor_apply_v1(p[i], adafactor_factored_update(g, row, col, mean, i, rows, cols, &sc), step, &sc);
+    else
+        for (long i = lid; i < n; i += OPTIRS_WG)
+            p[i] = adafactor_apply_v1(p[i], adafactor_direction_v1(adafactor_grad_v1(g[i], &sc), var[i], &sc), step, &sc);
+}

@@ -1,0 +1,32 @@
+"""The cuda backend's Adafactor step: one launch of adafactor_kernels.adafactor_step for the model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from optirs.core.factored import factored_layout
+from optirs.plugin.hookspecs import hookimpl
+
+
+class CudaAdafactor:
+    """Mixin of CudaBackend: Adafactor, one block per tensor."""
+
+    @hookimpl
+    def optirs_step_adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
+        from optirs.backends.cuda import adafactor_kernels as kernels
+        from optirs.backends.cuda import device_address
+
+        if layout.total == 0:
+            return
+        fl = factored_layout(layout)
+        tables = layout.cache.get("cuda.adafactor")
+        if tables is None:  # the tensor table and the row-mean scratch, once per layout
+            tables = layout.cache["cuda.adafactor"] = (ctx.cuda.to_device(fl.table), ctx.empty(max(1, fl.total_batches),
+                                                                                             np.float32))
+        table, means = tables
+        compiled = ctx.compiled("adafactor_step", kernels.adafactor_step, kernels.argument_types(scalars))
+        grid, block = compiled.launch_size(ctx, (layout.total + 3) // 4)
+        grid = max(1, min(grid, len(fl)))
+        ptrs = self._pointers(ctx, params, grads, layout)
+        slots = [device_address(state[k]) for k in ("row_var", "col_var", "variance")]
+        ctx.launch(compiled, (table, ptrs, len(fl), *slots, device_address(means), scalars), grid, block)
