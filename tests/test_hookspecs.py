@@ -21,6 +21,15 @@ def test_hook_is_documented(name):
         assert f":param {arg}:" in doc, f"{name} does not document {arg}"
 
 
+@pytest.mark.parametrize("name", SPECS)
+def test_hook_context_is_typed(name):
+    """Backend hooks take the context first, typed as BackendContext (never Any)."""
+    params = inspect.signature(getattr(hookspecs, name)).parameters
+    if "ctx" in params:
+        assert list(params)[0] == "ctx"
+        assert params["ctx"].annotation in ("BackendContext", hookspecs.BackendContext), name
+
+
 @pytest.mark.parametrize("name", [n for n in SPECS if n not in ("optirs_launch_config", "optirs_fusion_generate")])
 def test_backend_hook_is_implemented_by_cpu(name):
     assert getattr(REGISTRY.pm.hook, name).spec is not None

@@ -265,7 +265,7 @@ def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Tu
 
 
 @hookspec
-def optirs_mixed_precision_describe(ctx: Any, array: Any, what: str, half_dtype: np.dtype) -> ArrayMeta:
+def optirs_mixed_precision_describe(ctx: BackendContext, array: Any, what: str, half_dtype: np.dtype) -> ArrayMeta:
     """Describe one of the caller's half-precision arrays as the mixed-precision passes will read it.
 
     The backend checks that ``array`` is its own kind (e.g. a numpy array on the host, a CUDA
@@ -286,7 +286,7 @@ def optirs_mixed_precision_describe(ctx: Any, array: Any, what: str, half_dtype:
 
 
 @hookspec
-def optirs_mixed_precision_unscale(ctx: Any, grads: List[Any], out: Any, layout: TensorLayout,
+def optirs_mixed_precision_unscale(ctx: BackendContext, grads: List[DeviceArray], out: DeviceArray, layout: TensorLayout,
                                    inv_scale: np.float32, bfloat16: bool) -> bool:
     """Write ``float32(grad) * inv_scale`` of every half gradient into ``out`` and tell whether any is inf/NaN.
 
@@ -308,7 +308,7 @@ def optirs_mixed_precision_unscale(ctx: Any, grads: List[Any], out: Any, layout:
 
 
 @hookspec
-def optirs_mixed_precision_narrow(ctx: Any, masters: Any, params: List[Any], layout: TensorLayout,
+def optirs_mixed_precision_narrow(ctx: BackendContext, masters: DeviceArray, params: List[DeviceArray], layout: TensorLayout,
                                   bfloat16: bool) -> None:
     """Round the float32 master weights to nearest even into the caller's half parameters, in place.
 
@@ -343,20 +343,20 @@ class SparseRows(NamedTuple):
     rows: np.ndarray  # int64 (n,): the touched table rows, sorted, unique, in [0, num_rows)
     segments: np.ndarray  # int64 (n + 1,): segment offsets into order, segments[n] == nnz
     order: np.ndarray  # int64 (nnz,): indices into the rows of values
-    values: Any  # float32 (nnz, dim): the gradient rows as staged by optirs_sparse_stage
+    values: DeviceArray  # float32 (nnz, dim): the gradient rows as staged by optirs_sparse_stage
 
 
 class SparseTable(NamedTuple):
     """One embedding table and its optimizer state, as the sparse step hooks update them in place."""
 
-    param: Any  # the float32 (num_rows, dim) table as staged by optirs_sparse_stage
+    param: DeviceArray  # the float32 (num_rows, dim) table as staged by optirs_sparse_stage
     num_rows: int
     dim: int
     state: Dict[str, Any]  # slot name -> flat array of this backend (optirs_alloc), row-major
 
 
 @hookspec
-def optirs_sparse_stage(ctx: Any, tables: List[Any], values: List[Any]) -> Staged:
+def optirs_sparse_stage(ctx: BackendContext, tables: List[Any], values: List[Any]) -> Staged:
     """Make one sparse step's tables and gradient values usable by the sparse step hooks.
 
     numpy arrays are uploaded (tables are written back by ``Staged.finish``); this backend's own
@@ -374,7 +374,7 @@ def optirs_sparse_stage(ctx: Any, tables: List[Any], values: List[Any]) -> Stage
 
 
 @hookspec
-def optirs_sparse_adam_step(ctx: Any, table: SparseTable, grad: SparseRows, scalars: AdamScalars,
+def optirs_sparse_adam_step(ctx: BackendContext, table: SparseTable, grad: SparseRows, scalars: AdamScalars,
                             dense_decay: bool) -> None:
     """Step one table with Adam on a row-sparse gradient (``m``, ``v`` and the table updated in place).
 
@@ -392,7 +392,7 @@ def optirs_sparse_adam_step(ctx: Any, table: SparseTable, grad: SparseRows, scal
 
 
 @hookspec
-def optirs_sparse_sgd_step(ctx: Any, table: SparseTable, grad: SparseRows, scalars: SgdScalars,
+def optirs_sparse_sgd_step(ctx: BackendContext, table: SparseTable, grad: SparseRows, scalars: SgdScalars,
                            first_scalars: SgdScalars, dense_decay: bool) -> None:
     """Step one table with SGD (momentum, dampening, nesterov, L2 decay) on a row-sparse gradient.
 
@@ -418,7 +418,7 @@ def optirs_sparse_sgd_step(ctx: Any, table: SparseTable, grad: SparseRows, scala
 
 
 @hookspec
-def optirs_replica_reduce(ctx: Any, replicas: Sequence[Any], average: bool) -> None:
+def optirs_replica_reduce(ctx: BackendContext, replicas: Sequence[DeviceArray], average: bool) -> None:
     """Reduce N gradient replicas on the backend's device into the first, in place.
 
     ``replicas[0][i] = replicas[0][i] + replicas[1][i] + ... + replicas[N-1][i]``, added left to
@@ -613,7 +613,7 @@ def optirs_fusion_generate(graph: "FusionGraph", group: "FusionGroup") -> Option
 
 
 @hookspec
-def optirs_fusion_compile(ctx: Any, source: FusedGroupSource) -> CompiledFusedKernel:
+def optirs_fusion_compile(ctx: BackendContext, source: FusedGroupSource) -> CompiledFusedKernel:
     """Compile one fused group's kernel in this backend's dialect; the handle goes to :func:`optirs_fusion_run`.
 
     :param ctx: the context from :func:`optirs_open`.
@@ -625,7 +625,8 @@ def optirs_fusion_compile(ctx: Any, source: FusedGroupSource) -> CompiledFusedKe
 
 
 @hookspec
-def optirs_fusion_run(ctx: Any, compiled: CompiledFusedKernel, inputs: Sequence[Any], outputs: Sequence[Any], n: int) -> None:
+def optirs_fusion_run(ctx: BackendContext, compiled: CompiledFusedKernel, inputs: Sequence[DeviceArray],
+                      outputs: Sequence[DeviceArray], n: int) -> None:
     """Run one compiled fused group: read ``inputs``, write ``outputs`` (queued; synchronize to wait).
 
     :param ctx: the context from :func:`optirs_open`.
