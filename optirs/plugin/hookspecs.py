@@ -188,6 +188,20 @@ def optirs_stage(ctx: BackendContext, params: List[Any], grads: List[Any]) -> St
 
 
 @hookspec
+def optirs_host_view(ctx: BackendContext, array: np.ndarray) -> Optional[DeviceArray]:
+    """This backend's flat device array over the memory of a C-contiguous host numpy array, without a copy.
+
+    Backends whose device memory is the host's (the cpu backend) return a view, so features that
+    move whole arrays (fused groups) read inputs and write outputs in place; others need not
+    implement it (callers then copy with :func:`optirs_to_device` / :func:`optirs_to_host`).
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param array: a C-contiguous numpy array.
+    :return: the device array sharing ``array``'s memory, or None to make the caller copy.
+    """
+
+
+@hookspec
 def optirs_synchronize(ctx: BackendContext) -> None:
     """Wait until all work queued on the context's device has finished.
 

@@ -124,6 +124,7 @@ class Backend:
         self.to_host = impl("optirs_to_host")
         self.stage = impl("optirs_stage")
         self._synchronize = impl("optirs_synchronize")
+        self._host_view = impl("optirs_host_view")
         self._steps = {opt: impl(hook) for opt, hook in STEP_HOOKS.items()}
         self.optimizers = tuple(opt for opt, fn in self._steps.items() if fn is not None)
         self._hooks: Dict[str, Optional[Callable]] = {}
@@ -160,6 +161,12 @@ class Backend:
                 f"it implements {list(self.optimizers)}"
             )
         return fn
+
+    def host_view(self, array: Any) -> Optional[Any]:
+        """A zero-copy device array over a C-contiguous host array, or None where the backend must copy."""
+        if self._host_view is None or not array.flags.c_contiguous:
+            return None
+        return self._host_view(self.ctx, array)
 
     def synchronize(self) -> None:
         if self._synchronize is not None:

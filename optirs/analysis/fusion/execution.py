@@ -76,7 +76,10 @@ class CompiledPlan:
         host = graph.check_inputs(inputs)
         out = self._check_out(out or {})
         b, ctx = self.backend, self.backend.ctx
-        env = {k: b.to_device(ctx, np.ascontiguousarray(v).reshape(-1)) for k, v in host.items()}
+        # Where the backend's memory is the host's, kernels read the inputs and write the outputs in
+        # place (no copies); elsewhere values move with to_device / to_host.
+        env = {k: self._to_device(np.ascontiguousarray(v)) for k, v in host.items()}
+        in_place: Dict[str, np.ndarray] = {}
         for g, source, kernel in zip(self.plan.groups, self.group_sources, self.kernels):
             if source is None:
                 (name,) = g.ops
@@ -84,18 +87,39 @@ class CompiledPlan:
                 args = [b.to_host(ctx, env[v]).reshape(graph.shape(v)) for v in op.inputs]
                 env[name] = b.to_device(ctx, np.ascontiguousarray(call_opaque(op, args)).reshape(-1))
                 continue
-            outputs = [b.alloc(ctx, size, dt, 0) for size, dt in zip(source.output_sizes, source.output_dtypes)]
+            outputs = []
+            for name, size, dt in zip(source.output_names, source.output_sizes, source.output_dtypes):
+                target = out.get(name)
+                if target is not None and any(np.may_share_memory(target, a) for a in host.values()):
+                    target = None  # writing over an input the graph still reads: go through a buffer
+                if target is None:
+                    target = np.empty(graph.shape(name), dt)
+                view = b.host_view(target)
+                if view is None:
+                    outputs.append(b.alloc(ctx, size, dt, 0))
+                else:
+                    in_place[name] = target
+                    outputs.append(view)
             self._run_group(ctx, kernel, [env[v] for v in source.input_names], outputs, source.elements)
             env.update(zip(source.output_names, outputs))
         b.synchronize()
         result = {}
         for v in graph.outputs:
+            if v in in_place:
+                result[v] = in_place[v]
+                continue
             value = b.to_host(ctx, env[v]).reshape(graph.shape(v))
             if v in out:
                 out[v][...] = value
                 value = out[v]
             result[v] = value
         return result
+
+    def _to_device(self, array: np.ndarray) -> Any:
+        view = self.backend.host_view(array)
+        if view is not None:
+            return view
+        return self.backend.to_device(self.backend.ctx, array.reshape(-1))
 
     def _check_out(self, out: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
         graph = self.plan.graph

@@ -119,6 +119,10 @@ class CpuDevice:
         return Staged(ctx.typed_list(params), ctx.typed_list(grads))
 
     @hookimpl
+    def optirs_host_view(self, ctx: CpuContext, array: np.ndarray) -> np.ndarray:
+        return array.reshape(-1)  # host memory is this backend's memory
+
+    @hookimpl
     def optirs_synchronize(self, ctx: CpuContext) -> None:
         return None
 
