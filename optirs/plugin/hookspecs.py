@@ -653,6 +653,43 @@ def optirs_fusion_run(ctx: BackendContext, compiled: CompiledFusedKernel, inputs
     """
 
 
+# ---- measurement (optirs bench)
+# How a backend's device is timed and what its copy bandwidth is: the yardstick of every figure.
+# A backend without these hooks is timed on the host (synchronize, perf_counter) against a numpy copy.
+
+
+@hookspec
+def optirs_measure_copy(ctx: BackendContext, size: int) -> Tuple[str, Callable[[], None]]:
+    """A device-to-device copy of ``size`` float32 elements, the copy-bandwidth yardstick.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param size: elements to copy (the buffers are allocated here, once).
+    :return: ``(label, copy)``: what the copy is (``"device-to-device copy"``) and a function
+        that enqueues one copy.
+    """
+
+
+@hookspec
+def optirs_measure_elapsed_ms(ctx: BackendContext, fn: Callable[[], None], reps: int) -> float:
+    """Device time per call of ``fn`` over ``reps`` back-to-back calls (device events where it has them).
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param fn: enqueues the work to time.
+    :param reps: calls to time together.
+    :return: milliseconds per call.
+    """
+
+
+@hookspec
+def optirs_torch_device(ctx: BackendContext) -> Optional[str]:
+    """The torch device whose tensors this backend steps in place (``"cuda"``, ``"cpu"``), for
+    peers measured beside it.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :return: a torch device string, or None when torch tensors cannot live where this backend works.
+    """
+
+
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
@@ -661,5 +698,6 @@ CAPABILITIES: Dict[str, Tuple[str, ...]] = {
                         "optirs_mixed_precision_narrow"),
     "sparse": ("optirs_sparse_stage", "optirs_sparse_adam_step", "optirs_sparse_sgd_step"),
     "fusion": ("optirs_fusion_compile", "optirs_fusion_run"),
+    "measure": ("optirs_measure_copy", "optirs_measure_elapsed_ms", "optirs_torch_device"),
 }
 

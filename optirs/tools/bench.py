@@ -82,17 +82,21 @@ def case_sizes(case: str, scale: float) -> List[int]:
 
 class Kind:
     """Arrays, synchronization and timing for one backend's device, through the backend's own hooks
-    (so any backend, a third party's too, is measured); subclasses refine timing and the copy peer."""
-
-    name = "cpu"
+    (so any backend, a third party's too, is measured): the ``measure`` capability gives device
+    timing, the copy yardstick and the torch device of the peers; without it, host timing and a
+    numpy copy."""
 
     def __init__(self, backend: Any):
         self.backend = backend
+        self.name = backend.name
+        self.measured = backend.supports("measure")
 
     def make(self, host: np.ndarray) -> Any:
         return self.backend.to_device(self.backend.ctx, host)
 
     def to_host(self, array: Any) -> np.ndarray:
+        if hasattr(array, "detach"):  # a torch tensor (the peers' arrays)
+            return array.detach().cpu().numpy()
         return np.asarray(self.backend.to_host(self.backend.ctx, array))
 
     def sync(self) -> None:
@@ -101,11 +105,9 @@ class Kind:
     def time_ms(self, fn: Callable[[], None], reps: int) -> float:
         """Milliseconds per call over ``reps`` back-to-back calls (device finished)."""
         self.sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        self.sync()
-        return (time.perf_counter() - t0) * 1e3 / reps
+        if self.measured:
+            return self.backend.hook("measure", "optirs_measure_elapsed_ms")(self.backend.ctx, fn, reps)
+        return self.wall_ms(fn, reps)
 
     def wall_ms(self, fn: Callable[[], None], reps: int) -> float:
         self.sync()
@@ -115,117 +117,34 @@ class Kind:
         self.sync()
         return (time.perf_counter() - t0) * 1e3 / reps
 
-    def copy_pair(self, n: int) -> Tuple[Any, Any, Callable[[], None]]:
-        src, dst = self.make(_random(n, 7)), self.make(np.zeros(n, np.float32))
-        return src, dst, lambda: np.copyto(dst, src)
-
     def copy_candidates(self, n: int) -> List[Tuple[str, Callable[[], None]]]:
-        src, dst, fn = self.copy_pair(n)
-        out = [("numpy copyto", fn)]
-        try:  # all cores, as the optimizer kernels use them
-            from numba import njit, prange
-
-            @njit(parallel=True, cache=False)
-            def pcopy(a, b):
-                for i in prange(a.shape[0]):
-                    b[i] = a[i]
-
-            pcopy(src[:64], dst[:64])
-            out.append(("numba parallel copy", lambda: pcopy(src, dst)))
-        except Exception:  # pragma: no cover
-            pass
+        out = []
+        host = np.zeros(4, np.float32)
+        if self.backend.host_view(host) is not None:  # host memory: numpy's own copy is a candidate too
+            src, dst = _random(n, 7), np.zeros(n, np.float32)
+            out.append(("numpy copyto", lambda: np.copyto(dst, src)))
+        if self.measured:
+            out.append(self.backend.hook("measure", "optirs_measure_copy")(self.backend.ctx, n))
+        elif not out:
+            src, dst = self.make(_random(n, 7)), self.make(np.zeros(n, np.float32))
+            out.append(("host round trip", lambda: self.make(self.to_host(src))))
         return out
 
     def torch_device(self) -> Optional[str]:
-        return "cpu"
-
-    def describe(self) -> str:
-        d = self.backend.devices[0] if self.backend.devices else None
-        return f"{d.name} ({d.compute_units} threads)" if d else "cpu"
-
-
-class CudaKind(Kind):
-    name = "cuda"
-
-    def __init__(self, backend: Any):
-        super().__init__(backend)
-        from numba import cuda
-
-        self.cuda = cuda
-
-    def make(self, host: np.ndarray) -> Any:
-        return self.cuda.to_device(host)
-
-    def to_host(self, array: Any) -> np.ndarray:
-        if hasattr(array, "copy_to_host"):
-            return array.copy_to_host()
-        return array.detach().cpu().numpy()
-
-    def sync(self) -> None:
-        self.cuda.synchronize()
-
-    def time_ms(self, fn: Callable[[], None], reps: int) -> float:
-        if cuda_simulator_enabled():  # the simulator has no events: host timing
-            return super().time_ms(fn, reps)
-        start, stop = self.cuda.event(), self.cuda.event()
-        start.record()
-        for _ in range(reps):
-            fn()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / reps
-
-    def copy_candidates(self, n: int) -> List[Tuple[str, Callable[[], None]]]:
-        src, dst = self.make(_random(n, 7)), self.cuda.device_array(n, np.float32)
-        return [("device-to-device copy", lambda: dst.copy_to_device(src))]
-
-    def torch_device(self) -> Optional[str]:
-        try:
-            import torch
-
-            return "cuda" if torch.cuda.is_available() else None
-        except ImportError:
-            return None
-
-    def describe(self) -> str:
-        d = self.backend.devices[0]
-        return f"{d.name} ({d.compute_units} SMs, CC {d.details.get('compute_capability', '?')})"
-
-
-class OpenclKind(Kind):
-    name = "opencl"
-
-    def __init__(self, backend: Any):
-        super().__init__(backend)
-        import pyopencl as cl
-        import pyopencl.array as cla
-
-        self.cl, self.cla = cl, cla
-        self.queue = backend.ctx.queue
-
-    def make(self, host: np.ndarray) -> Any:
-        return self.cla.to_device(self.queue, host)
-
-    def to_host(self, array: Any) -> np.ndarray:
-        return array.get()
-
-    def sync(self) -> None:
-        self.queue.finish()
-
-    def copy_candidates(self, n: int) -> List[Tuple[str, Callable[[], None]]]:
-        src, dst = self.make(_random(n, 7)), self.make(np.zeros(n, np.float32))
-        return [("buffer copy", lambda: self.cl.enqueue_copy(self.queue, dst.data, src.data))]
-
-    def torch_device(self) -> Optional[str]:
+        if self.measured:
+            return self.backend.hook("measure", "optirs_torch_device")(self.backend.ctx)
         return None
 
     def describe(self) -> str:
         d = self.backend.devices[0] if self.backend.devices else None
-        return d.name if d else "opencl"
+        if d is None:
+            return self.name
+        cc = d.details.get("compute_capability")
+        return f"{d.name} ({d.compute_units} {'SMs' if cc else 'units'}" + (f", CC {cc})" if cc else ")")
 
 
 def make_kind(backend: Any) -> Kind:
-    return {"cuda": CudaKind, "opencl": OpenclKind}.get(backend.name, Kind)(backend)
+    return Kind(backend)
 
 
 def _random(n: int, seed: int) -> np.ndarray:

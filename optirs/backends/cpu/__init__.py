@@ -19,6 +19,7 @@ from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 from optirs.backends.cpu.fake_quant import CpuFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cpu.adafactor import CpuAdafactor
+from optirs.backends.cpu.measure import CpuMeasure
 from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
 from optirs.backends.cpu.mixed_precision import CpuMixedPrecision
 from optirs.backends.cpu.sparse import CpuSparse
@@ -134,7 +135,7 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor, CpuMeasure):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

@@ -32,6 +32,7 @@ from optirs.backends.cuda.fake_quant import CudaFakeQuant
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cuda.adafactor import CudaAdafactor
+from optirs.backends.cuda.measure import CudaMeasure
 from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
 from optirs.backends.cuda.mixed_precision import CudaMixedPrecision
 from optirs.backends.cuda.sparse import CudaSparse
@@ -555,7 +556,7 @@ class CudaDevice:
 from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion, CudaAdafactor):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion, CudaAdafactor, CudaMeasure):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -35,6 +35,7 @@ from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuO
 from optirs.backends.opencl.fake_quant import OpenclFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.opencl.adafactor import OpenclAdafactor
+from optirs.backends.opencl.measure import OpenclMeasure
 from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
 from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
 from optirs.backends.opencl.sparse import OpenclSparse
@@ -788,7 +789,7 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion, OpenclAdafactor):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion, OpenclAdafactor, OpenclMeasure):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 
