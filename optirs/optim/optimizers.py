@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Seq
 import numpy as np
 
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.core.arrays import ArrayMeta, describe
+from optirs.core.arrays import ArrayMeta, check_no_overlap, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.layout import TensorLayout
 from optirs.plugin.registry import REGISTRY, Backend
@@ -180,8 +180,7 @@ class GpuOptimizer:
     def _describe_all(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
         if len(params) != len(grads):
             raise ShapeMismatchError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
-        metas = []
-        seen: Dict[int, int] = {}
+        metas, grad_metas = [], []
         for i, (p, g) in enumerate(zip(params, grads)):
             pm, gm = describe(p, f"params[{i}]"), describe(g, f"grads[{i}]")
             if pm.dtype not in self.param_dtypes:
@@ -199,10 +198,11 @@ class GpuOptimizer:
                     raise ShapeMismatchError(f"{label}[{i}] is not C-contiguous, expected a contiguous array")
             if not pm.writeable:
                 raise ShapeMismatchError(f"params[{i}] is read-only, expected a writeable array (updated in place)")
-            if pm.size and pm.address in seen:
-                raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[pm.address]}], expected distinct tensors")
-            seen[pm.address] = i
             metas.append(pm)
+            grad_metas.append(gm)
+        # Real memory identities (pointer or cl_mem handle, byte offset, byte size): no parameter may
+        # share a byte with another parameter or with any gradient; gradients may share (read-only).
+        check_no_overlap(metas, grad_metas)
         shapes = [m.shape for m in metas]
         if self._layout is not None and not self._layout.matches(shapes):
             raise ShapeMismatchError(
