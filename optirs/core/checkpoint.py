@@ -84,3 +84,22 @@ def float32_array(value: Any, what: str, shape: Optional[Tuple[int, ...]] = None
             "value, expected float32 state (a lossless conversion at most)"
         )
     return narrowed
+
+
+def flag_array(value: Any, what: str, shape: Tuple[int, ...]) -> np.ndarray:
+    """A new uint8 array of 0/1 flags from a boolean or integer array holding only 0 and 1."""
+    if isinstance(value, np.ndarray) and type(value) is not np.ndarray:
+        raise InvalidParameterError(
+            f"{what} of type {type(value).__module__}.{type(value).__qualname__}, expected a plain numpy.ndarray"
+        )
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidParameterError(f"{what} cannot be read as an array ({exc}), expected 0/1 flags") from exc
+    if array.dtype.kind not in "biu":
+        raise InvalidParameterError(f"{what} has dtype {array.dtype}, expected uint8 (or bool/integer) 0/1 flags")
+    if array.shape != tuple(shape):
+        raise ShapeMismatchError(f"{what} has shape {array.shape}, expected {tuple(shape)}")
+    if array.size and not bool(np.isin(array, (0, 1)).all()):
+        raise InvalidParameterError(f"{what} holds values other than 0 and 1, expected 0/1 flags")
+    return array.astype(np.uint8)
