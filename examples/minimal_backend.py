@@ -76,7 +76,7 @@ def main() -> None:
         opt.step_gpu(params, [2 * p for p in params])  # the gradient of sum(p^2)
     print("tiny backend, 3 SGD steps: |p| =", round(float(sum(np.abs(p).sum() for p in params)), 4))
     try:
-        optirs.GpuAdam(config=optirs.GpuOptimizerConfig(backend="tiny")).step_gpu(params, params)
+        optirs.GpuAdam(config=optirs.GpuOptimizerConfig(backend="tiny")).step_gpu(params, [2 * p for p in params])
     except optirs.UnsupportedOperationError as exc:
         print("as expected:", exc)
 

@@ -8,7 +8,7 @@ before a backend touches anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -23,11 +23,29 @@ class ArrayMeta:
     dtype: np.dtype
     contiguous: bool
     writeable: bool
-    address: int  # to recognise the same memory passed twice
+    address: int  # the data pointer (numpy, cuda); 0 where unknown
+    # The bytes the array spans, to recognise memory passed twice or overlapping views:
+    # (memory space, first byte, end byte). The space is "numpy" or "cuda" (one address space each:
+    # host pointers, device pointers under unified addressing), or ("opencl", cl_mem handle of the
+    # root buffer) with byte offsets inside that buffer. None: unknown (no check possible).
+    extent: Optional[Tuple[Any, int, int]] = None
 
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def memory(self) -> Optional[Tuple[Any, int, int]]:
+        """``extent``, or the one derived from ``address`` for metas made without one (0: unknown)."""
+        if self.extent is not None:
+            return self.extent
+        if self.address:
+            return (self.kind, self.address, self.address + self.nbytes)
+        return None
 
 
 def _c_contiguous(shape: Tuple[int, ...], strides, itemsize: int) -> bool:
@@ -41,28 +59,112 @@ def _c_contiguous(shape: Tuple[int, ...], strides, itemsize: int) -> bool:
     return True
 
 
+def _span(pointer: int, shape: Tuple[int, ...], strides, itemsize: int) -> Tuple[int, int]:
+    """[first, end) byte of an array at ``pointer`` with these strides (None: C-contiguous)."""
+    if any(d == 0 for d in shape):
+        return pointer, pointer
+    if strides is None:
+        return pointer, pointer + int(np.prod(shape, dtype=np.int64)) * itemsize
+    low = sum((d - 1) * s for d, s in zip(shape, strides) if s < 0)
+    high = sum((d - 1) * s for d, s in zip(shape, strides) if s > 0)
+    return pointer + low, pointer + high + itemsize
+
+
+def _numpy_meta(array: np.ndarray, kind: str, writeable: bool) -> ArrayMeta:
+    pointer = array.__array_interface__["data"][0]
+    first, end = _span(pointer, array.shape, array.strides, array.itemsize)
+    return ArrayMeta(kind, array.shape, array.dtype, bool(array.flags.c_contiguous), writeable, pointer,
+                     (kind, first, end))
+
+
+def _opencl_root(buffer: Any) -> Tuple[int, int]:
+    """(cl_mem handle of the buffer that owns the memory, byte offset of ``buffer`` in it):
+    a sub-buffer is a handle of its own over its parent's memory."""
+    import pyopencl as cl
+
+    offset = 0
+    while True:
+        parent = buffer.get_info(cl.mem_info.ASSOCIATED_MEMOBJECT)
+        if parent is None:
+            return int(buffer.int_ptr), offset
+        offset += int(buffer.get_info(cl.mem_info.OFFSET))
+        buffer = parent
+
+
+# ndarray subclasses that are plain memory: numpy's memory-mapped files.
+_PLAIN_SUBCLASSES = (np.memmap,)
+
+
 def describe(array: Any, what: str = "array") -> ArrayMeta:
     """Describe ``array``; raises InvalidParameterError for a kind optirs cannot step."""
     if isinstance(array, np.ndarray):
-        return ArrayMeta("numpy", array.shape, array.dtype, bool(array.flags.c_contiguous),
-                         bool(array.flags.writeable), array.__array_interface__["data"][0])
+        if type(array) is not np.ndarray and not isinstance(array, _PLAIN_SUBCLASSES):
+            # np.matrix, np.ma.MaskedArray, ...: their semantics (masks, 2-D-only algebra) would be
+            # dropped by some backends and refused by others; optirs steps plain arrays only.
+            raise InvalidParameterError(
+                f"{what} of type {type(array).__module__}.{type(array).__qualname__} (a numpy.ndarray subclass), "
+                "expected a plain numpy.ndarray (np.asarray(x) for np.matrix; decide what a mask means for a masked array)"
+            )
+        return _numpy_meta(array, "numpy", bool(array.flags.writeable))
     if is_simulator_array(array):
         # The CUDA simulator's device arrays wrap a host array and expose no
         # __cuda_array_interface__; describe the array they wrap.
-        host = array._ary
-        return ArrayMeta("cuda", host.shape, host.dtype, bool(host.flags.c_contiguous), True,
-                         host.__array_interface__["data"][0])
+        return _numpy_meta(array._ary, "cuda", True)
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(int(d) for d in cai["shape"])
         dtype = np.dtype(cai["typestr"])
         ptr, readonly = cai["data"]
-        return ArrayMeta("cuda", shape, dtype, _c_contiguous(shape, cai.get("strides"), dtype.itemsize),
-                         not readonly, int(ptr or 0))
+        strides = cai.get("strides")
+        first, end = _span(int(ptr or 0), shape, None if strides is None else tuple(strides), dtype.itemsize)
+        return ArrayMeta("cuda", shape, dtype, _c_contiguous(shape, strides, dtype.itemsize),
+                         not readonly, int(ptr or 0), ("cuda", first, end) if ptr else None)
     if type(array).__module__.startswith("pyopencl"):
-        return ArrayMeta("opencl", tuple(array.shape), np.dtype(array.dtype), bool(array.flags.c_contiguous),
-                         True, id(array.base_data) ^ int(getattr(array, "offset", 0)))
+        shape, dtype = tuple(int(d) for d in array.shape), np.dtype(array.dtype)
+        offset = int(getattr(array, "offset", 0))
+        extent = None
+        if array.base_data is not None:
+            handle, base = _opencl_root(array.base_data)
+            first, end = _span(base + offset, shape, tuple(array.strides), dtype.itemsize)
+            extent = (("opencl", handle), first, end)
+        return ArrayMeta("opencl", shape, dtype, bool(array.flags.c_contiguous), True, 0, extent)
     raise InvalidParameterError(
         f"{what} of type {type(array).__module__}.{type(array).__qualname__}, expected a numpy array, "
         "an object with __cuda_array_interface__ (numba/CuPy/PyTorch CUDA) or a pyopencl.array.Array"
     )
+
+
+def check_no_overlap(params: Sequence[ArrayMeta], grads: Sequence[ArrayMeta] = (), what: str = "params",
+                     expected: str = "distinct tensors") -> None:
+    """Raise InvalidParameterError when any two of ``params`` share a byte, or a gradient shares one
+    with any parameter. Gradients may alias each other: the step only reads them (as torch allows
+    one tensor as the gradient of several parameters).
+
+    Metas whose memory is unknown (``ArrayMeta.memory`` None) and empty arrays are not compared.
+    One sort and one sweep per memory space: O(n log n) in the number of arrays.
+    """
+    spans: List[Tuple[Any, int, int, int, str, int]] = []
+    for order, (label, metas) in enumerate(((what, params), ("grads", grads))):
+        for i, m in enumerate(metas):
+            memory = m.memory
+            if memory is not None and memory[2] > memory[1]:
+                spans.append((memory[0], memory[1], memory[2], order, label, i))
+    spans.sort(key=lambda s: (repr(s[0]), s[1], s[3], s[5]))
+    space = None
+    reach_any = reach_param = None  # the span reaching furthest so far (any / a parameter's) in this space
+    for span in spans:
+        if span[0] != space:
+            space, reach_any, reach_param = span[0], None, None
+        is_param = span[3] == 0
+        other = reach_any if is_param else reach_param
+        if other is not None and other[2] > span[1]:
+            a, b = sorted((span, other), key=lambda s: (s[3], s[5]), reverse=True)
+            shared = min(a[2], b[2]) - max(a[1], b[1])
+            how = "all its bytes" if (a[1], a[2]) == (b[1], b[2]) else f"{shared} overlapping bytes"
+            reason = "expected gradients that alias no parameter (parameters are written while gradients are read)" \
+                if a[3] != b[3] else f"expected {expected} that do not overlap"
+            raise InvalidParameterError(f"{a[4]}[{a[5]}] is the same memory as {b[4]}[{b[5]}] ({how}), {reason}")
+        if reach_any is None or span[2] > reach_any[2]:
+            reach_any = span
+        if is_param and (reach_param is None or span[2] > reach_param[2]):
+            reach_param = span

@@ -10,13 +10,42 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+import numpy as np
+
 from optirs.core.errors import InvalidParameterError
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def fits_float32(value: float) -> bool:
+    """Whether ``value`` is finite and stays finite when rounded to float32 (the kernels' arithmetic)."""
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float64
+        return False
+    if not math.isfinite(value):
+        return False
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(value)))
+
+
 def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidParameterError(f"{name}={value!r}, expected a finite real number")
+    """A hyperparameter that enters float32 arithmetic: a real number finite in float32."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not fits_float32(value):
+        raise InvalidParameterError(
+            f"{name}={value!r}, expected a finite real number within float32 range (|{name}| <= {FLOAT32_MAX:.8g})"
+        )
     return float(value)
+
+
+def _derived(expression: str, value: float, why: str) -> None:
+    """A float32 scalar the step derives from several hyperparameters (``lr / (1 - beta1)``)."""
+    if not fits_float32(value):
+        raise InvalidParameterError(
+            f"{expression} = {value!r} ({why}) is not finite in float32, expected hyperparameters whose "
+            f"per-step scalars are within float32 range (<= {FLOAT32_MAX:.8g})"
+        )
 
 
 def _at_least(name: str, value: Any, low: float) -> None:
@@ -37,6 +66,12 @@ def _unit_interval(name: str, value: Any) -> None:
 def _flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise InvalidParameterError(f"{name}={value!r}, expected True or False")
+
+
+def _decay_product(hp: Any) -> None:
+    """Decoupled weight decay multiplies by ``1 - lr * weight_decay`` (AdamW, Lion, Adafactor)."""
+    _derived(f"lr * weight_decay = {hp.lr!r} * {hp.weight_decay!r}", hp.lr * hp.weight_decay,
+             "the decoupled decay factor 1 - lr * weight_decay")
 
 
 class _Params:
@@ -74,6 +109,10 @@ class AdamParams(_Params):
         _at_least("eps", self.eps, 0.0)
         _at_least("weight_decay", self.weight_decay, 0.0)
         _flag("amsgrad", self.amsgrad)
+        # The largest bias-corrected step size is step 1's (1 - beta1**t grows with t).
+        _derived(f"lr / (1 - beta1) = {self.lr!r} / (1 - {self.beta1!r})", self.lr / (1.0 - self.beta1),
+                 "the step size at step 1")
+        _decay_product(self)
 
 
 @dataclass(frozen=True)
@@ -193,6 +232,7 @@ class LionParams(_Params):
         _closed_unit_interval("beta1", self.beta1)
         _closed_unit_interval("beta2", self.beta2)
         _at_least("weight_decay", self.weight_decay, 0.0)
+        _decay_product(self)
 
 
 @dataclass(frozen=True)
@@ -221,3 +261,4 @@ class AdafactorParams(_Params):
         _at_least("d", self.d, 1.0)
         _at_least("weight_decay", self.weight_decay, 0.0)
         _flag("maximize", self.maximize)
+        _decay_product(self)

@@ -13,10 +13,29 @@ from typing import NamedTuple
 
 import numpy as np
 
+from optirs.core.errors import InvalidParameterError
 from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
                                 SgdParams)
 
 f32 = np.float32
+
+
+def _checked(record: NamedTuple, hp, step: int, unbounded: tuple = ()) -> NamedTuple:
+    """``record`` if every float32 field is finite (``unbounded`` fields may be +inf: "no limit").
+
+    Hyperparameters are checked at construction (optirs.core.params), including the derived
+    values that are largest at step 1; this is the last line for any other combination, so a
+    step never hands a kernel an inf or NaN scalar: it raises before the backend is called.
+    """
+    for name, value in zip(record._fields, record):
+        if type(value) is np.float32 and not math.isfinite(value):
+            if name in unbounded and value == np.inf:
+                continue
+            raise InvalidParameterError(
+                f"{type(record).__name__}.{name}={float(value)!r} at step {step} for {hp!r}, expected "
+                "hyperparameters and a step whose per-step scalars are finite in float32"
+            )
+    return record
 
 
 class AdamScalars(NamedTuple):
@@ -75,40 +94,41 @@ class LambScalars(NamedTuple):
 
 
 def adam_scalars(hp: AdamParams, step: int, decoupled: bool) -> AdamScalars:
-    return AdamScalars(
+    return _checked(AdamScalars(
         f32(hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta1), f32(1.0 - hp.beta2), f32(hp.eps),
         f32(hp.weight_decay), f32(hp.lr / (1.0 - hp.beta1**step)), f32(math.sqrt(1.0 - hp.beta2**step)),
         f32(1.0 - hp.lr * hp.weight_decay), bool(decoupled), bool(hp.amsgrad),
-    )
+    ), hp, step)
 
 
 def sgd_scalars(hp: SgdParams, step: int) -> SgdScalars:
-    return SgdScalars(
+    return _checked(SgdScalars(
         f32(hp.lr), f32(hp.momentum), f32(1.0 - hp.dampening), f32(hp.weight_decay),
         bool(hp.nesterov), hp.momentum != 0.0, step == 1,
-    )
+    ), hp, step)
 
 
 def rmsprop_scalars(hp: RmspropParams, step: int) -> RmspropScalars:
-    return RmspropScalars(
+    return _checked(RmspropScalars(
         f32(hp.lr), f32(hp.alpha), f32(1.0 - hp.alpha), f32(hp.eps), f32(hp.weight_decay),
         f32(hp.momentum), bool(hp.centered), hp.momentum > 0.0,
-    )
+    ), hp, step)
 
 
 def adagrad_scalars(hp: AdagradParams, step: int) -> AdagradScalars:
-    return AdagradScalars(f32(hp.lr / (1.0 + (step - 1) * hp.lr_decay)), f32(hp.weight_decay), f32(hp.eps))
+    return _checked(AdagradScalars(f32(hp.lr / (1.0 + (step - 1) * hp.lr_decay)), f32(hp.weight_decay), f32(hp.eps)),
+                    hp, step)
 
 
 def lamb_scalars(hp: LambParams, step: int) -> LambScalars:
     bc1 = 1.0 - hp.beta1**step if hp.bias_correction else 1.0
     bc2 = 1.0 - hp.beta2**step if hp.bias_correction else 1.0
-    return LambScalars(
+    return _checked(LambScalars(
         f32(hp.lr), f32(hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta1), f32(1.0 - hp.beta2), f32(hp.eps),
         f32(hp.weight_decay), f32(bc1), f32(bc2),
         f32(np.inf if hp.max_trust_ratio is None else hp.max_trust_ratio),
         f32(0.0 if hp.max_grad_norm is None else hp.max_grad_norm),
-    )
+    ), hp, step, unbounded=("max_trust_ratio",))
 
 
 class LionScalars(NamedTuple):
@@ -121,8 +141,8 @@ class LionScalars(NamedTuple):
 
 
 def lion_scalars(hp: LionParams, step: int) -> LionScalars:
-    return LionScalars(f32(hp.lr), f32(hp.beta1), f32(1.0 - hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta2),
-                       f32(1.0 - hp.lr * hp.weight_decay))
+    return _checked(LionScalars(f32(hp.lr), f32(hp.beta1), f32(1.0 - hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta2),
+                                f32(1.0 - hp.lr * hp.weight_decay)), hp, step)
 
 
 class AdafactorScalars(NamedTuple):
@@ -143,7 +163,7 @@ def adafactor_eps1(hp: AdafactorParams) -> float:
 
 def adafactor_scalars(hp: AdafactorParams, step: int) -> AdafactorScalars:
     eps1 = adafactor_eps1(hp)
-    return AdafactorScalars(
+    return _checked(AdafactorScalars(
         f32(float(step) ** hp.beta2_decay), f32(min(hp.lr, 1.0 / math.sqrt(step))), f32(eps1), f32(eps1 * eps1),
         f32(hp.eps[1]), f32(hp.d), f32(1.0 - hp.lr * hp.weight_decay), bool(hp.maximize),
-    )
+    ), hp, step)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.arrays import describe
+from optirs.core.arrays import check_no_overlap, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.layout import TensorLayout
 from optirs.plugin.registry import REGISTRY, Backend
@@ -82,7 +82,6 @@ def reduce_replicas(replicas: Sequence[Any], op: str = "mean", backend: Any = "a
         raise InvalidParameterError(f"replicas={type(replicas).__name__}, expected a non-empty list of arrays")
     metas = [describe(r, f"replicas[{i}]") for i, r in enumerate(replicas)]
     first = metas[0]
-    addresses: Dict[int, int] = {}
     for i, m in enumerate(metas):
         if m.kind != first.kind:
             raise ShapeMismatchError(f"replicas[{i}] is a {m.kind} array, expected {first.kind} like replicas[0]")
@@ -92,9 +91,7 @@ def reduce_replicas(replicas: Sequence[Any], op: str = "mean", backend: Any = "a
             )
         if not m.contiguous:
             raise ShapeMismatchError(f"replicas[{i}] is not C-contiguous, expected a contiguous array")
-        if m.size and m.address in addresses:
-            raise InvalidParameterError(f"replicas[{i}] is the same memory as replicas[{addresses[m.address]}], expected distinct arrays")
-        addresses[m.address] = i
+    check_no_overlap(metas, what="replicas", expected="distinct arrays")  # real extents (optirs.core.arrays)
     if not first.writeable:
         raise ShapeMismatchError("replicas[0] is read-only, expected a writeable array (it receives the result)")
     bound = _bound_backend(backend)

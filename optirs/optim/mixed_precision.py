@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from optirs.core import checkpoint as ck
+from optirs.core.arrays import check_no_overlap
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.core.params import fits_float32
 from optirs.core.layout import TensorLayout
 
 __all__ = [
@@ -238,23 +242,23 @@ class DynamicLossScaler:
                 "hysteresis_tracker": self.hysteresis_tracker, "stats": asdict(self.stats)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or set(state) != {"scale", "growth_tracker", "hysteresis_tracker", "stats"}:
-            raise InvalidParameterError(
-                f"scaler state {state!r}, expected a mapping with scale, growth_tracker, hysteresis_tracker, stats"
-            )
-        scale = _real("scale", state["scale"])
-        if scale <= 0.0:
-            raise InvalidParameterError(f"scale={scale!r}, expected a positive scale")
+        ck.mapping(state, "scaler state", {"scale", "growth_tracker", "hysteresis_tracker", "stats"})
+        scale = state["scale"]
+        if (isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating))
+                or not fits_float32(scale) or scale <= 0.0 or np.float32(scale) == 0.0):
+            raise InvalidParameterError(f"scale={scale!r}, expected a positive scale finite in float32")
         tracker = state["growth_tracker"]
         if isinstance(tracker, bool) or not isinstance(tracker, (int, np.integer)) or not 0 <= tracker < self.growth_interval:
             raise InvalidParameterError(f"growth_tracker={tracker!r}, expected 0 <= growth_tracker < {self.growth_interval}")
         hyst = state["hysteresis_tracker"]
         if isinstance(hyst, bool) or not isinstance(hyst, (int, np.integer)) or hyst > self.hysteresis:
             raise InvalidParameterError(f"hysteresis_tracker={hyst!r}, expected an integer <= {self.hysteresis}")
-        try:
-            stats = OverflowStats(**dict(state["stats"]))
-        except TypeError as exc:
-            raise InvalidParameterError(f"stats={state['stats']!r}, expected OverflowStats fields") from exc
+        ck.integer(hyst, "hysteresis_tracker", -ck.INT64_MAX, self.hysteresis)
+        raw = ck.mapping(state["stats"], "stats", [f.name for f in dataclass_fields(OverflowStats)])
+        counts = {k: ck.integer(v, f"stats[{k!r}]") for k, v in raw.items() if k != "last_overflow_step"}
+        last = raw["last_overflow_step"]
+        counts["last_overflow_step"] = None if last is None else ck.integer(last, "stats['last_overflow_step']")
+        stats = OverflowStats(**counts)
         self._scale, self.growth_tracker, self.hysteresis_tracker = np.float32(scale), int(tracker), int(hyst)
         self.stats = stats
 
@@ -395,8 +399,7 @@ class MixedPrecisionOptimizer:
         backend = self.backend
         describe = self._hook("optirs_mixed_precision_describe")
         want = self.config.param_dtype
-        shapes = []
-        seen: Dict[int, int] = {}
+        shapes, param_metas, grad_metas = [], [], []
         for i, (p, g) in enumerate(zip(params, grads)):
             metas = []
             for a, label in ((p, "params"), (g, "grads")):
@@ -411,11 +414,10 @@ class MixedPrecisionOptimizer:
                 raise ShapeMismatchError(f"grads[{i}] has shape {tuple(gm.shape)}, expected {tuple(pm.shape)} like params[{i}]")
             if not pm.writeable:
                 raise ShapeMismatchError(f"params[{i}] is read-only, expected a writeable array (updated in place)")
-            if pm.size and pm.address:
-                if pm.address in seen:
-                    raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[pm.address]}], expected distinct tensors")
-                seen[pm.address] = i
+            param_metas.append(pm)
+            grad_metas.append(gm)
             shapes.append(tuple(int(d) for d in pm.shape))
+        check_no_overlap(param_metas, grad_metas)  # the same rule as GpuOptimizer's (optirs.core.arrays)
         if self._shapes is not None and shapes != self._shapes:
             raise ShapeMismatchError(
                 f"the parameter list changed: got {len(shapes)} tensors with shapes {shapes}, "
@@ -500,9 +502,10 @@ class MixedPrecisionOptimizer:
             raise InvalidParameterError(f"state_dict is for {state_dict['param_dtype']!r} parameters, expected {self.config.param_dtype.name!r}")
         if not isinstance(state_dict["inner"], Mapping):
             raise InvalidParameterError(f"state_dict['inner'] of type {type(state_dict['inner']).__name__}, expected the inner optimizer's state_dict")
-        master = [np.asarray(m, dtype=np.float32) for m in state_dict["master"]]
+        master = [ck.float32_array(m, f"state_dict['master'][{i}]")
+                  for i, m in enumerate(ck.sequence(state_dict["master"], "state_dict['master']"))]
         shapes = [tuple(m.shape) for m in master]
-        inner_shapes = [tuple(s) for s in state_dict["inner"].get("shapes", [])]
+        inner_shapes = ck.shapes(state_dict["inner"].get("shapes", []), "state_dict['inner']['shapes']")
         if inner_shapes and inner_shapes != shapes:
             raise ShapeMismatchError(f"master weight shapes {shapes} differ from the optimizer state's {inner_shapes}")
         probe = self.config.make_scaler()

@@ -8,13 +8,14 @@ modified, so a failed call leaves parameters and state as they were.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from optirs.core import checkpoint as ck
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.core.arrays import ArrayMeta, describe
+from optirs.core.arrays import ArrayMeta, check_no_overlap, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.layout import TensorLayout
 from optirs.plugin.registry import REGISTRY, Backend
@@ -180,8 +181,7 @@ class GpuOptimizer:
     def _describe_all(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
         if len(params) != len(grads):
             raise ShapeMismatchError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
-        metas = []
-        seen: Dict[int, int] = {}
+        metas, grad_metas = [], []
         for i, (p, g) in enumerate(zip(params, grads)):
             pm, gm = describe(p, f"params[{i}]"), describe(g, f"grads[{i}]")
             if pm.dtype not in self.param_dtypes:
@@ -199,10 +199,11 @@ class GpuOptimizer:
                     raise ShapeMismatchError(f"{label}[{i}] is not C-contiguous, expected a contiguous array")
             if not pm.writeable:
                 raise ShapeMismatchError(f"params[{i}] is read-only, expected a writeable array (updated in place)")
-            if pm.size and pm.address in seen:
-                raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[pm.address]}], expected distinct tensors")
-            seen[pm.address] = i
             metas.append(pm)
+            grad_metas.append(gm)
+        # Real memory identities (pointer or cl_mem handle, byte offset, byte size): no parameter may
+        # share a byte with another parameter or with any gradient; gradients may share (read-only).
+        check_no_overlap(metas, grad_metas)
         shapes = [m.shape for m in metas]
         if self._layout is not None and not self._layout.matches(shapes):
             raise ShapeMismatchError(
@@ -256,20 +257,29 @@ class GpuOptimizer:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a checkpoint from :meth:`state_dict`; everything is checked before anything changes."""
-        if not isinstance(state_dict, Mapping):
-            raise InvalidParameterError(f"state_dict of type {type(state_dict).__name__}, expected a mapping")
+        """Restore a checkpoint from :meth:`state_dict`; everything is checked before anything changes.
+
+        Every hyperparameter must be present (a missing one would silently take its default);
+        the step count is an integer in [0, int64 max) whose next step's scalars are finite in
+        float32; state arrays must hold float32 values exactly (:mod:`optirs.core.checkpoint`).
+        """
         expected_keys = {"optimizer", "hyperparameters", "step", "shapes", "state"}
-        if set(state_dict) != expected_keys:
-            raise InvalidParameterError(f"state_dict keys {sorted(state_dict)}, expected {sorted(expected_keys)}")
+        ck.mapping(state_dict, "state_dict", expected_keys)
         if state_dict["optimizer"] != self.name:
             raise InvalidParameterError(f"state_dict is for optimizer {state_dict['optimizer']!r}, expected {self.name!r}")
-        params = self._check_params(self.params_type.from_dict(dict(state_dict["hyperparameters"])))
-        step = state_dict["step"]
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise InvalidParameterError(f"step={step!r}, expected an integer >= 0")
-        shapes = [tuple(int(d) for d in s) for s in state_dict["shapes"]]
-        entries = list(state_dict["state"])
+        hp = ck.mapping(state_dict["hyperparameters"], "hyperparameters")
+        names = [f.name for f in fields(self.params_type)]
+        missing = [n for n in names if n not in hp]
+        if missing:
+            raise InvalidParameterError(
+                f"hyperparameters lack {missing}, expected every {self.params_type.__name__} field {names}"
+            )
+        params = self._check_params(self.params_type.from_dict(dict(hp)))
+        step = ck.integer(state_dict["step"], "step", 0, ck.INT64_MAX - 1)
+        if step:
+            self.definition.scalars(params, step + 1)  # the next step's scalars must exist (finite in float32)
+        shapes = ck.shapes(state_dict["shapes"], "shapes")
+        entries = ck.sequence(state_dict["state"], "state")
         slots = self.state_slots(params)
         if not shapes:
             if entries or step:
@@ -281,20 +291,20 @@ class GpuOptimizer:
             raise InvalidParameterError(f"state_dict has {len(entries)} state entries for {len(shapes)} tensors, expected one per tensor")
         layout = TensorLayout(shapes)
         state_layout = self.definition.state_layout(layout, tuple(slots))
-        flat = {k: np.zeros(n, STATE_DTYPE) for k, n in state_layout.buffer_sizes().items()}
-        views = {k: state_layout.views(k, flat[k]) for k in flat}
+        values = []  # every entry checked and converted before the flat buffers are made
         for i, entry in enumerate(entries):
             wanted = state_layout.state_shapes(i)
             if not isinstance(entry, Mapping) or set(entry) != set(wanted):
-                got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+                got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
                 raise InvalidParameterError(f"state[{i}] has slots {got}, expected {sorted(wanted)} for shape {shapes[i]}")
-            for k, shape in wanted.items():
-                value = np.asarray(entry[k])
-                if value.shape != shape:
-                    raise ShapeMismatchError(f"state[{i}][{k!r}] has shape {value.shape}, expected {shape}")
+            values.append({k: ck.float32_array(entry[k], f"state[{i}][{k!r}]", shape) for k, shape in wanted.items()})
+        flat = {k: np.zeros(n, STATE_DTYPE) for k, n in state_layout.buffer_sizes().items()}
+        views = {k: state_layout.views(k, flat[k]) for k in flat}
+        for i, entry in enumerate(values):
+            for k, value in entry.items():
                 views[k][i][...] = value
         self._params, self._layout, self._state, self._state_on_device = params, layout, flat, False
-        self._step = int(step)
+        self._step = step
         self._validated = None
 
     def __repr__(self) -> str:

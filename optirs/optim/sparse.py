@@ -46,8 +46,9 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from optirs.core import checkpoint as ck
 from optirs.core import scalars as sc
-from optirs.core.arrays import describe  # also imported from here by optirs.optim.data_parallel
+from optirs.core.arrays import check_no_overlap, describe  # also imported from here by optirs.optim.data_parallel
 from optirs.core.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.params import AdamParams, SgdParams
 from optirs.plugin.hookspecs import SparseRows, SparseTable
@@ -395,18 +396,16 @@ class _SparseOptimizer:
             raise ShapeMismatchError(f"{len(params)} tables, expected {len(self.tables)} as in earlier steps")
         backend = self.backend
         plans = []
-        seen: Dict[int, int] = {}
+        metas = [describe(p, f"params[{i}]") for i, p in enumerate(params)]
+        check_no_overlap(metas, expected="distinct tables")
         for i, (p, g) in enumerate(zip(params, grads)):
-            meta = describe(p, f"params[{i}]")
+            meta = metas[i]
             if len(meta.shape) != 2:
                 raise ShapeMismatchError(f"params[{i}] has shape {meta.shape}, expected a 2-D (num_rows, dim) table")
             if meta.dtype != F32:
                 raise ShapeMismatchError(f"params[{i}] has dtype {meta.dtype}, expected float32")
             if not meta.contiguous or not meta.writeable:
                 raise ShapeMismatchError(f"params[{i}] must be C-contiguous and writeable (updated in place)")
-            if meta.address in seen:
-                raise InvalidParameterError(f"params[{i}] is the same memory as params[{seen[meta.address]}], expected distinct tables")
-            seen[meta.address] = i
             num_rows, dim = meta.shape
             if self.tables and (self.tables[i].num_rows, self.tables[i].dim) != (num_rows, dim):
                 raise ShapeMismatchError(
@@ -483,36 +482,39 @@ class _SparseOptimizer:
         return {"optimizer": self.name, "hyperparameters": self.config.hyperparameters(), "tables": tables}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a checkpoint from :meth:`state_dict`; everything is checked before anything changes."""
-        if not isinstance(state_dict, Mapping) or set(state_dict) != {"optimizer", "hyperparameters", "tables"}:
-            raise InvalidParameterError("state_dict must be a mapping with keys ['hyperparameters', 'optimizer', 'tables']")
+        """Restore a checkpoint from :meth:`state_dict`; everything is checked before anything changes
+        (fields as :mod:`optirs.core.checkpoint` checks them: float32 moments exactly, 0/1 flags)."""
+        ck.mapping(state_dict, "state_dict", {"optimizer", "hyperparameters", "tables"})
         if state_dict["optimizer"] != self.name:
             raise InvalidParameterError(f"state_dict is for optimizer {state_dict['optimizer']!r}, expected {self.name!r}")
-        hp = dict(state_dict["hyperparameters"])
+        hp = dict(ck.mapping(state_dict["hyperparameters"], "hyperparameters"))
         names = {f.name for f in fields(self.config_type)} - {"backend", "device", "platform"}
         if set(hp) != names:
-            raise InvalidParameterError(f"hyperparameters {sorted(hp)}, expected {sorted(names)}")
+            raise InvalidParameterError(f"hyperparameters {sorted(map(str, hp))}, expected {sorted(names)}")
         config = self.config_type(**hp, backend=self.config.backend, device=self.config.device,
                                   platform=self.config.platform)
         host_tables = []
-        for i, entry in enumerate(state_dict["tables"]):
-            num_rows, dim, step = int(entry["num_rows"]), int(entry["dim"]), int(entry["step"])
-            if num_rows < 0 or dim < 0 or step < 0:
-                raise InvalidParameterError(f"tables[{i}] has num_rows={num_rows}, dim={dim}, step={step}, expected values >= 0")
+        for i, entry in enumerate(ck.sequence(state_dict["tables"], "tables")):
+            entry = ck.mapping(entry, f"tables[{i}]")
+            for key in ("num_rows", "dim", "step"):
+                if key not in entry:
+                    raise InvalidParameterError(f"tables[{i}] has no {key!r}, expected num_rows, dim, step and the state slots")
+            num_rows, dim = ck.integer(entry["num_rows"], f"tables[{i}]['num_rows']"), ck.integer(entry["dim"], f"tables[{i}]['dim']")
+            step = ck.integer(entry["step"], f"tables[{i}]['step']", 0, ck.INT64_MAX - 1)
             slots = {}
             for slot in self.table_type.SLOTS:
-                value = entry.get(slot)
                 expected = self._slot_shape(config, slot, num_rows, dim)
                 if expected is None:
                     slots[slot] = None
                     continue
-                value = np.asarray(value)
-                if value.shape != expected:
-                    raise ShapeMismatchError(f"tables[{i}][{slot!r}] has shape {value.shape}, expected {expected}")
-                slots[slot] = value
+                if slot not in entry:
+                    raise InvalidParameterError(f"tables[{i}] has no {slot!r}, expected it for these hyperparameters")
+                what = f"tables[{i}][{slot!r}]"
+                slots[slot] = (ck.flag_array(entry[slot], what, expected) if self._slot_dtype(slot) == np.uint8
+                               else ck.float32_array(entry[slot], what, expected))
             host_tables.append((num_rows, dim, step, slots))
         backend = self.backend
-        arrays = [{k: None if v is None else backend.to_device(backend.ctx, v.astype(self._slot_dtype(k), copy=True))
+        arrays = [{k: None if v is None else backend.to_device(backend.ctx, v)
                    for k, v in slots.items()} for _, _, _, slots in host_tables]
         self.config = config
         self.tables = [self.table_type(num_rows, dim, step, **a)

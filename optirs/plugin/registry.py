@@ -214,9 +214,31 @@ class Registry:
                 self.records[name] = PluginRecord(name, source, None, error + "\n" + traceback.format_exc(limit=3))
             warnings.warn(f'optirs: error loading plugin "{name}" from {source}: {error}', PluginWarning, stacklevel=3)
 
+    def _check_plugin(self, name: Any, plugin: Any) -> None:
+        """A plugin is a module, class or object with at least one ``optirs_*`` hook implementation,
+        under a non-empty string name that is not ``"auto"``; anything else would be recorded and
+        break ``list_backends()``/``get_backend()`` later."""
+        if not isinstance(name, str) or not name.strip() or name == "auto":
+            raise PluginError(f"plugin name {name!r}, expected a non-empty string other than 'auto'")
+        if plugin is None or isinstance(plugin, (bool, int, float, complex, str, bytes)):
+            raise PluginError(
+                f"plugin {name!r} is {plugin!r} ({type(plugin).__name__}), expected a module, class or object "
+                "with @hookimpl methods named after optirs hooks (optirs_probe, optirs_open, ...)"
+            )
+        pm = self._pm
+        assert pm is not None
+        hooks = [attr for attr in dir(plugin) if attr.startswith("optirs_")
+                 and pm.parse_hookimpl_opts(plugin, attr) is not None]
+        if not hooks:
+            raise PluginError(
+                f"plugin {name!r} ({type(plugin).__module__}.{type(plugin).__qualname__}) implements no optirs hook, "
+                "expected @hookimpl methods named after optirs hooks (optirs_probe, optirs_open, ...)"
+            )
+
     def _register(self, name: str, source: str, plugin: Any) -> None:
         if inspect.isclass(plugin):
             plugin = plugin()
+        self._check_plugin(name, plugin)
         if name in self.records and not self.records[name].broken:
             raise PluginError(f"a plugin named {name!r} is already registered (from {self.records[name].source})")
         pm = self._pm
