@@ -37,9 +37,11 @@ NAMES = sorted(OPTIMIZERS)
 # address are accepted today.
 OVERLAP_CHECKED = False
 # fixed by the validation work (read-only after first step): the validation cache skips the
-# read-only check for arrays that passed before, so the step writes into a read-only array.
+# read-only check for arrays that passed before, so the cpu step writes into a read-only array
+# and the opencl step raises numpy's ValueError after updating the state. The op is skipped
+# while this is False.
 READONLY_RECHECKED = False
-EXAMPLES = {"cpu": 60, "opencl": 12, "cuda": 20}
+EXAMPLES = {"cpu": 250, "opencl": 40, "cuda": 20}
 FUZZ = dict(deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
@@ -178,7 +180,7 @@ BAD_ARRAYS = ["dtype", "bfloat16", "strided", "fortran", "readonly", "reshaped",
 # fixed by the validation work (array subclasses): a numpy.ma.MaskedArray reaches the cpu kernel
 # and numba raises NumbaTypeError; re-enable: add "masked" to BAD_ARRAYS.
 # Replacing one array of a (params, grads) pair by one of these must raise, whichever side it is on.
-ALWAYS_REJECTED = {"dtype", "bfloat16", "strided", "fortran", "reshaped", "list", "none", "scalar", "object",
+ALWAYS_REJECTED = {"dtype", "bfloat16", "reshaped", "list", "none", "scalar", "object",
                    "structured", "big_endian"}
 
 
@@ -231,6 +233,8 @@ def _bad_array(draw, how: str, rng: np.random.Generator, shape) -> Any:
 
 
 def _must_raise(how: str, side: str, bad: Any, shape) -> bool:
+    if how in ("strided", "fortran"):  # a view numpy still calls C-contiguous (size-1 axes) is fine
+        return not bad.flags.c_contiguous or bad.shape != tuple(shape)
     if how in ALWAYS_REJECTED or (how == "readonly" and side == "params"):
         return True
     if how in ("zero_d", "empty", "matrix"):
@@ -374,7 +378,7 @@ def _scenario(data, backend: str) -> None:
                 assert exc is not None, "overlapping params were accepted"
         elif op == "readonly_after_step":
             # A parameter made read-only after it passed validation in an earlier step.
-            if not opt.step_count:
+            if not opt.step_count or not READONLY_RECHECKED:
                 continue
             i = data.draw(st.integers(0, len(shapes) - 1))
             params[i].setflags(write=False)
