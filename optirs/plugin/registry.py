@@ -34,6 +34,7 @@ AUTOLOAD_ENV = "OPTIRS_DISABLE_PLUGIN_AUTOLOAD"
 SUPPORTED_BACKENDS: Tuple[str, ...] = ("cuda", "opencl", "cpu")
 DEVICE_KIND_RANK: Dict[str, int] = {"gpu": 0, "accelerator": 0, "cpu": 1, "simulator": 2}
 _OTHER_KIND_RANK = 1  # a device kind not listed above ranks with CPUs
+_KIND_WORDS = {"gpu": "a GPU", "accelerator": "an accelerator", "cpu": "a CPU", "simulator": "a simulator"}
 
 # Built-in plugins: name -> (module exposing ``plugin``, kind). Imported when the registry first loads.
 BUILTIN_PLUGINS: Dict[str, Tuple[str, str]] = {
@@ -100,6 +101,10 @@ def _open_device(probe: ProbeResult) -> Optional[DeviceInfo]:
 
 def _kind_rank(device: Optional[DeviceInfo]) -> int:
     return DEVICE_KIND_RANK.get(device.kind, _OTHER_KIND_RANK) if device is not None else _OTHER_KIND_RANK
+
+
+def _kind_words(device: DeviceInfo) -> str:
+    return _KIND_WORDS.get(device.kind, f"a device of kind {device.kind!r}")
 
 
 def _describe_device(device: DeviceInfo) -> str:
@@ -409,8 +414,7 @@ class Registry:
     @staticmethod
     def _auto_reason(found: List[Tuple], missing: List[str]) -> str:
         (rank, _), name, device, _ = found[0]
-        kind = device.kind if device is not None else "unknown"
-        what = f"{_describe_device(device)}, a {kind}" if device is not None else "a device of unknown kind"
+        what = f"{_describe_device(device)}, {_kind_words(device)}" if device is not None else "a device of unknown kind"
         if rank == DEVICE_KIND_RANK["gpu"]:
             parts = [f"it opens on {what}; a GPU or accelerator backend beats a CPU one"]
         else:
@@ -419,8 +423,7 @@ class Registry:
                 if other_device is None:
                     continue
                 only = "only device is" if len(probe.devices) == 1 else "device is"
-                article = "a CPU" if other_device.kind == "cpu" else f"a {other_device.kind}"
-                parts.append(f"{other}'s {only} {article} ({_describe_device(other_device)})")
+                parts.append(f"{other}'s {only} {_kind_words(other_device)} ({_describe_device(other_device)})")
             if rank == DEVICE_KIND_RANK["cpu"]:
                 tail = f"where the host's own {name} backend is faster" if parts else f"it runs on {what}"
             else:
