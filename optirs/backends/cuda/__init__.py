@@ -501,6 +501,8 @@ class CudaDevice:
 
             count = driver.get_device_count()
         except Exception as exc:
+            if any(m in str(exc).lower() for m in _NUMPY_MISMATCH):  # numba.cuda's driver module did not import
+                return ProbeResult(False, import_failure_reason(exc))
             return ProbeResult(False, "no CUDA GPU: " + " ".join(str(exc).split()))
         if not count:
             return ProbeResult(False, "no CUDA GPU: the driver reports 0 devices")
