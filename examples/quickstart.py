@@ -1,6 +1,6 @@
 """The seed example: Adam on 1,024 parameters, state moved to the device, one step, moved back.
 
-Run: python examples/quickstart.py [backend]   (default: auto, the first of cuda, opencl, cpu that opens)
+Run: python examples/quickstart.py [backend]   (default: auto, the fastest kind of device found; `optirs info` says which)
 """
 
 import sys

@@ -15,7 +15,7 @@ import optirs
 from optirs.core import reference
 from optirs.plugin import registry
 from optirs.core.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
-from optirs.plugin.hookspecs import ProbeResult, hookimpl
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, hookimpl
 from optirs.plugin.registry import REGISTRY, PluginWarning
 
 from conftest import FakeHostBackend
@@ -125,23 +125,35 @@ def test_unknown_backend_lists_known_names(fresh_registry):
         optirs.get_backend("nope")
 
 
+class FakeGpuBackend(FakeHostBackend):
+    """FakeHostBackend whose device is a GPU: ``auto`` prefers it to a CPU backend."""
+
+    @hookimpl
+    def optirs_probe(self, options):
+        return ProbeResult(self.available, "" if self.available else "no fake device", (DeviceInfo("fake", "gpu"),))
+
+
 def test_auto_probes_in_order(fresh_registry, monkeypatch):
     monkeypatch.setattr(registry, "SUPPORTED_BACKENDS", ("fake_gpu", "cpu"))
-    fake = FakeHostBackend(available=False)
+    fake = FakeGpuBackend(available=False)
     optirs.register_plugin(fake, "fake_gpu")
     assert optirs.get_backend("auto").name == "cpu"
     with pytest.raises(BackendUnavailableError, match="cannot open: no fake device"):
         optirs.get_backend("fake_gpu")
     fresh_registry.reload()
-    optirs.register_plugin(FakeHostBackend(available=True), "fake_gpu")
+    optirs.register_plugin(FakeGpuBackend(available=True), "fake_gpu")
     assert optirs.get_backend("auto").name == "fake_gpu"
     assert optirs.GpuAdam().backend.name == "fake_gpu"
 
 
-def test_default_auto_picks_first_available_builtin(fresh_registry):
-    available = [s.name for s in optirs.list_backends() if s.available]
-    first = next(n for n in optirs.SUPPORTED_BACKENDS if n in available)
-    assert optirs.get_backend().name == first
+def test_default_auto_picks_fastest_kind_of_builtin(fresh_registry):
+    """auto: the first available GPU/accelerator backend in probe order, else the last CPU one."""
+    status = {s.name: s for s in optirs.list_backends() if s.available and s.devices}
+    order = [n for n in optirs.SUPPORTED_BACKENDS if n in status]
+    gpus = [n for n in order if status[n].devices[0].kind in ("gpu", "accelerator")]
+    cpus = [n for n in order if status[n].devices[0].kind == "cpu"]
+    expected = gpus[0] if gpus else cpus[-1] if cpus else order[0]
+    assert optirs.get_backend().name == expected
 
 
 def test_backend_without_step_hooks_raises_unsupported(fresh_registry):

@@ -65,8 +65,8 @@ def reduce_replicas(replicas: Sequence[Any], op: str = "mean", backend: Any = "a
         (numba / CuPy / torch CUDA arrays on cuda, ``pyopencl.array.Array`` on opencl) or host
         numpy arrays (which every built-in backend accepts; a device backend uploads them).
     :param op: ``"sum"`` or ``"mean"``.
-    :param backend: where to reduce: a backend name (``"auto"``: the first of
-        ``optirs.SUPPORTED_BACKENDS`` that opens), a Backend from :func:`optirs.get_backend`, or
+    :param backend: where to reduce: a backend name (``"auto"``: the fastest kind of device
+        found, ``optirs.plugin.registry.choose_auto``), a Backend from :func:`optirs.get_backend`, or
         an optirs optimizer (its bound backend).
     :return: ``replicas[0]``.
     :raises InvalidParameterError: for an unknown ``op``, an empty list or the same memory twice.

@@ -28,7 +28,9 @@ class GpuOptimizerConfig:
     """Where an optimizer runs.
 
     :param backend: a backend name (``"cuda"``, ``"opencl"``, ``"cpu"``, a plugin's name) or
-        ``"auto"``: the first of ``optirs.SUPPORTED_BACKENDS`` that opens.
+        ``"auto"``: the fastest kind of device found (a GPU or accelerator, else the host's own
+        ``cpu`` backend; ``optirs.plugin.registry.choose_auto()`` says which and why). An unknown name raises
+        BackendUnavailableError when the optimizer is made (``check_backend``), not at its first step.
     :param device: device index or name substring (backends that have several devices).
     :param platform: OpenCL platform index or name substring.
     :param options: further backend-specific options.
@@ -42,6 +44,10 @@ class GpuOptimizerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise InvalidParameterError(f"backend={self.backend!r}, expected a backend name or 'auto'")
+
+    def check_backend(self) -> None:
+        """Raise BackendUnavailableError unless the backend name is known to the registry (no probing)."""
+        REGISTRY.check_backend_name(self.backend)
 
     def backend_options(self) -> Dict[str, Any]:
         opts = dict(self.options)
@@ -79,6 +85,7 @@ class GpuOptimizer:
         if config is not None and not isinstance(config, GpuOptimizerConfig):
             raise InvalidParameterError(f"config={config!r}, expected a GpuOptimizerConfig")
         self.config = config or GpuOptimizerConfig()
+        self.config.check_backend()
         self._backend: Optional[Backend] = None
         self._layout: Optional[TensorLayout] = None
         self._state: Optional[Dict[str, Any]] = None

@@ -26,7 +26,15 @@ from optirs.plugin.hookspecs import CAPABILITIES, STEP_HOOKS, DeviceInfo, ProbeR
 
 ENTRY_POINT_GROUP = "optirs"
 AUTOLOAD_ENV = "OPTIRS_DISABLE_PLUGIN_AUTOLOAD"
+# The backends ``"auto"`` considers, in probe order: from the most device-specific to the host's
+# own backend. ``"auto"`` ranks them by the kind of device each would open (DEVICE_KIND_RANK): a
+# GPU or accelerator first (the first of this order wins), then a CPU (the last of this order
+# wins: the host's own compiled loops beat a portable runtime on the same cores, e.g. numba's
+# cpu backend runs 1.2-2x faster than OpenCL on PoCL), then a simulator (tests only: slowest).
 SUPPORTED_BACKENDS: Tuple[str, ...] = ("cuda", "opencl", "cpu")
+DEVICE_KIND_RANK: Dict[str, int] = {"gpu": 0, "accelerator": 0, "cpu": 1, "simulator": 2}
+_OTHER_KIND_RANK = 1  # a device kind not listed above ranks with CPUs
+_KIND_WORDS = {"gpu": "a GPU", "accelerator": "an accelerator", "cpu": "a CPU", "simulator": "a simulator"}
 
 # Built-in plugins: name -> (module exposing ``plugin``, kind). Imported when the registry first loads.
 BUILTIN_PLUGINS: Dict[str, Tuple[str, str]] = {
@@ -71,6 +79,37 @@ class BackendStatus:
     optimizers: Tuple[str, ...]
     source: str
     capabilities: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``backend="auto"`` picks here and why (``Registry.choose_auto``; ``optirs info`` prints it)."""
+
+    name: Optional[str]  # None when no backend opens
+    reason: str
+    ranking: Tuple[str, ...] = ()  # the backends that probe available, best first
+
+    def __str__(self) -> str:
+        return f"backend='auto' chooses {self.name}: {self.reason}" if self.name else f"backend='auto': {self.reason}"
+
+
+def _open_device(probe: ProbeResult) -> Optional[DeviceInfo]:
+    """The device a backend would open: the one its probe marks ``selected``, else its first."""
+    devices = tuple(probe.devices)
+    return next((d for d in devices if d.details.get("selected")), devices[0] if devices else None)
+
+
+def _kind_rank(device: Optional[DeviceInfo]) -> int:
+    return DEVICE_KIND_RANK.get(device.kind, _OTHER_KIND_RANK) if device is not None else _OTHER_KIND_RANK
+
+
+def _kind_words(device: DeviceInfo) -> str:
+    return _KIND_WORDS.get(device.kind, f"a device of kind {device.kind!r}")
+
+
+def _describe_device(device: DeviceInfo) -> str:
+    where = device.details.get("platform")
+    return device.name + (f" on {where}" if where else "")
 
 
 @dataclass(frozen=True)
@@ -184,6 +223,7 @@ class Registry:
         self._pm: Optional[pluggy.PluginManager] = None
         self.records: Dict[str, PluginRecord] = {}
         self._opened: Dict[Tuple[str, Tuple], Backend] = {}
+        self._auto: Dict[Tuple, AutoChoice] = {}  # choose_auto's answers, per options and candidates
 
     # ------------------------------------------------------------ loading
 
@@ -268,6 +308,7 @@ class Registry:
             self._pm = None
             self.records.clear()
             self._opened.clear()
+            self._auto.clear()
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -345,22 +386,100 @@ class Registry:
                                     record.error.splitlines()[0] if record.error else ""))
         return out
 
+    def check_backend_name(self, name: str) -> None:
+        """Raise BackendUnavailableError unless ``name`` is ``"auto"`` or a known backend plugin.
+
+        Loads the plugins (once) but probes no device, so optimizers can check their config at
+        construction.
+        """
+        with self._lock:
+            self.pm
+            if name == "auto" or name in self.backend_names():
+                return
+            if name in self.records:
+                raise BackendUnavailableError(f"plugin {name!r} is an analysis plugin, not a backend")
+            known = ", ".join(sorted(self.backend_names())) or "none"
+            raise BackendUnavailableError(f"unknown backend {name!r}; known backends: {known} (or 'auto')")
+
+    def choose_auto(self, options: Optional[Dict[str, Any]] = None) -> AutoChoice:
+        """Which backend ``"auto"`` opens here, and why, from the probes of SUPPORTED_BACKENDS.
+
+        Each candidate that probes available is ranked by the kind of the device it would open
+        (DEVICE_KIND_RANK); among GPUs and accelerators the first in probe order wins, among CPUs
+        the last (the host's own backend), among simulators the first. Probes only; opens nothing.
+        """
+        options = dict(options or {})
+        with self._lock:
+            self.pm
+            order = tuple(SUPPORTED_BACKENDS)
+            key = (order, tuple(self.records), tuple(sorted((k, repr(v)) for k, v in options.items())))
+            hit = self._auto.get(key)
+            if hit is not None:
+                return hit
+            found: List[Tuple[Tuple[int, int], str, Optional[DeviceInfo], ProbeResult]] = []
+            missing: List[str] = []
+            for pos, candidate in enumerate(order):
+                if candidate not in self.records:
+                    missing.append(f"{candidate}: not installed")
+                    continue
+                if not self.records[candidate].broken and self.kind(candidate) != "backend":
+                    missing.append(f"{candidate}: an analysis plugin, not a backend")
+                    continue
+                probe = self.probe(candidate, options)
+                if not probe.available:
+                    missing.append(f"{candidate}: {probe.reason}")
+                    continue
+                device = _open_device(probe)
+                rank = _kind_rank(device)
+                found.append(((rank, -pos if rank == DEVICE_KIND_RANK["cpu"] else pos), candidate, device, probe))
+            found.sort(key=lambda f: f[0])
+            if not found:
+                choice = AutoChoice(None, "no backend could open: " + "; ".join(missing))
+            else:
+                choice = AutoChoice(found[0][1], self._auto_reason(found, missing), tuple(f[1] for f in found))
+            self._auto[key] = choice
+            return choice
+
+    @staticmethod
+    def _auto_reason(found: List[Tuple], missing: List[str]) -> str:
+        (rank, _), name, device, _ = found[0]
+        what = f"{_describe_device(device)}, {_kind_words(device)}" if device is not None else "a device of unknown kind"
+        if rank == DEVICE_KIND_RANK["gpu"]:
+            parts = [f"it opens on {what}; a GPU or accelerator backend beats a CPU one"]
+        else:
+            parts = []
+            for (_, _), other, other_device, probe in found[1:]:
+                if other_device is None:
+                    continue
+                only = "only device is" if len(probe.devices) == 1 else "device is"
+                parts.append(f"{other}'s {only} {_kind_words(other_device)} ({_describe_device(other_device)})")
+            if rank == DEVICE_KIND_RANK["cpu"]:
+                tail = f"where the host's own {name} backend is faster" if parts else f"it runs on {what}"
+            else:
+                tail = f"it runs on {what} (no GPU, accelerator or CPU backend opens)"
+            parts = [", ".join(parts + [tail]) if parts else tail]
+            if rank == DEVICE_KIND_RANK["cpu"]:
+                parts.append("no GPU or accelerator backend opens")
+        if missing:
+            parts.append("; ".join(missing))
+        return "; ".join(parts)
+
     def get_backend(self, name: str = "auto", options: Optional[Dict[str, Any]] = None) -> Backend:
-        """Open (once) and return the backend called ``name``; ``"auto"`` tries SUPPORTED_BACKENDS in order."""
+        """Open (once) and return the backend called ``name``; ``"auto"``: the one ``choose_auto`` ranks first that opens."""
         options = dict(options or {})
         with self._lock:
             self.pm
             if name == "auto":
+                choice = self.choose_auto(options)
                 reasons = []
-                for candidate in SUPPORTED_BACKENDS:
-                    if candidate not in self.records:
-                        reasons.append(f"{candidate}: not installed")
-                        continue
+                for candidate in choice.ranking:
                     try:
                         return self.get_backend(candidate, options)
                     except BackendUnavailableError as exc:
                         reasons.append(f"{candidate}: {exc}")
-                raise BackendUnavailableError("no backend could open: " + "; ".join(reasons))
+                if choice.name is None:
+                    raise BackendUnavailableError(choice.reason)
+                raise BackendUnavailableError("no backend could open: " + "; ".join(reasons) + f" (probes: {choice.reason})")
             record = self.records.get(name)
             if record is None:
                 known = ", ".join(sorted(self.backend_names())) or "none"
@@ -393,8 +512,13 @@ def list_plugins() -> List[PluginStatus]:
 
 
 def get_backend(name: str = "auto", **options: Any) -> Backend:
-    """The opened backend called ``name`` (``"auto"``: the first of SUPPORTED_BACKENDS that opens)."""
+    """The opened backend called ``name`` (``"auto"``: the fastest kind of device found, see :func:`choose_auto`)."""
     return REGISTRY.get_backend(name, options)
+
+
+def choose_auto(**options: Any) -> AutoChoice:
+    """Which backend ``backend="auto"`` opens on this machine, and why (nothing is opened)."""
+    return REGISTRY.choose_auto(options)
 
 
 def register_plugin(plugin: Any, name: str) -> None:

@@ -52,6 +52,9 @@ def info_main(argv: List[str]) -> int:
         ) or "-"
         table.add_row(b.name, status, devices)
     console.print(table)
+    from optirs.plugin.registry import choose_auto
+
+    console.print(str(choose_auto()), markup=False, highlight=False)
     matrix = Table(title="Capability matrix (from the hooks each backend implements)")
     matrix.add_column("backend")
     for opt in OPTIMIZER_NAMES:

@@ -443,6 +443,40 @@ def _device_index(device: Any) -> int:
     raise InvalidParameterError(f"device={device!r}, expected a CUDA device index or name substring")
 
 
+# ------------------------------------------------------------------ why numba.cuda does not import
+
+# Text of errors raised when numba or numba-cuda use a numpy API that the installed numpy removed
+# (numba-cuda 0.30.4 overloads ``np.row_stack``, which numpy 2.5 removed) or reject its version.
+_NUMPY_MISMATCH = ("module 'numpy' has no attribute", "numpy.core", "numba needs numpy", "numpy version")
+
+
+def _version(dist: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def import_failure_reason(exc: BaseException) -> str:
+    """Why ``from numba import cuda`` failed: the exception, the likely cause and the fix."""
+    error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    numpy_v, numba_v, cuda_v = np.__version__, _version("numba"), _version("numba-cuda")
+    versions = f"numpy {numpy_v}, numba {numba_v or 'not installed'}, numba-cuda {cuda_v or 'not installed'}"
+    if cuda_v is None or numba_v is None:
+        cause = "numba-cuda is not installed; fix: pip install 'optirs[cuda]'"
+    elif any(m in error.lower() for m in _NUMPY_MISMATCH):
+        major_minor = ".".join(numpy_v.split(".")[:2])
+        cause = (f"numpy {numpy_v} is newer than numba-cuda {cuda_v} supports (it uses a numpy API that numpy "
+                 f"{major_minor} removed or changed); fix: pip install 'numpy<{major_minor}' (optirs[cuda] pins "
+                 f"it), or a numba-cuda release that supports numpy {major_minor}")
+    else:
+        cause = ("the installed numba-cuda, numba and numpy may not work together; "
+                 "fix: pip install --upgrade 'optirs[cuda]'")
+    return f"numba-cuda is not importable ({error}); {versions}: likely cause: {cause}"
+
+
 # ------------------------------------------------------------------ the plugin
 
 
@@ -458,8 +492,8 @@ class CudaDevice:
         try:
             import numba
             from numba import cuda
-        except ImportError as exc:
-            return ProbeResult(False, f"numba-cuda is not importable: {exc}")
+        except Exception as exc:  # not only ImportError: an incompatible numpy fails with AttributeError
+            return ProbeResult(False, import_failure_reason(exc))
         if _simulator():
             return ProbeResult(True, "", (DeviceInfo("numba CUDA simulator", "simulator", None, 1,
                                                      {"numba": numba.__version__}),))
@@ -468,6 +502,8 @@ class CudaDevice:
 
             count = driver.get_device_count()
         except Exception as exc:
+            if any(m in str(exc).lower() for m in _NUMPY_MISMATCH):  # numba.cuda's driver module did not import
+                return ProbeResult(False, import_failure_reason(exc))
             return ProbeResult(False, "no CUDA GPU: " + " ".join(str(exc).split()))
         if not count:
             return ProbeResult(False, "no CUDA GPU: the driver reports 0 devices")
