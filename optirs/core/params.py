@@ -251,7 +251,7 @@ class AdafactorParams(_Params):
         _at_least("lr", self.lr, 0.0)
         if _real("beta2_decay", self.beta2_decay) > 0.0:
             raise InvalidParameterError(f"beta2_decay={self.beta2_decay!r}, expected beta2_decay <= 0")
-        if isinstance(self.eps, (str, bytes)) or not hasattr(self.eps, "__len__") or len(self.eps) != 2:
+        if not isinstance(self.eps, (tuple, list)) or len(self.eps) != 2:
             raise InvalidParameterError(f"eps={self.eps!r}, expected a pair (eps1 or None, eps2)")
         eps1, eps2 = self.eps
         if eps1 is not None:
