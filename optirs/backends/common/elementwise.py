@@ -6,6 +6,10 @@ parallel CPU loop, a CUDA grid) live in the backends. ``sc`` is the optimizer's 
 literal floats appear here, since numba would promote them to float64). The branches test
 per-step flags that are the same for every element.
 
+Weight decay follows torch: with ``weight_decay`` 0 there is no decay term at all (torch adds
+``weight_decay * p`` only when ``weight_decay != 0``), so an infinite weight stays infinite
+instead of becoming ``0 * inf`` = NaN. The test is on a scalar, uniform over the elements.
+
 ``error_model="numpy"``: division follows IEEE (inf/nan, as on a GPU) instead of raising
 ZeroDivisionError; the raise check would also stop LLVM from vectorizing the CPU loops.
 """
@@ -25,7 +29,7 @@ def adam_update(p, g, m, v, vmax, sc):
     """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
     if sc.decoupled:
         p = p * sc.decay_factor
-    else:
+    elif sc.weight_decay != 0:
         g = g + sc.weight_decay * p
     m = sc.beta1 * m + sc.one_minus_beta1 * g
     v = sc.beta2 * v + sc.one_minus_beta2 * g * g
@@ -41,7 +45,8 @@ def adam_update(p, g, m, v, vmax, sc):
 @njit(cache=True, error_model="numpy")
 def sgd_update(p, g, buf, sc):
     """One SGD element: returns (p, momentum_buffer)."""
-    g = g + sc.weight_decay * p
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
     if sc.has_momentum:
         if sc.first_step:
             buf = g
@@ -57,7 +62,8 @@ def sgd_update(p, g, buf, sc):
 @njit(cache=True, error_model="numpy")
 def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
     """One RMSprop element: returns (p, square_avg, momentum_buffer, grad_avg)."""
-    g = g + sc.weight_decay * p
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
     square_avg = sc.alpha * square_avg + sc.one_minus_alpha * g * g
     if sc.centered:
         grad_avg = sc.alpha * grad_avg + sc.one_minus_alpha * g
@@ -75,7 +81,8 @@ def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
 @njit(cache=True, error_model="numpy")
 def adagrad_update(p, g, acc, sc):
     """One Adagrad element: returns (p, sum)."""
-    g = g + sc.weight_decay * p
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
     acc = acc + g * g
     return p - sc.clr * g / (math.sqrt(acc) + sc.eps), acc
 
@@ -90,7 +97,10 @@ def lamb_moments(g, m, v, grad_scale, sc):
 @njit(cache=True, error_model="numpy")
 def lamb_direction(p, m, v, sc):
     """LAMB's update direction u for one element (before the trust ratio and learning rate)."""
-    return (m / sc.bias_correction1) / (math.sqrt(v / sc.bias_correction2) + sc.eps) + sc.weight_decay * p
+    u = (m / sc.bias_correction1) / (math.sqrt(v / sc.bias_correction2) + sc.eps)
+    if sc.weight_decay != 0:
+        u = u + sc.weight_decay * p
+    return u
 
 
 # The two functions below act once per tensor (or once per step), not per element, so they may
