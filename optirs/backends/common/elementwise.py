@@ -107,17 +107,27 @@ def lamb_direction(p, m, v, sc):
 # work in float64; the kernels round their results to float32 before the element pass.
 
 
+# Non-finite norms follow the float64 reference (optirs.core.reference) exactly: a NaN norm gives
+# a NaN trust ratio or clip factor (every element of the tensor, or of the model, becomes NaN),
+# never a clip to max_trust_ratio or 1; an infinite gradient norm clips by max_norm / inf = 0.
+
+
 @njit(cache=True, error_model="numpy")
 def lamb_trust_ratio(param_norm, update_norm, max_trust_ratio):
-    """||p|| / ||u||, 1 where either norm is zero, at most ``max_trust_ratio``."""
+    """||p|| / ||u||, 1 where either norm is zero, at most ``max_trust_ratio`` (NaN stays NaN)."""
     ratio = 1.0 if param_norm == 0.0 or update_norm == 0.0 else param_norm / update_norm
-    return min(ratio, max_trust_ratio)
+    if ratio > max_trust_ratio:
+        ratio = max_trust_ratio
+    return ratio
 
 
 @njit(cache=True, error_model="numpy")
 def clip_scale(norm, max_norm):
-    """The global gradient clipping factor min(1, max_norm / norm); ``max_norm`` 0 means off."""
-    return max_norm / norm if 0.0 < max_norm < norm else 1.0
+    """The global gradient clipping factor: 1 where norm <= max_norm, else max_norm / norm (NaN for a
+    NaN norm); ``max_norm`` 0 means off."""
+    if not max_norm > 0.0 or norm <= max_norm:
+        return 1.0
+    return max_norm / norm
 
 
 @njit(cache=True, error_model="numpy")
