@@ -151,7 +151,7 @@ def lamb(params, grads, state, hp: LambParams, step: int) -> StepResult:
         g = g * scale
         m = hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g
         v = hp.beta2 * s["exp_avg_sq"] + (1.0 - hp.beta2) * g * g
-        u = (m / bc1) / (np.sqrt(v / bc2) + hp.eps)
+        u = (m / bc1) / (np.sqrt(v) / np.sqrt(bc2) + hp.eps)
         if hp.weight_decay != 0:
             u = u + hp.weight_decay * p
         ratio = lamb_trust_ratio(float(np.linalg.norm(p)), float(np.linalg.norm(u)), hp)

@@ -97,7 +97,8 @@ def lamb_moments(g, m, v, grad_scale, sc):
 @njit(cache=True, error_model="numpy")
 def lamb_direction(p, m, v, sc):
     """LAMB's update direction u for one element (before the trust ratio and learning rate)."""
-    u = (m / sc.bias_correction1) / (math.sqrt(v / sc.bias_correction2) + sc.eps)
+    # sqrt(v) / sqrt(bc2), not sqrt(v / bc2): v / bc2 overflows float32 where the quotient is finite
+    u = (m / sc.bias_correction1) / (math.sqrt(v) / math.sqrt(sc.bias_correction2) + sc.eps)
     if sc.weight_decay != 0:
         u = u + sc.weight_decay * p
     return u

@@ -159,7 +159,8 @@ void FN(lamb_moments)(T g, T *m, T *v, float grad_scale, const lamb_scalars *sc)
 /* The update direction u, before the trust ratio and the learning rate. */
 T FN(lamb_direction)(T p, T m, T v, const lamb_scalars *sc)
 {
-    T u = (m / sc->bias_correction1) / (sqrt(v / sc->bias_correction2) + sc->eps);
+    /* sqrt(v) / sqrt(bc2), not sqrt(v / bc2): v / bc2 overflows where the quotient is finite */
+    T u = (m / sc->bias_correction1) / (sqrt(v) / sqrt(sc->bias_correction2) + sc->eps);
     if (sc->weight_decay != 0.0f)
         u = u + sc->weight_decay * p;
     return u;
