@@ -210,3 +210,61 @@ def test_lamb_edges_follow_the_reference(backend, case, hp_name):
         assert_same_values(a, e)
     if case.startswith("large"):
         assert all(np.isfinite(p).all() for p in params)
+
+
+# ---------------------------------------------------------------- 3. found_inf: skip the whole step
+
+
+def _flags(backend):
+    """Every accepted form of a set flag: host bools, numpy arrays, the backend's device array."""
+    return [True, np.bool_(True), np.array([1], np.uint8), np.array([np.nan], np.float32),
+            np.array([np.inf], np.float32), to_backend_array(backend, np.array([1.0], np.float32))]
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd", "lamb", "adafactor", "lion"])
+def test_found_inf_skips_the_whole_step(backend, rng, name, simulator_arrays):  # noqa: F811
+    hp = OPTIMIZERS[name]().params
+    params = [rng.standard_normal((4, 5)).astype(np.float32), rng.standard_normal(6).astype(np.float32)]
+    grads = [[rng.standard_normal(p.shape).astype(np.float32) for p in params] for _ in range(3)]
+    poisoned = [np.full(p.shape, np.nan, np.float32) for p in params]
+    expected, expected_state = reference.run(name, params, grads, hp)
+    opt = OPTIMIZERS[name](hp, optirs.GpuOptimizerConfig(backend=backend))
+    opt.step_gpu(params, grads[0], found_inf=False)
+    opt.step_gpu(params, grads[1], found_inf=np.array([0.0], np.float32))
+    before, state_before = [p.copy() for p in params], opt.state_dict()
+    for flag in _flags(backend):
+        opt.step_gpu(params, poisoned, found_inf=flag)
+        assert opt.step_count == 2
+        for a, b in zip(params, before):
+            np.testing.assert_array_equal(a, b)
+        after = opt.state_dict()
+        assert after["step"] == 2
+        for mine, ref in zip(after["state"], state_before["state"]):
+            for k in ref:
+                np.testing.assert_array_equal(mine[k], ref[k])
+    opt.step_gpu(params, grads[2])  # the run goes on as if the skipped calls never happened
+    assert opt.step_count == 3
+    for a, e in zip(params, expected):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(e))))
+
+
+def test_found_inf_on_a_first_step_allocates_nothing(backend):
+    opt = optirs.GpuAdam(config=optirs.GpuOptimizerConfig(backend=backend))
+    p = np.ones(5, np.float32)
+    opt.step_gpu(p, np.full(5, np.inf, np.float32), found_inf=True)
+    np.testing.assert_array_equal(p, np.ones(5, np.float32))
+    assert opt.step_count == 0 and opt.state_dict()["state"] == []
+
+
+@pytest.mark.parametrize("flag,words", [(np.array([1.0, 0.0]), "2 elements"), ("yes", "found_inf"),
+                                        (np.zeros(0), "0 elements")])
+def test_bad_found_inf_is_refused_and_changes_nothing(flag, words):
+    opt = optirs.GpuSgd(optirs.SgdParams(lr=0.1, momentum=0.9), optirs.GpuOptimizerConfig(backend="cpu"))
+    p = np.ones(4, np.float32)
+    opt.step_gpu(p, np.ones(4, np.float32))
+    before, state = p.copy(), opt.state_dict()
+    with pytest.raises(optirs.InvalidParameterError, match=words):
+        opt.step_gpu(p, np.ones(4, np.float32), found_inf=flag)
+    np.testing.assert_array_equal(p, before)
+    assert opt.step_count == 1
+    np.testing.assert_array_equal(opt.state_dict()["state"][0]["momentum_buffer"], state["state"][0]["momentum_buffer"])
