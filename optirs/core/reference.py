@@ -5,6 +5,9 @@ Each function takes a model (a list of parameter arrays), its gradients, the per
 1-based step number, and returns new parameters and state; nothing is modified in place.
 Every backend is tested against these functions. The state slot names are the ones
 ``state_dict()`` uses.
+
+Weight decay is applied as torch applies it: only when ``weight_decay != 0`` (so an infinite
+weight with no decay stays infinite instead of becoming ``0 * inf`` = NaN).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ def _zeros_like_all(params: Sequence[np.ndarray], names: Sequence[str], fill: fl
     return [{n: np.full(p.shape, fill, np.float64) for n in names} for p in params]
 
 
+def _decay(p: np.ndarray, hp) -> np.ndarray:
+    """Decoupled weight decay p * (1 - lr * wd), skipped when wd is 0 (as torch: ``if weight_decay != 0``)."""
+    return p * (1.0 - hp.lr * hp.weight_decay) if hp.weight_decay != 0 else p
+
+
 def adam(params, grads, state, hp: AdamParams, step: int, decoupled: bool = False) -> StepResult:
     """Adam (L2 weight decay) or, with ``decoupled``, AdamW; amsgrad as torch.optim.Adam."""
     names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hp.amsgrad else [])
@@ -37,8 +45,8 @@ def adam(params, grads, state, hp: AdamParams, step: int, decoupled: bool = Fals
     new_p, new_s = [], []
     for p, g, s in zip(_f64(params), _f64(grads), state):
         if decoupled:
-            p = p * (1.0 - hp.lr * hp.weight_decay)
-        else:
+            p = _decay(p, hp)
+        elif hp.weight_decay != 0:
             g = g + hp.weight_decay * p
         m = hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g
         v = hp.beta2 * s["exp_avg_sq"] + (1.0 - hp.beta2) * g * g
@@ -62,7 +70,8 @@ def sgd(params, grads, state, hp: SgdParams, step: int) -> StepResult:
     """SGD as torch.optim.SGD: the first step's momentum buffer is the gradient itself."""
     new_p, new_s = [], []
     for i, (p, g) in enumerate(zip(_f64(params), _f64(grads))):
-        g = g + hp.weight_decay * p
+        if hp.weight_decay != 0:
+            g = g + hp.weight_decay * p
         ns: State = {}
         if hp.momentum != 0.0:
             if step == 1:
@@ -82,7 +91,8 @@ def rmsprop(params, grads, state, hp: RmspropParams, step: int) -> StepResult:
     state = state if state and state[0] else _zeros_like_all(params, names)
     new_p, new_s = [], []
     for p, g, s in zip(_f64(params), _f64(grads), state):
-        g = g + hp.weight_decay * p
+        if hp.weight_decay != 0:
+            g = g + hp.weight_decay * p
         sq = hp.alpha * s["square_avg"] + (1.0 - hp.alpha) * g * g
         ns = {"square_avg": sq}
         if hp.centered:
@@ -108,7 +118,8 @@ def adagrad(params, grads, state, hp: AdagradParams, step: int) -> StepResult:
     clr = hp.lr / (1.0 + (step - 1) * hp.lr_decay)
     new_p, new_s = [], []
     for p, g, s in zip(_f64(params), _f64(grads), state):
-        g = g + hp.weight_decay * p
+        if hp.weight_decay != 0:
+            g = g + hp.weight_decay * p
         acc = s["sum"] + g * g
         new_p.append(p - clr * g / (np.sqrt(acc) + hp.eps))
         new_s.append({"sum": acc})
@@ -140,7 +151,9 @@ def lamb(params, grads, state, hp: LambParams, step: int) -> StepResult:
         g = g * scale
         m = hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g
         v = hp.beta2 * s["exp_avg_sq"] + (1.0 - hp.beta2) * g * g
-        u = (m / bc1) / (np.sqrt(v / bc2) + hp.eps) + hp.weight_decay * p
+        u = (m / bc1) / (np.sqrt(v) / np.sqrt(bc2) + hp.eps)
+        if hp.weight_decay != 0:
+            u = u + hp.weight_decay * p
         ratio = lamb_trust_ratio(float(np.linalg.norm(p)), float(np.linalg.norm(u)), hp)
         new_p.append(p - hp.lr * ratio * u)
         new_s.append({"exp_avg": m, "exp_avg_sq": v})
@@ -168,7 +181,7 @@ def lion(params, grads, state, hp: LionParams, step: int) -> StepResult:
     state = state if state and state[0] else _zeros_like_all(params, ["exp_avg"])
     new_p, new_s = [], []
     for p, g, s in zip(_f64(params), _f64(grads), state):
-        p = p * (1.0 - hp.lr * hp.weight_decay)
+        p = _decay(p, hp)
         update = np.sign(hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g)
         new_p.append(p - hp.lr * update)
         new_s.append({"exp_avg": hp.beta2 * s["exp_avg"] + (1.0 - hp.beta2) * g})
@@ -200,7 +213,7 @@ def adafactor(params, grads, state, hp: AdafactorParams, step: int) -> StepResul
             continue
         g = -g if hp.maximize else g
         alpha = max(hp.eps[1], float(np.sqrt(np.mean(p * p)))) * rho  # RMS of p before the decay
-        p = p * (1.0 - hp.lr * hp.weight_decay)
+        p = _decay(p, hp)
         if p.ndim >= 2:
             row = s["row_var"] + weight * (np.mean(g * g, axis=-1, keepdims=True) - s["row_var"])
             col = s["col_var"] + weight * (np.mean(g * g, axis=-2, keepdims=True) - s["col_var"])

@@ -219,14 +219,22 @@ class GpuOptimizer:
             )
         return metas
 
-    def step_gpu(self, params: ArrayOrList, grads: ArrayOrList) -> None:
+    def step_gpu(self, params: ArrayOrList, grads: ArrayOrList, *, found_inf: Any = None) -> None:
         """One optimizer step over one array or a list of arrays, updating ``params`` in place.
 
         numpy inputs are uploaded, stepped and written back; the backend's own device arrays are
         stepped in place. Everything is checked first: on error nothing has changed.
+
+        ``found_inf`` (torch's fused optimizers' flag, computed by a pass that reads every gradient
+        anyway, such as a loss scaler's unscale): None steps as usual; a bool, ``numpy.bool_`` or a
+        1-element array (numpy, or this backend's device array, read back) that is nonzero skips
+        the whole step: parameters, state and ``step_count`` stay as they were.
         """
         plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
+        skip = self._found_inf(found_inf)
         metas = self._validate(plist, glist)
+        if skip:
+            return
         backend = self.backend
         step = backend.step_fn(self.name)
         layout = self._layout or TensorLayout([m.shape for m in metas])
@@ -243,6 +251,26 @@ class GpuOptimizer:
             staged.finish()
         self._layout, self._state, self._state_on_device = layout, state, True
         self._step += 1
+
+    def _found_inf(self, found_inf: Any) -> bool:
+        """``step_gpu``'s ``found_inf`` as a host bool (a device flag is read back here)."""
+        if found_inf is None:
+            return False
+        if isinstance(found_inf, (bool, np.bool_)):
+            return bool(found_inf)
+        if isinstance(found_inf, np.ndarray):
+            host = found_inf
+        else:
+            describe(found_inf, "found_inf")  # an array kind optirs does not know is refused here
+            backend = self.backend
+            try:
+                host = np.asarray(backend.to_host(backend.ctx, found_inf))
+            except Exception as exc:
+                raise InvalidParameterError(f"found_inf could not be read back by the {backend.name} backend "
+                                            f"({exc}), expected a bool, a numpy array or this backend's array") from exc
+        if host.size != 1:
+            raise InvalidParameterError(f"found_inf has {host.size} elements, expected a bool or a 1-element array")
+        return bool(host.reshape(-1)[0] != 0)
 
     # ------------------------------------------------------------ checkpoints
 

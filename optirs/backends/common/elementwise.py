@@ -6,6 +6,10 @@ parallel CPU loop, a CUDA grid) live in the backends. ``sc`` is the optimizer's 
 literal floats appear here, since numba would promote them to float64). The branches test
 per-step flags that are the same for every element.
 
+Weight decay follows torch: with ``weight_decay`` 0 there is no decay term at all (torch adds
+``weight_decay * p`` only when ``weight_decay != 0``), so an infinite weight stays infinite
+instead of becoming ``0 * inf`` = NaN. The test is on a scalar, uniform over the elements.
+
 ``error_model="numpy"``: division follows IEEE (inf/nan, as on a GPU) instead of raising
 ZeroDivisionError; the raise check would also stop LLVM from vectorizing the CPU loops.
 """
@@ -25,7 +29,7 @@ def adam_update(p, g, m, v, vmax, sc):
     """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
     if sc.decoupled:
         p = p * sc.decay_factor
-    else:
+    elif sc.weight_decay != 0:
         g = g + sc.weight_decay * p
     m = sc.beta1 * m + sc.one_minus_beta1 * g
     v = sc.beta2 * v + sc.one_minus_beta2 * g * g
@@ -41,7 +45,8 @@ def adam_update(p, g, m, v, vmax, sc):
 @njit(cache=True, error_model="numpy")
 def sgd_update(p, g, buf, sc):
     """One SGD element: returns (p, momentum_buffer)."""
-    g = g + sc.weight_decay * p
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
     if sc.has_momentum:
         if sc.first_step:
             buf = g
@@ -57,7 +62,8 @@ def sgd_update(p, g, buf, sc):
 @njit(cache=True, error_model="numpy")
 def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
     """One RMSprop element: returns (p, square_avg, momentum_buffer, grad_avg)."""
-    g = g + sc.weight_decay * p
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
     square_avg = sc.alpha * square_avg + sc.one_minus_alpha * g * g
     if sc.centered:
         grad_avg = sc.alpha * grad_avg + sc.one_minus_alpha * g
@@ -75,7 +81,8 @@ def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
 @njit(cache=True, error_model="numpy")
 def adagrad_update(p, g, acc, sc):
     """One Adagrad element: returns (p, sum)."""
-    g = g + sc.weight_decay * p
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
     acc = acc + g * g
     return p - sc.clr * g / (math.sqrt(acc) + sc.eps), acc
 
@@ -90,24 +97,38 @@ def lamb_moments(g, m, v, grad_scale, sc):
 @njit(cache=True, error_model="numpy")
 def lamb_direction(p, m, v, sc):
     """LAMB's update direction u for one element (before the trust ratio and learning rate)."""
-    return (m / sc.bias_correction1) / (math.sqrt(v / sc.bias_correction2) + sc.eps) + sc.weight_decay * p
+    # sqrt(v) / sqrt(bc2), not sqrt(v / bc2): v / bc2 overflows float32 where the quotient is finite
+    u = (m / sc.bias_correction1) / (math.sqrt(v) / math.sqrt(sc.bias_correction2) + sc.eps)
+    if sc.weight_decay != 0:
+        u = u + sc.weight_decay * p
+    return u
 
 
 # The two functions below act once per tensor (or once per step), not per element, so they may
 # work in float64; the kernels round their results to float32 before the element pass.
 
 
+# Non-finite norms follow the float64 reference (optirs.core.reference) exactly: a NaN norm gives
+# a NaN trust ratio or clip factor (every element of the tensor, or of the model, becomes NaN),
+# never a clip to max_trust_ratio or 1; an infinite gradient norm clips by max_norm / inf = 0.
+
+
 @njit(cache=True, error_model="numpy")
 def lamb_trust_ratio(param_norm, update_norm, max_trust_ratio):
-    """||p|| / ||u||, 1 where either norm is zero, at most ``max_trust_ratio``."""
+    """||p|| / ||u||, 1 where either norm is zero, at most ``max_trust_ratio`` (NaN stays NaN)."""
     ratio = 1.0 if param_norm == 0.0 or update_norm == 0.0 else param_norm / update_norm
-    return min(ratio, max_trust_ratio)
+    if ratio > max_trust_ratio:
+        ratio = max_trust_ratio
+    return ratio
 
 
 @njit(cache=True, error_model="numpy")
 def clip_scale(norm, max_norm):
-    """The global gradient clipping factor min(1, max_norm / norm); ``max_norm`` 0 means off."""
-    return max_norm / norm if 0.0 < max_norm < norm else 1.0
+    """The global gradient clipping factor: 1 where norm <= max_norm, else max_norm / norm (NaN for a
+    NaN norm); ``max_norm`` 0 means off."""
+    if not max_norm > 0.0 or norm <= max_norm:
+        return 1.0
+    return max_norm / norm
 
 
 @njit(cache=True, error_model="numpy")

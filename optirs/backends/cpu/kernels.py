@@ -77,6 +77,8 @@ def pointwise(ps, gs, s0, s1, s2, used, offsets, chunk_tensor, chunk_start, chun
 
 # Sums of squares for LAMB's norms, in float64. ``reassoc`` lets LLVM split the sum over vector
 # lanes; it applies to this function's additions only (the inlined element math keeps IEEE order).
+# Each value is widened before it is squared: a float32 square overflows from |x| ~ 1.8e19 on,
+# where the norm itself is still finite.
 _sum_jit = njit(cache=True, error_model="numpy", fastmath={"reassoc"})
 
 
@@ -84,7 +86,8 @@ _sum_jit = njit(cache=True, error_model="numpy", fastmath={"reassoc"})
 def _sum_squares(x):
     total = 0.0
     for i in range(x.shape[0]):
-        total += np.float64(x[i] * x[i])
+        xi = np.float64(x[i])
+        total += xi * xi
     return total
 
 
@@ -92,8 +95,8 @@ def _sum_squares(x):
 def _sum_squared_directions(p, m, v, sc):
     total = 0.0
     for i in range(p.shape[0]):
-        u = lamb_direction(p[i], m[i], v[i], sc)
-        total += np.float64(u * u)
+        u = np.float64(lamb_direction(p[i], m[i], v[i], sc))
+        total += u * u
     return total
 
 

@@ -264,7 +264,7 @@ def lamb_grad_norm(chunks, ptrs, nchunks, acc, q, ntensors, sc):
         i = tid
         while i < n:
             g = ld(ga + (i << 2))
-            s += float64(g * g)
+            s += float64(g) * float64(g)  # widened before squaring: no float32 overflow
             i += nthreads
         c += cuda.gridDim.x
     if cuda.blockIdx.x < nchunks:
@@ -275,7 +275,7 @@ def lamb_grad_norm(chunks, ptrs, nchunks, acc, q, ntensors, sc):
 def _lamb_pass1(p, g, m, v, grad_scale, sc):
     m, v = lamb_moments(g, m, v, grad_scale, sc)
     u = lamb_direction(p, m, v, sc)
-    return m, v, float64(p * p), float64(u * u)
+    return m, v, float64(p) * float64(p), float64(u) * float64(u)
 
 
 def lamb_moments_pass(chunks, ptrs, nchunks, s0, s1, acc, q, ntensors, sc):

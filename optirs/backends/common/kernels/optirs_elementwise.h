@@ -9,6 +9,10 @@
  * Expects: T, FN(name) (name with the suffix), and the structs of optirs_scalars.h.
  * The *_elem functions load element (or vector) i of the parameter/gradient and j of the
  * state, update, and store; state slots an option does not use are never touched.
+ *
+ * As torch, weight_decay == 0 adds no decay term (so 0 * inf never makes an infinite weight NaN);
+ * the test is on a scalar, the same for every element. The decoupled decays multiply by
+ * decay_factor, exactly 1 when weight_decay is 0, which keeps every value as it is.
  */
 
 /* ---------------------------------------------------------------- Adam / AdamW */
@@ -18,7 +22,7 @@ void FN(adam_update)(T *p, T g, T *m, T *v, T *vmax, const adam_scalars *sc)
     T pp = *p;
     if (sc->decoupled)
         pp = pp * sc->decay_factor;
-    else
+    else if (sc->weight_decay != 0.0f)
         g = g + sc->weight_decay * pp;
     const T mm = sc->beta1 * *m + sc->one_minus_beta1 * g;
     const T vv = sc->beta2 * *v + sc->one_minus_beta2 * g * g;
@@ -54,7 +58,8 @@ void FN(adam_elem)(__global T *p, __global const T *g, __global T *s0, __global 
 
 void FN(sgd_update)(T *p, T g, T *buf, const sgd_scalars *sc)
 {
-    g = g + sc->weight_decay * *p;
+    if (sc->weight_decay != 0.0f)
+        g = g + sc->weight_decay * *p;
     if (sc->has_momentum) {
         if (sc->first_step)
             *buf = g;
@@ -85,7 +90,8 @@ void FN(sgd_elem)(__global T *p, __global const T *g, __global T *s0, __global T
 
 void FN(rmsprop_update)(T *p, T g, T *square_avg, T *buf, T *grad_avg, const rmsprop_scalars *sc)
 {
-    g = g + sc->weight_decay * *p;
+    if (sc->weight_decay != 0.0f)
+        g = g + sc->weight_decay * *p;
     *square_avg = sc->alpha * *square_avg + sc->one_minus_alpha * g * g;
     T avg;
     if (sc->centered) {
@@ -124,7 +130,8 @@ void FN(rmsprop_elem)(__global T *p, __global const T *g, __global T *s0, __glob
 
 void FN(adagrad_update)(T *p, T g, T *acc, const adagrad_scalars *sc)
 {
-    g = g + sc->weight_decay * *p;
+    if (sc->weight_decay != 0.0f)
+        g = g + sc->weight_decay * *p;
     *acc = *acc + g * g;
     *p = *p - sc->clr * g / (sqrt(*acc) + sc->eps);
 }
@@ -152,7 +159,11 @@ void FN(lamb_moments)(T g, T *m, T *v, float grad_scale, const lamb_scalars *sc)
 /* The update direction u, before the trust ratio and the learning rate. */
 T FN(lamb_direction)(T p, T m, T v, const lamb_scalars *sc)
 {
-    return (m / sc->bias_correction1) / (sqrt(v / sc->bias_correction2) + sc->eps) + sc->weight_decay * p;
+    /* sqrt(v) / sqrt(bc2), not sqrt(v / bc2): v / bc2 overflows where the quotient is finite */
+    T u = (m / sc->bias_correction1) / (sqrt(v) / sqrt(sc->bias_correction2) + sc->eps);
+    if (sc->weight_decay != 0.0f)
+        u = u + sc->weight_decay * p;
+    return u;
 }
 
 /* ---------------------------------------------------------------- Lion */

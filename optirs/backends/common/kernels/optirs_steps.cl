@@ -152,10 +152,13 @@ acc_t group_sum(acc_t x, __local acc_t *scratch)
     return total;
 }
 
+/* x^2 in the accumulator's type: widened before squaring (as the CPU and CUDA backends), so
+ * |x| >= 1.8e19, whose float32 square overflows, still gives a finite norm. */
+#define SQUARE(x) ((acc_t)(x) * (acc_t)(x))
+
 acc_t sum_squares4(float4 x)
 {
-    const float4 x2 = x * x; /* float32 squares widened, as the CPU backend does */
-    return ((acc_t)x2.s0 + (acc_t)x2.s1) + ((acc_t)x2.s2 + (acc_t)x2.s3);
+    return (SQUARE(x.s0) + SQUARE(x.s1)) + (SQUARE(x.s2) + SQUARE(x.s3));
 }
 
 /* ---------------------------------------------------------------- LAMB */
@@ -173,10 +176,10 @@ void lamb_grad_sumsq(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), CHUNK_TABLE_PARAMS
             s += sum_squares4(((__global const float4 *)g)[k]);
         if (lid == 0)
             for (long k = 4 * vstop; k < stop; ++k)
-                s += (acc_t)(g[k] * g[k]);
+                s += SQUARE(g[k]);
     } else {
         for (long k = start + lid; k < stop; k += OPTIRS_WG)
-            s += (acc_t)(g[k] * g[k]);
+            s += SQUARE(g[k]);
     }
     s = group_sum(s, scratch);
     if (lid == 0)
@@ -195,7 +198,8 @@ void lamb_grad_scale(__global const acc_t *partial, uint nchunks, float max_grad
     s = group_sum(s, scratch);
     if (get_local_id(0) == 0) {
         const acc_t norm = sqrt(s), max_norm = (acc_t)max_grad_norm;
-        scale[0] = (0 < max_norm && max_norm < norm) ? (float)(max_norm / norm) : 1.0f;
+        /* as the reference: a NaN norm gives a NaN factor (not 1), an infinite one 0 */
+        scale[0] = (0 < max_norm && !(norm <= max_norm)) ? (float)(max_norm / norm) : 1.0f;
     }
 }
 
@@ -229,8 +233,8 @@ void lamb_moments(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *M, __
                 m[k] = mm;
                 v[k] = vv;
                 const float u = lamb_direction_v1(p[k], mm, vv, &sc);
-                sp += (acc_t)(p[k] * p[k]);
-                su += (acc_t)(u * u);
+                sp += SQUARE(p[k]);
+                su += SQUARE(u);
             }
     } else {
         for (long k = start + lid; k < stop; k += OPTIRS_WG) {
@@ -239,8 +243,8 @@ void lamb_moments(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *M, __
             m[k] = mm;
             v[k] = vv;
             const float u = lamb_direction_v1(p[k], mm, vv, &sc);
-            sp += (acc_t)(p[k] * p[k]);
-            su += (acc_t)(u * u);
+            sp += SQUARE(p[k]);
+            su += SQUARE(u);
         }
     }
     sp = group_sum(sp, scratch);
@@ -269,7 +273,8 @@ void lamb_trust_ratios(__global const acc_t *partial, __global const int *first_
     if (get_local_id(0) == 0) {
         const acc_t pn = sqrt(sp), un = sqrt(su);
         const acc_t r = (pn == 0 || un == 0) ? (acc_t)1 : pn / un;
-        ratio[t] = (float)fmin(r, (acc_t)max_trust_ratio);
+        /* not fmin, which drops a NaN: a NaN ratio stays NaN, as the reference */
+        ratio[t] = (float)(r > (acc_t)max_trust_ratio ? (acc_t)max_trust_ratio : r);
     }
 }
 
@@ -384,7 +389,7 @@ void adafactor_step(__global float *P, __global const float *G, __global float *
             const float v = adafactor_running_mean_v1(var[i], x * x, &sc);
             var[i] = v;
             const float u = adafactor_direction_v1(x, v, &sc);
-            u_sumsq += (acc_t)(u * u);
+            u_sumsq += SQUARE(u);
         }
     }
     barrier(CLK_GLOBAL_MEM_FENCE);
@@ -399,7 +404,7 @@ void adafactor_step(__global float *P, __global const float *G, __global float *
     if (factored)
         for (long i = lid; i < n; i += OPTIRS_WG) {
             const float u = adafactor_factored_update(g, row, col, mean, i, rows, cols, &sc);
-            u_sumsq += (acc_t)(u * u);
+            u_sumsq += SQUARE(u);
         }
     u_sumsq = group_sum(u_sumsq, scratch);
     const float step = n > 0 ? adafactor_step_size(p_sumsq, u_sumsq, n, &sc) : 0.0f;
