@@ -58,7 +58,8 @@ class TinyBackend:
     def optirs_step_sgd(self, ctx, params, grads, state, layout: TensorLayout, scalars: SgdScalars):
         ctx.steps += 1
         for p, g, start, size in zip(params, grads, layout.offsets, layout.sizes):
-            g = g + scalars.weight_decay * p
+            if scalars.weight_decay != 0:  # as torch: no decay term (no 0 * inf) without decay
+                g = g + scalars.weight_decay * p
             if scalars.has_momentum:  # the state buffer holds every tensor back to back
                 buf = state["momentum_buffer"][start : start + size]
                 buf[...] = g if scalars.first_step else scalars.momentum * buf + scalars.dampening_factor * g

@@ -56,7 +56,8 @@ def _slices(layout):
 def optirs_step_sgd(ctx, params, grads, state, layout, scalars):
     ctx["steps"] += 1
     for p, g, s in zip(params, grads, _slices(layout)):
-        g = g + scalars.weight_decay * p
+        if scalars.weight_decay != 0:  # as torch: no decay term (and no 0 * inf) without decay
+            g = g + scalars.weight_decay * p
         if scalars.has_momentum:
             buf = state["momentum_buffer"]
             buf[s] = g if scalars.first_step else scalars.momentum * buf[s] + scalars.dampening_factor * g
@@ -68,7 +69,8 @@ def optirs_step_sgd(ctx, params, grads, state, layout, scalars):
 def optirs_step_adam(params, grads, state, layout, scalars):
     m, v = state["exp_avg"], state["exp_avg_sq"]
     for p, g, s in zip(params, grads, _slices(layout)):
-        g = g + scalars.weight_decay * p
+        if scalars.weight_decay != 0:  # as torch: no decay term (and no 0 * inf) without decay
+            g = g + scalars.weight_decay * p
         m[s] = scalars.beta1 * m[s] + scalars.one_minus_beta1 * g
         v[s] = scalars.beta2 * v[s] + scalars.one_minus_beta2 * g * g
         if scalars.amsgrad:

@@ -56,7 +56,8 @@ def optirs_sparse_adam_step(table, grad, scalars, dense_decay):
 
 def _sgd(p, g, buf, first, sc):
     """p, buf after one SGD step; ``first`` (bool per row, or a scalar) starts the buffer at g."""
-    g = g + sc.weight_decay * p
+    if sc.weight_decay != 0:  # as torch: no decay term without decay
+        g = g + sc.weight_decay * p
     if sc.has_momentum:
         buf = np.where(first, g, sc.momentum * buf + sc.dampening_factor * g)
         g = g + sc.momentum * buf if sc.nesterov else buf
