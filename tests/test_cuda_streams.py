@@ -342,3 +342,50 @@ def test_capture_in_a_cuda_graph_raises_clearly(rng, warm):
     torch.cuda.synchronize()
     assert opt.step_count == steps
     assert torch.equal(p, before)
+
+
+# ------------------------------------------------------------------ the H200 benchmark script
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_torch_step.py"
+    spec = importlib.util.spec_from_file_location("bench_torch_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+def test_bench_gpt2_shapes_are_gpt2_124m():
+    _, bench = _bench_module()
+    shapes = bench.gpt2_shapes(bench.gpt2_config(smoke=False))
+    assert len(shapes) == 148
+    assert sum(bench._prod(s) for _, s in shapes) == 124_439_808  # GPT-2 124M with the tied head
+    groups = bench.groups_of(shapes, list(range(len(shapes))))
+    assert len(groups[0]["params"]) == 2 + 4 * 12 and len(groups[1]["params"]) == 2 + 8 * 12
+    small = bench.small_shapes(1_000_000, 50)
+    assert len(small) == 50 and abs(sum(bench._prod(s) for _, s in small) - 1_000_000) < 100
+
+
+def test_bench_smoke_skips_cleanly_without_cuda(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path, bench = _bench_module()
+    out = tmp_path / "smoke.json"
+    env = dict(os.environ, PYTHONPATH=str(path.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, str(path), "--smoke", "--json", str(out)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    reason = bench.cuda_unavailable_reason()
+    assert run.returncode == 0, run.stdout + run.stderr
+    if reason is None:  # a GPU machine: the smoke run measured something
+        assert "copy:" in run.stdout and "ms" in json.loads(out.read_text())["copy"]
+    else:
+        assert "skipped" in run.stdout and "needs torch with a CUDA GPU" in run.stdout
+        assert json.loads(out.read_text()) == {"skipped": reason}
+        full = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=900)
+        assert full.returncode == 2 and "skipped" in full.stdout  # a full run without CUDA is an error
