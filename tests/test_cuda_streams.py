@@ -329,6 +329,7 @@ def test_capture_in_a_cuda_graph_raises_clearly(rng, warm):
     p = torch.from_numpy(host.copy()).cuda()
     g = torch.ones(4096, device="cuda")
     opt = optirs.GpuAdam(optirs.AdamParams(lr=1e-2), optirs.GpuOptimizerConfig(backend="cuda"))
+    opt.backend  # opened before the capture: the guard is about the step, not about opening a device
     if warm:
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
