@@ -690,6 +690,42 @@ def optirs_torch_device(ctx: BackendContext) -> Optional[str]:
     """
 
 
+# ---- streams (section owned by the CUDA-streams work)
+# Which device queue a backend's launches and copies go on, so that they are ordered with the
+# caller's own work (torch's current CUDA stream). The rule of a backend that has streams: a
+# stream pinned with optirs_use_stream (or the open option ``stream``) takes every launch;
+# otherwise a call on torch CUDA tensors goes on torch's current stream of their device at the
+# time of the call, and anything else on the legacy default stream (0). A step while the stream
+# is being captured into a CUDA graph raises UnsupportedOperationError: its per-step scalars are
+# host values and would replay stale. Host backends (cpu) run every call to completion in order:
+# their only stream is 0.
+
+
+@hookspec
+def optirs_use_stream(ctx: BackendContext, stream: Optional[Any]) -> None:
+    """Put every later launch and copy of ``ctx`` on ``stream``, or return to the rule.
+
+    The context is shared by every optimizer opened with the same options; to pin one optimizer
+    only, open it with ``GpuOptimizerConfig(options={"stream": handle})``.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param stream: a raw stream handle (``int``, e.g. ``torch.cuda.current_stream().cuda_stream``;
+        0 is the legacy default stream), a stream object of torch, numba or CuPy, or None / ``"auto"``
+        for the rule (torch's current stream for torch tensors, else 0).
+    :raises optirs.InvalidParameterError: for anything else.
+    :raises optirs.UnsupportedOperationError: for a stream other than 0 on a backend without streams.
+    """
+
+
+@hookspec
+def optirs_current_stream(ctx: BackendContext) -> int:
+    """The raw handle of the stream the context's launches go on now (the last call's, or the pinned one).
+
+    :param ctx: the context from :func:`optirs_open`.
+    :return: the stream handle; 0 for the legacy default stream (and on backends without streams).
+    """
+
+
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
@@ -699,5 +735,6 @@ CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "sparse": ("optirs_sparse_stage", "optirs_sparse_adam_step", "optirs_sparse_sgd_step"),
     "fusion": ("optirs_fusion_compile", "optirs_fusion_run"),
     "measure": ("optirs_measure_copy", "optirs_measure_elapsed_ms", "optirs_torch_device"),
+    "streams": ("optirs_use_stream", "optirs_current_stream"),
 }
 

@@ -20,6 +20,7 @@ from optirs.backends.cpu.fake_quant import CpuFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cpu.adafactor import CpuAdafactor
 from optirs.backends.cpu.measure import CpuMeasure
+from optirs.backends.cpu.streams import CpuStreams
 from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
 from optirs.backends.cpu.mixed_precision import CpuMixedPrecision
 from optirs.backends.cpu.sparse import CpuSparse
@@ -135,7 +136,7 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor, CpuMeasure):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor, CpuMeasure, CpuStreams):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

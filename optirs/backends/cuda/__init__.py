@@ -15,6 +15,17 @@
   is 256 threads per block and as many blocks as the compiled kernel keeps resident on every SM
   at once (the driver's occupancy query), never more blocks than chunks.
 
+* Streams: every launch (the prepared cuLaunchKernel's hStream, numba's ``kernel[grid, block,
+  stream]``) and every copy goes on the context's stream. Pinned by the open option ``stream``
+  (``GpuOptimizerConfig(options={"stream": handle})``, per optimizer) or ``optirs_use_stream``;
+  otherwise resolved per call from its arrays: torch CUDA tensors use torch's current stream of
+  their device at the time of the call (one ``torch.cuda.current_stream()`` per step), anything
+  else the legacy default stream 0. numpy inputs are downloaded after their stream's work.
+  ``optirs_synchronize`` waits for the whole context (every stream).
+* CUDA graphs: a step (or state allocation, unscale, sparse step) while its stream is being
+  captured raises UnsupportedOperationError (``cuStreamIsCapturing``): the per-step scalars are
+  host values in the launch arguments and a replay would repeat them.
+
 numba.cuda is imported by ``optirs_probe`` / ``optirs_open``, never by ``import optirs``.
 """
 
@@ -22,17 +33,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError
+from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.backends.cuda.fake_quant import CudaFakeQuant
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cuda.adafactor import CudaAdafactor
 from optirs.backends.cuda.measure import CudaMeasure
+from optirs.backends.cuda.streams import CudaStreams
 from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
 from optirs.backends.cuda.mixed_precision import CudaMixedPrecision
 from optirs.backends.cuda.sparse import CudaSparse
@@ -41,6 +54,7 @@ from optirs.backends.cuda.fusion import CudaFusion
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
 _LRU = 8  # cached pointer tables per layout, prepared launches per context
 
 
@@ -117,6 +131,23 @@ class _Launcher:
             pass
         return ctypes.c_void_p(handle)
 
+    def capture_status(self, stream: int) -> int:
+        """cuStreamIsCapturing of a raw stream: 0 none, 1 active, 2 invalidated (-1: unknown).
+
+        The legacy default stream answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT while a blocking
+        stream captures: reported as active, since a launch there would join or break the capture.
+        """
+        if self.lib is None:
+            return -1
+        out = ctypes.c_int()
+        try:
+            err = self.lib.cuStreamIsCapturing(ctypes.c_void_p(stream or None), ctypes.byref(out))
+        except AttributeError:  # pragma: no cover - a driver before CUDA 10
+            return -1
+        if err == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+            return 1
+        return int(out.value) if err == 0 else -1
+
     def active_blocks(self, function: ctypes.c_void_p, block: int) -> int:
         """Blocks of ``block`` threads the compiled kernel keeps resident per SM (the driver's occupancy)."""
         out = ctypes.c_int()
@@ -161,17 +192,19 @@ class PreparedLaunch:
             return value
         raise TypeError(f"cannot marshal kernel argument {value!r}")  # pragma: no cover
 
-    def __call__(self, sc: Any) -> None:
+    def __call__(self, sc: Any, stream: int = 0, nstream: Any = 0) -> None:
+        """Launch with scalars ``sc`` on the raw CUDA stream ``stream`` (0: the legacy default
+        stream); ``nstream`` is the same stream as numba's launch takes it (numba's fallback)."""
         if self.fn is None:
             args = self.args[:-1] + (sc,)
-            self.compiled.dispatcher[self.grid, self.block](*args)
+            self.compiled.dispatcher[self.grid, self.block, nstream](*args)
             return
         if sc is not self.sc:
             for cval, new, old in zip(self.sc_args, sc, self.sc):
                 if new != old:
                     cval.value = new
             self.sc = sc
-        err = self.fn(self.compiled.handle, self.grid, 1, 1, self.block, 1, 1, 0, None, self.pointers, None)
+        err = self.fn(self.compiled.handle, self.grid, 1, 1, self.block, 1, 1, 0, stream or None, self.pointers, None)
         if err:
             if err == CUDA_ERROR_OUT_OF_MEMORY:
                 raise DeviceMemoryError(f"cuLaunchKernel of {self.compiled.name} ran out of device memory")
@@ -251,6 +284,93 @@ class CudaContext:
         self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
         # Indirection for tests that simulate a failing allocation.
         self.device_array = cuda.device_array
+        # The stream every launch and copy goes on (see the module docstring, "Streams"):
+        # ``pinned`` is the caller's choice (options["stream"] or optirs_use_stream; None: the
+        # rule), ``stream`` the raw handle in use, ``nstream`` the same stream as numba takes it.
+        self._numba_streams: Dict[int, Any] = {}
+        self.pinned: Optional[int] = None
+        self.stream, self.nstream = 0, 0
+        self.use_stream(options.get("stream"))
+
+    # ------------------------------------------------ streams
+
+    def use_stream(self, stream: Any) -> None:
+        """Pin every later launch to ``stream`` (a raw handle, or a torch/numba/CuPy stream object);
+        None or "auto" returns to the rule (torch's current stream for torch tensors, else 0)."""
+        self.pinned = None if stream is None or (isinstance(stream, str) and stream == "auto") else stream_handle(stream)
+        self._set_stream(self.pinned or 0)
+
+    def _set_stream(self, handle: int) -> None:
+        if handle != self.stream:
+            self.stream, self.nstream = handle, self.numba_stream(handle)
+
+    def numba_stream(self, handle: int) -> Any:
+        """numba's stream object for a raw handle (0 stays 0: numba's legacy default stream)."""
+        if not handle:
+            return 0
+        hit = self._numba_streams.get(handle)
+        if hit is None:
+            # The simulator has no external streams; its stream objects order nothing (it runs
+            # every launch to completion) and stand in for the handle.
+            hit = self.cuda.stream() if self.simulator else self.cuda.external_stream(handle)
+            self._numba_streams[handle] = hit
+            if len(self._numba_streams) > 4 * _LRU:
+                self._numba_streams.pop(next(iter(self._numba_streams)))
+        return hit
+
+    def resolve_stream(self, array: Any = None) -> int:
+        """The stream of a call on ``array`` (its first device array), made the one in use.
+
+        Pinned: that stream. Otherwise a torch CUDA tensor's calls go on torch's current stream
+        of its device at the time of the call (torch's convention), anything else on the legacy
+        default stream 0.
+        """
+        handle = self.pinned
+        if handle is None:
+            handle = _torch_stream(array) if type(array).__module__.startswith("torch") else 0
+        self._set_stream(handle)
+        return handle
+
+    def stream_capturing(self, handle: int) -> bool:
+        """Whether a CUDA graph capture is in progress on the raw stream ``handle``."""
+        if self.launcher is None:  # the simulator: nothing is ever captured
+            return False
+        return self.launcher.capture_status(handle) in (1, 2)
+
+    def refuse_capture(self, handle: int, what: str, also_torch: bool = False) -> None:
+        """UnsupportedOperationError when ``handle`` is being captured into a CUDA graph.
+
+        A step's per-step scalars (bias corrections, decayed learning rates) are host values
+        marshalled into the launch: a captured launch would replay them unchanged every time.
+        ``also_torch``: also when torch's current stream captures (before the step's stream is
+        known, as when state is allocated).
+        """
+        if self.stream_capturing(handle) or (also_torch and _torch_capturing()):
+            raise UnsupportedOperationError(
+                f"{what} was called while CUDA stream {handle:#x} is being captured into a CUDA graph: its "
+                "per-step scalars (step count, bias corrections, learning rate) are host values baked into "
+                "the launch, so every replay would repeat this step's values (stale). Run the step outside "
+                "the capture; capturable=True (device-side step count and learning rate) is not available yet"
+            )
+
+    def upload(self, host: np.ndarray):
+        """A new device copy of ``host``, ordered on the stream in use."""
+        return self.cuda.to_device(host, stream=self.nstream)
+
+    def write(self, device: Any, host: np.ndarray) -> None:
+        """Copy ``host`` into ``device`` on the stream in use."""
+        device.copy_to_device(host, stream=self.nstream)
+
+    def download(self, device: Any, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """``device``'s values on the host, after the work queued on the stream in use."""
+        host = device.copy_to_host(out, stream=self.nstream) if out is not None else device.copy_to_host(stream=self.nstream)
+        self.sync_stream()
+        return host
+
+    def sync_stream(self) -> None:
+        """Wait for the stream in use (numba's copies on stream 0 are synchronous already)."""
+        if self.nstream:
+            self.nstream.synchronize()
 
     # ------------------------------------------------ memory
 
@@ -318,7 +438,7 @@ class CudaContext:
                 self._launches.popitem(last=False)
         else:
             self._launches.move_to_end(key)
-        prepared(args[-1])
+        prepared(args[-1], self.stream, self.nstream)
 
     # ------------------------------------------------ tables
 
@@ -331,7 +451,7 @@ class CudaContext:
             host = np.stack([tensor, start, stop - start, layout.offsets[tensor]], axis=1).astype(np.int64)
             if len(host) == 0:
                 host = np.zeros((1, 4), np.int64)
-            table = layout.cache[key] = (self.cuda.to_device(np.ascontiguousarray(host)), len(tensor))
+            table = layout.cache[key] = (self.upload(np.ascontiguousarray(host)), len(tensor))
         return table
 
     def pointer_table(self, layout: Any, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
@@ -343,7 +463,7 @@ class CudaContext:
         table = tables.get(key)
         if table is None:
             host = np.ascontiguousarray(np.array([paddr, gaddr], dtype=np.int64).T)
-            table = tables[key] = self.cuda.to_device(host)
+            table = tables[key] = self.upload(host)
             if len(tables) > _LRU:
                 tables.popitem(last=False)
         else:
@@ -405,6 +525,46 @@ class CudaContext:
         else:
             self._staging.move_to_end(shapes)
         return hit
+
+
+def stream_handle(stream: Any) -> int:
+    """The raw CUstream of a handle or stream object (torch.cuda.Stream, numba Stream, CuPy Stream)."""
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool) and int(stream) >= 0:
+        return int(stream)
+    for attr in ("cuda_stream", "ptr"):  # torch, CuPy
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    handle = getattr(stream, "handle", None)  # numba
+    if handle is not None:
+        value = getattr(handle, "value", handle)
+        if value is None or isinstance(value, int):
+            return int(value or 0)
+    raise InvalidParameterError(
+        f"stream={stream!r}, expected a raw CUDA stream handle (int >= 0, 0: the legacy default stream), a "
+        "torch.cuda.Stream, a numba or CuPy stream, or None/'auto' (torch's current stream for torch tensors)"
+    )
+
+
+def _torch_stream(tensor: Any) -> int:
+    """torch's current stream on a CUDA tensor's device (0 for anything that is not one)."""
+    device = getattr(tensor, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _torch_capturing() -> bool:
+    """torch's current stream is being captured (False when torch or its CUDA is not in use)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    except Exception:
+        return False
 
 
 def _head_types(family: str) -> tuple:
@@ -530,13 +690,17 @@ class CudaDevice:
 
     @hookimpl
     def optirs_alloc(self, ctx: CudaContext, size: int, dtype: Any, fill: float):
+        ctx.refuse_capture(ctx.stream, "allocating optimizer state", also_torch=True)
         out = ctx.empty(size, dtype)
         if size:
             if ctx.simulator:
-                out.copy_to_device(np.full(size, fill, dtype=out.dtype))
+                ctx.write(out, np.full(size, fill, dtype=out.dtype))
             else:
                 grid = min(ctx.sm_count * 8, (int(size) + DEFAULT_BLOCK - 1) // DEFAULT_BLOCK)
-                ctx.kernels.fill_kernel[grid, DEFAULT_BLOCK](out, out.dtype.type(fill))
+                ctx.kernels.fill_kernel[grid, DEFAULT_BLOCK, ctx.nstream](out, out.dtype.type(fill))
+            # State is made once, before the first step resolves its stream: wait for the fill,
+            # so that a step on any stream reads the filled values.
+            ctx.sync_stream() if ctx.nstream else ctx.cuda.default_stream().synchronize()
         return out
 
     @hookimpl
@@ -544,17 +708,22 @@ class CudaDevice:
         host = np.ascontiguousarray(array).reshape(-1)
         out = ctx.empty(host.size, host.dtype)
         if host.size:
-            out.copy_to_device(host)
+            ctx.write(out, host)
+            ctx.sync_stream()  # like allocation: usable from any stream afterwards
         return out
 
     @hookimpl
     def optirs_to_host(self, ctx: CudaContext, array: Any) -> np.ndarray:
-        if hasattr(array, "copy_to_host"):
-            return np.asarray(array.copy_to_host()).reshape(-1)
-        return np.asarray(ctx.cuda.as_cuda_array(array).copy_to_host()).reshape(-1)
+        ctx.resolve_stream(array)
+        if not hasattr(array, "copy_to_host"):
+            array = ctx.cuda.as_cuda_array(array)
+        return np.asarray(ctx.download(array)).reshape(-1)
 
     @hookimpl
     def optirs_stage(self, ctx: CudaContext, params: List[Any], grads: List[Any]) -> Staged:
+        # The step's stream (pinned, or torch's current one for torch tensors: one
+        # current_stream() call), then the capture guard, before anything is queued.
+        ctx.refuse_capture(ctx.resolve_stream(params[0] if params else None), "an optimizer step")
         host = [isinstance(a, np.ndarray) for a in params] + [isinstance(a, np.ndarray) for a in grads]
         if all(host):
             return self._stage_host(ctx, params, grads)
@@ -573,12 +742,12 @@ class CudaDevice:
             hg[o : o + n] = b.reshape(-1)
         total = int(offsets[-1])
         if total:
-            dp[:total].copy_to_device(hp[:total])
-            dg[:total].copy_to_device(hg[:total])
+            ctx.write(dp[:total], hp[:total])
+            ctx.write(dg[:total], hg[:total])
 
         def finish() -> None:
             if total:
-                dp[:total].copy_to_host(hp[:total])
+                ctx.download(dp[:total], hp[:total])
             for a, o, n in zip(params, offsets[:-1], sizes):
                 a.reshape(-1)[...] = hp[o : o + n]
 
@@ -586,13 +755,13 @@ class CudaDevice:
 
     @hookimpl
     def optirs_synchronize(self, ctx: CudaContext) -> None:
-        ctx.cuda.synchronize()
+        ctx.cuda.synchronize()  # the whole context: the stream in use and every other
 
 
 from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion, CudaAdafactor, CudaMeasure):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion, CudaAdafactor, CudaMeasure, CudaStreams):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -21,7 +21,7 @@ class CudaAdafactor:
         fl = factored_layout(layout)
         tables = layout.cache.get("cuda.adafactor")
         if tables is None:  # the tensor table and the row-mean scratch, once per layout
-            tables = layout.cache["cuda.adafactor"] = (ctx.cuda.to_device(fl.table), ctx.empty(max(1, fl.total_batches),
+            tables = layout.cache["cuda.adafactor"] = (ctx.upload(fl.table), ctx.empty(max(1, fl.total_batches),
                                                                                              np.float32))
         table, means = tables
         compiled = ctx.compiled("adafactor_step", kernels.adafactor_step, kernels.argument_types(scalars))

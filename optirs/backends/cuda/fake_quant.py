@@ -72,7 +72,7 @@ def _is_device_array(a: Any) -> bool:
 def _flat(ctx: Any, a: Any, name: str, size: int) -> Tuple[Any, bool]:
     """(a flat device view or upload of ``a``, whether ``a`` was on the device already)."""
     if isinstance(a, np.ndarray):
-        return ctx.cuda.to_device(np.ascontiguousarray(a).reshape(-1)), False
+        return ctx.upload(np.ascontiguousarray(a).reshape(-1)), False
     if not _is_device_array(a):
         raise UnsupportedOperationError(
             f"{name} of type {type(a).__module__}.{type(a).__qualname__} is neither a numpy array nor a CUDA "
@@ -85,7 +85,7 @@ def _flat(ctx: Any, a: Any, name: str, size: int) -> Tuple[Any, bool]:
 
 
 def _grid_args(ctx: Any, grid: FakeQuantGrid):
-    return ([ctx.cuda.to_device(a) for a in (grid.inv_scale, grid.scale, grid.zero_point)]
+    return ([ctx.upload(a) for a in (grid.inv_scale, grid.scale, grid.zero_point)]
             + [grid.inner, grid.channels, grid.quant_min, grid.quant_max, grid.int64_cast])
 
 
@@ -99,23 +99,25 @@ class CudaFakeQuant:
             if isinstance(x, np.ndarray):
                 return x.copy(), np.zeros(grid.shape, np.bool_)
             return x, x  # an empty device array: nothing to compute, nothing to share
+        ctx.resolve_stream(x)
         dx, on_device = _flat(ctx, x, "x", grid.size)
         d_out = ctx.cuda.device_array(grid.size, np.float32)
         d_mask = ctx.cuda.device_array(grid.size, np.bool_)
         keys = rounding if rounding is not None else (NO_KEY, NO_KEY)
         blocks = (grid.size + BLOCK - 1) // BLOCK
-        kernels()[0][blocks, BLOCK](dx, d_out, d_mask, *_grid_args(ctx, grid), rounding is not None, *keys)
+        kernels()[0][blocks, BLOCK, ctx.nstream](dx, d_out, d_mask, *_grid_args(ctx, grid), rounding is not None, *keys)
         if on_device:
             return d_out.reshape(grid.shape), d_mask.reshape(grid.shape)
-        return d_out.copy_to_host().reshape(grid.shape), d_mask.copy_to_host().reshape(grid.shape)
+        return ctx.download(d_out).reshape(grid.shape), ctx.download(d_mask).reshape(grid.shape)
 
     @hookimpl
     def optirs_fake_quant_backward(self, ctx: Any, x: Any, grad: Any, grid: FakeQuantGrid) -> Any:
         if grid.size == 0:
             return grad.copy() if isinstance(grad, np.ndarray) else grad
+        ctx.resolve_stream(x)
         dx, on_device = _flat(ctx, x, "x", grid.size)
         dg, _ = _flat(ctx, grad, "grad", grid.size)
         d_gin = ctx.cuda.device_array(grid.size, np.float32)
         blocks = (grid.size + BLOCK - 1) // BLOCK
-        kernels()[1][blocks, BLOCK](dx, dg, d_gin, *_grid_args(ctx, grid))
-        return d_gin.reshape(grid.shape) if on_device else d_gin.copy_to_host().reshape(grid.shape)
+        kernels()[1][blocks, BLOCK, ctx.nstream](dx, dg, d_gin, *_grid_args(ctx, grid))
+        return d_gin.reshape(grid.shape) if on_device else ctx.download(d_gin).reshape(grid.shape)

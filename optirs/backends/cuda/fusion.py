@@ -106,15 +106,16 @@ class CudaFusion:
                           outputs: Sequence[Any], n: int) -> None:
         source = compiled.source
         finish, params = compiled.extra
+        ctx.resolve_stream(next(iter(inputs), None) if inputs else (outputs[0] if outputs else None))
         parts = []
         if finish is not None:
             # chunk 0's partial starts as the identity: it is what finish_ sees when n == 0
-            parts = [ctx.cuda.to_device(np.full(chunks(source), reduction_identity(kind))) for kind in source.reductions]
+            parts = [ctx.upload(np.full(chunks(source), reduction_identity(kind))) for kind in source.reductions]
         args = numba_arguments(source, params, inputs, outputs, parts)
         work = work_items(source)
         if work > 0:
             grid, block = _launch(compiled.kernel, work)
-            compiled.kernel[grid, block](*args)
+            compiled.kernel[grid, block, ctx.nstream](*args)
         if finish is not None:
             reds = outputs[len(outputs) - len(source.reductions):]
-            finish[1, 1](np.int64(chunks(source)), *parts, *reds)
+            finish[1, 1, ctx.nstream](np.int64(chunks(source)), *parts, *reds)

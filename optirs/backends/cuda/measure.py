@@ -17,7 +17,7 @@ class CudaMeasure:
     def optirs_measure_copy(self, ctx, size: int) -> Tuple[str, Callable[[], None]]:
         src = ctx.cuda.to_device(np.random.default_rng(7).random(size, dtype=np.float32))
         dst = ctx.cuda.device_array(size, np.float32)
-        return "device-to-device copy", lambda: dst.copy_to_device(src)
+        return "device-to-device copy", lambda: dst.copy_to_device(src, stream=ctx.nstream)
 
     @hookimpl
     def optirs_measure_elapsed_ms(self, ctx, fn: Callable[[], None], reps: int) -> float:
@@ -29,10 +29,10 @@ class CudaMeasure:
             ctx.cuda.synchronize()
             return (time.perf_counter() - t0) * 1e3 / reps
         start, stop = ctx.cuda.event(), ctx.cuda.event()
-        start.record()
+        start.record(stream=ctx.nstream)  # the stream the launches go on (see CudaContext.use_stream)
         for _ in range(reps):
             fn()
-        stop.record()
+        stop.record(stream=ctx.nstream)
         stop.synchronize()
         return start.elapsed_time(stop) / reps
 

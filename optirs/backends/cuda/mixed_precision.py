@@ -78,13 +78,13 @@ def _bits(cuda_module: Any, a: Any):
     return _as_numba(cuda_module, a).reshape(-1).view(np.uint16)
 
 
-def _found_flag(k: Any, layout: TensorLayout):
-    """The device word the unscale pass raises, one per layout, cleared before each pass."""
+def _found_flag(ctx: Any, layout: TensorLayout):
+    """The device word the unscale pass raises, one per layout, cleared before each pass (on the stream in use)."""
     found = layout.cache.get("mixed_precision.cuda_found")
     if found is None:
-        found = layout.cache["mixed_precision.cuda_found"] = k.cuda.to_device(np.zeros(1, np.int32))
+        found = layout.cache["mixed_precision.cuda_found"] = ctx.upload(np.zeros(1, np.int32))
     else:
-        found.copy_to_device(np.zeros(1, np.int32))
+        ctx.write(found, np.zeros(1, np.int32))
     return found
 
 
@@ -113,24 +113,26 @@ class CudaMixedPrecision:
     def optirs_mixed_precision_unscale(self, ctx: Any, grads: List[Any], out: Any, layout: TensorLayout,
                                        inv_scale: np.float32, bfloat16: bool) -> bool:
         k = cuda_kernels()
-        found = _found_flag(k, layout)
+        ctx.refuse_capture(ctx.resolve_stream(grads[0] if grads else None), "a mixed-precision unscale")
+        found = _found_flag(ctx, layout)
         out32 = _as_numba(k.cuda, out)
         inv, bf16 = np.float32(inv_scale), bool(bfloat16)
         for g, off in zip(grads, layout.offsets):
             g16 = _bits(k.cuda, g)
             n = g16.shape[0]
             if n:
-                k.unscale[(n + BLOCK - 1) // BLOCK, BLOCK](g16, out32, int(off), inv, bf16, found)
-        return bool(found.copy_to_host()[0])
+                k.unscale[(n + BLOCK - 1) // BLOCK, BLOCK, ctx.nstream](g16, out32, int(off), inv, bf16, found)
+        return bool(ctx.download(found)[0])
 
     @hookimpl
     def optirs_mixed_precision_narrow(self, ctx: Any, masters: Any, params: List[Any], layout: TensorLayout,
                                       bfloat16: bool) -> None:
         k = cuda_kernels()
+        ctx.resolve_stream(params[0] if params else None)
         bits = _as_numba(k.cuda, masters).view(np.uint32)
         bf16 = bool(bfloat16)
         for p, off in zip(params, layout.offsets):
             p16 = _bits(k.cuda, p)
             n = p16.shape[0]
             if n:
-                k.narrow[(n + BLOCK - 1) // BLOCK, BLOCK](bits, p16, int(off), bf16)
+                k.narrow[(n + BLOCK - 1) // BLOCK, BLOCK, ctx.nstream](bits, p16, int(off), bf16)

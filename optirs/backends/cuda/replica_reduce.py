@@ -84,10 +84,11 @@ class CudaReplicaReduce:
     @hookimpl
     def optirs_replica_reduce(self, ctx: Any, replicas: Sequence[Any], average: bool) -> None:
         host = [isinstance(r, np.ndarray) for r in replicas]
+        ctx.resolve_stream(replicas[0] if len(replicas) else None)
         if all(host):
-            arrays = [ctx.cuda.to_device(r.reshape(-1)) for r in replicas]
+            arrays = [ctx.upload(r.reshape(-1)) for r in replicas]
             self._launch(ctx, arrays, average)
-            replicas[0].reshape(-1)[...] = arrays[0].copy_to_host()
+            replicas[0].reshape(-1)[...] = ctx.download(arrays[0])
             return
         if any(host):
             raise InvalidParameterError("replicas mix numpy and device arrays, expected all numpy or all device arrays")
@@ -114,4 +115,4 @@ class CudaReplicaReduce:
         divisor = np.float32(len(arrays))
         for gi, group in enumerate(groups):
             sources = group + [dst] * (GROUP - len(group))  # unused slots are never read
-            kernel[grid, block](dst, *sources, np.int32(len(group)), divisor, bool(average and gi == len(groups) - 1))
+            kernel[grid, block, ctx.nstream](dst, *sources, np.int32(len(group)), divisor, bool(average and gi == len(groups) - 1))

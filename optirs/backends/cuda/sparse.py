@@ -27,7 +27,7 @@ def _stand_in(ctx: Any, dtype: Any, ndim: int) -> Any:
     cache = _STAND_INS.setdefault(ctx, {})
     key = (np.dtype(dtype).str, ndim)
     if key not in cache:
-        cache[key] = ctx.cuda.to_device(np.zeros((1,) * ndim, dtype))
+        cache[key] = ctx.upload(np.zeros((1,) * ndim, dtype))
     return cache[key]
 
 
@@ -35,7 +35,7 @@ def _adopt(ctx: Any, array: Any, what: str) -> Tuple[Any, Optional[np.ndarray]]:
     """(device array for the kernels, host array to write back or None)."""
     kind = describe(array, what).kind
     if kind == "numpy":
-        return ctx.cuda.to_device(np.ascontiguousarray(array)), array
+        return ctx.upload(np.ascontiguousarray(array)), array
     if kind == "cuda":
         return (array if hasattr(array, "copy_to_host") else ctx.cuda.as_cuda_array(array)), None
     raise InvalidParameterError(f"{what} is a {kind} array, expected numpy or a CUDA device array on backend 'cuda'")
@@ -43,7 +43,7 @@ def _adopt(ctx: Any, array: Any, what: str) -> Tuple[Any, Optional[np.ndarray]]:
 
 def _segments(ctx: Any, grad: SparseRows):
     """The three index arrays on the device: one host-to-device copy, then views into it."""
-    both = ctx.cuda.to_device(np.concatenate([grad.rows, grad.segments, grad.order]))
+    both = ctx.upload(np.concatenate([grad.rows, grad.segments, grad.order]))
     a, b = grad.rows.size, grad.rows.size + grad.segments.size
     return both[:a], both[a:b], both[b:]
 
@@ -63,19 +63,21 @@ class CudaSparse:
 
         def run(name: str, items: int, *args: Any) -> None:
             if items:
-                compiled[name][sparse_kernels.grid(items), sparse_kernels.BLOCK](*args)
+                compiled[name][sparse_kernels.grid(items), sparse_kernels.BLOCK, ctx.nstream](*args)
 
         return run
 
     @hookimpl
     def optirs_sparse_stage(self, ctx: Any, tables: List[Any], values: List[Any]) -> Staged:
+        # The step's stream and the capture guard (the row indices are host values, uploaded per step).
+        ctx.refuse_capture(ctx.resolve_stream(tables[0] if tables else None), "a sparse optimizer step")
         staged = [_adopt(ctx, p, f"params[{i}]") for i, p in enumerate(tables)]
         dvalues = [_adopt(ctx, v, f"values[{i}]")[0] for i, v in enumerate(values)]
 
         def finish() -> None:
             for device, host in staged:
                 if host is not None:
-                    host[...] = device.copy_to_host().reshape(host.shape)
+                    host[...] = ctx.download(device).reshape(host.shape)
 
         writes_back = any(host is not None for _, host in staged)
         return Staged([d for d, _ in staged], dvalues, finish if writes_back else None)

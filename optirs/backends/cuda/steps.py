@@ -58,7 +58,7 @@ class CudaSteps:
         ntensors = len(layout)
         acc = layout.cache.get("cuda.lamb_acc")
         if acc is None:  # per-tensor sums, two alternating rows (see cuda_kernels)
-            acc = layout.cache["cuda.lamb_acc"] = [ctx.cuda.to_device(np.zeros((2, 2 * ntensors + 1))), 0]
+            acc = layout.cache["cuda.lamb_acc"] = [ctx.upload(np.zeros((2, 2 * ntensors + 1))), 0]
         sums, q = acc
         m, v = device_address(state["exp_avg"]), device_address(state["exp_avg_sq"])
         fns = ctx.kernels.LAMB_FUNCTIONS
@@ -71,7 +71,7 @@ class CudaSteps:
                 chunks, nchunks = ctx.chunk_table(layout, chunk)
                 ctx.launch(compiled, (chunks, ptrs, nchunks, *slots, sums, q, ntensors, scalars), grid, block)
         except Exception:
-            acc[0] = ctx.cuda.to_device(np.zeros((2, 2 * ntensors + 1)))  # start the sums clean
+            acc[0] = ctx.upload(np.zeros((2, 2 * ntensors + 1)))  # start the sums clean
             acc[1] = 0
             raise
         acc[1] = 1 - q

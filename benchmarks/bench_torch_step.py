@@ -1,0 +1,386 @@
+"""optirs on torch CUDA tensors against torch.optim.AdamW(fused=True), on the H200 (issue 12).
+
+In one run:
+
+* ``gpt2``: the parameter shapes of GPT-2 124M (``transformers.GPT2Config()``: 148 tensors,
+  124.4M parameters; built on the meta device when transformers is importable, else by hand),
+  two param groups (weight decay 0.1 on the matrices and embeddings, 0 on biases and norms).
+  ``opt.step()`` wall time with the host included.
+* ``small``: a 1M-parameter model in 50 tensors, the same way (the host-overhead case).
+* ``copy``: device-to-device copy bandwidth (torch ``copy_``), the yardstick of every figure.
+* ``train``: a whole GPT-2 124M training step (forward, backward, step; bf16 autocast), with
+  optirs and with torch fused, and the optimizer's share of the step for both.
+
+Optimizers: ``torch_fused`` (torch.optim.AdamW(fused=True)), ``optirs_seed`` (the seed API:
+one ``optirs.GpuAdamW`` per group, ``step_gpu`` on the torch tensors) and ``optirs_torch``
+(``optirs.torch.AdamW``, when importable). Every step is issued on torch's current stream,
+which optirs follows. Timing: CUDA events around batches of back-to-back steps after warm-up
+(the events see host gaps, so this is wall time with the host included); the median over
+batches; also host ``perf_counter`` over the same batches. Each figure is printed as ms, as a
+fraction of the copy bandwidth (28 bytes per element for AdamW) and as a ratio to torch fused.
+
+    python benchmarks/bench_torch_step.py --json h200-torch-step.json
+    python benchmarks/bench_torch_step.py --smoke        # tiny sizes; skips cleanly without CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+ADAMW_BYTES = 28  # p, g, m, v read; p, m, v written (float32)
+LR, BETAS, EPS, DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.1
+
+
+def cuda_unavailable_reason() -> Optional[str]:
+    """Why this machine cannot run the benchmark (None: it can)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable ({exc})"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return None
+
+
+# ------------------------------------------------------------------ shapes and models
+
+
+def gpt2_config(smoke: bool) -> Dict[str, int]:
+    try:
+        from transformers import GPT2Config
+
+        c = GPT2Config()
+        cfg = dict(vocab=c.vocab_size, positions=c.n_positions, embd=c.n_embd, layers=c.n_layer, heads=c.n_head)
+    except ImportError:
+        cfg = dict(vocab=50257, positions=1024, embd=768, layers=12, heads=12)  # GPT2Config()'s defaults
+    if smoke:
+        cfg = dict(vocab=512, positions=64, embd=64, layers=2, heads=2)
+    return cfg
+
+
+def gpt2_shapes(cfg: Dict[str, int]) -> List[Tuple[str, Tuple[int, ...]]]:
+    """(name, shape) of GPT2LMHeadModel's parameters (lm_head is tied to wte): 148 at 12 layers."""
+    try:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=cfg["vocab"], n_positions=cfg["positions"], n_embd=cfg["embd"],
+                            n_layer=cfg["layers"], n_head=cfg["heads"])
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(config)
+        return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    except ImportError:
+        pass
+    e, out = cfg["embd"], [("transformer.wte.weight", (cfg["vocab"], cfg["embd"])),
+                            ("transformer.wpe.weight", (cfg["positions"], cfg["embd"]))]
+    for i in range(cfg["layers"]):
+        h = f"transformer.h.{i}."
+        out += [(h + "ln_1.weight", (e,)), (h + "ln_1.bias", (e,)),
+                (h + "attn.c_attn.weight", (e, 3 * e)), (h + "attn.c_attn.bias", (3 * e,)),
+                (h + "attn.c_proj.weight", (e, e)), (h + "attn.c_proj.bias", (e,)),
+                (h + "ln_2.weight", (e,)), (h + "ln_2.bias", (e,)),
+                (h + "mlp.c_fc.weight", (e, 4 * e)), (h + "mlp.c_fc.bias", (4 * e,)),
+                (h + "mlp.c_proj.weight", (4 * e, e)), (h + "mlp.c_proj.bias", (e,))]
+    return out + [("transformer.ln_f.weight", (e,)), ("transformer.ln_f.bias", (e,))]
+
+
+def small_shapes(total: int, count: int, seed: int = 1) -> List[Tuple[str, Tuple[int, ...]]]:
+    import numpy as np
+
+    w = np.random.default_rng(seed).lognormal(0.0, 1.0, count)
+    sizes = np.maximum(1, np.round(w / w.sum() * total)).astype(int)
+    return [(f"t{i}", (int(s),)) for i, s in enumerate(sizes)]
+
+
+def make_params(shapes, seed: int = 0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    params = [torch.randn(s, device="cuda", generator=g) * 0.02 for _, s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-3
+    return params
+
+
+def groups_of(shapes, params):
+    decay = [p for (_, s), p in zip(shapes, params) if len(s) >= 2]
+    no_decay = [p for (_, s), p in zip(shapes, params) if len(s) < 2]
+    return [{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class TinyGPT2:
+    """GPT-2 in plain torch (no transformers needed): the same parameters as GPT2LMHeadModel."""
+
+    @staticmethod
+    def build(cfg):
+        import torch
+        from torch import nn
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                e = cfg["embd"]
+                self.ln_1, self.ln_2 = nn.LayerNorm(e), nn.LayerNorm(e)
+                self.c_attn, self.c_proj = nn.Linear(e, 3 * e), nn.Linear(e, e)
+                self.c_fc, self.mlp_proj = nn.Linear(e, 4 * e), nn.Linear(4 * e, e)
+
+            def forward(self, x):
+                b, t, e = x.shape
+                q, k, v = self.c_attn(self.ln_1(x)).split(e, dim=2)
+                q, k, v = (z.view(b, t, cfg["heads"], e // cfg["heads"]).transpose(1, 2) for z in (q, k, v))
+                y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, e))
+                return x + self.mlp_proj(nn.functional.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.wte = nn.Embedding(cfg["vocab"], cfg["embd"])
+                self.wpe = nn.Embedding(cfg["positions"], cfg["embd"])
+                self.h = nn.ModuleList([Block() for _ in range(cfg["layers"])])
+                self.ln_f = nn.LayerNorm(cfg["embd"])
+
+            def forward(self, idx, labels):
+                pos = torch.arange(idx.shape[1], device=idx.device)
+                x = self.wte(idx) + self.wpe(pos)
+                for block in self.h:
+                    x = block(x)
+                logits = self.ln_f(x) @ self.wte.weight.t()  # tied head
+                return nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+        return Model()
+
+
+def gpt2_model(cfg):
+    """(model, loss(idx) function, source): transformers' GPT2LMHeadModel when importable."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=cfg["vocab"], n_positions=cfg["positions"], n_embd=cfg["embd"],
+                            n_layer=cfg["layers"], n_head=cfg["heads"])
+        model = GPT2LMHeadModel(config).cuda()
+        return model, (lambda idx: model(input_ids=idx, labels=idx).loss), "transformers.GPT2LMHeadModel"
+    except ImportError:
+        model = TinyGPT2.build(cfg).cuda()
+        return model, (lambda idx: model(idx, idx)), "plain-torch GPT-2 (same shapes)"
+
+
+# ------------------------------------------------------------------ optimizers
+
+
+def make_optimizer(kind: str, groups) -> Optional[Callable[[], None]]:
+    """A zero-argument step for ``kind``, or None when it cannot be built here."""
+    import torch
+
+    if kind == "torch_fused":
+        opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
+        return opt.step
+    if kind == "optirs_seed":
+        import optirs
+
+        hp = [optirs.AdamParams(lr=LR, betas=BETAS, eps=EPS, weight_decay=g["weight_decay"]) for g in groups]
+        cfg = optirs.GpuOptimizerConfig(backend="cuda")
+        opts = [(optirs.GpuAdamW(h, cfg), list(g["params"])) for h, g in zip(hp, groups)]
+
+        def step() -> None:
+            for opt, ps in opts:
+                opt.step_gpu(ps, [p.grad for p in ps])
+
+        return step
+    if kind == "optirs_torch":
+        try:
+            import optirs.torch as ot
+        except ImportError:
+            return None
+        if not hasattr(ot, "AdamW"):
+            return None
+        opt = ot.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+        return opt.step
+    raise ValueError(kind)
+
+
+KINDS = ("torch_fused", "optirs_seed", "optirs_torch")
+
+
+# ------------------------------------------------------------------ timing
+
+
+def time_batches(fn: Callable[[], None], warmup: int, reps: int, batches: int) -> Dict[str, float]:
+    """Median ms per call over ``batches`` batches of ``reps`` back-to-back calls (events and host clock)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev, wall = [], []
+    for _ in range(batches):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3 / reps)
+        ev.append(start.elapsed_time(stop) / reps)
+    return {"ms": statistics.median(ev), "wall_ms": statistics.median(wall), "min_ms": min(ev)}
+
+
+def copy_bandwidth(elements: int, reps: int, batches: int) -> Dict[str, float]:
+    import torch
+
+    src, dst = torch.rand(elements, device="cuda"), torch.empty(elements, device="cuda")
+    t = time_batches(lambda: dst.copy_(src), 3, reps, batches)
+    return {"elements": elements, **t, "GBps": 8 * elements / (t["ms"] * 1e6)}
+
+
+def bench_steps(name: str, shapes, copy_gbps: float, args) -> Dict[str, Any]:
+    elements = sum(int(_prod(s)) for _, s in shapes)
+    rows: Dict[str, Any] = {"tensors": len(shapes), "elements": elements}
+    for kind in KINDS:
+        params = make_params(shapes)
+        step = make_optimizer(kind, groups_of(shapes, params))
+        if step is None:
+            rows[kind] = {"skipped": "not importable"}
+            continue
+        t = time_batches(step, args.warmup, args.reps, args.batches)
+        t["of_copy"] = ADAMW_BYTES * elements / (t["ms"] * 1e6) / copy_gbps
+        rows[kind] = t
+        del params, step
+    base = rows["torch_fused"]["ms"]
+    for kind in KINDS:
+        if "ms" in rows[kind]:
+            rows[kind]["vs_torch_fused"] = base / rows[kind]["ms"]
+    return rows
+
+
+def bench_train(cfg, args) -> Dict[str, Any]:
+    """Forward + backward + step of GPT-2 (bf16 autocast), per optimizer, and the step's share."""
+    import torch
+
+    out: Dict[str, Any] = {}
+    batch, seq = (2, 32) if args.smoke else (args.batch, args.seq)
+    for kind in KINDS:
+        torch.manual_seed(0)
+        model, loss_of, source = gpt2_model(cfg)
+        out["model"] = source
+        named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        params = [p for _, p in model.named_parameters()]
+        idx = torch.randint(0, cfg["vocab"], (batch, seq), device="cuda")
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        step = make_optimizer(kind, groups_of(named, params))
+        if step is None:
+            out[kind] = {"skipped": "not importable"}
+            continue
+
+        def train_step() -> None:
+            for p in params:
+                p.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_of(idx)
+            loss.backward()
+            step()
+
+        reps = max(1, args.reps // 10)
+        t = time_batches(train_step, args.warmup, reps, args.batches)
+        t_opt = time_batches(step, 2, reps, args.batches)  # the optimizer alone, on these grads
+        t["optimizer_ms"], t["optimizer_share"] = t_opt["ms"], t_opt["ms"] / t["ms"]
+        out[kind] = t
+        del model, params, step
+        torch.cuda.empty_cache()
+    base = out["torch_fused"]["ms"]
+    for kind in KINDS:
+        if "ms" in out.get(kind, {}):
+            out[kind]["vs_torch_fused"] = base / out[kind]["ms"]
+    return out
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def environment() -> Dict[str, Any]:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+    for mod in ("numpy", "numba", "optirs", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    return env
+
+
+def report(results: Dict[str, Any]) -> None:
+    print(f"copy: {results['copy']['GBps']:.0f} GB/s ({results['copy']['elements']} float32)")
+    for case in ("gpt2", "small"):
+        r = results[case]
+        print(f"{case}: {r['tensors']} tensors, {r['elements']} parameters, opt.step() ms (wall with host)")
+        for kind in KINDS:
+            t = r[kind]
+            if "ms" not in t:
+                print(f"  {kind:13s} {t['skipped']}")
+                continue
+            print(f"  {kind:13s} {t['ms']:8.3f} ms (host clock {t['wall_ms']:.3f})  {t['of_copy']:6.1%} of copy  "
+                  f"{t['vs_torch_fused']:.2f}x torch fused")
+    tr = results.get("train")
+    if tr:
+        print(f"train step ({tr['model']}, bf16 autocast):")
+        for kind in KINDS:
+            t = tr.get(kind, {})
+            if "ms" in t:
+                print(f"  {kind:13s} {t['ms']:8.3f} ms  optimizer {t['optimizer_ms']:.3f} ms "
+                      f"({t['optimizer_share']:.1%})  {t['vs_torch_fused']:.2f}x torch fused")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes and few reps (skips cleanly without CUDA)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=50, help="steps per timed batch")
+    ap.add_argument("--batches", type=int, default=11, help="timed batches (the median is reported)")
+    ap.add_argument("--batch", type=int, default=8, help="training batch size")
+    ap.add_argument("--seq", type=int, default=1024, help="training sequence length")
+    ap.add_argument("--no-train", action="store_true", help="skip the whole-training-step case")
+    args = ap.parse_args(argv)
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        message = f"bench_torch_step: skipped: {reason}; this benchmark needs torch with a CUDA GPU"
+        print(message)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"skipped": reason}, f, indent=2)
+        return 0 if args.smoke else 2
+    if args.smoke:
+        args.warmup, args.reps, args.batches = 2, 3, 3
+    cfg = gpt2_config(args.smoke)
+    gpt2 = gpt2_shapes(cfg)
+    small = small_shapes(10_000 if args.smoke else 1_000_000, 50)
+    elements = sum(_prod(s) for _, s in gpt2)
+    results: Dict[str, Any] = {"environment": environment(), "config": cfg, "smoke": args.smoke}
+    results["copy"] = copy_bandwidth(elements, args.reps, args.batches)
+    results["gpt2"] = bench_steps("gpt2", gpt2, results["copy"]["GBps"], args)
+    results["small"] = bench_steps("small", small, results["copy"]["GBps"], args)
+    if not args.no_train:
+        results["train"] = bench_train(cfg, args)
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""torch's current CUDA stream and the CUDA-graph capture guard (issue 12, backend side).
+
+* CPU (no GPU, no simulator): the prepared cuLaunchKernel path with a fake launcher records
+  the hStream argument; the stream rule (pinned, torch's current stream, else 0) and the capture
+  guard with fake driver answers.
+* Simulator (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``): numba's fallback launch gets the
+  context's stream, a step under a (faked) capture raises and changes nothing.
+* GPU (``-m gpu`` on the H200): the race of issue 12 (``g.fill_`` on a side stream, then a
+  step) and a real ``torch.cuda.graph`` capture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types as pytypes
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+import optirs
+from optirs.core import reference
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+
+from conftest import SIMULATOR
+
+cuda_backend_mod = pytest.importorskip("optirs.backends.cuda")
+CudaContext, PreparedLaunch = cuda_backend_mod.CudaContext, cuda_backend_mod.PreparedLaunch
+
+
+def _close(actual, expected):
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(np.asarray(a, np.float64), e, rtol=2e-6, atol=2e-7)
+
+
+# ------------------------------------------------------------------ fakes of the driver
+
+
+class _Recorder:
+    """Stands in for ctypes' cuLaunchKernel: records every call's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return 0
+
+    @property
+    def streams(self):
+        return [c[8] for c in self.calls]  # hStream is cuLaunchKernel's ninth argument
+
+
+class _FakeKernel:
+    """A compiled kernel as PreparedLaunch reads it: argument types and numba's flattening."""
+
+    argument_types = ("i64", "i64", "scalars")
+
+    @staticmethod
+    def _prepare_args(ty, val, stream, retr, kernelargs):
+        if ty == "scalars":
+            kernelargs.extend(ctypes.c_float(float(v)) for v in val)
+        else:
+            kernelargs.append(ctypes.c_int64(int(val)))
+
+
+def _fake_context(capture_status=0):
+    """A CudaContext without a device: a recording launcher and fake external streams."""
+    ctx = CudaContext.__new__(CudaContext)
+    recorder = _Recorder()
+    ctx.simulator = False
+    ctx.launcher = pytypes.SimpleNamespace(fn=recorder, capture_status=lambda h: capture_status)
+    ctx.cuda = pytypes.SimpleNamespace(external_stream=lambda h: pytypes.SimpleNamespace(handle=h))
+    ctx._launches, ctx._numba_streams = OrderedDict(), {}
+    ctx.pinned, ctx.stream, ctx.nstream = None, 0, 0
+    compiled = pytypes.SimpleNamespace(name="fake_step", handle=ctypes.c_void_p(0x1000), kernel=_FakeKernel(),
+                                       dispatcher=None)
+    return ctx, recorder, compiled
+
+
+def _scalars(x):
+    return (np.float32(x), np.float32(2 * x))
+
+
+# ------------------------------------------------------------------ CPU: the prepared launch
+
+
+def test_prepared_launch_default_stream_is_null():
+    ctx, rec, compiled = _fake_context()
+    ctx.launch(compiled, (1, 2, _scalars(0.5)), 4, 256)
+    assert rec.streams == [None]  # hStream NULL: the legacy default stream, as before
+
+
+def test_pinned_stream_reaches_cuLaunchKernel():
+    ctx, rec, compiled = _fake_context()
+    ctx.use_stream(0xBEEF)
+    ctx.launch(compiled, (1, 2, _scalars(0.5)), 4, 256)
+    ctx.launch(compiled, (1, 2, _scalars(0.25)), 4, 256)  # cached launch, new scalars, same stream
+    assert rec.streams == [0xBEEF, 0xBEEF]
+    assert len(ctx._launches) == 1
+    ctx.use_stream(None)  # back to the rule: numpy/numba arrays go on stream 0
+    ctx.resolve_stream(np.zeros(1))
+    ctx.launch(compiled, (1, 2, _scalars(0.25)), 4, 256)
+    assert rec.streams[-1] is None
+
+
+def test_stream_objects_and_bad_streams():
+    ctx, _, _ = _fake_context()
+    torch_like = pytypes.SimpleNamespace(cuda_stream=0x77)
+    numba_like = pytypes.SimpleNamespace(handle=ctypes.c_void_p(0x88))
+    for stream, handle in ((torch_like, 0x77), (numba_like, 0x88), (5, 5), (0, 0), ("auto", 0), (None, 0)):
+        ctx.use_stream(stream)
+        assert ctx.stream == handle
+    for bad in (-1, "s", 1.5, True):
+        with pytest.raises(InvalidParameterError, match="stream="):
+            ctx.use_stream(bad)
+
+
+class _TorchLikeTensor:
+    """Looks like a torch CUDA tensor to the stream rule (its module and device)."""
+
+    __module__ = "torch.fake"
+
+    def __init__(self, index=0):
+        self.device = pytypes.SimpleNamespace(type="cuda", index=index)
+
+
+def test_torch_tensors_follow_torchs_current_stream(monkeypatch):
+    torch = pytest.importorskip("torch")
+    asked = []
+
+    def current_stream(device=None):
+        asked.append(device)
+        return pytypes.SimpleNamespace(cuda_stream=0xC0DE)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    ctx, rec, compiled = _fake_context()
+    tensor = _TorchLikeTensor()
+    assert ctx.resolve_stream(tensor) == 0xC0DE
+    assert asked == [tensor.device]  # the tensor's device, at the time of the call
+    ctx.launch(compiled, (1, 2, _scalars(1.0)), 4, 256)
+    assert rec.streams == [0xC0DE]
+    ctx.use_stream(0x42)  # pinned beats the rule
+    assert ctx.resolve_stream(tensor) == 0x42
+    assert ctx.resolve_stream(np.zeros(1)) == 0x42
+
+
+@pytest.mark.parametrize("status", [1, 2])
+def test_capture_guard_raises_a_clear_error(status):
+    ctx, rec, _ = _fake_context(capture_status=status)
+    with pytest.raises(UnsupportedOperationError, match="captured into a CUDA graph.*stale"):
+        ctx.refuse_capture(0x99, "an optimizer step")
+    ok, _, _ = _fake_context(capture_status=0)
+    ok.refuse_capture(0x99, "an optimizer step")
+    unknown, _, _ = _fake_context(capture_status=-1)  # the driver cannot tell: never in the way
+    unknown.refuse_capture(0x99, "an optimizer step")
+
+
+def test_cuStreamIsCapturing_through_ctypes():
+    """The driver query: status written through the pointer, IMPLICIT (906) on the legacy stream."""
+
+    class Lib:
+        def __init__(self, err, status):
+            self.err, self.status, self.asked = err, status, []
+
+        def cuStreamIsCapturing(self, stream, out):
+            self.asked.append(stream.value)
+            out._obj.value = self.status
+            return self.err
+
+    launcher = cuda_backend_mod._Launcher.__new__(cuda_backend_mod._Launcher)
+    for err, status, expected in ((0, 0, 0), (0, 1, 1), (0, 2, 2), (906, 0, 1), (1, 0, -1)):
+        launcher.lib = Lib(err, status)
+        assert launcher.capture_status(0x1234) == expected
+        assert launcher.lib.asked == [0x1234]
+    launcher.lib = None
+    assert launcher.capture_status(0) == -1
+
+
+def test_cpu_backend_has_only_stream_zero():
+    backend = optirs.get_backend("cpu")
+    use = backend.hook("streams", "optirs_use_stream")
+    use(backend.ctx, None)
+    use(backend.ctx, 0)
+    assert backend.hook("streams", "optirs_current_stream")(backend.ctx) == 0
+    with pytest.raises(UnsupportedOperationError, match="no device streams"):
+        use(backend.ctx, 0x10)
+
+
+# ------------------------------------------------------------------ simulator (and GPU): the whole step
+
+
+def _cuda_or_skip():
+    status = {s.name: s for s in optirs.list_backends()}.get("cuda")
+    if status is None or not status.available:
+        pytest.skip(f"the cuda backend cannot open here: {getattr(status, 'reason', 'not installed')}")
+
+
+class _DispatcherSpy:
+    """Wraps a numba dispatcher: records the launch configurations (grid, block, stream)."""
+
+    def __init__(self, dispatcher, seen):
+        self.dispatcher, self.seen = dispatcher, seen
+
+    def __getitem__(self, config):
+        self.seen.append(config)
+        return self.dispatcher[config]
+
+
+def _spy_launches(ctx, monkeypatch):
+    seen = []
+    for compiled in ctx._compiled.values():
+        monkeypatch.setattr(compiled, "dispatcher", _DispatcherSpy(compiled.dispatcher, seen))
+    for prepared in ctx._launches.values():  # numba's fallback path (no raw launcher)
+        monkeypatch.setattr(prepared, "fn", None)
+    return seen
+
+
+@pytest.mark.cuda
+def test_step_goes_on_the_pinned_stream(rng, monkeypatch):
+    _cuda_or_skip()
+    from numba import cuda
+
+    hp = optirs.AdamParams(lr=1e-2, weight_decay=0.1)
+    shapes = [(33,), (4, 5)]
+    host = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    expected, _ = reference.run("adamw", host, grads, hp)
+    opt = optirs.GpuAdamW(hp, optirs.GpuOptimizerConfig(backend="cuda", options={"stream": 0xABC0}))
+    ctx = opt.backend.ctx
+    assert opt.backend.hook("streams", "optirs_current_stream")(ctx) == 0xABC0
+    params = [cuda.to_device(h) for h in host]
+    opt.step_gpu(params, [cuda.to_device(g) for g in grads[0]])
+    seen = _spy_launches(ctx, monkeypatch)
+    for gs in grads[1:]:
+        opt.step_gpu(params, [cuda.to_device(g) for g in gs])
+    assert seen and all(config[2] is ctx.numba_stream(0xABC0) for config in seen)
+    _close([p.copy_to_host() for p in params], expected)
+
+
+@pytest.mark.cuda
+def test_default_stream_stays_legacy(rng, monkeypatch):
+    _cuda_or_skip()
+    from numba import cuda
+
+    hp = optirs.SgdParams(lr=0.1, momentum=0.9)
+    host = [rng.standard_normal(17).astype(np.float32)]
+    grads = [[rng.standard_normal(17).astype(np.float32)] for _ in range(2)]
+    expected, _ = reference.run("sgd", host, grads, hp)
+    opt = optirs.GpuSgd(hp, optirs.GpuOptimizerConfig(backend="cuda"))
+    params = [cuda.to_device(host[0])]
+    opt.step_gpu(params, [cuda.to_device(grads[0][0])])
+    seen = _spy_launches(opt.backend.ctx, monkeypatch)
+    opt.step_gpu(params, [cuda.to_device(grads[1][0])])
+    assert seen and all(config[2] == 0 for config in seen)
+    assert opt.backend.ctx.stream == 0
+    _close([params[0].copy_to_host()], expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("first", [True, False], ids=["first-step", "later-step"])
+def test_step_under_capture_raises_and_changes_nothing(rng, monkeypatch, first):
+    _cuda_or_skip()
+    from numba import cuda
+
+    hp = optirs.AdamParams(lr=1e-2)
+    host = rng.standard_normal(40).astype(np.float32)
+    g = cuda.to_device(rng.standard_normal(40).astype(np.float32))
+    opt = optirs.GpuAdam(hp, optirs.GpuOptimizerConfig(backend="cuda", options={"stream": 0x5EED}))
+    param = cuda.to_device(host)
+    if not first:
+        opt.step_gpu(param, g)
+    before_p, before_state, before_step = param.copy_to_host(), opt.state_dict(), opt.step_count
+    monkeypatch.setattr(opt.backend.ctx, "stream_capturing", lambda handle: handle == 0x5EED)
+    with pytest.raises(UnsupportedOperationError, match="0x5eed.*CUDA graph.*stale"):
+        opt.step_gpu(param, g)
+    assert opt.step_count == before_step
+    np.testing.assert_array_equal(param.copy_to_host(), before_p)
+    after = opt.state_dict()
+    assert (after["step"], after["shapes"], len(after["state"])) == (
+        before_state["step"], before_state["shapes"], len(before_state["state"]))
+    for a, b in zip(after["state"], before_state["state"]):
+        assert set(a) == set(b)
+        for k in b:
+            np.testing.assert_array_equal(a[k], b[k])
+    monkeypatch.undo()
+    opt.step_gpu(param, g)  # outside the capture it steps again
+    assert opt.step_count == before_step + 1
+
+
+# ------------------------------------------------------------------ the H200: torch streams and graphs
+
+
+def _torch_cuda_or_skip():
+    torch = pytest.importorskip("torch")
+    if SIMULATOR or not torch.cuda.is_available():
+        pytest.skip("needs torch with a real CUDA GPU")
+    _cuda_or_skip()
+    return torch
+
+
+@pytest.mark.gpu
+def test_step_is_ordered_after_work_on_torchs_current_stream(rng):
+    """Issue 12's race: the step must see g.fill_(1.0) queued on a side stream just before it."""
+    torch = _torch_cuda_or_skip()
+    hp = optirs.AdamParams(lr=1e-2, weight_decay=0.1)
+    n = 1 << 22
+    host = rng.standard_normal(n).astype(np.float32)
+    expected, _ = reference.run("adamw", [host], [[np.ones(n, np.float32)]], hp)
+    p = torch.from_numpy(host.copy()).cuda()
+    g = torch.zeros(n, device="cuda")
+    opt = optirs.GpuAdamW(hp, optirs.GpuOptimizerConfig(backend="cuda"))
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # delay the side stream: a step on any other stream would win the race
+        g.fill_(1.0)
+        opt.step_gpu(p, g)
+        assert opt.backend.hook("streams", "optirs_current_stream")(opt.backend.ctx) == s.cuda_stream
+    torch.cuda.synchronize()
+    _close([p.cpu().numpy()], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm", [True, False], ids=["after-a-step", "first-step"])
+def test_capture_in_a_cuda_graph_raises_clearly(rng, warm):
+    torch = _torch_cuda_or_skip()
+    host = rng.standard_normal(4096).astype(np.float32)
+    p = torch.from_numpy(host.copy()).cuda()
+    g = torch.ones(4096, device="cuda")
+    opt = optirs.GpuAdam(optirs.AdamParams(lr=1e-2), optirs.GpuOptimizerConfig(backend="cuda"))
+    opt.backend  # opened before the capture: the guard is about the step, not about opening a device
+    if warm:
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            opt.step_gpu(p, g)
+        torch.cuda.synchronize()
+    before, steps = p.clone(), opt.step_count
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(UnsupportedOperationError, match="CUDA graph.*stale"):
+        with torch.cuda.graph(graph):
+            opt.step_gpu(p, g)
+    torch.cuda.synchronize()
+    assert opt.step_count == steps
+    assert torch.equal(p, before)
+
+
+# ------------------------------------------------------------------ the H200 benchmark script
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_torch_step.py"
+    spec = importlib.util.spec_from_file_location("bench_torch_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return path, module
+
+
+def test_bench_gpt2_shapes_are_gpt2_124m():
+    _, bench = _bench_module()
+    shapes = bench.gpt2_shapes(bench.gpt2_config(smoke=False))
+    assert len(shapes) == 148
+    assert sum(bench._prod(s) for _, s in shapes) == 124_439_808  # GPT-2 124M with the tied head
+    groups = bench.groups_of(shapes, list(range(len(shapes))))
+    assert len(groups[0]["params"]) == 2 + 4 * 12 and len(groups[1]["params"]) == 2 + 8 * 12
+    small = bench.small_shapes(1_000_000, 50)
+    assert len(small) == 50 and abs(sum(bench._prod(s) for _, s in small) - 1_000_000) < 100
+
+
+def test_bench_smoke_skips_cleanly_without_cuda(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path, bench = _bench_module()
+    out = tmp_path / "smoke.json"
+    env = dict(os.environ, PYTHONPATH=str(path.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, str(path), "--smoke", "--json", str(out)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    reason = bench.cuda_unavailable_reason()
+    assert run.returncode == 0, run.stdout + run.stderr
+    if reason is None:  # a GPU machine: the smoke run measured something
+        assert "copy:" in run.stdout and "ms" in json.loads(out.read_text())["copy"]
+    else:
+        assert "skipped" in run.stdout and "needs torch with a CUDA GPU" in run.stdout
+        assert json.loads(out.read_text()) == {"skipped": reason}
+        full = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=900)
+        assert full.returncode == 2 and "skipped" in full.stdout  # a full run without CUDA is an error
