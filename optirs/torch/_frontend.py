@@ -76,7 +76,7 @@ def _open_backend(name: str, options: Dict[str, Any], device_type: str):
 
 def _host_array(backend, tensor: torch.Tensor):
     """The backend's array over a torch tensor's memory, without a copy."""
-    if tensor.device.type == "cpu":
+    if tensor.is_cpu:
         return tensor.detach().numpy()
     # CUDA tensors: the backend reads __cuda_array_interface__ (detach: a tensor that requires
     # grad refuses to export it).
@@ -85,7 +85,7 @@ def _host_array(backend, tensor: torch.Tensor):
 
 def _state_array(backend, flat: torch.Tensor):
     """The backend's device array over a flat state buffer (same memory)."""
-    if flat.device.type == "cpu":
+    if flat.is_cpu:
         view = backend.host_view(flat.numpy())
         if view is None:
             raise UnsupportedOperationError(

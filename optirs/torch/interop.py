@@ -37,7 +37,7 @@ def portable_state_dict(state_dict: Mapping[str, Any]) -> dict:
 
 def host_array(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        return a.detach().numpy() if a.device.type == "cpu" else a.detach()
+        return a.detach().numpy() if a.is_cpu else a.detach()
     return a
 
 
