@@ -1,0 +1,19 @@
+"""optirs.torch: drop-in ``torch.optim`` optimizers on optirs' one-launch kernels.
+
+``import optirs`` does not import torch; ``import optirs.torch`` does (torch is an optional
+dependency). See docs/torch.md.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as exc:  # pragma: no cover - torch is optional
+    from optirs.core.errors import BackendUnavailableError
+
+    raise BackendUnavailableError(f"optirs.torch needs PyTorch ({exc}); pip install torch") from exc
+
+from optirs.torch._frontend import OptirsOptimizer
+from optirs.torch.optimizers import SGD, Adafactor, Adagrad, Adam, AdamW, Lamb, Lion, RMSprop
+
+__all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion"]

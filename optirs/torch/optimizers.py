@@ -1,0 +1,164 @@
+"""optirs.torch's optimizers: torch.optim's constructors over optirs' definitions.
+
+Each class takes torch 2.13's arguments (names, defaults, keyword-only parts) plus
+``backend="auto"`` and ``backend_options``. What optirs cannot honour raises instead of being
+ignored: ``differentiable=True``, ``foreach=True``, ``fused=False``, ``capturable=True`` (the GPU
+part), sparse gradients, non-float32 parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from optirs.core import params as P
+from optirs.core.errors import InvalidParameterError
+from optirs.torch._frontend import OptirsOptimizer
+
+
+def _common(foreach, fused, backend, backend_options) -> Dict[str, Any]:
+    return {"foreach": foreach, "fused": fused, "backend": backend, "backend_options": backend_options}
+
+
+class Adam(OptirsOptimizer):
+    """torch.optim.Adam on optirs' Adam/AdamW kernel (``decoupled_weight_decay=True`` is AdamW)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
+                 backend: str = "auto", backend_options: Optional[Dict[str, Any]] = None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
+
+    def _hyperparameters(self, group):
+        beta1, beta2 = self._pair(group)
+        hp = P.AdamParams(lr=self._scalar(group, "lr"), beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"], amsgrad=group["amsgrad"])
+        return ("adamw" if group.get("decoupled_weight_decay", False) else "adam"), hp
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW (decoupled weight decay, default 0.01) on optirs' Adam kernel."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 backend: str = "auto", backend_options: Optional[Dict[str, Any]] = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, backend=backend, backend_options=backend_options)
+
+
+class SGD(OptirsOptimizer):
+    """torch.optim.SGD (momentum, dampening, nesterov, L2 decay) on optirs' SGD kernel."""
+
+    _has_step_state = False  # torch's SGD keeps only momentum_buffer
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
+                 maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
+                 fused: Optional[bool] = None, backend: str = "auto",
+                 backend_options: Optional[Dict[str, Any]] = None):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused)
+        super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
+
+    def _hyperparameters(self, group):
+        return "sgd", P.SgdParams(lr=self._scalar(group, "lr"), momentum=group["momentum"],
+                                  dampening=group["dampening"], weight_decay=self._scalar(group, "weight_decay"),
+                                  nesterov=group["nesterov"])
+
+
+class RMSprop(OptirsOptimizer):
+    """torch.optim.RMSprop (eps outside the square root, momentum, centered) on optirs' kernel."""
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
+                 capturable=False, foreach: Optional[bool] = None, maximize: bool = False,
+                 differentiable: bool = False, *, backend: str = "auto",
+                 backend_options: Optional[Dict[str, Any]] = None):
+        defaults = dict(lr=lr, momentum=momentum, alpha=alpha, eps=eps, centered=centered, weight_decay=weight_decay,
+                        capturable=capturable, foreach=foreach, maximize=maximize, differentiable=differentiable)
+        super().__init__(params, defaults, **_common(foreach, None, backend, backend_options))
+
+    def _hyperparameters(self, group):
+        return "rmsprop", P.RmspropParams(lr=self._scalar(group, "lr"), alpha=group["alpha"], eps=group["eps"],
+                                          weight_decay=group["weight_decay"], momentum=group["momentum"],
+                                          centered=group["centered"])
+
+
+class Adagrad(OptirsOptimizer):
+    """torch.optim.Adagrad (lr_decay, initial_accumulator_value) on optirs' kernel.
+
+    Unlike torch, the state (``step``, ``sum``) appears at the first step, not at construction.
+    """
+
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
+                 foreach: Optional[bool] = None, *, maximize: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, backend: str = "auto",
+                 backend_options: Optional[Dict[str, Any]] = None):
+        defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
+                        initial_accumulator_value=initial_accumulator_value, foreach=foreach, maximize=maximize,
+                        differentiable=differentiable, fused=fused)
+        super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
+
+    def _hyperparameters(self, group):
+        return "adagrad", P.AdagradParams(lr=self._scalar(group, "lr"), lr_decay=group["lr_decay"],
+                                          weight_decay=group["weight_decay"],
+                                          initial_accumulator_value=group["initial_accumulator_value"],
+                                          eps=group["eps"])
+
+
+class Adafactor(OptirsOptimizer):
+    """torch.optim.Adafactor (factored second moments; ``maximize`` inside the kernel)."""
+
+    _native_maximize = True
+
+    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps: Tuple[Optional[float], float] = (None, 1e-3), d=1.0,
+                 weight_decay=0.0, *, foreach: Optional[bool] = None, maximize: bool = False,
+                 backend: str = "auto", backend_options: Optional[Dict[str, Any]] = None):
+        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
+                        maximize=maximize)
+        super().__init__(params, defaults, **_common(foreach, None, backend, backend_options))
+
+    def _hyperparameters(self, group):
+        return "adafactor", P.AdafactorParams(lr=self._scalar(group, "lr"), beta2_decay=group["beta2_decay"],
+                                              eps=group["eps"], d=group["d"], weight_decay=group["weight_decay"],
+                                              maximize=bool(group["maximize"]))
+
+
+class Lamb(OptirsOptimizer):
+    """LAMB as optax.lamb / optirs.GpuLamb (per-tensor trust ratios, optional global clipping)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *,
+                 bias_correction: bool = True, max_trust_ratio: Optional[float] = None,
+                 max_grad_norm: Optional[float] = None, maximize: bool = False, foreach: Optional[bool] = None,
+                 fused: Optional[bool] = None, backend: str = "auto",
+                 backend_options: Optional[Dict[str, Any]] = None):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        max_trust_ratio=max_trust_ratio, max_grad_norm=max_grad_norm, maximize=maximize,
+                        foreach=foreach, fused=fused)
+        super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
+
+    def _hyperparameters(self, group):
+        beta1, beta2 = self._pair(group)
+        return "lamb", P.LambParams(lr=self._scalar(group, "lr"), beta1=beta1, beta2=beta2, eps=group["eps"],
+                                    weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
+                                    max_trust_ratio=group["max_trust_ratio"], max_grad_norm=group["max_grad_norm"])
+
+
+class Lion(OptirsOptimizer):
+    """Lion as the lion-pytorch package (``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``)."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None, backend: str = "auto",
+                 backend_options: Optional[Dict[str, Any]] = None):
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach, fused=fused)
+        super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
+
+    def _hyperparameters(self, group):
+        beta1, beta2 = self._pair(group)
+        return "lion", P.LionParams(lr=self._scalar(group, "lr"), beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"])
+
+
+__all__ = ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion"]
