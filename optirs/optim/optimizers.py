@@ -4,11 +4,19 @@ State (moments, accumulators) is one flat buffer per slot on the backend's devic
 :class:`optirs.core.layout.TensorLayout`; the step count is kept on the host. The per-step scalars are
 computed on the host in float64 (:mod:`optirs.core.scalars`). Every check runs before anything is
 modified, so a failed call leaves parameters and state as they were.
+
+A step is a transaction: stage -> step -> finish -> count, under the backend's lock (other
+optimizers on the same context share its staging buffers) and with SIGINT deferred
+(:mod:`optirs.core.interrupts`), so a KeyboardInterrupt lands before or after it. One optimizer
+runs one step, checkpoint or move at a time (its own lock), whatever the threads.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -16,6 +24,7 @@ import numpy as np
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.core.interrupts import deferred_interrupts
 from optirs.core.layout import TensorLayout
 from optirs.plugin.registry import REGISTRY, Backend
 
@@ -54,14 +63,30 @@ class GpuOptimizerConfig:
 ArrayOrList = Union[Any, Sequence[Any]]
 
 
-def _storage_pointers(arrays: List[Any]) -> List[tuple]:
-    """(tensor, data pointer) for arrays whose storage can be swapped under the same object:
-    a torch tensor after ``tensor.data = ...``. Other kinds keep their memory for life."""
-    return [(a, a.data_ptr()) for a in arrays if hasattr(a, "data_ptr")]
+_WRITEABLE = attrgetter("flags.writeable")
 
 
-def _same_storage(pointers: List[tuple]) -> bool:
-    return all(a.data_ptr() == ptr for a, ptr in pointers)
+def _mutable_in_place(params: List[Any], grads: List[Any]) -> tuple:
+    """What a validated array can change under the same object, to re-check on every repeat call:
+    a torch tensor's storage (``tensor.data = ...``: its data pointer) and a numpy parameter's
+    writeable flag. Device arrays of numba, CuPy and pyopencl keep their memory and flags for life,
+    so a step over them re-checks nothing per tensor."""
+    return ([(a, a.data_ptr()) for a in params + grads if hasattr(a, "data_ptr")],
+            [p for p in params if isinstance(p, np.ndarray)])
+
+
+def _unchanged(mutable: tuple) -> bool:
+    pointers, host = mutable
+    return all(map(_WRITEABLE, host)) and all(a.data_ptr() == ptr for a, ptr in pointers)
+
+
+def _serialized(method):
+    """The method under the optimizer's own lock: one step, checkpoint or move at a time."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class GpuOptimizer:
@@ -83,9 +108,11 @@ class GpuOptimizer:
         self._state: Optional[Dict[str, Any]] = None
         self._state_on_device = False
         self._step = 0
+        self._lock = threading.RLock()
         # The last (params, grads) lists that passed validation, kept alive so their ids stay
         # theirs: a training loop passes the same arrays every step, and re-describing hundreds
-        # of device arrays would cost more host time than the step itself.
+        # of device arrays would cost more host time than the step itself. What can change under
+        # the same objects is re-checked on every call (_mutable_in_place).
         self._validated: Optional[tuple] = None
 
     # ------------------------------------------------------------ hyperparameters
@@ -171,10 +198,13 @@ class GpuOptimizer:
 
     def _validate(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
         key = (tuple(map(id, params)), tuple(map(id, grads)))
-        if self._validated is not None and self._validated[0] == key and _same_storage(self._validated[3]):
-            return self._validated[2]
+        hit = self._validated
+        if hit is not None and hit[0] == key and _unchanged(hit[3]):
+            return hit[2]
+        # A changed array is described again: a repeat call refuses exactly what a first call would.
+        self._validated = None
         metas = self._describe_all(params, grads)
-        self._validated = (key, (params, grads), metas, _storage_pointers(params + grads))
+        self._validated = (key, (params, grads), metas, _mutable_in_place(params, grads))
         return metas
 
     def _describe_all(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
@@ -215,26 +245,31 @@ class GpuOptimizer:
         """One optimizer step over one array or a list of arrays, updating ``params`` in place.
 
         numpy inputs are uploaded, stepped and written back; the backend's own device arrays are
-        stepped in place. Everything is checked first: on error nothing has changed.
+        stepped in place. Everything is checked first: on error nothing has changed. A plugin's
+        own exception surfaces as a PluginError and the step is not counted.
         """
         plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
         metas = self._validate(plist, glist)
         backend = self.backend
         step = backend.step_fn(self.name)
         layout = self._layout or TensorLayout([m.shape for m in metas])
-        if self._state is None:
-            slots = self.state_slots(self._params)
-            sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
-            state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
-        else:
-            self.move_to_gpu()
-            state = self._state
-        staged = backend.stage(backend.ctx, plist, glist)
-        step(backend.ctx, staged.params, staged.grads, state, layout, self.step_scalars(self._step + 1))
-        if staged.finish is not None:
-            staged.finish()
-        self._layout, self._state, self._state_on_device = layout, state, True
-        self._step += 1
+        scalars = self.step_scalars(self._step + 1)
+        # The transaction: no other step on this context in between (shared staging buffers), and
+        # a KeyboardInterrupt lands before it or after the count, never inside.
+        with deferred_interrupts(), backend.lock:
+            if self._state is None:
+                slots = self.state_slots(self._params)
+                sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
+                state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
+            else:
+                self.move_to_gpu()
+                state = self._state
+            staged = backend.stage(backend.ctx, plist, glist)
+            step(backend.ctx, staged.params, staged.grads, state, layout, scalars)
+            if staged.finish is not None:
+                staged.finish()
+            self._layout, self._state, self._state_on_device = layout, state, True
+            self._step += 1
 
     # ------------------------------------------------------------ checkpoints
 
@@ -300,6 +335,13 @@ class GpuOptimizer:
     def __repr__(self) -> str:
         where = self._backend.name if self._backend else self.config.backend
         return f"{type(self).__name__}({self._params!r}, backend={where!r}, step={self._step})"
+
+
+# One step, checkpoint, restore, move or hyperparameter change at a time per optimizer (threads).
+for _method in ("step_gpu", "state_dict", "load_state_dict", "move_to_gpu", "move_to_cpu"):
+    setattr(GpuOptimizer, _method, _serialized(getattr(GpuOptimizer, _method)))
+GpuOptimizer.params = GpuOptimizer.params.setter(_serialized(GpuOptimizer.params.fset))  # type: ignore[attr-defined]
+del _method
 
 
 def optimizer_class(definition: OptimizerDefinition) -> type:

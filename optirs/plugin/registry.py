@@ -8,6 +8,7 @@ registry or the other backends down. ``OPTIRS_DISABLE_PLUGIN_AUTOLOAD=1`` skips 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
@@ -21,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pluggy
 
 from optirs.plugin import hookspecs
-from optirs.core.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
+from optirs.core.errors import BackendUnavailableError, GpuOptimError, PluginError, UnsupportedOperationError
 from optirs.plugin.hookspecs import CAPABILITIES, STEP_HOOKS, DeviceInfo, ProbeResult
 
 ENTRY_POINT_GROUP = "optirs"
@@ -103,8 +104,37 @@ def _bind(caller: Any, impl: Any) -> Callable:
     return lambda *args: fn(*[args[i] for i in picks])
 
 
+def _guard(plugin: str, hook: str, fn: Optional[Callable]) -> Optional[Callable]:
+    """``fn`` raising optirs' own errors as they are and any other exception as a PluginError
+    naming the plugin and the hook (chained to the original); a staged step's ``finish`` too."""
+    if fn is None:
+        return None
+
+    def call(*args: Any) -> Any:
+        try:
+            out = fn(*args)
+        except GpuOptimError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin {plugin!r} raised {type(exc).__name__} in {hook}: {exc}") from exc
+        if staging and getattr(out, "finish", None) is not None:
+            out = dataclasses.replace(out, finish=_guard(plugin, hook + " (finish)", out.finish))
+        return out
+
+    staging = hook == "optirs_stage"
+    call.__name__ = call.__qualname__ = hook
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
+
+
 class Backend:
-    """A backend opened on a device: its context and its own hook implementations, bound once."""
+    """A backend opened on a device: its context and its own hook implementations, bound once.
+
+    Every hook is bound through :func:`_guard`: a plugin's own exception surfaces as a
+    :class:`PluginError` naming it. ``lock`` serializes transactions on the context (an optimizer
+    step's stage -> step -> finish), whose staging buffers and launch caches are shared by every
+    optimizer on it.
+    """
 
     def __init__(self, registry: "Registry", name: str, plugin: Any, options: Dict[str, Any]):
         self.name = name
@@ -117,8 +147,9 @@ class Backend:
         if not probe.available:
             raise BackendUnavailableError(f"backend {name!r} cannot open: {probe.reason}")
         self.devices: Tuple[DeviceInfo, ...] = tuple(probe.devices)
-        self.ctx = registry.implementation(name, "optirs_open")(self.options)
-        impl = lambda hook: registry.implementation(name, hook)  # noqa: E731
+        self.ctx = _guard(name, "optirs_open", registry.implementation(name, "optirs_open"))(self.options)
+        self.lock = threading.RLock()
+        impl = lambda hook: _guard(name, hook, registry.implementation(name, hook))  # noqa: E731
         self.alloc = impl("optirs_alloc")
         self.to_device = impl("optirs_to_device")
         self.to_host = impl("optirs_to_host")
