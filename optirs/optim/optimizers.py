@@ -71,13 +71,15 @@ def _mutable_in_place(params: List[Any], grads: List[Any]) -> tuple:
     a torch tensor's storage (``tensor.data = ...``: its data pointer) and a numpy parameter's
     writeable flag. Device arrays of numba, CuPy and pyopencl keep their memory and flags for life,
     so a step over them re-checks nothing per tensor."""
-    return ([(a, a.data_ptr()) for a in params + grads if hasattr(a, "data_ptr")],
-            [p for p in params if isinstance(p, np.ndarray)])
+    return ([(a, a.data_ptr()) for a in params + grads if hasattr(a, "data_ptr")] or None,
+            [p for p in params if isinstance(p, np.ndarray)] or None)
 
 
 def _unchanged(mutable: tuple) -> bool:
     pointers, host = mutable
-    return all(map(_WRITEABLE, host)) and all(a.data_ptr() == ptr for a, ptr in pointers)
+    if host is not None and not all(map(_WRITEABLE, host)):
+        return False
+    return pointers is None or all(a.data_ptr() == ptr for a, ptr in pointers)
 
 
 def _serialized(method):
@@ -248,7 +250,10 @@ class GpuOptimizer:
         stepped in place. Everything is checked first: on error nothing has changed. A plugin's
         own exception surfaces as a PluginError and the step is not counted.
         """
-        plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
+        with self._lock:  # inline rather than _serialized: this is the hot path
+            self._step_locked(self._as_list(params, "params"), self._as_list(grads, "grads"))
+
+    def _step_locked(self, plist: List[Any], glist: List[Any]) -> None:
         metas = self._validate(plist, glist)
         backend = self.backend
         step = backend.step_fn(self.name)
@@ -256,18 +261,31 @@ class GpuOptimizer:
         scalars = self.step_scalars(self._step + 1)
         # The transaction: no other step on this context in between (shared staging buffers), and
         # a KeyboardInterrupt lands before it or after the count, never inside.
+        # A plugin's own exception (not optirs' errors) becomes a PluginError naming it and the hook.
         with deferred_interrupts(), backend.lock:
-            if self._state is None:
-                slots = self.state_slots(self._params)
-                sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
-                state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
-            else:
-                self.move_to_gpu()
-                state = self._state
-            staged = backend.stage(backend.ctx, plist, glist)
-            step(backend.ctx, staged.params, staged.grads, state, layout, scalars)
-            if staged.finish is not None:
-                staged.finish()
+            where = 0  # the hook running, named only if it raises
+            try:
+                if self._state is None:
+                    slots = self.state_slots(self._params)
+                    sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
+                    state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
+                else:
+                    where = 1
+                    self.move_to_gpu()
+                    state = self._state
+                where = 2
+                staged = backend.stage(backend.ctx, plist, glist)
+                where = 3
+                step(backend.ctx, staged.params, staged.grads, state, layout, scalars)
+                if staged.finish is not None:
+                    where = 4
+                    staged.finish()
+            except Exception as exc:
+                hook = ("optirs_alloc", "optirs_to_device", "optirs_stage", self.definition.hook, "optirs_stage's finish")[where]
+                error = backend.plugin_error(exc, hook)
+                if error is exc:
+                    raise
+                raise error from exc
             self._layout, self._state, self._state_on_device = layout, state, True
             self._step += 1
 
@@ -338,7 +356,7 @@ class GpuOptimizer:
 
 
 # One step, checkpoint, restore, move or hyperparameter change at a time per optimizer (threads).
-for _method in ("step_gpu", "state_dict", "load_state_dict", "move_to_gpu", "move_to_cpu"):
+for _method in ("state_dict", "load_state_dict", "move_to_gpu", "move_to_cpu"):
     setattr(GpuOptimizer, _method, _serialized(getattr(GpuOptimizer, _method)))
 GpuOptimizer.params = GpuOptimizer.params.setter(_serialized(GpuOptimizer.params.fset))  # type: ignore[attr-defined]
 del _method

@@ -8,7 +8,6 @@ registry or the other backends down. ``OPTIRS_DISABLE_PLUGIN_AUTOLOAD=1`` skips 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import os
@@ -104,36 +103,12 @@ def _bind(caller: Any, impl: Any) -> Callable:
     return lambda *args: fn(*[args[i] for i in picks])
 
 
-def _guard(plugin: str, hook: str, fn: Optional[Callable]) -> Optional[Callable]:
-    """``fn`` raising optirs' own errors as they are and any other exception as a PluginError
-    naming the plugin and the hook (chained to the original); a staged step's ``finish`` too."""
-    if fn is None:
-        return None
-
-    def call(*args: Any) -> Any:
-        try:
-            out = fn(*args)
-        except GpuOptimError:
-            raise
-        except Exception as exc:
-            raise PluginError(f"plugin {plugin!r} raised {type(exc).__name__} in {hook}: {exc}") from exc
-        if staging and getattr(out, "finish", None) is not None:
-            out = dataclasses.replace(out, finish=_guard(plugin, hook + " (finish)", out.finish))
-        return out
-
-    staging = hook == "optirs_stage"
-    call.__name__ = call.__qualname__ = hook
-    call.__wrapped__ = fn  # type: ignore[attr-defined]
-    return call
-
-
 class Backend:
     """A backend opened on a device: its context and its own hook implementations, bound once.
 
-    Every hook is bound through :func:`_guard`: a plugin's own exception surfaces as a
-    :class:`PluginError` naming it. ``lock`` serializes transactions on the context (an optimizer
-    step's stage -> step -> finish), whose staging buffers and launch caches are shared by every
-    optimizer on it.
+    ``lock`` serializes transactions on the context (an optimizer step's stage -> step ->
+    finish), whose staging buffers and launch caches are shared by every optimizer on it.
+    :meth:`plugin_error` is how a feature reports a hook's own exception.
     """
 
     def __init__(self, registry: "Registry", name: str, plugin: Any, options: Dict[str, Any]):
@@ -147,9 +122,9 @@ class Backend:
         if not probe.available:
             raise BackendUnavailableError(f"backend {name!r} cannot open: {probe.reason}")
         self.devices: Tuple[DeviceInfo, ...] = tuple(probe.devices)
-        self.ctx = _guard(name, "optirs_open", registry.implementation(name, "optirs_open"))(self.options)
+        self.ctx = registry.implementation(name, "optirs_open")(self.options)
         self.lock = threading.RLock()
-        impl = lambda hook: _guard(name, hook, registry.implementation(name, hook))  # noqa: E731
+        impl = lambda hook: registry.implementation(name, hook)  # noqa: E731
         self.alloc = impl("optirs_alloc")
         self.to_device = impl("optirs_to_device")
         self.to_host = impl("optirs_to_host")
@@ -191,6 +166,13 @@ class Backend:
                 f"it implements {list(self.optimizers)}"
             )
         return fn
+
+    def plugin_error(self, exc: BaseException, hook: str) -> BaseException:
+        """What a feature raises for an exception out of this backend's ``hook``: optirs' own
+        errors as they are, anything else as a PluginError naming the plugin (raise it ``from exc``)."""
+        if isinstance(exc, GpuOptimError) or not isinstance(exc, Exception):
+            return exc
+        return PluginError(f"plugin {self.name!r} raised {type(exc).__name__} in {hook}: {exc}")
 
     def synchronize(self) -> None:
         if self._synchronize is not None:
