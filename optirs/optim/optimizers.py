@@ -4,11 +4,19 @@ State (moments, accumulators) is one flat buffer per slot on the backend's devic
 :class:`optirs.core.layout.TensorLayout`; the step count is kept on the host. The per-step scalars are
 computed on the host in float64 (:mod:`optirs.core.scalars`). Every check runs before anything is
 modified, so a failed call leaves parameters and state as they were.
+
+A step is a transaction: stage -> step -> finish -> count, under the backend's lock (other
+optimizers on the same context share its staging buffers) and with SIGINT deferred
+(:mod:`optirs.core.interrupts`), so a KeyboardInterrupt lands before or after it. One optimizer
+runs one step, checkpoint or move at a time (its own lock), whatever the threads.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
@@ -17,6 +25,7 @@ from optirs.core import checkpoint as ck
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta, check_no_overlap, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.core.interrupts import deferred_interrupts
 from optirs.core.layout import TensorLayout
 from optirs.plugin.registry import REGISTRY, Backend
 
@@ -61,14 +70,37 @@ class GpuOptimizerConfig:
 ArrayOrList = Union[Any, Sequence[Any]]
 
 
-def _storage_pointers(arrays: List[Any]) -> List[tuple]:
-    """(tensor, data pointer) for arrays whose storage can be swapped under the same object:
-    a torch tensor after ``tensor.data = ...``. Other kinds keep their memory for life."""
-    return [(a, a.data_ptr()) for a in arrays if hasattr(a, "data_ptr")]
+_WRITEABLE = attrgetter("flags.writeable")
 
 
-def _same_storage(pointers: List[tuple]) -> bool:
-    return all(a.data_ptr() == ptr for a, ptr in pointers)
+def _is_torch_cpu(array: Any) -> bool:
+    """A torch tensor in host memory (stepped through a numpy view; torch is imported by then)."""
+    return type(array).__module__.startswith("torch") and getattr(array, "is_cpu", False)
+
+
+def _mutable_in_place(params: List[Any], grads: List[Any]) -> tuple:
+    """What a validated array can change under the same object, to re-check on every repeat call:
+    a torch tensor's storage (``tensor.data = ...``: its data pointer) and a numpy parameter's
+    writeable flag. Device arrays of numba, CuPy and pyopencl keep their memory and flags for life,
+    so a step over them re-checks nothing per tensor."""
+    return ([(a, a.data_ptr()) for a in params + grads if hasattr(a, "data_ptr")] or None,
+            [p for p in params if isinstance(p, np.ndarray)] or None)
+
+
+def _unchanged(mutable: tuple) -> bool:
+    pointers, host = mutable
+    if host is not None and not all(map(_WRITEABLE, host)):
+        return False
+    return pointers is None or all(a.data_ptr() == ptr for a, ptr in pointers)
+
+
+def _serialized(method):
+    """The method under the optimizer's own lock: one step, checkpoint or move at a time."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class GpuOptimizer:
@@ -91,9 +123,11 @@ class GpuOptimizer:
         self._state: Optional[Dict[str, Any]] = None
         self._state_on_device = False
         self._step = 0
+        self._lock = threading.RLock()
         # The last (params, grads) lists that passed validation, kept alive so their ids stay
         # theirs: a training loop passes the same arrays every step, and re-describing hundreds
-        # of device arrays would cost more host time than the step itself.
+        # of device arrays would cost more host time than the step itself. What can change under
+        # the same objects is re-checked on every call (_mutable_in_place).
         self._validated: Optional[tuple] = None
 
     # ------------------------------------------------------------ hyperparameters
@@ -179,10 +213,13 @@ class GpuOptimizer:
 
     def _validate(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
         key = (tuple(map(id, params)), tuple(map(id, grads)))
-        if self._validated is not None and self._validated[0] == key and _same_storage(self._validated[3]):
-            return self._validated[2]
+        hit = self._validated
+        if hit is not None and hit[0] == key and _unchanged(hit[3]):
+            return hit[2]
+        # A changed array is described again: a repeat call refuses exactly what a first call would.
+        self._validated = None
         metas = self._describe_all(params, grads)
-        self._validated = (key, (params, grads), metas, _storage_pointers(params + grads))
+        self._validated = (key, (params, grads), metas, _mutable_in_place(params, grads))
         return metas
 
     def _describe_all(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
@@ -223,7 +260,9 @@ class GpuOptimizer:
         """One optimizer step over one array or a list of arrays, updating ``params`` in place.
 
         numpy inputs are uploaded, stepped and written back; the backend's own device arrays are
-        stepped in place. Everything is checked first: on error nothing has changed.
+        stepped in place; torch CPU tensors are stepped through numpy views of their memory.
+        Everything is checked first: on error nothing has changed. A plugin's own exception
+        surfaces as a PluginError and the step is not counted.
 
         ``found_inf`` (torch's fused optimizers' flag, computed by a pass that reads every gradient
         anyway, such as a loss scaler's unscale): None steps as usual; a bool, ``numpy.bool_`` or a
@@ -231,6 +270,14 @@ class GpuOptimizer:
         the whole step: parameters, state and ``step_count`` stay as they were.
         """
         plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
+        if _is_torch_cpu(plist[0]) or _is_torch_cpu(glist[0]):  # zero-copy numpy views
+            from optirs.torch.interop import host_arrays
+
+            plist, glist = host_arrays(plist), host_arrays(glist)
+        with self._lock:  # inline rather than _serialized: this is the hot path
+            self._step_locked(plist, glist, found_inf)
+
+    def _step_locked(self, plist: List[Any], glist: List[Any], found_inf: Any = None) -> None:
         skip = self._found_inf(found_inf)
         metas = self._validate(plist, glist)
         if skip:
@@ -238,19 +285,36 @@ class GpuOptimizer:
         backend = self.backend
         step = backend.step_fn(self.name)
         layout = self._layout or TensorLayout([m.shape for m in metas])
-        if self._state is None:
-            slots = self.state_slots(self._params)
-            sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
-            state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
-        else:
-            self.move_to_gpu()
-            state = self._state
-        staged = backend.stage(backend.ctx, plist, glist)
-        step(backend.ctx, staged.params, staged.grads, state, layout, self.step_scalars(self._step + 1))
-        if staged.finish is not None:
-            staged.finish()
-        self._layout, self._state, self._state_on_device = layout, state, True
-        self._step += 1
+        scalars = self.step_scalars(self._step + 1)
+        # The transaction: no other step on this context in between (shared staging buffers), and
+        # a KeyboardInterrupt lands before it or after the count, never inside.
+        # A plugin's own exception (not optirs' errors) becomes a PluginError naming it and the hook.
+        with deferred_interrupts(), backend.lock:
+            where = 0  # the hook running, named only if it raises
+            try:
+                if self._state is None:
+                    slots = self.state_slots(self._params)
+                    sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
+                    state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
+                else:
+                    where = 1
+                    self.move_to_gpu()
+                    state = self._state
+                where = 2
+                staged = backend.stage(backend.ctx, plist, glist)
+                where = 3
+                step(backend.ctx, staged.params, staged.grads, state, layout, scalars)
+                if staged.finish is not None:
+                    where = 4
+                    staged.finish()
+            except Exception as exc:
+                hook = ("optirs_alloc", "optirs_to_device", "optirs_stage", self.definition.hook, "optirs_stage's finish")[where]
+                error = backend.plugin_error(exc, hook)
+                if error is exc:
+                    raise
+                raise error from exc
+            self._layout, self._state, self._state_on_device = layout, state, True
+            self._step += 1
 
     def _found_inf(self, found_inf: Any) -> bool:
         """``step_gpu``'s ``found_inf`` as a host bool (a device flag is read back here)."""
@@ -345,6 +409,13 @@ class GpuOptimizer:
     def __repr__(self) -> str:
         where = self._backend.name if self._backend else self.config.backend
         return f"{type(self).__name__}({self._params!r}, backend={where!r}, step={self._step})"
+
+
+# One step, checkpoint, restore, move or hyperparameter change at a time per optimizer (threads).
+for _method in ("state_dict", "load_state_dict", "move_to_gpu", "move_to_cpu"):
+    setattr(GpuOptimizer, _method, _serialized(getattr(GpuOptimizer, _method)))
+GpuOptimizer.params = GpuOptimizer.params.setter(_serialized(GpuOptimizer.params.fset))  # type: ignore[attr-defined]
+del _method
 
 
 def optimizer_class(definition: OptimizerDefinition) -> type:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pluggy
 
 from optirs.plugin import hookspecs
-from optirs.core.errors import BackendUnavailableError, PluginError, UnsupportedOperationError
+from optirs.core.errors import BackendUnavailableError, GpuOptimError, PluginError, UnsupportedOperationError
 from optirs.plugin.hookspecs import CAPABILITIES, STEP_HOOKS, DeviceInfo, ProbeResult
 
 ENTRY_POINT_GROUP = "optirs"
@@ -143,7 +143,12 @@ def _bind(caller: Any, impl: Any) -> Callable:
 
 
 class Backend:
-    """A backend opened on a device: its context and its own hook implementations, bound once."""
+    """A backend opened on a device: its context and its own hook implementations, bound once.
+
+    ``lock`` serializes transactions on the context (an optimizer step's stage -> step ->
+    finish), whose staging buffers and launch caches are shared by every optimizer on it.
+    :meth:`plugin_error` is how a feature reports a hook's own exception.
+    """
 
     def __init__(self, registry: "Registry", name: str, plugin: Any, options: Dict[str, Any]):
         self.name = name
@@ -157,6 +162,7 @@ class Backend:
             raise BackendUnavailableError(f"backend {name!r} cannot open: {probe.reason}")
         self.devices: Tuple[DeviceInfo, ...] = tuple(probe.devices)
         self.ctx = registry.implementation(name, "optirs_open")(self.options)
+        self.lock = threading.RLock()
         impl = lambda hook: registry.implementation(name, hook)  # noqa: E731
         self.alloc = impl("optirs_alloc")
         self.to_device = impl("optirs_to_device")
@@ -206,6 +212,13 @@ class Backend:
         if self._host_view is None or not array.flags.c_contiguous:
             return None
         return self._host_view(self.ctx, array)
+
+    def plugin_error(self, exc: BaseException, hook: str) -> BaseException:
+        """What a feature raises for an exception out of this backend's ``hook``: optirs' own
+        errors as they are, anything else as a PluginError naming the plugin (raise it ``from exc``)."""
+        if isinstance(exc, GpuOptimError) or not isinstance(exc, Exception):
+            return exc
+        return PluginError(f"plugin {self.name!r} raised {type(exc).__name__} in {hook}: {exc}")
 
     def synchronize(self) -> None:
         if self._synchronize is not None:
