@@ -33,14 +33,10 @@ from optirs.optim.optimizers import OPTIMIZERS, GpuOptimizerConfig  # noqa: E402
 
 NAMES = sorted(OPTIMIZERS)
 # Checks of cases other helpers fix (issue 11); set True after merging their work.
-# fixed by the validation work (overlap): params that overlap without starting at the same
-# address are accepted today.
+# Overlapping parameters are rejected (the memory-identity check), and a parameter made read-only
+# after a step is rejected on the repeat call (the validation cache re-checks it): both fuzzed.
 OVERLAP_CHECKED = True
-# fixed by the validation work (read-only after first step): the validation cache skips the
-# read-only check for arrays that passed before, so the cpu step writes into a read-only array
-# and the opencl step raises numpy's ValueError after updating the state. The op is skipped
-# while this is False.
-READONLY_RECHECKED = False
+READONLY_RECHECKED = True
 EXAMPLES = {"cpu": 250, "opencl": 40, "cuda": 20}
 FUZZ = dict(deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
