@@ -184,7 +184,7 @@ def make_optimizer(kind: str, groups) -> Optional[Callable[[], None]]:
     if kind == "optirs_seed":
         import optirs
 
-        hp = [optirs.AdamParams(lr=LR, betas=BETAS, eps=EPS, weight_decay=g["weight_decay"]) for g in groups]
+        hp = [optirs.AdamParams(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=g["weight_decay"]) for g in groups]
         cfg = optirs.GpuOptimizerConfig(backend="cuda")
         opts = [(optirs.GpuAdamW(h, cfg), list(g["params"])) for h, g in zip(hp, groups)]
 

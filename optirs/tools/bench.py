@@ -92,7 +92,10 @@ class Kind:
         self.measured = backend.supports("measure")
 
     def make(self, host: np.ndarray) -> Any:
-        return self.backend.to_device(self.backend.ctx, host)
+        """A device array holding ``host``, shaped like it (optirs_to_device gives a flat array;
+        shape matters to optimizers such as Adafactor that factor 2-d tensors)."""
+        flat = self.backend.to_device(self.backend.ctx, host)
+        return flat.reshape(host.shape) if hasattr(flat, "reshape") else flat
 
     def to_host(self, array: Any) -> np.ndarray:
         if hasattr(array, "detach"):  # a torch tensor (the peers' arrays)

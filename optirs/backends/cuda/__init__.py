@@ -32,6 +32,7 @@ numba.cuda is imported by ``optirs_probe`` / ``optirs_open``, never by ``import 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import sys
 from collections import OrderedDict
@@ -657,6 +658,15 @@ class CudaDevice:
         if _simulator():
             return ProbeResult(True, "", (DeviceInfo("numba CUDA simulator", "simulator", None, 1,
                                                      {"numba": numba.__version__}),))
+        try:
+            # The compiler's array support is what an incompatible numpy breaks (numba-cuda 0.30.4
+            # with numpy 2.5: np.row_stack is gone); import it here so the probe says so, rather
+            # than the first step.
+            importlib.import_module("numba.cuda.np.arrayobj")
+        except ModuleNotFoundError:
+            pass  # a numba-cuda laid out differently: the first compile will tell
+        except Exception as exc:
+            return ProbeResult(False, import_failure_reason(exc))
         try:
             from numba.cuda.cudadrv.driver import driver
 
