@@ -111,7 +111,8 @@ def make_params(shapes, seed: int = 0):
 def groups_of(shapes, params):
     decay = [p for (_, s), p in zip(shapes, params) if len(s) >= 2]
     no_decay = [p for (_, s), p in zip(shapes, params) if len(s) < 2]
-    return [{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # a model of matrices only has no no-decay group
 
 
 class TinyGPT2:

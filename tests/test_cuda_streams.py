@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import optirs
+from optirs.core.simulator import cuda_simulator_enabled
 from optirs.core import reference
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 
@@ -219,6 +220,9 @@ def _spy_launches(ctx, monkeypatch):
 @pytest.mark.cuda
 def test_step_goes_on_the_pinned_stream(rng, monkeypatch):
     _cuda_or_skip()
+    if not cuda_simulator_enabled():
+        pytest.skip("a made-up stream handle is only safe under the simulator (the driver dereferences it); "
+                    "the gpu tests below use real streams")
     from numba import cuda
 
     hp = optirs.AdamParams(lr=1e-2, weight_decay=0.1)
