@@ -221,7 +221,7 @@ def test_keyboard_interrupt_lands_before_or_after_a_step(backend):
     outcomes = {"before": 0, "after": 0}
     for k in points:
         before_count = victim.step_count
-        tracer, _ = _interrupt_at(k)
+        tracer, seen = _interrupt_at(k)
         interrupted = False
         sys.settrace(tracer)
         try:
@@ -233,7 +233,11 @@ def test_keyboard_interrupt_lands_before_or_after_a_step(backend):
                 pass
         except KeyboardInterrupt:
             interrupted = True
-        assert interrupted, f"the interrupt at line event {k} of {events} was lost"
+        # A step can run fewer lines than the one counted (on a GPU the prepared launch rewrites
+        # only the scalars that changed, and late in a run bias corrections stop changing in
+        # float32): then no interrupt was sent and the step simply completed.
+        sent = seen[0] >= k
+        assert interrupted or not sent, f"the interrupt at line event {k} of {events} was lost"
         if victim.step_count == before_count:
             outcomes["before"] += 1
         else:
