@@ -431,3 +431,31 @@ def test_example_trains_to_target():
                           "--target", "2.6"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "optirs.torch.AdamW" in out.stdout and "torch.optim.AdamW" in out.stdout
+
+
+def test_a_compiled_training_step_is_correct():
+    """torch.compile of a whole training step (forward, backward, opt.step()): the step is a graph
+    break (run eagerly), and the trajectory equals torch's eager AdamW."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+
+    def make():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    ref_model, our_model = make(), make()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    ours = ot.AdamW(our_model.parameters(), lr=1e-2, backend="cpu")
+
+    def train_step(model, opt):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled = torch.compile(train_step)
+    for _ in range(5):
+        expected, got = train_step(ref_model, ref), compiled(our_model, ours)
+        torch.testing.assert_close(got, expected)
+    assert_same_params(ref_model, our_model)

@@ -346,6 +346,9 @@ class OptirsOptimizer(torch.optim.Optimizer):
 
     _native_maximize = False
 
+    # Under torch.compile the step is a graph break: dynamo runs it eagerly rather than tracing
+    # into the launch (and into numba's compiler on a first call).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
              found_inf: Optional[torch.Tensor] = None):
