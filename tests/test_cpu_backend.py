@@ -54,3 +54,22 @@ def test_second_process_loads_kernels_from_disk_cache(tmp_path):
     second = [int(x) for x in runs[1].stdout.split()]
     assert first[1] == 1            # compiled in the first process
     assert second == [1, 0]         # loaded, not compiled, in the second
+
+
+def test_only_the_latest_gradient_list_stays_cached(rng):
+    """Gradients that are new arrays every step (torch's zero_grad(set_to_none=True)) are not kept
+    alive by the typed-list cache beyond the latest step: an old step's gradients are freed."""
+    import gc
+    import weakref
+
+    params = [rng.standard_normal(n).astype(np.float32) for n in (100, 7)]
+    opt = optirs.GpuSgd(optirs.SgdParams(lr=0.1), optirs.GpuOptimizerConfig(backend="cpu"))
+    refs = []
+    for _ in range(6):
+        grads = [np.ones_like(p) for p in params]
+        refs.append([weakref.ref(g) for g in grads])
+        opt.step_gpu(params, grads)
+        del grads
+    gc.collect()
+    alive = [sum(r() is not None for r in step) for step in refs]
+    assert alive[:-1] == [0] * 5, alive  # the latest list may stay (the validation and stage caches)

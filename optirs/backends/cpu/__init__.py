@@ -51,22 +51,28 @@ def _total_memory() -> int | None:
 class CpuContext:
     """The opened CPU backend: the kernels module and a small cache of typed lists."""
 
+    # Cached typed lists per role. An entry keeps its arrays alive (so the ids stay theirs):
+    # parameters are the same memory step after step, but gradients are often new arrays every
+    # step (torch's zero_grad(set_to_none=True)), so only the latest gradient list is kept;
+    # a longer cache would hold old gradients, a model's worth each.
+    CACHED = {"params": 4, "grads": 1}
+
     def __init__(self, kernels: Any):
         self.kernels = kernels
-        # The numba typed lists for recent parameter lists, keyed by the arrays' identities
-        # (the arrays are kept alive by the entry, so the ids stay theirs).
-        self.lists: "OrderedDict[tuple, tuple]" = OrderedDict()
+        # The numba typed lists of recent lists, keyed by the arrays' identities.
+        self.lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
 
-    def typed_list(self, arrays: List[np.ndarray]):
+    def typed_list(self, arrays: List[np.ndarray], role: str = "params"):
+        cache = self.lists[role]
         key = tuple(id(a) for a in arrays)
-        hit = self.lists.get(key)
+        hit = cache.get(key)
         if hit is None:
             hit = (arrays, self.kernels.typed_list([a.reshape(-1) for a in arrays]))
-            self.lists[key] = hit
-            if len(self.lists) > 16:
-                self.lists.popitem(last=False)
+            cache[key] = hit
+            while len(cache) > self.CACHED[role]:
+                cache.popitem(last=False)
         else:
-            self.lists.move_to_end(key)
+            cache.move_to_end(key)
         return hit[1]
 
 
@@ -118,7 +124,7 @@ class CpuDevice:
                 raise InvalidParameterError(
                     f"params[{i}] is a {type(p).__name__}, expected a numpy array on the cpu backend"
                 )
-        return Staged(ctx.typed_list(params), ctx.typed_list(grads))
+        return Staged(ctx.typed_list(params, "params"), ctx.typed_list(grads, "grads"))
 
     @hookimpl
     def optirs_host_view(self, ctx: CpuContext, array: np.ndarray) -> np.ndarray:
