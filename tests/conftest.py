@@ -29,31 +29,26 @@ def _status():
     return {s.name: s for s in optirs.list_backends()}
 
 
+def _builtin_params():
+    """One pytest param per built-in backend, marked with its name and skipped (saying why) where it cannot open."""
+    status = _status()
+    params = []
+    for name in BUILTIN_BACKENDS:
+        s = status.get(name)
+        marks = [getattr(pytest.mark, name)]
+        if s is None:
+            marks.append(pytest.mark.skip(reason=f"backend {name} is not installed"))
+        elif not s.available:
+            marks.append(pytest.mark.skip(reason=f"backend {name} cannot open here: {s.reason}"))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
 def pytest_generate_tests(metafunc):
     if "backend" in metafunc.fixturenames:
-        status = _status()
-        params = []
-        for name in BUILTIN_BACKENDS:
-            s = status.get(name)
-            marks = [getattr(pytest.mark, name)]
-            if s is None:
-                marks.append(pytest.mark.skip(reason=f"backend {name} is not installed"))
-            elif not s.available:
-                marks.append(pytest.mark.skip(reason=f"backend {name} cannot open here: {s.reason}"))
-            params.append(pytest.param(name, marks=marks, id=name))
-        metafunc.parametrize("backend", params)
+        metafunc.parametrize("backend", _builtin_params())
     if "feature_backend" in metafunc.fixturenames:
-        status = _status()
-        params = []
-        for name in BUILTIN_BACKENDS:
-            s = status.get(name)
-            marks = [getattr(pytest.mark, name)]
-            if s is None:
-                marks.append(pytest.mark.skip(reason=f"backend {name} is not installed"))
-            elif not s.available:
-                marks.append(pytest.mark.skip(reason=f"backend {name} cannot open here: {s.reason}"))
-            params.append(pytest.param(name, marks=marks, id=name))
-        params.append(pytest.param(THIRD_PARTY_BACKEND, id=THIRD_PARTY_BACKEND))
+        params = _builtin_params() + [pytest.param(THIRD_PARTY_BACKEND, id=THIRD_PARTY_BACKEND)]
         metafunc.parametrize("feature_backend", params, indirect=True)
 
 
