@@ -15,18 +15,18 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from optirs.core.errors import DeviceMemoryError, InvalidParameterError
-from optirs.backends.cpu.fake_quant import CpuFakeQuant
-from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 from optirs.backends.cpu.adafactor import CpuAdafactor
-from optirs.backends.cpu.measure import CpuMeasure
-from optirs.backends.cpu.streams import CpuStreams
-from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
-from optirs.backends.cpu.mixed_precision import CpuMixedPrecision
-from optirs.backends.cpu.sparse import CpuSparse
+from optirs.backends.cpu.fake_quant import CpuFakeQuant
 from optirs.backends.cpu.fusion import CpuFusion
-
+from optirs.backends.cpu.measure import CpuMeasure
+from optirs.backends.cpu.mixed_precision import CpuMixedPrecision
+from optirs.backends.cpu.replica_reduce import CpuReplicaReduce
+from optirs.backends.cpu.sparse import CpuSparse
 from optirs.backends.cpu.steps import CHUNK, CpuSteps
+from optirs.backends.cpu.streams import CpuStreams
+from optirs.backends.cpu.typed_lists import cached_typed_list
+from optirs.core.errors import DeviceMemoryError, InvalidParameterError
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
 
 
 def cpu_name() -> str:
@@ -63,17 +63,8 @@ class CpuContext:
         self.lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
 
     def typed_list(self, arrays: List[np.ndarray], role: str = "params"):
-        cache = self.lists[role]
-        key = tuple(id(a) for a in arrays)
-        hit = cache.get(key)
-        if hit is None:
-            hit = (arrays, self.kernels.typed_list([a.reshape(-1) for a in arrays]))
-            cache[key] = hit
-            while len(cache) > self.CACHED[role]:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
-        return hit[1]
+        return cached_typed_list(self.lists[role], arrays, self.CACHED[role],
+                                 lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]))
 
 
 class CpuDevice:

@@ -18,6 +18,7 @@ from optirs.backends.common import half
 from optirs.core.arrays import ArrayMeta, describe
 from optirs.core.errors import InvalidParameterError
 from optirs.core.layout import TensorLayout
+from optirs.backends.cpu.typed_lists import cached_typed_list
 from optirs.plugin.hookspecs import hookimpl
 
 # Cached typed lists of bit views per layout: a training loop alternates few array lists.
@@ -105,19 +106,10 @@ def decode_bits(bits: np.ndarray, dtype: Any) -> np.ndarray:
 
 
 def _bit_views(layout: TensorLayout, arrays: List[np.ndarray]):
-    """A numba typed list of the arrays' flat uint16 views, cached in the layout by the arrays'
-    identities (the entry keeps them alive, so the ids stay theirs)."""
+    """A numba typed list of the arrays' flat uint16 views, cached in the layout."""
     cache = layout.cache.setdefault("mixed_precision.cpu_bits", OrderedDict())
-    key = tuple(id(a) for a in arrays)
-    hit = cache.get(key)
-    if hit is None:
-        hit = (arrays, cpu_kernels().typed_list([a.view(np.uint16).reshape(-1) for a in arrays]))
-        cache[key] = hit
-        if len(cache) > _BIT_LISTS:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return hit[1]
+    return cached_typed_list(cache, arrays, _BIT_LISTS,
+                             lambda a: cpu_kernels().typed_list([x.view(np.uint16).reshape(-1) for x in a]))
 
 
 class CpuMixedPrecision:

@@ -40,17 +40,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
+from optirs.backends.cuda.adafactor import CudaAdafactor
 from optirs.backends.cuda.fake_quant import CudaFakeQuant
+from optirs.backends.cuda.fusion import CudaFusion
+from optirs.backends.cuda.measure import CudaMeasure
+from optirs.backends.cuda.mixed_precision import CudaMixedPrecision
+from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
+from optirs.backends.cuda.sparse import CudaSparse
+from optirs.backends.cuda.streams import CudaStreams
+from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
-from optirs.backends.cuda.adafactor import CudaAdafactor
-from optirs.backends.cuda.measure import CudaMeasure
-from optirs.backends.cuda.streams import CudaStreams
-from optirs.backends.cuda.replica_reduce import CudaReplicaReduce
-from optirs.backends.cuda.mixed_precision import CudaMixedPrecision
-from optirs.backends.cuda.sparse import CudaSparse
-from optirs.backends.cuda.fusion import CudaFusion
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny

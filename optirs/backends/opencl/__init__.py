@@ -30,16 +30,16 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 
 from optirs.backends.common.opencl_source import program_source
+from optirs.backends.opencl.adafactor import OpenclAdafactor
+from optirs.backends.opencl.fake_quant import OpenclFakeQuant
+from optirs.backends.opencl.fusion import OpenclFusion
+from optirs.backends.opencl.measure import OpenclMeasure
+from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
+from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
+from optirs.backends.opencl.sparse import OpenclSparse
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError)
-from optirs.backends.opencl.fake_quant import OpenclFakeQuant
 from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
-from optirs.backends.opencl.adafactor import OpenclAdafactor
-from optirs.backends.opencl.measure import OpenclMeasure
-from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
-from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
-from optirs.backends.opencl.sparse import OpenclSparse
-from optirs.backends.opencl.fusion import OpenclFusion
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
