@@ -22,8 +22,33 @@ from numba import cuda, float64
 
 from optirs.backends.common.elementwise import (adafactor_apply, adafactor_direction, adafactor_factored_direction,
                                                 adafactor_grad, adafactor_running_mean)
-from optirs.backends.cuda.kernels import _F32, _block_sum, _device, ld, st
+from optirs.backends.cuda.kernels import _F32, _device, ld, st
 from optirs.core.factored import BATCH, BATCH_OFF, COL_OFF, COLS, FACTORED, ROW_OFF, ROWS, SIZE, VAR_OFF
+
+
+# Its own copy of the block reduction beside kernels._block_add: a device function that reads
+# ``cuda.threadIdx`` must live in the kernel's module, since numba's simulator swaps the ``cuda``
+# global of that module only (one shared helper in kernels.py failed every simulated Adafactor step).
+@_device
+def _block_sum(value):
+    """The sum of ``value`` over the block (shared-memory tree, any block size up to 1024), in every thread."""
+    partial = cuda.shared.array(1024, float64)
+    tid = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    partial[tid] = value
+    cuda.syncthreads()
+    stride = 1
+    while stride < n:
+        stride <<= 1
+    stride >>= 1
+    while stride > 0:
+        if tid < stride and tid + stride < n:
+            partial[tid] += partial[tid + stride]
+        cuda.syncthreads()
+        stride >>= 1
+    total = partial[0]
+    cuda.syncthreads()  # the array is reused by the next sum
+    return total
 
 
 @_device

@@ -230,8 +230,9 @@ STEP_FUNCTIONS = {family: _make_step_kernel(update, family) for family, update i
 
 
 @_device
-def _block_sum(value):
-    """The sum of ``value`` over the block (shared-memory tree, any block size up to 1024), in every thread."""
+def _block_add(acc, q, index, value):
+    """Sum ``value`` over the block (a shared-memory tree, any block size up to 1024) and add
+    it to ``acc[q, index]`` with one atomic."""
     partial = cuda.shared.array(1024, float64)
     tid = cuda.threadIdx.x
     n = cuda.blockDim.x
@@ -246,17 +247,9 @@ def _block_sum(value):
             partial[tid] += partial[tid + stride]
         cuda.syncthreads()
         stride >>= 1
-    total = partial[0]
-    cuda.syncthreads()  # the array is reused by the next sum
-    return total
-
-
-@_device
-def _block_add(acc, q, index, value):
-    """Sum ``value`` over the block and add it to ``acc[q, index]`` with one atomic."""
-    total = _block_sum(value)
-    if cuda.threadIdx.x == 0:
-        cuda.atomic.add(acc, (q, index), total)
+    if tid == 0:
+        cuda.atomic.add(acc, (q, index), partial[0])
+    cuda.syncthreads()
 
 
 def lamb_grad_norm(chunks, ptrs, nchunks, acc, q, ntensors, sc):
