@@ -73,9 +73,10 @@ ArrayOrList = Union[Any, Sequence[Any]]
 _WRITEABLE = attrgetter("flags.writeable")
 
 
-def _is_torch_cpu(array: Any) -> bool:
-    """A torch tensor in host memory (stepped through a numpy view; torch is imported by then)."""
-    return type(array).__module__.startswith("torch") and getattr(array, "is_cpu", False)
+def _is_torch(array: Any) -> bool:
+    """A torch tensor: CPU ones are stepped through numpy views, CUDA ones detached (a tensor that
+    requires grad refuses to export ``__cuda_array_interface__``); torch is imported by then."""
+    return type(array).__module__.startswith("torch")
 
 
 def _mutable_in_place(params: List[Any], grads: List[Any]) -> tuple:
@@ -270,7 +271,7 @@ class GpuOptimizer:
         the whole step: parameters, state and ``step_count`` stay as they were.
         """
         plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
-        if _is_torch_cpu(plist[0]) or _is_torch_cpu(glist[0]):  # zero-copy numpy views
+        if _is_torch(plist[0]) or _is_torch(glist[0]):  # zero-copy numpy views, detached CUDA tensors
             from optirs.torch.interop import host_arrays
 
             plist, glist = host_arrays(plist), host_arrays(glist)
