@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy as np
 
 from optirs.core.arrays import describe
-from optirs.core.errors import InvalidParameterError
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.plugin.hookspecs import Staged, hookimpl
 
 _HALF = ("bfloat16", "float16")
@@ -99,6 +99,52 @@ class CudaFormats:
         if address is None:
             raise InvalidParameterError(f"flag is a {type(flag).__name__}, expected a 1-element int32 CUDA device array")
         run(ctx, planned, (chunks, ptrs, nchunks), ((address,),), 0)
+
+    @hookimpl
+    def optirs_formats_step(self, ctx: Any, family: str, params: List[Any], grads: List[Any], state: Dict[str, Any],
+                            layout: Any, format_state: Any, fmt: Any, scalars: Any, seed: int, step: int,
+                            found_inf: Any) -> None:
+        from numba import types
+
+        from optirs.backends.cuda import device_address
+        from optirs.backends.cuda.steps import CudaSteps
+
+        definition = _definition(family)
+        if format_state.fmt != fmt:
+            raise InvalidParameterError(f"fmt={fmt} but format_state was made for {format_state.fmt}, expected the same format")
+        if layout.total == 0:
+            return
+        ctx.resolve_stream(params[0] if params else None)
+        fc = fmt.codes
+        names = definition.slot_names()
+        signed = tuple(bool(getattr(s, "signed", True)) for s in definition.slots)
+        slots, used = [0] * 9, 0
+        for k, name in enumerate(names):
+            if name not in format_state.slot_names:
+                continue
+            used |= 1 << k
+            buffers = format_state.slot_buffers(name)
+            for j, buffer in enumerate(buffers):
+                slots[k + 3 * j] = _address(state, buffer)
+        master = format_state.master_buffer()
+        maddr = _address(state, master) if master is not None else 0
+        found = 0
+        if found_inf is not None:
+            found = device_address(found_inf)
+            if found is None:
+                raise InvalidParameterError(f"found_inf is a {type(found_inf).__name__}, expected a 1-element int32 "
+                                            "CUDA device array or None")
+        fk = _kernels()
+        table = types.int64[:, ::1]
+        maps = _maps(ctx)
+        tensors = _tensor_table(ctx, layout, format_state)
+        args = (maps, maddr, tuple(slots), used, found, int(seed) & 0xFFFFFFFF, int(step), scalars)
+        name = f"formats_step_{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
+        planned = plan(ctx, name, lambda: fk.make_step_kernel(family, fc, signed), (table, table, table, types.int64),
+                       args, layout)
+        chunks, nchunks = ctx.chunk_table(layout, planned[1])
+        ptrs = CudaSteps._pointers(ctx, params, grads, layout)
+        run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
     # ------------------------------------------------ staging
 
@@ -181,6 +227,53 @@ def _host_buffers(ctx: Any, shapes: tuple, sizes: tuple, pdt: str, gdt: str):
     else:
         cache.move_to_end(key)
     return hit
+
+
+def _definition(family: str) -> Any:
+    """The definition whose kernel family is ``family`` (its slots give the element step's slot order)."""
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.core.formats import FORMAT_FAMILIES
+
+    if family in FORMAT_FAMILIES and family != "lamb":
+        for d in DEFINITIONS.values():
+            if d.kernel == family:
+                return d
+    raise UnsupportedOperationError(
+        f"family={family!r}: the cuda backend's formats step runs {[f for f in FORMAT_FAMILIES if f != 'lamb']}")
+
+
+def _address(state: Dict[str, Any], buffer: str) -> int:
+    from optirs.backends.cuda import device_address
+
+    array = state.get(buffer)
+    address = device_address(array) if array is not None else None
+    if address is None:
+        raise InvalidParameterError(f"state[{buffer!r}] is {type(array).__name__}, expected the CUDA device buffer "
+                                    "of format_state.buffer_sizes()")
+    return address
+
+
+def _maps(ctx: Any):
+    """float32[4, 256] on the device: the signed map and its midpoints, the unsigned map and its midpoints
+    (each 255 midpoints padded with +inf), once per context."""
+    maps = ctx.__dict__.get("_formats_maps")
+    if maps is None:
+        from optirs.core.formats import dynamic_map, map_midpoints
+
+        host = np.full((4, 256), np.inf, np.float32)
+        for row, signed in ((0, True), (2, False)):
+            host[row] = dynamic_map(signed)
+            host[row + 1, :255] = map_midpoints(signed)
+        maps = ctx._formats_maps = ctx.upload(host)
+    return maps
+
+
+def _tensor_table(ctx: Any, layout: Any, format_state: Any):
+    key = ("cuda.formats.tensors", format_state.fmt)
+    table = layout.cache.get(key)
+    if table is None:
+        table = layout.cache[key] = ctx.upload(np.ascontiguousarray(format_state.tensor_table(), dtype=np.int64))
+    return table
 
 
 def _kernels():
