@@ -42,6 +42,7 @@ import numpy as np
 
 from optirs.backends.cuda.adafactor import CudaAdafactor
 from optirs.backends.cuda.fake_quant import CudaFakeQuant
+from optirs.backends.cuda.formats import CudaFormats
 from optirs.backends.cuda.fusion import CudaFusion
 from optirs.backends.cuda.measure import CudaMeasure
 from optirs.backends.cuda.mixed_precision import CudaMixedPrecision
@@ -771,7 +772,8 @@ class CudaDevice:
 from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion, CudaAdafactor, CudaMeasure, CudaStreams):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion, CudaAdafactor, CudaMeasure, CudaStreams,
+                  CudaFormats):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -1,0 +1,333 @@
+"""The cuda backend's ``formats`` capability: 16-bit parameters, compact masters, compact state.
+
+One launch steps the whole model for every format (LAMB: its passes), see
+:mod:`optirs.backends.cuda.formats_kernels`. The kernels are specialised per step format
+(parameter and gradient dtypes, master, state dtype, rounding) and family, compiled on first use
+and cached per context.
+
+Staging: device arrays are stepped in place through their addresses (the kernels read a pointer
+table). A 16-bit array may come as
+
+* a torch CUDA tensor of ``torch.bfloat16`` / ``torch.float16`` (read through ``data_ptr()``, so
+  torch versions whose ``__cuda_array_interface__`` refuses bfloat16 work too; torch 2.x exports
+  bfloat16 with typestr ``<V2``),
+* any ``__cuda_array_interface__`` array with typestr ``<f2`` (float16), ``<V2`` (bfloat16, as
+  torch and ml_dtypes spell it) or ``<u2``/``<i2`` (the bit patterns of the format's 16-bit dtype),
+* numpy host arrays (float32, ``ml_dtypes.bfloat16``, float16), copied into reused device
+  buffers and back after the step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from optirs.core.arrays import describe
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.plugin.hookspecs import Staged, hookimpl
+
+_HALF = ("bfloat16", "float16")
+_TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
+                 "torch.int16": "bits16", "torch.uint16": "bits16"}
+_KEEP = 2  # staging buffers kept per context (the latest models)
+
+
+def _name(dtype: Any) -> str:
+    """A format dtype as its name ("float32", "bfloat16", "float16")."""
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def _numpy_kind(dtype: np.dtype) -> str:
+    if dtype.name in ("float32", "float16", "bfloat16"):
+        return dtype.name
+    if dtype.kind == "V" and dtype.itemsize == 2 and dtype.fields is None:
+        return "bfloat16"  # '<V2': torch's and ml_dtypes' typestr for bfloat16
+    if dtype in (np.dtype(np.uint16), np.dtype(np.int16)):
+        return "bits16"
+    return dtype.str
+
+
+def device_kind(array: Any, what: str) -> Tuple[str, bool]:
+    """(element kind, C-contiguous) of a CUDA device array: "float32", "bfloat16", "float16",
+    "bits16" (uint16/int16 patterns) or the dtype string of anything else."""
+    module = type(array).__module__
+    if module.startswith("torch"):
+        if not getattr(array, "is_cuda", False):
+            raise InvalidParameterError(f"{what} is a torch tensor on {array.device}, expected a CUDA tensor")
+        name = str(array.dtype)
+        return _TORCH_DTYPES.get(name, name), bool(array.is_contiguous())
+    meta = describe(array, what)
+    if meta.kind != "cuda":
+        raise InvalidParameterError(f"{what} is a {meta.kind} array, expected a CUDA device array or numpy")
+    return _numpy_kind(meta.dtype), meta.contiguous
+
+
+def _check_kind(kind: str, contiguous: bool, expected: str, what: str) -> None:
+    if kind == "bits16" and expected in _HALF:
+        kind = expected  # the caller hands the 16-bit patterns; the format names their dtype
+    if kind != expected:
+        raise InvalidParameterError(
+            f"{what} holds {kind} elements, expected {expected} (the step format's dtype; 16-bit arrays may also "
+            "come as uint16/int16 bit patterns)")
+    if not contiguous:
+        raise InvalidParameterError(f"{what} is not C-contiguous, expected a contiguous array (the kernels address it flat)")
+
+
+class CudaFormats:
+    """Hooks of the ``formats`` capability (mixed into :class:`optirs.backends.cuda.CudaBackend`)."""
+
+    @hookimpl
+    def optirs_formats_check(self, ctx: Any, grads: List[Any], layout: Any, fmt: Any, flag: Any) -> None:
+        from numba import types
+
+        from optirs.backends.cuda import device_address
+        from optirs.backends.cuda.steps import CudaSteps
+
+        if layout.total == 0:
+            return
+        ctx.resolve_stream(grads[0] if grads else None)
+        gdt = _name(fmt.grad_dtype)
+        fk = _kernels()
+        table = types.int64[:, ::1]
+        planned = plan(ctx, f"formats_check_{gdt}", lambda: fk.make_check_kernel(gdt),
+                       (table, table, types.int64), ((0,),), layout)
+        chunks, nchunks = ctx.chunk_table(layout, planned[1])
+        ptrs = CudaSteps._pointers(ctx, grads, grads, layout)
+        address = device_address(flag)
+        if address is None:
+            raise InvalidParameterError(f"flag is a {type(flag).__name__}, expected a 1-element int32 CUDA device array")
+        run(ctx, planned, (chunks, ptrs, nchunks), ((address,),), 0)
+
+    @hookimpl
+    def optirs_formats_step(self, ctx: Any, family: str, params: List[Any], grads: List[Any], state: Dict[str, Any],
+                            layout: Any, format_state: Any, fmt: Any, scalars: Any, seed: int, step: int,
+                            found_inf: Any) -> None:
+        from numba import types
+
+        from optirs.backends.cuda import device_address
+        from optirs.backends.cuda.steps import CudaSteps
+
+        definition = _definition(family)
+        if format_state.fmt != fmt:
+            raise InvalidParameterError(f"fmt={fmt} but format_state was made for {format_state.fmt}, expected the same format")
+        if layout.total == 0:
+            return
+        ctx.resolve_stream(params[0] if params else None)
+        fc = fmt.codes
+        names = definition.slot_names()
+        signed = tuple(bool(getattr(s, "signed", True)) for s in definition.slots)
+        slots, used = [0] * 9, 0
+        for k, name in enumerate(names):
+            if name not in format_state.slot_names:
+                continue
+            used |= 1 << k
+            buffers = format_state.slot_buffers(name)
+            for j, buffer in enumerate(buffers):
+                slots[k + 3 * j] = _address(state, buffer)
+        master = format_state.master_buffer()
+        maddr = _address(state, master) if master is not None else 0
+        found = 0
+        if found_inf is not None:
+            found = device_address(found_inf)
+            if found is None:
+                raise InvalidParameterError(f"found_inf is a {type(found_inf).__name__}, expected a 1-element int32 "
+                                            "CUDA device array or None")
+        fk = _kernels()
+        table = types.int64[:, ::1]
+        maps = _maps(ctx)
+        tensors = _tensor_table(ctx, layout, format_state)
+        args = (maps, maddr, tuple(slots), used, found, int(seed) & 0xFFFFFFFF, int(step), scalars)
+        name = f"formats_step_{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
+        planned = plan(ctx, name, lambda: fk.make_step_kernel(family, fc, signed), (table, table, table, types.int64),
+                       args, layout)
+        chunks, nchunks = ctx.chunk_table(layout, planned[1])
+        ptrs = CudaSteps._pointers(ctx, params, grads, layout)
+        run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
+
+    # ------------------------------------------------ staging
+
+    @hookimpl
+    def optirs_formats_stage(self, ctx: Any, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
+        from optirs.backends.cuda import DeviceList
+
+        if len(params) != len(grads):
+            raise InvalidParameterError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
+        ctx.refuse_capture(ctx.resolve_stream(params[0] if params else None), "an optimizer step")
+        pdt, gdt = _name(fmt.param_dtype), _name(fmt.grad_dtype)
+        host = [isinstance(a, np.ndarray) for a in list(params) + list(grads)]
+        if all(host):
+            return self._formats_stage_host(ctx, params, grads, pdt, gdt)
+        if any(host):
+            raise InvalidParameterError(
+                "params/grads mix numpy and device arrays, expected all numpy (uploaded) or all device arrays")
+        for label, arrays, expected in (("params", params, pdt), ("grads", grads, gdt)):
+            for i, a in enumerate(arrays):
+                _check_kind(*device_kind(a, f"{label}[{i}]"), expected, f"{label}[{i}]")
+        return Staged(DeviceList(params, ctx.addresses(list(params), "params")),
+                      DeviceList(grads, ctx.addresses(list(grads), "grads")))
+
+    @staticmethod
+    def _formats_stage_host(ctx: Any, params: Sequence[np.ndarray], grads: Sequence[np.ndarray], pdt: str,
+                            gdt: str) -> Staged:
+        from optirs.backends.cuda import DeviceList, device_address
+
+        for label, arrays, expected in (("params", params, pdt), ("grads", grads, gdt)):
+            for i, a in enumerate(arrays):
+                kind = _numpy_kind(a.dtype)
+                _check_kind(kind, True, expected, f"{label}[{i}]")
+        sizes = [int(a.size) for a in params]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g.size != p.size:
+                raise InvalidParameterError(f"grads[{i}] has {g.size} elements, expected {p.size} (params[{i}]'s)")
+        buffers = _host_buffers(ctx, tuple(a.shape for a in params), tuple(sizes), pdt, gdt)
+        dp, dg, offsets = buffers
+        psize, gsize = dp.dtype.itemsize, dg.dtype.itemsize
+        total = int(offsets[-1])
+        if total:
+            for arrays, device in ((params, dp), (grads, dg)):
+                flat = np.zeros(total, device.dtype)
+                for a, o, n in zip(arrays, offsets[:-1], sizes):
+                    flat[o : o + n] = _bits(a).reshape(-1)
+                ctx.write(device[:total], flat)
+        pbase, gbase = device_address(dp), device_address(dg)
+        paddr = tuple(int(pbase + psize * o) for o in offsets[:-1])
+        gaddr = tuple(int(gbase + gsize * o) for o in offsets[:-1])
+
+        def finish() -> None:
+            if not total:
+                return
+            out = ctx.download(dp[:total])
+            for a, o, n in zip(params, offsets[:-1], sizes):
+                _bits(a).reshape(-1)[...] = out[o : o + n]
+
+        return Staged(DeviceList([dp] * len(params), paddr), DeviceList([dg] * len(grads), gaddr), finish)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """A host array as the kernels see it: float32, or the uint16 patterns of a 16-bit dtype."""
+    return a if a.dtype == np.float32 else a.view(np.uint16)
+
+
+def _host_buffers(ctx: Any, shapes: tuple, sizes: tuple, pdt: str, gdt: str):
+    """Reused device buffers (params, grads, offsets) for one model's shapes and dtypes."""
+    cache: "OrderedDict[tuple, Any]" = ctx.__dict__.setdefault("_formats_staging", OrderedDict())
+    key = (shapes, pdt, gdt)
+    hit = cache.get(key)
+    if hit is None:
+        dtype = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.uint16}
+        # each tensor starts at a multiple of 8 elements, so the kernels' vector accesses apply
+        padded = [-(-n // 8) * 8 for n in sizes]
+        offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+        total = max(1, int(offsets[-1]))
+        hit = cache[key] = (ctx.empty(total, dtype[pdt]), ctx.empty(total, dtype[gdt]), offsets)
+        while len(cache) > _KEEP:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return hit
+
+
+def _definition(family: str) -> Any:
+    """The definition whose kernel family is ``family`` (its slots give the element step's slot order)."""
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.core.formats import FORMAT_FAMILIES
+
+    if family in FORMAT_FAMILIES and family != "lamb":
+        for d in DEFINITIONS.values():
+            if d.kernel == family:
+                return d
+    raise UnsupportedOperationError(
+        f"family={family!r}: the cuda backend's formats step runs {[f for f in FORMAT_FAMILIES if f != 'lamb']}")
+
+
+def _address(state: Dict[str, Any], buffer: str) -> int:
+    from optirs.backends.cuda import device_address
+
+    array = state.get(buffer)
+    address = device_address(array) if array is not None else None
+    if address is None:
+        raise InvalidParameterError(f"state[{buffer!r}] is {type(array).__name__}, expected the CUDA device buffer "
+                                    "of format_state.buffer_sizes()")
+    return address
+
+
+def _maps(ctx: Any):
+    """float32[4, 256] on the device: the signed map and its midpoints, the unsigned map and its midpoints
+    (each 255 midpoints padded with +inf), once per context."""
+    maps = ctx.__dict__.get("_formats_maps")
+    if maps is None:
+        from optirs.core.formats import dynamic_map, map_midpoints
+
+        host = np.full((4, 256), np.inf, np.float32)
+        for row, signed in ((0, True), (2, False)):
+            host[row] = dynamic_map(signed)
+            host[row + 1, :255] = map_midpoints(signed)
+        maps = ctx._formats_maps = ctx.upload(host)
+    return maps
+
+
+def _tensor_table(ctx: Any, layout: Any, format_state: Any):
+    key = ("cuda.formats.tensors", format_state.fmt)
+    table = layout.cache.get(key)
+    if table is None:
+        table = layout.cache[key] = ctx.upload(np.ascontiguousarray(format_state.tensor_table(), dtype=np.int64))
+    return table
+
+
+def _kernels():
+    from optirs.backends.cuda import formats_kernels
+
+    return formats_kernels
+
+
+def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any):
+    """(compiled kernel, chunk elements, grid, block) of ``factory()``'s kernel on ``layout``:
+    compiled once per context and signature (``head_types`` and the types of ``args``), sized
+    once per layout (8 elements per thread), never more blocks than chunks."""
+    import numba
+
+    key = ("cuda.formats.plan", name)
+    plan = layout.cache.get(key)
+    if plan is None:
+        pyfunc = ctx.__dict__.setdefault("_formats_pyfuncs", {}).get(name)
+        if pyfunc is None:
+            pyfunc = ctx._formats_pyfuncs[name] = factory()
+        compiled = ctx.compiled(name, pyfunc, head_types + tuple(numba.typeof(a) for a in args))
+        grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8)
+        chunk = ctx.kernels.chunk_elements(block)
+        nchunks = len(layout.chunks(chunk)[0])
+        plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
+    return plan
+
+
+def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
+    """Launch a planned kernel with ``head + args``.
+
+    ``args[-1]`` is the trailing record (the scalars, rewritten in place by the prepared launch)
+    and the ``ndyn`` integers before it may change every step (the step count, the address of the
+    caller's found_inf flag): they are rewritten in the prepared argument block, not keyed.
+    """
+    from optirs.backends.cuda import PreparedLaunch
+
+    compiled, _, grid, block = plan
+    stable = head + args[: len(args) - 1 - ndyn]
+    dyn, sc = args[len(args) - 1 - ndyn : -1], args[-1]
+    launches: "OrderedDict[tuple, Any]" = ctx.__dict__.setdefault("_formats_launches", OrderedDict())
+    key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer)) else id(a) for a in stable)
+    prepared = launches.get(key)
+    if prepared is None:
+        prepared = launches[key] = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
+        while len(launches) > 16:
+            launches.popitem(last=False)
+    else:
+        launches.move_to_end(key)
+    if prepared.fn is None:  # numba's launch (simulator): the arguments as they are now
+        compiled.dispatcher[grid, block, ctx.nstream](*stable, *dyn, sc)
+        return
+    if ndyn:
+        end = len(prepared.cargs) - prepared.nsc
+        for cval, value in zip(prepared.cargs[end - ndyn : end], dyn):
+            cval.value = int(value)
+    prepared(sc, ctx.stream, ctx.nstream)

@@ -1,0 +1,428 @@
+"""The cuda backend's formats kernels (imported on the first formats call: imports numba.cuda).
+
+Every kernel covers the whole model in one launch, driven by the tables of
+:mod:`optirs.backends.cuda.kernels` (the chunk table ``tensor, start, count, state offset`` and
+the pointer table ``param, grad`` addresses) plus the formats' tensor table (``state offset,
+first int8 block, small-state offset``, :meth:`optirs.core.formats.FormatState.tensor_table`).
+
+Work is cut in groups of 256 elements, one warp per group and 8 consecutive elements per lane:
+8 bfloat16/float16 values are one 16-byte load, 8 int8 codes or remainders one 8-byte load
+(:mod:`optirs.backends.cuda.formats_memory`). A group is exactly one int8 block (blocks and chunks
+both start at multiples of 256 from the start of their tensor), so a block's absmax is a warp
+reduction in registers (``shfl.sync.bfly``), with no shared memory and no barrier. Chunks whose
+addresses are not aligned for the vector accesses take scalar loads of the same 8 elements.
+
+The loops are uniform over a thread block (every warp runs the same number of rounds, lanes past
+the end carry no elements), because numba's simulator has no warp shuffle: there the butterfly
+is emulated through shared memory and ``syncthreads``, which needs every thread of the block.
+
+Per-element format math (encodings, random bits, remainders, the int8 map) is the shared numba
+code of :mod:`optirs.backends.common.formats`; the optimizer math is ``element_update`` of
+:mod:`optirs.backends.common.elementwise`. The kernels here only move memory and reduce.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from optirs.backends.common.formats import (absmax_update, decode_state, dequantize, encode_state, format_element,
+                                           quantize, stream_key)
+from optirs.core.formats import (F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
+                                 STATE_INT8)
+
+from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
+                                                 st_u32x2, st_u32x4)
+from optirs.backends.cuda.kernels import SIMULATOR, _device, ld, ld4, st, st4
+
+GROUP = 256  # elements per warp and per int8 block
+LANE = 8  # elements per lane
+_FULL = 0xFFFFFFFF
+
+# Non-finite test on raw bits: every exponent bit set (inf or NaN).
+EXP_MASK = {"float32": 0x7F800000, "bfloat16": 0x7F80, "float16": 0x7C00}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ------------------------------------------------------------------ warp reduction
+
+if SIMULATOR:
+    # The simulator has no cuda.shfl_xor_sync: exchange through shared memory (the loops are
+    # block-uniform, so every thread reaches both barriers). Lives in the kernels' module, since
+    # the simulator gives only this module's ``cuda`` global its per-thread state.
+    def _xor_exchange(x, lane_mask):
+        buf = cuda.shared.array(1024, float32)
+        tid = cuda.threadIdx.x
+        buf[tid] = x
+        cuda.syncthreads()
+        y = buf[tid ^ lane_mask]
+        cuda.syncthreads()
+        return float32(y)
+else:
+    @_device
+    def _xor_exchange(x, lane_mask):
+        return cuda.shfl_xor_sync(_FULL, x, lane_mask)
+
+
+@_device
+def warp_max(x):
+    """The largest ``x`` over the 32 lanes of the warp, in every lane (NaN-propagating: a NaN in
+    any lane gives NaN everywhere, so a non-finite block is not silently scaled)."""
+    for k in (16, 8, 4, 2, 1):
+        y = _xor_exchange(x, k)
+        if y > x or y != y:
+            x = y
+    return x
+
+
+# ------------------------------------------------------------------ the non-finite check
+
+
+def make_check_kernel(grad_dtype: str):
+    """``check(chunks, ptrs, nchunks, (flag,))``: ``*flag`` (an int32 at that address) = 1 when any
+    gradient is inf or NaN; reads the gradients only, 16 bytes per lane per load where aligned."""
+    size = ITEMSIZE[grad_dtype]
+    mask = EXP_MASK[grad_dtype]
+    half = size == 2
+
+    def bad_word(w):
+        if half:
+            return (w & mask) == mask or ((w >> 16) & mask) == mask
+        return (w & mask) == mask
+
+    bad_word = _device(bad_word)
+
+    def check(chunks, ptrs, nchunks, extra):
+        flag = extra[0]
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        bad = False
+        c = cuda.blockIdx.x
+        while c < nchunks:
+            n = chunks[c, 2]
+            ga = ptrs[chunks[c, 0], 1] + chunks[c, 1] * size
+            per_vec = 16 // size
+            nvec = n // per_vec if (ga & 15) == 0 else 0
+            k = tid
+            while k < nvec:
+                w0, w1, w2, w3 = ld_u32x4(ga + (k << 4))
+                if bad_word(w0) or bad_word(w1) or bad_word(w2) or bad_word(w3):
+                    bad = True
+                k += nthreads
+            i = nvec * per_vec + tid
+            while i < n:
+                w = ld_u16(ga + i * 2) if half else ld_u32(ga + i * 4)
+                if (w & mask) == mask:
+                    bad = True
+                i += nthreads
+            c += cuda.gridDim.x
+        if bad:
+            st_u32(flag, 1)  # every writer stores the same value: no atomic needed
+
+    check.__name__ = check.__qualname__ = f"formats_check_{grad_dtype}"
+    return check
+
+
+# ------------------------------------------------------------------ 8 elements per lane
+
+# Every lane moves 8 consecutive elements: one vector access where the chunk is aligned and the
+# lane's 8 elements all exist, else one scalar access per existing element. Words come as
+# uint32 (float32 bits, 16-bit patterns, bytes), as the shared element code takes them.
+
+
+@_device
+def ld8_32(addr, vec, cnt, out):
+    if vec and cnt == LANE:
+        out[0], out[1], out[2], out[3] = ld_u32x4(addr)
+        out[4], out[5], out[6], out[7] = ld_u32x4(addr + 16)
+    else:
+        for j in range(LANE):
+            out[j] = ld_u32(addr + 4 * j) if j < cnt else 0
+
+
+@_device
+def st8_32(addr, vec, cnt, w):
+    if vec and cnt == LANE:
+        st_u32x4(addr, w[0], w[1], w[2], w[3])
+        st_u32x4(addr + 16, w[4], w[5], w[6], w[7])
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u32(addr + 4 * j, w[j])
+
+
+@_device
+def ld8_16(addr, vec, cnt, out):
+    if vec and cnt == LANE:
+        w0, w1, w2, w3 = ld_u32x4(addr)
+        out[0], out[1], out[2], out[3] = w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16
+        out[4], out[5], out[6], out[7] = w2 & 0xFFFF, w2 >> 16, w3 & 0xFFFF, w3 >> 16
+    else:
+        for j in range(LANE):
+            out[j] = ld_u16(addr + 2 * j) if j < cnt else 0
+
+
+@_device
+def st8_16(addr, vec, cnt, w):
+    if vec and cnt == LANE:
+        st_u32x4(addr, (w[0] & 0xFFFF) | (w[1] << 16), (w[2] & 0xFFFF) | (w[3] << 16),
+                 (w[4] & 0xFFFF) | (w[5] << 16), (w[6] & 0xFFFF) | (w[7] << 16))
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u16(addr + 2 * j, w[j])
+
+
+@_device
+def ld8_8(addr, vec, cnt, out):
+    if vec and cnt == LANE:
+        a, b = ld_u32x2(addr)
+        out[0], out[1], out[2], out[3] = a & 0xFF, (a >> 8) & 0xFF, (a >> 16) & 0xFF, a >> 24
+        out[4], out[5], out[6], out[7] = b & 0xFF, (b >> 8) & 0xFF, (b >> 16) & 0xFF, b >> 24
+    else:
+        for j in range(LANE):
+            out[j] = ld_u8(addr + j) if j < cnt else 0
+
+
+@_device
+def st8_8(addr, vec, cnt, w):
+    if vec and cnt == LANE:
+        st_u32x2(addr, (w[0] & 0xFF) | ((w[1] & 0xFF) << 8) | ((w[2] & 0xFF) << 16) | ((w[3] & 0xFF) << 24),
+                 (w[4] & 0xFF) | ((w[5] & 0xFF) << 8) | ((w[6] & 0xFF) << 16) | ((w[7] & 0xFF) << 24))
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u8(addr + j, w[j])
+
+
+# ------------------------------------------------------------------ the pointwise format step
+
+
+@_device
+def _remainder(w, master):
+    """A remainder word as the signed int32 the shared code takes (int16 or int8, two's complement)."""
+    if master == MASTER_R16:
+        return np.int32(w) - np.int32(65536) if w >= 0x8000 else np.int32(w)
+    return np.int32(w) - np.int32(256) if w >= 0x80 else np.int32(w)
+
+
+def make_step_kernel(family: str, fc, signed):
+    """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
+    constants); ``signed[k]``: state slot k takes the signed map (int8).
+
+    Arguments: ``(chunks, ptrs, tensors, nchunks, maps, master, slots, used, found, seed, step, sc)``:
+    the chunk, pointer and formats tensor tables; ``maps`` float32[4, 256] (signed q, signed mid,
+    unsigned q, unsigned mid, each mid padded with +inf); ``master`` the master buffer's address
+    (0: none); ``slots`` the 9 addresses (values or codes of slots 0-2, their scales, their small
+    state); bit k of ``used``: slot k exists; ``found`` the found_inf word's address (0: none).
+    """
+    psize = 2 if fc.param != F32 else 4
+    gsize = 2 if fc.grad != F32 else 4
+    master = fc.master
+    msize = {MASTER_NONE: 0, MASTER_F32: 4, MASTER_R16: 2, MASTER_R8: 1}[master]
+    state = fc.state
+    ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1}[state]
+    int8 = state == STATE_INT8
+    sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
+
+    def step(chunks, ptrs, tensors, nchunks, maps, maddr, slots, used, found, seed, step, sc):
+        if found != 0:
+            if ld_u32(found) != 0:
+                return  # uniform: the whole step is skipped
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        lane = tid & 31
+        warp = tid >> 5
+        nwarps = nthreads >> 5
+        q_s = cuda.shared.array(256, float32)
+        mid_s = cuda.shared.array(256, float32)
+        q_u = cuda.shared.array(256, float32)
+        mid_u = cuda.shared.array(256, float32)
+        if int8:
+            i = tid
+            while i < 256:
+                q_s[i] = maps[0, i]
+                mid_s[i] = maps[1, i]
+                q_u[i] = maps[2, i]
+                mid_u[i] = maps[3, i]
+                i += nthreads
+            cuda.syncthreads()
+        u0 = (used & 1) != 0
+        u1 = (used & 2) != 0
+        u2 = (used & 4) != 0
+        fresh = step == 1
+        keyp = stream_key(seed, step, 0)
+        key0 = stream_key(seed, step, 1)
+        key1 = stream_key(seed, step, 2)
+        key2 = stream_key(seed, step, 3)
+        pw = cuda.local.array(LANE, uint32)
+        gw = cuda.local.array(LANE, uint32)
+        mw = cuda.local.array(LANE, uint32)
+        w0 = cuda.local.array(LANE, uint32)
+        w1 = cuda.local.array(LANE, uint32)
+        w2 = cuda.local.array(LANE, uint32)
+        x0 = cuda.local.array(LANE, float32)
+        x1 = cuda.local.array(LANE, float32)
+        x2 = cuda.local.array(LANE, float32)
+        c = cuda.blockIdx.x
+        while c < nchunks:
+            t = chunks[c, 0]
+            start = chunks[c, 1]
+            n = chunks[c, 2]
+            off = chunks[c, 3] + start  # flat layout index of the chunk's first element
+            pa = ptrs[t, 0] + start * psize
+            ga = ptrs[t, 1] + start * gsize
+            small = tensors[t, 2]
+            quant = int8 and small < 0  # the same for the whole block (one chunk per block)
+            if int8 and not quant:  # a small tensor's float32 state
+                sbase = small + start
+                sz = 4
+            else:
+                sbase = off
+                sz = ssize
+            block0 = tensors[t, 1] + (start >> 8)
+            vec = ((pa | ga) & 15) == 0 and (off & 7) == 0
+            ngroups = (n + GROUP - 1) >> 8
+            rounds = (ngroups + nwarps - 1) // nwarps
+            for r in range(rounds):
+                grp = warp + r * nwarps
+                base = grp * GROUP + lane * LANE
+                cnt = min(max(n - base, 0), LANE)
+                e = off + base  # flat index of the lane's first element
+                if psize == 2:
+                    ld8_16(pa + base * 2, vec, cnt, pw)
+                else:
+                    ld8_32(pa + base * 4, vec, cnt, pw)
+                if gsize == 2:
+                    ld8_16(ga + base * 2, vec, cnt, gw)
+                else:
+                    ld8_32(ga + base * 4, vec, cnt, gw)
+                if msize == 4:
+                    ld8_32(maddr + e * 4, vec, cnt, mw)
+                elif msize == 2:
+                    ld8_16(maddr + e * 2, vec, cnt, mw)
+                elif msize == 1:
+                    ld8_8(maddr + e, vec, cnt, mw)
+                # the state as float32
+                sc0 = sc1 = sc2 = float32(0)
+                live = grp < ngroups
+                if quant and live:
+                    if u0:
+                        sc0 = ld(slots[3] + (block0 + grp) * 4)
+                    if u1:
+                        sc1 = ld(slots[4] + (block0 + grp) * 4)
+                    if u2:
+                        sc2 = ld(slots[5] + (block0 + grp) * 4)
+                sa0 = slots[6] if (int8 and not quant) else slots[0]
+                sa1 = slots[7] if (int8 and not quant) else slots[1]
+                sa2 = slots[8] if (int8 and not quant) else slots[2]
+                _load_state(u0, quant, sz, sa0 + (sbase + base) * sz, vec, cnt, w0, x0, sc0,
+                            q_s if sg0 else q_u)
+                _load_state(u1, quant, sz, sa1 + (sbase + base) * sz, vec, cnt, w1, x1, sc1,
+                            q_s if sg1 else q_u)
+                _load_state(u2, quant, sz, sa2 + (sbase + base) * sz, vec, cnt, w2, x2, sc2,
+                            q_s if sg2 else q_u)
+                # the element steps
+                for j in range(LANE):
+                    if j < cnt:
+                        mraw = mw[j]
+                        if msize == 4:
+                            p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fc,
+                                                             fresh, keyp, np.uint32((e + j) & 0xFFFFFFFF))
+                        elif msize == 0:
+                            p_, m_, a, b, d = format_element(pw[j], np.uint32(0), gw[j], x0[j], x1[j], x2[j], sc,
+                                                             fc, fresh, keyp, np.uint32((e + j) & 0xFFFFFFFF))
+                        else:
+                            p_, m_, a, b, d = format_element(pw[j], _remainder(mraw, master), gw[j], x0[j], x1[j],
+                                                             x2[j], sc, fc, fresh, keyp,
+                                                             np.uint32((e + j) & 0xFFFFFFFF))
+                        pw[j] = p_
+                        mw[j] = m_
+                        x0[j] = a
+                        x1[j] = b
+                        x2[j] = d
+                # int8: each slot's block scale is the absmax of its new values, over the warp
+                if quant:
+                    if u0:
+                        sc0 = warp_max(_lane_absmax(x0, cnt))
+                    if u1:
+                        sc1 = warp_max(_lane_absmax(x1, cnt))
+                    if u2:
+                        sc2 = warp_max(_lane_absmax(x2, cnt))
+                    if live and lane == 0:
+                        if u0:
+                            st(slots[3] + (block0 + grp) * 4, sc0)
+                        if u1:
+                            st(slots[4] + (block0 + grp) * 4, sc1)
+                        if u2:
+                            st(slots[5] + (block0 + grp) * 4, sc2)
+                # stores
+                if psize == 2:
+                    st8_16(pa + base * 2, vec, cnt, pw)
+                else:
+                    st8_32(pa + base * 4, vec, cnt, pw)
+                if msize == 4:
+                    st8_32(maddr + e * 4, vec, cnt, mw)
+                elif msize == 2:
+                    st8_16(maddr + e * 2, vec, cnt, mw)
+                elif msize == 1:
+                    st8_8(maddr + e, vec, cnt, mw)
+                _store_state(u0, quant, sz, sa0 + (sbase + base) * sz, vec, cnt, w0, x0, sc0, key0, e,
+                             mid_s if sg0 else mid_u)
+                _store_state(u1, quant, sz, sa1 + (sbase + base) * sz, vec, cnt, w1, x1, sc1, key1, e,
+                             mid_s if sg1 else mid_u)
+                _store_state(u2, quant, sz, sa2 + (sbase + base) * sz, vec, cnt, w2, x2, sc2, key2, e,
+                             mid_s if sg2 else mid_u)
+            c += cuda.gridDim.x
+
+    step.__name__ = step.__qualname__ = f"formats_step_{family}"
+    return step
+
+
+@_device
+def _lane_absmax(x, cnt):
+    m = float32(0)
+    for j in range(LANE):
+        if j < cnt:
+            m = absmax_update(m, x[j])
+    return m
+
+
+@_device
+def _load_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, q):
+    """Slot values of the lane's 8 elements as float32 into ``x`` (0 for an unused slot)."""
+    if not usedk:
+        for j in range(LANE):
+            x[j] = float32(0)
+        return
+    if quant:
+        ld8_8(addr, vec, cnt, w)
+        for j in range(LANE):
+            x[j] = dequantize(w[j], scale, q)
+    elif sz == 2:
+        ld8_16(addr, vec, cnt, w)
+        for j in range(LANE):
+            x[j] = decode_state(w[j], STATE_BF16)
+    else:
+        ld8_32(addr, vec, cnt, w)
+        for j in range(LANE):
+            x[j] = decode_state(w[j], STATE_F32)
+
+
+@_device
+def _store_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, key, e, mid):
+    """The lane's 8 new slot values, encoded (int8 codes at ``scale``, stochastic bfloat16, float32)."""
+    if not usedk:
+        return
+    if quant:
+        for j in range(LANE):
+            w[j] = quantize(x[j], scale, mid)
+        st8_8(addr, vec, cnt, w)
+    elif sz == 2:
+        for j in range(LANE):
+            w[j] = encode_state(x[j], STATE_BF16, key, np.uint32((e + j) & 0xFFFFFFFF))
+        st8_16(addr, vec, cnt, w)
+    else:
+        for j in range(LANE):
+            w[j] = encode_state(x[j], STATE_F32, key, np.uint32((e + j) & 0xFFFFFFFF))
+        st8_32(addr, vec, cnt, w)

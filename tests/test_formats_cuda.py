@@ -1,0 +1,235 @@
+"""The cuda backend's formats kernels: PTX for the H200 (sm_90) without a GPU, and the simulator
+against the float64 reference of a format step (optirs.core.formats_reference).
+
+Normal pass: every formats kernel compiles for sm_90 with 16-byte vector loads, no float64, no
+local-memory arrays (the 8 elements of a lane stay in registers) and, for int8 state, the block
+absmax by warp shuffles. Simulator pass (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``): the hooks
+against the reference on tiny models (the simulator runs every thread in Python). The every-backend
+comparison of each format is tests/test_formats.py.
+"""
+
+from __future__ import annotations
+
+import os
+import types as pytypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from optirs.core import formats_reference as R
+from optirs.core.definitions import DEFINITIONS
+from optirs.core.formats import FormatState, StepFormat
+from optirs.core.layout import TensorLayout
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+HOST = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _fmt(pdt, master, state, stochastic=False, gdt=None):
+    return StepFormat(pdt, gdt or pdt, master, state, stochastic)
+
+
+# (family's definition, format): every master and state with Adam, each other family once.
+PTX_CASES = [("adamw", _fmt("bfloat16", m, "int8")) for m in (None, "float32", "remainder16", "remainder8")] + [
+    ("adamw", _fmt("bfloat16", "remainder8", "bfloat16")),
+    ("adamw", _fmt("bfloat16", None, "float32", stochastic=True)),
+    ("adamw", _fmt("float16", "float32", "float32", gdt="float32")),
+    ("adamw", _fmt("float32", None, "int8")),
+    ("sgd", _fmt("bfloat16", "remainder16", "int8")),
+    ("rmsprop", _fmt("bfloat16", "remainder8", "int8")),
+    ("adagrad", _fmt("bfloat16", "float32", "bfloat16")),
+    ("lion", _fmt("bfloat16", "remainder8", "int8")),
+]
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """numba-cuda compiles @njit helpers for the current device's compute capability: name sm_90."""
+    import numba.cuda.dispatcher as dispatcher
+
+    monkeypatch.setattr(dispatcher, "get_current_device", lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
+@pytest.mark.parametrize("name,fmt", PTX_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.codes)))
+def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
+    from numba import cuda, types, typeof
+
+    from optirs.backends.cuda import formats_kernels as fk
+
+    d = DEFINITIONS[name]
+    sc = d.scalars(d.examples[0], 3)
+    table = types.int64[:, ::1]
+    sig = (table, table, table, types.int64, types.float32[:, ::1], types.int64, types.UniTuple(types.int64, 9),
+           types.int64, types.int64, types.int64, types.int64, typeof(sc))
+    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots))
+    ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
+    assert ".target sm_90" in ptx
+    assert "ld.global.v4.u32" in ptx and "st.global.v4.u32" in ptx  # 8 x 16-bit (or 4 x 32-bit) per access
+    assert ".f64" not in ptx, "the format step computes in float64"
+    assert ".local" not in ptx, "a lane's 8 elements spilled to local memory"
+    if fmt.state_dtype == "int8":
+        assert "shfl.sync.bfly" in ptx  # the block absmax in registers
+        assert "ld.global.v2.u32" in ptx  # 8 int8 codes per access
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
+@pytest.mark.parametrize("gdt", ["float32", "bfloat16", "float16"])
+def test_check_kernel_compiles_to_sm90_ptx(sm90, gdt):
+    from numba import cuda, types
+
+    from optirs.backends.cuda import formats_kernels as fk
+
+    table = types.int64[:, ::1]
+    ptx, _ = cuda.compile_ptx(fk.make_check_kernel(gdt), (table, table, types.int64, types.UniTuple(types.int64, 1)),
+                              cc=(9, 0))
+    assert ".target sm_90" in ptx and "ld.global.v4.u32" in ptx and ".f64" not in ptx
+
+
+# ------------------------------------------------------------------ the simulator against the reference
+
+
+def _cuda():
+    import optirs
+
+    status = {s.name: s for s in optirs.list_backends()}.get("cuda")
+    if status is None or not status.available:
+        pytest.skip(f"the cuda backend cannot open here: {getattr(status, 'reason', 'not installed')}")
+    from numba import cuda
+
+    from optirs.backends.cuda import plugin
+
+    return plugin, plugin.optirs_open({}), cuda
+
+
+def _bits(a):
+    return a if a.dtype == np.float32 else a.view(np.uint16)
+
+
+def _run(name, fmt, shapes, steps, seed=5, found=None):
+    """Steps through the hooks on numpy inputs; returns (params, buffers) after each step beside the
+    reference's from the same inputs."""
+    plugin, ctx, cuda = _cuda()
+    d = DEFINITIONS[name]
+    hp = d.examples[0]
+    layout = TensorLayout(shapes)
+    fs = FormatState(layout, [s for s in d.slots if s.needed(hp)], fmt)
+    host = R.fresh_buffers(fs, d, hp)
+    state = {k: cuda.to_device(v if v.size else np.zeros(1, v.dtype)) for k, v in host.items()}
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal(s).astype(HOST[fmt.param_dtype]) for s in shapes]
+    out = []
+    for step in range(1, steps + 1):
+        grads = [rng.standard_normal(s).astype(HOST[fmt.grad_dtype]) for s in shapes]
+        want_p, want_b = R.step(d, hp, fs, [_bits(p).copy() for p in params], [_bits(g) for g in grads], host, seed, step)
+        staged = plugin.optirs_formats_stage(ctx, params, grads, fmt)
+        plugin.optirs_formats_step(ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt,
+                                   d.scalars(hp, step), seed, step, found)
+        staged.finish()
+        got_b = {k: state[k].copy_to_host()[: v.size] for k, v in host.items()}
+        out.append(([_bits(p).reshape(-1).copy() for p in params], got_b, [np.asarray(w).reshape(-1) for w in want_p],
+                    want_b, fs))
+        host = {k: v.copy() for k, v in got_b.items()}  # the next step starts from the kernel's state
+    return out
+
+
+def _master(fs, words, buffers):
+    return np.concatenate(R.decode_master(fs, words, buffers, 2))
+
+
+def _assert_close(step_result):
+    """Parameters and buffers as the reference's, up to the float32 step's own rounding (an ulp of the
+    master before encoding: one 16-bit step of the parameter, one int8 code)."""
+    got_p, got_b, want_p, want_b, fs = step_result
+    for g, w in zip(got_p, want_p):
+        if g.dtype == np.float32:
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-12)
+        else:
+            assert np.abs(g.astype(np.int64) - w.astype(np.int64)).max() <= 1
+    if fs.master_buffer() is not None:
+        # one ulp of the master's own precision: float32 (2**-23), or 24 bits for remainder8 (2**-15)
+        rtol = 2.0**-15 if fs.fmt.master == "remainder8" else 2.0**-22
+        np.testing.assert_allclose(_master(fs, got_p, got_b), _master(fs, want_p, want_b), rtol=rtol, atol=1e-12)
+    for k, w in want_b.items():
+        g = got_b[k]
+        if k.endswith(".codes"):
+            assert np.abs(g.astype(np.int64) - w.astype(np.int64)).max() <= 1, k
+        elif g.dtype == np.uint16:  # bfloat16 state words
+            assert np.abs(g.astype(np.int64) - w.astype(np.int64)).max() <= 1, k
+        elif k != "master_remainder" and k != "master":
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-12, err_msg=k)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,fmt", [
+    ("adamw", _fmt("bfloat16", "remainder16", "bfloat16")),
+    ("adamw", _fmt("bfloat16", None, "float32", stochastic=True)),
+    ("adamw", _fmt("float16", "float32", "bfloat16", gdt="float32")),
+    ("lion", _fmt("bfloat16", "remainder8", "float32")),
+    ("sgd", _fmt("float32", None, "bfloat16")),
+], ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.codes)))
+def test_step_matches_the_reference(name, fmt):
+    # sizes that leave partial lanes and groups, and (37) a tensor whose successor is misaligned
+    for result in _run(name, fmt, [(37,), (300,)], steps=2):
+        _assert_close(result)
+
+
+@pytest.mark.cuda
+def test_int8_step_matches_the_reference():
+    """One int8 block tensor (4100 elements: 16 full blocks and a 4-element one) beside a small one."""
+    for result in _run("adamw", _fmt("bfloat16", "remainder8", "int8"), [(5,), (4100,)], steps=1):
+        _assert_close(result)
+
+
+@pytest.mark.cuda
+def test_found_inf_skips_the_whole_step():
+    plugin, ctx, cuda = _cuda()
+    flag = cuda.to_device(np.zeros(1, np.int32))
+    fmt = _fmt("bfloat16", "remainder16", "bfloat16")
+    grads = [np.ones(7, ml_dtypes.bfloat16), np.array([1.0, np.inf] * 20, ml_dtypes.bfloat16)]
+    staged = plugin.optirs_formats_stage(ctx, [np.zeros(7, ml_dtypes.bfloat16), np.zeros(40, ml_dtypes.bfloat16)],
+                                         grads, fmt)
+    plugin.optirs_formats_check(ctx, staged.grads, TensorLayout([(7,), (40,)]), fmt, flag)
+    assert flag.copy_to_host()[0] == 1
+    before = _run("adamw", fmt, [(9,)], steps=1)  # the same inputs stepped without a flag ...
+    skipped = _run("adamw", fmt, [(9,)], steps=1, found=flag)  # ... and with the raised one
+    rng = np.random.default_rng(3)
+    initial = _bits(rng.standard_normal((9,)).astype(ml_dtypes.bfloat16))
+    assert np.array_equal(skipped[0][0][0], initial)  # nothing written
+    assert not np.array_equal(before[0][0][0], initial)
+    assert all(not v.any() for v in skipped[0][1].values())
+
+
+@pytest.mark.cuda
+def test_check_flags_nonfinite_gradients_only():
+    plugin, ctx, cuda = _cuda()
+    for gdt in ("float32", "bfloat16", "float16"):
+        fmt = _fmt("bfloat16" if gdt == "float32" else gdt, None, "float32", gdt=gdt)
+        shapes = [(5,), (37,)]
+        for bad in (None, 0, 1):
+            grads = [np.full(s, 3.0, HOST[gdt]) for s in shapes]
+            if bad is not None:
+                grads[bad].reshape(-1)[-1] = np.nan if bad else np.inf
+            params = [np.zeros(s, HOST[fmt.param_dtype]) for s in shapes]
+            staged = plugin.optirs_formats_stage(ctx, params, grads, fmt)
+            flag = cuda.to_device(np.zeros(1, np.int32))
+            plugin.optirs_formats_check(ctx, staged.grads, TensorLayout(shapes), fmt, flag)
+            assert flag.copy_to_host()[0] == (bad is not None), (gdt, bad)
+
+
+@pytest.mark.cuda
+def test_stage_refuses_the_wrong_dtype():
+    from optirs.core.errors import InvalidParameterError
+
+    plugin, ctx, cuda = _cuda()
+    fmt = _fmt("bfloat16", None, "float32")
+    with pytest.raises(InvalidParameterError, match="expected bfloat16"):
+        plugin.optirs_formats_stage(ctx, [np.zeros(4, np.float16)], [np.zeros(4, ml_dtypes.bfloat16)], fmt)
+    with pytest.raises(InvalidParameterError, match="expected bfloat16"):
+        plugin.optirs_formats_stage(ctx, [cuda.to_device(np.zeros(4, np.float32))],
+                                    [cuda.to_device(np.zeros(4, np.uint16))], fmt)
+    # uint16 device arrays are the bfloat16 bit patterns
+    staged = plugin.optirs_formats_stage(ctx, [cuda.to_device(np.zeros(4, np.uint16))],
+                                         [cuda.to_device(np.zeros(4, np.uint16))], fmt)
+    assert len(staged.params) == 1
