@@ -1,0 +1,259 @@
+"""The OpenCL C encodings of the step formats (optirs_formats.h) against numpy and ml_dtypes.
+
+docs/formats.md is the contract; each test kernel below runs one header function over many
+inputs and compares with an independent computation: ml_dtypes' bfloat16 and numpy's float16
+casts, exhaustive 16-bit decodings, numpy's searchsorted for the int8 map, a float64 rounding
+for round24, and the contract's hash written in numpy for the random bits.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import optirs
+from optirs.backends.common.opencl_source import expand_includes
+
+cl = pytest.importorskip("pyopencl")
+cla = pytest.importorskip("pyopencl.array")
+
+_STATUS = {s.name: s for s in optirs.list_backends()}.get("opencl")
+pytestmark = [
+    pytest.mark.opencl,
+    pytest.mark.skipif(_STATUS is None or not _STATUS.available,
+                       reason=f"backend opencl cannot open here: {getattr(_STATUS, 'reason', 'not installed')}"),
+]
+
+# One work-item per 8 inputs; each kernel applies one header function.
+HARNESS = r'''
+#include "optirs_formats.h"
+#define V8(a, i) vload8(i, a)
+__kernel void decode(__global const ushort *h, __global float *bf, __global float *f16) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_bf16_decode8(V8(h, i)), i, bf);
+    vstore8(optirs_f16_decode8(V8(h, i)), i, f16);
+}
+__kernel void encode(__global const uint *u, __global ushort *bf, __global ushort *f16) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_bf16_rne8(V8(u, i)), i, bf);
+    vstore8(optirs_f16_rne8(V8(u, i)), i, f16);
+}
+__kernel void rand_bits(uint seed, uint step, uint stream, __global const uint *idx, __global uint *out) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_rand8(optirs_rand_key(seed, step, stream), V8(idx, i)), i, out);
+}
+__kernel void sr(__global const uint *u, __global const uint *r, __global ushort *out) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_bf16_sr8(V8(u, i), V8(r, i)), i, out);
+}
+__kernel void remainders(__global const uint *u, __global ushort *hi16, __global short *rem16, __global uint *join16,
+                         __global uint *r24, __global ushort *hi8, __global char *rem8, __global uint *join8) {
+    const size_t i = get_global_id(0);
+    ushort8 hi; short8 rem; char8 rem_8;
+    optirs_r16_split8(V8(u, i), &hi, &rem);
+    vstore8(hi, i, hi16); vstore8(rem, i, rem16); vstore8(optirs_r16_join8(hi, rem), i, join16);
+    const uint8 u24 = optirs_round24_8(V8(u, i));
+    vstore8(u24, i, r24);
+    optirs_r8_split8(u24, &hi, &rem_8);
+    vstore8(hi, i, hi8); vstore8(rem_8, i, rem8); vstore8(optirs_r8_join8(hi, rem_8), i, join8);
+}
+__kernel void quantize(__global const float *maps, __global const float *x, float scale,
+                       __global uchar *code, __global float *deq) {
+    __local float q[256], mid[256];
+    for (int j = get_local_id(0); j < 256; j += get_local_size(0)) { q[j] = maps[j]; mid[j] = maps[256 + j]; }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const size_t i = get_global_id(0);
+    const uchar8 c = optirs_quantize8(V8(x, i), scale, mid);
+    vstore8(c, i, code);
+    vstore8(optirs_dequantize8(c, scale, q), i, deq);
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return optirs.get_backend("opencl").ctx
+
+
+@pytest.fixture(scope="module")
+def prg(ctx):
+    from optirs.backends.opencl import build_program
+
+    program = build_program(ctx.context, ctx.device, expand_includes(HARNESS), [])
+    return type("Kernels", (), {k.function_name: k for k in program.all_kernels()})
+
+
+def _run(ctx, kernel, n, *args):
+    """Run kernel over n elements (n/8 work-items): numpy inputs are uploaded, ("out", dtype)
+    placeholders allocated; returns the outputs as numpy."""
+    bufs, outs = [], []
+    for a in args:
+        if isinstance(a, tuple) and a[0] == "out":
+            d = cla.empty(ctx.queue, n, a[1])
+            bufs.append(d.data)
+            outs.append(d)
+        elif isinstance(a, np.ndarray):
+            bufs.append(cla.to_device(ctx.queue, a).data)
+        else:
+            bufs.append(a)
+    kernel(ctx.queue, (n // 8,), None, *bufs)
+    return [o.get() for o in outs]
+
+
+def _float_bits(rng, n):
+    """Random float32 bit patterns covering every class, plus the edge cases."""
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 1, 0x807FFFFF,
+                        0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x477FF000,
+                        0x477FEFFF, 0x38800000, 0x33000000, 0x33000001, 0x387FFFFF, 0x3F800080, 0x3F800180,
+                        0x3F80007F, 0x00000080, 0x00000180], np.uint32)
+    x = rng.integers(0, 2 ** 32, n - len(special), dtype=np.uint64).astype(np.uint32)
+    near = (rng.normal(size=n // 4).astype(np.float32)).view(np.uint32)  # ordinary magnitudes
+    x[: len(near)] = near
+    return np.concatenate([special, x])
+
+
+def test_decodings_exhaustive(ctx, prg):
+    h = np.arange(65536, dtype=np.uint16)
+    bf, f16 = _run(ctx, prg.decode, 65536, h, ("out", np.float32), ("out", np.float32))
+    want_bf = h.view(ml_dtypes.bfloat16).astype(np.float32)
+    want_f16 = h.view(np.float16).astype(np.float32)
+    for got, want in ((bf, want_bf), (f16, want_f16)):
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # signed zeros too
+
+
+def test_encodings_match_ml_dtypes_and_numpy(ctx, prg):
+    u = _float_bits(np.random.default_rng(0), 1 << 16)
+    bf, f16 = _run(ctx, prg.encode, u.size, u, ("out", np.uint16), ("out", np.uint16))
+    x = u.view(np.float32)
+    nan = np.isnan(x)
+    assert np.array_equal(bf[~nan], x[~nan].astype(ml_dtypes.bfloat16).view(np.uint16))
+    # the contract's NaN: 0x7FC0 | sign
+    assert np.array_equal(bf[nan], ((u[nan] >> 16) & 0x8000).astype(np.uint16) | 0x7FC0)
+    with np.errstate(over="ignore"):
+        want_f16 = x.astype(np.float16)
+    assert np.array_equal(f16, want_f16.view(np.uint16))  # NaNs keep numpy's payload bits
+
+
+def _fmix32(h):
+    h = h.astype(np.uint64)
+    m = np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(16)
+    h = (h * np.uint64(0x85EBCA6B)) & m
+    h ^= h >> np.uint64(13)
+    h = (h * np.uint64(0xC2B2AE35)) & m
+    h ^= h >> np.uint64(16)
+    return h
+
+
+def _rand(seed, step, stream, i):
+    key = _fmix32(np.uint64(seed) ^ _fmix32(np.array([(step * 4 + stream) & 0xFFFFFFFF], np.uint64)))
+    return _fmix32(key ^ ((i.astype(np.uint64) * np.uint64(0x9E3779B1)) & np.uint64(0xFFFFFFFF))).astype(np.uint32)
+
+
+@pytest.mark.parametrize("seed,step,stream", [(0, 1, 0), (12345, 7, 2), (2 ** 32 - 1, 2 ** 30 + 3, 3)])
+def test_random_bits_are_the_contract_hash(ctx, prg, seed, step, stream):
+    i = np.concatenate([np.arange(4096, dtype=np.uint32), np.array([2 ** 32 - 8 + k for k in range(8)], np.uint32)])
+    (got,) = _run(ctx, prg.rand_bits, i.size, np.uint32(seed), np.uint32(step), np.uint32(stream), i,
+                  ("out", np.uint32))
+    assert np.array_equal(got, _rand(seed, step, stream, i))
+    assert len(np.unique(got)) > 0.99 * got.size
+
+
+def test_stochastic_bf16_rounding(ctx, prg):
+    rng = np.random.default_rng(1)
+    u = _float_bits(rng, 1 << 14)
+    r = rng.integers(0, 2 ** 32, u.size, dtype=np.uint64).astype(np.uint32)
+    (got,) = _run(ctx, prg.sr, u.size, u, r, ("out", np.uint16))
+    x = u.view(np.float32)
+    finite = np.isfinite(x)
+    # the result is one of the two bfloat16 neighbours: truncation, or truncation + 1 ulp
+    trunc = (u[finite] >> 16).astype(np.uint16)
+    assert np.all((got[finite] == trunc) | (got[finite] == trunc + 1))
+    up = got[finite] == trunc + 1
+    assert np.array_equal(up, (u[finite] & 0xFFFF) + (r[finite] & 0xFFFF) >= 0x10000)
+    inf, nan = np.isinf(x), np.isnan(x)  # round to nearest: inf stays, NaN is 0x7FC0 | sign
+    assert np.array_equal(got[inf], x[inf].astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert np.array_equal(got[nan], ((u[nan] >> 16) & 0x8000).astype(np.uint16) | 0x7FC0)
+
+
+def test_stochastic_bf16_rounding_is_unbiased(ctx, prg):
+    """The mean of many roundings of one value with the contract's random bits is the value."""
+    n = 1 << 16
+    for value in (1.0 + 2 ** -9, -3.14159, 1e-3, 7.123e5):
+        u = np.full(n, np.float32(value).view(np.uint32), np.uint32)
+        (r,) = _run(ctx, prg.rand_bits, n, np.uint32(3), np.uint32(1), np.uint32(0), np.arange(n, dtype=np.uint32),
+                    ("out", np.uint32))
+        (got,) = _run(ctx, prg.sr, n, u, r, ("out", np.uint16))
+        vals = got.view(ml_dtypes.bfloat16).astype(np.float64)
+        lo, hi = np.unique(vals)[[0, -1]]
+        p = (float(np.float32(value)) - lo) / (hi - lo)  # chance of rounding up
+        stderr = (hi - lo) * np.sqrt(p * (1 - p) / n)
+        assert abs(vals.mean() - float(np.float32(value))) < 5 * stderr + 1e-30
+
+
+def _round24_reference(x):
+    """x rounded to 15 explicit mantissa bits (the top 24 bits of float32), nearest even, in float64;
+    subnormals on the same grid as float32's (2**-149 * 256)."""
+    x = x.astype(np.float64)
+    mant, exp = np.frexp(x)
+    exp = np.maximum(exp, -125)  # float32's subnormal range shares the smallest normal's spacing
+    ulp = np.ldexp(1.0, exp - 16)  # 15 explicit mantissa bits kept
+    return np.round(x / ulp) * ulp
+
+
+def test_remainders_and_round24(ctx, prg):
+    u = _float_bits(np.random.default_rng(2), 1 << 16)
+    hi16, rem16, join16, r24, hi8, rem8, join8 = _run(
+        ctx, prg.remainders, u.size, u, ("out", np.uint16), ("out", np.int16), ("out", np.uint32),
+        ("out", np.uint32), ("out", np.uint16), ("out", np.int8), ("out", np.uint32))
+    x = u.view(np.float32)
+    # remainder16: bfloat16 + int16 is the exact float32 master, and the bfloat16 is its nearest
+    assert np.array_equal(join16, u)
+    finite = np.isfinite(x) & (np.abs(x) < np.float32(3.38e38))
+    err = np.abs(hi16[finite].view(ml_dtypes.bfloat16).astype(np.float64) - x[finite].astype(np.float64))
+    ulp = np.abs(((u[finite] >> 16) + 1 << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+                 - ((u[finite] >> 16) << 16).astype(np.uint32).view(np.float32).astype(np.float64))
+    assert np.all(err <= ulp / 2)
+    # round24: nearest even on the 8 dropped bits; the 24-bit master is rounded x
+    ok = np.isfinite(x)
+    want = _round24_reference(x[ok])
+    got = (r24[ok] << 8).view(np.float32).astype(np.float64)
+    keep = np.abs(want) < 3.4e38  # the largest values round to inf in both
+    assert np.array_equal(got[keep], want[keep])
+    assert np.array_equal(r24[~ok], u[~ok] >> 8)
+    # remainder8: bfloat16 + int8 gives the 24-bit master back exactly
+    assert np.array_equal(join8, r24 << 8)
+    err8 = np.abs(hi8[finite].view(ml_dtypes.bfloat16).astype(np.float64) - got[finite[ok]])
+    assert np.all(err8 <= ulp / 2)
+
+
+def _a_map(signed):
+    """A sorted 256-code map with repeated codes (ties) and both ends exact, as the dynamic maps."""
+    rng = np.random.default_rng(7 + signed)
+    q = np.sort(rng.uniform(-1 if signed else 0, 1, 256).astype(np.float32))
+    q[0], q[-1] = (-1.0 if signed else 0.0), 1.0
+    q[100:103] = q[100]
+    return q
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_is_nearest_code(ctx, prg, signed):
+    q = _a_map(signed)
+    mid = np.append((np.float32(0.5) * (q[:-1] + q[1:])).astype(np.float32), np.float32(np.inf))
+    rng = np.random.default_rng(3)
+    scale = np.float32(0.37)
+    x = (rng.uniform(-1.1 if signed else 0, 1.1, 1 << 14) * scale).astype(np.float32)
+    x[:8] = [0.0, -0.0, scale, -scale, mid[5] * scale, mid[200] * scale, np.nan, np.inf]
+    code, deq = _run(ctx, prg.quantize, x.size, np.concatenate([q, mid]).astype(np.float32), x, scale,
+                     ("out", np.uint8), ("out", np.float32))
+    y = x / scale
+    want = np.searchsorted(mid[:255], y, side="left")  # the number of mid[k] < y
+    want[np.isnan(y)] = 0
+    assert np.array_equal(code, want.astype(np.uint8))
+    assert np.array_equal(deq, q[code] * scale)
+    (zero_code, _) = _run(ctx, prg.quantize, 8, np.concatenate([q, mid]).astype(np.float32), x[:8],
+                          np.float32(0), ("out", np.uint8), ("out", np.float32))
+    assert np.array_equal(zero_code, np.full(8, np.searchsorted(mid[:255], 0.0, side="left"), np.uint8))
