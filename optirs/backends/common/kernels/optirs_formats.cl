@@ -143,7 +143,7 @@ typedef float SST;
 
 /* Element offsets of the state buffers in their cl_mem (pyopencl arrays may be views). */
 typedef struct {
-    long m, s0, s1, s2, c0, c1, c2, l0, l1, l2;
+    long m, s0, s1, s2, c0, c1, c2, l0, l1, l2, skip;
 } fmt_offsets;
 
 /* seed, step: the random bits' key inputs; init_master: float32 masters are read from the
@@ -298,8 +298,9 @@ void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local con
 }
 
 #if OPTIRS_FMT_STATE == 2
-/* The largest |x| of a block's new values. fmax: a NaN lane does not hide the others' range. */
-#define FMT_ABSMAX(a, b) fmax(a, b)
+/* The largest |x| of a block's new values, NaN-propagating: a NaN in a block makes its scale NaN
+ * (docs/formats.md; fmax would drop it). */
+#define FMT_ABSMAX(a, b) ((a) > (b) || isnan(a) ? (a) : (b))
 
 float fmt_lane_absmax(float8 x, int nv)
 {
@@ -437,15 +438,23 @@ void fmt_lamb_grad_sumsq(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), F
     (void)p; (void)lay;
 }
 
-/* Pass 1: the moments (stored in the state's format), and per-chunk sums of p^2 and u^2
- * (partial[2c], partial[2c + 1]) with u from the stored moments, the values pass 2 reads. */
+/* LAMB's element work, the same in both passes: the master p, the new moments s[0], s[1] and the
+ * direction u, from the stored state (pass 1 writes nothing; pass 2 recomputes and writes). */
+float8 fmt_lamb_element(__global const PST *p, __global const MST *m, __global const GST *g, int nv, int al,
+                        int init, float8 *s, float scale, const lamb_scalars *sc, float8 *pp)
+{
+    *pp = fmt_load_master(p, m, nv, al, init);
+    lamb_moments_v8(G_LOAD(g, nv, al), &s[0], &s[1], scale, sc);
+    return lamb_direction_v8(*pp, s[0], s[1], sc);
+}
+
+/* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_moments(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
-                      __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
-                      const lamb_scalars sc)
+void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+                    __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
+                    const lamb_scalars sc)
 {
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
-    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];
     __local acc_t red[OPTIRS_WG];
     fmt_load_maps(maps, lmaps);
     FMT_PROLOGUE(P, G)
@@ -454,16 +463,12 @@ void fmt_lamb_moments(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_
     const float scale = clip ? grad_scale[0] : 1.0f;
     acc_t sp = 0, su = 0;
     FMT_ROUND_BEGIN
-        float8 s[3], pp = (float8)0.0f;
-        fmt_load_states(&sl, k, nv, s, lmaps);
         if (nv > 0) {
-            pp = fmt_valid(fmt_load_master(p + k, m + k, nv, aligned, st.init_master), nv);
-            lamb_moments_v8(G_LOAD(g + k, nv, aligned), &s[0], &s[1], scale, &sc);
-        }
-        fmt_store_states(&sl, k, nv, s, fmt_index8(lay, k), lmaps, scratch);
-        if (nv > 0) {
-            sp += fmt_sum_squares8(pp);
-            su += fmt_sum_squares8(fmt_valid(lamb_direction_v8(pp, s[0], s[1], &sc), nv));
+            float8 s[3], pp;
+            fmt_load_states(&sl, k, nv, s, lmaps);
+            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, st.init_master, s, scale, &sc, &pp);
+            sp += fmt_sum_squares8(fmt_valid(pp, nv));
+            su += fmt_sum_squares8(fmt_valid(u, nv));
         }
     FMT_ROUND_END
     sp = fmt_group_sum(sp, red);
@@ -474,26 +479,41 @@ void fmt_lamb_moments(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_
     }
 }
 
-/* Pass 2: p -= lr * ratio * u, u from the stored moments. */
+/* Pass 2: p -= lr * ratio * u, and the new moments stored in the state's format. */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
 void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
-                    __global const float *ratio, const fmt_step st, const lamb_scalars sc)
+                    __global const float *grad_scale, int clip, __global const float *ratio,
+                    __global const int *skip, const fmt_step st, const lamb_scalars sc)
 {
+    if (skip[off.skip])
+        return; /* the same for every work-item */
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
+    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];
     fmt_load_maps(maps, lmaps);
     FMT_PROLOGUE(P, G)
     __global MST *m = M + off.m + lay;
     const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    const float scale = clip ? grad_scale[0] : 1.0f;
     const float step = sc.lr * ratio[t];
     const uint key = optirs_rand_key(st.seed, st.step, 0u);
     FMT_ROUND_BEGIN
+        float8 s[3];
+        const uint8 idx = fmt_index8(lay, k);
+        fmt_load_states(&sl, k, nv, s, lmaps);
         if (nv > 0) {
-            float8 s[3];
-            fmt_load_states(&sl, k, nv, s, lmaps);
-            const float8 pp = fmt_load_master(p + k, m + k, nv, aligned, st.init_master);
-            fmt_store_master(pp - step * lamb_direction_v8(pp, s[0], s[1], &sc), p + k, m + k, nv, aligned,
-                             fmt_index8(lay, k), key);
+            float8 pp;
+            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, st.init_master, s, scale, &sc, &pp);
+            fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
         }
+        fmt_store_states(&sl, k, nv, s, idx, lmaps, scratch);
     FMT_ROUND_END
-    (void)g;
+    (void)scratch;
+}
+
+/* Lets the host check its numpy records against the structs. */
+__kernel void fmt_struct_sizes(__global int *out)
+{
+    out[0] = (int)sizeof(fmt_offsets);
+    out[1] = (int)sizeof(fmt_step);
+    out[2] = (int)sizeof(acc_t);
 }

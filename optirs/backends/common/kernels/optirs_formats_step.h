@@ -1,7 +1,7 @@
 /* The format step of one elementwise family OPT (the host defines OPT and includes this once per
  * family after optirs_formats.cl): kernel OPT_fmt decodes the parameters (or masters), gradients
  * and state, runs the family's element step (OPT_element_v8, the float32 step's math) and
- * encodes everything back. skip[0] != 0 (AMP's found_inf) makes the launch write nothing. */
+ * encodes everything back. skip[off.skip] != 0 (AMP's found_inf) makes the launch write nothing. */
 #define FMT_CAT_(a, b) a##b
 #define FMT_CAT(a, b) FMT_CAT_(a, b)
 
@@ -9,7 +9,7 @@ __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
 void FMT_CAT(OPT, _fmt)(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                         __global const int *skip, const fmt_step st, const FMT_CAT(OPT, _scalars) sc)
 {
-    if (skip[0])
+    if (skip[off.skip])
         return; /* the same for every work-item: no barrier is left half reached */
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
     __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];
