@@ -197,3 +197,92 @@ def test_float_layouts_and_fills():
 def test_bad_format_state_raises():
     with pytest.raises(InvalidParameterError, match="StepFormat"):
         F.FormatState(TensorLayout([(3,)]), _adam_slots(), "int8")
+
+
+# ---------------------------------------------------------------- the encodings: numba element code vs the numpy reference
+
+from optirs.core import formats_reference as R  # noqa: E402
+
+
+def _special_floats(rng, n=4000):
+    """Random float32 bit patterns plus the edges: zeros, subnormals, the largest, inf, NaN, ties."""
+    u = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0, 0x80000000, 1, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
+                      0x3F808000, 0x3F818000, 0x3F800080, 0x3F800180, 0x3F7FFF80, 0x7F7F8000, 0x477FF000,
+                      0x38800000, 0x33000000, 0x33000001], dtype=np.uint32)
+    return np.concatenate([u, edges]).view(np.float32)
+
+
+@pytest.fixture(scope="module")
+def nb():
+    from numba import njit, prange  # noqa: F401
+
+    from optirs.backends.common import formats as E
+
+    @njit(cache=True)
+    def encode_all(x, r, key, out):
+        for i in range(x.shape[0]):
+            out[0, i] = E.bf16_nearest(x[i])
+            out[1, i] = E.f16_nearest(x[i])
+            out[2, i] = E.bf16_stochastic(x[i], r[i])
+            hi, rem = E.remainder16_split(x[i])
+            out[3, i] = hi
+            out[4, i] = np.uint32(np.int64(rem) & 0xFFFFFFFF)
+            out[5, i] = E.f32_bits(E.remainder16_join(hi, rem))
+            y = E.round24(x[i])
+            out[6, i] = E.f32_bits(y)
+            hi, rem = E.remainder8_split(y)
+            out[7, i] = hi
+            out[8, i] = np.uint32(np.int64(rem) & 0xFFFFFFFF)
+            out[9, i] = E.f32_bits(E.remainder8_join(hi, rem))
+            out[10, i] = E.rand32(key, i)
+            out[11, i] = E.f32_bits(E.decode16(np.uint32(out[0, i]), 1))
+
+    return E, encode_all
+
+
+def test_numba_encodings_match_the_reference(nb, rng):
+    E, encode_all = nb
+    x = _special_floats(rng)
+    r = rng.integers(0, 2**32, x.size, dtype=np.uint64).astype(np.uint32)
+    key = R.stream_key(12345, 7, 2)
+    assert int(E.stream_key(12345, 7, 2)) == int(key)
+    out = np.zeros((12, x.size), np.uint32)
+    encode_all(x, r, np.uint64(key), out)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out[0], x.astype(BF16).view(np.uint16))  # ml_dtypes
+        assert np.array_equal(out[1], x.astype(np.float16).view(np.uint16))  # numpy
+    assert np.array_equal(out[2], R.bf16_stochastic(x, r))
+    hi, rem = R.remainder16_split(x)
+    assert np.array_equal(out[3], hi) and np.array_equal(out[4].astype(np.int64), rem.astype(np.int64) & 0xFFFFFFFF)
+    assert np.array_equal(out[5], x.view(np.uint32))  # remainder16 is exact, NaN payloads included
+    y = R.round24(x)
+    assert np.array_equal(out[6], y.view(np.uint32))
+    hi, rem = R.remainder8_split(y)
+    assert np.array_equal(out[7], hi) and np.array_equal(out[8].astype(np.int64), rem.astype(np.int64) & 0xFFFFFFFF)
+    finite = np.isfinite(x)
+    assert np.array_equal(out[9][finite], y.view(np.uint32)[finite])  # the 24-bit master round-trips
+    assert np.array_equal(out[10], R.rand_bits(key, np.arange(x.size)))
+    assert np.array_equal(out[11].view(np.float32)[finite], x.astype(BF16).astype(np.float32)[finite])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_reference_encodings_follow_the_contract(rng):
+    x = _special_floats(rng)
+    finite = np.isfinite(x)
+    # remainder16: the parameter is the master rounded to nearest, ties away from zero
+    hi, rem = R.remainder16_split(x)
+    u = x.view(np.uint32).astype(np.int64)
+    lo = u & 0xFFFF
+    assert np.array_equal(hi[finite], (((u >> 16) + (lo >= 0x8000)) & 0xFFFF)[finite])
+    assert np.array_equal(R.remainder16_join(hi, rem).view(np.uint32), x.view(np.uint32))
+    # round24 is nearest even on the low 8 bits: the nearer of the two 24-bit neighbours
+    y = R.round24(x)
+    down = (u & ~0xFF).astype(np.uint32).view(np.float32).astype(np.float64)
+    up = ((u & ~0xFF) + 0x100).astype(np.uint32).view(np.float32).astype(np.float64)
+    ok = finite & np.isfinite(up) & np.isfinite(y)
+    xd = x.astype(np.float64)
+    assert np.all(np.abs(y.astype(np.float64) - xd)[ok] <= np.minimum(np.abs(xd - down), np.abs(up - xd))[ok])
+    assert np.all(y.view(np.uint32)[finite] & 0xFF == 0)
+    # the random bits: the published finalizer on known values (MurmurHash3's fmix32)
+    assert int(R.fmix32(np.uint32(0))) == 0 and int(R.fmix32(np.uint32(1))) == 0x514E28B7

@@ -155,6 +155,11 @@ def resolve_format(precision: Precision, param_dtype: Any, grad_dtype: Any, fami
     return fmt
 
 
+def format_slots(definition: Any, hp: Any) -> Tuple[Any, ...]:
+    """The :class:`~optirs.core.definitions.StateSlot` records ``hp`` needs, in kernel order (a :class:`FormatState`'s slots)."""
+    return tuple(s for s in definition.slots if s.needed(hp))
+
+
 # ---------------------------------------------------------------- the 8-bit dynamic map
 
 
