@@ -257,3 +257,140 @@ def test_quantize_is_nearest_code(ctx, prg, signed):
     (zero_code, _) = _run(ctx, prg.quantize, 8, np.concatenate([q, mid]).astype(np.float32), x[:8],
                           np.float32(0), ("out", np.uint8), ("out", np.float32))
     assert np.array_equal(zero_code, np.full(8, np.searchsorted(mid[:255], 0.0, side="left"), np.uint8))
+
+
+# ---------------------------------------------------------------- the formats capability's step
+
+from optirs.core import formats as F  # noqa: E402
+from optirs.core import formats_reference as R  # noqa: E402
+from optirs.core.definitions import DEFINITIONS  # noqa: E402
+from optirs.core.layout import TensorLayout  # noqa: E402
+
+# Odd sizes put later tensors at unaligned offsets; 4100 and 8195 keep int8 blocks (8195 spans
+# two chunks and ends in a partial block), the others are small (float32 state under int8).
+SHAPES = [(7,), (4, 3), (4100,), (5,), (8195,), (2, 2)]
+FORMATS = [
+    F.StepFormat("bfloat16", "bfloat16", None, "float32", False),
+    F.StepFormat("bfloat16", "float32", None, "bfloat16", True),
+    F.StepFormat("bfloat16", "bfloat16", "float32", "int8", False),
+    F.StepFormat("bfloat16", "bfloat16", "remainder16", "bfloat16", False),
+    F.StepFormat("bfloat16", "float32", "remainder8", "int8", False),
+    F.StepFormat("float16", "float16", "float32", "float32", False),
+    F.StepFormat("float16", "float32", None, "int8", False),
+    F.StepFormat("float32", "float32", None, "int8", False),
+    F.StepFormat("float32", "float32", None, "bfloat16", False),
+]
+CASES = {
+    "adam": optirs.AdamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6, weight_decay=0.05, amsgrad=True),
+    "adamw": optirs.AdamParams(lr=1e-2, weight_decay=0.3),
+    "sgd": optirs.SgdParams(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "rmsprop": optirs.RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True, weight_decay=0.1),
+    "adagrad": optirs.AdagradParams(lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.5),
+    "lion": optirs.LionParams(lr=1e-3, weight_decay=0.1),
+    "lamb": optirs.LambParams(lr=1e-2, max_trust_ratio=10.0, max_grad_norm=5.0),
+}
+
+
+@pytest.fixture(scope="module")
+def ocl():
+    return optirs.get_backend("opencl")
+
+
+def _words(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as the words of dtype (uint16 bits for 16-bit)."""
+    return x.astype(np.float32) if dtype == "float32" else R.nearest16(x, dtype)
+
+
+class _Model:
+    """A model's arrays for one format: host words, the compact state on the device and its host copy."""
+
+    def __init__(self, backend, name, hp, fmt, shapes=SHAPES, seed=0):
+        self.backend, self.ctx = backend, backend.ctx
+        self.definition = DEFINITIONS[name]
+        self.hp, self.fmt = hp, fmt
+        self.layout = TensorLayout(shapes)
+        self.fs = F.FormatState(self.layout, [s for s in self.definition.slots if s.needed(hp)], fmt)
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        self.params = [_words(rng.normal(size=s).astype(np.float32), fmt.param_dtype) for s in shapes]
+        self.buffers = R.fresh_buffers(self.fs, self.definition, hp)
+        self.state = {k: cla.to_device(self.ctx.queue, v) for k, v in self.buffers.items()}
+        self.t = 0
+
+    def grads(self, scale=1.0):
+        return [_words((self.rng.normal(size=s) * scale).astype(np.float32), self.fmt.grad_dtype)
+                for s in self.layout.shapes]
+
+    def host_state(self):
+        return {k: v.get() for k, v in self.state.items()}
+
+    def step(self, grads, params=None, found_inf=None, seed=11):
+        self.t += 1
+        params = self.params if params is None else params
+        b, ctx = self.backend, self.ctx
+        staged = b.hook("formats", "optirs_formats_stage")(ctx, params, grads, self.fmt)
+        b.hook("formats", "optirs_formats_step")(ctx, self.definition.kernel, staged.params, staged.grads, self.state, self.layout,
+                              self.fs, self.fmt, self.definition.scalars(self.hp, self.t), seed, self.t, found_inf)
+        if staged.finish is not None:
+            staged.finish()
+        ctx.queue.finish()
+
+
+def _master(fs, params, buffers, t):
+    """The float32 masters the step at ``t`` reads (t >= 2: float32 masters from their buffer)."""
+    return np.concatenate(R.decode_master(fs, params, buffers, t))
+
+
+def _close_to_reference(model, before_p, before_s, grads, seed):
+    """The backend's step against the float64 reference run from the same inputs."""
+    fmt, fs = model.fmt, model.fs
+    want_p, want_s = R.step(model.definition, model.hp, fs, before_p, grads, before_s, seed, model.t)
+    got_s = model.host_state()
+    got_m = _master(fs, model.params, got_s, 2)
+    want_m = _master(fs, want_p, want_s, 2)
+    old_m = _master(fs, before_p, before_s, model.t)
+    size = np.abs(want_m) + np.abs(old_m) + np.abs(want_m - old_m)  # the float32 step's error scales with its terms
+    if fmt.param_dtype == "float32" or fmt.master in ("float32", "remainder16"):
+        rel = 2.0 ** -16  # float32 masters: float32 rounding of the step's terms (they may cancel)
+    elif fmt.master == "remainder8":
+        rel = 2.0 ** -15  # one step of the 24-bit master
+    else:
+        rel = 2.0 ** -7 if fmt.param_dtype == "bfloat16" else 2.0 ** -10  # one 16-bit step
+    tol = rel * size * 1.01 + 1e-30 + (2.0 ** -24 if fmt.param_dtype == "float16" else 0)
+    np.testing.assert_array_less(np.abs(got_m - want_m), tol + 1e-12 * (fmt.param_dtype == "float32"))
+    if fmt.master is not None and fmt.param_dtype != "float32":  # the parameter is the master's rounding
+        for got, want in zip(model.params, want_p):
+            diff = np.abs(R.decode16(got.view(np.uint16), fmt.param_dtype) - R.decode16(want.view(np.uint16), fmt.param_dtype))
+            assert np.all(diff <= np.abs(R.decode16(want.view(np.uint16), fmt.param_dtype)) * 2.0 ** -7 * 1.01)
+    signed = {s.name: s.signed for s in fs.slots}
+    got_v, want_v = R.decode_state(fs, got_s), R.decode_state(fs, want_s)
+    old_v, gr = R.decode_state(fs, before_s), R.decode_grads(fmt, grads)
+    for t in range(len(fs.layout)):
+        for s in fs.slot_names:
+            g, w = got_v[t][s], want_v[t][s]
+            # the float32 step's error scales with its inputs (a new moment may cancel to ~0)
+            f32_err = 2.0 ** -20 * (np.abs(w) + np.abs(old_v[t][s]) + np.abs(gr[t]) + np.abs(gr[t]) ** 2)
+            if fmt.state_dtype == "int8" and not fs.is_small(t):
+                o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
+                b0 = int(fs.tensor_table()[t, 1])
+                nb = -(-n // F.BLOCK)
+                np.testing.assert_allclose(got_s[f"{s}.scales"][b0: b0 + nb], want_s[f"{s}.scales"][b0: b0 + nb],
+                                           rtol=1e-5, atol=1e-30)
+                step = R.code_step(want_s[f"{s}.codes"][o: o + n], want_s[f"{s}.scales"][b0: b0 + nb], signed[s])
+                assert np.all(np.abs(g - w) <= step * 1.01 + 1e-30), (t, s)
+            elif fmt.state_dtype == "bfloat16":
+                assert np.all(np.abs(g - w) <= np.abs(w) * 2.0 ** -7 * 1.01 + f32_err), (t, s)
+            else:
+                assert np.all(np.abs(g - w) <= f32_err + 1e-30), (t, s)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.param_dtype}-{f.grad_dtype}-{f.master}-{f.state_dtype}"
+                         + ("-sr" if f.stochastic else ""))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_format_step_matches_reference(ocl, name, fmt):
+    model = _Model(ocl, name, CASES[name], fmt)
+    for _ in range(3):
+        grads = model.grads()
+        before_p, before_s = [p.copy() for p in model.params], model.host_state()
+        model.step(grads, seed=11)
+        _close_to_reference(model, before_p, before_s, grads, 11)
