@@ -394,3 +394,145 @@ def test_format_step_matches_reference(ocl, name, fmt):
         before_p, before_s = [p.copy() for p in model.params], model.host_state()
         model.step(grads, seed=11)
         _close_to_reference(model, before_p, before_s, grads, 11)
+
+
+def _exact_sgd(model, before_p, before_s, grads, seed):
+    """SGD with momentum (no decay, no nesterov) in numpy float32, the kernels' exact operations,
+    then the contract's encodings (formats_reference): the expected words, bit for bit."""
+    fmt, fs, t = model.fmt, model.fs, model.t
+    sc = model.definition.scalars(model.hp, t)
+    p = _master(fs, before_p, before_s, t)
+    g = np.concatenate(R.decode_grads(fmt, grads))
+    buf = np.concatenate([s["momentum_buffer"] for s in R.decode_state(fs, before_s)])
+    buf = g.copy() if sc.first_step else sc.momentum * buf + sc.dampening_factor * g
+    x = p - sc.lr * buf
+    index = np.arange(x.size)
+    out = {}
+    if fmt.param_dtype == "float32":
+        out["params"] = x.view(np.uint32)
+    elif fmt.master == "remainder16":
+        out["params"], out["master_remainder"] = R.remainder16_split(x)
+    elif fmt.master == "remainder8":
+        out["params"], out["master_remainder"] = R.remainder8_split(R.round24(x))
+    elif fmt.stochastic:
+        out["params"] = R.bf16_stochastic(x, R.rand_bits(R.stream_key(seed, t, 0), index))
+    else:
+        out["params"] = R.nearest16(x, fmt.param_dtype)
+        if fmt.master == "float32":
+            out["master"] = x
+    if fmt.state_dtype == "float32":
+        out["momentum_buffer"] = buf
+    elif fmt.state_dtype == "bfloat16":
+        out["momentum_buffer"] = R.bf16_stochastic(buf, R.rand_bits(R.stream_key(seed, t, 1), index))
+    else:
+        codes, scales, small = [], [], []
+        for o, n in zip(fs.layout.offsets, fs.layout.sizes):
+            v = buf[o: o + n]
+            if n < F.MIN_INT8_SIZE:
+                codes.append(np.zeros(n, np.uint8))
+                small.append(v)
+            else:
+                c, s = R.quantize_blocks(v, signed=True)
+                codes.append(c)
+                scales.append(s)
+        out["momentum_buffer.codes"] = np.concatenate(codes)
+        out["momentum_buffer.scales"] = np.concatenate(scales)
+        out["momentum_buffer.small"] = np.concatenate(small)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS + [F.StepFormat("float16", "float16", None, "bfloat16", False)],
+                         ids=lambda f: f"{f.param_dtype}-{f.grad_dtype}-{f.master}-{f.state_dtype}"
+                         + ("-sr" if f.stochastic else ""))
+def test_format_encodings_are_bit_exact(ocl, fmt):
+    """Where the float32 arithmetic is known exactly (SGD with momentum), every stored word is the
+    contract's: the rounding of parameters, masters and state, the random bits' streams and
+    indices, the int8 blocks and their scales."""
+    model = _Model(ocl, "sgd", optirs.SgdParams(lr=0.01, momentum=0.9), fmt, seed=5)
+    for _ in range(3):
+        grads = model.grads()
+        before_p, before_s = [p.copy() for p in model.params], model.host_state()
+        model.step(grads, seed=1234)
+        want = _exact_sgd(model, before_p, before_s, grads, 1234)
+        got = model.host_state()
+        got["params"] = np.concatenate([p.reshape(-1) for p in model.params])
+        for key, w in want.items():
+            g = got[key]
+            if key.endswith(".codes"):  # small tensors' range is unused
+                live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in model.layout.sizes])
+                g, w = g[live], w[live]
+            assert np.array_equal(np.asarray(g).view(np.uint8), np.ascontiguousarray(w).view(np.uint8)), key
+
+
+def _device_copies(ctx, arrays, shared_from=None):
+    """pyopencl copies of host word arrays: separate buffers, except tensors from ``shared_from`` on,
+    which are views of one buffer at odd offsets (unaligned)."""
+    out = [cla.to_device(ctx.queue, np.ascontiguousarray(a.view(np.uint16) if a.dtype.itemsize == 2 else a))
+           for a in arrays]
+    if shared_from is not None:
+        tail = arrays[shared_from:]
+        dt = out[0].dtype
+        sizes = [a.size for a in tail]
+        flat = cla.zeros(ctx.queue, sum(sizes) + 3 * len(tail), dt)
+        o = 3
+        for k, (a, n) in enumerate(zip(tail, sizes)):
+            view = flat[o: o + n]
+            view.set(np.ascontiguousarray(a.reshape(-1).view(dt)))
+            out[shared_from + k] = view
+            o += n + 3
+    return out
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[4], FORMATS[7]],
+                         ids=["bf16-sr-bf16state", "bf16-r8-int8", "f32-int8"])
+def test_device_arrays_in_many_buffers_match_the_packed_step(ocl, fmt):
+    """pyopencl arrays stepped in place (more distinct buffers than one launch takes, so two chunk
+    groups, and views of a shared buffer at unaligned offsets) give the numpy-staged step's bits."""
+    shapes = [(5000,), (7,)] * 10 + [(4099,), (33,), (4096,)]
+    packed = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
+    device = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
+    dev_params = _device_copies(ocl.ctx, device.params, shared_from=18)
+    for _ in range(2):
+        grads = packed.grads()
+        device.grads()  # keep the generators in step
+        packed.step(grads)
+        device.step(_device_copies(ocl.ctx, grads, shared_from=20), params=dev_params)
+        for a, b in zip(packed.params, dev_params):
+            assert np.array_equal(a.reshape(-1).view(np.uint8), b.get().view(np.uint8))
+        for k, v in packed.host_state().items():
+            assert np.array_equal(v.view(np.uint8), device.host_state()[k].view(np.uint8)), k
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_found_inf_skips_the_whole_step(ocl, name):
+    fmt = FORMATS[4]
+    model = _Model(ocl, name, CASES[name], fmt)
+    model.step(model.grads())  # a real step first: the state is not fresh
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    found = cla.to_device(ocl.ctx.queue, np.array([1], np.int32))
+    model.step(model.grads(), found_inf=found)
+    for a, b in zip(before_p, model.params):
+        assert np.array_equal(a, b)
+    for k, v in model.host_state().items():
+        assert np.array_equal(v, before_s[k]), k
+    found.fill(0)
+    model.step(model.grads(), found_inf=found)
+    assert not all(np.array_equal(a, b) for a, b in zip(before_p, model.params))
+
+
+@pytest.mark.parametrize("grad_dtype", ["bfloat16", "float16", "float32"])
+def test_check_flags_non_finite_gradients(ocl, grad_dtype):
+    ctx = ocl.ctx
+    check = ocl.hook("formats", "optirs_formats_check")
+    fmt = F.StepFormat("float32" if grad_dtype == "float32" else grad_dtype, grad_dtype, None, "float32", False)
+    shapes = [(7,), (9000,), (13,)]
+    layout = TensorLayout(shapes)
+    rng = np.random.default_rng(0)
+    for bad in (None, np.inf, -np.inf, np.nan):
+        host = [_words(rng.normal(size=s).astype(np.float32), grad_dtype) for s in shapes]
+        if bad is not None:
+            host[1].reshape(-1)[8999] = _words(np.array([bad], np.float32), grad_dtype)[0]
+        grads = _device_copies(ctx, host, shared_from=2)
+        flag = cla.zeros(ctx.queue, 1, np.int32)
+        check(ctx, grads, layout, fmt, flag)
+        assert flag.get()[0] == (0 if bad is None else 1), bad
