@@ -32,6 +32,7 @@ import numpy as np
 from optirs.backends.common.opencl_source import program_source
 from optirs.backends.opencl.adafactor import OpenclAdafactor
 from optirs.backends.opencl.fake_quant import OpenclFakeQuant
+from optirs.backends.opencl.formats import OpenclFormats
 from optirs.backends.opencl.fusion import OpenclFusion
 from optirs.backends.opencl.measure import OpenclMeasure
 from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
@@ -789,7 +790,8 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion, OpenclAdafactor, OpenclMeasure):
+class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion, OpenclAdafactor, OpenclMeasure,
+                    OpenclFormats):
     """OpenCL C kernels through pyopencl: one mixin per capability."""
 
 

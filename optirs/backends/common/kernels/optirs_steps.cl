@@ -23,7 +23,6 @@
 #ifndef OPTIRS_CHUNK
 #define OPTIRS_CHUNK 8192
 #endif
-#define OPTIRS_SLOTS 16
 
 #ifdef cl_khr_fp64
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
@@ -52,19 +51,8 @@ typedef float acc_t;
 
 /* ---------------------------------------------------------------- buffer slots */
 
-#define SLOT_PARAMS(X, Q)                                                                        \
-    __global Q float *X##0, __global Q float *X##1, __global Q float *X##2, __global Q float *X##3, \
-    __global Q float *X##4, __global Q float *X##5, __global Q float *X##6, __global Q float *X##7, \
-    __global Q float *X##8, __global Q float *X##9, __global Q float *X##10,                        \
-    __global Q float *X##11, __global Q float *X##12, __global Q float *X##13,                      \
-    __global Q float *X##14, __global Q float *X##15
-
-/* The slot's buffer; s is uniform over the work-group (one tensor per chunk). */
-#define PICK(s, X)                                                                               \
-    ((s) < 8 ? ((s) < 4 ? ((s) < 2 ? ((s) == 0 ? X##0 : X##1) : ((s) == 2 ? X##2 : X##3))       \
-                        : ((s) < 6 ? ((s) == 4 ? X##4 : X##5) : ((s) == 6 ? X##6 : X##7)))      \
-             : ((s) < 12 ? ((s) < 10 ? ((s) == 8 ? X##8 : X##9) : ((s) == 10 ? X##10 : X##11))  \
-                         : ((s) < 14 ? ((s) == 12 ? X##12 : X##13) : ((s) == 14 ? X##14 : X##15))))
+#include "optirs_slots.h"
+#define SLOT_PARAMS(X, Q) SLOT_PARAMS_OF(X, Q float)
 
 /* Chunk c of the model: tensor table row tens[t] = (param offset, grad offset, state offset,
  * size), tinfo[t] = (param slot, grad slot, all offsets 16-byte aligned, unused); the chunk

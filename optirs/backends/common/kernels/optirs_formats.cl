@@ -1,0 +1,519 @@
+/* The step formats' kernels (docs/formats.md; host: optirs/backends/opencl/formats.py).
+ *
+ * One program per format, specialised at build time by the host's defines:
+ *   OPTIRS_FMT_PARAM   parameter storage: 0 float32, 1 bfloat16, 2 float16 (16-bit as ushort bits)
+ *   OPTIRS_FMT_GRAD    gradient storage, the same codes
+ *   OPTIRS_FMT_MASTER  0 none, 1 float32, 2 remainder16 (short), 3 remainder8 (char)
+ *   OPTIRS_FMT_STATE   0 float32, 1 bfloat16 (ushort bits, stochastic rounding), 2 int8 blocks
+ *   OPTIRS_FMT_SR      1: bfloat16 parameters without masters round stochastically
+ * so a launch has no per-element branch on the format. A model is one launch (per OPTIRS_SLOTS
+ * distinct buffers, as the float32 chunked step): one work-group per chunk of OPTIRS_CHUNK elements
+ * of one tensor, each work-item eight consecutive elements per round (one 16-byte load of 16-bit
+ * parameters; vector pointer loads where the tensor's offsets are 8-element aligned, vload8
+ * otherwise, element by element at a tensor's ragged end).
+ *
+ * int8 state: a block of 256 elements is 32 consecutive work-items (a chunk starts on a block
+ * boundary: OPTIRS_CHUNK is a multiple of 256), its absmax reduced in registers over the 8 lanes,
+ * then in local memory over the 32 work-items; the maps are copied to local memory once per
+ * work-group (the binary search's addresses differ per lane, which __constant memory serialises).
+ * Every barrier is in code the whole work-group runs (round loops have a uniform trip count).
+ *
+ * The host appends, for every elementwise family F, `#define OPT F` + optirs_formats_step.h (the
+ * kernel F_fmt), and the struct-size check.
+ */
+#pragma OPENCL FP_CONTRACT OFF /* no a*b+c -> fma contraction: same rounding as the numba backends */
+
+#ifndef OPTIRS_WG
+#define OPTIRS_WG 256
+#endif
+#ifndef OPTIRS_CHUNK
+#define OPTIRS_CHUNK 8192
+#endif
+#if OPTIRS_WG % 32 != 0 || OPTIRS_CHUNK % (8 * OPTIRS_WG) != 0
+#error "the format kernels need OPTIRS_WG a multiple of 32 and OPTIRS_CHUNK a multiple of 8 * OPTIRS_WG"
+#endif
+#define FMT_ROUND (8 * OPTIRS_WG)
+
+#ifdef cl_khr_fp64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+typedef double acc_t; /* LAMB's norms accumulate squares in float64, as the float32 step */
+#else
+typedef float acc_t;
+#endif
+
+#include "optirs_scalars.h"
+#include "optirs_slots.h"
+#include "optirs_formats.h"
+
+#define FN_PASTE(a, b) a##_##b
+#define FN_EXPAND(a, b) FN_PASTE(a, b)
+#define FN(name) FN_EXPAND(name, SUFFIX)
+
+#define T float8
+#define SUFFIX v8
+#include "optirs_elementwise.h"
+
+/* The uniform element step of each elementwise family, (p, g, s0, s1, s2) -> updated in place,
+ * as element_update of optirs/backends/common/elementwise.py; slots a family or an option does
+ * not use are carried untouched. */
+void adam_element_v8(T *p, T g, T *s0, T *s1, T *s2, const adam_scalars *sc) { adam_update_v8(p, g, s0, s1, s2, sc); }
+void sgd_element_v8(T *p, T g, T *s0, T *s1, T *s2, const sgd_scalars *sc) { sgd_update_v8(p, g, s0, sc); }
+void rmsprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rmsprop_scalars *sc) { rmsprop_update_v8(p, g, s0, s1, s2, sc); }
+void adagrad_element_v8(T *p, T g, T *s0, T *s1, T *s2, const adagrad_scalars *sc) { adagrad_update_v8(p, g, s0, sc); }
+void lion_element_v8(T *p, T g, T *s0, T *s1, T *s2, const lion_scalars *sc) { lion_update_v8(p, g, s0, sc); }
+#undef T
+#undef SUFFIX
+
+/* ---------------------------------------------------------------- 8-lane loads and stores */
+
+/* nv lanes valid (8: all); aligned: the address is 8-element aligned (a vector pointer access). */
+#define FMT_LOAD_STORE(ST, VT)                                                                   \
+    VT load8_##ST(__global const ST *p, int nv, int aligned)                                     \
+    {                                                                                            \
+        if (nv >= 8)                                                                             \
+            return aligned ? *(__global const VT *)p : vload8(0, p);                             \
+        ST a[8];                                                                                 \
+        for (int j = 0; j < 8; ++j)                                                              \
+            a[j] = j < nv ? p[j] : (ST)0;                                                        \
+        return vload8(0, a);                                                                     \
+    }                                                                                            \
+    void store8_##ST(VT x, __global ST *p, int nv, int aligned)                                  \
+    {                                                                                            \
+        if (nv >= 8) {                                                                           \
+            if (aligned)                                                                         \
+                *(__global VT *)p = x;                                                           \
+            else                                                                                 \
+                vstore8(x, 0, p);                                                                \
+            return;                                                                              \
+        }                                                                                        \
+        ST a[8];                                                                                 \
+        vstore8(x, 0, a);                                                                        \
+        for (int j = 0; j < nv; ++j)                                                             \
+            p[j] = a[j];                                                                         \
+    }
+FMT_LOAD_STORE(float, float8)
+FMT_LOAD_STORE(ushort, ushort8)
+FMT_LOAD_STORE(short, short8)
+FMT_LOAD_STORE(char, char8)
+FMT_LOAD_STORE(uchar, uchar8)
+
+/* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST). */
+#if OPTIRS_FMT_PARAM == 0
+typedef float PST;
+#define P_LOAD(p, nv, al) load8_float(p, nv, al)
+#else
+typedef ushort PST;
+#if OPTIRS_FMT_PARAM == 1
+#define P_LOAD(p, nv, al) optirs_bf16_decode8(load8_ushort(p, nv, al))
+#define P_RNE(u) optirs_bf16_rne8(u)
+#else
+#define P_LOAD(p, nv, al) optirs_f16_decode8(load8_ushort(p, nv, al))
+#define P_RNE(u) optirs_f16_rne8(u)
+#endif
+#endif
+
+#if OPTIRS_FMT_GRAD == 0
+typedef float GST;
+#define G_LOAD(p, nv, al) load8_float(p, nv, al)
+#elif OPTIRS_FMT_GRAD == 1
+typedef ushort GST;
+#define G_LOAD(p, nv, al) optirs_bf16_decode8(load8_ushort(p, nv, al))
+#else
+typedef ushort GST;
+#define G_LOAD(p, nv, al) optirs_f16_decode8(load8_ushort(p, nv, al))
+#endif
+
+#if OPTIRS_FMT_MASTER == 2
+typedef short MST;
+#elif OPTIRS_FMT_MASTER == 3
+typedef char MST;
+#else
+typedef float MST; /* float32 masters; a dummy buffer without masters */
+#endif
+
+#if OPTIRS_FMT_STATE == 1
+typedef ushort SST;
+#elif OPTIRS_FMT_STATE == 2
+typedef uchar SST; /* codes */
+#else
+typedef float SST;
+#endif
+
+/* ---------------------------------------------------------------- per-launch records */
+
+/* Element offsets of the state buffers in their cl_mem (pyopencl arrays may be views). */
+typedef struct {
+    long m, s0, s1, s2, c0, c1, c2, l0, l1, l2, skip;
+} fmt_offsets;
+
+/* seed, step: the random bits' key inputs; init_master: float32 masters are read from the
+ * parameters (the first step); used: bit k set when slot k is stored; signed_mask: bit k set
+ * when slot k takes the signed int8 map. */
+typedef struct {
+    uint seed, step;
+    int init_master, used, signed_mask;
+} fmt_step;
+
+/* Tensor table row (long8): x param offset, y grad offset (elements, in their slot's buffer),
+ * z layout offset (the state index and the random bits' counter base), w size, s4 first int8
+ * block (-1: none), s5 offset in the small-tensor float32 state (-1: int8 blocks), s6 flags:
+ * param slot | grad slot << 8 | 8-element aligned << 16. */
+#define FMT_TABLE_PARAMS                                                                         \
+    __global const long8 *tens, __global const int *chunk_tensor, __global const long *chunk_start, uint chunk_base
+
+#define FMT_BUFFER_PARAMS                                                                        \
+    __global MST *M, __global SST *S0, __global SST *S1, __global SST *S2, __global float *C0,   \
+    __global float *C1, __global float *C2, __global float *L0, __global float *L1,              \
+    __global float *L2, __global const float *maps, const fmt_offsets off
+
+/* Where one tensor's state lives, gathered once per work-group (private pointers to global memory). */
+typedef struct {
+    __global SST *s[3];       /* values or codes, at the tensor's first element */
+    __global float *scale[3]; /* int8: the tensor's first block's scale */
+    __global float *small[3]; /* int8 small tensors: their float32 state */
+    int used, is_small, aligned;
+    uint key[3];
+    int sign[3];
+} fmt_slots;
+
+/* ---------------------------------------------------------------- the chunk prologue */
+
+#define FMT_PROLOGUE(P, G)                                                                       \
+    const uint c = chunk_base + get_group_id(0);                                                 \
+    const int t = chunk_tensor[c];                                                               \
+    const long8 row = tens[t];                                                                   \
+    const int pslot = (int)(row.s6 & 0xFF), gslot = (int)((row.s6 >> 8) & 0xFF);                 \
+    const int aligned = (int)((row.s6 >> 16) & 1);                                               \
+    __global PST *p = PICK(pslot, P) + row.s0;                                                   \
+    __global const GST *g = PICK(gslot, G) + row.s1;                                             \
+    const long lay = row.s2;                                                                     \
+    const long start = chunk_start[c];                                                           \
+    const long stop = min(start + (long)OPTIRS_CHUNK, row.s3);                                   \
+    const int lid = (int)get_local_id(0);
+
+/* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid]. */
+void fmt_load_maps(__global const float *maps, __local float *lmaps)
+{
+#if OPTIRS_FMT_STATE == 2
+    for (int j = get_local_id(0); j < 1024; j += OPTIRS_WG)
+        lmaps[j] = maps[j];
+    barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+}
+
+fmt_slots fmt_slots_of(long8 row, long lay, int aligned, __global SST *S0, __global SST *S1, __global SST *S2,
+                       __global float *C0, __global float *C1, __global float *C2, __global float *L0,
+                       __global float *L1, __global float *L2, const fmt_offsets off, fmt_step st)
+{
+    fmt_slots sl;
+    sl.s[0] = S0 + off.s0 + lay;
+    sl.s[1] = S1 + off.s1 + lay;
+    sl.s[2] = S2 + off.s2 + lay;
+    sl.scale[0] = C0 + off.c0 + row.s4;
+    sl.scale[1] = C1 + off.c1 + row.s4;
+    sl.scale[2] = C2 + off.c2 + row.s4;
+    sl.small[0] = L0 + off.l0 + row.s5;
+    sl.small[1] = L1 + off.l1 + row.s5;
+    sl.small[2] = L2 + off.l2 + row.s5;
+    sl.used = st.used;
+    sl.is_small = OPTIRS_FMT_STATE == 2 && row.s5 >= 0;
+    sl.aligned = aligned;
+    for (int k = 0; k < 3; ++k) {
+        sl.key[k] = optirs_rand_key(st.seed, st.step, 1u + (uint)k);
+        sl.sign[k] = (st.signed_mask >> k) & 1;
+    }
+    return sl;
+}
+
+/* ---------------------------------------------------------------- master weights */
+
+/* The float32 value the step starts from, for the 8 elements at p (and m). */
+float8 fmt_load_master(__global const PST *p, __global const MST *m, int nv, int al, int init)
+{
+#if OPTIRS_FMT_PARAM == 0
+    return P_LOAD(p, nv, al);
+#elif OPTIRS_FMT_MASTER == 0
+    return P_LOAD(p, nv, al);
+#elif OPTIRS_FMT_MASTER == 1
+    return init ? P_LOAD(p, nv, al) : load8_float(m, nv, al);
+#elif OPTIRS_FMT_MASTER == 2
+    return as_float8(optirs_r16_join8(load8_ushort(p, nv, al), load8_short(m, nv, al)));
+#else
+    return as_float8(optirs_r8_join8(load8_ushort(p, nv, al), load8_char(m, nv, al)));
+#endif
+}
+
+/* Store the new float32 value x: the parameter (and its master) as the format says. idx: the
+ * elements' layout indices, for stochastic rounding (stream 0). */
+void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al, uint8 idx, uint key)
+{
+    const uint8 u = as_uint8(x);
+#if OPTIRS_FMT_PARAM == 0
+    store8_float(x, p, nv, al);
+#elif OPTIRS_FMT_MASTER == 0
+#if OPTIRS_FMT_SR
+    store8_ushort(optirs_bf16_sr8(u, optirs_rand8(key, idx)), p, nv, al);
+#else
+    store8_ushort(P_RNE(u), p, nv, al);
+#endif
+#elif OPTIRS_FMT_MASTER == 1
+    store8_float(x, m, nv, al);
+    store8_ushort(P_RNE(u), p, nv, al);
+#elif OPTIRS_FMT_MASTER == 2
+    ushort8 hi;
+    short8 rem;
+    optirs_r16_split8(u, &hi, &rem);
+    store8_ushort(hi, p, nv, al);
+    store8_short(rem, m, nv, al);
+#else
+    ushort8 hi;
+    char8 rem;
+    optirs_r8_split8(optirs_round24_8(u), &hi, &rem);
+    store8_ushort(hi, p, nv, al);
+    store8_char(rem, m, nv, al);
+#endif
+}
+
+/* ---------------------------------------------------------------- state slots */
+
+/* Elements k.. of the tensor (k a multiple of 8), nv of them valid. */
+void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local const float *lmaps)
+{
+    for (int j = 0; j < 3; ++j) {
+        s[j] = (float8)0.0f;
+        if (!((sl->used >> j) & 1) || nv <= 0)
+            continue;
+#if OPTIRS_FMT_STATE == 0
+        s[j] = load8_float(sl->s[j] + k, nv, sl->aligned);
+#elif OPTIRS_FMT_STATE == 1
+        s[j] = optirs_bf16_decode8(load8_ushort(sl->s[j] + k, nv, sl->aligned));
+#else
+        if (sl->is_small)
+            s[j] = load8_float(sl->small[j] + k, nv, sl->aligned);
+        else
+            s[j] = optirs_dequantize8(load8_uchar(sl->s[j] + k, nv, sl->aligned), sl->scale[j][k >> 8],
+                                      lmaps + (sl->sign[j] ? 0 : 512));
+#endif
+    }
+}
+
+#if OPTIRS_FMT_STATE == 2
+/* The largest |x| of a block's new values, NaN-propagating: a NaN in a block makes its scale NaN
+ * (docs/formats.md; fmax would drop it). */
+#define FMT_ABSMAX(a, b) ((a) > (b) || isnan(a) ? (a) : (b))
+
+float fmt_lane_absmax(float8 x, int nv)
+{
+    const float8 a = fabs(x);
+    const int8 lane = (int8)(0, 1, 2, 3, 4, 5, 6, 7);
+    const float8 v = select((float8)0.0f, a, lane < nv);
+    const float4 h = FMT_ABSMAX(v.lo, v.hi);
+    const float2 q = FMT_ABSMAX(h.lo, h.hi);
+    return FMT_ABSMAX(q.lo, q.hi);
+}
+#endif
+
+/* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
+ * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
+void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
+                      __local float *scratch)
+{
+#if OPTIRS_FMT_STATE == 2
+    const int lid = get_local_id(0);
+    for (int j = 0; j < 3; ++j)
+        scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0.0f;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int w = 16; w > 0; w >>= 1) {
+        if ((lid & 31) < w)
+            for (int j = 0; j < 3; ++j)
+                scratch[j * OPTIRS_WG + lid] = FMT_ABSMAX(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float scale[3];
+    for (int j = 0; j < 3; ++j)
+        scale[j] = scratch[j * OPTIRS_WG + (lid & ~31)];
+    barrier(CLK_LOCAL_MEM_FENCE); /* scratch is reused by the next round */
+#endif
+    if (nv <= 0)
+        return;
+    for (int j = 0; j < 3; ++j) {
+        if (!((sl->used >> j) & 1))
+            continue;
+#if OPTIRS_FMT_STATE == 0
+        store8_float(s[j], sl->s[j] + k, nv, sl->aligned);
+#elif OPTIRS_FMT_STATE == 1
+        const ushort8 bits = optirs_bf16_sr8(as_uint8(s[j]), optirs_rand8(sl->key[j], idx));
+        store8_ushort(bits, sl->s[j] + k, nv, sl->aligned);
+        s[j] = optirs_bf16_decode8(bits);
+#else
+        if (sl->is_small) {
+            store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
+        } else {
+            __local const float *q = lmaps + (sl->sign[j] ? 0 : 512);
+            const uchar8 code = optirs_quantize8(s[j], scale[j], q + 256);
+            store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
+            if ((k & 255) == 0) /* the block's first work-item */
+                sl->scale[j][k >> 8] = scale[j];
+            s[j] = optirs_dequantize8(code, scale[j], q);
+        }
+#endif
+    }
+}
+
+uint8 fmt_index8(long lay, long k)
+{
+    return (uint)(lay + k) + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u);
+}
+
+/* A work-group's rounds over its chunk: element k = base + 8 * lid, nv of its 8 in the chunk.
+ * The trip count is the same for the whole work-group (barriers inside are reached by all). */
+#define FMT_ROUND_BEGIN                                                                          \
+    for (long base_ = start; base_ < stop; base_ += FMT_ROUND) {                                 \
+        const long k = base_ + 8 * (long)lid;                                                    \
+        const int nv = (int)clamp(stop - k, 0L, 8L);
+#define FMT_ROUND_END }
+
+/* ---------------------------------------------------------------- the gradient check */
+
+/* flag[0] = 1 when any gradient is not finite (reads only the gradients). */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void fmt_check(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
+{
+    FMT_PROLOGUE(P, G)
+    int bad = 0;
+    FMT_ROUND_BEGIN
+        if (nv > 0)
+            bad |= any(!isfinite(G_LOAD(g + k, nv, aligned)));
+    FMT_ROUND_END
+    if (bad)
+        flag[0] = 1; /* every writer stores the same value */
+    (void)p; (void)lay;
+}
+
+/* ---------------------------------------------------------------- LAMB (two passes) */
+
+#define SQUARE(x) ((acc_t)(x) * (acc_t)(x))
+
+acc_t fmt_sum_squares8(float8 x)
+{
+    return ((SQUARE(x.s0) + SQUARE(x.s1)) + (SQUARE(x.s2) + SQUARE(x.s3)))
+         + ((SQUARE(x.s4) + SQUARE(x.s5)) + (SQUARE(x.s6) + SQUARE(x.s7)));
+}
+
+float8 fmt_valid(float8 x, int nv)
+{
+    return select((float8)0.0f, x, (int8)(0, 1, 2, 3, 4, 5, 6, 7) < nv);
+}
+
+acc_t fmt_group_sum(acc_t x, __local acc_t *scratch)
+{
+    const uint lid = get_local_id(0);
+    scratch[lid] = x;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint width = OPTIRS_WG / 2; width > 0; width /= 2) {
+        if (lid < width)
+            scratch[lid] += scratch[lid + width];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    const acc_t total = scratch[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return total;
+}
+
+/* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c (part 2 is the float32
+ * step's lamb_grad_scale). */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void fmt_lamb_grad_sumsq(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
+{
+    __local acc_t red[OPTIRS_WG];
+    FMT_PROLOGUE(P, G)
+    acc_t s = 0;
+    FMT_ROUND_BEGIN
+        if (nv > 0)
+            s += fmt_sum_squares8(fmt_valid(G_LOAD(g + k, nv, aligned), nv));
+    FMT_ROUND_END
+    s = fmt_group_sum(s, red);
+    if (lid == 0)
+        partial[c] = s;
+    (void)p; (void)lay;
+}
+
+/* LAMB's element work, the same in both passes: the master p, the new moments s[0], s[1] and the
+ * direction u, from the stored state (pass 1 writes nothing; pass 2 recomputes and writes). */
+float8 fmt_lamb_element(__global const PST *p, __global const MST *m, __global const GST *g, int nv, int al,
+                        int init, float8 *s, float scale, const lamb_scalars *sc, float8 *pp)
+{
+    *pp = fmt_load_master(p, m, nv, al, init);
+    lamb_moments_v8(G_LOAD(g, nv, al), &s[0], &s[1], scale, sc);
+    return lamb_direction_v8(*pp, s[0], s[1], sc);
+}
+
+/* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+                    __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
+                    const lamb_scalars sc)
+{
+    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
+    __local acc_t red[OPTIRS_WG];
+    fmt_load_maps(maps, lmaps);
+    FMT_PROLOGUE(P, G)
+    __global MST *m = M + off.m + lay;
+    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    const float scale = clip ? grad_scale[0] : 1.0f;
+    acc_t sp = 0, su = 0;
+    FMT_ROUND_BEGIN
+        if (nv > 0) {
+            float8 s[3], pp;
+            fmt_load_states(&sl, k, nv, s, lmaps);
+            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, st.init_master, s, scale, &sc, &pp);
+            sp += fmt_sum_squares8(fmt_valid(pp, nv));
+            su += fmt_sum_squares8(fmt_valid(u, nv));
+        }
+    FMT_ROUND_END
+    sp = fmt_group_sum(sp, red);
+    su = fmt_group_sum(su, red);
+    if (lid == 0) {
+        partial[2 * (size_t)c] = sp;
+        partial[2 * (size_t)c + 1] = su;
+    }
+}
+
+/* Pass 2: p -= lr * ratio * u, and the new moments stored in the state's format. */
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+                    __global const float *grad_scale, int clip, __global const float *ratio,
+                    __global const int *skip, const fmt_step st, const lamb_scalars sc)
+{
+    if (skip[off.skip])
+        return; /* the same for every work-item */
+    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
+    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];
+    fmt_load_maps(maps, lmaps);
+    FMT_PROLOGUE(P, G)
+    __global MST *m = M + off.m + lay;
+    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    const float scale = clip ? grad_scale[0] : 1.0f;
+    const float step = sc.lr * ratio[t];
+    const uint key = optirs_rand_key(st.seed, st.step, 0u);
+    FMT_ROUND_BEGIN
+        float8 s[3];
+        const uint8 idx = fmt_index8(lay, k);
+        fmt_load_states(&sl, k, nv, s, lmaps);
+        if (nv > 0) {
+            float8 pp;
+            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, st.init_master, s, scale, &sc, &pp);
+            fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
+        }
+        fmt_store_states(&sl, k, nv, s, idx, lmaps, scratch);
+    FMT_ROUND_END
+    (void)scratch;
+}
+
+/* Lets the host check its numpy records against the structs. */
+__kernel void fmt_struct_sizes(__global int *out)
+{
+    out[0] = (int)sizeof(fmt_offsets);
+    out[1] = (int)sizeof(fmt_step);
+    out[2] = (int)sizeof(acc_t);
+}

@@ -1,0 +1,154 @@
+/* The step formats' element encodings in OpenCL C, written once (docs/formats.md is the contract;
+ * optirs/backends/common/formats.py is the same math for numba).
+ *
+ * Everything works on 8 lanes at a time (float8 / uint8), the width a work-item of the format
+ * kernels moves (one 16-byte load of eight 16-bit parameters). Integer arithmetic is on uint with
+ * wrap-around, as the contract says; every function is pure, so lanes a tail does not use may hold
+ * anything.
+ */
+#ifndef OPTIRS_FORMATS_H
+#define OPTIRS_FORMATS_H
+
+#include "optirs_half.h"
+
+/* ---------------------------------------------------------------- 16-bit decodings (exact) */
+
+float8 optirs_bf16_decode8(ushort8 h)
+{
+    return as_float8(convert_uint8(h) << 16);
+}
+
+/* binary16 -> float32 in integer arithmetic (subnormals through one exact float product), a NaN
+ * keeps its payload (as vload_half). */
+float8 optirs_f16_decode8(ushort8 h)
+{
+    const uint8 x = convert_uint8(h), sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1Fu, m = x & 0x3FFu;
+    const uint8 normal = sign | ((e + 112u) << 23) | (m << 13);
+    const uint8 special = sign | 0x7F800000u | (m << 13);
+    const uint8 sub = sign | as_uint8(convert_float8(m) * 0x1p-24f);
+    return as_float8(select(select(normal, special, e == 31u), sub, e == 0u));
+}
+
+/* ---------------------------------------------------------------- 16-bit encodings */
+
+/* Nearest even; NaN -> 0x7FC0 | sign (as ml_dtypes and optirs_bf16_encode). */
+ushort8 optirs_bf16_rne8(uint8 u)
+{
+    const uint8 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint8 nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
+    return convert_ushort8(select(r, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+}
+
+/* numpy's float32 -> float16 cast, lane by lane (optirs_half.h's integer encoder). */
+ushort8 optirs_f16_rne8(uint8 u)
+{
+    return (ushort8)(optirs_f16_encode(u.s0), optirs_f16_encode(u.s1), optirs_f16_encode(u.s2),
+                     optirs_f16_encode(u.s3), optirs_f16_encode(u.s4), optirs_f16_encode(u.s5),
+                     optirs_f16_encode(u.s6), optirs_f16_encode(u.s7));
+}
+
+/* ---------------------------------------------------------------- random bits (counter based) */
+
+#define OPTIRS_FMIX32(h)                                                                         \
+    do {                                                                                         \
+        h ^= h >> 16;                                                                            \
+        h *= 0x85EBCA6Bu;                                                                        \
+        h ^= h >> 13;                                                                            \
+        h *= 0xC2B2AE35u;                                                                        \
+        h ^= h >> 16;                                                                            \
+    } while (0)
+
+/* key(seed, step, stream) = fmix32(seed ^ fmix32(step * 4 + stream)): one per launch and stream. */
+uint optirs_rand_key(uint seed, uint step, uint stream)
+{
+    uint h = step * 4u + stream;
+    OPTIRS_FMIX32(h);
+    h ^= seed;
+    OPTIRS_FMIX32(h);
+    return h;
+}
+
+/* rand(key, i) = fmix32(key ^ (i * 0x9E3779B1)), i the elements' flat layout indices (low 32 bits). */
+uint8 optirs_rand8(uint key, uint8 i)
+{
+    uint8 h = key ^ (i * 0x9E3779B1u);
+    OPTIRS_FMIX32(h);
+    return h;
+}
+
+/* bfloat16, stochastic: finite x adds the low 16 random bits before truncating (unbiased);
+ * NaN and inf round to nearest. */
+ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
+{
+    const uint8 sr = (u + (r & 0xFFFFu)) >> 16;
+    return select(convert_ushort8(sr), optirs_bf16_rne8(u), convert_short8((u & 0x7F800000u) == 0x7F800000u));
+}
+
+/* ---------------------------------------------------------------- master remainders */
+
+/* remainder16: hi = the master rounded to nearest (ties away from zero), rem = the low 16 bits
+ * as int16 (negative when they rounded hi up); join undoes it exactly. */
+void optirs_r16_split8(uint8 u, ushort8 *hi, short8 *rem)
+{
+    const uint8 lo = u & 0xFFFFu;
+    *hi = convert_ushort8((u >> 16) + select((uint8)0u, (uint8)1u, lo >= 0x8000u));
+    *rem = as_short8(convert_ushort8(lo));
+}
+
+uint8 optirs_r16_join8(ushort8 hi, short8 rem)
+{
+    const uint8 h = convert_uint8(hi) - select((uint8)0u, (uint8)1u, convert_int8(rem) < 0);
+    return (h << 16) | convert_uint8(as_ushort8(rem));
+}
+
+/* round24: the top 24 bits, nearest even on the 8 dropped ones; a non-finite value keeps its top
+ * 24 bits. Returns u24 (the 24 kept bits in the low bits). */
+uint8 optirs_round24_8(uint8 u)
+{
+    const uint8 r = (u + 0x7Fu + ((u >> 8) & 1u)) >> 8;
+    return select(r, u >> 8, (u & 0x7F800000u) == 0x7F800000u);
+}
+
+/* remainder8: split u24 into the bfloat16 hi (rounded to nearest, ties away) and an int8 rem. */
+void optirs_r8_split8(uint8 u24, ushort8 *hi, char8 *rem)
+{
+    const uint8 lo = u24 & 0xFFu;
+    *hi = convert_ushort8((u24 >> 8) + select((uint8)0u, (uint8)1u, lo >= 0x80u));
+    *rem = as_char8(convert_uchar8(lo));
+}
+
+uint8 optirs_r8_join8(ushort8 hi, char8 rem)
+{
+    const uint8 h = convert_uint8(hi) - select((uint8)0u, (uint8)1u, convert_int8(rem) < 0);
+    return ((h << 8) | convert_uint8(as_uchar8(rem))) << 8;
+}
+
+/* ---------------------------------------------------------------- int8 blockwise state */
+
+/* The code of y: the number of k in 0..254 with mid[k] < y (nearest code, ties to the lower one).
+ * mid holds 256 entries, mid[255] = +inf, so an 8-step branchless search counts exactly; NaN
+ * compares false everywhere and gets code 0. */
+uchar optirs_quantize1(float y, __local const float *mid)
+{
+    uint c = 0;
+    for (uint s = 128; s > 0; s >>= 1)
+        c += mid[c + s - 1] < y ? s : 0u;
+    return (uchar)c;
+}
+
+/* quantize(x, scale): y = x / scale (0 where scale is 0), then its code. */
+uchar8 optirs_quantize8(float8 x, float scale, __local const float *mid)
+{
+    const float8 y = scale == 0.0f ? (float8)0.0f : x / scale;
+    return (uchar8)(optirs_quantize1(y.s0, mid), optirs_quantize1(y.s1, mid), optirs_quantize1(y.s2, mid),
+                    optirs_quantize1(y.s3, mid), optirs_quantize1(y.s4, mid), optirs_quantize1(y.s5, mid),
+                    optirs_quantize1(y.s6, mid), optirs_quantize1(y.s7, mid));
+}
+
+/* dequantize(code, scale) = q[code] * scale. */
+float8 optirs_dequantize8(uchar8 c, float scale, __local const float *q)
+{
+    return (float8)(q[c.s0], q[c.s1], q[c.s2], q[c.s3], q[c.s4], q[c.s5], q[c.s6], q[c.s7]) * scale;
+}
+
+#endif

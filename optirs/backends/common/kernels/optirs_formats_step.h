@@ -1,0 +1,36 @@
+/* The format step of one elementwise family OPT (the host defines OPT and includes this once per
+ * family after optirs_formats.cl): kernel OPT_fmt decodes the parameters (or masters), gradients
+ * and state, runs the family's element step (OPT_element_v8, the float32 step's math) and
+ * encodes everything back. skip[off.skip] != 0 (AMP's found_inf) makes the launch write nothing. */
+#define FMT_CAT_(a, b) a##b
+#define FMT_CAT(a, b) FMT_CAT_(a, b)
+
+__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+void FMT_CAT(OPT, _fmt)(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+                        __global const int *skip, const fmt_step st, const FMT_CAT(OPT, _scalars) sc)
+{
+    if (skip[off.skip])
+        return; /* the same for every work-item: no barrier is left half reached */
+    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
+    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];
+    fmt_load_maps(maps, lmaps);
+    FMT_PROLOGUE(P, G)
+    __global MST *m = M + off.m + lay;
+    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    const uint key = optirs_rand_key(st.seed, st.step, 0u);
+    FMT_ROUND_BEGIN
+        float8 s[3];
+        const uint8 idx = fmt_index8(lay, k);
+        fmt_load_states(&sl, k, nv, s, lmaps);
+        if (nv > 0) {
+            float8 pp = fmt_load_master(p + k, m + k, nv, aligned, st.init_master);
+            FMT_CAT(OPT, _element_v8)(&pp, G_LOAD(g + k, nv, aligned), &s[0], &s[1], &s[2], &sc);
+            fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
+        }
+        fmt_store_states(&sl, k, nv, s, idx, lmaps, scratch);
+    FMT_ROUND_END
+    (void)scratch;
+}
+
+#undef FMT_CAT
+#undef FMT_CAT_

@@ -1,0 +1,538 @@
+"""The OpenCL C encodings of the step formats (optirs_formats.h) against numpy and ml_dtypes.
+
+docs/formats.md is the contract; each test kernel below runs one header function over many
+inputs and compares with an independent computation: ml_dtypes' bfloat16 and numpy's float16
+casts, exhaustive 16-bit decodings, numpy's searchsorted for the int8 map, a float64 rounding
+for round24, and the contract's hash written in numpy for the random bits.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import optirs
+from optirs.backends.common.opencl_source import expand_includes
+
+cl = pytest.importorskip("pyopencl")
+cla = pytest.importorskip("pyopencl.array")
+
+_STATUS = {s.name: s for s in optirs.list_backends()}.get("opencl")
+pytestmark = [
+    pytest.mark.opencl,
+    pytest.mark.skipif(_STATUS is None or not _STATUS.available,
+                       reason=f"backend opencl cannot open here: {getattr(_STATUS, 'reason', 'not installed')}"),
+]
+
+# One work-item per 8 inputs; each kernel applies one header function.
+HARNESS = r'''
+#include "optirs_formats.h"
+#define V8(a, i) vload8(i, a)
+__kernel void decode(__global const ushort *h, __global float *bf, __global float *f16) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_bf16_decode8(V8(h, i)), i, bf);
+    vstore8(optirs_f16_decode8(V8(h, i)), i, f16);
+}
+__kernel void encode(__global const uint *u, __global ushort *bf, __global ushort *f16) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_bf16_rne8(V8(u, i)), i, bf);
+    vstore8(optirs_f16_rne8(V8(u, i)), i, f16);
+}
+__kernel void rand_bits(uint seed, uint step, uint stream, __global const uint *idx, __global uint *out) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_rand8(optirs_rand_key(seed, step, stream), V8(idx, i)), i, out);
+}
+__kernel void sr(__global const uint *u, __global const uint *r, __global ushort *out) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_bf16_sr8(V8(u, i), V8(r, i)), i, out);
+}
+__kernel void remainders(__global const uint *u, __global ushort *hi16, __global short *rem16, __global uint *join16,
+                         __global uint *r24, __global ushort *hi8, __global char *rem8, __global uint *join8) {
+    const size_t i = get_global_id(0);
+    ushort8 hi; short8 rem; char8 rem_8;
+    optirs_r16_split8(V8(u, i), &hi, &rem);
+    vstore8(hi, i, hi16); vstore8(rem, i, rem16); vstore8(optirs_r16_join8(hi, rem), i, join16);
+    const uint8 u24 = optirs_round24_8(V8(u, i));
+    vstore8(u24, i, r24);
+    optirs_r8_split8(u24, &hi, &rem_8);
+    vstore8(hi, i, hi8); vstore8(rem_8, i, rem8); vstore8(optirs_r8_join8(hi, rem_8), i, join8);
+}
+__kernel void quantize(__global const float *maps, __global const float *x, float scale,
+                       __global uchar *code, __global float *deq) {
+    __local float q[256], mid[256];
+    for (int j = get_local_id(0); j < 256; j += get_local_size(0)) { q[j] = maps[j]; mid[j] = maps[256 + j]; }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const size_t i = get_global_id(0);
+    const uchar8 c = optirs_quantize8(V8(x, i), scale, mid);
+    vstore8(c, i, code);
+    vstore8(optirs_dequantize8(c, scale, q), i, deq);
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return optirs.get_backend("opencl").ctx
+
+
+@pytest.fixture(scope="module")
+def prg(ctx):
+    from optirs.backends.opencl import build_program
+
+    program = build_program(ctx.context, ctx.device, expand_includes(HARNESS), [])
+    return type("Kernels", (), {k.function_name: k for k in program.all_kernels()})
+
+
+def _run(ctx, kernel, n, *args):
+    """Run kernel over n elements (n/8 work-items): numpy inputs are uploaded, ("out", dtype)
+    placeholders allocated; returns the outputs as numpy."""
+    bufs, outs = [], []
+    for a in args:
+        if isinstance(a, tuple) and a[0] == "out":
+            d = cla.empty(ctx.queue, n, a[1])
+            bufs.append(d.data)
+            outs.append(d)
+        elif isinstance(a, np.ndarray):
+            bufs.append(cla.to_device(ctx.queue, a).data)
+        else:
+            bufs.append(a)
+    kernel(ctx.queue, (n // 8,), None, *bufs)
+    return [o.get() for o in outs]
+
+
+def _float_bits(rng, n):
+    """Random float32 bit patterns covering every class, plus the edge cases."""
+    special = np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 1, 0x807FFFFF,
+                        0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x477FF000,
+                        0x477FEFFF, 0x38800000, 0x33000000, 0x33000001, 0x387FFFFF, 0x3F800080, 0x3F800180,
+                        0x3F80007F, 0x00000080, 0x00000180], np.uint32)
+    x = rng.integers(0, 2 ** 32, n - len(special), dtype=np.uint64).astype(np.uint32)
+    near = (rng.normal(size=n // 4).astype(np.float32)).view(np.uint32)  # ordinary magnitudes
+    x[: len(near)] = near
+    return np.concatenate([special, x])
+
+
+def test_decodings_exhaustive(ctx, prg):
+    h = np.arange(65536, dtype=np.uint16)
+    bf, f16 = _run(ctx, prg.decode, 65536, h, ("out", np.float32), ("out", np.float32))
+    want_bf = h.view(ml_dtypes.bfloat16).astype(np.float32)
+    want_f16 = h.view(np.float16).astype(np.float32)
+    for got, want in ((bf, want_bf), (f16, want_f16)):
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # signed zeros too
+
+
+def test_encodings_match_ml_dtypes_and_numpy(ctx, prg):
+    u = _float_bits(np.random.default_rng(0), 1 << 16)
+    bf, f16 = _run(ctx, prg.encode, u.size, u, ("out", np.uint16), ("out", np.uint16))
+    x = u.view(np.float32)
+    nan = np.isnan(x)
+    assert np.array_equal(bf[~nan], x[~nan].astype(ml_dtypes.bfloat16).view(np.uint16))
+    # the contract's NaN: 0x7FC0 | sign
+    assert np.array_equal(bf[nan], ((u[nan] >> 16) & 0x8000).astype(np.uint16) | 0x7FC0)
+    with np.errstate(over="ignore"):
+        want_f16 = x.astype(np.float16)
+    assert np.array_equal(f16, want_f16.view(np.uint16))  # NaNs keep numpy's payload bits
+
+
+def _fmix32(h):
+    h = h.astype(np.uint64)
+    m = np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(16)
+    h = (h * np.uint64(0x85EBCA6B)) & m
+    h ^= h >> np.uint64(13)
+    h = (h * np.uint64(0xC2B2AE35)) & m
+    h ^= h >> np.uint64(16)
+    return h
+
+
+def _rand(seed, step, stream, i):
+    key = _fmix32(np.uint64(seed) ^ _fmix32(np.array([(step * 4 + stream) & 0xFFFFFFFF], np.uint64)))
+    return _fmix32(key ^ ((i.astype(np.uint64) * np.uint64(0x9E3779B1)) & np.uint64(0xFFFFFFFF))).astype(np.uint32)
+
+
+@pytest.mark.parametrize("seed,step,stream", [(0, 1, 0), (12345, 7, 2), (2 ** 32 - 1, 2 ** 30 + 3, 3)])
+def test_random_bits_are_the_contract_hash(ctx, prg, seed, step, stream):
+    i = np.concatenate([np.arange(4096, dtype=np.uint32), np.array([2 ** 32 - 8 + k for k in range(8)], np.uint32)])
+    (got,) = _run(ctx, prg.rand_bits, i.size, np.uint32(seed), np.uint32(step), np.uint32(stream), i,
+                  ("out", np.uint32))
+    assert np.array_equal(got, _rand(seed, step, stream, i))
+    assert len(np.unique(got)) > 0.99 * got.size
+
+
+def test_stochastic_bf16_rounding(ctx, prg):
+    rng = np.random.default_rng(1)
+    u = _float_bits(rng, 1 << 14)
+    r = rng.integers(0, 2 ** 32, u.size, dtype=np.uint64).astype(np.uint32)
+    (got,) = _run(ctx, prg.sr, u.size, u, r, ("out", np.uint16))
+    x = u.view(np.float32)
+    finite = np.isfinite(x)
+    # the result is one of the two bfloat16 neighbours: truncation, or truncation + 1 ulp
+    trunc = (u[finite] >> 16).astype(np.uint16)
+    assert np.all((got[finite] == trunc) | (got[finite] == trunc + 1))
+    up = got[finite] == trunc + 1
+    assert np.array_equal(up, (u[finite] & 0xFFFF) + (r[finite] & 0xFFFF) >= 0x10000)
+    inf, nan = np.isinf(x), np.isnan(x)  # round to nearest: inf stays, NaN is 0x7FC0 | sign
+    assert np.array_equal(got[inf], x[inf].astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert np.array_equal(got[nan], ((u[nan] >> 16) & 0x8000).astype(np.uint16) | 0x7FC0)
+
+
+def test_stochastic_bf16_rounding_is_unbiased(ctx, prg):
+    """The mean of many roundings of one value with the contract's random bits is the value."""
+    n = 1 << 16
+    for value in (1.0 + 2 ** -9, -3.14159, 1e-3, 7.123e5):
+        u = np.full(n, np.float32(value).view(np.uint32), np.uint32)
+        (r,) = _run(ctx, prg.rand_bits, n, np.uint32(3), np.uint32(1), np.uint32(0), np.arange(n, dtype=np.uint32),
+                    ("out", np.uint32))
+        (got,) = _run(ctx, prg.sr, n, u, r, ("out", np.uint16))
+        vals = got.view(ml_dtypes.bfloat16).astype(np.float64)
+        lo, hi = np.unique(vals)[[0, -1]]
+        p = (float(np.float32(value)) - lo) / (hi - lo)  # chance of rounding up
+        stderr = (hi - lo) * np.sqrt(p * (1 - p) / n)
+        assert abs(vals.mean() - float(np.float32(value))) < 5 * stderr + 1e-30
+
+
+def _round24_reference(x):
+    """x rounded to 15 explicit mantissa bits (the top 24 bits of float32), nearest even, in float64;
+    subnormals on the same grid as float32's (2**-149 * 256)."""
+    x = x.astype(np.float64)
+    mant, exp = np.frexp(x)
+    exp = np.maximum(exp, -125)  # float32's subnormal range shares the smallest normal's spacing
+    ulp = np.ldexp(1.0, exp - 16)  # 15 explicit mantissa bits kept
+    return np.round(x / ulp) * ulp
+
+
+def test_remainders_and_round24(ctx, prg):
+    u = _float_bits(np.random.default_rng(2), 1 << 16)
+    hi16, rem16, join16, r24, hi8, rem8, join8 = _run(
+        ctx, prg.remainders, u.size, u, ("out", np.uint16), ("out", np.int16), ("out", np.uint32),
+        ("out", np.uint32), ("out", np.uint16), ("out", np.int8), ("out", np.uint32))
+    x = u.view(np.float32)
+    # remainder16: bfloat16 + int16 is the exact float32 master, and the bfloat16 is its nearest
+    assert np.array_equal(join16, u)
+    finite = np.isfinite(x) & (np.abs(x) < np.float32(3.38e38))
+    err = np.abs(hi16[finite].view(ml_dtypes.bfloat16).astype(np.float64) - x[finite].astype(np.float64))
+    ulp = np.abs(((u[finite] >> 16) + 1 << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+                 - ((u[finite] >> 16) << 16).astype(np.uint32).view(np.float32).astype(np.float64))
+    assert np.all(err <= ulp / 2)
+    # round24: nearest even on the 8 dropped bits; the 24-bit master is rounded x
+    ok = np.isfinite(x)
+    want = _round24_reference(x[ok])
+    got = (r24[ok] << 8).view(np.float32).astype(np.float64)
+    keep = np.abs(want) < 3.4e38  # the largest values round to inf in both
+    assert np.array_equal(got[keep], want[keep])
+    assert np.array_equal(r24[~ok], u[~ok] >> 8)
+    # remainder8: bfloat16 + int8 gives the 24-bit master back exactly
+    assert np.array_equal(join8, r24 << 8)
+    err8 = np.abs(hi8[finite].view(ml_dtypes.bfloat16).astype(np.float64) - got[finite[ok]])
+    assert np.all(err8 <= ulp / 2)
+
+
+def _a_map(signed):
+    """A sorted 256-code map with repeated codes (ties) and both ends exact, as the dynamic maps."""
+    rng = np.random.default_rng(7 + signed)
+    q = np.sort(rng.uniform(-1 if signed else 0, 1, 256).astype(np.float32))
+    q[0], q[-1] = (-1.0 if signed else 0.0), 1.0
+    q[100:103] = q[100]
+    return q
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_quantize_is_nearest_code(ctx, prg, signed):
+    q = _a_map(signed)
+    mid = np.append((np.float32(0.5) * (q[:-1] + q[1:])).astype(np.float32), np.float32(np.inf))
+    rng = np.random.default_rng(3)
+    scale = np.float32(0.37)
+    x = (rng.uniform(-1.1 if signed else 0, 1.1, 1 << 14) * scale).astype(np.float32)
+    x[:8] = [0.0, -0.0, scale, -scale, mid[5] * scale, mid[200] * scale, np.nan, np.inf]
+    code, deq = _run(ctx, prg.quantize, x.size, np.concatenate([q, mid]).astype(np.float32), x, scale,
+                     ("out", np.uint8), ("out", np.float32))
+    y = x / scale
+    want = np.searchsorted(mid[:255], y, side="left")  # the number of mid[k] < y
+    want[np.isnan(y)] = 0
+    assert np.array_equal(code, want.astype(np.uint8))
+    assert np.array_equal(deq, q[code] * scale)
+    (zero_code, _) = _run(ctx, prg.quantize, 8, np.concatenate([q, mid]).astype(np.float32), x[:8],
+                          np.float32(0), ("out", np.uint8), ("out", np.float32))
+    assert np.array_equal(zero_code, np.full(8, np.searchsorted(mid[:255], 0.0, side="left"), np.uint8))
+
+
+# ---------------------------------------------------------------- the formats capability's step
+
+from optirs.core import formats as F  # noqa: E402
+from optirs.core import formats_reference as R  # noqa: E402
+from optirs.core.definitions import DEFINITIONS  # noqa: E402
+from optirs.core.layout import TensorLayout  # noqa: E402
+
+# Odd sizes put later tensors at unaligned offsets; 4100 and 8195 keep int8 blocks (8195 spans
+# two chunks and ends in a partial block), the others are small (float32 state under int8).
+SHAPES = [(7,), (4, 3), (4100,), (5,), (8195,), (2, 2)]
+FORMATS = [
+    F.StepFormat("bfloat16", "bfloat16", None, "float32", False),
+    F.StepFormat("bfloat16", "float32", None, "bfloat16", True),
+    F.StepFormat("bfloat16", "bfloat16", "float32", "int8", False),
+    F.StepFormat("bfloat16", "bfloat16", "remainder16", "bfloat16", False),
+    F.StepFormat("bfloat16", "float32", "remainder8", "int8", False),
+    F.StepFormat("float16", "float16", "float32", "float32", False),
+    F.StepFormat("float16", "float32", None, "int8", False),
+    F.StepFormat("float32", "float32", None, "int8", False),
+    F.StepFormat("float32", "float32", None, "bfloat16", False),
+]
+CASES = {
+    "adam": optirs.AdamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6, weight_decay=0.05, amsgrad=True),
+    "adamw": optirs.AdamParams(lr=1e-2, weight_decay=0.3),
+    "sgd": optirs.SgdParams(lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "rmsprop": optirs.RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True, weight_decay=0.1),
+    "adagrad": optirs.AdagradParams(lr_decay=0.1, weight_decay=0.1, initial_accumulator_value=0.5),
+    "lion": optirs.LionParams(lr=1e-3, weight_decay=0.1),
+    "lamb": optirs.LambParams(lr=1e-2, max_trust_ratio=10.0, max_grad_norm=5.0),
+}
+
+
+@pytest.fixture(scope="module")
+def ocl():
+    return optirs.get_backend("opencl")
+
+
+def _words(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as the words of dtype (uint16 bits for 16-bit)."""
+    return x.astype(np.float32) if dtype == "float32" else R.nearest16(x, dtype)
+
+
+class _Model:
+    """A model's arrays for one format: host words, the compact state on the device and its host copy."""
+
+    def __init__(self, backend, name, hp, fmt, shapes=SHAPES, seed=0):
+        self.backend, self.ctx = backend, backend.ctx
+        self.definition = DEFINITIONS[name]
+        self.hp, self.fmt = hp, fmt
+        self.layout = TensorLayout(shapes)
+        self.fs = F.FormatState(self.layout, [s for s in self.definition.slots if s.needed(hp)], fmt)
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        self.params = [_words(rng.normal(size=s).astype(np.float32), fmt.param_dtype) for s in shapes]
+        self.buffers = R.fresh_buffers(self.fs, self.definition, hp)
+        self.state = {k: cla.to_device(self.ctx.queue, v) for k, v in self.buffers.items()}
+        self.t = 0
+
+    def grads(self, scale=1.0):
+        return [_words((self.rng.normal(size=s) * scale).astype(np.float32), self.fmt.grad_dtype)
+                for s in self.layout.shapes]
+
+    def host_state(self):
+        return {k: v.get() for k, v in self.state.items()}
+
+    def step(self, grads, params=None, found_inf=None, seed=11):
+        self.t += 1
+        params = self.params if params is None else params
+        b, ctx = self.backend, self.ctx
+        staged = b.hook("formats", "optirs_formats_stage")(ctx, params, grads, self.fmt)
+        b.hook("formats", "optirs_formats_step")(ctx, self.definition.kernel, staged.params, staged.grads, self.state, self.layout,
+                              self.fs, self.fmt, self.definition.scalars(self.hp, self.t), seed, self.t, found_inf)
+        if staged.finish is not None:
+            staged.finish()
+        ctx.queue.finish()
+
+
+def _master(fs, params, buffers, t):
+    """The float32 masters the step at ``t`` reads (t >= 2: float32 masters from their buffer)."""
+    return np.concatenate(R.decode_master(fs, params, buffers, t))
+
+
+def _close_to_reference(model, before_p, before_s, grads, seed):
+    """The backend's step against the float64 reference run from the same inputs."""
+    fmt, fs = model.fmt, model.fs
+    want_p, want_s = R.step(model.definition, model.hp, fs, before_p, grads, before_s, seed, model.t)
+    got_s = model.host_state()
+    got_m = _master(fs, model.params, got_s, 2)
+    want_m = _master(fs, want_p, want_s, 2)
+    old_m = _master(fs, before_p, before_s, model.t)
+    size = np.abs(want_m) + np.abs(old_m) + np.abs(want_m - old_m)  # the float32 step's error scales with its terms
+    if fmt.param_dtype == "float32" or fmt.master in ("float32", "remainder16"):
+        rel = 2.0 ** -16  # float32 masters: float32 rounding of the step's terms (they may cancel)
+    elif fmt.master == "remainder8":
+        rel = 2.0 ** -15  # one step of the 24-bit master
+    else:
+        rel = 2.0 ** -7 if fmt.param_dtype == "bfloat16" else 2.0 ** -10  # one 16-bit step
+    tol = rel * size * 1.01 + 1e-30 + (2.0 ** -24 if fmt.param_dtype == "float16" else 0)
+    np.testing.assert_array_less(np.abs(got_m - want_m), tol + 1e-12 * (fmt.param_dtype == "float32"))
+    if fmt.master is not None and fmt.param_dtype != "float32":  # the parameter is the master's rounding
+        for got, want in zip(model.params, want_p):
+            diff = np.abs(R.decode16(got.view(np.uint16), fmt.param_dtype) - R.decode16(want.view(np.uint16), fmt.param_dtype))
+            assert np.all(diff <= np.abs(R.decode16(want.view(np.uint16), fmt.param_dtype)) * 2.0 ** -7 * 1.01)
+    signed = {s.name: s.signed for s in fs.slots}
+    got_v, want_v = R.decode_state(fs, got_s), R.decode_state(fs, want_s)
+    old_v, gr = R.decode_state(fs, before_s), R.decode_grads(fmt, grads)
+    for t in range(len(fs.layout)):
+        for s in fs.slot_names:
+            g, w = got_v[t][s], want_v[t][s]
+            # the float32 step's error scales with its inputs (a new moment may cancel to ~0)
+            f32_err = 2.0 ** -20 * (np.abs(w) + np.abs(old_v[t][s]) + np.abs(gr[t]) + np.abs(gr[t]) ** 2)
+            if fmt.state_dtype == "int8" and not fs.is_small(t):
+                o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
+                b0 = int(fs.tensor_table()[t, 1])
+                nb = -(-n // F.BLOCK)
+                np.testing.assert_allclose(got_s[f"{s}.scales"][b0: b0 + nb], want_s[f"{s}.scales"][b0: b0 + nb],
+                                           rtol=1e-5, atol=1e-30)
+                step = R.code_step(want_s[f"{s}.codes"][o: o + n], want_s[f"{s}.scales"][b0: b0 + nb], signed[s])
+                assert np.all(np.abs(g - w) <= step * 1.01 + 1e-30), (t, s)
+            elif fmt.state_dtype == "bfloat16":
+                assert np.all(np.abs(g - w) <= np.abs(w) * 2.0 ** -7 * 1.01 + f32_err), (t, s)
+            else:
+                assert np.all(np.abs(g - w) <= f32_err + 1e-30), (t, s)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.param_dtype}-{f.grad_dtype}-{f.master}-{f.state_dtype}"
+                         + ("-sr" if f.stochastic else ""))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_format_step_matches_reference(ocl, name, fmt):
+    model = _Model(ocl, name, CASES[name], fmt)
+    for _ in range(3):
+        grads = model.grads()
+        before_p, before_s = [p.copy() for p in model.params], model.host_state()
+        model.step(grads, seed=11)
+        _close_to_reference(model, before_p, before_s, grads, 11)
+
+
+def _exact_sgd(model, before_p, before_s, grads, seed):
+    """SGD with momentum (no decay, no nesterov) in numpy float32, the kernels' exact operations,
+    then the contract's encodings (formats_reference): the expected words, bit for bit."""
+    fmt, fs, t = model.fmt, model.fs, model.t
+    sc = model.definition.scalars(model.hp, t)
+    p = _master(fs, before_p, before_s, t)
+    g = np.concatenate(R.decode_grads(fmt, grads))
+    buf = np.concatenate([s["momentum_buffer"] for s in R.decode_state(fs, before_s)])
+    buf = g.copy() if sc.first_step else sc.momentum * buf + sc.dampening_factor * g
+    x = p - sc.lr * buf
+    index = np.arange(x.size)
+    out = {}
+    if fmt.param_dtype == "float32":
+        out["params"] = x.view(np.uint32)
+    elif fmt.master == "remainder16":
+        out["params"], out["master_remainder"] = R.remainder16_split(x)
+    elif fmt.master == "remainder8":
+        out["params"], out["master_remainder"] = R.remainder8_split(R.round24(x))
+    elif fmt.stochastic:
+        out["params"] = R.bf16_stochastic(x, R.rand_bits(R.stream_key(seed, t, 0), index))
+    else:
+        out["params"] = R.nearest16(x, fmt.param_dtype)
+        if fmt.master == "float32":
+            out["master"] = x
+    if fmt.state_dtype == "float32":
+        out["momentum_buffer"] = buf
+    elif fmt.state_dtype == "bfloat16":
+        out["momentum_buffer"] = R.bf16_stochastic(buf, R.rand_bits(R.stream_key(seed, t, 1), index))
+    else:
+        codes, scales, small = [], [], []
+        for o, n in zip(fs.layout.offsets, fs.layout.sizes):
+            v = buf[o: o + n]
+            if n < F.MIN_INT8_SIZE:
+                codes.append(np.zeros(n, np.uint8))
+                small.append(v)
+            else:
+                c, s = R.quantize_blocks(v, signed=True)
+                codes.append(c)
+                scales.append(s)
+        out["momentum_buffer.codes"] = np.concatenate(codes)
+        out["momentum_buffer.scales"] = np.concatenate(scales)
+        out["momentum_buffer.small"] = np.concatenate(small)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS + [F.StepFormat("float16", "float16", None, "bfloat16", False)],
+                         ids=lambda f: f"{f.param_dtype}-{f.grad_dtype}-{f.master}-{f.state_dtype}"
+                         + ("-sr" if f.stochastic else ""))
+def test_format_encodings_are_bit_exact(ocl, fmt):
+    """Where the float32 arithmetic is known exactly (SGD with momentum), every stored word is the
+    contract's: the rounding of parameters, masters and state, the random bits' streams and
+    indices, the int8 blocks and their scales."""
+    model = _Model(ocl, "sgd", optirs.SgdParams(lr=0.01, momentum=0.9), fmt, seed=5)
+    for _ in range(3):
+        grads = model.grads()
+        before_p, before_s = [p.copy() for p in model.params], model.host_state()
+        model.step(grads, seed=1234)
+        want = _exact_sgd(model, before_p, before_s, grads, 1234)
+        got = model.host_state()
+        got["params"] = np.concatenate([p.reshape(-1) for p in model.params])
+        for key, w in want.items():
+            g = got[key]
+            if key.endswith(".codes"):  # small tensors' range is unused
+                live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in model.layout.sizes])
+                g, w = g[live], w[live]
+            assert np.array_equal(np.asarray(g).view(np.uint8), np.ascontiguousarray(w).view(np.uint8)), key
+
+
+def _device_copies(ctx, arrays, shared_from=None):
+    """pyopencl copies of host word arrays: separate buffers, except tensors from ``shared_from`` on,
+    which are views of one buffer at odd offsets (unaligned)."""
+    out = [cla.to_device(ctx.queue, np.ascontiguousarray(a.view(np.uint16) if a.dtype.itemsize == 2 else a))
+           for a in arrays]
+    if shared_from is not None:
+        tail = arrays[shared_from:]
+        dt = out[0].dtype
+        sizes = [a.size for a in tail]
+        flat = cla.zeros(ctx.queue, sum(sizes) + 3 * len(tail), dt)
+        o = 3
+        for k, (a, n) in enumerate(zip(tail, sizes)):
+            view = flat[o: o + n]
+            view.set(np.ascontiguousarray(a.reshape(-1).view(dt)))
+            out[shared_from + k] = view
+            o += n + 3
+    return out
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[4], FORMATS[7]],
+                         ids=["bf16-sr-bf16state", "bf16-r8-int8", "f32-int8"])
+def test_device_arrays_in_many_buffers_match_the_packed_step(ocl, fmt):
+    """pyopencl arrays stepped in place (more distinct buffers than one launch takes, so two chunk
+    groups, and views of a shared buffer at unaligned offsets) give the numpy-staged step's bits."""
+    shapes = [(5000,), (7,)] * 10 + [(4099,), (33,), (4096,)]
+    packed = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
+    device = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
+    dev_params = _device_copies(ocl.ctx, device.params, shared_from=18)
+    for _ in range(2):
+        grads = packed.grads()
+        device.grads()  # keep the generators in step
+        packed.step(grads)
+        device.step(_device_copies(ocl.ctx, grads, shared_from=20), params=dev_params)
+        for a, b in zip(packed.params, dev_params):
+            assert np.array_equal(a.reshape(-1).view(np.uint8), b.get().view(np.uint8))
+        for k, v in packed.host_state().items():
+            assert np.array_equal(v.view(np.uint8), device.host_state()[k].view(np.uint8)), k
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_found_inf_skips_the_whole_step(ocl, name):
+    fmt = FORMATS[4]
+    model = _Model(ocl, name, CASES[name], fmt)
+    model.step(model.grads())  # a real step first: the state is not fresh
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    found = cla.to_device(ocl.ctx.queue, np.array([1], np.int32))
+    model.step(model.grads(), found_inf=found)
+    for a, b in zip(before_p, model.params):
+        assert np.array_equal(a, b)
+    for k, v in model.host_state().items():
+        assert np.array_equal(v, before_s[k]), k
+    found.fill(0)
+    model.step(model.grads(), found_inf=found)
+    assert not all(np.array_equal(a, b) for a, b in zip(before_p, model.params))
+
+
+@pytest.mark.parametrize("grad_dtype", ["bfloat16", "float16", "float32"])
+def test_check_flags_non_finite_gradients(ocl, grad_dtype):
+    ctx = ocl.ctx
+    check = ocl.hook("formats", "optirs_formats_check")
+    fmt = F.StepFormat("float32" if grad_dtype == "float32" else grad_dtype, grad_dtype, None, "float32", False)
+    shapes = [(7,), (9000,), (13,)]
+    layout = TensorLayout(shapes)
+    rng = np.random.default_rng(0)
+    for bad in (None, np.inf, -np.inf, np.nan):
+        host = [_words(rng.normal(size=s).astype(np.float32), grad_dtype) for s in shapes]
+        if bad is not None:
+            host[1].reshape(-1)[8999] = _words(np.array([bad], np.float32), grad_dtype)[0]
+        grads = _device_copies(ctx, host, shared_from=2)
+        flag = cla.zeros(ctx.queue, 1, np.int32)
+        check(ctx, grads, layout, fmt, flag)
+        assert flag.get()[0] == (0 if bad is None else 1), bad
