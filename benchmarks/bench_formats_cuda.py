@@ -105,7 +105,7 @@ def bench_optirs(torch: Any, shapes, spec, steps: int, batches: int) -> Dict[str
     grads = [torch.randn(s, device="cuda").to(tdt) * 1e-3 for s in shapes]
     fmt = StepFormat(pdt, pdt, master if pdt != "float32" else None, state_dtype, sr)
     d = DEFINITIONS["adamw"]
-    hp = AdamParams(lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
+    hp = AdamParams(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=DECAY)
     layout = TensorLayout(shapes)
     fs = FormatState(layout, [s for s in d.slots if s.needed(hp)], fmt)
     ctx = plugin.optirs_open({})
