@@ -47,6 +47,8 @@ OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BUCKET_ELEMENTS = 1 << 22
 DEFAULT_WORKERS = 2
 _GROUP_ONLY = ("params", "param_names")
+# state_dict key of a 16-bit parameter's fp32 master weights (other optimizers ignore it).
+MASTER_KEY = "fp32_master"
 
 
 def resolve_optimizer_class(optimizer_class: Any) -> type:
@@ -106,7 +108,18 @@ class _Chunk:
         self.landing = self.grads if self.staging is None else self.staging  # where a gradient copy lands
         self.outbound = self.masters if self.staging is None else self.staging  # what is copied back
         self.inner: Optional[OptirsOptimizer] = None
+        # (version, data_ptr) of each parameter when its master last matched it: anything else
+        # (model.load_state_dict, an in-place edit) means the master is read again from it.
+        self.marks: List[Tuple[int, int]] = [(-1, -1)] * len(params)
         self.reset_round()
+
+    def resync(self, k: int) -> None:
+        """Read the master of tensor k again from its parameter if the parameter was written since."""
+        p = self.params[k]
+        if (p._version, p.data_ptr()) != self.marks[k]:
+            with torch.no_grad():
+                self.masters[k].copy_(p.detach())
+            self.marks[k] = (p._version, p.data_ptr())
 
     def reset_round(self) -> None:
         n = len(self.params)
@@ -218,8 +231,8 @@ class CPUOffload(torch.optim.Optimizer):
         hyper = {k: v for k, v in group.items() if k not in _GROUP_ONLY}
         with torch.no_grad():
             for c in chunks:
-                for m, p in zip(c.masters, c.params):
-                    m.copy_(p.detach())
+                for k in range(len(c.params)):
+                    c.resync(k)
                 c.inner = self._cls([{"params": c.masters, **hyper}], backend="cpu", **self._kwargs)
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -276,6 +289,7 @@ class CPUOffload(torch.optim.Optimizer):
             raise ShapeMismatchError(
                 f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] is {tuple(p.shape)} {p.dtype} on {p.device}, "
                 f"but its gradient {tuple(g.shape)} {g.dtype} on {g.device}; expected the same")
+        chunk.resync(k)
         landing = chunk.landing[k]
         if self._streams is not None:
             d2h = self._streams[0]
@@ -337,6 +351,8 @@ class CPUOffload(torch.optim.Optimizer):
                 else:
                     for k in present:
                         chunk.params[k].copy_(chunk.outbound[k])
+                for k in present:
+                    chunk.marks[k] = (chunk.params[k]._version, chunk.params[k].data_ptr())
                 chunk.progress = 2
 
     # ------------------------------------------------------------ the step
@@ -397,6 +413,9 @@ class CPUOffload(torch.optim.Optimizer):
                 raise UnsupportedOperationError(
                     f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
                     "several chunks; expected max_grad_norm when the group is added")
+        # GradScaler passes found_inf without grad_scale after scaler.unscale_(opt), whose in-place
+        # unscale does not bump the gradients' version counters: copy every gradient again.
+        unscaled = found_inf is not None and grad_scale is None
         work, changed = [], []
         for c in self._chunks:
             present, stale = [], []
@@ -410,9 +429,9 @@ class CPUOffload(torch.optim.Optimizer):
                         "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
                 present.append(k)
                 sent = c.sent[k]
-                if sent is None or sent[0]() is not g or sent[1] != g._version:
+                if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
                     stale.append(k)
-                    if sent is not None:
+                    if sent is not None and not unscaled:
                         changed.append(f"param_groups[{c.gi}]['params'][{c.positions[k]}]")
             work.append((c, present, stale))
         if changed and self.step_in_backward:
@@ -484,8 +503,19 @@ class CPUOffload(torch.optim.Optimizer):
                     self.state[p] = c.inner.state[m]
 
     def state_dict(self) -> Dict[str, Any]:
+        """torch's format, as the wrapped optimizer's; 16-bit parameters add their fp32 master
+        weights as ``state[i][MASTER_KEY]`` (the parameter itself holds only their rounding)."""
         self._refresh_state()
-        return super().state_dict()
+        sd = super().state_dict()
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                where = self._where.get(p)
+                if where is not None and where[0].staging is not None:
+                    # a new dict: torch's packed entries are the live state dicts themselves
+                    sd["state"][index] = {**sd["state"].get(index, {}), MASTER_KEY: where[0].masters[where[1]]}
+                index += 1
+        return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict.get("state", {})
@@ -495,9 +525,28 @@ class CPUOffload(torch.optim.Optimizer):
                 index[p] = i
         # torch checks the groups and takes their hyperparameters; the state goes to the inner
         # optimizers (torch would cast it to the parameters' device and dtype).
-        super().load_state_dict({**state_dict, "state": {}})
+        masters: List[Tuple[_Chunk, int, torch.Tensor]] = []
+        locals_: List[Dict[int, Any]] = []
         for c in self._chunks:
-            local = {k: saved[index[p]] for k, p in enumerate(c.params) if index.get(p) in saved}
+            local = {}
+            for k, p in enumerate(c.params):
+                entry = dict(saved.get(index.get(p), {}))
+                master = entry.pop(MASTER_KEY, None)
+                if master is not None and c.staging is not None:
+                    if tuple(master.shape) != tuple(p.shape):
+                        raise ShapeMismatchError(
+                            f"state[{index[p]}][{MASTER_KEY!r}] has shape {tuple(master.shape)}, expected {tuple(p.shape)}")
+                    masters.append((c, k, master))
+                if entry:
+                    local[k] = entry
+            locals_.append(local)
+        super().load_state_dict({**state_dict, "state": {}})
+        for c, k, master in masters:
+            with torch.no_grad():
+                c.masters[k].copy_(master)
+            p = c.params[k]
+            c.marks[k] = (p._version, p.data_ptr())
+        for c, local in zip(self._chunks, locals_):
             hyper = {k: v for k, v in self.param_groups[c.gi].items() if k not in _GROUP_ONLY}
             c.inner.load_state_dict({"state": local, "param_groups": [{**hyper, "params": list(range(len(c.params)))}]})
         with self._lock:
@@ -511,4 +560,4 @@ class CPUOffload(torch.optim.Optimizer):
             pool.shutdown(wait=False)
 
 
-__all__ = ["CPUOffload", "resolve_optimizer_class"]
+__all__ = ["CPUOffload", "MASTER_KEY", "resolve_optimizer_class"]
