@@ -495,3 +495,14 @@ def test_cuda_optimizer_state_takes_no_gpu_memory():
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
     assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+
+
+def test_timing_counts_every_byte_moved():
+    model = make_model(torch.bfloat16)
+    opt = offload("AdamW", model.parameters())
+    opt.timing = offload_mod.OffloadTiming()
+    _train(model, opt, 3)
+    t = opt.timing.as_dict()
+    n = sum(p.numel() for p in model.parameters())
+    assert t["steps"] == 3 and t["d2h_bytes"] == t["h2d_bytes"] == 3 * n * 2  # bf16 both ways
+    assert t["cpu_step_s"] > 0 and t["convert_s"] > 0 and t["step_call_s"] >= t["cpu_step_s"] / opt.workers

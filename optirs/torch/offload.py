@@ -28,6 +28,7 @@ when autograd writes them.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -85,6 +86,47 @@ def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]
         out.append(flat[offset : offset + n].view(p.shape))
         offset += n
     return out
+
+
+class OffloadTiming:
+    """Where the offload's time goes, summed over steps: ``opt.timing = OffloadTiming()`` turns it on.
+
+    ``cpu_step_s`` (the inner optimizers' steps), ``convert_s`` (16-bit <-> fp32 on the host),
+    ``d2h_s`` / ``h2d_s`` (the copies' busy time: CUDA events around each, or the host copies'
+    wall time), their bytes, and ``step_call_s`` (wall time inside ``step()``: what the caller
+    waited). Event timing adds a synchronisation at the end of each step: time steps without it.
+    """
+
+    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "step_call_s", "d2h_bytes", "h2d_bytes", "steps")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+        self._pairs: List[Tuple[str, Any, Any]] = []
+
+    def add(self, field: str, amount: float) -> None:
+        with self._lock:
+            setattr(self, field, getattr(self, field) + amount)
+
+    def events(self, kind: str) -> Tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with self._lock:
+            self._pairs.append((kind, start, end))
+        return start, end
+
+    def settle(self) -> None:
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for kind, start, end in pairs:
+            end.synchronize()
+            self.add(kind, start.elapsed_time(end) / 1e3)
+
+    def as_dict(self) -> Dict[str, float]:
+        return {f: getattr(self, f) for f in self.FIELDS}
 
 
 class _Chunk:
@@ -174,6 +216,7 @@ class CPUOffload(torch.optim.Optimizer):
         self._streams: Optional[Tuple[Any, Any]] = None
         self._backend = self._probe._backend_for(torch.device("cpu"))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="optirs-offload")
+        self.timing: Optional[OffloadTiming] = None  # set an OffloadTiming to see where the time goes
         super().__init__(params, self._probe.defaults)
 
     # ------------------------------------------------------------ groups, chunks, hooks
@@ -291,29 +334,43 @@ class CPUOffload(torch.optim.Optimizer):
                 f"but its gradient {tuple(g.shape)} {g.dtype} on {g.device}; expected the same")
         chunk.resync(k)
         landing = chunk.landing[k]
+        timing = self.timing
         if self._streams is not None:
             d2h = self._streams[0]
             d2h.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(d2h):
+                if timing is not None:
+                    start, end = timing.events("d2h_s")
+                    start.record(d2h)
                 landing.copy_(g, non_blocking=True)
+                if timing is not None:
+                    end.record(d2h)
             g.record_stream(d2h)  # its memory is not reused before the copy has read it
             event = torch.cuda.Event()
             event.record(d2h)
         else:
+            t0 = time.perf_counter()
             with torch.no_grad():
                 landing.copy_(g)
+            if timing is not None:
+                timing.add("d2h_s", time.perf_counter() - t0)
             event = None
+        if timing is not None:
+            timing.add("d2h_bytes", g.numel() * g.element_size())
         chunk.sent[k] = (weakref.ref(g), g._version)
         chunk.events[k] = event
 
     # ------------------------------------------------------------ one chunk's step (a worker)
 
     def _run_chunk(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any) -> None:
+        timing = self.timing
+        clock = time.perf_counter
         with torch.no_grad():
             if chunk.progress == 0:
                 for k in present:
                     if chunk.events[k] is not None:
                         chunk.events[k].synchronize()  # releases the GIL while it waits
+                t0 = clock()
                 if chunk.staging is not None:
                     for k in present:
                         chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
@@ -328,13 +385,24 @@ class CPUOffload(torch.optim.Optimizer):
                         inner[key] = value
                 # One kernel at a time: each already runs on every core, and the cpu backend's
                 # staging caches are shared by everything on it.
+                t1 = clock()
                 with self._backend.lock:
+                    t2 = clock()
                     chunk.inner.step(grad_scale=scale)
+                    t3 = clock()
                 chunk.progress = 1
+                if timing is not None:
+                    timing.add("convert_s", t1 - t0)
+                    timing.add("cpu_step_s", t3 - t2)
             if chunk.progress == 1:
+                t0 = clock()
                 if chunk.staging is not None:
                     for k in present:
                         chunk.staging[k].copy_(chunk.masters[k])  # fp32 masters rounded to the parameters' dtype
+                if timing is not None:
+                    timing.add("convert_s", clock() - t0)
+                    timing.add("h2d_bytes", sum(chunk.outbound[k].numel() * chunk.outbound[k].element_size()
+                                                for k in present))
                 if self._streams is not None:
                     h2d = self._streams[1]
                     with torch.cuda.stream(h2d):
@@ -343,14 +411,22 @@ class CPUOffload(torch.optim.Optimizer):
                                 h2d.wait_event(chunk.events[k])  # after backward's last use of the parameter
                         if after is not None:
                             h2d.wait_event(after)  # after what was queued before step()
+                        if timing is not None:
+                            start, end = timing.events("h2d_s")
+                            start.record(h2d)
                         for k in present:
                             chunk.params[k].copy_(chunk.outbound[k], non_blocking=True)
+                        if timing is not None:
+                            end.record(h2d)
                         event = torch.cuda.Event()
                         event.record(h2d)
                     chunk.h2d_event = event
                 else:
+                    t0 = clock()
                     for k in present:
                         chunk.params[k].copy_(chunk.outbound[k])
+                    if timing is not None:
+                        timing.add("h2d_s", clock() - t0)
                 for k in present:
                     chunk.marks[k] = (chunk.params[k]._version, chunk.params[k].data_ptr())
                 chunk.progress = 2
@@ -376,6 +452,7 @@ class CPUOffload(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        t0 = time.perf_counter()
         with deferred_interrupts():
             try:
                 self._step_round(grad_scale, found_inf)
@@ -383,6 +460,11 @@ class CPUOffload(torch.optim.Optimizer):
                 with self._lock:
                     for c in self._chunks:
                         c.reset_round()
+        timing = self.timing
+        if timing is not None:
+            timing.add("step_call_s", time.perf_counter() - t0)
+            timing.add("steps", 1)
+            timing.settle()
         return loss
 
     def _started(self) -> List[_Chunk]:
@@ -560,4 +642,4 @@ class CPUOffload(torch.optim.Optimizer):
             pool.shutdown(wait=False)
 
 
-__all__ = ["CPUOffload", "MASTER_KEY", "resolve_optimizer_class"]
+__all__ = ["CPUOffload", "MASTER_KEY", "OffloadTiming", "resolve_optimizer_class"]
