@@ -13,6 +13,7 @@ from __future__ import annotations
 import _thread
 import copy
 import io
+from pathlib import Path
 
 import pytest
 
@@ -506,3 +507,23 @@ def test_timing_counts_every_byte_moved():
     n = sum(p.numel() for p in model.parameters())
     assert t["steps"] == 3 and t["d2h_bytes"] == t["h2d_bytes"] == 3 * n * 2  # bf16 both ways
     assert t["cpu_step_s"] > 0 and t["convert_s"] > 0 and t["step_call_s"] >= t["cpu_step_s"] / opt.workers
+
+
+def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_offload.py"
+    spec = importlib.util.spec_from_file_location("bench_offload", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "offload.json"
+    assert bench.main(["--quick", "--rows", "torch_fused,offload,torchao", "--json", str(out)]) == 0
+    import json
+
+    r = json.loads(out.read_text())
+    off = r["rows"]["offload"]
+    assert off["step_ms"] > 0 and r["rows"]["torch_fused"]["step_ms"] > 0
+    assert "skipped" in r["rows"]["torchao"] or r["rows"]["torchao"]["step_ms"] > 0
+    # fp32 parameters: every step copies each gradient out and each parameter back, 4 bytes each
+    assert off["timing"]["d2h_bytes"] == off["timing"]["h2d_bytes"] == 4 * off["parameters"]
+    assert r["analysis"]["offload"]["cpu_step_GBps"] > 0 and r["bandwidth"]["host_copy_GBps"] > 0
