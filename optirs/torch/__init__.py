@@ -1,7 +1,7 @@
 """optirs.torch: drop-in ``torch.optim`` optimizers on optirs' one-launch kernels.
 
 ``import optirs`` does not import torch; ``import optirs.torch`` does (torch is an optional
-dependency). See docs/torch.md.
+dependency). See docs/torch.md; ``CPUOffload`` (the state in host memory): docs/offload.md.
 """
 
 from __future__ import annotations
@@ -15,5 +15,6 @@ except ImportError as exc:  # pragma: no cover - torch is optional
 
 from optirs.torch._frontend import OptirsOptimizer
 from optirs.torch.optimizers import SGD, Adafactor, Adagrad, Adam, AdamW, Lamb, Lion, RMSprop
+from optirs.torch.offload import CPUOffload
 
-__all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion"]
+__all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion", "CPUOffload"]

@@ -1,0 +1,645 @@
+"""optirs.torch.CPUOffload: the optimizer state and fp32 master weights in host memory, the step
+on the ``cpu`` backend, the parameters and gradients where they are (a GPU).
+
+``CPUOffload(ot.AdamW, model.parameters(), lr=1e-3)`` is a ``torch.optim.Optimizer``:
+``param_groups`` (schedulers drive them), ``step(closure)``, ``zero_grad``, ``state_dict`` in the
+wrapped optimizer's torch format, ``add_param_group``, GradScaler both ways. Under it:
+
+- the parameters are cut into *chunks* (per param group and dtype, in backward order, about
+  ``bucket_elements`` elements each); every chunk has an fp32 master copy on the host, a host
+  gradient buffer and its own inner optirs.torch optimizer (``backend="cpu"``) over the masters;
+- a post-accumulate-grad hook per parameter copies its gradient device-to-host as soon as
+  autograd has it, on a side stream ordered after the current one, into a pinned buffer;
+- a pool of worker threads runs a chunk's CPU step once its gradients have arrived (numba's
+  parallel kernels release the GIL), then copies the masters back to the device parameters
+  (rounded to bf16/fp16 on the host where the parameters are 16-bit) on another stream;
+- ``step()`` waits for what is still in flight and makes the current stream wait for the
+  host-to-device copies.
+
+When the CPU steps start (see docs/offload.md): by default at ``step()`` (the gradient copies
+overlap the backward; the steps and the copies back overlap each other), which keeps every
+torch contract (GradScaler, gradients clipped or unscaled in place after backward: a gradient
+changed after its copy is copied again). ``step_in_backward=True`` starts a chunk's step in the
+backward that completes its gradients (the ``accumulation_steps``-th backward since the last
+step), overlapping the CPU step with the rest of the backward; the gradients must then be final
+when autograd writes them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
+                                UnsupportedOperationError)
+from optirs.core.interrupts import deferred_interrupts
+from optirs.torch import optimizers as _optimizers
+from optirs.torch._frontend import OptirsOptimizer, _check_flags
+
+OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Elements per chunk: large enough that a chunk's fixed cost (a front-end step, a few copies)
+# is small beside its CPU step, small enough that the first chunks are ready early in backward.
+DEFAULT_BUCKET_ELEMENTS = 1 << 22
+DEFAULT_WORKERS = 2
+_GROUP_ONLY = ("params", "param_names")
+# state_dict key of a 16-bit parameter's fp32 master weights (other optimizers ignore it).
+MASTER_KEY = "fp32_master"
+
+
+def resolve_optimizer_class(optimizer_class: Any) -> type:
+    """An optirs.torch optimizer class, given as the class or its name (``"AdamW"``, ``"adamw"``)."""
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, OptirsOptimizer):
+        return optimizer_class
+    names = {n.lower(): n for n in _optimizers.__all__}
+    if isinstance(optimizer_class, str) and optimizer_class.lower() in names:
+        return getattr(_optimizers, names[optimizer_class.lower()])
+    raise InvalidParameterError(
+        f"optimizer_class={optimizer_class!r}, expected an optirs.torch optimizer class or one of the names "
+        f"{sorted(_optimizers.__all__)}"
+    )
+
+
+def _pins(device: torch.device) -> bool:
+    """Whether host buffers that a transfer touches are pinned: only CUDA copies gain from it."""
+    return device.type == "cuda"
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool, what: str) -> torch.Tensor:
+    try:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    except RuntimeError as exc:  # torch's allocation failures (pinned or not) are RuntimeErrors
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        kind = "pinned host memory" if pin else "host memory"
+        raise DeviceMemoryError(f"could not allocate {nbytes} bytes of {kind} for {what} ({numel} x {dtype}): {exc}") from exc
+
+
+def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
+    out, offset = [], 0
+    for p in params:
+        n = p.numel()
+        out.append(flat[offset : offset + n].view(p.shape))
+        offset += n
+    return out
+
+
+class OffloadTiming:
+    """Where the offload's time goes, summed over steps: ``opt.timing = OffloadTiming()`` turns it on.
+
+    ``cpu_step_s`` (the inner optimizers' steps), ``convert_s`` (16-bit <-> fp32 on the host),
+    ``d2h_s`` / ``h2d_s`` (the copies' busy time: CUDA events around each, or the host copies'
+    wall time), their bytes, and ``step_call_s`` (wall time inside ``step()``: what the caller
+    waited). Event timing adds a synchronisation at the end of each step: time steps without it.
+    """
+
+    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "step_call_s", "d2h_bytes", "h2d_bytes", "steps")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+        self._pairs: List[Tuple[str, Any, Any]] = []
+
+    def add(self, field: str, amount: float) -> None:
+        with self._lock:
+            setattr(self, field, getattr(self, field) + amount)
+
+    def events(self, kind: str) -> Tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with self._lock:
+            self._pairs.append((kind, start, end))
+        return start, end
+
+    def settle(self) -> None:
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for kind, start, end in pairs:
+            end.synchronize()
+            self.add(kind, start.elapsed_time(end) / 1e3)
+
+    def as_dict(self) -> Dict[str, float]:
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+
+class _Chunk:
+    """One CPU step's worth: some tensors of one param group with one dtype, their host buffers,
+    the inner optimizer over their masters, and this round's transfer bookkeeping."""
+
+    def __init__(self, index: int, gi: int, params: List[torch.Tensor], positions: List[int], pin: bool):
+        self.index, self.gi, self.params, self.positions = index, gi, params, positions
+        self.dtype = params[0].dtype
+        total = sum(p.numel() for p in params)
+        wide = self.dtype == torch.float32
+        where = f"param_groups[{gi}] ({len(params)} tensors, {total} elements)"
+        # What a transfer touches is pinned: for fp32 parameters the masters (copied to the device)
+        # and the gradient buffer (copied into); for 16-bit ones only the 16-bit staging buffer.
+        self.master_flat = _host_empty(total, torch.float32, pin and wide, f"the fp32 masters of {where}")
+        self.grad_flat = _host_empty(total, torch.float32, pin and wide, f"the fp32 gradients of {where}")
+        self.staging_flat = None if wide else _host_empty(total, self.dtype, pin, f"the {self.dtype} staging of {where}")
+        self.masters = _views(self.master_flat, params)
+        self.grads = _views(self.grad_flat, params)
+        self.staging = None if self.staging_flat is None else _views(self.staging_flat, params)
+        self.landing = self.grads if self.staging is None else self.staging  # where a gradient copy lands
+        self.outbound = self.masters if self.staging is None else self.staging  # what is copied back
+        self.inner: Optional[OptirsOptimizer] = None
+        # (version, data_ptr) of each parameter when its master last matched it: anything else
+        # (model.load_state_dict, an in-place edit) means the master is read again from it.
+        self.marks: List[Tuple[int, int]] = [(-1, -1)] * len(params)
+        self.reset_round()
+
+    def resync(self, k: int) -> None:
+        """Read the master of tensor k again from its parameter if the parameter was written since."""
+        p = self.params[k]
+        if (p._version, p.data_ptr()) != self.marks[k]:
+            with torch.no_grad():
+                self.masters[k].copy_(p.detach())
+            self.marks[k] = (p._version, p.data_ptr())
+
+    def reset_round(self) -> None:
+        n = len(self.params)
+        self.fires = [0] * n  # backward passes that wrote this tensor's gradient since the last step
+        self.sent: List[Optional[Tuple[Any, int]]] = [None] * n  # (weakref to the gradient copied, its version)
+        self.events: List[Any] = [None] * n  # CUDA events: that copy has landed
+        self.future = None  # the chunk's step, when it started in backward
+        self.progress = 0  # 1: masters and state stepped this round; 2: also copied back
+        self.h2d_event = None
+
+
+class CPUOffload(torch.optim.Optimizer):
+    """An optirs.torch optimizer whose fp32 masters and state live in host memory.
+
+    Args:
+        optimizer_class: an optirs.torch optimizer class (``AdamW``, ``SGD``, ...) or its name.
+        params: the model's parameters or param groups (float32, bfloat16 or float16, one device).
+        workers: worker threads running chunk steps and transfers (default 2: the CPU steps run one
+            at a time, each on every core; a second worker converts and copies meanwhile).
+        accumulation_steps: backward passes per step; gradients are copied only in the last one.
+        step_in_backward: start a chunk's CPU step in the backward that completes its gradients.
+        bucket_elements: about how many elements one CPU step (chunk) covers.
+        **kwargs: the optimizer's arguments (``lr``, ``betas``, ``backend_options``, ...).
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, optimizer_class: Any, params: Any, *, workers: Optional[int] = None,
+                 accumulation_steps: int = 1, step_in_backward: bool = False,
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, **kwargs: Any):
+        cls = resolve_optimizer_class(optimizer_class)
+        workers = DEFAULT_WORKERS if workers is None else workers
+        for name, value in (("workers", workers), ("accumulation_steps", accumulation_steps),
+                            ("bucket_elements", bucket_elements)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(f"{name}={value!r}, expected an int >= 1")
+        backend = kwargs.pop("backend", "cpu")
+        if backend != "cpu":
+            raise UnsupportedOperationError(
+                f"backend={backend!r}, expected 'cpu': CPUOffload steps the host masters on the cpu backend")
+        self._cls, self._kwargs = cls, kwargs
+        # A probe optimizer checks the arguments now and gives the defaults of every group.
+        self._probe = cls([torch.zeros(1)], backend="cpu", **kwargs)
+        self.workers, self.accumulation_steps = workers, accumulation_steps
+        self.step_in_backward, self.bucket_elements = bool(step_in_backward), bucket_elements
+        self._armed = False  # step_in_backward: after one plain round showed the loop allows it
+        self._chunks: List[_Chunk] = []
+        self._where: Dict[torch.Tensor, Tuple[_Chunk, int]] = {}
+        self._handles: List[Any] = []
+        self._device: Optional[torch.device] = None
+        self._lock = threading.RLock()  # the round's bookkeeping (hooks run on autograd's threads)
+        self._streams: Optional[Tuple[Any, Any]] = None
+        self._backend = self._probe._backend_for(torch.device("cpu"))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="optirs-offload")
+        self.timing: Optional[OffloadTiming] = None  # set an OffloadTiming to see where the time goes
+        super().__init__(params, self._probe.defaults)
+
+    # ------------------------------------------------------------ groups, chunks, hooks
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        probe = {**self.defaults, **{k: v for k, v in param_group.items() if k not in _GROUP_ONLY}}
+        _check_flags(probe)
+        _, hp = self._probe._hyperparameters(probe)
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        try:
+            chunks = self._make_chunks(gi, self.param_groups[gi], coupled=getattr(hp, "max_grad_norm", None) is not None)
+        except BaseException:
+            self.param_groups.pop()  # a group that cannot be offloaded is not added
+            raise
+        self._register(chunks)
+
+    def _make_chunks(self, gi: int, group: Dict[str, Any], coupled: bool) -> List[_Chunk]:
+        params = [p for p in group["params"] if p.requires_grad]
+        devices = {p.device for p in params} | ({self._device} if self._device is not None else set())
+        if len(devices) > 1:
+            raise UnsupportedOperationError(
+                f"parameters on {sorted(map(str, devices))}, expected every parameter on one device: one CPUOffload "
+                "moves one device's tensors (make one per device)")
+        for j, p in enumerate(group["params"]):
+            if p.dtype not in OFFLOAD_DTYPES:
+                raise UnsupportedOperationError(
+                    f"param_groups[{gi}]['params'][{j}] is {p.dtype}, expected one of {list(OFFLOAD_DTYPES)}")
+            if p.is_sparse:
+                raise UnsupportedOperationError(f"param_groups[{gi}]['params'][{j}] is sparse, expected a dense tensor")
+        if not params:
+            return []
+        device = params[0].device
+        position = {id(p): j for j, p in enumerate(group["params"])}
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in reversed(params):  # backward writes the last layers' gradients first
+            by_dtype.setdefault(p.dtype, []).append(p)
+        if coupled and len(by_dtype) > 1:
+            raise UnsupportedOperationError(
+                f"param_groups[{gi}] clips gradients over the whole group (max_grad_norm) but mixes "
+                f"{sorted(map(str, by_dtype))} parameters, expected one dtype per such group")
+        runs: List[List[torch.Tensor]] = []
+        for ps in by_dtype.values():
+            run: List[torch.Tensor] = []
+            size = 0
+            for p in ps:
+                if run and size + p.numel() > self.bucket_elements and not coupled:
+                    runs.append(run)
+                    run, size = [], 0
+                run.append(p)
+                size += p.numel()
+            runs.append(run)
+        base = len(self._chunks)
+        chunks = [_Chunk(base + i, gi, run, [position[id(p)] for p in run], _pins(device)) for i, run in enumerate(runs)]
+        hyper = {k: v for k, v in group.items() if k not in _GROUP_ONLY}
+        with torch.no_grad():
+            for c in chunks:
+                for k in range(len(c.params)):
+                    c.resync(k)
+                c.inner = self._cls([{"params": c.masters, **hyper}], backend="cpu", **self._kwargs)
+        if device.type == "cuda" and self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        self._device = device
+        return chunks
+
+    def _register(self, chunks: List[_Chunk]) -> None:
+        ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
+
+        def make_hook(chunk: _Chunk, k: int) -> Callable[[torch.Tensor], None]:
+            def hook(p: torch.Tensor) -> None:
+                opt = ref()
+                if opt is not None:
+                    opt._on_grad(chunk, k, p)
+            return hook
+
+        for c in chunks:
+            for k, p in enumerate(c.params):
+                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(c, k)))
+                self._where[p] = (c, k)
+            self._chunks.append(c)
+
+    def remove_hooks(self) -> None:
+        """Unregister the gradient hooks (the optimizer then copies every gradient in step())."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------ gradients to the host
+
+    def _on_grad(self, chunk: _Chunk, k: int, p: torch.Tensor) -> None:
+        with self._lock:
+            chunk.fires[k] += 1
+            if chunk.fires[k] < self.accumulation_steps:
+                return  # not the last backward before step(): nothing to copy yet
+            if chunk.future is not None:
+                raise UnsupportedOperationError(
+                    f"backward {chunk.fires[k]} since the last step() wrote param_groups[{chunk.gi}]['params']"
+                    f"[{chunk.positions[k]}]'s gradient, but its step already started with the gradients of "
+                    f"accumulation_steps={self.accumulation_steps} backwards (step_in_backward=True); expected "
+                    f"step() after every {self.accumulation_steps} backwards")
+            self._send(chunk, k, p)
+            if self.step_in_backward and self._armed and all(s is not None for s in chunk.sent):
+                chunk.future = self._pool.submit(self._run_chunk, chunk, list(range(len(chunk.params))), None, None)
+
+    def _send(self, chunk: _Chunk, k: int, p: torch.Tensor) -> None:
+        """Start copying p's gradient into its host buffer (on CUDA: on the side stream, after the current one)."""
+        g = p.grad
+        if g.is_sparse:
+            raise UnsupportedOperationError(
+                f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] has a sparse gradient, expected a dense one: "
+                "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
+        if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+            raise ShapeMismatchError(
+                f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] is {tuple(p.shape)} {p.dtype} on {p.device}, "
+                f"but its gradient {tuple(g.shape)} {g.dtype} on {g.device}; expected the same")
+        chunk.resync(k)
+        landing = chunk.landing[k]
+        timing = self.timing
+        if self._streams is not None:
+            d2h = self._streams[0]
+            d2h.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(d2h):
+                if timing is not None:
+                    start, end = timing.events("d2h_s")
+                    start.record(d2h)
+                landing.copy_(g, non_blocking=True)
+                if timing is not None:
+                    end.record(d2h)
+            g.record_stream(d2h)  # its memory is not reused before the copy has read it
+            event = torch.cuda.Event()
+            event.record(d2h)
+        else:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                landing.copy_(g)
+            if timing is not None:
+                timing.add("d2h_s", time.perf_counter() - t0)
+            event = None
+        if timing is not None:
+            timing.add("d2h_bytes", g.numel() * g.element_size())
+        chunk.sent[k] = (weakref.ref(g), g._version)
+        chunk.events[k] = event
+
+    # ------------------------------------------------------------ one chunk's step (a worker)
+
+    def _run_chunk(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any) -> None:
+        timing = self.timing
+        clock = time.perf_counter
+        with torch.no_grad():
+            if chunk.progress == 0:
+                for k in present:
+                    if chunk.events[k] is not None:
+                        chunk.events[k].synchronize()  # releases the GIL while it waits
+                t0 = clock()
+                if chunk.staging is not None:
+                    for k in present:
+                        chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
+                keep = set(present)
+                for k, m in enumerate(chunk.masters):
+                    want = chunk.grads[k] if k in keep else None
+                    if m.grad is not want:
+                        m.grad = want
+                group, inner = self.param_groups[chunk.gi], chunk.inner.param_groups[0]
+                for key, value in group.items():
+                    if key not in _GROUP_ONLY:
+                        inner[key] = value
+                # One kernel at a time: each already runs on every core, and the cpu backend's
+                # staging caches are shared by everything on it.
+                t1 = clock()
+                with self._backend.lock:
+                    t2 = clock()
+                    chunk.inner.step(grad_scale=scale)
+                    t3 = clock()
+                chunk.progress = 1
+                if timing is not None:
+                    timing.add("convert_s", t1 - t0)
+                    timing.add("cpu_step_s", t3 - t2)
+            if chunk.progress == 1:
+                t0 = clock()
+                if chunk.staging is not None:
+                    for k in present:
+                        chunk.staging[k].copy_(chunk.masters[k])  # fp32 masters rounded to the parameters' dtype
+                if timing is not None:
+                    timing.add("convert_s", clock() - t0)
+                    timing.add("h2d_bytes", sum(chunk.outbound[k].numel() * chunk.outbound[k].element_size()
+                                                for k in present))
+                if self._streams is not None:
+                    h2d = self._streams[1]
+                    with torch.cuda.stream(h2d):
+                        for k in present:
+                            if chunk.events[k] is not None:
+                                h2d.wait_event(chunk.events[k])  # after backward's last use of the parameter
+                        if after is not None:
+                            h2d.wait_event(after)  # after what was queued before step()
+                        if timing is not None:
+                            start, end = timing.events("h2d_s")
+                            start.record(h2d)
+                        for k in present:
+                            chunk.params[k].copy_(chunk.outbound[k], non_blocking=True)
+                        if timing is not None:
+                            end.record(h2d)
+                        event = torch.cuda.Event()
+                        event.record(h2d)
+                    chunk.h2d_event = event
+                else:
+                    t0 = clock()
+                    for k in present:
+                        chunk.params[k].copy_(chunk.outbound[k])
+                    if timing is not None:
+                        timing.add("h2d_s", clock() - t0)
+                for k in present:
+                    chunk.marks[k] = (chunk.params[k]._version, chunk.params[k].data_ptr())
+                chunk.progress = 2
+
+    # ------------------------------------------------------------ the step
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
+             found_inf: Optional[torch.Tensor] = None):
+        """One step of every chunk; returns ``closure()``'s loss (evaluated with grad enabled).
+
+        ``grad_scale`` / ``found_inf`` (or the attributes GradScaler sets): as the front end, the
+        gradients are unscaled by ``1 / grad_scale`` and nothing changes when ``found_inf`` is set.
+        A KeyboardInterrupt during the step is delivered after it; a worker's exception is raised
+        (as the ``__cause__`` of a GpuOptimError) after the step was completed by retrying.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        t0 = time.perf_counter()
+        with deferred_interrupts():
+            try:
+                self._step_round(grad_scale, found_inf)
+            finally:
+                with self._lock:
+                    for c in self._chunks:
+                        c.reset_round()
+        timing = self.timing
+        if timing is not None:
+            timing.add("step_call_s", time.perf_counter() - t0)
+            timing.add("steps", 1)
+            timing.settle()
+        return loss
+
+    def _started(self) -> List[_Chunk]:
+        return [c for c in self._chunks if c.future is not None]
+
+    def _step_round(self, grad_scale: Any, found_inf: Any) -> None:
+        with self._lock:
+            started = self._started()
+        scaled = grad_scale is not None or found_inf is not None
+        if scaled and self.step_in_backward:
+            self._wait(started)
+            raise UnsupportedOperationError(
+                "GradScaler (grad_scale / found_inf) with step_in_backward=True, expected step_in_backward=False: "
+                "a step started in backward cannot wait for the inf check"
+                + (f"; {self._torn(started)}" if started else " (nothing was stepped)"))
+        if found_inf is not None and float(found_inf) != 0.0:
+            return
+        scale = None
+        if grad_scale is not None:
+            scale = float(grad_scale)
+            if not (scale > 0.0 and np.isfinite(scale)):
+                raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
+        # Check every group and gradient before anything is stepped.
+        for gi, group in enumerate(self.param_groups):
+            _check_flags(group)
+            _, hp = self._probe._hyperparameters(group)
+            if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
+                raise UnsupportedOperationError(
+                    f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
+                    "several chunks; expected max_grad_norm when the group is added")
+        # GradScaler passes found_inf without grad_scale after scaler.unscale_(opt), whose in-place
+        # unscale does not bump the gradients' version counters: copy every gradient again.
+        unscaled = found_inf is not None and grad_scale is None
+        work, changed = [], []
+        for c in self._chunks:
+            present, stale = [], []
+            for k, p in enumerate(c.params):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise UnsupportedOperationError(
+                        f"param_groups[{c.gi}]['params'][{c.positions[k]}] has a sparse gradient, expected a dense one: "
+                        "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
+                present.append(k)
+                sent = c.sent[k]
+                if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
+                    stale.append(k)
+                    if sent is not None and not unscaled:
+                        changed.append(f"param_groups[{c.gi}]['params'][{c.positions[k]}]")
+            work.append((c, present, stale))
+        if changed and self.step_in_backward:
+            self._wait(started)
+            raise UnsupportedOperationError(
+                f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} changed after backward wrote them "
+                "(clipped or unscaled in place?) with step_in_backward=True, expected them final when backward writes "
+                "them (or step_in_backward=False)"
+                + (f"; {self._torn(started)}" if started else " (nothing was stepped)"))
+        for c, present, stale in work:
+            for k in stale:
+                self._send(c, k, c.params[k])
+        after = None
+        if self._streams is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self._device))
+        jobs = [(c, present, c.future) for c, present, _ in work if c.future is not None]
+        jobs += [(c, present, self._pool.submit(self._run_chunk, c, present, scale, after))
+                 for c, present, _ in work if c.future is None and present]
+        failures = []
+        for c, present, future in jobs:
+            try:
+                future.result()
+            except Exception as exc:  # noqa: BLE001 - re-raised below as the cause
+                failures.append((c, present, exc))
+        unrecovered = []
+        for c, present, exc in failures:  # finish the step: retry what failed, from where it stopped
+            try:
+                self._run_chunk(c, present, None if c.future is not None else scale, after)
+            except Exception as again:  # noqa: BLE001
+                unrecovered.append((c, again))
+        if self._streams is not None:
+            current = torch.cuda.current_stream(self._device)
+            for c, _, _ in jobs:
+                if c.h2d_event is not None:
+                    current.wait_event(c.h2d_event)
+        self._refresh_state()
+        if failures:
+            where = ", ".join(f"chunk {c.index} (param_groups[{c.gi}])" for c, _, _ in failures)
+            if unrecovered:
+                raise GpuOptimError(
+                    f"the CPU step of {where} failed and failed again when retried ({unrecovered[0][1]!r}); the other "
+                    f"chunks were stepped: {self._torn([c for c, _ in unrecovered])}") from failures[0][2]
+            raise GpuOptimError(
+                f"a worker failed on {where} ({failures[0][2]!r}); the step was completed by retrying it, so every "
+                "parameter, master and state is after the step") from failures[0][2]
+        if self.step_in_backward:
+            self._armed = True
+
+    def _wait(self, chunks: List[_Chunk]) -> None:
+        for c in chunks:
+            try:
+                c.future.result()
+            except Exception:  # noqa: BLE001 - the caller raises the error that matters
+                pass
+
+    @staticmethod
+    def _torn(stepped: List[_Chunk]) -> str:
+        names = [f"param_groups[{c.gi}]['params'][{j}]" for c in stepped for j in c.positions]
+        return f"these tensors differ from the rest by one step: {names[:6]}{' ...' if len(names) > 6 else ''}"
+
+    # ------------------------------------------------------------ torch.optim's state
+
+    def _refresh_state(self) -> None:
+        """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers)."""
+        for c in self._chunks:
+            for p, m in zip(c.params, c.masters):
+                if m in c.inner.state and c.inner.state[m]:
+                    self.state[p] = c.inner.state[m]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's format, as the wrapped optimizer's; 16-bit parameters add their fp32 master
+        weights as ``state[i][MASTER_KEY]`` (the parameter itself holds only their rounding)."""
+        self._refresh_state()
+        sd = super().state_dict()
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                where = self._where.get(p)
+                if where is not None and where[0].staging is not None:
+                    # a new dict: torch's packed entries are the live state dicts themselves
+                    sd["state"][index] = {**sd["state"].get(index, {}), MASTER_KEY: where[0].masters[where[1]]}
+                index += 1
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        saved = state_dict.get("state", {})
+        index: Dict[torch.Tensor, Any] = {}
+        for group, saved_group in zip(self.param_groups, state_dict.get("param_groups", [])):
+            for p, i in zip(group["params"], saved_group.get("params", [])):
+                index[p] = i
+        # torch checks the groups and takes their hyperparameters; the state goes to the inner
+        # optimizers (torch would cast it to the parameters' device and dtype).
+        masters: List[Tuple[_Chunk, int, torch.Tensor]] = []
+        locals_: List[Dict[int, Any]] = []
+        for c in self._chunks:
+            local = {}
+            for k, p in enumerate(c.params):
+                entry = dict(saved.get(index.get(p), {}))
+                master = entry.pop(MASTER_KEY, None)
+                if master is not None and c.staging is not None:
+                    if tuple(master.shape) != tuple(p.shape):
+                        raise ShapeMismatchError(
+                            f"state[{index[p]}][{MASTER_KEY!r}] has shape {tuple(master.shape)}, expected {tuple(p.shape)}")
+                    masters.append((c, k, master))
+                if entry:
+                    local[k] = entry
+            locals_.append(local)
+        super().load_state_dict({**state_dict, "state": {}})
+        for c, k, master in masters:
+            with torch.no_grad():
+                c.masters[k].copy_(master)
+            p = c.params[k]
+            c.marks[k] = (p._version, p.data_ptr())
+        for c, local in zip(self._chunks, locals_):
+            hyper = {k: v for k, v in self.param_groups[c.gi].items() if k not in _GROUP_ONLY}
+            c.inner.load_state_dict({"state": local, "param_groups": [{**hyper, "params": list(range(len(c.params)))}]})
+        with self._lock:
+            for c in self._chunks:
+                c.reset_round()
+        self._refresh_state()
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+
+__all__ = ["CPUOffload", "MASTER_KEY", "OffloadTiming", "resolve_optimizer_class"]

@@ -1,0 +1,529 @@
+"""optirs.torch.CPUOffload: trajectories equal to the same optirs.torch optimizer without offload.
+
+On this CPU-only machine the parameters are torch CPU tensors: the offload is then a degenerate
+case (the "transfers" are host copies) that still runs the hooks, the chunking, the worker pool,
+the state bookkeeping and the interrupt handling. The tests marked ``gpu`` make real copies on a
+CUDA device (the lead's H200 run). References: the front end without offload (itself checked
+against torch.optim in tests/test_torch_frontend.py) and, for bf16 parameters, torch's AdamW run
+on fp32 masters and rounded to bf16.
+"""
+
+from __future__ import annotations
+
+import _thread
+import copy
+import io
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import optirs.torch as ot  # noqa: E402
+from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError,  # noqa: E402
+                                UnsupportedOperationError)
+from optirs.torch import offload as offload_mod  # noqa: E402
+
+STEPS = 32
+TOL = dict(rtol=2e-5, atol=2e-6)
+CUDA = torch.cuda.is_available()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(12, 24)
+        self.mid = torch.nn.Linear(24, 24)
+        self.norm = torch.nn.LayerNorm(24)
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.tanh(self.mid(torch.relu(self.emb(x))))))
+
+
+def make_model(dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    return Net().to(device=device, dtype=dtype)
+
+
+def batch(t, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + t)
+    return (torch.randn(16, 12, generator=g).to(device=device, dtype=dtype),
+            torch.randint(0, 5, (16,), generator=g).to(device))
+
+
+def loss_of(model, t, device="cpu"):
+    x, y = batch(t, device, next(model.parameters()).dtype)
+    return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+def groups(model):
+    """Three groups: decayed weights, the LayerNorm at another lr, biases without decay."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight") and not n.startswith("norm")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.startswith("norm")], "lr": 3e-3, "weight_decay": 0.0},
+            {"params": [p for n, p in named if n.endswith("bias") and not n.startswith("norm")], "weight_decay": 0.0}]
+
+
+def assert_same(a, b, **tol):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach().cpu(), msg=lambda m: f"{name}: {m}", **(tol or TOL))
+
+
+def offload(name, params, **kwargs):
+    # tiny chunks, so a model of a few tensors still has several chunks and both workers work
+    kwargs.setdefault("bucket_elements", 300)
+    kwargs.setdefault("workers", 2)
+    return ot.CPUOffload(name, params, **kwargs)
+
+
+CASES = [
+    ("AdamW", {"lr": 1e-2}), ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    ("Lion", {"lr": 1e-3, "weight_decay": 0.1}), ("Adafactor", {"lr": 1e-2}),
+    ("Adam", {"lr": 1e-2, "amsgrad": True, "maximize": True}), ("RMSprop", {"lr": 1e-3, "centered": True, "momentum": 0.5}),
+    ("Adagrad", {"lr": 1e-2}), ("Lamb", {"lr": 1e-2}),
+]
+
+
+def run_pair(name, kwargs, steps=STEPS, accumulation=1, mode=None, **offload_kwargs):
+    """Train the plain optirs.torch optimizer and its offloaded twin; compare after every step.
+
+    Three groups, a OneCycleLR scheduler (lr, and betas / momentum where the optimizer has them)
+    and, on every third step, the closure form of step().
+    """
+    ref_model, our_model = make_model(), make_model()
+    ref = getattr(ot, name)(groups(ref_model), backend="cpu", **kwargs)
+    ours = offload(name, groups(our_model), accumulation_steps=accumulation, **offload_kwargs, **kwargs)
+    cycle = "betas" in ref.defaults or "momentum" in ref.defaults
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[2e-2, 5e-3, 2e-2], total_steps=steps,
+                                                  cycle_momentum=cycle) for o in (ref, ours)]
+    for t in range(steps):
+        for model, opt in ((ref_model, ref), (our_model, ours)):
+            def closure(model=model, opt=opt, t=t):
+                opt.zero_grad()
+                for a in range(accumulation):
+                    (loss_of(model, t * accumulation + a) / accumulation).backward()
+                return torch.tensor(0.0)
+            if t % 3 == 2:
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+        for s in scheds:
+            s.step()
+        assert_same(ref_model, our_model)
+    return ref, ours, ref_model, our_model
+
+
+@pytest.mark.parametrize("name,kwargs", CASES, ids=[n for n, _ in CASES])
+def test_trajectory_equals_no_offload(name, kwargs):
+    ref, ours, _, our_model = run_pair(name, kwargs)
+    assert len(ours._chunks) > len(ours.param_groups)  # really chunked
+    assert [g["lr"] for g in ours.param_groups] == [g["lr"] for g in ref.param_groups]
+    sd, rsd = ours.state_dict(), ref.state_dict()
+    assert sd["param_groups"] == rsd["param_groups"]
+    assert set(sd["state"]) == set(rsd["state"])
+    for i in rsd["state"]:
+        assert set(sd["state"][i]) == set(rsd["state"][i])
+        for k, v in rsd["state"][i].items():
+            torch.testing.assert_close(sd["state"][i][k], v, **TOL)
+
+
+@pytest.mark.parametrize("name,kwargs", [CASES[0], CASES[1], CASES[3]], ids=["AdamW", "SGD", "Adafactor"])
+def test_step_in_backward_and_accumulation(name, kwargs):
+    """The steps started by the hooks (from the second round on) give the same trajectory."""
+    _, ours, _, _ = run_pair(name, kwargs, steps=12, accumulation=3, step_in_backward=True)
+    assert ours._armed
+
+
+def test_accumulation_count_wrong_either_way_is_still_correct():
+    # the hooks expect 3 backwards, the loop does 2: step() copies what the hooks skipped
+    run_pair("AdamW", {"lr": 1e-2}, steps=6, accumulation=2, step_in_backward=False)
+    ref_model, our_model = make_model(), make_model()
+    ref = ot.AdamW(ref_model.parameters(), lr=1e-2, backend="cpu")
+    ours = offload("AdamW", our_model.parameters(), lr=1e-2, accumulation_steps=3)
+    for t in range(6):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            for a in range(2 if t % 2 else 4):  # fewer and more backwards than announced
+                loss_of(m, 4 * t + a).backward()
+            o.step()
+        assert_same(ref_model, our_model)
+
+
+def test_step_in_backward_refuses_an_extra_backward():
+    model = make_model()
+    opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
+    for t in range(2):  # the first round is plain; it arms the hooks
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+    opt.zero_grad()
+    loss_of(model, 5).backward()
+    with pytest.raises(UnsupportedOperationError, match="already started"):
+        loss_of(model, 6).backward()
+
+
+def test_gradients_changed_after_backward_are_copied_again():
+    """clip_grad_norm_ after backward (in place): the offload steps with the clipped gradients."""
+    ref_model, our_model = make_model(), make_model()
+    ref = ot.AdamW(ref_model.parameters(), lr=1e-2, backend="cpu")
+    ours = offload("AdamW", our_model.parameters(), lr=1e-2)
+    for t in range(8):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            (loss_of(m, t) * 50).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            o.step()
+        assert_same(ref_model, our_model)
+
+
+def test_gradients_changed_after_backward_are_refused_with_step_in_backward():
+    model = make_model()
+    opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
+    loss_of(model, 0).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UnsupportedOperationError, match="changed after backward.*nothing was stepped"):
+        opt.step()  # the first round: refused before anything is stepped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+INF_STEPS = (2, 5, 6)
+
+
+def _scaler_run(make_opt, classic, steps=12):
+    model = make_model()
+    opt = make_opt(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    scales = []
+    for t in range(steps):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, t)).backward()
+        if t in INF_STEPS:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if classic:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return model, scales, opt
+
+
+@pytest.mark.parametrize("classic", [False, True], ids=["fused-way", "classic"])
+def test_grad_scaler_with_injected_infs(classic):
+    ref_model, ref_scales, _ = _scaler_run(lambda m: ot.AdamW(groups(m), lr=1e-2, backend="cpu"), classic)
+    our_model, our_scales, ours = _scaler_run(lambda m: offload("AdamW", groups(m), lr=1e-2), classic)
+    assert our_scales == ref_scales and min(ref_scales) < 2.0**12
+    assert_same(ref_model, our_model)
+    assert float(ours.state[next(our_model.parameters())]["step"]) == 12 - len(INF_STEPS)
+
+
+def test_grad_scaler_refused_with_step_in_backward_before_anything_changes():
+    model = make_model()
+    opt = offload("AdamW", model.parameters(), step_in_backward=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(model, 0)).backward()
+    with pytest.raises(UnsupportedOperationError, match="GradScaler.*nothing was stepped"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+
+
+# ---------------------------------------------------------------- bf16 / fp16 parameters
+
+def _manual_masters_run(dtype, steps):
+    """torch.optim.AdamW on fp32 masters; the 16-bit model is the masters rounded (the reference)."""
+    model = make_model(dtype)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    for t in range(steps):
+        model.zero_grad()
+        loss_of(model, t).backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+    return model, masters
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16bit_parameters_against_torch_on_fp32_masters(dtype):
+    steps = 30
+    ref_model, ref_masters = _manual_masters_run(dtype, steps)
+    model = make_model(dtype)
+    opt = offload("AdamW", model.parameters(), lr=1e-2, weight_decay=0.1)
+    for t in range(steps):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+    ours = [c.masters[k] for p in model.parameters() for c, k in [opt._where[p]]]
+    for a, b in zip(ours, ref_masters):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-5)
+    for p, m in zip(model.parameters(), ours):
+        assert p.dtype == dtype and torch.equal(p, m.to(dtype))  # the parameters are the masters rounded
+    # the 16-bit parameters follow the reference up to a rounding step of their dtype
+    assert_same(ref_model, model, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------- state_dict
+
+def _through_disk(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _train(model, opt, steps, start=0):
+    for t in range(start, start + steps):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name,kwargs", [CASES[0], CASES[1], CASES[3]], ids=["AdamW", "SGD", "Adafactor"])
+def test_resume_equals_uninterrupted(name, kwargs, dtype):
+    model = make_model(dtype)
+    opt = offload(name, groups(model), **kwargs)
+    _train(model, opt, 5)
+    ckpt = _through_disk({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, 5, start=5)
+    resumed = make_model(dtype)
+    ropt = offload(name, groups(resumed), **kwargs)  # masters read from the fresh model here...
+    resumed.load_state_dict(ckpt["model"])  # ...and again from the loaded weights at the next step
+    ropt.load_state_dict(ckpt["opt"])
+    _train(resumed, ropt, 5, start=5)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    if dtype == torch.bfloat16:
+        assert offload_mod.MASTER_KEY in ckpt["opt"]["state"][0]
+
+
+def test_state_dict_loads_into_the_plain_optimizer_and_back():
+    model = make_model()
+    opt = offload("AdamW", groups(model), lr=1e-2)
+    _train(model, opt, 4)
+    ckpt = _through_disk({"model": model.state_dict(), "opt": opt.state_dict()})
+    plain_model = make_model()
+    plain_model.load_state_dict(ckpt["model"])
+    plain = ot.AdamW(groups(plain_model), lr=1e-2, backend="cpu")
+    plain.load_state_dict(ckpt["opt"])
+    _train(model, opt, 4, start=4)
+    _train(plain_model, plain, 4, start=4)
+    assert_same(plain_model, model)
+    back = offload("AdamW", groups(plain_model), lr=1e-2)
+    back.load_state_dict(_through_disk(plain.state_dict()))
+    _train(plain_model, plain, 2, start=8)
+    clone = copy.deepcopy(model)
+    clone.load_state_dict(plain_model.state_dict())
+
+
+# ---------------------------------------------------------------- interrupted steps
+
+def _snapshot(model, opt):
+    sd = opt.state_dict()
+    return ([p.detach().clone() for p in model.parameters()],
+            {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()},
+            [c.masters[k].clone() for c in opt._chunks for k in range(len(c.params))])
+
+
+def _assert_snapshot(a, b):
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    assert set(a[1]) == set(b[1])
+    for i in a[1]:
+        for k in a[1][i]:
+            assert torch.equal(a[1][i][k], b[1][i][k]), (i, k)
+    for x, y in zip(a[2], b[2]):
+        assert torch.equal(x, y)
+
+
+def _pair_after_steps(steps=3):
+    ref_model, our_model = make_model(), make_model()
+    ref = offload("AdamW", groups(ref_model), lr=1e-2)
+    ours = offload("AdamW", groups(our_model), lr=1e-2)
+    _train(ref_model, ref, steps)
+    _train(our_model, ours, steps)
+    for m in (ref_model, our_model):
+        m.zero_grad()
+        loss_of(m, steps).backward()
+    ref.step()  # the uninterrupted step
+    return ref_model, ref, our_model, ours
+
+
+def test_a_failing_worker_leaves_the_step_complete(monkeypatch):
+    ref_model, ref, our_model, ours = _pair_after_steps()
+    chunk = ours._chunks[1]
+    real = chunk.inner.step
+    calls = []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected worker failure")
+        return real(*a, **k)
+
+    monkeypatch.setattr(chunk.inner, "step", flaky)
+    with pytest.raises(GpuOptimError, match="completed by retrying") as info:
+        ours.step()
+    assert isinstance(info.value.__cause__, RuntimeError) and "injected" in str(info.value.__cause__)
+    _assert_snapshot(_snapshot(our_model, ours), _snapshot(ref_model, ref))  # fully after the step
+
+
+def test_a_worker_failing_for_good_is_reported(monkeypatch):
+    _, _, our_model, ours = _pair_after_steps()
+    monkeypatch.setattr(ours._chunks[0].inner, "step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken")))
+    with pytest.raises(GpuOptimError, match="failed again") as info:
+        ours.step()
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_keyboard_interrupt_during_the_step_lands_after_it(monkeypatch):
+    ref_model, ref, our_model, ours = _pair_after_steps()
+    chunk = ours._chunks[2]
+    real = chunk.inner.step
+
+    def interrupting(*a, **k):
+        _thread.interrupt_main()  # a SIGINT while the workers are stepping
+        return real(*a, **k)
+
+    monkeypatch.setattr(chunk.inner, "step", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        ours.step()
+        for _ in range(1000):  # the interrupt is delivered by the main thread's next bytecodes
+            pass
+    _assert_snapshot(_snapshot(our_model, ours), _snapshot(ref_model, ref))
+
+
+def test_a_bad_hyperparameter_at_step_changes_nothing():
+    model = make_model()
+    opt = offload("AdamW", groups(model), lr=1e-2)
+    _train(model, opt, 2)
+    loss_of(model, 3).backward()
+    before = _snapshot(model, opt)
+    opt.param_groups[1]["lr"] = -1.0
+    with pytest.raises(InvalidParameterError):
+        opt.step()
+    _assert_snapshot(_snapshot(model, opt), before)
+
+
+# ---------------------------------------------------------------- bad cases
+
+def test_pinned_allocation_failure_names_the_bytes(monkeypatch):
+    # pin on this CPU-only torch: torch.empty(pin_memory=True) raises its own RuntimeError
+    monkeypatch.setattr(offload_mod, "_pins", lambda device: True)
+    model = make_model()
+    with pytest.raises(DeviceMemoryError, match=r"\d+ bytes of pinned host memory") as info:
+        ot.CPUOffload("AdamW", model.parameters())
+    assert isinstance(info.value.__cause__, RuntimeError)
+    n = sum(p.numel() for p in model.parameters())
+    assert str(n * 4) in str(info.value)  # one chunk: all the fp32 masters
+
+
+def test_bad_arguments_and_tensors():
+    model = make_model()
+    with pytest.raises(InvalidParameterError, match="optimizer_class"):
+        ot.CPUOffload("AdamX", model.parameters())
+    with pytest.raises(InvalidParameterError, match="optimizer_class"):
+        ot.CPUOffload(torch.optim.AdamW, model.parameters())
+    with pytest.raises(InvalidParameterError, match="workers"):
+        ot.CPUOffload("AdamW", model.parameters(), workers=0)
+    with pytest.raises(UnsupportedOperationError, match="backend"):
+        ot.CPUOffload("AdamW", model.parameters(), backend="cuda")
+    with pytest.raises(InvalidParameterError):
+        ot.CPUOffload("AdamW", model.parameters(), lr=-1.0)
+    with pytest.raises(UnsupportedOperationError, match="float64"):
+        ot.CPUOffload("SGD", [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    opt = ot.CPUOffload(ot.SGD, model.parameters(), lr=0.1)
+    with pytest.raises(InvalidParameterError):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "momentum": -1.0})
+    assert len(opt.param_groups) == 1 and len(opt._chunks) == 1
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    sopt = ot.CPUOffload("Adam", emb.parameters())
+    with pytest.raises(UnsupportedOperationError, match="sparse"):
+        emb(torch.tensor([1, 2])).sum().backward()  # the hook refuses it as soon as it is written
+    with pytest.raises(UnsupportedOperationError, match="sparse"):
+        sopt.step()
+    assert not sopt.state
+
+
+def test_parameters_on_several_devices_are_refused():
+    meta = torch.nn.Parameter(torch.zeros(4, device="meta"))
+    with pytest.raises(UnsupportedOperationError, match="one device"):
+        ot.CPUOffload("AdamW", [torch.nn.Parameter(torch.zeros(4)), meta])
+    opt = ot.CPUOffload("AdamW", [torch.nn.Parameter(torch.zeros(4))])
+    with pytest.raises(UnsupportedOperationError, match="one device"):
+        opt.add_param_group({"params": [meta]})
+    assert len(opt.param_groups) == 1
+
+
+# ---------------------------------------------------------------- real copies (the GPU machine)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("step_in_backward", [False, True], ids=["step-at-step", "step-in-backward"])
+def test_cuda_trajectory_equals_no_offload(step_in_backward):
+    ref_model, our_model = make_model(device="cuda"), make_model(device="cuda")
+    ref = ot.AdamW(groups(ref_model), lr=1e-2, backend="cuda")
+    ours = ot.CPUOffload("AdamW", groups(our_model), lr=1e-2, bucket_elements=300,
+                         step_in_backward=step_in_backward, accumulation_steps=2)
+    for t in range(STEPS):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            for a in range(2):
+                (loss_of(m, 2 * t + a, "cuda") / 2).backward()
+            o.step()
+        assert_same(ref_model, our_model, rtol=1e-4, atol=1e-5)  # cuda vs cpu kernels: float32 rounding
+    assert all(c.master_flat.is_pinned() for c in ours._chunks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_optimizer_state_takes_no_gpu_memory():
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    x = torch.randn(64, 1024, device="cuda")
+    model(x).sum().backward()  # the gradients exist before the baseline
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt = ot.CPUOffload("AdamW", model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(x).sum().backward()
+        opt.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+
+
+def test_timing_counts_every_byte_moved():
+    model = make_model(torch.bfloat16)
+    opt = offload("AdamW", model.parameters())
+    opt.timing = offload_mod.OffloadTiming()
+    _train(model, opt, 3)
+    t = opt.timing.as_dict()
+    n = sum(p.numel() for p in model.parameters())
+    assert t["steps"] == 3 and t["d2h_bytes"] == t["h2d_bytes"] == 3 * n * 2  # bf16 both ways
+    assert t["cpu_step_s"] > 0 and t["convert_s"] > 0 and t["step_call_s"] >= t["cpu_step_s"] / opt.workers
+
+
+def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_offload.py"
+    spec = importlib.util.spec_from_file_location("bench_offload", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "offload.json"
+    assert bench.main(["--quick", "--rows", "torch_fused,offload,torchao", "--json", str(out)]) == 0
+    import json
+
+    r = json.loads(out.read_text())
+    off = r["rows"]["offload"]
+    assert off["step_ms"] > 0 and r["rows"]["torch_fused"]["step_ms"] > 0
+    assert "skipped" in r["rows"]["torchao"] or r["rows"]["torchao"]["step_ms"] > 0
+    # fp32 parameters: every step copies each gradient out and each parameter back, 4 bytes each
+    assert off["timing"]["d2h_bytes"] == off["timing"]["h2d_bytes"] == 4 * off["parameters"]
+    assert r["analysis"]["offload"]["cpu_step_GBps"] > 0 and r["bandwidth"]["host_copy_GBps"] > 0
