@@ -36,11 +36,13 @@ POINTWISE_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion")
 @dataclass(frozen=True)
 class StateSlot:
     """One per-element state buffer: its name (as in ``state_dict()`` and torch), its initial
-    value and whether a given set of hyperparameters needs it."""
+    value, whether a given set of hyperparameters needs it, and whether its values can be
+    negative (``signed``: int8 state quantizes it with the signed dynamic map, else the unsigned one)."""
 
     name: str
     initial: Callable[[Any], float] = lambda hp: 0.0
     needed: Callable[[Any], bool] = lambda hp: True
+    signed: bool = True
 
 
 class ElementwiseState:
@@ -144,7 +146,8 @@ ADAM = OptimizerDefinition(
     name="adam", class_name="GpuAdam", params_type=P.AdamParams, kernel="adam",
     scalars=lambda hp, step: scalars.adam_scalars(hp, step, decoupled=False),
     reference=reference.adam,
-    slots=(StateSlot("exp_avg"), StateSlot("exp_avg_sq"), StateSlot("max_exp_avg_sq", needed=lambda hp: hp.amsgrad)),
+    slots=(StateSlot("exp_avg"), StateSlot("exp_avg_sq", signed=False),
+           StateSlot("max_exp_avg_sq", needed=lambda hp: hp.amsgrad, signed=False)),
     summary="Adam (Kingma & Ba), as torch.optim.Adam; weight_decay is L2 (added to the gradient).",
     algorithm="""
         g = g + weight_decay * p
@@ -187,7 +190,7 @@ SGD = OptimizerDefinition(
 RMSPROP = OptimizerDefinition(
     name="rmsprop", class_name="GpuRmsprop", params_type=P.RmspropParams, kernel="rmsprop",
     scalars=scalars.rmsprop_scalars, reference=reference.rmsprop,
-    slots=(StateSlot("square_avg"), StateSlot("momentum_buffer", needed=lambda hp: hp.momentum > 0.0),
+    slots=(StateSlot("square_avg", signed=False), StateSlot("momentum_buffer", needed=lambda hp: hp.momentum > 0.0),
            StateSlot("grad_avg", needed=lambda hp: hp.centered)),
     summary="RMSprop, as torch.optim.RMSprop (eps outside the square root, momentum, centered).",
     algorithm="""
@@ -205,7 +208,7 @@ RMSPROP = OptimizerDefinition(
 ADAGRAD = OptimizerDefinition(
     name="adagrad", class_name="GpuAdagrad", params_type=P.AdagradParams, kernel="adagrad",
     scalars=scalars.adagrad_scalars, reference=reference.adagrad,
-    slots=(StateSlot("sum", initial=lambda hp: hp.initial_accumulator_value),),
+    slots=(StateSlot("sum", initial=lambda hp: hp.initial_accumulator_value, signed=False),),
     summary="Adagrad, as torch.optim.Adagrad (lr_decay, initial_accumulator_value).",
     algorithm="""
         g = g + weight_decay * p
@@ -219,7 +222,7 @@ ADAGRAD = OptimizerDefinition(
 LAMB = OptimizerDefinition(
     name="lamb", class_name="GpuLamb", params_type=P.LambParams, kernel="lamb",
     scalars=scalars.lamb_scalars, reference=reference.lamb,
-    slots=(StateSlot("exp_avg"), StateSlot("exp_avg_sq")),
+    slots=(StateSlot("exp_avg"), StateSlot("exp_avg_sq", signed=False)),
     summary="LAMB (You et al. 2019), as optax.lamb: per-tensor trust ratios, optional global gradient clipping.",
     algorithm="""
         g = g * min(1, max_grad_norm / ||all g||)          (global clipping, optional)
@@ -250,7 +253,8 @@ LION = OptimizerDefinition(
 ADAFACTOR = OptimizerDefinition(
     name="adafactor", class_name="GpuAdafactor", params_type=P.AdafactorParams, kernel="adafactor",
     scalars=scalars.adafactor_scalars, reference=reference.adafactor,
-    slots=(StateSlot("row_var"), StateSlot("col_var"), StateSlot("variance")),
+    slots=(StateSlot("row_var", signed=False), StateSlot("col_var", signed=False),
+           StateSlot("variance", signed=False)),
     # a 2+ dim tensor keeps row and column means of its last two dims, a 0-1 dim one a variance
     state_layout=lambda layout, slots: factored_layout(layout),
     summary="Adafactor (Shazeer & Stern 2018), as torch.optim.Adafactor: factored second moments.",

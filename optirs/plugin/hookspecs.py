@@ -726,6 +726,82 @@ def optirs_current_stream(ctx: BackendContext) -> int:
     """
 
 
+
+# ---- step formats (section owned by the formats work, issue 13; the contract is docs/formats.md)
+# 16-bit parameters, compact master weights and compact state, stepped in one fused pass per
+# optimizer and format (one launch for the whole model on a GPU backend, one parallel loop on cpu).
+# float32 parameters with float32 state run the ordinary step hooks; everything else runs these.
+
+from optirs.core.formats import FormatState, StepFormat  # noqa: E402
+
+
+@hookspec
+def optirs_formats_stage(ctx: BackendContext, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
+    """Make one format step's parameters and gradients usable by :func:`optirs_formats_step`.
+
+    Like :func:`optirs_stage`, for the dtypes of ``fmt``: 16-bit arrays (numpy ``ml_dtypes.bfloat16``
+    / ``float16``, or their uint16 bit views; a backend's own 16-bit device arrays) are staged as
+    the backend's flat uint16 bit arrays, float32 ones as float32. Host arrays are uploaded and
+    written back by ``Staged.finish``; the backend's own device arrays are used in place.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param params: the caller's parameters, all of ``fmt.param_dtype`` (or its uint16 bits).
+    :param grads: the caller's gradients, all of ``fmt.grad_dtype`` (or its uint16 bits).
+    :param fmt: the step's :class:`optirs.core.formats.StepFormat`.
+    :return: the staged arrays.
+    :raises optirs.InvalidParameterError: for an array kind or dtype this backend cannot use with ``fmt``.
+    """
+
+
+@hookspec
+def optirs_formats_step(ctx: BackendContext, family: str, params: List[DeviceArray], grads: List[DeviceArray],
+                        state: SlotBuffers, layout: TensorLayout, format_state: FormatState, fmt: StepFormat,
+                        scalars: StepScalars, seed: int, step: int, found_inf: Optional[DeviceArray]) -> None:
+    """One step of kernel family ``family`` in format ``fmt``, every tensor at once, in place.
+
+    Per element: decode the master (the float32 master, the bfloat16 parameter joined with its
+    remainder, or the parameter itself; at ``step`` 1 a float32 master is read from the
+    parameter), the gradient and the state; run the family's float32 element step; encode the
+    parameter, master and state with the rounding of docs/formats.md (nearest even, stochastic with
+    the counter-based random bits of ``seed`` and ``step``, remainder splits, int8 blocks of 256
+    with one absmax scale each). LAMB runs its two passes (norms in float64, as its float32 step).
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param family: the definition's kernel family (one of ``optirs.core.formats.FORMAT_FAMILIES``).
+    :param params: the parameters as staged by :func:`optirs_formats_stage`, updated in place.
+    :param grads: the gradients, staged like ``params``.
+    :param state: buffer name -> flat device array, as ``format_state.buffer_sizes()`` /
+        ``buffer_dtypes()`` (slot buffers and the master buffer), updated in place.
+    :param layout: the model's :class:`~optirs.core.layout.TensorLayout` (backends may keep prepared
+        data in ``layout.cache``).
+    :param format_state: where each tensor's buffers live (:class:`optirs.core.formats.FormatState`).
+    :param fmt: the step's :class:`optirs.core.formats.StepFormat`.
+    :param scalars: the family's float32 per-step record (:mod:`optirs.core.scalars`).
+    :param seed: the stochastic rounding's seed, in [0, 2**32).
+    :param step: the 1-based step being taken.
+    :param found_inf: None, or a 1-element int32 device array: when it is non-zero the step writes
+        nothing (read on the device, without a host round trip).
+    :raises optirs.UnsupportedOperationError: for a family or format this backend does not run,
+        before anything is written.
+    """
+
+
+@hookspec
+def optirs_formats_check(ctx: BackendContext, grads: List[DeviceArray], layout: TensorLayout, fmt: StepFormat,
+                         flag: DeviceArray) -> None:
+    """Set ``flag[0] = 1`` when any gradient is not finite (inf or NaN); otherwise leave it as it is.
+
+    Reads only the gradients (one pass, one launch on a GPU backend), so a loss scaler can skip a
+    whole format step through its ``found_inf`` without a host round trip.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param grads: the gradients as staged by :func:`optirs_formats_stage`.
+    :param layout: the model's :class:`~optirs.core.layout.TensorLayout`.
+    :param fmt: the step's :class:`optirs.core.formats.StepFormat` (its ``grad_dtype``).
+    :param flag: a 1-element int32 device array of this backend.
+    """
+
+
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
@@ -736,5 +812,6 @@ CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "fusion": ("optirs_fusion_compile", "optirs_fusion_run"),
     "measure": ("optirs_measure_copy", "optirs_measure_elapsed_ms", "optirs_torch_device"),
     "streams": ("optirs_use_stream", "optirs_current_stream"),
+    "formats": ("optirs_formats_stage", "optirs_formats_step", "optirs_formats_check"),
 }
 

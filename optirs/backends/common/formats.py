@@ -1,0 +1,322 @@
+"""The per-element code of the step formats, written once for numba and shared by cpu and cuda.
+
+docs/formats.md is the contract; this is its numba text: the float32 <-> bits casts, the
+counter-based random bits, bfloat16 rounding (nearest even and stochastic), float16, the
+remainder16 / remainder8 master splits, int8 map quantization, and the uniform format element
+step (decode the master and the gradient, the family's ``element_update``, encode the master).
+Every function is ``@njit``: the cpu loops call them, numba-cuda compiles them as device
+functions (as :mod:`optirs.backends.common.elementwise`). Integer arithmetic is on uint64
+holding 32-bit values, masked back to 32 bits after each multiply (numba widens uint32
+arithmetic, and mixing unsigned with signed integers would give float64).
+
+The codes the functions branch on (``fc``, an :class:`optirs.core.formats.FormatCodes`) are the
+same for every element of a launch. State slots are decoded and encoded by the loops around the
+element step, since an int8 block's scale depends on all of its new values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from optirs.backends.common import half
+from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
+from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
+                                 STATE_F32)
+
+_jit = njit(cache=True, error_model="numpy")
+
+_U = np.uint64
+_MASK32 = np.uint64(0xFFFFFFFF)
+_MASK16 = np.uint64(0xFFFF)
+_C1 = np.uint64(0x85EBCA6B)
+_C2 = np.uint64(0xC2B2AE35)
+_GOLDEN = np.uint64(0x9E3779B1)
+_S8, _S13, _S16 = np.uint64(8), np.uint64(13), np.uint64(16)
+
+
+# ---------------------------------------------------------------- bit casts
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, u):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@_jit
+def f32_bits(x):
+    """The float32 bit pattern of ``x`` (as uint32)."""
+    return _f32_bits(np.float32(x))
+
+
+@_jit
+def bits_f32(u):
+    """The float32 whose bit pattern is the low 32 bits of ``u``."""
+    return _bits_f32(np.uint32(u))
+
+
+_bf16_encode = _jit(half.bf16_encode)
+_f16_encode = _jit(half.f16_encode)
+_bf16_decode = _jit(half.bf16_decode)
+_f16_decode = _jit(half.f16_decode)
+
+
+# ---------------------------------------------------------------- random bits
+
+
+@_jit
+def fmix32(h):
+    """MurmurHash3's 32-bit finalizer (``h`` a uint64 holding 32 bits; returns the same)."""
+    h = _U(h) & _MASK32
+    h ^= h >> _S16
+    h = (h * _C1) & _MASK32
+    h ^= h >> _S13
+    h = (h * _C2) & _MASK32
+    h ^= h >> _S16
+    return h
+
+
+@_jit
+def stream_key(seed, step, stream):
+    """``fmix32(seed ^ fmix32(step * 4 + stream))``: the key of one random stream of one step."""
+    return fmix32((_U(seed) & _MASK32) ^ fmix32(_U(step) * _U(4) + _U(stream)))
+
+
+@_jit
+def rand32(key, i):
+    """``fmix32(key ^ (i * 0x9E3779B1))`` for element ``i`` (its flat layout index, low 32 bits)."""
+    return fmix32(_U(key) ^ ((_U(i) * _GOLDEN) & _MASK32))
+
+
+# ---------------------------------------------------------------- 16-bit encodings
+
+
+@_jit
+def decode16(h, kind):
+    """bfloat16 (``kind`` BF16) or float16 bits -> float32."""
+    if kind == BF16:
+        return _bf16_decode(_U(h))
+    return _f16_decode(_U(h))
+
+
+@_jit
+def decode_value(raw, kind):
+    """A parameter or gradient word -> float32: float32 bits (``kind`` F32), else 16-bit bits."""
+    if kind == F32:
+        return bits_f32(raw)
+    return decode16(raw, kind)
+
+
+@_jit
+def bf16_nearest(x):
+    """float32 -> bfloat16 bits, nearest even, NaN -> quiet NaN (ml_dtypes' cast)."""
+    return np.uint32(_bf16_encode(_U(f32_bits(x))))
+
+
+@_jit
+def f16_nearest(x):
+    """float32 -> float16 bits, nearest even (numpy's cast)."""
+    return np.uint32(_f16_encode(_U(f32_bits(x))))
+
+
+@_jit
+def bf16_stochastic(x, r):
+    """float32 -> bfloat16 bits, rounded up with probability ``low16 / 65536`` (``r`` the random word);
+    inf and NaN round to nearest."""
+    u = _U(f32_bits(x))
+    if (u & _U(0x7F800000)) == _U(0x7F800000):
+        return bf16_nearest(x)
+    return np.uint32(((u + (_U(r) & _MASK16)) & _MASK32) >> _S16)
+
+
+# ---------------------------------------------------------------- remainder masters
+
+
+@_jit
+def remainder16_split(x):
+    """The exact float32 master ``x`` -> (bfloat16 bits ``hi``, int16 remainder as int32)."""
+    u = _U(f32_bits(x))
+    hi = u >> _S16
+    lo = u & _MASK16
+    if lo >= _U(0x8000):
+        hi = hi + _U(1)
+    return np.uint32(hi & _MASK16), np.int32(np.int64(lo) - (65536 if lo >= _U(0x8000) else 0))
+
+
+@_jit
+def remainder16_join(hi, rem):
+    """bfloat16 bits ``hi`` and an int16 remainder -> the exact float32 master."""
+    h = _U(hi) & _MASK16
+    if rem < 0:
+        h = (h - _U(1)) & _MASK16
+    return bits_f32((h << _S16) | (_U(np.int64(rem) & 0xFFFF)))
+
+
+@_jit
+def round24(x):
+    """float32 -> float32 with its low 8 bits zero, nearest even on them (non-finite stays)."""
+    u = _U(f32_bits(x))
+    if (u & _U(0x7F800000)) == _U(0x7F800000):
+        return x
+    u24 = ((u + _U(0x7F) + ((u >> _S8) & _U(1))) & _MASK32) >> _S8
+    return bits_f32(u24 << _S8)
+
+
+@_jit
+def remainder8_split(x):
+    """A float32 master with zero low 8 bits (``round24``'s result) -> (bfloat16 bits, int8 remainder as int32)."""
+    u24 = _U(f32_bits(x)) >> _S8
+    hi = u24 >> _S8
+    lo = u24 & _U(0xFF)
+    if lo >= _U(0x80):
+        hi = hi + _U(1)
+    return np.uint32(hi & _MASK16), np.int32(np.int64(lo) - (256 if lo >= _U(0x80) else 0))
+
+
+@_jit
+def remainder8_join(hi, rem):
+    """bfloat16 bits ``hi`` and an int8 remainder -> the 24-bit float32 master."""
+    h = _U(hi) & _MASK16
+    if rem < 0:
+        h = (h - _U(1)) & _MASK16
+    return bits_f32(((h << _S8) | _U(np.int64(rem) & 0xFF)) << _S8)
+
+
+# ---------------------------------------------------------------- int8 blocks
+
+
+@_jit
+def quantize(x, scale, mid):
+    """The code of float32 ``x`` in a block of ``scale``: the number of ``mid[k] < x / scale``
+    (``mid`` the map's 255 float32 midpoints; 0 where scale is 0). Branchless binary search."""
+    y = x / scale if scale != 0 else np.float32(0)
+    code = 0
+    step = 128
+    while step > 0:
+        if mid[code + step - 1] < y:
+            code += step
+        step >>= 1
+    return np.uint8(code)
+
+
+@_jit
+def dequantize(code, scale, q):
+    """``q[code] * scale`` in float32."""
+    return q[code] * scale
+
+
+@_jit
+def absmax_update(m, x):
+    """max(m, |x|), NaN-propagating: a NaN in a block makes its scale NaN (docs/formats.md)."""
+    a = abs(x)
+    return a if not (a <= m) else m
+
+
+# ---------------------------------------------------------------- state words
+
+
+@_jit
+def decode_state(raw, kind):
+    """A float32 (``kind`` STATE_F32: its bits) or bfloat16 state word -> float32."""
+    if kind == STATE_F32:
+        return bits_f32(raw)
+    return _bf16_decode(_U(raw))
+
+
+@_jit
+def encode_state(x, kind, key, i):
+    """float32 -> a state word: float32 bits, or bfloat16 rounded stochastically with ``key`` at ``i``."""
+    if kind == STATE_BF16:
+        return bf16_stochastic(x, rand32(key, i))
+    return f32_bits(x)
+
+
+# ---------------------------------------------------------------- masters and the element step
+
+
+@_jit
+def load_master(praw, mraw, fc, fresh):
+    """The float32 master of one element.
+
+    :param praw: the parameter word (float32 bits, or 16-bit bits), uint32.
+    :param mraw: the master word: float32 bits (MASTER_F32), the remainder (int16 / int8 as
+        int32, MASTER_R16 / MASTER_R8), else unused.
+    :param fc: the :class:`~optirs.core.formats.FormatCodes`.
+    :param fresh: step 1: a float32 master is read from the parameter (its buffer is not filled yet).
+    """
+    if fc.param == F32:
+        return bits_f32(praw)
+    if fc.master == MASTER_F32 and not fresh:
+        return bits_f32(mraw)
+    if fc.master == MASTER_R16:
+        return remainder16_join(praw, np.int32(mraw))
+    if fc.master == MASTER_R8:
+        return remainder8_join(praw, np.int32(mraw))
+    return decode16(praw, fc.param)
+
+
+@_jit
+def store_master(x, fc, key, i):
+    """The new float32 master ``x`` -> (parameter word, master word), as :func:`load_master` reads them.
+
+    ``key`` is the parameter stream's key and ``i`` the element's flat index (stochastic rounding)."""
+    if fc.param == F32:
+        return f32_bits(x), np.uint32(0)
+    if fc.master == MASTER_R16:
+        hi, rem = remainder16_split(x)
+        return hi, np.uint32(np.int64(rem) & 0xFFFFFFFF)
+    if fc.master == MASTER_R8:
+        hi, rem = remainder8_split(round24(x))
+        return hi, np.uint32(np.int64(rem) & 0xFFFFFFFF)
+    if fc.param == BF16:
+        if fc.master == MASTER_NONE and fc.stochastic:
+            h = bf16_stochastic(x, rand32(key, i))
+        else:
+            h = bf16_nearest(x)
+    else:
+        h = f16_nearest(x)
+    if fc.master == MASTER_F32:
+        return h, f32_bits(x)
+    return h, np.uint32(0)
+
+
+@_jit
+def format_element(praw, mraw, graw, s0, s1, s2, sc, fc, fresh, key, i):
+    """One element of a pointwise family in a format: decode, ``element_update``, encode the master.
+
+    ``s0``-``s2`` are the decoded float32 state values (0 for unused slots) and come back updated
+    for the loop to encode. Returns (parameter word, master word, s0, s1, s2) with the words as uint32
+    (a remainder word holds the signed remainder's two's complement)."""
+    p = load_master(praw, mraw, fc, fresh)
+    g = decode_value(graw, fc.grad)
+    p, s0, s1, s2 = element_update(p, g, s0, s1, s2, sc)
+    pw, mw = store_master(p, fc, key, i)
+    return pw, mw, s0, s1, s2
+
+
+@_jit
+def lamb_format_element(praw, mraw, graw, m, v, grad_scale, sc, fc, fresh):
+    """LAMB's per-element work in a format: (master p, new m, new v, direction u), all float32.
+
+    Both passes call it with the same inputs (pass 1 for the norms, pass 2 to apply
+    ``p - lr * ratio * u``), so they see the same values; nothing is written in pass 1."""
+    p = load_master(praw, mraw, fc, fresh)
+    g = decode_value(graw, fc.grad)
+    m, v = lamb_moments(g, m, v, grad_scale, sc)
+    return p, m, v, lamb_direction(p, m, v, sc)
