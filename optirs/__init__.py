@@ -9,6 +9,7 @@ from __future__ import annotations
 from optirs.core.errors import (BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError,
                      PluginError, ShapeMismatchError, UnsupportedOperationError)
 from optirs.core.definitions import DEFINITIONS
+from optirs.core.formats import Precision
 from optirs.optim.optimizers import OPTIMIZERS, GpuOptimizer, GpuOptimizerConfig
 from optirs.plugin.registry import (SUPPORTED_BACKENDS, get_backend, list_backends, list_plugins, register_plugin,
                        unregister_plugin)
@@ -71,7 +72,7 @@ def __dir__():
 __all__ = [
     "GpuOptimError", "BackendUnavailableError", "UnsupportedOperationError", "InvalidParameterError",
     "ShapeMismatchError", "DeviceMemoryError", "PluginError",
-    "GpuOptimizer", "GpuOptimizerConfig", *_OPTIMIZER_NAMES, *_PARAMS_NAMES,
+    "GpuOptimizer", "GpuOptimizerConfig", "Precision", *_OPTIMIZER_NAMES, *_PARAMS_NAMES,
     "SUPPORTED_BACKENDS", "get_backend", "list_backends", "list_plugins", "register_plugin", "unregister_plugin",
     *_LAZY_NAMES,
 ]

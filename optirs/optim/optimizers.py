@@ -9,6 +9,11 @@ A step is a transaction: stage -> step -> finish -> count, under the backend's l
 optimizers on the same context share its staging buffers) and with SIGINT deferred
 (:mod:`optirs.core.interrupts`), so a KeyboardInterrupt lands before or after it. One optimizer
 runs one step, checkpoint or move at a time (its own lock), whatever the threads.
+
+Formats (docs/formats.md): ``precision=Precision(...)`` says how 16-bit parameters are backed
+and how the state is stored. float32 parameters with float32 state run the ordinary step hook;
+every other format runs the backend's ``formats`` capability (:mod:`optirs.optim.formats`) in
+the same transaction.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from optirs.core import checkpoint as ck
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta, check_no_overlap, describe
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.core.formats import PARAM_DTYPES, Precision, StepFormat, dtype_name, resolve_format
 from optirs.core.interrupts import deferred_interrupts
 from optirs.core.layout import TensorLayout
+from optirs.optim import formats as fm
 from optirs.plugin.registry import REGISTRY, Backend
 
 STATE_DTYPE = np.dtype(np.float32)
@@ -110,13 +117,20 @@ class GpuOptimizer:
     name: ClassVar[str]
     params_type: ClassVar[type]
     definition: ClassVar[OptimizerDefinition]
-    # Parameter dtypes this optimizer steps directly (float32 master weights).
-    param_dtypes: ClassVar[tuple] = (STATE_DTYPE,)
+    # Parameter dtypes this optimizer steps: float32 directly, 16-bit ones through the formats
+    # capability as ``precision`` says (bfloat16 as ml_dtypes.bfloat16).
+    param_dtypes: ClassVar[tuple] = PARAM_DTYPES
 
-    def __init__(self, params: Any = None, config: Optional[GpuOptimizerConfig] = None):
+    def __init__(self, params: Any = None, config: Optional[GpuOptimizerConfig] = None, *,
+                 precision: Optional[Precision] = None):
         self._params = self._check_params(self.default_params() if params is None else params)
         if config is not None and not isinstance(config, GpuOptimizerConfig):
             raise InvalidParameterError(f"config={config!r}, expected a GpuOptimizerConfig")
+        if precision is not None and not isinstance(precision, Precision):
+            raise InvalidParameterError(f"precision={precision!r}, expected an optirs.Precision")
+        self.precision = precision or Precision()
+        # The format of the state held (None: float32 state of the ordinary step; set at the first step).
+        self._format: Optional[StepFormat] = None
         self.config = config or GpuOptimizerConfig()
         self.config.check_backend()
         self._backend: Optional[Backend] = None
@@ -197,6 +211,9 @@ class GpuOptimizer:
 
     def _host_state(self) -> Dict[str, np.ndarray]:
         assert self._state is not None
+        if self._format is not None:
+            return fm.host_buffers(self.backend if self._state_on_device else None, self._format_state(),
+                                   self._state, self._state_on_device)
         if not self._state_on_device:
             return {k: v.copy() for k, v in self._state.items()}
         backend = self.backend
@@ -212,29 +229,36 @@ class GpuOptimizer:
             return list(arrays)
         return [arrays]
 
-    def _validate(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
+    def _validate(self, params: List[Any], grads: List[Any]) -> tuple:
+        """(metas of the parameters, the step's StepFormat), checked once per list of arrays."""
         key = (tuple(map(id, params)), tuple(map(id, grads)))
         hit = self._validated
         if hit is not None and hit[0] == key and _unchanged(hit[3]):
             return hit[2]
         # A changed array is described again: a repeat call refuses exactly what a first call would.
         self._validated = None
-        metas = self._describe_all(params, grads)
-        self._validated = (key, (params, grads), metas, _mutable_in_place(params, grads))
-        return metas
+        checked = self._describe_all(params, grads)
+        self._validated = (key, (params, grads), checked, _mutable_in_place(params, grads))
+        return checked
 
-    def _describe_all(self, params: List[Any], grads: List[Any]) -> List[ArrayMeta]:
+    def _describe_all(self, params: List[Any], grads: List[Any]) -> tuple:
         if len(params) != len(grads):
             raise ShapeMismatchError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
         metas, grad_metas = [], []
         for i, (p, g) in enumerate(zip(params, grads)):
             pm, gm = describe(p, f"params[{i}]"), describe(g, f"grads[{i}]")
-            if pm.dtype not in self.param_dtypes:
+            if dtype_name(pm.dtype) not in self.param_dtypes:
                 raise ShapeMismatchError(
-                    f"params[{i}] has dtype {pm.dtype}, expected one of {[str(d) for d in self.param_dtypes]}"
+                    f"params[{i}] has dtype {pm.dtype}, expected one of {list(self.param_dtypes)}"
                 )
-            if gm.dtype != pm.dtype:
-                raise ShapeMismatchError(f"grads[{i}] has dtype {gm.dtype}, expected {pm.dtype} like params[{i}]")
+            if i and pm.dtype != metas[0].dtype:
+                raise ShapeMismatchError(f"params[{i}] has dtype {pm.dtype}, expected {metas[0].dtype} like params[0] "
+                                         "(one step runs one parameter dtype)")
+            if gm.dtype != pm.dtype and not (pm.dtype != STATE_DTYPE and gm.dtype == STATE_DTYPE):
+                also = " or float32" if pm.dtype != STATE_DTYPE else ""
+                raise ShapeMismatchError(f"grads[{i}] has dtype {gm.dtype}, expected {pm.dtype}{also} like params[{i}]")
+            if i and gm.dtype != grad_metas[0].dtype:
+                raise ShapeMismatchError(f"grads[{i}] has dtype {gm.dtype}, expected {grad_metas[0].dtype} like grads[0]")
             if gm.shape != pm.shape:
                 raise ShapeMismatchError(f"grads[{i}] has shape {gm.shape}, expected {pm.shape} like params[{i}]")
             if pm.kind != gm.kind:
@@ -255,7 +279,13 @@ class GpuOptimizer:
                 f"the parameter list changed: got {len(shapes)} tensors with shapes {shapes}, "
                 f"expected {len(self._layout)} tensors with shapes {self._layout.shapes} as in earlier steps"
             )
-        return metas
+        fmt = resolve_format(self.precision, metas[0].dtype, grad_metas[0].dtype, self.definition.kernel)
+        if self._state is not None and not fm.same_storage(self._format, None if fmt.plain else fmt):
+            held = fm.describe_format(self._format) if self._format else "float32 (the ordinary step)"
+            raise ShapeMismatchError(
+                f"the optimizer's state is in format {held}, but these arrays step as {fm.describe_format(fmt)}; "
+                "expected parameters of the dtype of earlier steps")
+        return metas, fmt
 
     def step_gpu(self, params: ArrayOrList, grads: ArrayOrList, *, found_inf: Any = None) -> None:
         """One optimizer step over one array or a list of arrays, updating ``params`` in place.
@@ -280,8 +310,11 @@ class GpuOptimizer:
 
     def _step_locked(self, plist: List[Any], glist: List[Any], found_inf: Any = None) -> None:
         skip = self._found_inf(found_inf)
-        metas = self._validate(plist, glist)
+        metas, fmt = self._validate(plist, glist)
         if skip:
+            return
+        if not fmt.plain:
+            self._format_step(plist, glist, metas, fmt)
             return
         backend = self.backend
         step = backend.step_fn(self.name)
@@ -317,6 +350,59 @@ class GpuOptimizer:
             self._layout, self._state, self._state_on_device = layout, state, True
             self._step += 1
 
+    def _format_state(self, layout: Optional[TensorLayout] = None, fmt: Optional[StepFormat] = None):
+        """The :class:`~optirs.core.formats.FormatState` of the state held (or of ``layout``/``fmt``)."""
+        layout, fmt = layout or self._layout, fmt or self._format
+        cache = layout.cache.get("optirs.formats.state")
+        if cache is None or cache[0] != (fmt, self.state_slots(self._params)):
+            cache = (fmt, self.state_slots(self._params)), fm.format_state(self.definition, self._params, layout, fmt)
+            layout.cache["optirs.formats.state"] = cache
+        return cache[1]
+
+    def _format_step(self, plist: List[Any], glist: List[Any], metas: List[ArrayMeta], fmt: StepFormat,
+                     scalars: Optional[NamedTuple] = None, device_flag: Any = None) -> None:
+        """One step in ``fmt`` through the backend's ``formats`` capability, as one transaction.
+
+        ``scalars`` replaces the definition's record (a loss scaler sets its ``grad_factor``);
+        ``device_flag`` is a 1-element int32 array of the backend: non-zero (read on the device)
+        skips the launch's writes. The step is counted only if it was not skipped.
+        """
+        backend = self.backend
+        fm.check_backend(backend, fmt)
+        stage = backend.hook(fm.CAPABILITY, "optirs_formats_stage")
+        step = backend.hook(fm.CAPABILITY, "optirs_formats_step")
+        layout = self._layout or TensorLayout([m.shape for m in metas])
+        fs = self._format_state(layout, fmt)
+        if scalars is None:
+            scalars = self.step_scalars(self._step + 1)
+        with deferred_interrupts(), backend.lock:
+            hook = "optirs_alloc"
+            try:
+                if self._state is None:
+                    state = fm.alloc_state(backend, fs, self.state_slots(self._params))
+                else:
+                    hook = "optirs_to_device"
+                    self.move_to_gpu()
+                    state = self._state
+                hook = "optirs_formats_stage"
+                staged = stage(backend.ctx, plist, glist, fmt)
+                hook = "optirs_formats_step"
+                step(backend.ctx, self.definition.kernel, staged.params, staged.grads, state, layout, fs, fmt,
+                     scalars, self.precision.seed, self._step + 1, device_flag)
+                if staged.finish is not None:
+                    hook = "optirs_formats_stage's finish"
+                    staged.finish()
+                skipped = device_flag is not None and self._found_inf(device_flag)
+            except Exception as exc:
+                error = backend.plugin_error(exc, hook)
+                if error is exc:
+                    raise
+                raise error from exc
+            # Fresh state that a skipped step left untouched is kept: it is what step 1 starts from.
+            self._layout, self._state, self._state_on_device, self._format = layout, state, True, fmt
+            if not skipped:
+                self._step += 1
+
     def _found_inf(self, found_inf: Any) -> bool:
         """``step_gpu``'s ``found_inf`` as a host bool (a device flag is read back here)."""
         if found_inf is None:
@@ -342,7 +428,12 @@ class GpuOptimizer:
     def state_dict(self) -> Dict[str, Any]:
         """A self-contained checkpoint (numpy copies), from the device or the host side."""
         per_param: List[Dict[str, np.ndarray]] = []
-        if self._state is not None and self._layout is not None:
+        extra: Dict[str, Any] = {}
+        if self._format is not None and self._state is not None:
+            # The compact buffers as they are (int8 codes + block scales, bfloat16, remainders).
+            per_param = fm.checkpoint_state(self._format_state(), self._host_state())
+            extra["format"] = fm.format_record(self._format)
+        elif self._state is not None and self._layout is not None:
             flat = self._host_state()
             state_layout = self.definition.state_layout(self._layout, tuple(flat))
             views = {k: state_layout.views(k, v) for k, v in flat.items()}
@@ -354,6 +445,7 @@ class GpuOptimizer:
             "step": self._step,
             "shapes": [list(s) for s in self._layout.shapes] if self._layout else [],
             "state": per_param,
+            **extra,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -362,9 +454,17 @@ class GpuOptimizer:
         Every hyperparameter must be present (a missing one would silently take its default);
         the step count is an integer in [0, int64 max) whose next step's scalars are finite in
         float32; state arrays must hold float32 values exactly (:mod:`optirs.core.checkpoint`).
+        A checkpoint of a compact format (its ``format`` entry) must match this optimizer's
+        ``precision`` and holds every buffer in its own dtype (uint8 codes, float32 scales,
+        bfloat16 moments, int16/int8 remainders), restored as it is.
         """
         expected_keys = {"optimizer", "hyperparameters", "step", "shapes", "state"}
+        if isinstance(state_dict, Mapping) and "format" in state_dict:
+            expected_keys.add("format")
         ck.mapping(state_dict, "state_dict", expected_keys)
+        fmt = None
+        if "format" in expected_keys:
+            fmt = fm.load_format(state_dict["format"], self.precision, self.definition.kernel)
         if state_dict["optimizer"] != self.name:
             raise InvalidParameterError(f"state_dict is for optimizer {state_dict['optimizer']!r}, expected {self.name!r}")
         hp = ck.mapping(state_dict["hyperparameters"], "hyperparameters")
@@ -385,11 +485,16 @@ class GpuOptimizer:
             if entries or step:
                 raise InvalidParameterError("state_dict has state or steps but no shapes, expected both or neither")
             self._params, self._layout, self._state, self._state_on_device, self._step = params, None, None, False, 0
-            self._validated = None
+            self._format, self._validated = None, None
             return
         if len(entries) != len(shapes):
             raise InvalidParameterError(f"state_dict has {len(entries)} state entries for {len(shapes)} tensors, expected one per tensor")
         layout = TensorLayout(shapes)
+        if fmt is not None:
+            flat_state = fm.restore_state(fm.format_state(self.definition, params, layout, fmt), entries, slots)
+            self._params, self._layout, self._state, self._state_on_device = params, layout, flat_state, False
+            self._step, self._format, self._validated = step, fmt, None
+            return
         state_layout = self.definition.state_layout(layout, tuple(slots))
         values = []  # every entry checked and converted before the flat buffers are made
         for i, entry in enumerate(entries):
@@ -404,8 +509,7 @@ class GpuOptimizer:
             for k, value in entry.items():
                 views[k][i][...] = value
         self._params, self._layout, self._state, self._state_on_device = params, layout, flat, False
-        self._step = step
-        self._validated = None
+        self._step, self._format, self._validated = step, None, None
 
     def __repr__(self) -> str:
         where = self._backend.name if self._backend else self.config.backend

@@ -12,6 +12,12 @@ every ``torch.optim.lr_scheduler`` works unchanged.
 A bucket is rebuilt (its state copied once into fresh flat buffers) when the tensors with a
 gradient change, the slots change (``amsgrad`` switched on), or the state was replaced
 (``load_state_dict``, or an entry of ``opt.state[p]`` assigned by hand).
+
+Formats (docs/formats.md): a group's ``master_weights`` / ``state_dtype`` /
+``stochastic_rounding`` / ``seed`` and its tensors' dtype give a bucket its
+:class:`~optirs.core.formats.StepFormat`; float32 tensors with float32 state run the step hook as
+above, every other format a :class:`_FormatBucket` (optirs.torch._formats) whose flat buffers are
+the ``FormatState``'s, each in its own dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from optirs.core.errors import InvalidParameterError, ShapeMismatchError, Unsupp
 from optirs.core.layout import TensorLayout
 
 STATE_DTYPE = torch.float32
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # backend spec -> opened backend, per torch device type, so "auto" is resolved once.
 _AUTO: Dict[Tuple[str, str], Any] = {}
@@ -193,6 +200,20 @@ class _Bucket:
         return self.scratch_arrays
 
 
+def _storage(precision: Any, params: List[torch.Tensor], definition: OptimizerDefinition):
+    """The storage format of a bucket's tensors (None: float32 tensors and state, the step hook).
+
+    The gradients' dtype is resolved per launch (they may be unscaled into float32)."""
+    from dataclasses import replace
+
+    from optirs.core.formats import resolve_format
+
+    dtype = str(params[0].dtype).replace("torch.", "")
+    fmt = resolve_format(precision, dtype, dtype, definition.kernel)
+    fmt = replace(fmt, grad_dtype="float32")
+    return None if fmt.plain else fmt
+
+
 def _check_flags(group: Dict[str, Any]) -> None:
     if group.get("differentiable", False):
         raise UnsupportedOperationError(
@@ -269,10 +290,22 @@ class OptirsOptimizer(torch.optim.Optimizer):
         probe = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         _check_flags(probe)
         self._hyperparameters(probe)
+        self._precision(probe)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        # torch casts floating-point state to its parameter's dtype; the masters and compact state
+        # of 16-bit parameters keep their own (float32 masters and scales, bfloat16 moments).
+        saved = state_dict.get("state", {})
+        for saved_group, group in zip(state_dict.get("param_groups", []), self.param_groups):
+            for index, p in zip(saved_group.get("params", []), group["params"]):
+                entry = saved.get(index)
+                if p.dtype == STATE_DTYPE or entry is None or p not in self.state:
+                    continue
+                for k, v in entry.items():
+                    if k != "step" and isinstance(v, torch.Tensor):
+                        self.state[p][k] = v.detach().to(device=p.device).clone()
         self._buckets.clear()  # the next step copies the loaded state into fresh flat buffers
 
     # ------------------------------------------------------------ the step
@@ -291,20 +324,30 @@ class OptirsOptimizer(torch.optim.Optimizer):
         if self._has_step_state:
             step = state.get("step", 0)
             return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-        return 1 if state.get("momentum_buffer") is not None else 0
+        # SGD: a momentum buffer (compact ones under momentum_buffer.codes / .scales) means it has stepped
+        return 1 if any(k.split(".")[0] == "momentum_buffer" and v is not None for k, v in state.items()) else 0
 
     def _buckets_for(self, key: tuple, params: List[torch.Tensor], definition: OptimizerDefinition,
-                     slots: Dict[str, float]) -> List[_Bucket]:
+                     slots: Dict[str, float], fmt: Optional[Any] = None, hp: Any = None,
+                     seed: int = 0) -> List[_Bucket]:
         ids = tuple(map(id, params))
         hit = self._buckets.get(key)
         if hit is not None and hit[0] == ids:
             buckets = hit[1]
-            if all(b.definition is definition and b.slots == slots and b.intact(self) for b in buckets):
+            if all(b.definition is definition and b.slots == slots and getattr(b, "storage", None) == fmt
+                   and getattr(b, "seed", seed) == seed and b.intact(self) for b in buckets):
                 return buckets
         backend = self._backend_for(params[0].device)
         by_step: Dict[int, List[torch.Tensor]] = {}
         for p in params:
             by_step.setdefault(self._param_step(p), []).append(p)
+        if fmt is not None:
+            from optirs.torch._formats import _FormatBucket
+
+            buckets = [_FormatBucket(self, definition, backend, ps, slots, step, fmt, hp, seed)
+                       for step, ps in sorted(by_step.items())]
+            self._buckets[key] = (ids, buckets)
+            return buckets
         buckets = [_Bucket(self, definition, backend, ps, slots, step) for step, ps in sorted(by_step.items())]
         self._buckets[key] = (ids, buckets)
         return buckets
@@ -320,10 +363,10 @@ class OptirsOptimizer(torch.optim.Optimizer):
                     f"param_groups[{gi}]['params'][{j}] has a sparse gradient, expected a dense one: "
                     "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients"
                 )
-            if p.dtype != STATE_DTYPE or g.dtype != p.dtype:
+            if p.dtype not in PARAM_DTYPES or g.dtype not in (p.dtype, STATE_DTYPE):
                 raise UnsupportedOperationError(
                     f"param_groups[{gi}]['params'][{j}] is {p.dtype} with a {g.dtype} gradient, expected "
-                    "torch.float32 parameters and gradients (keep float32 master weights; autocast works)"
+                    "torch.float32, bfloat16 or float16 parameters with gradients of their dtype or float32"
                 )
             if not p.is_contiguous() or not g.is_contiguous():
                 raise ShapeMismatchError(
@@ -382,14 +425,30 @@ class OptirsOptimizer(torch.optim.Optimizer):
             name, hp = self._hyperparameters(group)
             definition = DEFINITIONS[name]
             slots = definition.state_slots(hp)
+            precision = self._precision(group)
             for key, params in self._group_tensors(gi, group).items():
-                plans.append((key, params, definition, hp, slots, self._grad_factor(group, inv_scale)))
-        for key, params, definition, hp, slots, factor in plans:
-            for bucket in self._buckets_for(key, params, definition, slots):
+                fmt = _storage(precision, params, definition)
+                plans.append((key, params, definition, hp, slots, self._grad_factor(group, inv_scale), fmt,
+                              precision.seed))
+        for key, params, definition, hp, slots, factor, fmt, seed in plans:
+            for bucket in self._buckets_for(key, params, definition, slots, fmt, hp, seed):
                 self._launch(bucket, hp, factor)
         return loss
 
+    # ------------------------------------------------------------ formats
+
+    _FORMAT_KEYS = ("master_weights", "state_dtype", "stochastic_rounding", "seed")
+
+    def _precision(self, group: Dict[str, Any]):
+        """The group's :class:`~optirs.core.formats.Precision` (its defaults where the optimizer takes none)."""
+        from optirs.core.formats import Precision
+
+        return Precision(**{k: group[k] for k in self._FORMAT_KEYS if k in group})
+
     def _launch(self, bucket: _Bucket, hp: Any, factor: Optional[float]) -> None:
+        if getattr(bucket, "storage", None) is not None:
+            bucket.launch(hp, factor)
+            return
         backend = bucket.backend
         grads = [p.grad for p in bucket.params]
         garrays = bucket.grad_arrays(grads, factor)

@@ -18,6 +18,9 @@ import torch
 
 def _portable(value: Any) -> Any:
     if isinstance(value, np.ndarray):
+        if value.dtype.name == "bfloat16":  # ml_dtypes.bfloat16: torch.from_numpy does not know it
+            bits = np.ascontiguousarray(value).view(np.int16).copy()
+            return torch.from_numpy(bits).view(torch.bfloat16)
         return torch.from_numpy(np.ascontiguousarray(value).copy())
     if isinstance(value, np.generic):
         return value.item()
@@ -37,7 +40,13 @@ def portable_state_dict(state_dict: Mapping[str, Any]) -> dict:
 
 def host_array(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
-        return a.detach().numpy() if a.is_cpu else a.detach()
+        if not a.is_cpu:
+            return a.detach()
+        if a.dtype == torch.bfloat16:  # numpy has no bfloat16: the same memory as ml_dtypes.bfloat16
+            import ml_dtypes
+
+            return a.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return a.detach().numpy()
     return a
 
 

@@ -3,7 +3,10 @@
 Each class takes torch 2.13's arguments (names, defaults, keyword-only parts) plus
 ``backend="auto"`` and ``backend_options``. What optirs cannot honour raises instead of being
 ignored: ``differentiable=True``, ``foreach=True``, ``fused=False``, ``capturable=True`` (the GPU
-part), sparse gradients, non-float32 parameters.
+part), sparse gradients. Every optimizer but Adafactor also takes the step-format keywords
+``master_weights=None``, ``state_dtype="float32"``, ``stochastic_rounding=False``, ``seed=0``
+(docs/formats.md): bfloat16 and float16 parameters are stepped through the backend's
+``formats`` capability.
 """
 
 from __future__ import annotations
@@ -13,6 +16,12 @@ from typing import Any, Dict, Optional, Tuple
 from optirs.core import params as P
 from optirs.core.errors import InvalidParameterError
 from optirs.torch._frontend import OptirsOptimizer
+
+
+def _formats(master_weights, state_dtype, stochastic_rounding, seed) -> Dict[str, Any]:
+    """The format keywords (docs/formats.md) as param-group defaults: each group may set its own."""
+    return {"master_weights": master_weights, "state_dtype": state_dtype,
+            "stochastic_rounding": stochastic_rounding, "seed": seed}
 
 
 def _common(foreach, fused, backend, backend_options) -> Dict[str, Any]:
@@ -25,10 +34,12 @@ class Adam(OptirsOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None, decoupled_weight_decay: bool = False,
-                 backend: str = "auto", backend_options: Optional[Dict[str, Any]] = None):
+                 master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto", backend_options: Optional[Dict[str, Any]] = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         decoupled_weight_decay=decoupled_weight_decay)
+        defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
 
     def _hyperparameters(self, group):
@@ -44,10 +55,13 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
-                 backend: str = "auto", backend_options: Optional[Dict[str, Any]] = None):
+                 master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto", backend_options: Optional[Dict[str, Any]] = None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, backend=backend, backend_options=backend_options)
+                         decoupled_weight_decay=True, master_weights=master_weights, state_dtype=state_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed, backend=backend,
+                         backend_options=backend_options)
 
 
 class SGD(OptirsOptimizer):
@@ -57,10 +71,12 @@ class SGD(OptirsOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
-                 fused: Optional[bool] = None, backend: str = "auto",
+                 fused: Optional[bool] = None, master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused)
+        defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
 
     def _hyperparameters(self, group):
@@ -74,10 +90,12 @@ class RMSprop(OptirsOptimizer):
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
                  capturable=False, foreach: Optional[bool] = None, maximize: bool = False,
-                 differentiable: bool = False, *, backend: str = "auto",
+                 differentiable: bool = False, *, master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None):
         defaults = dict(lr=lr, momentum=momentum, alpha=alpha, eps=eps, centered=centered, weight_decay=weight_decay,
                         capturable=capturable, foreach=foreach, maximize=maximize, differentiable=differentiable)
+        defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, None, backend, backend_options))
 
     def _hyperparameters(self, group):
@@ -94,11 +112,13 @@ class Adagrad(OptirsOptimizer):
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
                  foreach: Optional[bool] = None, *, maximize: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, backend: str = "auto",
+                 fused: Optional[bool] = None, master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None):
         defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, foreach=foreach, maximize=maximize,
                         differentiable=differentiable, fused=fused)
+        defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
 
     def _hyperparameters(self, group):
@@ -132,11 +152,13 @@ class Lamb(OptirsOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *,
                  bias_correction: bool = True, max_trust_ratio: Optional[float] = None,
                  max_grad_norm: Optional[float] = None, maximize: bool = False, foreach: Optional[bool] = None,
-                 fused: Optional[bool] = None, backend: str = "auto",
+                 fused: Optional[bool] = None, master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         max_trust_ratio=max_trust_ratio, max_grad_norm=max_grad_norm, maximize=maximize,
                         foreach=foreach, fused=fused)
+        defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
 
     def _hyperparameters(self, group):
@@ -150,9 +172,11 @@ class Lion(OptirsOptimizer):
     """Lion as the lion-pytorch package (``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``)."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
-                 foreach: Optional[bool] = None, fused: Optional[bool] = None, backend: str = "auto",
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None, master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach, fused=fused)
+        defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
 
     def _hyperparameters(self, group):
