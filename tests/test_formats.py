@@ -438,3 +438,176 @@ def test_format_step_matches_the_reference(backend, family, fmt_name, rng):
         _assert_close_params(got, want_p, run.fmt, what)
         _assert_close_state(run.fs, run.host_state(), want_s, what)
         params = got
+
+
+def _dense_step(backend, d, hp, params32, grads32, state32, step):
+    """The backend's ordinary float32 step hook on float32 copies (the same element math)."""
+    b = optirs.get_backend(backend)
+    layout = TensorLayout([p.shape for p in params32])
+    dev_p = [to_backend_array(backend, p) for p in params32]
+    dev_g = [to_backend_array(backend, g) for g in grads32]
+    staged = b.stage(b.ctx, dev_p, dev_g)
+    if state32 is None:
+        state32 = {k: b.alloc(b.ctx, layout.total, np.float32, v) for k, v in d.state_slots(hp).items()}
+    b.step_fn(d.name)(b.ctx, staged.params, staged.grads, state32, layout, d.scalars(hp, step))
+    if staged.finish is not None:
+        staged.finish()
+    b.synchronize()
+    return [from_backend_array(p).reshape(p32.shape) for p, p32 in zip(dev_p, params32)], state32
+
+
+@pytest.mark.parametrize("family", list(FAMILY_HP))
+@pytest.mark.parametrize("master", [None, "float32", "remainder16"])
+def test_same_math_is_bit_exact(backend, family, master, rng):
+    """bfloat16 parameters with float32 state run the float32 step's element math: the master
+    (float32 or remainder16) is bit for bit the float32 step's parameter, the bfloat16 parameter its
+    rounding (nearest even; remainder16: ties away), the state the float32 step's state."""
+    fmt = F.StepFormat("bfloat16", "float32", master, "float32", False)
+    run = FormatRun(backend, family, fmt, _shapes(backend))
+    params, grads = _problem(rng, run.layout.shapes, fmt, 3)
+    p32 = [_values(p, "bfloat16") for p in params]
+    dense_state = None
+    for k, g in enumerate(grads, start=1):
+        if master is None:  # no master: each step starts from the rounded bfloat16 parameter
+            p32 = [_values(p, "bfloat16") for p in params]
+        params = run.step(params, g, k)
+        p32, dense_state = _dense_step(backend, run.d, run.hp, p32, g, dense_state, k)
+        host = run.host_state()
+        want_bits = [R.nearest16(p, "bfloat16").reshape(p.shape) if master != "remainder16" else
+                     R.remainder16_split(p.reshape(-1))[0].reshape(p.shape) for p in p32]
+        for t in range(len(params)):
+            assert np.array_equal(params[t], want_bits[t]), f"{family} {master} step {k}: params[{t}]"
+        if master == "float32":
+            assert np.array_equal(host["master"].view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+        if master == "remainder16":
+            joined = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
+            assert np.array_equal(joined.view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+        for s in run.fs.slot_names:
+            assert np.array_equal(host[s].view(np.uint32), from_backend_array(dense_state[s]).view(np.uint32)), s
+
+
+def test_small_tensors_keep_float32_state(backend, rng):
+    """With int8 state, tensors under 4096 elements keep float32 state: bit for bit the float32 format's."""
+    shapes = [(4096,), (4095,), (3, 5)]
+    runs = {sd: FormatRun(backend, "adam", F.StepFormat("bfloat16", "bfloat16", "remainder16", sd, False), shapes)
+            for sd in ("int8", "float32")}
+    params, grads = _problem(rng, shapes, runs["int8"].fmt, 2)
+    got = {}
+    for sd, run in runs.items():
+        p = params
+        for k, g in enumerate(grads, start=1):
+            p = run.step(p, g, k)
+        got[sd] = (p, run.host_state())
+    fs = runs["int8"].fs
+    assert not fs.is_small(0) and fs.is_small(1) and fs.is_small(2)
+    for s in fs.slot_names:
+        small = got["int8"][1][f"{s}.small"]
+        dense = got["float32"][1][s][4096:]
+        assert small.size == 4095 + 15 and np.array_equal(small.view(np.uint32), dense.view(np.uint32)), s
+    for t in (1, 2):
+        assert np.array_equal(got["int8"][0][t], got["float32"][0][t])
+
+
+def _sr_run(backend, seed, n, value, state_dtype="float32"):
+    """SGD with lr 1 on bfloat16 parameters 1.0 and float32 gradients 1 - value: every updated
+    parameter is the float32 ``value`` (between two bfloat16 values), rounded stochastically."""
+    fmt = F.StepFormat("bfloat16", "float32", None, state_dtype, True)
+    run = FormatRun(backend, "sgd", fmt, [(n,)], seed=seed)
+    run.d, run.hp = DEFINITIONS["sgd"], P.SgdParams(lr=1.0, momentum=0.5)
+    run.fs = F.FormatState(run.layout, F.format_slots(run.d, run.hp), fmt)
+    host = R.fresh_buffers(run.fs, run.d, run.hp)
+    run.state = {k: run.b.to_device(run.b.ctx, v) for k, v in host.items()}
+    g = np.full(n, np.float32(1) - np.float32(value), np.float32)
+    p = run.step([R.nearest16(np.ones(n, np.float32), "bfloat16")], [g], 1)[0]
+    return p, run.host_state(), np.float32(1) - g
+
+
+def _assert_unbiased(bits, x):
+    x = np.float32(x)
+    # the two bfloat16 neighbours of x: truncated and one step up in magnitude
+    lo, hi = sorted(R.decode16(R.bf16_stochastic(np.array([x, x]), np.array([0, 0xFFFF], np.uint32)), "bfloat16"))
+    vals = R.decode16(bits, "bfloat16").astype(np.float64)
+    assert set(np.unique(vals)) <= {float(lo), float(hi)} and lo < x < hi
+    p = (float(x) - float(lo)) / (float(hi) - float(lo))
+    se = (float(hi) - float(lo)) * math.sqrt(p * (1 - p) / vals.size)
+    assert abs(vals.mean() - float(x)) <= 5 * se, (vals.mean(), float(x), se)
+
+
+def _sr_size(backend):
+    return 4096 if backend == "cuda" else 1 << 17
+
+
+@pytest.mark.parametrize("value", [1.0 + 0.3 * 2**-7, -2.7e-3, 3.0e5 + 123.0])
+def test_stochastic_rounding_is_unbiased(backend, value):
+    """The mean of many stochastically rounded copies of one float32 value is that value (within
+    five standard errors), for the parameters (stream 0) and bfloat16 state (stream 1)."""
+    n = _sr_size(backend)
+    p, state, x = _sr_run(backend, 11, n, value, "bfloat16")
+    _assert_unbiased(p, x[0])
+    g = np.float32(1) - np.float32(value)  # the momentum buffer's first value is the gradient
+    _assert_unbiased(state["momentum_buffer"], g)
+
+
+def test_stochastic_rounding_is_reproducible(backend):
+    """Same seed, same bits; another seed, other bits; the parameters and the state draw from
+    different streams (their round-up patterns differ)."""
+    n, value = _sr_size(backend), 1.0 + 0.3 * 2**-7
+    a, b, c = (_sr_run(backend, seed, n, value, "bfloat16") for seed in (5, 5, 6))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1]["momentum_buffer"], b[1]["momentum_buffer"])
+    assert not np.array_equal(a[0], c[0]) and not np.array_equal(a[1]["momentum_buffer"], c[1]["momentum_buffer"])
+    up_p = a[0] != a[0].min()
+    up_s = _ordered16(a[1]["momentum_buffer"]) != _ordered16(a[1]["momentum_buffer"]).min()
+    assert up_p.any() and up_s.any() and not np.array_equal(up_p, up_s)
+
+
+@pytest.mark.parametrize("family", ["adam", "lamb", "sgd"])
+@pytest.mark.parametrize("fmt_name", ["bf16-r8-int8", "bf16-sr-bf16state", "f16-master32-int8"])
+def test_found_inf_skips_every_write(backend, family, fmt_name, rng):
+    run = FormatRun(backend, family, fmt_name, _shapes(backend))
+    params, grads = _problem(rng, run.layout.shapes, run.fmt, 2)
+    params = run.step(params, grads[0], 1)
+    before = run.host_state()
+    after = run.step(params, grads[1], 2, found_inf=1)
+    for a, b in zip(after, params):
+        assert np.array_equal(a, b)
+    for k, v in run.host_state().items():
+        assert np.array_equal(v, before[k]), k
+    moved = run.step(params, grads[1], 2, found_inf=0)
+    assert any(not np.array_equal(a, b) for a, b in zip(moved, params))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan])
+def test_check_sets_the_flag(backend, dtype, bad, rng):
+    b = _open(backend)
+    fmt = F.StepFormat(dtype, dtype, None, "float32", False)
+    shapes = _shapes(backend)
+    layout = TensorLayout(shapes)
+    grads = [_words(rng.standard_normal(s).astype(np.float32), dtype) for s in shapes]
+    if bad is not None:
+        last = grads[-1].reshape(-1)
+        last[-1] = _words(np.array([bad], np.float32), dtype)[0]
+    for start in (0, 1):
+        dev_g = [to_backend_array(backend, g) for g in grads]
+        staged = b.hook("formats", "optirs_formats_stage")(b.ctx, [to_backend_array(backend, g.copy()) for g in grads],
+                                                           dev_g, fmt)
+        flag = to_backend_array(backend, np.array([start], np.int32))
+        b.hook("formats", "optirs_formats_check")(b.ctx, staged.grads, layout, fmt, flag)
+        b.synchronize()
+        assert int(from_backend_array(flag)[0]) == (1 if bad is not None or start else 0)
+
+
+def test_bad_inputs_raise_optirs_errors(backend, rng):
+    b = _open(backend)
+    fmt = F.StepFormat("bfloat16", "bfloat16", None, "float32", False)
+    stage = b.hook("formats", "optirs_formats_stage")
+    p = to_backend_array(backend, np.zeros(8, np.float16))
+    with pytest.raises(InvalidParameterError, match="params\\[0\\]"):
+        stage(b.ctx, [p], [to_backend_array(backend, np.zeros(8, np.uint16))], fmt)
+    with pytest.raises(InvalidParameterError, match="grads\\[0\\]"):
+        stage(b.ctx, [to_backend_array(backend, np.zeros(8, np.uint16))], [to_backend_array(backend, np.zeros(8, np.float32))], fmt)
+    run = FormatRun(backend, "adam", "bf16", [(8,)])
+    staged = stage(b.ctx, [to_backend_array(backend, np.zeros(8, np.uint16))], [to_backend_array(backend, np.zeros(8, np.uint16))], fmt)
+    with pytest.raises(UnsupportedOperationError, match="adafactor"):
+        b.hook("formats", "optirs_formats_step")(b.ctx, "adafactor", staged.params, staged.grads, run.state, run.layout,
+                                                 run.fs, fmt, DEFINITIONS["adafactor"].scalars(P.AdafactorParams(), 1), 0, 1, None)
