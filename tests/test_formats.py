@@ -286,3 +286,155 @@ def test_reference_encodings_follow_the_contract(rng):
     assert np.all(y.view(np.uint32)[finite] & 0xFF == 0)
     # the random bits: the published finalizer on known values (MurmurHash3's fmix32)
     assert int(R.fmix32(np.uint32(0))) == 0 and int(R.fmix32(np.uint32(1))) == 0x514E28B7
+
+
+# ---------------------------------------------------------------- every format x family on every backend
+
+import optirs  # noqa: E402
+from conftest import from_backend_array, to_backend_array  # noqa: E402
+
+from optirs.core import params as P  # noqa: E402
+
+FAMILY_HP = {  # each family's definition and hyperparameters that use every slot it has
+    "adam": ("adamw", P.AdamParams(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "sgd": ("sgd", P.SgdParams(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "rmsprop": ("rmsprop", P.RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True)),
+    "adagrad": ("adagrad", P.AdagradParams(lr=1e-2, initial_accumulator_value=0.1)),
+    "lion": ("lion", P.LionParams(lr=1e-3, weight_decay=0.1)),
+    "lamb": ("lamb", P.LambParams(lr=1e-2, max_grad_norm=1.0)),
+}
+FORMATS = {  # name -> (param dtype, grad dtype, master, state dtype, stochastic)
+    "bf16": ("bfloat16", "bfloat16", None, "float32", False),
+    "bf16-sr": ("bfloat16", "bfloat16", None, "float32", True),
+    "bf16-master32": ("bfloat16", "float32", "float32", "float32", False),
+    "bf16-r16": ("bfloat16", "bfloat16", "remainder16", "float32", False),
+    "bf16-r8-int8": ("bfloat16", "bfloat16", "remainder8", "int8", False),
+    "bf16-sr-bf16state": ("bfloat16", "bfloat16", None, "bfloat16", True),
+    "f16-master32-int8": ("float16", "float16", "float32", "int8", False),
+    "f32-int8": ("float32", "float32", None, "int8", False),
+    "f32-bf16state": ("float32", "float32", None, "bfloat16", False),
+}
+SHAPES = [(64, 80), (300,), (7, 3)]  # one int8 tensor (20 blocks, the last full), two small ones
+TINY = [(4096 + 40,), (5,)]  # for the CUDA simulator: one int8 tensor with a short last block
+
+
+def _open(backend):
+    b = optirs.get_backend(backend)
+    if not b.supports("formats"):
+        pytest.skip(f"backend {backend} has no formats capability")
+    return b
+
+
+class FormatRun:
+    """Drives the formats hooks of one backend over several steps, beside the reference's state."""
+
+    def __init__(self, backend, family, fmt_name, shapes, seed=7):
+        self.backend, self.b = backend, _open(backend)
+        self.d = DEFINITIONS[FAMILY_HP[family][0]]
+        self.hp = FAMILY_HP[family][1]
+        self.fmt = F.StepFormat(*FORMATS[fmt_name]) if isinstance(fmt_name, str) else fmt_name
+        self.layout = TensorLayout(shapes)
+        self.fs = F.FormatState(self.layout, F.format_slots(self.d, self.hp), self.fmt)
+        self.seed = seed
+        host = R.fresh_buffers(self.fs, self.d, self.hp)
+        self.state = {k: self.b.to_device(self.b.ctx, v) for k, v in host.items()}
+
+    def host_state(self):
+        return {k: np.asarray(self.b.to_host(self.b.ctx, v)).reshape(-1) for k, v in self.state.items()}
+
+    def step(self, params, grads, step, found_inf=None):
+        """params / grads: host word arrays (float32, or uint16 bits); returns the new host words."""
+        dev_p = [to_backend_array(self.backend, p) for p in params]
+        dev_g = [to_backend_array(self.backend, g) for g in grads]
+        staged = self.b.hook("formats", "optirs_formats_stage")(self.b.ctx, dev_p, dev_g, self.fmt)
+        flag = None if found_inf is None else to_backend_array(self.backend, np.array([found_inf], np.int32))
+        self.b.hook("formats", "optirs_formats_step")(
+            self.b.ctx, self.d.kernel, staged.params, staged.grads, self.state, self.layout, self.fs, self.fmt,
+            self.d.scalars(self.hp, step), self.seed, step, flag)
+        if staged.finish is not None:
+            staged.finish()
+        self.b.synchronize()
+        return [from_backend_array(p).reshape(s) for p, s in zip(dev_p, self.layout.shapes)]
+
+
+def _words(x, dtype):
+    x = np.asarray(x, np.float32)
+    return x if dtype == "float32" else R.nearest16(x, dtype).reshape(x.shape)
+
+
+def _problem(rng, shapes, fmt, steps):
+    params = [_words(rng.standard_normal(s).astype(np.float32), fmt.param_dtype) for s in shapes]
+    grads = [[_words(rng.standard_normal(s).astype(np.float32) * np.float32(0.5), fmt.grad_dtype) for s in shapes]
+             for _ in range(steps)]
+    return params, grads
+
+
+def _values(words, dtype):
+    w = np.asarray(words)
+    return w.astype(np.float32) if dtype == "float32" else R.decode16(w.reshape(-1), dtype).reshape(w.shape)
+
+
+def _ordered16(words):
+    """16-bit sign-magnitude words -> integers in value order (+0 and -0 both 0): adjacent values differ by 1."""
+    w = np.asarray(words).reshape(-1).view(np.uint16).astype(np.int64)
+    return np.where(w & 0x8000, -(w & 0x7FFF), w)
+
+
+def _assert_close_params(got, want, fmt, what):
+    """Equal words, or values one 16-bit step (float32: a few ulps) apart."""
+    for t, (g, w) in enumerate(zip(got, want)):
+        gv, wv = _values(g, fmt.param_dtype).reshape(-1), _values(w, fmt.param_dtype).reshape(-1)
+        if fmt.param_dtype == "float32":
+            assert np.allclose(gv, wv, rtol=1e-5, atol=1e-5 * np.abs(wv).max()), f"{what}: params[{t}]"
+            continue
+        ulp = np.abs(_ordered16(g) - _ordered16(w))
+        ulp[np.abs(gv - wv) <= 1e-5 * np.abs(wv).max()] = 0  # float32's own floor (cancellation)
+        assert ulp.max() <= 1, f"{what}: params[{t}] differ by {ulp.max()} {fmt.param_dtype} steps"
+
+
+def _assert_close_state(fs, got, want, what):
+    fmt = fs.fmt
+    gs, ws = R.decode_state(fs, got), R.decode_state(fs, want)
+    for t in range(len(fs.layout)):
+        for s in fs.slot_names:
+            g, w = gs[t][s], ws[t][s]
+            if fmt.state_dtype == "int8" and not fs.is_small(t):
+                o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
+                b = int(fs.tensor_table()[t, 1])
+                signed = {x.name: x.signed for x in fs.slots}[s]
+                steps = R.code_step(want[f"{s}.codes"][o : o + n], want[f"{s}.scales"][b : b + -(-n // F.BLOCK)], signed)
+                scale_g = got[f"{s}.scales"][b : b + -(-n // F.BLOCK)]
+                scale_w = want[f"{s}.scales"][b : b + -(-n // F.BLOCK)]
+                assert np.allclose(scale_g, scale_w, rtol=1e-5, atol=1e-30), f"{what}: {s}.scales of tensor {t}"
+                assert np.all(np.abs(g - w) <= steps * 1.001 + 1e-30), f"{what}: {s} of tensor {t} off by more than a code"
+            elif fmt.state_dtype == "bfloat16":
+                ulp = np.abs(_ordered16(R.nearest16(g, "bfloat16")) - _ordered16(R.nearest16(w, "bfloat16")))
+                ulp[np.abs(g - w) <= 1e-5 * np.abs(w).max()] = 0  # float32's own floor (cancellation)
+                assert ulp.max() <= 1, f"{what}: {s} of tensor {t}"
+            else:
+                # float32 vs float64: as tests/test_optimizers.py (RMSprop's centered variance cancels)
+                assert np.allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max()), f"{what}: {s} of tensor {t}"
+    m = fs.master_buffer()
+    if m == "master":
+        assert np.allclose(got[m], want[m], rtol=1e-5, atol=1e-5 * np.abs(want[m]).max()), f"{what}: master"
+
+
+def _shapes(backend):
+    return TINY if backend == "cuda" else SHAPES
+
+
+@pytest.mark.parametrize("family", list(FAMILY_HP))
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_format_step_matches_the_reference(backend, family, fmt_name, rng):
+    """Three steps of each family in each format: the backend against the float64 reference of
+    the format, each step starting from the backend's own previous result."""
+    run = FormatRun(backend, family, fmt_name, _shapes(backend))
+    params, grads = _problem(rng, run.layout.shapes, run.fmt, 3)
+    for k, g in enumerate(grads, start=1):
+        before = run.host_state()
+        got = run.step(params, g, k)
+        want_p, want_s = R.step(run.d, run.hp, run.fs, params, g, before, run.seed, k)
+        what = f"{backend} {family} {fmt_name} step {k}"
+        _assert_close_params(got, want_p, run.fmt, what)
+        _assert_close_state(run.fs, run.host_state(), want_s, what)
+        params = got
