@@ -314,7 +314,7 @@ class _Model:
         self.rng = rng
         self.params = [_words(rng.normal(size=s).astype(np.float32), fmt.param_dtype) for s in shapes]
         self.buffers = R.fresh_buffers(self.fs, self.definition, hp)
-        self.state = {k: cla.to_device(self.ctx.queue, v) for k, v in self.buffers.items()}
+        self.state = {k: backend.to_device(self.ctx, v) for k, v in self.buffers.items()}
         self.t = 0
 
     def grads(self, scale=1.0):
@@ -322,7 +322,7 @@ class _Model:
                 for s in self.layout.shapes]
 
     def host_state(self):
-        return {k: v.get() for k, v in self.state.items()}
+        return {k: np.asarray(self.backend.to_host(self.ctx, v)).reshape(-1) for k, v in self.state.items()}
 
     def step(self, grads, params=None, found_inf=None, seed=11):
         self.t += 1
@@ -333,7 +333,7 @@ class _Model:
                               self.fs, self.fmt, self.definition.scalars(self.hp, self.t), seed, self.t, found_inf)
         if staged.finish is not None:
             staged.finish()
-        ctx.queue.finish()
+        b.synchronize()
 
 
 def _master(fs, params, buffers, t):
@@ -536,3 +536,36 @@ def test_check_flags_non_finite_gradients(ocl, grad_dtype):
         flag = cla.zeros(ctx.queue, 1, np.int32)
         check(ctx, grads, layout, fmt, flag)
         assert flag.get()[0] == (0 if bad is None else 1), bad
+
+
+# Every pointwise family in the headline format, and Adam in every format (each pair compiles
+# its own numba loop on first use, so not the whole product).
+CPU_PAIRS = [(n, FORMATS[4]) for n in sorted(set(CASES) - {"lamb", "adam"})] + [("adam", f) for f in FORMATS]
+
+
+@pytest.mark.parametrize("name,fmt", CPU_PAIRS, ids=[f"{n}-{f.param_dtype}-{f.grad_dtype}-{f.master}-{f.state_dtype}"
+                                                     + ("-sr" if f.stochastic else "") for n, f in CPU_PAIRS])
+def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
+    """The OpenCL C and the numba element code are two texts of one contract: with FP_CONTRACT off
+    and correctly rounded division and sqrt, every word agrees bit for bit (NaN aside: none here).
+    LAMB is left out: its float64 norms are summed in another order (tests/test_formats.py)."""
+    cpu = optirs.get_backend("cpu")
+    if not cpu.supports("formats"):
+        pytest.skip("the cpu backend has no formats capability")
+    if not ocl.ctx.build_options.count("-cl-fp32-correctly-rounded-divide-sqrt"):
+        pytest.skip("this OpenCL device does not round division and sqrt correctly")
+    a = _Model(ocl, name, CASES[name], fmt, seed=9)
+    b = _Model(cpu, name, CASES[name], fmt, seed=9)
+    for _ in range(3):
+        grads = a.grads()
+        b.grads()
+        a.step(grads, seed=77)
+        b.step([g.copy() for g in grads], seed=77)
+        for x, y in zip(a.params, b.params):
+            assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+        sb = b.host_state()
+        for k, v in a.host_state().items():
+            live = np.ones(v.size, bool)
+            if k.endswith(".codes"):  # small tensors' range is unused
+                live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])
+            assert np.array_equal(v[live].view(np.uint8), sb[k][live].view(np.uint8)), k

@@ -487,23 +487,47 @@ def _plan(ctx: OpenclContext, params: List[Any], grads: List[Any], layout: Any, 
     return plan
 
 
+class SlotGrouper:
+    """Splits a model into launch groups of at most SLOTS distinct parameter and gradient buffers.
+
+    Tensors are added in order; ``add`` returns the tensor's (parameter slot, gradient slot) in its
+    group and ``finish`` the groups (chunk ranges from the layout's chunk table)."""
+
+    def __init__(self, tables: "_Tables"):
+        self.tables, self.groups = tables, []
+        self._t0, self._pslots, self._gslots, self._pholders, self._gholders = 0, {}, {}, [], []
+
+    def _close(self, t1: int) -> None:
+        first = self.tables.host_first
+        if first[t1] > first[self._t0]:
+            self.groups.append(_Group(int(first[self._t0]), int(first[t1]), tuple(self._pholders), tuple(self._gholders)))
+
+    def add(self, t: int, pkey: int, gkey: int, pholder: int, gholder: int) -> Tuple[int, int]:
+        """Tensor ``t`` reads the parameter buffer ``pkey`` (held by tensor ``pholder``) and the gradient buffer ``gkey``."""
+        if (pkey not in self._pslots and len(self._pslots) == SLOTS) or \
+                (gkey not in self._gslots and len(self._gslots) == SLOTS):
+            self._close(t)
+            self._t0, self._pslots, self._gslots, self._pholders, self._gholders = t, {}, {}, [], []
+        if pkey not in self._pslots:
+            self._pslots[pkey] = len(self._pholders)
+            self._pholders.append(pholder)
+        if gkey not in self._gslots:
+            self._gslots[gkey] = len(self._gholders)
+            self._gholders.append(gholder)
+        return self._pslots[pkey], self._gslots[gkey]
+
+    def finish(self, ntens: int) -> List[_Group]:
+        self._close(ntens)
+        return self.groups
+
+
 def _chunk_groups(ctx: OpenclContext, plan: _Plan, params: List[Any], grads: List[Any], layout: Any,
                   tables: _Tables) -> None:
     """Fill the plan's tensor tables and launch groups of at most SLOTS distinct buffers of each kind."""
     ntens = len(layout)
     tens = np.zeros((ntens, 4), np.int64)
     info = np.zeros((ntens, 4), np.int32)
-    groups: List[_Group] = []
-    pslots: Dict[int, int] = {}
-    gslots: Dict[int, int] = {}
-    pholders: List[int] = []
-    gholders: List[int] = []
-    t0 = 0
-
-    def close(t1: int) -> None:
-        if tables.host_first[t1] > tables.host_first[t0]:
-            groups.append(_Group(int(tables.host_first[t0]), int(tables.host_first[t1]), tuple(pholders), tuple(gholders)))
-
+    grouper = SlotGrouper(tables)
     for t in range(ntens):
         n = int(layout.sizes[t])
         s_off = plan.s_off + int(layout.offsets[t])
@@ -516,18 +540,10 @@ def _chunk_groups(ctx: OpenclContext, plan: _Plan, params: List[Any], grads: Lis
         else:
             p, g = params[t], grads[t]
             ph, gh, pk, gk, po, go = t, t, p.base_data.int_ptr, g.base_data.int_ptr, p.offset // 4, g.offset // 4
-        if (pk not in pslots and len(pslots) == SLOTS) or (gk not in gslots and len(gslots) == SLOTS):
-            close(t)
-            t0, pslots, gslots, pholders, gholders = t, {}, {}, [], []
-        if pk not in pslots:
-            pslots[pk] = len(pholders)
-            pholders.append(ph)
-        if gk not in gslots:
-            gslots[gk] = len(gholders)
-            gholders.append(gh)
+        ps, gs = grouper.add(t, pk, gk, ph, gh)
         tens[t] = (po, go, s_off, n)
-        info[t] = (pslots[pk], gslots[gk], int(po % 4 == 0 and go % 4 == 0 and s_off % 4 == 0), 0)
-    close(ntens)
+        info[t] = (ps, gs, int(po % 4 == 0 and go % 4 == 0 and s_off % 4 == 0), 0)
+    groups = grouper.finish(ntens)
     cl = ctx.cl
     flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
     plan.tens, plan.info = cl.Buffer(ctx.context, flags, hostbuf=tens), cl.Buffer(ctx.context, flags, hostbuf=info)

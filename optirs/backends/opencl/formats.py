@@ -205,75 +205,40 @@ def _stage_numpy(ctx: Any, params: List[np.ndarray], grads: List[np.ndarray], fm
 # ---------------------------------------------------------------- launch planning
 
 
-class _Group(NamedTuple):
-    chunk_begin: int
-    chunk_end: int
-    p_holders: Tuple[int, ...]
-    g_holders: Tuple[int, ...]
-
-
 class _Plan:
     """The tensor table and launch groups for one list of arrays (cached while the same objects come)."""
 
     def __init__(self, ctx: Any, params: List[Any], grads: List[Any], layout: Any, table: Optional[np.ndarray],
                  s_offs: Tuple[int, ...], tables: Any):
-        from optirs.backends.opencl import SLOTS
+        from optirs.backends.opencl import SlotGrouper
 
         self.refs = [weakref.ref(a) for a in params] + [weakref.ref(a) for a in grads]
         self.key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs)
         ntens = len(layout)
         tens = np.zeros((ntens, 8), np.int64)
-        groups: List[_Group] = []
-        pslots: Dict[int, int] = {}
-        gslots: Dict[int, int] = {}
-        pholders: List[int] = []
-        gholders: List[int] = []
-        t0 = 0
-
-        def close(t1: int) -> None:
-            if tables.host_first[t1] > tables.host_first[t0]:
-                groups.append(_Group(int(tables.host_first[t0]), int(tables.host_first[t1]), tuple(pholders),
-                                     tuple(gholders)))
-
+        grouper = SlotGrouper(tables)
         s_off, l_off = s_offs[:3] + s_offs[6:], s_offs[3:6]  # values/codes and master; small float32 state
         for t in range(ntens):
             n = int(layout.sizes[t])
             if n == 0:
                 continue
             p, g = params[t], grads[t]
-            pk, gk = p.base_data.int_ptr, g.base_data.int_ptr
+            ps, gs = grouper.add(t, p.base_data.int_ptr, g.base_data.int_ptr, t, t)
             po, go = p.offset // p.dtype.itemsize, g.offset // g.dtype.itemsize
-            if (pk not in pslots and len(pslots) == SLOTS) or (gk not in gslots and len(gslots) == SLOTS):
-                close(t)
-                t0, pslots, gslots, pholders, gholders = t, {}, {}, [], []
-            if pk not in pslots:
-                pslots[pk] = len(pholders)
-                pholders.append(t)
-            if gk not in gslots:
-                gslots[gk] = len(gholders)
-                gholders.append(t)
             lay = int(layout.offsets[t])
             block, small = (int(table[t, 1]), int(table[t, 2])) if table is not None else (-1, -1)
             starts = [po, go] + [lay + o for o in s_off] + ([small + o for o in l_off] if small >= 0 else [])
             aligned = all(x % 8 == 0 for x in starts)  # every 8-element group is one vector access
-            tens[t] = (po, go, lay, n, block, small, pslots[pk] | gslots[gk] << 8 | int(aligned) << 16, 0)
-        close(ntens)
+            tens[t] = (po, go, lay, n, block, small, ps | gs << 8 | int(aligned) << 16, 0)
+        self.groups = grouper.finish(ntens)
         cl = ctx.cl
         self.tens = cl.Buffer(ctx.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=tens)
-        self.groups = groups
 
     def matches(self, params: List[Any], grads: List[Any], key: Tuple[Any, ...]) -> bool:
         refs = self.refs
         if self.key != key or len(refs) != len(params) + len(grads):
             return False
         return all(r() is a for r, a in zip(refs, list(params) + list(grads)))
-
-    def buffers(self, ctx: Any, grp: _Group, params: List[Any], grads: List[Any]) -> List[Any]:
-        from optirs.backends.opencl import SLOTS
-
-        pad = [ctx.dummy]
-        return ([params[i].base_data for i in grp.p_holders] + pad * (SLOTS - len(grp.p_holders))
-                + [grads[i].base_data for i in grp.g_holders] + pad * (SLOTS - len(grp.g_holders)))
 
 
 def _plan(ctx: Any, name: str, params, grads, layout, table: Optional[np.ndarray],
@@ -371,7 +336,7 @@ class OpenclFormats:
             try:
                 plan, tables = _plan(ctx, "step", params, grads, layout, format_state.tensor_table(), s_offs)
                 chunk = (plan.tens, tables.chunk_tensor, tables.chunk_start)
-                launches = [(((g.chunk_end - g.chunk_begin) * wg,), plan.buffers(ctx, g, params, grads), g.chunk_begin)
+                launches = [(((g.chunk_end - g.chunk_begin) * wg,), g.buffers(ctx, params, grads), g.chunk_begin)
                             for g in plan.groups]
                 if family == "lamb":
                     _lamb(ctx, prog, layout, tables, launches, bufs, offs, chunk, skip, st, rec, scalars)
@@ -396,7 +361,7 @@ class OpenclFormats:
                 plan, tables = _plan(ctx, "check", grads, grads, layout, None, (0,) * 7)
                 for g in plan.groups:
                     prog.kernels["fmt_check"](q, ((g.chunk_end - g.chunk_begin) * wg,), (wg,),
-                                              *plan.buffers(ctx, g, grads, grads), plan.tens, tables.chunk_tensor,
+                                              *g.buffers(ctx, grads, grads), plan.tens, tables.chunk_tensor,
                                               tables.chunk_start, g.chunk_begin, flag.base_data)
             except cl.Error as exc:
                 raise ctx.translate(exc, f"checking {layout.total} gradients") from exc

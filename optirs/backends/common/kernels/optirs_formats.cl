@@ -23,31 +23,15 @@
  */
 #pragma OPENCL FP_CONTRACT OFF /* no a*b+c -> fma contraction: same rounding as the numba backends */
 
-#ifndef OPTIRS_WG
-#define OPTIRS_WG 256
-#endif
-#ifndef OPTIRS_CHUNK
-#define OPTIRS_CHUNK 8192
-#endif
+#include "optirs_program.h"
 #if OPTIRS_WG % 32 != 0 || OPTIRS_CHUNK % (8 * OPTIRS_WG) != 0
 #error "the format kernels need OPTIRS_WG a multiple of 32 and OPTIRS_CHUNK a multiple of 8 * OPTIRS_WG"
 #endif
 #define FMT_ROUND (8 * OPTIRS_WG)
 
-#ifdef cl_khr_fp64
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-typedef double acc_t; /* LAMB's norms accumulate squares in float64, as the float32 step */
-#else
-typedef float acc_t;
-#endif
-
 #include "optirs_scalars.h"
 #include "optirs_slots.h"
 #include "optirs_formats.h"
-
-#define FN_PASTE(a, b) a##_##b
-#define FN_EXPAND(a, b) FN_PASTE(a, b)
-#define FN(name) FN_EXPAND(name, SUFFIX)
 
 #define T float8
 #define SUFFIX v8
@@ -190,6 +174,19 @@ typedef struct {
     const long start = chunk_start[c];                                                           \
     const long stop = min(start + (long)OPTIRS_CHUNK, row.s3);                                   \
     const int lid = (int)get_local_id(0);
+
+/* The writing kernels' start: skip on found_inf (uniform: every work-item returns), the maps in
+ * local memory, the chunk, the master pointer m, the state slots sl and the random key. */
+#define FMT_WRITER_PROLOGUE(P, G)                                                                \
+    if (skip[off.skip])                                                                          \
+        return;                                                                                  \
+    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
+    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];                            \
+    fmt_load_maps(maps, lmaps);                                                                  \
+    FMT_PROLOGUE(P, G)                                                                           \
+    __global MST *m = M + off.m + lay;                                                           \
+    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st); \
+    const uint key = optirs_rand_key(st.seed, st.step, 0u); /* the parameters' stream */
 
 /* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid]. */
 void fmt_load_maps(__global const float *maps, __local float *lmaps)
@@ -392,8 +389,6 @@ void fmt_check(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_TABLE_P
 
 /* ---------------------------------------------------------------- LAMB (two passes) */
 
-#define SQUARE(x) ((acc_t)(x) * (acc_t)(x))
-
 acc_t fmt_sum_squares8(float8 x)
 {
     return ((SQUARE(x.s0) + SQUARE(x.s1)) + (SQUARE(x.s2) + SQUARE(x.s3)))
@@ -403,21 +398,6 @@ acc_t fmt_sum_squares8(float8 x)
 float8 fmt_valid(float8 x, int nv)
 {
     return select((float8)0.0f, x, (int8)(0, 1, 2, 3, 4, 5, 6, 7) < nv);
-}
-
-acc_t fmt_group_sum(acc_t x, __local acc_t *scratch)
-{
-    const uint lid = get_local_id(0);
-    scratch[lid] = x;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint width = OPTIRS_WG / 2; width > 0; width /= 2) {
-        if (lid < width)
-            scratch[lid] += scratch[lid + width];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const acc_t total = scratch[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return total;
 }
 
 /* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c (part 2 is the float32
@@ -432,7 +412,7 @@ void fmt_lamb_grad_sumsq(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), F
         if (nv > 0)
             s += fmt_sum_squares8(fmt_valid(G_LOAD(g + k, nv, aligned), nv));
     FMT_ROUND_END
-    s = fmt_group_sum(s, red);
+    s = group_sum(s, red);
     if (lid == 0)
         partial[c] = s;
     (void)p; (void)lay;
@@ -471,8 +451,8 @@ void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
             su += fmt_sum_squares8(fmt_valid(u, nv));
         }
     FMT_ROUND_END
-    sp = fmt_group_sum(sp, red);
-    su = fmt_group_sum(su, red);
+    sp = group_sum(sp, red);
+    su = group_sum(su, red);
     if (lid == 0) {
         partial[2 * (size_t)c] = sp;
         partial[2 * (size_t)c + 1] = su;
@@ -485,17 +465,9 @@ void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
                     __global const float *grad_scale, int clip, __global const float *ratio,
                     __global const int *skip, const fmt_step st, const lamb_scalars sc)
 {
-    if (skip[off.skip])
-        return; /* the same for every work-item */
-    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
-    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];
-    fmt_load_maps(maps, lmaps);
-    FMT_PROLOGUE(P, G)
-    __global MST *m = M + off.m + lay;
-    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    FMT_WRITER_PROLOGUE(P, G)
     const float scale = clip ? grad_scale[0] : 1.0f;
     const float step = sc.lr * ratio[t];
-    const uint key = optirs_rand_key(st.seed, st.step, 0u);
     FMT_ROUND_BEGIN
         float8 s[3];
         const uint8 idx = fmt_index8(lay, k);

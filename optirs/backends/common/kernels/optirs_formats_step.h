@@ -9,15 +9,7 @@ __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
 void FMT_CAT(OPT, _fmt)(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                         __global const int *skip, const fmt_step st, const FMT_CAT(OPT, _scalars) sc)
 {
-    if (skip[off.skip])
-        return; /* the same for every work-item: no barrier is left half reached */
-    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
-    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];
-    fmt_load_maps(maps, lmaps);
-    FMT_PROLOGUE(P, G)
-    __global MST *m = M + off.m + lay;
-    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
-    const uint key = optirs_rand_key(st.seed, st.step, 0u);
+    FMT_WRITER_PROLOGUE(P, G)
     FMT_ROUND_BEGIN
         float8 s[3];
         const uint8 idx = fmt_index8(lay, k);

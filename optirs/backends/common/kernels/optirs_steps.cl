@@ -17,25 +17,8 @@
  */
 #pragma OPENCL FP_CONTRACT OFF /* no a*b+c -> fma contraction: same rounding as the numba backends */
 
-#ifndef OPTIRS_WG
-#define OPTIRS_WG 256
-#endif
-#ifndef OPTIRS_CHUNK
-#define OPTIRS_CHUNK 8192
-#endif
-
-#ifdef cl_khr_fp64
-#pragma OPENCL EXTENSION cl_khr_fp64 : enable
-typedef double acc_t; /* norms accumulate squares in float64, like the CPU backend */
-#else
-typedef float acc_t;
-#endif
-
+#include "optirs_program.h"
 #include "optirs_scalars.h"
-
-#define FN_PASTE(a, b) a##_##b
-#define FN_EXPAND(a, b) FN_PASTE(a, b)
-#define FN(name) FN_EXPAND(name, SUFFIX)
 
 #define T float
 #define SUFFIX v1
@@ -122,27 +105,7 @@ void OPT##_chunks(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *S0,  
 /* The host appends STEP_KERNELS(<family>) for every elementwise family of optirs.core.definitions,
  * and optirs_struct_sizes, which reports each family's struct size (see optirs/backends/opencl). */
 
-/* ---------------------------------------------------------------- reductions */
-
-/* Sum of x over the work-group, returned to every work-item. */
-acc_t group_sum(acc_t x, __local acc_t *scratch)
-{
-    const uint lid = get_local_id(0);
-    scratch[lid] = x;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint width = OPTIRS_WG / 2; width > 0; width /= 2) {
-        if (lid < width)
-            scratch[lid] += scratch[lid + width];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    const acc_t total = scratch[0];
-    barrier(CLK_LOCAL_MEM_FENCE); /* scratch may be reused right after */
-    return total;
-}
-
-/* x^2 in the accumulator's type: widened before squaring (as the CPU and CUDA backends), so
- * |x| >= 1.8e19, whose float32 square overflows, still gives a finite norm. */
-#define SQUARE(x) ((acc_t)(x) * (acc_t)(x))
+/* ---------------------------------------------------------------- reductions (group_sum, SQUARE: optirs_program.h) */
 
 acc_t sum_squares4(float4 x)
 {
