@@ -286,3 +286,328 @@ def test_reference_encodings_follow_the_contract(rng):
     assert np.all(y.view(np.uint32)[finite] & 0xFF == 0)
     # the random bits: the published finalizer on known values (MurmurHash3's fmix32)
     assert int(R.fmix32(np.uint32(0))) == 0 and int(R.fmix32(np.uint32(1))) == 0x514E28B7
+
+
+# ---------------------------------------------------------------- every format x family on every backend
+
+import optirs  # noqa: E402
+from conftest import from_backend_array, to_backend_array  # noqa: E402
+
+from optirs.core import params as P  # noqa: E402
+
+FAMILY_HP = {  # each family's definition and hyperparameters that use every slot it has
+    "adam": ("adamw", P.AdamParams(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    "sgd": ("sgd", P.SgdParams(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "rmsprop": ("rmsprop", P.RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True)),
+    "adagrad": ("adagrad", P.AdagradParams(lr=1e-2, initial_accumulator_value=0.1)),
+    "lion": ("lion", P.LionParams(lr=1e-3, weight_decay=0.1)),
+    "lamb": ("lamb", P.LambParams(lr=1e-2, max_grad_norm=1.0)),
+}
+FORMATS = {  # name -> (param dtype, grad dtype, master, state dtype, stochastic)
+    "bf16": ("bfloat16", "bfloat16", None, "float32", False),
+    "bf16-sr": ("bfloat16", "bfloat16", None, "float32", True),
+    "bf16-master32": ("bfloat16", "float32", "float32", "float32", False),
+    "bf16-r16": ("bfloat16", "bfloat16", "remainder16", "float32", False),
+    "bf16-r8-int8": ("bfloat16", "bfloat16", "remainder8", "int8", False),
+    "bf16-sr-bf16state": ("bfloat16", "bfloat16", None, "bfloat16", True),
+    "f16-master32-int8": ("float16", "float16", "float32", "int8", False),
+    "f32-int8": ("float32", "float32", None, "int8", False),
+    "f32-bf16state": ("float32", "float32", None, "bfloat16", False),
+}
+SHAPES = [(64, 80), (300,), (7, 3)]  # one int8 tensor (20 blocks, the last full), two small ones
+TINY = [(4096 + 40,), (5,)]  # for the CUDA simulator: one int8 tensor with a short last block
+
+
+def _open(backend):
+    b = optirs.get_backend(backend)
+    if not b.supports("formats"):
+        pytest.skip(f"backend {backend} has no formats capability")
+    return b
+
+
+class FormatRun:
+    """Drives the formats hooks of one backend over several steps, beside the reference's state."""
+
+    def __init__(self, backend, family, fmt_name, shapes, seed=7):
+        self.backend, self.b = backend, _open(backend)
+        self.d = DEFINITIONS[FAMILY_HP[family][0]]
+        self.hp = FAMILY_HP[family][1]
+        self.fmt = F.StepFormat(*FORMATS[fmt_name]) if isinstance(fmt_name, str) else fmt_name
+        self.layout = TensorLayout(shapes)
+        self.fs = F.FormatState(self.layout, F.format_slots(self.d, self.hp), self.fmt)
+        self.seed = seed
+        host = R.fresh_buffers(self.fs, self.d, self.hp)
+        self.state = {k: self.b.to_device(self.b.ctx, v) for k, v in host.items()}
+
+    def host_state(self):
+        return {k: np.asarray(self.b.to_host(self.b.ctx, v)).reshape(-1) for k, v in self.state.items()}
+
+    def step(self, params, grads, step, found_inf=None):
+        """params / grads: host word arrays (float32, or uint16 bits); returns the new host words."""
+        dev_p = [to_backend_array(self.backend, p) for p in params]
+        dev_g = [to_backend_array(self.backend, g) for g in grads]
+        staged = self.b.hook("formats", "optirs_formats_stage")(self.b.ctx, dev_p, dev_g, self.fmt)
+        flag = None if found_inf is None else to_backend_array(self.backend, np.array([found_inf], np.int32))
+        self.b.hook("formats", "optirs_formats_step")(
+            self.b.ctx, self.d.kernel, staged.params, staged.grads, self.state, self.layout, self.fs, self.fmt,
+            self.d.scalars(self.hp, step), self.seed, step, flag)
+        if staged.finish is not None:
+            staged.finish()
+        self.b.synchronize()
+        return [from_backend_array(p).reshape(s) for p, s in zip(dev_p, self.layout.shapes)]
+
+
+def _words(x, dtype):
+    x = np.asarray(x, np.float32)
+    return x if dtype == "float32" else R.nearest16(x, dtype).reshape(x.shape)
+
+
+def _problem(rng, shapes, fmt, steps):
+    params = [_words(rng.standard_normal(s).astype(np.float32), fmt.param_dtype) for s in shapes]
+    grads = [[_words(rng.standard_normal(s).astype(np.float32) * np.float32(0.5), fmt.grad_dtype) for s in shapes]
+             for _ in range(steps)]
+    return params, grads
+
+
+def _values(words, dtype):
+    w = np.asarray(words)
+    return w.astype(np.float32) if dtype == "float32" else R.decode16(w.reshape(-1), dtype).reshape(w.shape)
+
+
+def _ordered16(words):
+    """16-bit sign-magnitude words -> integers in value order (+0 and -0 both 0): adjacent values differ by 1."""
+    w = np.asarray(words).reshape(-1).view(np.uint16).astype(np.int64)
+    return np.where(w & 0x8000, -(w & 0x7FFF), w)
+
+
+def _assert_close_params(got, want, fmt, what):
+    """Equal words, or values one 16-bit step (float32: a few ulps) apart."""
+    for t, (g, w) in enumerate(zip(got, want)):
+        gv, wv = _values(g, fmt.param_dtype).reshape(-1), _values(w, fmt.param_dtype).reshape(-1)
+        if fmt.param_dtype == "float32":
+            assert np.allclose(gv, wv, rtol=1e-5, atol=1e-5 * np.abs(wv).max()), f"{what}: params[{t}]"
+            continue
+        ulp = np.abs(_ordered16(g) - _ordered16(w))
+        ulp[np.abs(gv - wv) <= 1e-5 * np.abs(wv).max()] = 0  # float32's own floor (cancellation)
+        assert ulp.max() <= 1, f"{what}: params[{t}] differ by {ulp.max()} {fmt.param_dtype} steps"
+
+
+def _assert_close_state(fs, got, want, what):
+    fmt = fs.fmt
+    gs, ws = R.decode_state(fs, got), R.decode_state(fs, want)
+    for t in range(len(fs.layout)):
+        for s in fs.slot_names:
+            g, w = gs[t][s], ws[t][s]
+            if fmt.state_dtype == "int8" and not fs.is_small(t):
+                o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
+                b = int(fs.tensor_table()[t, 1])
+                signed = {x.name: x.signed for x in fs.slots}[s]
+                steps = R.code_step(want[f"{s}.codes"][o : o + n], want[f"{s}.scales"][b : b + -(-n // F.BLOCK)], signed)
+                scale_g = got[f"{s}.scales"][b : b + -(-n // F.BLOCK)]
+                scale_w = want[f"{s}.scales"][b : b + -(-n // F.BLOCK)]
+                assert np.allclose(scale_g, scale_w, rtol=1e-5, atol=1e-30), f"{what}: {s}.scales of tensor {t}"
+                assert np.all(np.abs(g - w) <= steps * 1.001 + 1e-30), f"{what}: {s} of tensor {t} off by more than a code"
+            elif fmt.state_dtype == "bfloat16":
+                ulp = np.abs(_ordered16(R.nearest16(g, "bfloat16")) - _ordered16(R.nearest16(w, "bfloat16")))
+                ulp[np.abs(g - w) <= 1e-5 * np.abs(w).max()] = 0  # float32's own floor (cancellation)
+                assert ulp.max() <= 1, f"{what}: {s} of tensor {t}"
+            else:
+                # float32 vs float64: as tests/test_optimizers.py (RMSprop's centered variance cancels)
+                assert np.allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max()), f"{what}: {s} of tensor {t}"
+    m = fs.master_buffer()
+    if m == "master":
+        assert np.allclose(got[m], want[m], rtol=1e-5, atol=1e-5 * np.abs(want[m]).max()), f"{what}: master"
+
+
+def _shapes(backend):
+    return TINY if backend == "cuda" else SHAPES
+
+
+@pytest.mark.parametrize("family", list(FAMILY_HP))
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_format_step_matches_the_reference(backend, family, fmt_name, rng):
+    """Three steps of each family in each format: the backend against the float64 reference of
+    the format, each step starting from the backend's own previous result."""
+    run = FormatRun(backend, family, fmt_name, _shapes(backend))
+    params, grads = _problem(rng, run.layout.shapes, run.fmt, 3)
+    for k, g in enumerate(grads, start=1):
+        before = run.host_state()
+        got = run.step(params, g, k)
+        want_p, want_s = R.step(run.d, run.hp, run.fs, params, g, before, run.seed, k)
+        what = f"{backend} {family} {fmt_name} step {k}"
+        _assert_close_params(got, want_p, run.fmt, what)
+        _assert_close_state(run.fs, run.host_state(), want_s, what)
+        params = got
+
+
+def _dense_step(backend, d, hp, params32, grads32, state32, step):
+    """The backend's ordinary float32 step hook on float32 copies (the same element math)."""
+    b = optirs.get_backend(backend)
+    layout = TensorLayout([p.shape for p in params32])
+    dev_p = [to_backend_array(backend, p) for p in params32]
+    dev_g = [to_backend_array(backend, g) for g in grads32]
+    staged = b.stage(b.ctx, dev_p, dev_g)
+    if state32 is None:
+        state32 = {k: b.alloc(b.ctx, layout.total, np.float32, v) for k, v in d.state_slots(hp).items()}
+    b.step_fn(d.name)(b.ctx, staged.params, staged.grads, state32, layout, d.scalars(hp, step))
+    if staged.finish is not None:
+        staged.finish()
+    b.synchronize()
+    return [from_backend_array(p).reshape(p32.shape) for p, p32 in zip(dev_p, params32)], state32
+
+
+@pytest.mark.parametrize("family", list(FAMILY_HP))
+@pytest.mark.parametrize("master", [None, "float32", "remainder16"])
+def test_same_math_is_bit_exact(backend, family, master, rng):
+    """bfloat16 parameters with float32 state run the float32 step's element math: the master
+    (float32 or remainder16) is bit for bit the float32 step's parameter, the bfloat16 parameter its
+    rounding (nearest even; remainder16: ties away), the state the float32 step's state."""
+    fmt = F.StepFormat("bfloat16", "float32", master, "float32", False)
+    run = FormatRun(backend, family, fmt, _shapes(backend))
+    params, grads = _problem(rng, run.layout.shapes, fmt, 3)
+    p32 = [_values(p, "bfloat16") for p in params]
+    dense_state = None
+    for k, g in enumerate(grads, start=1):
+        if master is None:  # no master: each step starts from the rounded bfloat16 parameter
+            p32 = [_values(p, "bfloat16") for p in params]
+        params = run.step(params, g, k)
+        p32, dense_state = _dense_step(backend, run.d, run.hp, p32, g, dense_state, k)
+        host = run.host_state()
+        want_bits = [R.nearest16(p, "bfloat16").reshape(p.shape) if master != "remainder16" else
+                     R.remainder16_split(p.reshape(-1))[0].reshape(p.shape) for p in p32]
+        for t in range(len(params)):
+            assert np.array_equal(params[t], want_bits[t]), f"{family} {master} step {k}: params[{t}]"
+        if master == "float32":
+            assert np.array_equal(host["master"].view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+        if master == "remainder16":
+            joined = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
+            assert np.array_equal(joined.view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+        for s in run.fs.slot_names:
+            assert np.array_equal(host[s].view(np.uint32), from_backend_array(dense_state[s]).view(np.uint32)), s
+
+
+def test_small_tensors_keep_float32_state(backend, rng):
+    """With int8 state, tensors under 4096 elements keep float32 state: bit for bit the float32 format's."""
+    shapes = [(4096,), (4095,), (3, 5)]
+    runs = {sd: FormatRun(backend, "adam", F.StepFormat("bfloat16", "bfloat16", "remainder16", sd, False), shapes)
+            for sd in ("int8", "float32")}
+    params, grads = _problem(rng, shapes, runs["int8"].fmt, 2)
+    got = {}
+    for sd, run in runs.items():
+        p = params
+        for k, g in enumerate(grads, start=1):
+            p = run.step(p, g, k)
+        got[sd] = (p, run.host_state())
+    fs = runs["int8"].fs
+    assert not fs.is_small(0) and fs.is_small(1) and fs.is_small(2)
+    for s in fs.slot_names:
+        small = got["int8"][1][f"{s}.small"]
+        dense = got["float32"][1][s][4096:]
+        assert small.size == 4095 + 15 and np.array_equal(small.view(np.uint32), dense.view(np.uint32)), s
+    for t in (1, 2):
+        assert np.array_equal(got["int8"][0][t], got["float32"][0][t])
+
+
+def _sr_run(backend, seed, n, value, state_dtype="float32"):
+    """SGD with lr 1 on bfloat16 parameters 1.0 and float32 gradients 1 - value: every updated
+    parameter is the float32 ``value`` (between two bfloat16 values), rounded stochastically."""
+    fmt = F.StepFormat("bfloat16", "float32", None, state_dtype, True)
+    run = FormatRun(backend, "sgd", fmt, [(n,)], seed=seed)
+    run.d, run.hp = DEFINITIONS["sgd"], P.SgdParams(lr=1.0, momentum=0.5)
+    run.fs = F.FormatState(run.layout, F.format_slots(run.d, run.hp), fmt)
+    host = R.fresh_buffers(run.fs, run.d, run.hp)
+    run.state = {k: run.b.to_device(run.b.ctx, v) for k, v in host.items()}
+    g = np.full(n, np.float32(1) - np.float32(value), np.float32)
+    p = run.step([R.nearest16(np.ones(n, np.float32), "bfloat16")], [g], 1)[0]
+    return p, run.host_state(), np.float32(1) - g
+
+
+def _assert_unbiased(bits, x):
+    x = np.float32(x)
+    # the two bfloat16 neighbours of x: truncated and one step up in magnitude
+    lo, hi = sorted(R.decode16(R.bf16_stochastic(np.array([x, x]), np.array([0, 0xFFFF], np.uint32)), "bfloat16"))
+    vals = R.decode16(bits, "bfloat16").astype(np.float64)
+    assert set(np.unique(vals)) <= {float(lo), float(hi)} and lo < x < hi
+    p = (float(x) - float(lo)) / (float(hi) - float(lo))
+    se = (float(hi) - float(lo)) * math.sqrt(p * (1 - p) / vals.size)
+    assert abs(vals.mean() - float(x)) <= 5 * se, (vals.mean(), float(x), se)
+
+
+def _sr_size(backend):
+    return 4096 if backend == "cuda" else 1 << 17
+
+
+@pytest.mark.parametrize("value", [1.0 + 0.3 * 2**-7, -2.7e-3, 3.0e5 + 123.0])
+def test_stochastic_rounding_is_unbiased(backend, value):
+    """The mean of many stochastically rounded copies of one float32 value is that value (within
+    five standard errors), for the parameters (stream 0) and bfloat16 state (stream 1)."""
+    n = _sr_size(backend)
+    p, state, x = _sr_run(backend, 11, n, value, "bfloat16")
+    _assert_unbiased(p, x[0])
+    g = np.float32(1) - np.float32(value)  # the momentum buffer's first value is the gradient
+    _assert_unbiased(state["momentum_buffer"], g)
+
+
+def test_stochastic_rounding_is_reproducible(backend):
+    """Same seed, same bits; another seed, other bits; the parameters and the state draw from
+    different streams (their round-up patterns differ)."""
+    n, value = _sr_size(backend), 1.0 + 0.3 * 2**-7
+    a, b, c = (_sr_run(backend, seed, n, value, "bfloat16") for seed in (5, 5, 6))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1]["momentum_buffer"], b[1]["momentum_buffer"])
+    assert not np.array_equal(a[0], c[0]) and not np.array_equal(a[1]["momentum_buffer"], c[1]["momentum_buffer"])
+    up_p = a[0] != a[0].min()
+    up_s = _ordered16(a[1]["momentum_buffer"]) != _ordered16(a[1]["momentum_buffer"]).min()
+    assert up_p.any() and up_s.any() and not np.array_equal(up_p, up_s)
+
+
+@pytest.mark.parametrize("family", ["adam", "lamb", "sgd"])
+@pytest.mark.parametrize("fmt_name", ["bf16-r8-int8", "bf16-sr-bf16state", "f16-master32-int8"])
+def test_found_inf_skips_every_write(backend, family, fmt_name, rng):
+    run = FormatRun(backend, family, fmt_name, _shapes(backend))
+    params, grads = _problem(rng, run.layout.shapes, run.fmt, 2)
+    params = run.step(params, grads[0], 1)
+    before = run.host_state()
+    after = run.step(params, grads[1], 2, found_inf=1)
+    for a, b in zip(after, params):
+        assert np.array_equal(a, b)
+    for k, v in run.host_state().items():
+        assert np.array_equal(v, before[k]), k
+    moved = run.step(params, grads[1], 2, found_inf=0)
+    assert any(not np.array_equal(a, b) for a, b in zip(moved, params))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan])
+def test_check_sets_the_flag(backend, dtype, bad, rng):
+    b = _open(backend)
+    fmt = F.StepFormat(dtype, dtype, None, "float32", False)
+    shapes = _shapes(backend)
+    layout = TensorLayout(shapes)
+    grads = [_words(rng.standard_normal(s).astype(np.float32), dtype) for s in shapes]
+    if bad is not None:
+        last = grads[-1].reshape(-1)
+        last[-1] = _words(np.array([bad], np.float32), dtype)[0]
+    for start in (0, 1):
+        dev_g = [to_backend_array(backend, g) for g in grads]
+        staged = b.hook("formats", "optirs_formats_stage")(b.ctx, [to_backend_array(backend, g.copy()) for g in grads],
+                                                           dev_g, fmt)
+        flag = to_backend_array(backend, np.array([start], np.int32))
+        b.hook("formats", "optirs_formats_check")(b.ctx, staged.grads, layout, fmt, flag)
+        b.synchronize()
+        assert int(from_backend_array(flag)[0]) == (1 if bad is not None or start else 0)
+
+
+def test_bad_inputs_raise_optirs_errors(backend, rng):
+    b = _open(backend)
+    fmt = F.StepFormat("bfloat16", "bfloat16", None, "float32", False)
+    stage = b.hook("formats", "optirs_formats_stage")
+    p = to_backend_array(backend, np.zeros(8, np.float16))
+    with pytest.raises(InvalidParameterError, match="params\\[0\\]"):
+        stage(b.ctx, [p], [to_backend_array(backend, np.zeros(8, np.uint16))], fmt)
+    with pytest.raises(InvalidParameterError, match="grads\\[0\\]"):
+        stage(b.ctx, [to_backend_array(backend, np.zeros(8, np.uint16))], [to_backend_array(backend, np.zeros(8, np.float32))], fmt)
+    run = FormatRun(backend, "adam", "bf16", [(8,)])
+    staged = stage(b.ctx, [to_backend_array(backend, np.zeros(8, np.uint16))], [to_backend_array(backend, np.zeros(8, np.uint16))], fmt)
+    with pytest.raises(UnsupportedOperationError, match="adafactor"):
+        b.hook("formats", "optirs_formats_step")(b.ctx, "adafactor", staged.params, staged.grads, run.state, run.layout,
+                                                 run.fs, fmt, DEFINITIONS["adafactor"].scalars(P.AdafactorParams(), 1), 0, 1, None)

@@ -17,6 +17,7 @@ import numpy as np
 
 from optirs.backends.cpu.adafactor import CpuAdafactor
 from optirs.backends.cpu.fake_quant import CpuFakeQuant
+from optirs.backends.cpu.formats import CpuFormats
 from optirs.backends.cpu.fusion import CpuFusion
 from optirs.backends.cpu.measure import CpuMeasure
 from optirs.backends.cpu.mixed_precision import CpuMixedPrecision
@@ -61,6 +62,8 @@ class CpuContext:
         self.kernels = kernels
         # The numba typed lists of recent lists, keyed by the arrays' identities.
         self.lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
+        # The same for the word views the formats capability stages (optirs.backends.cpu.formats).
+        self.format_lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
 
     def typed_list(self, arrays: List[np.ndarray], role: str = "params"):
         return cached_typed_list(self.lists[role], arrays, self.CACHED[role],
@@ -133,7 +136,8 @@ def _available_memory() -> int | None:
         return None
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor, CpuMeasure, CpuStreams):
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor, CpuMeasure, CpuStreams,
+                 CpuFormats):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 
 

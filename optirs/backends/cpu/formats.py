@@ -1,0 +1,122 @@
+"""The cpu backend's ``formats`` capability: 16-bit parameters, compact masters and state (docs/formats.md).
+
+Staging views the caller's numpy arrays as words (float32 as uint32, bfloat16 / float16 as
+uint16; a torch CPU bfloat16 tensor arrives from the caller as a numpy uint16 view), so the
+loops of :mod:`optirs.backends.cpu.formats_kernels` update them in place: one parallel loop per
+pass for the whole model. The kernels compile on first use and are cached on disk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+
+from optirs.backends.cpu.steps import CHUNK
+from optirs.backends.cpu.typed_lists import cached_typed_list
+from optirs.core.definitions import DEFINITIONS
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.core.formats import BLOCK, FORMAT_FAMILIES, FormatState, StepFormat, dynamic_map, map_midpoints
+from optirs.plugin.hookspecs import Staged, hookimpl
+
+assert CHUNK % BLOCK == 0  # every int8 block lies in one chunk
+
+_EMPTY = {np.dtype(d): np.zeros(0, dtype=d) for d in (np.uint32, np.uint16, np.uint8, np.float32)}
+_FAMILY_DEFINITION = {d.kernel: d for d in DEFINITIONS.values() if d.kernel in FORMAT_FAMILIES}
+
+
+def _kernels():
+    from optirs.backends.cpu import formats_kernels
+
+    return formats_kernels
+
+
+def _words(array: np.ndarray, dtype: str, what: str) -> np.ndarray:
+    """The flat word view of one caller array of ``dtype`` (float32 -> uint32, 16-bit -> uint16)."""
+    if not isinstance(array, np.ndarray):
+        raise InvalidParameterError(f"{what} is a {type(array).__name__}, expected a numpy array on the cpu backend")
+    name = array.dtype.name
+    if dtype == "float32":
+        if name != "float32":
+            raise InvalidParameterError(f"{what} has dtype {name}, expected float32")
+        return array.reshape(-1).view(np.uint32)
+    if name not in (dtype, "uint16"):
+        raise InvalidParameterError(f"{what} has dtype {name}, expected {dtype} (or its uint16 bits)")
+    return array.reshape(-1).view(np.uint16)
+
+
+def _typed_list(ctx, role: str, arrays: List[np.ndarray], dtype: str):
+    """The typed list of the word views of ``arrays`` (cached by the arrays' identities, as the dense stage)."""
+    return cached_typed_list(ctx.format_lists[role], arrays, ctx.CACHED[role], lambda a: ctx.kernels.typed_list(
+        [_words(x, dtype, f"{role}[{i}]") for i, x in enumerate(a)]))
+
+
+def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepFormat):
+    """Per kernel slot: (words, scales, small, map, midpoints) and the used bit mask."""
+    out, used = [], 0
+    signed = {s.name: s.signed for s in fs.slots}
+    f32 = _EMPTY[np.dtype(np.float32)]
+    for k, name in enumerate(k_names):
+        if name is None or name not in fs.slot_names:
+            out.append((_EMPTY[np.dtype(np.uint8 if fmt.state_dtype == "int8" else np.uint32)], f32, f32,
+                        dynamic_map(True), map_midpoints(True)))
+            continue
+        used |= 1 << k
+        q, mid = dynamic_map(signed[name]), map_midpoints(signed[name])
+        if fmt.state_dtype == "int8":
+            out.append((state[f"{name}.codes"], state[f"{name}.scales"], state[f"{name}.small"], q, mid))
+        elif fmt.state_dtype == "bfloat16":
+            out.append((state[name], f32, f32, q, mid))
+        else:
+            out.append((state[name].view(np.uint32), f32, f32, q, mid))
+    return out, used
+
+
+def _master(state: Dict[str, Any], fs: FormatState) -> np.ndarray:
+    name = fs.master_buffer()
+    if name is None:
+        return _EMPTY[np.dtype(np.uint32)]
+    buf = state[name]
+    return buf.view(np.uint32) if buf.dtype == np.float32 else buf
+
+
+class CpuFormats:
+    """16-bit parameters, compact masters and compact state in one parallel loop per pass."""
+
+    @hookimpl
+    def optirs_formats_stage(self, ctx, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
+        return Staged(_typed_list(ctx, "params", params, fmt.param_dtype),
+                      _typed_list(ctx, "grads", grads, fmt.grad_dtype))
+
+    @hookimpl
+    def optirs_formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step,
+                            found_inf) -> None:
+        if family not in _FAMILY_DEFINITION:
+            raise UnsupportedOperationError(f"family {family!r} has no format step on cpu; expected one of "
+                                            f"{list(FORMAT_FAMILIES)}")
+        if found_inf is not None and int(np.asarray(found_inf).reshape(-1)[0]) != 0:
+            return  # host memory: the flag is read here, before anything is written
+        k = _kernels()
+        names = _FAMILY_DEFINITION[family].slot_names()
+        fc, fresh, seed, step = fmt.codes, step == 1, np.uint64(int(seed) & 0xFFFFFFFF), np.uint64(step)
+        table = format_state.tensor_table()
+        mbuf = _master(state, format_state)
+        chunks = layout.chunks(CHUNK)
+        if family == "lamb":
+            slots, _ = _slot_arrays(state, format_state, names[:2], fmt)
+            (w0, c0, m0, q0, d0), (w1, c1, m1, q1, d1) = slots
+            k.lamb(params, grads, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, q1, d1, table, *chunks, len(layout),
+                   scalars, fc, fresh, seed, step)
+            return
+        slots, used = _slot_arrays(state, format_state, (tuple(names) + (None, None, None))[:3], fmt)
+        (w0, c0, m0, q0, d0), (w1, c1, m1, q1, d1), (w2, c2, m2, q2, d2) = slots
+        k.pointwise(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, q1, d1, q2, d2, used, table,
+                    *chunks, scalars, fc, fresh, seed, step)
+
+    @hookimpl
+    def optirs_formats_check(self, ctx, grads, layout, fmt, flag) -> None:
+        chunks = layout.chunks(CHUNK)
+        flags = np.zeros(len(chunks[0]), dtype=np.int32)
+        _kernels().check(grads, *chunks, fmt.codes.grad, flags)
+        if flags.any():
+            flag[0] = 1
