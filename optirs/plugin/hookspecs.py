@@ -802,6 +802,9 @@ def optirs_formats_check(ctx: BackendContext, grads: List[DeviceArray], layout: 
     :param layout: the model's :class:`~optirs.core.layout.TensorLayout`.
     :param fmt: the step's :class:`optirs.core.formats.StepFormat` (its ``grad_dtype``).
     :param flag: a 1-element int32 device array of this backend.
+    """
+
+
 # ---- capturable steps (CUDA graphs; optirs.torch's capturable=True)
 # The step count and the learning rate live on the device: the backend advances the count and
 # computes the per-step scalars in a kernel of its own, queued before the step kernel on the same
