@@ -18,9 +18,9 @@ step: the inner optimizer runs ``Precision(master_weights="float32")`` over the 
 parameters, one launch decodes the masters, steps them and writes the rounded parameters, and
 the non-finite check (``optirs_formats_check``) sets the step's device ``found_inf`` flag, so an
 overflow skips the launch's writes without a host round trip before it. The loss scale is
-divided out inside the step through the scalars' ``grad_factor`` where the records have that
-field; until then a scale other than 1 is divided out by the unscale pass below into float32
-gradients, which the format step reads as they are.
+divided out inside the step through the scalars' ``grad_factor``; only a loss scale below 1
+(whose unscaling can overflow a finite half gradient, which the check cannot see) runs the
+unscale pass below into float32 gradients first.
 
 On other backends the two passes of the ``"mixed_precision"`` capability (hooks in
 :mod:`optirs.plugin.hookspecs`) run around the inner optimizer: the built-in backends implement them in
@@ -532,26 +532,25 @@ class MixedPrecisionOptimizer:
             metas, fmt = inner._validate(plist, glist)
             inv = self.scaler.inv_scale
             scalars = inner.step_scalars(inner.step_count + 1)
-            if "grad_factor" in type(scalars)._fields:
-                scalars = scalars._replace(grad_factor=np.float32(scalars.grad_factor * inv))
-            elif inv != np.float32(1.0):
-                # No grad_factor in the scalars records yet: the unscale pass writes float32 gradients.
+            if inv > np.float32(1.0):
+                # A loss scale below 1 can overflow a finite half gradient when unscaled, which the
+                # gradients' check cannot see: the unscale pass writes float32 gradients and flags it.
                 unscale = self._hook("optirs_mixed_precision_unscale")
-                if self._grads32 is None or self._shapes != [m.shape for m in metas]:
+                if self._grads32 is None or self._shapes != [tuple(m.shape) for m in metas]:
                     self._install_grads32([tuple(m.shape) for m in metas])
-                found = bool(unscale(backend.ctx, glist, self._grads32, self._layout, inv, self.config.is_bfloat16))
-                if found:
+                if bool(unscale(backend.ctx, glist, self._grads32, self._layout, inv, self.config.is_bfloat16)):
                     return self.scaler.update(True)
                 metas, fmt = inner._validate(plist, self._grad_views)
                 return self.scaler.update(not inner._format_step(plist, self._grad_views, metas, fmt, scalars))
+            # the loss scale divided out inside the step: no pass of its own
+            scalars = scalars._replace(grad_factor=np.float32(scalars.grad_factor * inv))
             flag = backend.alloc(backend.ctx, 1, np.int32, 0)
             applied = inner._format_step(plist, glist, metas, fmt, scalars, device_flag=flag, check=True)
         return self.scaler.update(not applied)
 
     def _install_grads32(self, shapes) -> None:
         backend = self.backend
-        total = int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
-        self._grads32 = backend.alloc(backend.ctx, total, np.float32, 0.0)
+        self._grads32 = backend.alloc(backend.ctx, int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes)), np.float32, 0.0)
         self._grad_views, off = [], 0
         for s in shapes:
             n = int(np.prod(s, dtype=np.int64))
