@@ -248,3 +248,32 @@ def test_found_inf_skips_a_format_step(rng):
     assert opt.step_count == 0 and all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(params, before))
     opt.step_gpu(params, _arrays(rng, BF16))
     assert opt.step_count == 1
+
+
+def test_mixed_precision_runs_the_fused_format_step(rng):
+    """MixedPrecisionOptimizer on a backend with the formats capability: float32 masters of the
+    inner optimizer's format state, the non-finite check skipping the launch on its device flag."""
+    from optirs.core import reference
+    from optirs.optim.mixed_precision import MixedPrecisionConfig, MixedPrecisionOptimizer
+
+    hp = AdamParams(lr=1e-2)
+    opt = MixedPrecisionOptimizer(optirs.GpuAdam(hp, GpuOptimizerConfig("cpu")),
+                                  MixedPrecisionConfig("bfloat16", init_scale=1.0, dynamic=False))
+    params = _arrays(rng, BF16)
+    start = [p.astype(np.float32) for p in params]
+    grads = [_arrays(rng, BF16, 0.1) for _ in range(3)]
+    poisoned = [g.copy() for g in grads[1]]
+    poisoned[0].reshape(-1)[7] = np.inf
+    assert opt.step_gpu(params, poisoned) is False  # a skipped first step leaves everything fresh
+    assert opt.step_count == 0 and opt.inner.state_dict()["state"] == []
+    assert all(np.array_equal(p.astype(np.float32), s) for p, s in zip(params, start))
+    for g in grads:
+        assert opt.step_gpu(params, g) is True
+    assert opt.inner.state_dict()["format"]["master"] == "float32"
+    ref, _ = reference.run("adam", start, [[x.astype(np.float32) for x in g] for g in grads], hp)
+    for m, r, p in zip(opt.master_weights(), ref, params):
+        np.testing.assert_allclose(m, r, rtol=2e-5, atol=2e-6)
+        assert np.array_equal(p.view(np.uint16), m.astype(BF16).view(np.uint16))
+    before = [p.copy() for p in params]
+    assert opt.step_gpu(params, poisoned) is False and opt.step_count == 3
+    assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(params, before))

@@ -244,6 +244,52 @@ def test_step_grad_scale_keywords():
         assert_same_params(ref_model, our_model)
 
 
+FACTOR_CASES = [("AdamW", {"maximize": True}), ("Adam", {"amsgrad": True}),
+                ("SGD", {"lr": 0.05, "momentum": 0.9, "maximize": True}),
+                ("RMSprop", {"lr": 1e-3, "centered": True, "maximize": True}), ("Adagrad", {"maximize": True}),
+                ("Adafactor", {"maximize": True})]
+
+
+@pytest.mark.parametrize("name,kwargs", FACTOR_CASES, ids=[n for n, _ in FACTOR_CASES])
+def test_unscale_and_maximize_inside_the_step_leave_gradients_unmodified(name, kwargs):
+    # grad_scale and maximize are the scalars' grad_factor, applied in the element math: .grad is
+    # only read (torch's fused path leaves it too). torch gets the gradients unscaled by hand
+    # (1 / 512 is exact in float32, so both read the same unscaled values).
+    ref_model, our_model = make_model(), make_model()
+    ref = getattr(torch.optim, name)(ref_model.parameters(), **kwargs)
+    ours = getattr(ot, name)(our_model.parameters(), backend="cpu", **kwargs)
+    for _ in range(8):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            (loss_of(m) * 512.0).backward()
+        before = [p.grad.clone() for p in our_model.parameters()]
+        ours.step(grad_scale=torch.tensor(512.0), found_inf=torch.tensor(0.0))
+        for p, g in zip(our_model.parameters(), before):
+            assert torch.equal(p.grad, g)
+        for p in ref_model.parameters():
+            p.grad.div_(512.0)
+        ref.step()
+        assert_same_params(ref_model, our_model)
+
+
+def test_lamb_clips_the_unscaled_maximized_gradient():
+    # the global gradient norm that max_grad_norm clips is the norm of grad_factor * g
+    model = make_model()
+    opt = ot.Lamb(model.parameters(), lr=1e-2, max_grad_norm=0.5, maximize=True, backend="cpu")
+    hp = optirs.LambParams(lr=1e-2, max_grad_norm=0.5)
+    params = [p.detach().numpy().astype(np.float64) for p in model.parameters()]
+    state = None
+    for t in range(1, 7):
+        opt.zero_grad()
+        (loss_of(model) * 1024.0).backward()
+        grads = [-p.grad.numpy().astype(np.float64) / 1024.0 for p in model.parameters()]
+        opt.step(grad_scale=torch.tensor(1024.0))
+        params, state = reference.lamb(params, grads, state, hp, t)
+        for p, q in zip(model.parameters(), params):
+            np.testing.assert_allclose(p.detach().numpy(), q, rtol=1e-4, atol=1e-5)
+        params = [p.detach().numpy().astype(np.float64) for p in model.parameters()]
+
+
 # ---------------------------------------------------------------- state_dict
 
 INTEROP = [("AdamW", {}), ("Adam", {"amsgrad": True}), ("SGD", {"lr": 0.05, "momentum": 0.9}),

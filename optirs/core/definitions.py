@@ -73,7 +73,9 @@ class OptimizerDefinition:
         ``optirs_step_<name>``, ``optirs bench --optimizers``.
     :param class_name: the seed API's class (``GpuAdam``).
     :param params_type: the validated hyperparameter dataclass.
-    :param scalars: ``(hyperparameters, step) -> NamedTuple`` of float32/bool per-step scalars.
+    :param scalars: ``(hyperparameters, step, grad_factor=1.0) -> NamedTuple`` of float32/bool per-step
+        scalars; every record ends with the float32 ``grad_factor`` that the step multiplies each
+        gradient element by first (-1 for maximize, 1 / scale to unscale; 1 leaves it as it is).
     :param reference: the float64 step of :mod:`optirs.core.reference`.
     :param slots: the state slots in kernel order (slot 0, 1, 2 of the generic kernels).
     :param kernel: the kernel family whose per-element math runs the step (``adamw`` runs ``adam``).
@@ -144,7 +146,7 @@ P = hp_types
 
 ADAM = OptimizerDefinition(
     name="adam", class_name="GpuAdam", params_type=P.AdamParams, kernel="adam",
-    scalars=lambda hp, step: scalars.adam_scalars(hp, step, decoupled=False),
+    scalars=lambda hp, step, grad_factor=1.0: scalars.adam_scalars(hp, step, decoupled=False, grad_factor=grad_factor),
     reference=reference.adam,
     slots=(StateSlot("exp_avg"), StateSlot("exp_avg_sq", signed=False),
            StateSlot("max_exp_avg_sq", needed=lambda hp: hp.amsgrad, signed=False)),
@@ -161,7 +163,7 @@ ADAM = OptimizerDefinition(
 
 ADAMW = OptimizerDefinition(
     name="adamw", class_name="GpuAdamW", params_type=P.AdamParams, kernel="adam",
-    scalars=lambda hp, step: scalars.adam_scalars(hp, step, decoupled=True),
+    scalars=lambda hp, step, grad_factor=1.0: scalars.adam_scalars(hp, step, decoupled=True, grad_factor=grad_factor),
     reference=reference.adamw, slots=ADAM.slots, defaults={"weight_decay": 0.01},
     summary="AdamW (Loshchilov & Hutter), as torch.optim.AdamW: decoupled weight decay, default 0.01.",
     algorithm="""

@@ -9,7 +9,7 @@ per-element functions in ``optirs.backends.common.elementwise`` read them by nam
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 import numpy as np
 
@@ -50,6 +50,7 @@ class AdamScalars(NamedTuple):
     decay_factor: np.float32  # 1 - lr * weight_decay (AdamW only)
     decoupled: bool
     amsgrad: bool
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
 class SgdScalars(NamedTuple):
@@ -60,6 +61,7 @@ class SgdScalars(NamedTuple):
     nesterov: bool
     has_momentum: bool
     first_step: bool  # torch starts the momentum buffer at the gradient itself
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
 class RmspropScalars(NamedTuple):
@@ -71,12 +73,14 @@ class RmspropScalars(NamedTuple):
     momentum: np.float32
     centered: bool
     has_momentum: bool
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
 class AdagradScalars(NamedTuple):
     clr: np.float32  # lr / (1 + (t - 1) * lr_decay)
     weight_decay: np.float32
     eps: np.float32
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
 class LambScalars(NamedTuple):
@@ -91,43 +95,109 @@ class LambScalars(NamedTuple):
     bias_correction2: np.float32
     max_trust_ratio: np.float32  # +inf: no clip
     max_grad_norm: np.float32  # 0: no global gradient clipping
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
-def adam_scalars(hp: AdamParams, step: int, decoupled: bool) -> AdamScalars:
-    return _checked(AdamScalars(
-        f32(hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta1), f32(1.0 - hp.beta2), f32(hp.eps),
-        f32(hp.weight_decay), f32(hp.lr / (1.0 - hp.beta1**step)), f32(math.sqrt(1.0 - hp.beta2**step)),
-        f32(1.0 - hp.lr * hp.weight_decay), bool(decoupled), bool(hp.amsgrad),
-    ), hp, step)
+# ------------------------------------------------------------------ the pointwise families' formulas
+# Each is a plain float64 function of (constants, lr, step, grad_factor) returning every field of
+# its record in order, bools as 1.0 / 0.0: the host builders below round its results to float32,
+# and the cuda backend compiles the same functions into its device-side scalars kernel
+# (capturable steps, step and lr on the device), so both compute the same bits. ``constants`` is
+# a tuple of floats from the hyperparameters (what a CUDA graph bakes in); only lr, the step and
+# the gradient factor may change on the device.
 
 
-def sgd_scalars(hp: SgdParams, step: int) -> SgdScalars:
-    return _checked(SgdScalars(
-        f32(hp.lr), f32(hp.momentum), f32(1.0 - hp.dampening), f32(hp.weight_decay),
-        bool(hp.nesterov), hp.momentum != 0.0, step == 1,
-    ), hp, step)
+class ScalarFormula(NamedTuple):
+    """How a pointwise family's record is computed: ``constants(hp)`` and ``values(c, lr, step, grad_factor)``."""
+
+    record: type
+    constants: Callable[[Any], Tuple[float, ...]]
+    values: Callable[..., Tuple[float, ...]]
 
 
-def rmsprop_scalars(hp: RmspropParams, step: int) -> RmspropScalars:
-    return _checked(RmspropScalars(
-        f32(hp.lr), f32(hp.alpha), f32(1.0 - hp.alpha), f32(hp.eps), f32(hp.weight_decay),
-        f32(hp.momentum), bool(hp.centered), hp.momentum > 0.0,
-    ), hp, step)
+def _record(cls: type, values) -> NamedTuple:
+    """``values`` (float64, bools as 0/1) as the float32/bool record ``cls``."""
+    return cls(*[bool(v) if b else f32(v) for v, b in zip(values, _BOOLS[cls])])
 
 
-def adagrad_scalars(hp: AdagradParams, step: int) -> AdagradScalars:
-    return _checked(AdagradScalars(f32(hp.lr / (1.0 + (step - 1) * hp.lr_decay)), f32(hp.weight_decay), f32(hp.eps)),
+def adam_values(c, lr, step, grad_factor):
+    beta1, beta2, eps, weight_decay, decoupled, amsgrad = c
+    return (beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay, lr / (1.0 - beta1**step),
+            math.sqrt(1.0 - beta2**step), 1.0 - lr * weight_decay, decoupled, amsgrad, grad_factor)
+
+
+def adam_constants(hp: AdamParams, decoupled: bool) -> Tuple[float, ...]:
+    return (float(hp.beta1), float(hp.beta2), float(hp.eps), float(hp.weight_decay), float(bool(decoupled)),
+            float(bool(hp.amsgrad)))
+
+
+def sgd_values(c, lr, step, grad_factor):
+    momentum, dampening, weight_decay, nesterov = c
+    return (lr, momentum, 1.0 - dampening, weight_decay, nesterov, 1.0 if momentum != 0.0 else 0.0,
+            1.0 if step == 1.0 else 0.0, grad_factor)
+
+
+def sgd_constants(hp: SgdParams) -> Tuple[float, ...]:
+    return (float(hp.momentum), float(hp.dampening), float(hp.weight_decay), float(bool(hp.nesterov)))
+
+
+def rmsprop_values(c, lr, step, grad_factor):
+    alpha, eps, weight_decay, momentum, centered = c
+    return (lr, alpha, 1.0 - alpha, eps, weight_decay, momentum, centered, 1.0 if momentum > 0.0 else 0.0,
+            grad_factor)
+
+
+def rmsprop_constants(hp: RmspropParams) -> Tuple[float, ...]:
+    return (float(hp.alpha), float(hp.eps), float(hp.weight_decay), float(hp.momentum), float(bool(hp.centered)))
+
+
+def adagrad_values(c, lr, step, grad_factor):
+    lr_decay, weight_decay, eps = c
+    return (lr / (1.0 + (step - 1.0) * lr_decay), weight_decay, eps, grad_factor)
+
+
+def adagrad_constants(hp: AdagradParams) -> Tuple[float, ...]:
+    return (float(hp.lr_decay), float(hp.weight_decay), float(hp.eps))
+
+
+def lion_values(c, lr, step, grad_factor):
+    beta1, beta2, weight_decay = c
+    return (lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 - lr * weight_decay, grad_factor)
+
+
+def lion_constants(hp: LionParams) -> Tuple[float, ...]:
+    return (float(hp.beta1), float(hp.beta2), float(hp.weight_decay))
+
+
+def _pointwise(formula_values, constants, hp, step: int, grad_factor: float, record: type) -> NamedTuple:
+    return _checked(_record(record, formula_values(constants, float(hp.lr), float(step), float(grad_factor))),
                     hp, step)
 
 
-def lamb_scalars(hp: LambParams, step: int) -> LambScalars:
+def adam_scalars(hp: AdamParams, step: int, decoupled: bool, grad_factor: float = 1.0) -> AdamScalars:
+    return _pointwise(adam_values, adam_constants(hp, decoupled), hp, step, grad_factor, AdamScalars)
+
+
+def sgd_scalars(hp: SgdParams, step: int, grad_factor: float = 1.0) -> SgdScalars:
+    return _pointwise(sgd_values, sgd_constants(hp), hp, step, grad_factor, SgdScalars)
+
+
+def rmsprop_scalars(hp: RmspropParams, step: int, grad_factor: float = 1.0) -> RmspropScalars:
+    return _pointwise(rmsprop_values, rmsprop_constants(hp), hp, step, grad_factor, RmspropScalars)
+
+
+def adagrad_scalars(hp: AdagradParams, step: int, grad_factor: float = 1.0) -> AdagradScalars:
+    return _pointwise(adagrad_values, adagrad_constants(hp), hp, step, grad_factor, AdagradScalars)
+
+
+def lamb_scalars(hp: LambParams, step: int, grad_factor: float = 1.0) -> LambScalars:
     bc1 = 1.0 - hp.beta1**step if hp.bias_correction else 1.0
     bc2 = 1.0 - hp.beta2**step if hp.bias_correction else 1.0
     return _checked(LambScalars(
         f32(hp.lr), f32(hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta1), f32(1.0 - hp.beta2), f32(hp.eps),
         f32(hp.weight_decay), f32(bc1), f32(bc2),
         f32(np.inf if hp.max_trust_ratio is None else hp.max_trust_ratio),
-        f32(0.0 if hp.max_grad_norm is None else hp.max_grad_norm),
+        f32(0.0 if hp.max_grad_norm is None else hp.max_grad_norm), f32(grad_factor),
     ), hp, step, unbounded=("max_trust_ratio",))
 
 
@@ -138,11 +208,11 @@ class LionScalars(NamedTuple):
     beta2: np.float32
     one_minus_beta2: np.float32
     decay_factor: np.float32  # 1 - lr * weight_decay
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
-def lion_scalars(hp: LionParams, step: int) -> LionScalars:
-    return _checked(LionScalars(f32(hp.lr), f32(hp.beta1), f32(1.0 - hp.beta1), f32(hp.beta2), f32(1.0 - hp.beta2),
-                                f32(1.0 - hp.lr * hp.weight_decay)), hp, step)
+def lion_scalars(hp: LionParams, step: int, grad_factor: float = 1.0) -> LionScalars:
+    return _pointwise(lion_values, lion_constants(hp), hp, step, grad_factor, LionScalars)
 
 
 class AdafactorScalars(NamedTuple):
@@ -154,6 +224,7 @@ class AdafactorScalars(NamedTuple):
     d: np.float32  # clipping threshold of RMS(update)
     decay_factor: np.float32  # 1 - lr * weight_decay
     maximize: bool
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
 def adafactor_eps1(hp: AdafactorParams) -> float:
@@ -161,9 +232,26 @@ def adafactor_eps1(hp: AdafactorParams) -> float:
     return float(np.finfo(np.float32).eps) if hp.eps[0] is None else float(hp.eps[0])
 
 
-def adafactor_scalars(hp: AdafactorParams, step: int) -> AdafactorScalars:
+def adafactor_scalars(hp: AdafactorParams, step: int, grad_factor: float = 1.0) -> AdafactorScalars:
     eps1 = adafactor_eps1(hp)
     return _checked(AdafactorScalars(
         f32(float(step) ** hp.beta2_decay), f32(min(hp.lr, 1.0 / math.sqrt(step))), f32(eps1), f32(eps1 * eps1),
-        f32(hp.eps[1]), f32(hp.d), f32(1.0 - hp.lr * hp.weight_decay), bool(hp.maximize),
+        f32(hp.eps[1]), f32(hp.d), f32(1.0 - hp.lr * hp.weight_decay), bool(hp.maximize), f32(grad_factor),
     ), hp, step)
+
+
+# Which fields of each record are bools (the rest are float32), for _record.
+_BOOLS: Dict[type, Tuple[bool, ...]] = {
+    cls: tuple(getattr(cls.__annotations__[name], "__forward_arg__", cls.__annotations__[name]) in (bool, "bool")
+               for name in cls._fields)
+    for cls in (AdamScalars, SgdScalars, RmspropScalars, AdagradScalars, LambScalars, LionScalars, AdafactorScalars)}
+
+# The pointwise kernel families' formulas (adamw shares adam's record and formula; decoupled is a constant).
+FORMULAS: Dict[str, ScalarFormula] = {
+    "adam": ScalarFormula(AdamScalars, lambda hp: adam_constants(hp, False), adam_values),
+    "adamw": ScalarFormula(AdamScalars, lambda hp: adam_constants(hp, True), adam_values),
+    "sgd": ScalarFormula(SgdScalars, sgd_constants, sgd_values),
+    "rmsprop": ScalarFormula(RmspropScalars, rmsprop_constants, rmsprop_values),
+    "adagrad": ScalarFormula(AdagradScalars, adagrad_constants, adagrad_values),
+    "lion": ScalarFormula(LionScalars, lion_constants, lion_values),
+}

@@ -13,8 +13,17 @@
   gradient is non-finite nothing is touched (parameters, master weights, state, step count) and
   the scaler backs off.
 
-The two passes are a backend capability, ``"mixed_precision"`` (hooks in
-:mod:`optirs.plugin.hookspecs`): the built-in backends implement them in
+On a backend with the ``formats`` capability (docs/formats.md) the step is the fused format
+step: the inner optimizer runs ``Precision(master_weights="float32")`` over the half
+parameters, one launch decodes the masters, steps them and writes the rounded parameters, and
+the non-finite check (``optirs_formats_check``) sets the step's device ``found_inf`` flag, so an
+overflow skips the launch's writes without a host round trip before it. The loss scale is
+divided out inside the step through the scalars' ``grad_factor``; only a loss scale below 1
+(whose unscaling can overflow a finite half gradient, which the check cannot see) runs the
+unscale pass below into float32 gradients first.
+
+On other backends the two passes of the ``"mixed_precision"`` capability (hooks in
+:mod:`optirs.plugin.hookspecs`) run around the inner optimizer: the built-in backends implement them in
 ``optirs/backends/<backend>/mixed_precision.py`` (the per-element conversions, integer and
 exact-float32 arithmetic shared by numba on cpu and cuda, are in
 :mod:`optirs.backends.common.half`); this module only drives them through ``backend.hook``.
@@ -34,6 +43,7 @@ from optirs.core.arrays import check_no_overlap
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.params import fits_float32
 from optirs.core.layout import TensorLayout
+from optirs.optim import formats as fm
 
 __all__ = [
     "f32_to_f16_bits", "f16_bits_to_f32", "DynamicLossScaler", "OverflowStats", "MixedPrecisionConfig",
@@ -357,6 +367,7 @@ class MixedPrecisionOptimizer:
         self._master_views: List[Any] = []
         self._grad_views: List[Any] = []
         self._layout: Optional[TensorLayout] = None  # the backends keep per-model data in its cache
+        self._fused: Optional[bool] = None  # the formats capability runs the step (decided at first use)
 
     # ------------------------------------------------------------ properties
 
@@ -370,6 +381,18 @@ class MixedPrecisionOptimizer:
         naming the backend and the capability when it has none."""
         return self.backend.hook(self.CAPABILITY, name)
 
+    def _uses_formats(self) -> bool:
+        """Whether the backend's ``formats`` capability runs the step (then the inner optimizer
+        keeps float32 masters of the half parameters itself)."""
+        if self._fused is None:
+            from optirs.core.formats import Precision
+
+            self._fused = self.backend.supports("formats")
+            if self._fused:
+                inner = self.inner.precision
+                self.inner.precision = Precision(master_weights="float32", state_dtype=inner.state_dtype, seed=inner.seed)
+        return self._fused
+
     @property
     def step_count(self) -> int:
         """Applied steps (the inner optimizer's count); skipped steps are in ``scaler.stats``."""
@@ -377,6 +400,11 @@ class MixedPrecisionOptimizer:
 
     def master_weights(self) -> List[np.ndarray]:
         """Host float32 copies of the master weights, shaped like the parameters (empty before step 1)."""
+        if self._fused and self.inner._state is not None:
+            inner = self.inner
+            fs = inner._format_state()
+            flat = fm.host_buffers(inner.backend, fs, {"master": inner._state["master"]}, inner.state_on_device)
+            return [v.copy() for v in fs.views("master", flat["master"])]
         if self._master is None:
             return []
         backend = self.backend
@@ -462,6 +490,8 @@ class MixedPrecisionOptimizer:
         glist = list(grads) if isinstance(grads, (list, tuple)) else [grads]
         if not plist:
             raise InvalidParameterError("params=[], expected at least one array")
+        if self._uses_formats():
+            return self._fused_step(plist, glist)
         backend = self.backend
         # Every hook is looked up before anything changes: a backend without the capability refuses here.
         unscale = self._hook("optirs_mixed_precision_unscale")
@@ -482,6 +512,51 @@ class MixedPrecisionOptimizer:
         if not found_inf:
             narrow(backend.ctx, self._master, plist, self._layout, bf16)
         return self.scaler.update(found_inf)
+
+    def _check_dtypes(self, plist: List[Any], glist: List[Any]) -> None:
+        """The wrapper's own rule: parameters and gradients all of ``config.param_dtype``."""
+        from optirs.core.arrays import describe
+
+        want = self.config.param_dtype
+        for label, arrays in (("params", plist), ("grads", glist)):
+            for i, a in enumerate(arrays):
+                dtype = describe(a, f"{label}[{i}]").dtype
+                if dtype != want:
+                    raise ShapeMismatchError(f"{label}[{i}] has dtype {dtype}, expected {want} (MixedPrecisionConfig.param_dtype)")
+
+    def _fused_step(self, plist: List[Any], glist: List[Any]) -> bool:
+        """The step as one format launch over float32 masters (module docstring)."""
+        inner, backend = self.inner, self.backend
+        with inner._lock:
+            self._check_dtypes(plist, glist)
+            metas, fmt = inner._validate(plist, glist)
+            inv = self.scaler.inv_scale
+            scalars = inner.step_scalars(inner.step_count + 1)
+            if inv > np.float32(1.0):
+                # A loss scale below 1 can overflow a finite half gradient when unscaled, which the
+                # gradients' check cannot see: the unscale pass writes float32 gradients and flags it.
+                unscale = self._hook("optirs_mixed_precision_unscale")
+                if self._grads32 is None or self._shapes != [tuple(m.shape) for m in metas]:
+                    self._install_grads32([tuple(m.shape) for m in metas])
+                if bool(unscale(backend.ctx, glist, self._grads32, self._layout, inv, self.config.is_bfloat16)):
+                    return self.scaler.update(True)
+                metas, fmt = inner._validate(plist, self._grad_views)
+                return self.scaler.update(not inner._format_step(plist, self._grad_views, metas, fmt, scalars))
+            # the loss scale divided out inside the step: no pass of its own
+            scalars = scalars._replace(grad_factor=np.float32(scalars.grad_factor * inv))
+            flag = backend.alloc(backend.ctx, 1, np.int32, 0)
+            applied = inner._format_step(plist, glist, metas, fmt, scalars, device_flag=flag, check=True)
+        return self.scaler.update(not applied)
+
+    def _install_grads32(self, shapes) -> None:
+        backend = self.backend
+        self._grads32 = backend.alloc(backend.ctx, int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes)), np.float32, 0.0)
+        self._grad_views, off = [], 0
+        for s in shapes:
+            n = int(np.prod(s, dtype=np.int64))
+            self._grad_views.append(self._grads32[off : off + n].reshape(s))
+            off += n
+        self._shapes, self._layout = list(shapes), TensorLayout(list(shapes))
 
     def _clear_master(self) -> None:
         self._master = self._grads32 = None
@@ -510,8 +585,16 @@ class MixedPrecisionOptimizer:
             raise ShapeMismatchError(f"master weight shapes {shapes} differ from the optimizer state's {inner_shapes}")
         probe = self.config.make_scaler()
         probe.load_state_dict(state_dict["scaler"])  # validates
+        fused = self._uses_formats()
+        if fused != ("format" in state_dict["inner"]) and state_dict["inner"].get("state"):
+            raise InvalidParameterError(
+                "state_dict['inner'] holds " + ("float32 state of master weights" if fused else "a format step's state")
+                + f", expected the state of this backend's {'fused format' if fused else 'three-pass'} step "
+                "(checkpoints move between backends with and without the formats capability only at step 0)")
         self.inner.load_state_dict(state_dict["inner"])
         self.scaler = probe
+        if fused:
+            return  # the masters are the inner optimizer's format state
         if master:
             self._install_master(np.concatenate([m.reshape(-1) for m in master]), shapes)
         else:

@@ -360,17 +360,20 @@ class GpuOptimizer:
         return cache[1]
 
     def _format_step(self, plist: List[Any], glist: List[Any], metas: List[ArrayMeta], fmt: StepFormat,
-                     scalars: Optional[NamedTuple] = None, device_flag: Any = None) -> None:
-        """One step in ``fmt`` through the backend's ``formats`` capability, as one transaction.
+                     scalars: Optional[NamedTuple] = None, device_flag: Any = None, check: bool = False) -> bool:
+        """One step in ``fmt`` through the backend's ``formats`` capability, as one transaction;
+        returns whether it was applied.
 
         ``scalars`` replaces the definition's record (a loss scaler sets its ``grad_factor``);
         ``device_flag`` is a 1-element int32 array of the backend: non-zero (read on the device)
-        skips the launch's writes. The step is counted only if it was not skipped.
+        skips the launch's writes; with ``check`` the gradients' non-finite check sets it first
+        (``optirs_formats_check``, in the same transaction). The step is counted only if applied.
         """
         backend = self.backend
         fm.check_backend(backend, fmt)
         stage = backend.hook(fm.CAPABILITY, "optirs_formats_stage")
         step = backend.hook(fm.CAPABILITY, "optirs_formats_step")
+        check_grads = backend.hook(fm.CAPABILITY, "optirs_formats_check") if check else None
         layout = self._layout or TensorLayout([m.shape for m in metas])
         fs = self._format_state(layout, fmt)
         if scalars is None:
@@ -386,6 +389,9 @@ class GpuOptimizer:
                     state = self._state
                 hook = "optirs_formats_stage"
                 staged = stage(backend.ctx, plist, glist, fmt)
+                if check_grads is not None:
+                    hook = "optirs_formats_check"
+                    check_grads(backend.ctx, staged.grads, layout, fmt, device_flag)
                 hook = "optirs_formats_step"
                 step(backend.ctx, self.definition.kernel, staged.params, staged.grads, state, layout, fs, fmt,
                      scalars, self.precision.seed, self._step + 1, device_flag)
@@ -398,10 +404,12 @@ class GpuOptimizer:
                 if error is exc:
                     raise
                 raise error from exc
-            # Fresh state that a skipped step left untouched is kept: it is what step 1 starts from.
+            if skipped and self._state is None:
+                return False  # a skipped first step leaves the optimizer fresh (no state)
             self._layout, self._state, self._state_on_device, self._format = layout, state, True, fmt
             if not skipped:
                 self._step += 1
+            return not skipped
 
     def _found_inf(self, found_inf: Any) -> bool:
         """``step_gpu``'s ``found_inf`` as a host bool (a device flag is read back here)."""

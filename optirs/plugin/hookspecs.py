@@ -228,7 +228,10 @@ The update, per element (``t`` the 1-based step):
 :param state: slot name -> flat device array holding every tensor's state ({slots}), updated in place;
     only the slots the hyperparameters need are present.
 :param layout: the model's :class:`~optirs.core.layout.TensorLayout` (offsets, chunk table, ``cache``).
-:param scalars: the per-step scalars (:class:`optirs.core.scalars.{scalars}`), already float32.
+:param scalars: the per-step scalars (:class:`optirs.core.scalars.{scalars}`), already float32. Its last
+    field, ``grad_factor``, multiplies every gradient element before anything else reads it (-1 for
+    maximize, ``1 / scale`` for a GradScaler's unscale, as optirs.torch passes; 1 from the seed API);
+    the gradients themselves are never written.
 """
 
 
@@ -802,6 +805,59 @@ def optirs_formats_check(ctx: BackendContext, grads: List[DeviceArray], layout: 
     """
 
 
+# ---- capturable steps (CUDA graphs; optirs.torch's capturable=True)
+# The step count and the learning rate live on the device: the backend advances the count and
+# computes the per-step scalars in a kernel of its own, queued before the step kernel on the same
+# stream, so a step captured into a CUDA graph replays correctly (bias corrections advance, a
+# tensor lr changed between replays takes effect). Only elementwise optimizers; the scalars'
+# formulas are optirs.core.scalars.FORMULAS, computed on the device in float64 and rounded to
+# float32 as the host does.
+
+
+@dataclass(frozen=True)
+class DeviceStepInputs:
+    """What a capturable step reads on the device (every array a float32 device array).
+
+    :param steps: every tensor's step count (torch's ``state[p]["step"]``), advanced by one per step.
+    :param record: where the step's scalars record goes (one float32 per field, bools as 0 / 1).
+    :param constants: ``FORMULAS[family].constants(hp)``: the hyperparameters a graph bakes in.
+    :param lr: the learning rate, a float (baked in, as torch's float lr) or a one-element device array
+        read at every step.
+    :param sign: -1.0 with maximize, else 1.0.
+    :param grad_scale: None, or a one-element device array: the gradient factor is ``sign / grad_scale``.
+    :param found_inf: None, or a one-element device array: when non-zero, the step changes nothing
+        (not the count either).
+    """
+
+    steps: DeviceArray
+    record: DeviceArray
+    constants: Tuple[float, ...]
+    lr: Any
+    sign: float = 1.0
+    grad_scale: Optional[DeviceArray] = None
+    found_inf: Optional[DeviceArray] = None
+
+
+@hookspec
+def optirs_capturable_step(ctx: BackendContext, optimizer: str, params: List[DeviceArray],
+                           grads: List[DeviceArray], state: SlotBuffers, layout: TensorLayout,
+                           scalars: StepScalars, inputs: DeviceStepInputs) -> None:
+    """One step of an elementwise optimizer whose count, lr and scalars live on the device; may be
+    called while the stream is being captured into a CUDA graph (after one step outside it).
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param optimizer: the definition's name (``"adamw"``).
+    :param params: the parameters (device arrays, stepped in place; no staging copy).
+    :param grads: the gradients, only read.
+    :param state: as the step hooks' ``state``.
+    :param layout: as the step hooks' ``layout``.
+    :param scalars: a host record of the family (its type; its values are not used).
+    :param inputs: the device inputs.
+    :raises optirs.UnsupportedOperationError: for an optimizer that is not elementwise, host arrays, or a
+        first step (uncached tables) under capture.
+    """
+
+
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
@@ -813,5 +869,6 @@ CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "measure": ("optirs_measure_copy", "optirs_measure_elapsed_ms", "optirs_torch_device"),
     "streams": ("optirs_use_stream", "optirs_current_stream"),
     "formats": ("optirs_formats_stage", "optirs_formats_step", "optirs_formats_check"),
+    "capturable": ("optirs_capturable_step",),
 }
 

@@ -87,7 +87,6 @@ class _FormatBucket:
         self.param_ptrs = [p.data_ptr() for p in params]
         self.steps = torch.full((len(params),), float(step), dtype=torch.float32)
         self.step_views = [self.steps[i] for i in range(len(params))]
-        self.scratch: Optional[torch.Tensor] = None
         # Copy existing (loaded) state in, checked before opt.state is pointed at the views.
         for i, p in enumerate(params):
             old = opt.state.get(p, {}) if p in opt.state else {}
@@ -141,26 +140,13 @@ class _FormatBucket:
                 return False
         return True
 
-    def launch(self, hp: Any, factor: Optional[float]) -> None:
+    def launch(self, hp: Any, factor: float) -> None:
         backend = self.backend
         grads = [p.grad for p in self.params]
-        scalars = self.definition.scalars(hp, self.step + 1)
-        if factor is not None and "grad_factor" in type(scalars)._fields:
-            # the unscale / maximize sign inside the step (the scalars' grad_factor)
-            scalars = scalars._replace(grad_factor=np.float32(scalars.grad_factor * factor))
-            factor = None
-        if factor is None:
-            gdtype = str(grads[0].dtype).replace("torch.", "")
-            garrays = [_kernel_array(backend, g) for g in grads]
-        else:
-            # Without a grad_factor field: unscale into float32 (exact), which the format reads as float32 grads.
-            if self.scratch is None:
-                self.scratch = torch.empty(self.layout.total, dtype=torch.float32, device=grads[0].device)
-                self.scratch_views = self.layout.views(self.scratch)
-                self.scratch_arrays = [_kernel_array(backend, v) for v in self.scratch_views]
-            for g, out in zip(grads, self.scratch_views):
-                torch.mul(g, factor, out=out)
-            gdtype, garrays = "float32", self.scratch_arrays
+        # the unscale and maximize's sign inside the step: the scalars' grad_factor
+        scalars = self.definition.scalars(hp, self.step + 1, grad_factor=factor)
+        gdtype = str(grads[0].dtype).replace("torch.", "")
+        garrays = [_kernel_array(backend, g) for g in grads]
         fmt = replace(self.storage, grad_dtype=gdtype)
         stage = backend.hook(fm.CAPABILITY, "optirs_formats_stage")
         step = backend.hook(fm.CAPABILITY, "optirs_formats_step")

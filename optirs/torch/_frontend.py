@@ -144,9 +144,6 @@ class _Bucket:
         # buffer, written once per step.
         self.steps = torch.full((len(params),), float(step), dtype=torch.float32)
         self.step_views = [self.steps[i] for i in range(len(params))]
-        self.scratch: Optional[torch.Tensor] = None
-        self.scratch_views: List[torch.Tensor] = []
-        self.scratch_arrays: List[Any] = []
         # Copy the existing state in, then point opt.state at the views.
         for i, p in enumerate(params):
             old = opt.state.get(p, {}) if p in opt.state else {}
@@ -186,18 +183,10 @@ class _Bucket:
                 return False
         return True
 
-    def grad_arrays(self, grads: List[torch.Tensor], factor: Optional[float]):
-        """The gradients as the backend reads them: the tensors themselves, or (maximize, unscale)
-        ``factor * g`` in a scratch buffer of this bucket (one extra pass)."""
-        if factor is None:
-            return [_host_array(self.backend, g) for g in grads]
-        if self.scratch is None:
-            self.scratch = torch.empty(self.layout.total, dtype=grads[0].dtype, device=grads[0].device)
-            self.scratch_views = [v for v in self.layout.views(self.scratch)]
-            self.scratch_arrays = [_host_array(self.backend, v) for v in self.scratch_views]
-        for g, out in zip(grads, self.scratch_views):
-            torch.mul(g, factor, out=out)
-        return self.scratch_arrays
+    def grad_arrays(self, grads: List[torch.Tensor]):
+        """The gradients as the backend reads them: the tensors themselves (maximize and the
+        GradScaler's unscale are the scalars' ``grad_factor``, applied inside the step)."""
+        return [_host_array(self.backend, g) for g in grads]
 
 
 def _storage(precision: Any, params: List[torch.Tensor], definition: OptimizerDefinition):
@@ -380,12 +369,11 @@ class OptirsOptimizer(torch.optim.Optimizer):
             out.setdefault((gi, str(p.device), p.dtype), []).append(p)
         return out
 
-    def _grad_factor(self, group: Dict[str, Any], inv_scale: Optional[float]) -> Optional[float]:
-        """What the gradients are multiplied by before the kernel reads them (None: used as they are)."""
+    def _grad_factor(self, group: Dict[str, Any], inv_scale: Optional[float]) -> float:
+        """The scalars' ``grad_factor``: what the step multiplies every gradient element by first."""
         negate = bool(group.get("maximize", False)) and not self._native_maximize
-        if inv_scale is None:
-            return -1.0 if negate else None
-        return -inv_scale if negate else inv_scale
+        factor = 1.0 if inv_scale is None else inv_scale
+        return -factor if negate else factor
 
     _native_maximize = False
 
@@ -445,15 +433,15 @@ class OptirsOptimizer(torch.optim.Optimizer):
 
         return Precision(**{k: group[k] for k in self._FORMAT_KEYS if k in group})
 
-    def _launch(self, bucket: _Bucket, hp: Any, factor: Optional[float]) -> None:
+    def _launch(self, bucket: _Bucket, hp: Any, factor: float) -> None:
         if getattr(bucket, "storage", None) is not None:
             bucket.launch(hp, factor)
             return
         backend = bucket.backend
         grads = [p.grad for p in bucket.params]
-        garrays = bucket.grad_arrays(grads, factor)
+        garrays = bucket.grad_arrays(grads)
         staged = backend.stage(backend.ctx, bucket.param_arrays, garrays)
-        scalars = bucket.definition.scalars(hp, bucket.step + 1)
+        scalars = bucket.definition.scalars(hp, bucket.step + 1, grad_factor=factor)
         backend.step_fn(bucket.definition.name)(backend.ctx, staged.params, staged.grads, bucket.device_state,
                                                 bucket.layout, scalars)
         if staged.finish is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from numba import njit
+from numba import float32, float64, njit
 from numba.extending import overload
 
 from optirs.core.definitions import DEFINITIONS
@@ -27,6 +27,7 @@ from optirs.core.definitions import DEFINITIONS
 @njit(cache=True, error_model="numpy")
 def adam_update(p, g, m, v, vmax, sc):
     """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
+    g = g * sc.grad_factor
     if sc.decoupled:
         p = p * sc.decay_factor
     elif sc.weight_decay != 0:
@@ -45,6 +46,7 @@ def adam_update(p, g, m, v, vmax, sc):
 @njit(cache=True, error_model="numpy")
 def sgd_update(p, g, buf, sc):
     """One SGD element: returns (p, momentum_buffer)."""
+    g = g * sc.grad_factor
     if sc.weight_decay != 0:
         g = g + sc.weight_decay * p
     if sc.has_momentum:
@@ -62,6 +64,7 @@ def sgd_update(p, g, buf, sc):
 @njit(cache=True, error_model="numpy")
 def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
     """One RMSprop element: returns (p, square_avg, momentum_buffer, grad_avg)."""
+    g = g * sc.grad_factor
     if sc.weight_decay != 0:
         g = g + sc.weight_decay * p
     square_avg = sc.alpha * square_avg + sc.one_minus_alpha * g * g
@@ -81,6 +84,7 @@ def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
 @njit(cache=True, error_model="numpy")
 def adagrad_update(p, g, acc, sc):
     """One Adagrad element: returns (p, sum)."""
+    g = g * sc.grad_factor
     if sc.weight_decay != 0:
         g = g + sc.weight_decay * p
     acc = acc + g * g
@@ -89,7 +93,8 @@ def adagrad_update(p, g, acc, sc):
 
 @njit(cache=True, error_model="numpy")
 def lamb_moments(g, m, v, grad_scale, sc):
-    """LAMB's first pass for one element: the clipped gradient folded into (m, v)."""
+    """LAMB's first pass for one element: the clipped gradient folded into (m, v); ``grad_scale``
+    is :func:`lamb_grad_scale`'s (the gradient factor and the clipping factor in one)."""
     g = g * grad_scale
     return sc.beta1 * m + sc.one_minus_beta1 * g, sc.beta2 * v + sc.one_minus_beta2 * g * g
 
@@ -132,9 +137,19 @@ def clip_scale(norm, max_norm):
 
 
 @njit(cache=True, error_model="numpy")
+def lamb_grad_scale(raw_norm, sc):
+    """What LAMB multiplies each raw gradient element by (float32): the gradient factor times the
+    global clipping factor, the clip taken on the norm of the factored gradient, ``|factor| *
+    raw_norm`` (``raw_norm``: the norm of the gradients as stored; unused without clipping)."""
+    factor = float64(sc.grad_factor)
+    return float32(clip_scale(raw_norm * abs(factor), float64(sc.max_grad_norm)) * factor)
+
+
+@njit(cache=True, error_model="numpy")
 def lion_update(p, g, m, sc):
     """One Lion element: returns (p, exp_avg). The sign is taken by branches so the step is
     exactly p -/+ lr (no multiply); c of 0 or NaN gives p - lr * c (p, or NaN), as torch.sign."""
+    g = g * sc.grad_factor
     p = p * sc.decay_factor
     c = sc.beta1 * m + sc.one_minus_beta1 * g
     if c > 0:
@@ -152,7 +167,8 @@ def lion_update(p, g, m, sc):
 
 @njit(cache=True, error_model="numpy")
 def adafactor_grad(g, sc):
-    """The gradient as Adafactor uses it (negated with maximize)."""
+    """The gradient as Adafactor uses it (times the gradient factor, negated with maximize)."""
+    g = g * sc.grad_factor
     return -g if sc.maximize else g
 
 
@@ -183,7 +199,8 @@ def adafactor_apply(p, u, step, sc):
 
 # ---------------------------------------------------------------- the generic kernels' element steps
 # Every elementwise kernel family has one element step of one shape,
-# ``(p, g, s0, s1, s2, sc) -> (p, s0, s1, s2)``: slot k is the definition's k-th state slot
+# ``(p, g, s0, s1, s2, sc) -> (p, s0, s1, s2)``, which multiplies ``g`` by ``sc.grad_factor`` first
+# (every record of optirs.core.scalars ends with that float32 field): slot k is the definition's k-th state slot
 # (optirs.core.definitions); a slot the hyperparameters do not use comes in as 0 and its result is
 # dropped. The generic loops (a CPU chunk loop, a CUDA grid) are written once against this shape.
 

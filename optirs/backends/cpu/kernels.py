@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 from numba.typed import List
 
-from optirs.backends.common.elementwise import (clip_scale, element_update, lamb_direction, lamb_moments,
+from optirs.backends.common.elementwise import (element_update, lamb_direction, lamb_grad_scale, lamb_moments,
                                                lamb_trust_ratio)
 
 jit = njit(parallel=True, cache=True, error_model="numpy")
@@ -111,10 +111,10 @@ def _global_grad_norm(gs, chunk_tensor, chunk_start, chunk_stop):
 @jit
 def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors, sc):
     nchunks = chunk_tensor.shape[0]
-    grad_scale = np.float32(1.0)
+    norm = 0.0
     if sc.max_grad_norm > 0:
         norm = _global_grad_norm(gs, chunk_tensor, chunk_start, chunk_stop)
-        grad_scale = np.float32(clip_scale(norm, np.float64(sc.max_grad_norm)))
+    grad_scale = lamb_grad_scale(norm, sc)
     # Pass 1: moments, then the chunk's sums of p^2 and u^2 (float64) while it is in cache.
     p_sq = np.zeros(nchunks, dtype=np.float64)
     u_sq = np.zeros(nchunks, dtype=np.float64)

@@ -24,7 +24,10 @@
   ``optirs_synchronize`` waits for the whole context (every stream).
 * CUDA graphs: a step (or state allocation, unscale, sparse step) while its stream is being
   captured raises UnsupportedOperationError (``cuStreamIsCapturing``): the per-step scalars are
-  host values in the launch arguments and a replay would repeat them.
+  host values in the launch arguments and a replay would repeat them. The ``capturable``
+  capability (``optirs_capturable_step``, optirs.torch's ``capturable=True``) is the exception:
+  a one-thread kernel advances the step count and computes the scalars on the device, and the
+  step kernel reads them there, so a captured step replays correctly.
 
 numba.cuda is imported by ``optirs_probe`` / ``optirs_open``, never by ``import optirs``.
 """
@@ -352,7 +355,7 @@ class CudaContext:
                 f"{what} was called while CUDA stream {handle:#x} is being captured into a CUDA graph: its "
                 "per-step scalars (step count, bias corrections, learning rate) are host values baked into "
                 "the launch, so every replay would repeat this step's values (stale). Run the step outside "
-                "the capture; capturable=True (device-side step count and learning rate) is not available yet"
+                "the capture, or use optirs.torch's capturable=True (step count and learning rate on the device)"
             )
 
     def upload(self, host: np.ndarray):
@@ -574,7 +577,8 @@ def _head_types(family: str) -> tuple:
     from numba import types
 
     table, i64, acc = types.int64[:, ::1], types.int64, types.float64[:, ::1]
-    return {"step": (table, table, i64, i64, i64, i64, i64),
+    return {"step": (table, table, i64, i64, i64, i64, i64, i64, i64),
+            "scalars": (i64, i64, i64, i64, i64, i64),
             "grad_norm": (table, table, i64, acc, i64, i64),
             "lamb": (table, table, i64, i64, i64, acc, i64, i64)}[family]
 
@@ -769,11 +773,12 @@ class CudaDevice:
         ctx.cuda.synchronize()  # the whole context: the stream in use and every other
 
 
-from optirs.backends.cuda.steps import CudaSteps  # noqa: E402  (it uses device_address above)
+from optirs.backends.cuda.capturable import CudaCapturable  # noqa: E402  (it uses device_address above)
+from optirs.backends.cuda.steps import CudaSteps  # noqa: E402
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion, CudaAdafactor, CudaMeasure, CudaStreams,
-                  CudaFormats):
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion,
+                  CudaAdafactor, CudaMeasure, CudaStreams, CudaCapturable, CudaFormats):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 
 

@@ -30,9 +30,11 @@ import numba
 import numpy as np
 from numba import cuda, float64
 
-from optirs.backends.common.elementwise import (ELEMENT_STEPS, clip_scale, lamb_direction, lamb_moments,
+from optirs.backends.common.elementwise import (ELEMENT_STEPS, lamb_direction, lamb_grad_scale, lamb_moments,
                                                lamb_trust_ratio)
 
+from optirs.core.definitions import DEFINITIONS
+from optirs.core.scalars import FORMULAS
 from optirs.core.simulator import cuda_simulator_enabled
 
 SIMULATOR = cuda_simulator_enabled()
@@ -150,15 +152,36 @@ def ld_if(flag, addr):
     return _F32(0.0)
 
 
-def _make_step_kernel(update, family):
+def record_loader(record):
+    """A device function ``(rec, sc) -> record``: the scalars record read from the float32 device
+    buffer at address ``rec`` (field k at ``rec + 4k``, bools stored as 0 / 1), written by the
+    device-side scalars kernel of capturable steps. ``sc`` only gives the function its type."""
+    fields = []
+    for k, name in enumerate(record._fields):
+        ann = record.__annotations__[name]
+        text = getattr(ann, "__forward_arg__", ann)
+        fields.append(f"ld(rec + {4 * k}) != 0" if text in (bool, "bool") else f"ld(rec + {4 * k})")
+    namespace = {"ld": ld, "Record": record}
+    exec(f"def load(rec, sc):\n    return Record({', '.join(fields)})\n", namespace)  # one field list per record
+    return _device(namespace["load"])
+
+
+def _make_step_kernel(update, family, load):
     """The generic one-launch step kernel around one family's element step
     ``(p, g, slot0, slot1, slot2, sc) -> (p, slot0..2)`` (optirs.backends.common.elementwise).
 
     ``s0``..``s2`` are the state slots' base addresses; bit k of ``used`` says slot k exists
-    (an unused slot is neither read nor written).
+    (an unused slot is neither read nor written). ``rec``: 0, or the address of a device scalars
+    record that replaces ``sc`` (capturable steps); ``flag``: 0, or the address of a float32
+    found_inf flag: when it is non-zero the launch writes nothing (each thread reads it once).
     """
 
-    def step(chunks, ptrs, nchunks, s0, s1, s2, used, sc):
+    def step(chunks, ptrs, nchunks, s0, s1, s2, used, rec, flag, sc):
+        if flag != 0:
+            if ld(flag) != 0:
+                return
+        if rec != 0:
+            sc = load(rec, sc)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         u0 = (used & 1) != 0
@@ -218,7 +241,53 @@ def _make_step_kernel(update, family):
 
 # The generic kernel around each elementwise family's element step (compiled lazily by the
 # backend for the scalars' numba type).
-STEP_FUNCTIONS = {family: _make_step_kernel(update, family) for family, update in ELEMENT_STEPS.items()}
+RECORDS = {d.kernel: d.scalars_type for d in DEFINITIONS.values() if d.kernel in ELEMENT_STEPS}
+LOADERS = {family: record_loader(record) for family, record in RECORDS.items()}
+STEP_FUNCTIONS = {family: _make_step_kernel(update, family, LOADERS[family]) for family, update in ELEMENT_STEPS.items()}
+
+
+# ------------------------------------------------------------------ device-side scalars (capturable)
+
+
+def _make_scalars_kernel(values, nfields, name):
+    """The one-thread kernel that advances a capturable step on the device: unless the float32
+    flag at ``flag`` is non-zero (found_inf), ``step = steps[0] + 1`` is written to every entry
+    of ``steps`` and the family's record for (constants, lr, step, grad_factor) to ``out``
+    (float32 per field, bools as 0 / 1). ``values`` is the family's float64 formula of
+    optirs.core.scalars, compiled here, so the record has the host's bits. lr is read at
+    ``lr_addr`` (a float32 tensor) unless it is 0 (then ``lr``); grad_factor is ``sign / scale``
+    with the float32 scale at ``scale_addr``, or ``sign``. The constants come last (they change
+    with the group's hyperparameters and are rewritten in the prepared launch)."""
+
+    def scalars(lr_addr, steps, nsteps, scale_addr, flag, out, floats):
+        if cuda.grid(1) != 0:
+            return
+        if flag != 0:
+            if ld(flag) != 0:
+                return
+        consts = floats[2:]
+        sign = floats[1]
+        rate = floats[0]
+        if lr_addr != 0:
+            rate = float64(ld(lr_addr))
+        factor = sign
+        if scale_addr != 0:
+            factor = sign / float64(ld(scale_addr))
+        step = float64(ld(steps)) + 1.0
+        v = values(consts, rate, step, factor)
+        for i in range(nfields):
+            st(out + 4 * i, _F32(v[i]))
+        count = _F32(step)
+        for i in range(nsteps):
+            st(steps + 4 * i, count)
+
+    scalars.__name__ = scalars.__qualname__ = name
+    return scalars
+
+
+SCALARS_FUNCTIONS = {family: _make_scalars_kernel(_device(FORMULAS[family].values), len(RECORDS[family]._fields),
+                                                  f"scalars_{family}")
+                     for family in RECORDS if family in FORMULAS}
 
 
 # ------------------------------------------------------------------ LAMB
@@ -282,9 +351,10 @@ def lamb_moments_pass(chunks, ptrs, nchunks, s0, s1, acc, q, ntensors, sc):
     """m, v updated in place; acc[q, t] += ||p_t||^2, acc[q, ntensors + t] += ||u_t||^2."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    grad_scale = _F32(1.0)
+    raw_norm = 0.0
     if sc.max_grad_norm > 0:
-        grad_scale = _F32(clip_scale(math.sqrt(acc[q, 2 * ntensors]), float64(sc.max_grad_norm)))
+        raw_norm = math.sqrt(acc[q, 2 * ntensors])
+    grad_scale = lamb_grad_scale(raw_norm, sc)
     current = -1
     sp = 0.0
     su = 0.0

@@ -31,7 +31,7 @@ def _pointwise_step(definition: OptimizerDefinition) -> Callable:
             if slot in state:
                 addrs[k] = device_address(state[slot])
                 used |= 1 << k
-        ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, scalars), grid, block)
+        ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, 0, 0, scalars), grid, block)  # host scalars, no flag
 
     step.__name__ = step.__qualname__ = definition.hook
     step.__doc__ = f"{definition.summary} (one launch of the generic step kernel)"

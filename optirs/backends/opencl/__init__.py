@@ -306,7 +306,7 @@ class OpenclContext:
             types[f"{fam}_chunks"] = slots + [None, None, None] + table + [rec]
         lamb = self.records["lamb"]
         types["lamb_grad_sumsq"] = slots + table + [None]
-        types["lamb_grad_scale"] = [None, u32, f32, None]
+        types["lamb_grad_scale"] = [None, u32, f32, f32, None]
         types["lamb_moments"] = slots + [None, None] + table + [None, i32, None, lamb]
         types["lamb_trust_ratios"] = [None, None, None, f32, None]
         types["lamb_apply"] = slots + [None, None] + table + [None, lamb]
@@ -795,7 +795,8 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             if clip:
                 for gsize, bufs, c0 in launches:
                     k["lamb_grad_sumsq"](q, gsize, (wg,), *bufs, *chunk_args, c0, partial_g)
-                k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm, scale)
+                k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm,
+                                     scalars.grad_factor, scale)
             for gsize, bufs, c0 in launches:
                 k["lamb_moments"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, scale, int(clip), partial_pu, rec)
             k["lamb_trust_ratios"](q, (len(layout) * wg,), (wg,), partial_pu, tables.first_chunk, tables.nchunks,

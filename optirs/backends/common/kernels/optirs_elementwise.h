@@ -10,6 +10,9 @@
  * The *_elem functions load element (or vector) i of the parameter/gradient and j of the
  * state, update, and store; state slots an option does not use are never touched.
  *
+ * Every *_update starts with g = g * grad_factor (the last field of every scalars record: -1 for
+ * maximize, 1 / scale to unscale), as the numba math does.
+ *
  * As torch, weight_decay == 0 adds no decay term (so 0 * inf never makes an infinite weight NaN);
  * the test is on a scalar, the same for every element. The decoupled decays multiply by
  * decay_factor, exactly 1 when weight_decay is 0, which keeps every value as it is.
@@ -19,6 +22,7 @@
 
 void FN(adam_update)(T *p, T g, T *m, T *v, T *vmax, const adam_scalars *sc)
 {
+    g = g * sc->grad_factor;
     T pp = *p;
     if (sc->decoupled)
         pp = pp * sc->decay_factor;
@@ -58,6 +62,7 @@ void FN(adam_elem)(__global T *p, __global const T *g, __global T *s0, __global 
 
 void FN(sgd_update)(T *p, T g, T *buf, const sgd_scalars *sc)
 {
+    g = g * sc->grad_factor;
     if (sc->weight_decay != 0.0f)
         g = g + sc->weight_decay * *p;
     if (sc->has_momentum) {
@@ -90,6 +95,7 @@ void FN(sgd_elem)(__global T *p, __global const T *g, __global T *s0, __global T
 
 void FN(rmsprop_update)(T *p, T g, T *square_avg, T *buf, T *grad_avg, const rmsprop_scalars *sc)
 {
+    g = g * sc->grad_factor;
     if (sc->weight_decay != 0.0f)
         g = g + sc->weight_decay * *p;
     *square_avg = sc->alpha * *square_avg + sc->one_minus_alpha * g * g;
@@ -130,6 +136,7 @@ void FN(rmsprop_elem)(__global T *p, __global const T *g, __global T *s0, __glob
 
 void FN(adagrad_update)(T *p, T g, T *acc, const adagrad_scalars *sc)
 {
+    g = g * sc->grad_factor;
     if (sc->weight_decay != 0.0f)
         g = g + sc->weight_decay * *p;
     *acc = *acc + g * g;
@@ -148,7 +155,8 @@ void FN(adagrad_elem)(__global T *p, __global const T *g, __global T *s0, __glob
 
 /* ---------------------------------------------------------------- LAMB (two passes) */
 
-/* Pass 1: the (clipped) gradient folded into the moments. */
+/* Pass 1: the (clipped) gradient folded into the moments; grad_scale is the gradient factor times
+ * the clipping factor (lamb_grad_scale in optirs_steps.cl). */
 void FN(lamb_moments)(T g, T *m, T *v, float grad_scale, const lamb_scalars *sc)
 {
     g = g * grad_scale;
@@ -171,6 +179,7 @@ T FN(lamb_direction)(T p, T m, T v, const lamb_scalars *sc)
 /* sign() is 0 for NaN in OpenCL but NaN in torch: keep c where it is NaN, so p becomes NaN. */
 void FN(lion_update)(T *p, T g, T *m, const lion_scalars *sc)
 {
+    g = g * sc->grad_factor;
     const T pp = *p * sc->decay_factor;
     const T c = sc->beta1 * *m + sc->one_minus_beta1 * g;
     const T s = select(sign(c), c, isnan(c));
@@ -193,6 +202,7 @@ void FN(lion_elem)(__global T *p, __global const T *g, __global T *s0, __global 
 
 T FN(adafactor_grad)(T g, const adafactor_scalars *sc)
 {
+    g = g * sc->grad_factor;
     return sc->maximize ? -g : g;
 }
 

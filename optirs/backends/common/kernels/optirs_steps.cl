@@ -138,9 +138,11 @@ void lamb_grad_sumsq(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), CHUNK_TABLE_PARAMS
     (void)p;
 }
 
-/* Part 2 (one work-group): min(1, max_grad_norm / ||g||) from the partial sums. */
+/* Part 2 (one work-group): grad_factor * min(1, max_grad_norm / ||grad_factor * g||) from the partial
+ * sums of g^2 (the clip is of the factored, e.g. unscaled, gradient; as lamb_grad_scale in numba). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void lamb_grad_scale(__global const acc_t *partial, uint nchunks, float max_grad_norm, __global float *scale)
+void lamb_grad_scale(__global const acc_t *partial, uint nchunks, float max_grad_norm, float grad_factor,
+                     __global float *scale)
 {
     __local acc_t scratch[OPTIRS_WG];
     acc_t s = 0;
@@ -148,9 +150,11 @@ void lamb_grad_scale(__global const acc_t *partial, uint nchunks, float max_grad
         s += partial[k];
     s = group_sum(s, scratch);
     if (get_local_id(0) == 0) {
-        const acc_t norm = sqrt(s), max_norm = (acc_t)max_grad_norm;
+        const acc_t factor = (acc_t)grad_factor;
+        const acc_t norm = sqrt(s) * fabs(factor), max_norm = (acc_t)max_grad_norm;
         /* as the reference: a NaN norm gives a NaN factor (not 1), an infinite one 0 */
-        scale[0] = (0 < max_norm && !(norm <= max_norm)) ? (float)(max_norm / norm) : 1.0f;
+        const acc_t clip = (0 < max_norm && !(norm <= max_norm)) ? max_norm / norm : (acc_t)1;
+        scale[0] = (float)(clip * factor);
     }
 }
 
@@ -163,7 +167,7 @@ void lamb_moments(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *M, __
     __local acc_t scratch[OPTIRS_WG];
     CHUNK_PROLOGUE(P, G)
     __global float *m = M + s_off, *v = V + s_off;
-    const float scale = clip ? grad_scale[0] : 1.0f;
+    const float scale = clip ? grad_scale[0] : sc.grad_factor;
     acc_t sp = 0, su = 0;
     if (aligned) {
         const long vstop = stop / 4;

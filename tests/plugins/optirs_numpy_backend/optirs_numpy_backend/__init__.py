@@ -56,6 +56,7 @@ def _slices(layout):
 def optirs_step_sgd(ctx, params, grads, state, layout, scalars):
     ctx["steps"] += 1
     for p, g, s in zip(params, grads, _slices(layout)):
+        g = g * scalars.grad_factor  # every record's last field: maximize / unscale (1 from the seed API)
         if scalars.weight_decay != 0:  # as torch: no decay term (and no 0 * inf) without decay
             g = g + scalars.weight_decay * p
         if scalars.has_momentum:
@@ -69,6 +70,7 @@ def optirs_step_sgd(ctx, params, grads, state, layout, scalars):
 def optirs_step_adam(params, grads, state, layout, scalars):
     m, v = state["exp_avg"], state["exp_avg_sq"]
     for p, g, s in zip(params, grads, _slices(layout)):
+        g = g * scalars.grad_factor  # every record's last field: maximize / unscale (1 from the seed API)
         if scalars.weight_decay != 0:  # as torch: no decay term (and no 0 * inf) without decay
             g = g + scalars.weight_decay * p
         m[s] = scalars.beta1 * m[s] + scalars.one_minus_beta1 * g
