@@ -140,8 +140,8 @@ def test_step_in_backward_and_accumulation(name, kwargs):
 
 
 def test_accumulation_count_wrong_either_way_is_still_correct():
-    # the hooks expect 3 backwards, the loop does 2: step() copies what the hooks skipped
-    run_pair("AdamW", {"lr": 1e-2}, steps=6, accumulation=2, step_in_backward=False)
+    # the hooks expect 3 backwards; the loop does 2 (step() copies what the hooks skipped) or 4
+    # (the hooks copy again after the 3rd: the last copy is the one used)
     ref_model, our_model = make_model(), make_model()
     ref = ot.AdamW(ref_model.parameters(), lr=1e-2, backend="cpu")
     ours = offload("AdamW", our_model.parameters(), lr=1e-2, accumulation_steps=3)
@@ -318,11 +318,14 @@ def test_state_dict_loads_into_the_plain_optimizer_and_back():
     _train(model, opt, 4, start=4)
     _train(plain_model, plain, 4, start=4)
     assert_same(plain_model, model)
-    back = offload("AdamW", groups(plain_model), lr=1e-2)
+    # and back: the plain optimizer's checkpoint continues under the offload
+    clone = copy.deepcopy(plain_model)
+    back = offload("AdamW", groups(clone), lr=1e-2)
     back.load_state_dict(_through_disk(plain.state_dict()))
-    _train(plain_model, plain, 2, start=8)
-    clone = copy.deepcopy(model)
-    clone.load_state_dict(plain_model.state_dict())
+    _train(plain_model, plain, 3, start=8)
+    _train(clone, back, 3, start=8)
+    assert_same(plain_model, clone)
+    assert float(back.state[next(clone.parameters())]["step"]) == 11
 
 
 # ---------------------------------------------------------------- interrupted steps
