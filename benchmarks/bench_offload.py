@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # bench_torch_step's plain-torch GPT-2 (when transformers is missing)
@@ -99,7 +99,8 @@ def make_optimizer(row: str, model, device: str, accum: int) -> Tuple[Any, str]:
         try:
             opt = CPUOffloadOptimizer(groups, torch.optim.AdamW, lr=LR, fused=True)
         except Exception as exc:  # noqa: BLE001 - e.g. its assertion that the device is CUDA or XPU
-            raise RuntimeError(f"torchao's CPUOffloadOptimizer refused this setup ({type(exc).__name__}: {exc})") from exc
+            reason = f"torchao's CPUOffloadOptimizer refused this setup ({type(exc).__name__}: {exc})"
+            raise RuntimeError(reason) from exc
         return opt, "torchao.optim.CPUOffloadOptimizer(torch.optim.AdamW, fused=True)"
     raise ValueError(row)
 

@@ -80,8 +80,9 @@ def offload(name, params, **kwargs):
 CASES = [
     ("AdamW", {"lr": 1e-2}), ("SGD", {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
     ("Lion", {"lr": 1e-3, "weight_decay": 0.1}), ("Adafactor", {"lr": 1e-2}),
-    ("Adam", {"lr": 1e-2, "amsgrad": True, "maximize": True}), ("RMSprop", {"lr": 1e-3, "centered": True, "momentum": 0.5}),
-    ("Adagrad", {"lr": 1e-2}), ("Lamb", {"lr": 1e-2}),
+    ("Adam", {"lr": 1e-2, "amsgrad": True, "maximize": True}),
+    ("RMSprop", {"lr": 1e-3, "centered": True, "momentum": 0.5}),
+    ("Adagrad", {"lr": 1e-2}), ("Lamb", {"lr": 1e-2}), ("Lamb", {"lr": 1e-2, "max_grad_norm": 0.5}),
 ]
 
 
@@ -115,10 +116,13 @@ def run_pair(name, kwargs, steps=STEPS, accumulation=1, mode=None, **offload_kwa
     return ref, ours, ref_model, our_model
 
 
-@pytest.mark.parametrize("name,kwargs", CASES, ids=[n for n, _ in CASES])
+@pytest.mark.parametrize("name,kwargs", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
 def test_trajectory_equals_no_offload(name, kwargs):
     ref, ours, _, our_model = run_pair(name, kwargs)
-    assert len(ours._chunks) > len(ours.param_groups)  # really chunked
+    if "max_grad_norm" in kwargs:  # clipping over the group: the group is one chunk
+        assert len(ours._chunks) == len(ours.param_groups)
+    else:
+        assert len(ours._chunks) > len(ours.param_groups)  # really chunked
     assert [g["lr"] for g in ours.param_groups] == [g["lr"] for g in ref.param_groups]
     sd, rsd = ours.state_dict(), ref.state_dict()
     assert sd["param_groups"] == rsd["param_groups"]
@@ -137,8 +141,8 @@ def test_step_in_backward_and_accumulation(name, kwargs):
 
 
 def test_accumulation_count_wrong_either_way_is_still_correct():
-    # the hooks expect 3 backwards, the loop does 2: step() copies what the hooks skipped
-    run_pair("AdamW", {"lr": 1e-2}, steps=6, accumulation=2, step_in_backward=False)
+    # the hooks expect 3 backwards; the loop does 2 (step() copies what the hooks skipped) or 4
+    # (the hooks copy again after the 3rd: the last copy is the one used)
     ref_model, our_model = make_model(), make_model()
     ref = ot.AdamW(ref_model.parameters(), lr=1e-2, backend="cpu")
     ours = offload("AdamW", our_model.parameters(), lr=1e-2, accumulation_steps=3)
@@ -315,11 +319,14 @@ def test_state_dict_loads_into_the_plain_optimizer_and_back():
     _train(model, opt, 4, start=4)
     _train(plain_model, plain, 4, start=4)
     assert_same(plain_model, model)
-    back = offload("AdamW", groups(plain_model), lr=1e-2)
+    # and back: the plain optimizer's checkpoint continues under the offload
+    clone = copy.deepcopy(plain_model)
+    back = offload("AdamW", groups(clone), lr=1e-2)
     back.load_state_dict(_through_disk(plain.state_dict()))
-    _train(plain_model, plain, 2, start=8)
-    clone = copy.deepcopy(model)
-    clone.load_state_dict(plain_model.state_dict())
+    _train(plain_model, plain, 3, start=8)
+    _train(clone, back, 3, start=8)
+    assert_same(plain_model, clone)
+    assert float(back.state[next(clone.parameters())]["step"]) == 11
 
 
 # ---------------------------------------------------------------- interrupted steps
@@ -527,3 +534,21 @@ def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
     # fp32 parameters: every step copies each gradient out and each parameter back, 4 bytes each
     assert off["timing"]["d2h_bytes"] == off["timing"]["h2d_bytes"] == 4 * off["parameters"]
     assert r["analysis"]["offload"]["cpu_step_GBps"] > 0 and r["bandwidth"]["host_copy_GBps"] > 0
+
+
+def test_step_in_backward_starts_the_steps_before_step_is_called():
+    ref_model, model = make_model(), make_model()
+    ref = ot.SGD(ref_model.parameters(), lr=0.05, momentum=0.9, backend="cpu")
+    opt = offload("SGD", model.parameters(), lr=0.05, momentum=0.9, step_in_backward=True, accumulation_steps=2)
+    for t in range(4):
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            loss_of(m, 2 * t).backward()
+            if o is opt:
+                assert all(c.future is None for c in opt._chunks)  # the first backward of two: nothing yet
+            loss_of(m, 2 * t + 1).backward()
+            if o is opt:
+                started = [c.future is not None for c in opt._chunks]
+                assert all(started) if t > 0 else not any(started)  # the first round runs in step()
+            o.step()
+        assert_same(ref_model, model)

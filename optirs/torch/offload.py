@@ -76,7 +76,14 @@ def _host_empty(numel: int, dtype: torch.dtype, pin: bool, what: str) -> torch.T
     except RuntimeError as exc:  # torch's allocation failures (pinned or not) are RuntimeErrors
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         kind = "pinned host memory" if pin else "host memory"
-        raise DeviceMemoryError(f"could not allocate {nbytes} bytes of {kind} for {what} ({numel} x {dtype}): {exc}") from exc
+        raise DeviceMemoryError(
+            f"could not allocate {nbytes} bytes of {kind} for {what} ({numel} x {dtype}): {exc}") from exc
+
+
+def _sparse_gradient(gi: int, j: int) -> UnsupportedOperationError:
+    return UnsupportedOperationError(
+        f"param_groups[{gi}]['params'][{j}] has a sparse gradient, expected a dense one: use optirs.SparseAdam / "
+        "optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
 
 
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -143,7 +150,8 @@ class _Chunk:
         # and the gradient buffer (copied into); for 16-bit ones only the 16-bit staging buffer.
         self.master_flat = _host_empty(total, torch.float32, pin and wide, f"the fp32 masters of {where}")
         self.grad_flat = _host_empty(total, torch.float32, pin and wide, f"the fp32 gradients of {where}")
-        self.staging_flat = None if wide else _host_empty(total, self.dtype, pin, f"the {self.dtype} staging of {where}")
+        self.staging_flat = (None if wide else
+                             _host_empty(total, self.dtype, pin, f"the {self.dtype} staging of {where}"))
         self.masters = _views(self.master_flat, params)
         self.grads = _views(self.grad_flat, params)
         self.staging = None if self.staging_flat is None else _views(self.staging_flat, params)
@@ -228,7 +236,8 @@ class CPUOffload(torch.optim.Optimizer):
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         try:
-            chunks = self._make_chunks(gi, self.param_groups[gi], coupled=getattr(hp, "max_grad_norm", None) is not None)
+            coupled = getattr(hp, "max_grad_norm", None) is not None  # clipping over the whole group
+            chunks = self._make_chunks(gi, self.param_groups[gi], coupled)
         except BaseException:
             self.param_groups.pop()  # a group that cannot be offloaded is not added
             raise
@@ -270,7 +279,8 @@ class CPUOffload(torch.optim.Optimizer):
                 size += p.numel()
             runs.append(run)
         base = len(self._chunks)
-        chunks = [_Chunk(base + i, gi, run, [position[id(p)] for p in run], _pins(device)) for i, run in enumerate(runs)]
+        chunks = [_Chunk(base + i, gi, run, [position[id(p)] for p in run], _pins(device))
+                  for i, run in enumerate(runs)]
         hyper = {k: v for k, v in group.items() if k not in _GROUP_ONLY}
         with torch.no_grad():
             for c in chunks:
@@ -325,12 +335,11 @@ class CPUOffload(torch.optim.Optimizer):
         """Start copying p's gradient into its host buffer (on CUDA: on the side stream, after the current one)."""
         g = p.grad
         if g.is_sparse:
-            raise UnsupportedOperationError(
-                f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] has a sparse gradient, expected a dense one: "
-                "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
+            raise _sparse_gradient(chunk.gi, chunk.positions[k])
         if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
             raise ShapeMismatchError(
-                f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] is {tuple(p.shape)} {p.dtype} on {p.device}, "
+                f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] is {tuple(p.shape)} {p.dtype} "
+                f"on {p.device}, "
                 f"but its gradient {tuple(g.shape)} {g.dtype} on {g.device}; expected the same")
         chunk.resync(k)
         landing = chunk.landing[k]
@@ -506,9 +515,7 @@ class CPUOffload(torch.optim.Optimizer):
                 if g is None:
                     continue
                 if g.is_sparse:
-                    raise UnsupportedOperationError(
-                        f"param_groups[{c.gi}]['params'][{c.positions[k]}] has a sparse gradient, expected a dense one: "
-                        "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
+                    raise _sparse_gradient(c.gi, c.positions[k])
                 present.append(k)
                 sent = c.sent[k]
                 if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
@@ -617,7 +624,8 @@ class CPUOffload(torch.optim.Optimizer):
                 if master is not None and c.staging is not None:
                     if tuple(master.shape) != tuple(p.shape):
                         raise ShapeMismatchError(
-                            f"state[{index[p]}][{MASTER_KEY!r}] has shape {tuple(master.shape)}, expected {tuple(p.shape)}")
+                            f"state[{index[p]}][{MASTER_KEY!r}] has shape {tuple(master.shape)}, "
+                            f"expected {tuple(p.shape)}")
                     masters.append((c, k, master))
                 if entry:
                     local[k] = entry
