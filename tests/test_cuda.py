@@ -89,7 +89,7 @@ def _signatures():
     step_sc = {d.kernel: d.scalars(d.examples[0], 1) for d in DEFINITIONS.values() if d.pointwise}
     lamb_sc = numba.typeof(S.lamb_scalars(P.LambParams(), 1))
     for name, fn in K.STEP_FUNCTIONS.items():
-        yield name, fn, (table, table, i64, i64, i64, i64, i64, numba.typeof(step_sc[name]))
+        yield name, fn, (table, table, i64, i64, i64, i64, i64, i64, i64, numba.typeof(step_sc[name]))
     for name, fn in K.LAMB_FUNCTIONS.items():
         head = (table, table, i64, acc, i64, i64) if name == "grad_norm" else (table, table, i64, i64, i64, acc, i64, i64)
         yield f"lamb_{name}", fn, head + (lamb_sc,)
