@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from optirs.backends.common.elementwise import clip_scale, lamb_trust_ratio
+from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, encode_state, format_element,
                                             lamb_format_element, quantize, store_master, stream_key)
 from optirs.core.formats import BLOCK, STATE_INT8
@@ -138,12 +138,13 @@ def lamb(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, q1, d1, table, chunk_tens
     nchunks = chunk_tensor.shape[0]
     has_master = mbuf.shape[0] > 0
     kind = fc.state
-    grad_scale = np.float32(1.0)
+    norm = 0.0  # unused without clipping: the scale is then the gradient factor alone
     if sc.max_grad_norm > 0:
         partial = np.zeros(nchunks, dtype=np.float64)
         for c in prange(nchunks):
             partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], fc.grad)
-        grad_scale = np.float32(clip_scale(np.sqrt(partial.sum()), np.float64(sc.max_grad_norm)))
+        norm = np.sqrt(partial.sum())
+    grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
     p_sq = np.zeros(nchunks, dtype=np.float64)
     u_sq = np.zeros(nchunks, dtype=np.float64)
     for c in prange(nchunks):

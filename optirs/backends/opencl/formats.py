@@ -376,7 +376,8 @@ def _lamb(ctx, prog, layout, tables, launches, bufs, offs, chunk, skip, st, rec,
     if clip:
         for gsize, pg, c0 in launches:
             kf["fmt_lamb_grad_sumsq"](q, gsize, (wg,), *pg, *chunk, c0, partial_g)
-        k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm, scale)
+        k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm,
+                                scalars.grad_factor, scale)
     for gsize, pg, c0 in launches:
         kf["fmt_lamb_norms"](q, gsize, (wg,), *pg, *bufs, offs, *chunk, c0, scale, clip, partial_pu, st, rec)
     k["lamb_trust_ratios"](q, (len(layout) * wg,), (wg,), partial_pu, tables.first_chunk, tables.nchunks,

@@ -440,7 +440,7 @@ void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
     FMT_PROLOGUE(P, G)
     __global MST *m = M + off.m + lay;
     const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
-    const float scale = clip ? grad_scale[0] : 1.0f;
+    const float scale = clip ? grad_scale[0] : sc.grad_factor;  /* the clip factor carries grad_factor */
     acc_t sp = 0, su = 0;
     FMT_ROUND_BEGIN
         if (nv > 0) {
@@ -466,7 +466,7 @@ void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
                     __global const int *skip, const fmt_step st, const lamb_scalars sc)
 {
     FMT_WRITER_PROLOGUE(P, G)
-    const float scale = clip ? grad_scale[0] : 1.0f;
+    const float scale = clip ? grad_scale[0] : sc.grad_factor;
     const float step = sc.lr * ratio[t];
     FMT_ROUND_BEGIN
         float8 s[3];
