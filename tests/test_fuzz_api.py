@@ -229,10 +229,10 @@ def _bad_array(draw, how: str, rng: np.random.Generator, shape) -> Any:
 
 
 def _must_raise(how: str, side: str, bad: Any, shape, n_arrays: int, holds_state: bool) -> bool:
-    if how == "bfloat16":
-        # bfloat16 parameters are a step format of their own (docs/formats.md): accepted only when
-        # every parameter is bfloat16 (a one-array model here) and no float32 state is held yet;
-        # bfloat16 gradients of float32 parameters are always refused.
+    if how == "bfloat16" or (how == "dtype" and bad.dtype == np.float16):
+        # 16-bit parameters are a step format of their own (docs/formats.md): accepted only when
+        # every parameter has that dtype (a one-array model here) and no float32 state is held yet;
+        # 16-bit gradients of float32 parameters are always refused.
         return side == "grads" or n_arrays > 1 or holds_state
     if how in ("strided", "fortran"):  # a view numpy still calls C-contiguous (size-1 axes) is fine
         return not bad.flags.c_contiguous or bad.shape != tuple(shape)
