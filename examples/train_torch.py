@@ -23,10 +23,10 @@ import optirs.torch as ot
 MODULES = ("textwrap", "string", "shlex", "fnmatch", "glob", "bisect", "heapq")
 
 
-def corpus() -> str:
+def corpus(modules=MODULES) -> str:
     import importlib
 
-    return "\n".join(inspect.getsource(importlib.import_module(m)) for m in MODULES)
+    return "\n".join(inspect.getsource(importlib.import_module(m)) for m in modules)
 
 
 class CharModel(torch.nn.Module):
