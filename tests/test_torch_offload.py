@@ -267,18 +267,21 @@ def _manual_masters_run(dtype, steps):
     return model, masters
 
 
+@pytest.mark.parametrize("fuse", [None, True], ids=["separate-passes", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_16bit_parameters_against_torch_on_fp32_masters(dtype):
+def test_16bit_parameters_against_torch_on_fp32_masters(dtype, fuse):
     steps = 30
     ref_model, ref_masters = _manual_masters_run(dtype, steps)
     model = make_model(dtype)
-    opt = offload("AdamW", model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = offload("AdamW", model.parameters(), lr=1e-2, weight_decay=0.1, fuse_conversions=fuse)
     for t in range(steps):
         opt.zero_grad()
         loss_of(model, t).backward()
         opt.step()
     ours = [c.master(k) for p in model.parameters() for c, k in [opt._where[p]]]
-    assert all(c.mode == offload_mod.FUSED for c in opt._chunks)  # the formats step, no separate conversions
+    # float32 masters with float32 state: the float32 kernel between two conversion passes by
+    # default, the formats step (one pass) when asked
+    assert all(c.mode == (offload_mod.FUSED if fuse else offload_mod.WIDEN) for c in opt._chunks)
     for a, b in zip(ours, ref_masters):
         # two runs whose 16-bit models differ by a rounding now and then (a master within float32
         # rounding of the reference's can round to the neighbouring 16-bit value): loose, the
@@ -296,14 +299,15 @@ FORMATS = [
     # (parameter dtype, the optimizer's format keywords)
     (torch.float32, {"state_dtype": "int8"}),
     (torch.float32, {"state_dtype": "bfloat16", "seed": 3}),
-    (torch.bfloat16, {}),  # the offload's default: float32 masters, float32 state
+    (torch.bfloat16, {}),  # the offload's default: float32 masters, float32 state (WIDEN)
+    (torch.bfloat16, {"fuse_conversions": True}),  # the same in the formats step (FUSED)
     (torch.bfloat16, {"state_dtype": "int8"}),
     (torch.bfloat16, {"master_weights": "remainder16", "state_dtype": "bfloat16"}),
     (torch.bfloat16, {"master_weights": "remainder8", "state_dtype": "int8"}),
     (torch.bfloat16, {"master_weights": None, "stochastic_rounding": True, "seed": 7}),
     (torch.float16, {"state_dtype": "int8"}),
 ]
-FORMAT_IDS = [f"{str(d).split('.')[-1]}-{'-'.join(f'{v}' for v in kw.values()) or 'default'}" for d, kw in FORMATS]
+FORMAT_IDS = [f"{str(d).split('.')[-1]}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}" for d, kw in FORMATS]
 
 
 class Wide(torch.nn.Module):
@@ -353,7 +357,8 @@ def test_state_formats_bit_exact_against_the_same_chunks(name, dtype, fmt):
     ref_model, our_model = make_wide(dtype), make_wide(dtype)
     ours = offload(name, our_model.parameters(), bucket_elements=9000, **fmt, **kwargs)
     assert len(ours._chunks) > 1
-    ref = mirrored_reference(name, ours, ref_model, our_model, **{"master_weights": "float32", **fmt}, **kwargs)
+    precision = {k: v for k, v in fmt.items() if k != "fuse_conversions"}
+    ref = mirrored_reference(name, ours, ref_model, our_model, **{"master_weights": "float32", **precision}, **kwargs)
     for t in range(6):
         for m, o in ((ref_model, ref), (our_model, ours)):
             o.zero_grad()
@@ -362,18 +367,66 @@ def test_state_formats_bit_exact_against_the_same_chunks(name, dtype, fmt):
         for p, q in zip(ref_model.parameters(), our_model.parameters()):
             assert torch.equal(p, q), t
     for p, q in zip(ref_model.parameters(), our_model.parameters()):
-        a, b = ref.state[p], ours.state[q]
+        a, b = ref.state[p], dict(ours.state[q])
+        c, k = ours._where[q]
+        if c.mode == offload_mod.WIDEN:  # the float32 masters are the inner optimizer's parameters
+            b[offload_mod.MASTER_KEY] = c.host[k]
         assert set(a) == set(b)
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     if fmt.get("state_dtype") == "int8":
         assert ours.state[our_model.a.weight]["exp_avg.codes" if name != "SGD" else "momentum_buffer.codes"
                                               ].dtype == torch.uint8
-    want = offload_mod.DIRECT if dtype == torch.float32 else offload_mod.FUSED
-    assert all(c.mode == want for c in ours._chunks)
+    assert all(c.mode == expected_mode(dtype, fmt, fmt.get("fuse_conversions")) for c in ours._chunks)
 
 
-@pytest.mark.parametrize("dtype,fmt", [FORMATS[0], FORMATS[3], FORMATS[5]], ids=[FORMAT_IDS[i] for i in (0, 3, 5)])
+def expected_mode(dtype, fmt, fuse=None):
+    if dtype == torch.float32:
+        return offload_mod.DIRECT
+    plain_masters = fmt.get("master_weights", "float32") == "float32"
+    if fuse is False or (fuse is None and plain_masters and fmt.get("state_dtype", "float32") == "float32"):
+        return offload_mod.WIDEN
+    return offload_mod.FUSED
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_separate_passes_and_the_fused_step_give_the_same_bits(state_dtype):
+    """bf16 parameters on float32 masters stepped apart (WIDEN: float32 masters, a conversion pass
+    each way) and in the formats step (FUSED): the same parameters, state and checkpoints, and a
+    checkpoint of one continues in the other."""
+    models = {fuse: make_wide(torch.bfloat16) for fuse in (False, True)}
+    opts = {fuse: offload("AdamW", m.parameters(), lr=1e-2, bucket_elements=9000, state_dtype=state_dtype,
+                          fuse_conversions=fuse) for fuse, m in models.items()}
+    assert {c.mode for c in opts[False]._chunks} == {offload_mod.WIDEN}
+    assert {c.mode for c in opts[True]._chunks} == {offload_mod.FUSED}
+    for fuse in (False, True):
+        _train_wide(models[fuse], opts[fuse], 4)
+    for p, q in zip(models[False].parameters(), models[True].parameters()):
+        assert torch.equal(p, q)
+    sds = {fuse: _through_disk(o.state_dict()) for fuse, o in opts.items()}
+    for i, entry in sds[True]["state"].items():
+        other = sds[False]["state"][i]
+        assert set(entry) == set(other) and offload_mod.MASTER_KEY in entry
+        for k in entry:
+            assert entry[k].dtype == other[k].dtype and torch.equal(entry[k], other[k]), (i, k)
+    # swap: each continues from the other's checkpoint
+    ckpt_model = _through_disk(models[True].state_dict())
+    swapped = {}
+    for fuse in (False, True):
+        m = make_wide(torch.bfloat16)
+        o = offload("AdamW", m.parameters(), lr=1e-2, bucket_elements=9000, state_dtype=state_dtype,
+                    fuse_conversions=fuse)
+        m.load_state_dict(ckpt_model)
+        o.load_state_dict(sds[not fuse])
+        _train_wide(m, o, 3, start=4)
+        swapped[fuse] = m
+    _train_wide(models[True], opts[True], 3, start=4)
+    for fuse in (False, True):
+        for p, q in zip(models[True].parameters(), swapped[fuse].parameters()):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype,fmt", [FORMATS[0], FORMATS[4], FORMATS[6]], ids=[FORMAT_IDS[i] for i in (0, 4, 6)])
 def test_int8_state_equals_the_plain_optimizer_in_the_users_groups(dtype, fmt):
     """Deterministic formats do not depend on how the tensors are grouped: the offload equals the
     plain optimizer over the caller's own groups, bit for bit."""
@@ -395,7 +448,8 @@ def test_int8_state_moves_fewer_host_bytes(dtype):
     touched, copied = {}, {}
     for state_dtype in ("float32", "int8"):
         model = make_wide(dtype)
-        opt = offload("AdamW", model.parameters(), bucket_elements=9000, state_dtype=state_dtype)
+        opt = offload("AdamW", model.parameters(), bucket_elements=9000, state_dtype=state_dtype,
+                      fuse_conversions=True)  # 16-bit parameters: the formats step for both
         _train_wide(model, opt, 1)
         opt.timing = offload_mod.OffloadTiming()
         _train_wide(model, opt, 2, start=1)
@@ -420,8 +474,8 @@ def _train_wide(model, opt, steps, start=0):
         opt.step()
 
 
-@pytest.mark.parametrize("dtype,fmt", [FORMATS[0], FORMATS[1], FORMATS[3], FORMATS[5]],
-                         ids=[FORMAT_IDS[i] for i in (0, 1, 3, 5)])
+@pytest.mark.parametrize("dtype,fmt", [FORMATS[0], FORMATS[1], FORMATS[4], FORMATS[6]],
+                         ids=[FORMAT_IDS[i] for i in (0, 1, 4, 6)])
 def test_compact_state_resumes_bit_exact(dtype, fmt):
     """state_dict (compact tensors in their own dtypes) through torch.save / weights_only load, and a
     resumed run equal to the uninterrupted one; the checkpoint also loads into the plain optimizer."""
@@ -539,8 +593,7 @@ def test_resume_equals_uninterrupted(name, kwargs, dtype):
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
     if dtype == torch.bfloat16:  # the float32 masters are in the checkpoint, under the front end's key
-        key = "master" if takes_formats(name) else offload_mod.MASTER_KEY
-        assert ckpt["opt"]["state"][0][key].dtype == torch.float32
+        assert ckpt["opt"]["state"][0][offload_mod.MASTER_KEY].dtype == torch.float32
 
 
 def test_state_dict_loads_into_the_plain_optimizer_and_back():
@@ -769,10 +822,10 @@ def test_cuda_optimizer_state_takes_no_gpu_memory():
     assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adafactor"])
-def test_timing_counts_every_byte_moved(name):
+@pytest.mark.parametrize("name,fuse", [("AdamW", None), ("AdamW", True), ("Adafactor", None)])
+def test_timing_counts_every_byte_moved(name, fuse):
     model = make_model(torch.bfloat16)
-    opt = offload(name, model.parameters())
+    opt = offload(name, model.parameters(), **({"fuse_conversions": fuse} if fuse else {}))
     opt.timing = offload_mod.OffloadTiming()
     _train(model, opt, 3)
     t = opt.timing.as_dict()
@@ -780,8 +833,9 @@ def test_timing_counts_every_byte_moved(name):
     assert t["steps"] == 3 and t["d2h_bytes"] == t["h2d_bytes"] == 3 * n * 2  # bf16 both ways
     assert t["cpu_step_s"] > 0 and t["step_call_s"] >= t["cpu_step_s"] / opt.workers
     assert t["early_chunks"] == 0 and t["step_bytes"] > 0
-    # the formats step widens and narrows in its own pass; Adafactor (no step formats) converts apart
-    mode = offload_mod.FUSED if takes_formats(name) else offload_mod.WIDEN
+    # the formats step widens and narrows in its own pass; the float32 step on float32 masters
+    # (the default for float32 state, and Adafactor, which has no step formats) converts apart
+    mode = offload_mod.FUSED if fuse else offload_mod.WIDEN
     assert all(c.mode == mode for c in opt._chunks)
     assert (t["convert_s"] > 0) == (mode == offload_mod.WIDEN)
 
@@ -794,7 +848,8 @@ def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "offload.json"
-    assert bench.main(["--quick", "--rows", "torch_fused,offload,torchao", "--json", str(out)]) == 0
+    assert bench.main(["--quick", "--rows", "torch_fused,offload,offload_int8,torchao", "--chunk-elements", "8192",
+                       "--json", str(out)]) == 0
     import json
 
     r = json.loads(out.read_text())
@@ -802,14 +857,27 @@ def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
     assert off["step_ms"] > 0 and r["rows"]["torch_fused"]["step_ms"] > 0
     assert "skipped" in r["rows"]["torchao"] or r["rows"]["torchao"]["step_ms"] > 0
     # fp32 parameters: every step copies each gradient out and each parameter back, 4 bytes each
-    assert off["timing"]["d2h_bytes"] == off["timing"]["h2d_bytes"] == 4 * off["parameters"]
-    assert r["analysis"]["offload"]["cpu_step_GBps"] > 0 and r["bandwidth"]["host_copy_GBps"] > 0
+    for row in ("offload", "offload_int8"):
+        t = r["rows"][row]["timing"]
+        assert t["d2h_bytes"] == t["h2d_bytes"] == 4 * off["parameters"]
+    a = r["analysis"]
+    assert a["offload"]["cpu_step_GBps"] > 0 and r["bandwidth"]["host_copy_GBps"] > 0
+    # the CPU step touches 28 B per parameter with float32 state, about 16 with int8 state (the
+    # quick model's small tensors keep float32 state)
+    assert a["offload"]["step_bytes_per_param"] == 28 and a["offload_int8"]["step_bytes_per_param"] < 28
+    # the host state: 8 B per parameter with float32 state (the masters are the parameters' host
+    # copies, not state), plus the step counts (4 B per tensor)
+    assert 0 <= r["rows"]["offload"]["opt_state_host_bytes"] - 8 * off["parameters"] < 4096
+    cases = r["chunk_cpu"]["cases"]
+    assert cases["bf16_fused"]["equals_before"] and cases["bf16_before"]["bytes_per_param"] == 40
+    assert cases["bf16_fused"]["bytes_per_param"] == 30 and cases["fp32"]["bytes_per_param"] == 28
 
 
 def test_step_in_backward_starts_the_steps_before_step_is_called():
     ref_model, model = make_model(), make_model()
     ref = ot.SGD(ref_model.parameters(), lr=0.05, momentum=0.9, backend="cpu")
     opt = offload("SGD", model.parameters(), lr=0.05, momentum=0.9, step_in_backward=True, accumulation_steps=2)
+    opt.timing = offload_mod.OffloadTiming()
     for t in range(4):
         for m, o in ((ref_model, ref), (model, opt)):
             o.zero_grad()
@@ -822,3 +890,4 @@ def test_step_in_backward_starts_the_steps_before_step_is_called():
                 assert all(started) if t > 0 else not any(started)  # the first round runs in step()
             o.step()
         assert_same(ref_model, model)
+    assert opt.timing.early_chunks == 3 * len(opt._chunks)  # every chunk of rounds 2-4 started in backward

@@ -51,8 +51,9 @@ OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BUCKET_ELEMENTS = 1 << 22
 DEFAULT_WORKERS = 2
 _GROUP_ONLY = ("params", "param_names")
-# state_dict key of a 16-bit parameter's fp32 master weights (other optimizers ignore it).
-MASTER_KEY = "fp32_master"
+# state_dict key of a 16-bit parameter's fp32 master weights: the front end's own key for its
+# float32-master format, so checkpoints are the same whichever way the chunk steps.
+MASTER_KEY = "master"
 
 
 def resolve_optimizer_class(optimizer_class: Any) -> type:
@@ -120,6 +121,13 @@ def _sparse_gradient(gi: int, j: int) -> UnsupportedOperationError:
         "optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
 
 
+def _event(timing: bool = False) -> Any:
+    """A CUDA event whose host-side wait blocks the waiting thread instead of spinning on a core: a
+    worker waiting for a gradient copy must not take a core from the CPU step running beside it
+    (the cpu backend's parallel loops use every core, and one busy core stalls the whole loop)."""
+    return torch.cuda.Event(enable_timing=timing, blocking=True)
+
+
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
     out, offset = [], 0
     for p in params:
@@ -166,7 +174,7 @@ class OffloadTiming:
             setattr(self, field, getattr(self, field) + amount)
 
     def events(self, kind: str) -> Tuple[Any, Any]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _event(timing=True), _event(timing=True)
         with self._lock:
             self._pairs.append((kind, start, end))
         return start, end
@@ -185,12 +193,16 @@ class OffloadTiming:
 # How a chunk's tensors are held on the host (docs/offload.md, "How a step runs"):
 # - DIRECT: float32 parameters. The inner optimizer steps pinned float32 host copies (the masters)
 #   with pinned float32 gradients; its state format is the caller's (float32, bfloat16, int8).
-# - FUSED: 16-bit parameters on an optimizer with step formats. The inner optimizer steps pinned
-#   16-bit host copies with pinned 16-bit gradients in the formats capability's 16-bit-parameter
-#   format (float32 masters by default): one pass reads the 16-bit gradients, updates the masters
-#   and the state and writes the 16-bit parameters, so nothing is widened or narrowed on its own.
-# - WIDEN: 16-bit parameters on an optimizer without step formats (Adafactor): float32 masters and
-#   gradients in ordinary memory, a pinned 16-bit staging buffer, and a conversion pass each way.
+# - FUSED: 16-bit parameters through the formats capability. The inner optimizer steps pinned
+#   16-bit host copies with pinned 16-bit gradients in the 16-bit-parameter format (float32 masters
+#   by default): one pass reads the 16-bit gradients, updates the masters and the state and writes
+#   the 16-bit parameters, so nothing is widened or narrowed on its own.
+# - WIDEN: 16-bit parameters stepped as float32 masters: float32 masters and gradients in ordinary
+#   memory, a pinned 16-bit staging buffer, and a conversion pass each way. The same bits as FUSED
+#   with float32 masters (the same per-element math), more bytes, but the float32 step kernel:
+#   the default for float32 masters with float32 state, where the cpu backend's float32 kernel is
+#   much faster than its formats kernel (docs/offload.md), and the only way for an optimizer
+#   without step formats (Adafactor).
 DIRECT, FUSED, WIDEN = "direct", "fused", "widen"
 
 
@@ -284,6 +296,10 @@ class CPUOffload(torch.optim.Optimizer):
         workers: worker threads running chunk steps and transfers (default 2: the CPU steps run one
             at a time, each on every core; a second worker converts and copies meanwhile).
         accumulation_steps: backward passes per step; gradients are copied only in the last one.
+        fuse_conversions: for 16-bit parameters with float32 masters: True steps them through the
+            formats capability in one pass (16-bit gradients in, 16-bit parameters out), False as
+            float32 masters with a conversion pass each way; None (default) picks the formats step
+            only where the format needs it (compact state, remainder or no masters). Same bits.
         step_in_backward: start a chunk's CPU step in the backward that completes its gradients.
         bucket_elements: about how many elements one CPU step (chunk) covers.
         **kwargs: the optimizer's arguments (``lr``, ``betas``, ``backend_options``, ...).
@@ -293,13 +309,17 @@ class CPUOffload(torch.optim.Optimizer):
 
     def __init__(self, optimizer_class: Any, params: Any, *, workers: Optional[int] = None,
                  accumulation_steps: int = 1, step_in_backward: bool = False,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, **kwargs: Any):
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, fuse_conversions: Optional[bool] = None,
+                 **kwargs: Any):
         cls = resolve_optimizer_class(optimizer_class)
         workers = DEFAULT_WORKERS if workers is None else workers
         for name, value in (("workers", workers), ("accumulation_steps", accumulation_steps),
                             ("bucket_elements", bucket_elements)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r}, expected an int >= 1")
+        if fuse_conversions not in (None, True, False):
+            raise InvalidParameterError(f"fuse_conversions={fuse_conversions!r}, expected None, True or False")
+        self.fuse_conversions = fuse_conversions
         backend = kwargs.pop("backend", "cpu")
         self._formats = all(k in inspect.signature(cls).parameters for k in OptirsOptimizer._FORMAT_KEYS)
         if self._formats and "master_weights" not in kwargs and not kwargs.get("stochastic_rounding", False):
@@ -362,13 +382,7 @@ class CPUOffload(torch.optim.Optimizer):
             raise UnsupportedOperationError(
                 f"param_groups[{gi}] clips gradients over the whole group (max_grad_norm) but mixes "
                 f"{sorted(map(str, by_dtype))} parameters, expected one dtype per such group")
-        modes: Dict[torch.dtype, str] = {}
-        for dtype in by_dtype:
-            if self._formats:
-                # the format the chunk will step, checked now (remainder masters need bf16 parameters, ...)
-                name, _ = self._probe._hyperparameters(group)
-                resolve_format(self._probe._precision(group), dtype, dtype, DEFINITIONS[name].kernel)
-            modes[dtype] = DIRECT if dtype == torch.float32 else (FUSED if self._formats else WIDEN)
+        modes = {dtype: self._mode(gi, group, dtype) for dtype in by_dtype}
         runs: List[List[torch.Tensor]] = []
         for ps in by_dtype.values():
             run: List[torch.Tensor] = []
@@ -393,6 +407,26 @@ class CPUOffload(torch.optim.Optimizer):
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self._device = device
         return chunks
+
+    def _mode(self, gi: int, group: Dict[str, Any], dtype: torch.dtype) -> str:
+        """How a chunk of ``dtype`` tensors of this group is held (DIRECT, FUSED or WIDEN); checks
+        the group's step format (remainder masters need bf16 parameters, ...)."""
+        if not self._formats:
+            return DIRECT if dtype == torch.float32 else WIDEN
+        name, _ = self._probe._hyperparameters(group)
+        fmt = resolve_format(self._probe._precision(group), dtype, dtype, DEFINITIONS[name].kernel)
+        if dtype == torch.float32:
+            return DIRECT
+        plain_masters = fmt.master == "float32" and not fmt.stochastic  # what float32 masters can step
+        if self.fuse_conversions is False:
+            if not plain_masters:
+                raise InvalidParameterError(
+                    f"fuse_conversions=False with param_groups[{gi}]'s master_weights={fmt.master!r}, expected "
+                    "master_weights='float32' (only float32 masters can be stepped apart from the 16-bit parameters)")
+            return WIDEN
+        if self.fuse_conversions is None and plain_masters and fmt.state_dtype == "float32":
+            return WIDEN  # the float32 kernel and two conversion passes beat the formats kernel on cpu today
+        return FUSED
 
     def _register(self, chunks: List[_Chunk]) -> None:
         ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
@@ -457,7 +491,7 @@ class CPUOffload(torch.optim.Optimizer):
                 if timing is not None:
                     end.record(d2h)
             g.record_stream(d2h)  # its memory is not reused before the copy has read it
-            event = torch.cuda.Event()
+            event = _event()
             event.record(d2h)
         else:
             t0 = time.perf_counter()
@@ -535,7 +569,7 @@ class CPUOffload(torch.optim.Optimizer):
                             chunk.params[k].copy_(chunk.outbound[k], non_blocking=True)
                         if timing is not None:
                             end.record(h2d)
-                        event = torch.cuda.Event()
+                        event = _event()
                         event.record(h2d)
                     chunk.h2d_event = event
                 else:
@@ -608,6 +642,14 @@ class CPUOffload(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             _check_flags(group)
             _, hp = self._probe._hyperparameters(group)
+            held = {(c.dtype, c.mode) for c in self._chunks if c.gi == gi}
+            for dtype, mode in held:
+                need = self._mode(gi, group, dtype)
+                if need != mode:
+                    raise UnsupportedOperationError(
+                        f"param_groups[{gi}]'s step format changed since it was added (its {dtype} tensors are held "
+                        f"as {mode!r}, the format now needs {need!r}), expected the format chosen at construction "
+                        "(make a new CPUOffload and load the state into it)")
             if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
                 raise UnsupportedOperationError(
                     f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
@@ -709,9 +751,9 @@ class CPUOffload(torch.optim.Optimizer):
                     self.state[p] = c.inner.state[m]
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's format, as the wrapped optimizer's with the same step format (16-bit parameters:
-        their ``master`` / ``master_remainder`` under the front end's keys); the 16-bit parameters of
-        an optimizer without step formats (Adafactor) add their fp32 masters as ``state[i][MASTER_KEY]``."""
+        """torch's format, as the wrapped optimizer's with the same step format: 16-bit parameters
+        keep their ``master`` (``MASTER_KEY``) or ``master_remainder`` under the front end's keys,
+        whichever way their chunk steps (WIDEN chunks add their float32 masters themselves)."""
         self._refresh_state()
         sd = super().state_dict()
         index = 0
@@ -738,8 +780,9 @@ class CPUOffload(torch.optim.Optimizer):
             local = {}
             for k, p in enumerate(c.params):
                 entry = dict(saved.get(index.get(p), {}))
-                master = entry.pop(MASTER_KEY, None)
-                if master is not None and c.mode == WIDEN:
+                # WIDEN chunks hold the master themselves; FUSED ones leave it to the inner optimizer
+                master = entry.pop(MASTER_KEY, None) if c.mode == WIDEN else None
+                if master is not None:
                     if tuple(master.shape) != tuple(p.shape):
                         raise ShapeMismatchError(
                             f"state[{index[p]}][{MASTER_KEY!r}] has shape {tuple(master.shape)}, "
