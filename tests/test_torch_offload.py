@@ -802,7 +802,36 @@ def test_cuda_trajectory_equals_no_offload(step_in_backward):
                 (loss_of(m, 2 * t + a, "cuda") / 2).backward()
             o.step()
         assert_same(ref_model, our_model, rtol=1e-4, atol=1e-5)  # cuda vs cpu kernels: float32 rounding
-    assert all(c.master_flat.is_pinned() for c in ours._chunks)
+    assert all(c.host_flat.is_pinned() and c.grad_flat.is_pinned() for c in ours._chunks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", [{"fuse_conversions": False}, {"fuse_conversions": True},
+                                 {"state_dtype": "int8"}, {"master_weights": "remainder8", "state_dtype": "int8"}],
+                         ids=["bf16-separate", "bf16-fused", "bf16-int8", "bf16-remainder8-int8"])
+@pytest.mark.parametrize("step_in_backward", [False, True], ids=["step-at-step", "step-in-backward"])
+def test_cuda_16bit_formats_equal_the_gpu_optimizer(fmt, step_in_backward):
+    """bf16 parameters on the GPU, their masters and state on the host: the same trajectory as the
+    same optimizer and format stepped on the GPU (the formats contract is the same on every
+    backend; the float32 arithmetic may round differently, so within a bf16 rounding step)."""
+    ref_model, our_model = make_wide(torch.bfloat16).cuda(), make_wide(torch.bfloat16).cuda()
+    precision = {"master_weights": "float32", **{k: v for k, v in fmt.items() if k != "fuse_conversions"}}
+    ref = ot.AdamW(ref_model.parameters(), lr=1e-2, backend="cuda", **precision)
+    ours = ot.CPUOffload("AdamW", our_model.parameters(), lr=1e-2, bucket_elements=9000,
+                         step_in_backward=step_in_backward, **fmt)
+    for t in range(8):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            g = torch.Generator().manual_seed(300 + t)
+            x = torch.randn(32, 96, generator=g).to("cuda", torch.bfloat16)
+            y = torch.randint(0, 5, (32,), generator=g).cuda()
+            torch.nn.functional.cross_entropy(m(x).float(), y).backward()
+            o.step()
+        assert_same(ref_model, our_model, rtol=2e-2, atol=1e-2)
+    assert all(v.device.type == "cpu" for s in ours.state.values() for v in s.values())
+    assert all(c.host_flat.is_pinned() and c.grad_flat.is_pinned() or c.staging_flat.is_pinned()
+               for c in ours._chunks)
 
 
 @pytest.mark.gpu

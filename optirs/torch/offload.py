@@ -515,12 +515,8 @@ class CPUOffload(torch.optim.Optimizer):
                 w0 = clock()
                 for k in present:
                     if chunk.events[k] is not None:
-                        chunk.events[k].synchronize()  # releases the GIL while it waits
+                        chunk.events[k].synchronize()  # a blocking event: the wait neither spins nor holds the GIL
                 t0 = clock()
-                if chunk.mode == WIDEN:
-                    for k in present:
-                        chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
-                t1 = clock()
                 keep = set(present)
                 for k, m in enumerate(chunk.host):
                     want = chunk.grads[k] if k in keep else None
@@ -530,10 +526,15 @@ class CPUOffload(torch.optim.Optimizer):
                 for key, value in group.items():
                     if key not in _GROUP_ONLY:
                         inner[key] = value
-                # One kernel at a time: each already runs on every core, and the cpu backend's
-                # staging caches are shared by everything on it.
-                t2 = clock()
+                # One host pass at a time (conversions included): each already runs on every core
+                # and is bound by memory bandwidth, so running two at once only oversubscribes the
+                # cores; and the cpu backend's staging caches are shared by everything on it.
+                t1 = clock()
                 with self._backend.lock:
+                    t2 = clock()
+                    if chunk.mode == WIDEN:
+                        for k in present:
+                            chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
                     t3 = clock()
                     chunk.inner.step(grad_scale=scale)
                     t4 = clock()
@@ -541,16 +542,17 @@ class CPUOffload(torch.optim.Optimizer):
                 if timing is not None:
                     timing.add("wait_d2h_s", t0 - w0)
                     if chunk.mode == WIDEN:
-                        timing.add("convert_s", t1 - t0)
-                    timing.add("cpu_step_s", (t2 - t1) + (t4 - t3))  # the bookkeeping and the step, not the lock wait
+                        timing.add("convert_s", t3 - t2)
+                    timing.add("cpu_step_s", (t1 - t0) + (t4 - t3))  # the bookkeeping and the step, not the lock wait
                     timing.add("step_bytes", chunk.step_bytes(present))
             if chunk.progress == 1:
                 if chunk.mode == WIDEN:
-                    t0 = clock()
-                    for k in present:
-                        chunk.staging[k].copy_(chunk.host[k])  # fp32 masters rounded to the parameters' dtype
-                    if timing is not None:
-                        timing.add("convert_s", clock() - t0)
+                    with self._backend.lock:
+                        t0 = clock()
+                        for k in present:
+                            chunk.staging[k].copy_(chunk.host[k])  # fp32 masters rounded to the parameters' dtype
+                        if timing is not None:
+                            timing.add("convert_s", clock() - t0)
                 if timing is not None:
                     timing.add("h2d_bytes", sum(chunk.outbound[k].numel() * chunk.outbound[k].element_size()
                                                 for k in present))
