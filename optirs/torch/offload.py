@@ -1,18 +1,21 @@
 """optirs.torch.CPUOffload: the optimizer state and fp32 master weights in host memory, the step
-on the ``cpu`` backend, the parameters and gradients where they are (a GPU).
+on a host backend (``cpu``: any backend whose arrays are host memory that torch CPU tensors view
+without a copy), the parameters and gradients where they are (a GPU).
 
 ``CPUOffload(ot.AdamW, model.parameters(), lr=1e-3)`` is a ``torch.optim.Optimizer``:
 ``param_groups`` (schedulers drive them), ``step(closure)``, ``zero_grad``, ``state_dict`` in the
-wrapped optimizer's torch format, ``add_param_group``, GradScaler both ways. Under it:
+wrapped optimizer's torch format, ``add_param_group``, GradScaler both ways, every step format of
+the front end (``state_dtype="int8"``, ``master_weights=...``). Under it:
 
 - the parameters are cut into *chunks* (per param group and dtype, in backward order, about
-  ``bucket_elements`` elements each); every chunk has an fp32 master copy on the host, a host
-  gradient buffer and its own inner optirs.torch optimizer (``backend="cpu"``) over the masters;
+  ``bucket_elements`` elements each); every chunk has host copies of its parameters, a host
+  gradient buffer and its own inner optirs.torch optimizer over the host copies (DIRECT, FUSED and
+  WIDEN below say how 16-bit parameters and their masters are held);
 - a post-accumulate-grad hook per parameter copies its gradient device-to-host as soon as
-  autograd has it, on a side stream ordered after the current one, into a pinned buffer;
+  autograd has it, in its own dtype, on a side stream ordered after the current one, into a
+  pinned buffer;
 - a pool of worker threads runs a chunk's CPU step once its gradients have arrived (numba's
-  parallel kernels release the GIL), then copies the masters back to the device parameters
-  (rounded to bf16/fp16 on the host where the parameters are 16-bit) on another stream;
+  parallel kernels release the GIL), then copies the updated parameters back on another stream;
 - ``step()`` waits for what is still in flight and makes the current stream wait for the
   host-to-device copies.
 
