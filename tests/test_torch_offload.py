@@ -307,7 +307,8 @@ FORMATS = [
     (torch.bfloat16, {"master_weights": None, "stochastic_rounding": True, "seed": 7}),
     (torch.float16, {"state_dtype": "int8"}),
 ]
-FORMAT_IDS = [f"{str(d).split('.')[-1]}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}" for d, kw in FORMATS]
+FORMAT_IDS = [f"{str(d).split('.')[-1]}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}"
+              for d, kw in FORMATS]
 
 
 class Wide(torch.nn.Module):
