@@ -810,7 +810,10 @@ class CPUOffload(torch.optim.Optimizer):
                 for key, value in entry.items():
                     # torch casts every state tensor of a float32 parameter to float32; compact
                     # state (uint8 codes, bfloat16 moments) is kept in its own dtype, on the host
-                    if key != "step" and isinstance(value, torch.Tensor) and value.dtype != live[key].dtype:
+                    held = live.get(key)
+                    if key == "step" or not isinstance(value, torch.Tensor):
+                        continue
+                    if held is None or value.dtype != held.dtype:
                         live[key] = value.detach().to(device="cpu", copy=True)
                 if c.mode == FUSED and ("master" in entry or "master_remainder" in entry):
                     p = c.params[k]  # the loaded master stands; the host copy is the parameter
