@@ -757,6 +757,11 @@ def test_bad_arguments_and_tensors():
         ot.CPUOffload(torch.optim.AdamW, model.parameters())
     with pytest.raises(InvalidParameterError, match="workers"):
         ot.CPUOffload("AdamW", model.parameters(), workers=0)
+    with pytest.raises(InvalidParameterError, match="fuse_conversions"):
+        ot.CPUOffload("AdamW", model.parameters(), fuse_conversions=1)
+    with pytest.raises(InvalidParameterError, match="fuse_conversions=False.*remainder8"):
+        ot.CPUOffload("AdamW", make_model(torch.bfloat16).parameters(), fuse_conversions=False,
+                      master_weights="remainder8")
     with pytest.raises(InvalidParameterError, match="master_weights='remainder16' with float16"):
         ot.CPUOffload("AdamW", make_model(torch.float16).parameters(), master_weights="remainder16")
     with pytest.raises(InvalidParameterError):
@@ -774,6 +779,19 @@ def test_bad_arguments_and_tensors():
     with pytest.raises(UnsupportedOperationError, match="sparse"):
         sopt.step()
     assert not sopt.state
+
+
+def test_a_format_changed_after_the_group_was_added_is_refused_before_anything_steps():
+    model = make_model(torch.bfloat16)
+    opt = offload("AdamW", model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    assert {c.mode for c in opt._chunks} == {offload_mod.WIDEN}
+    loss_of(model, 2).backward()
+    before = _snapshot(model, opt)
+    opt.param_groups[0]["state_dtype"] = "int8"  # would need the formats step (FUSED chunks)
+    with pytest.raises(UnsupportedOperationError, match="step format changed.*'widen'.*'fused'"):
+        opt.step()
+    _assert_snapshot(_snapshot(model, opt), before)
 
 
 def test_parameters_on_several_devices_are_refused():

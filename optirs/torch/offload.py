@@ -296,8 +296,9 @@ class CPUOffload(torch.optim.Optimizer):
     Args:
         optimizer_class: an optirs.torch optimizer class (``AdamW``, ``SGD``, ...) or its name.
         params: the model's parameters or param groups (float32, bfloat16 or float16, one device).
-        workers: worker threads running chunk steps and transfers (default 2: the CPU steps run one
-            at a time, each on every core; a second worker converts and copies meanwhile).
+        workers: worker threads running chunk steps and transfers (default 2: the host passes run one
+            at a time, each on every core; a second worker waits for copies and queues transfers
+            meanwhile).
         accumulation_steps: backward passes per step; gradients are copied only in the last one.
         fuse_conversions: for 16-bit parameters with float32 masters: True steps them through the
             formats capability in one pass (16-bit gradients in, 16-bit parameters out), False as
@@ -320,7 +321,7 @@ class CPUOffload(torch.optim.Optimizer):
                             ("bucket_elements", bucket_elements)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r}, expected an int >= 1")
-        if fuse_conversions not in (None, True, False):
+        if fuse_conversions is not None and not isinstance(fuse_conversions, bool):
             raise InvalidParameterError(f"fuse_conversions={fuse_conversions!r}, expected None, True or False")
         self.fuse_conversions = fuse_conversions
         backend = kwargs.pop("backend", "cpu")
