@@ -1,25 +1,33 @@
 """The CPU-offloaded optimizer on the H200 (issue 14): optirs.torch.CPUOffload beside no offload
 and beside torchao's CPUOffloadOptimizer, on one GPT-2 training step, in one run.
 
-Rows (fresh model per row, same seed and batches):
+Rows (fresh model per row, same seed and batches; fp32 parameters, bf16 autocast):
 
 * ``none``: forward and backward only (no optimizer step), the floor;
 * ``torch_fused``: ``torch.optim.AdamW(fused=True)`` on the device (the no-offload baseline);
 * ``optirs_torch``: ``optirs.torch.AdamW`` on the device (backend cuda);
-* ``offload``: ``optirs.torch.CPUOffload("AdamW", accumulation_steps=accum)`` (CPU steps in ``step()``);
-* ``offload_sib``: the same with ``step_in_backward=True`` (CPU steps during the last backward);
+* ``offload`` / ``offload_int8``: ``optirs.torch.CPUOffload("AdamW", accumulation_steps=accum)``
+  with float32 / int8 state (CPU steps in ``step()``);
+* ``offload_sib`` / ``offload_int8_sib``: the same with ``step_in_backward=True`` (CPU steps
+  start during the last backward);
 * ``torchao``: ``torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True)`` (its row
   says why when torchao does not import).
 
 Also measured in the same run: a parallel host copy (torch ``copy_`` of a big pinned tensor,
-``torch.set_num_threads(os.cpu_count())``) and pinned device-to-host / host-to-device copies. The
-offload rows are run again with :class:`optirs.torch.offload.OffloadTiming` to split the time they
-add into CPU step, conversions, transfers and what overlapped. GPU memory for optimizer state is
+``torch.set_num_threads(os.cpu_count())``), pinned device-to-host / host-to-device copies, and the
+per-chunk CPU work on the host (``--chunk-elements``: bf16 parameters stepped the old way, widen +
+float32 step + narrow, against the fused formats step; float32 and int8 state; numpy's and torch's
+copy of the same bytes beside). The offload rows are run again with
+:class:`optirs.torch.offload.OffloadTiming` to split the time they add into CPU step,
+conversions, transfers, waits and what overlapped. "GPU state" is the bytes of the optimizer's
+state tensors that live on the GPU (each storage once); "GPU alloc delta" is
 ``torch.cuda.memory_allocated()`` after the steps (gradients freed) minus before the optimizer.
 
-    python benchmarks/bench_offload.py --json h200-offload.json        # GPT-2 1.3B, 4x1024, accum 8
+    python benchmarks/bench_offload.py --steps 3 --warmup 1 --split-steps 1 --json h200-offload.json
+                                        # GPT-2 1.3B, 4x1024, accum 8 (about 4 minutes on the H200)
     python benchmarks/bench_offload.py --layers 2 --accum 2 --micro 1   # a small smoke run on the GPU
     python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, seconds
+    python benchmarks/bench_offload.py --chunk-only                     # only the per-chunk CPU work
 """
 
 from __future__ import annotations
@@ -37,10 +45,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # bench_torch_step's plain-torch GPT-2 (when transformers is missing)
+sys.path.insert(0, str(HERE.parent))  # this checkout's optirs, not another installed one
 
-ADAMW_BYTES = 28  # the CPU step: p, g, m, v read; p, m, v written (float32)
 LR, DECAY = 1e-4, 0.1
-ROWS = ("none", "torch_fused", "optirs_torch", "offload", "offload_sib", "torchao")
+OFFLOAD_ROWS = {  # row -> (state_dtype, step_in_backward)
+    "offload": ("float32", False), "offload_int8": ("int8", False),
+    "offload_sib": ("float32", True), "offload_int8_sib": ("int8", True),
+}
+ROWS = ("none", "torch_fused", "optirs_torch", *OFFLOAD_ROWS, "torchao")
 
 
 # ------------------------------------------------------------------ the model
@@ -56,7 +68,9 @@ def build_model(cfg: Dict[str, int], device: str, dtype):
 
         config = GPT2Config(vocab_size=cfg["vocab"], n_positions=cfg["seq"], n_embd=cfg["embd"],
                             n_layer=cfg["layers"], n_head=cfg["heads"])
-        model = GPT2LMHeadModel(config).to(device=device, dtype=dtype)
+        with torch.device(device):  # initialised where it runs: 1.3B parameters initialise in seconds on the GPU
+            model = GPT2LMHeadModel(config)
+        model = model.to(device=device, dtype=dtype)
         return model, (lambda idx: model(input_ids=idx, labels=idx).loss), "transformers.GPT2LMHeadModel"
     except ImportError:
         from bench_torch_step import TinyGPT2
@@ -71,7 +85,7 @@ def param_groups(model) -> List[Dict[str, Any]]:
     return [{"params": decay, "weight_decay": DECAY}, {"params": rest, "weight_decay": 0.0}]
 
 
-def make_optimizer(row: str, model, device: str, accum: int) -> Tuple[Any, str]:
+def make_optimizer(row: str, model, device: str, accum: int, bucket: int) -> Tuple[Any, str]:
     """(optimizer or None, note); a row that cannot be built here raises RuntimeError with the reason."""
     import torch
 
@@ -85,12 +99,14 @@ def make_optimizer(row: str, model, device: str, accum: int) -> Tuple[Any, str]:
 
         backend = "cuda" if device == "cuda" else "cpu"
         return ot.AdamW(groups, lr=LR, backend=backend), f"optirs.torch.AdamW(backend={backend!r})"
-    if row in ("offload", "offload_sib"):
+    if row in OFFLOAD_ROWS:
         import optirs.torch as ot
 
-        sib = row == "offload_sib"
-        return (ot.CPUOffload("AdamW", groups, lr=LR, accumulation_steps=accum, step_in_backward=sib),
-                f"optirs.torch.CPUOffload('AdamW', accumulation_steps={accum}, step_in_backward={sib})")
+        state, sib = OFFLOAD_ROWS[row]
+        return (ot.CPUOffload("AdamW", groups, lr=LR, accumulation_steps=accum, step_in_backward=sib,
+                              state_dtype=state, bucket_elements=bucket),
+                f"optirs.torch.CPUOffload('AdamW', state_dtype={state!r}, accumulation_steps={accum}, "
+                f"step_in_backward={sib}, bucket_elements={bucket})")
     if row == "torchao":
         try:
             from torchao.optim import CPUOffloadOptimizer
@@ -144,7 +160,7 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
-        opt, note = make_optimizer(row, model, device, args.accum)
+        opt, note = make_optimizer(row, model, device, args.accum, args.bucket)
     except RuntimeError as exc:
         return {"skipped": str(exc)}
     out: Dict[str, Any] = {"note": note, "model": source}
@@ -160,9 +176,11 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress)
     out["step_ms"] = 1e3 * statistics.median(times)
     out["step_ms_all"] = [1e3 * t for t in times]
     if cuda:
-        out["opt_state_gpu_bytes"] = torch.cuda.memory_allocated() - before
+        out["opt_state_gpu_bytes"] = state_bytes(opt, "cuda")
+        out["gpu_alloc_delta_bytes"] = torch.cuda.memory_allocated() - before
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    if row.startswith("offload"):
+    out["opt_state_host_bytes"] = state_bytes(opt, "cpu")
+    if row in OFFLOAD_ROWS:
         opt.timing = OffloadTiming()
         for _ in range(args.split_steps):
             train_step(model, loss_fn, opt, batches, device)
@@ -179,6 +197,126 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress)
         if hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # torch keeps freed pinned blocks cached
     return out
+
+
+def state_bytes(opt, device_type: str) -> int:
+    """Bytes of the optimizer's state tensors on ``device_type``, each storage counted once (views
+    of one flat buffer are one storage): the state itself, nothing else that was allocated."""
+    import torch
+
+    if opt is None:
+        return 0
+    states = [opt.state]
+    inner = getattr(opt, "optim_dict", None)  # torchao's CPUOffloadOptimizer: one optimizer per parameter
+    if isinstance(inner, dict):
+        states += [o.state for o in inner.values()]
+    storages: Dict[Tuple[int, int], int] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.device.type == device_type:
+                s = value.untyped_storage()
+                storages[(s.data_ptr(), s.nbytes())] = s.nbytes()
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    for state in states:
+        walk(dict(state))
+    return sum(storages.values())
+
+
+def chunk_cpu(n: int, reps: int) -> Dict[str, Any]:
+    """One chunk's CPU work on the host, n elements, as the offload runs it (no device involved).
+
+    ``bf16_before``: the earlier offload for bf16 parameters: widen the bf16 gradient to fp32,
+    the fp32 AdamW step on fp32 masters, narrow the masters to the bf16 parameters (three passes).
+    ``bf16_fused``: what a FUSED chunk runs now: the formats step over the bf16 host copy with
+    float32 masters (one pass reads the bf16 gradient, updates masters and state, writes bf16).
+    ``*_int8``: the same with int8 state; ``fp32``: a DIRECT chunk. Bytes: every array read once,
+    parameters, masters and state also written (the conversions' passes added for ``before``)."""
+    import numpy as np
+    import torch
+
+    import optirs.torch as ot
+
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    def best(fn) -> Tuple[float, float]:
+        fn()
+        fn()  # compiled and warm
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times), statistics.median(times)
+
+    def touched(opt, p) -> int:
+        state = sum(v.numel() * v.element_size() for k, v in opt.state[p].items()
+                    if k != "step" and isinstance(v, torch.Tensor))
+        return p.grad.numel() * p.grad.element_size() + 2 * p.numel() * p.element_size() + 2 * state
+
+    out: Dict[str, Any] = {"elements": n, "threads": torch.get_num_threads()}
+    a, b = np.ones(n, np.float32), np.empty(n, np.float32)
+    t, _ = best(lambda: np.copyto(b, a))
+    out["numpy_copy_GBps"] = 2 * 4 * n / t / 1e9
+    ta, tb = torch.ones(n), torch.empty(n)
+    t, _ = best(lambda: tb.copy_(ta))
+    out["torch_copy_GBps"] = 2 * 4 * n / t / 1e9
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=g).bfloat16()
+    g16 = (torch.randn(n, generator=g) * 1e-2).bfloat16()
+    cases: Dict[str, Dict[str, Any]] = {}
+
+    # before: three passes over fp32 masters
+    p16, m32, g32 = p0.clone(), p0.float(), torch.empty(n)
+    m32.grad = g32
+    opt = ot.AdamW([m32], lr=1e-3, backend="cpu")
+
+    def before():
+        g32.copy_(g16)
+        opt.step()
+        p16.copy_(m32)
+
+    t, med = best(before)
+    cases["bf16_before"] = {"ms": 1e3 * t, "median_ms": 1e3 * med, "bytes": touched(opt, m32) + 6 * n + 6 * n}
+    ref = p16.clone()
+    for name, kw in (("bf16_fused", {}), ("bf16_fused_int8", {"state_dtype": "int8"})):
+        q = p0.clone()
+        q.grad = g16
+        o = ot.AdamW([q], lr=1e-3, backend="cpu", master_weights="float32", **kw)
+        t, med = best(o.step)
+        cases[name] = {"ms": 1e3 * t, "median_ms": 1e3 * med, "bytes": touched(o, q)}
+        if name == "bf16_fused":  # the same steps from the same start: the same bf16 parameters
+            cases[name]["equals_before"] = bool(torch.equal(q, ref))
+    for name, kw in (("fp32", {}), ("fp32_int8", {"state_dtype": "int8"})):
+        q = p0.float()
+        q.grad = g16.float()
+        o = ot.AdamW([q], lr=1e-3, backend="cpu", **kw)
+        t, med = best(o.step)
+        cases[name] = {"ms": 1e3 * t, "median_ms": 1e3 * med, "bytes": touched(o, q)}
+    for c in cases.values():
+        c["bytes_per_param"] = c["bytes"] / n
+        c["GBps"] = c["bytes"] / (c["ms"] / 1e3) / 1e9
+        c["of_numpy_copy"] = c["GBps"] / out["numpy_copy_GBps"]
+        c["of_torch_copy"] = c["GBps"] / out["torch_copy_GBps"]
+    out["cases"] = cases
+    return out
+
+
+def chunk_lines(chunk: Dict[str, Any]) -> List[str]:
+    lines = [f"per-chunk CPU work, {chunk['elements']} elements, {chunk['threads']} threads: numpy copy "
+             f"{chunk['numpy_copy_GBps']:.1f} GB/s (one thread), torch copy {chunk['torch_copy_GBps']:.1f} GB/s"]
+    for name, c in chunk["cases"].items():
+        extra = f", equals before: {c['equals_before']}" if "equals_before" in c else ""
+        lines.append(f"  {name}: {c['ms']:.2f} ms (median {c['median_ms']:.2f}), {c['bytes_per_param']:.2f} B/param, "
+                     f"{c['GBps']:.1f} GB/s = {c['of_numpy_copy']:.2f}x numpy copy, "
+                     f"{c['of_torch_copy']:.2f}x torch copy{extra}")
+    return lines
 
 
 def host_copy_gbps(nbytes: int, pin: bool, reps: int = 5) -> float:
@@ -222,6 +360,8 @@ def pinned_copy_gbps(nbytes: int, reps: int = 5) -> Dict[str, float]:
 
 
 def analyse(results: Dict[str, Any]) -> Dict[str, Any]:
+    """Per offload row: the time it adds over torch_fused, split into what it spent (summed busy
+    times) and what of that overlapped; ratios against torchao and the bandwidths of this run."""
     rows, bw = results["rows"], results["bandwidth"]
     base = rows.get("torch_fused", {}).get("step_ms")
     out: Dict[str, Any] = {}
@@ -229,27 +369,36 @@ def analyse(results: Dict[str, Any]) -> Dict[str, Any]:
         if "step_ms" in r and base is not None:
             r["added_ms"] = r["step_ms"] - base
     ao = rows.get("torchao", {}).get("added_ms")
-    for name in ("offload", "offload_sib"):
+    for name in OFFLOAD_ROWS:
         r = rows.get(name, {})
         t = r.get("timing")
         if not t:
             continue
-        cpu_ms, conv_ms = 1e3 * t["cpu_step_s"], 1e3 * t["convert_s"]
-        xfer_ms = 1e3 * (t["d2h_s"] + t["h2d_s"])
-        split = {"cpu_step_ms": cpu_ms, "convert_ms": conv_ms, "transfer_ms": xfer_ms,
-                 "waited_in_step_ms": 1e3 * t["step_call_s"]}
+        ms = {k: 1e3 * t[k] for k in ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s",
+                                       "step_call_s")}
+        xfer_ms = ms["d2h_s"] + ms["h2d_s"]
+        split = {"cpu_step_ms": ms["cpu_step_s"], "convert_ms": ms["convert_s"], "transfer_ms": xfer_ms,
+                 "d2h_ms": ms["d2h_s"], "h2d_ms": ms["h2d_s"],
+                 "waited_d2h_ms": ms["wait_d2h_s"],  # workers blocked on gradient copies not yet landed
+                 "h2d_tail_ms": ms["h2d_tail_s"],  # copies back still landing after the last CPU step
+                 "in_step_ms": ms["step_call_s"],  # the caller's wait inside step()
+                 "early_chunks": t["early_chunks"],  # chunk steps started before step()
+                 "step_bytes_per_param": t["step_bytes"] / r["parameters"],
+                 "copied_bytes_per_param": (t["d2h_bytes"] + t["h2d_bytes"]) / r["parameters"]}
         if "added_ms" in r:
-            split["overlapped_ms"] = max(0.0, cpu_ms + conv_ms + xfer_ms - r["added_ms"])
+            busy = ms["cpu_step_s"] + ms["convert_s"] + xfer_ms
+            split["overlapped_ms"] = max(0.0, busy - r["added_ms"])
             if ao:
                 split["added_vs_torchao"] = r["added_ms"] / ao
         if t["cpu_step_s"] > 0:
-            split["cpu_step_GBps"] = ADAMW_BYTES * r["parameters"] / t["cpu_step_s"] / 1e9
+            split["cpu_step_GBps"] = t["step_bytes"] / t["cpu_step_s"] / 1e9
             split["cpu_step_of_host_copy"] = split["cpu_step_GBps"] / bw["host_copy_GBps"]
-        busy = t["d2h_s"] + t["h2d_s"]
-        if busy > 0:
-            split["transfer_GBps"] = (t["d2h_bytes"] + t["h2d_bytes"]) / busy / 1e9
-            if bw.get("pinned_GBps"):
-                split["transfer_of_pinned"] = split["transfer_GBps"] / min(bw["pinned_GBps"].values())
+        pinned = bw.get("pinned_GBps") or {}
+        for way in ("d2h", "h2d"):
+            if t[f"{way}_s"] > 0:
+                split[f"{way}_GBps"] = t[f"{way}_bytes"] / t[f"{way}_s"] / 1e9
+                if way in pinned:
+                    split[f"{way}_of_pinned"] = split[f"{way}_GBps"] / pinned[way]
         out[name] = split
     return out
 
@@ -262,15 +411,16 @@ def report(results: Dict[str, Any]) -> None:
         Console = Table = None  # type: ignore[assignment]
     bw, rows, split = results["bandwidth"], results["rows"], results["analysis"]
     gb = lambda b: "" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
-    header = ["row", "step ms", "added ms", "opt state GPU GB", "peak GPU GB"]
+    header = ["row", "step ms", "added ms", "GPU state GB", "GPU alloc delta GB", "host state GB", "peak GPU GB"]
     lines = []
     for name in results["rows_run"]:
         r = rows[name]
         if "skipped" in r:
-            lines.append([name, "skipped", "", "", ""])
+            lines.append([name, "skipped"] + [""] * (len(header) - 2))
             continue
         lines.append([name, f"{r['step_ms']:.1f}", f"{r.get('added_ms', float('nan')):.1f}",
-                      gb(r.get("opt_state_gpu_bytes")), gb(r.get("peak_gpu_bytes"))])
+                      gb(r.get("opt_state_gpu_bytes")), gb(r.get("gpu_alloc_delta_bytes")),
+                      gb(r.get("opt_state_host_bytes")), gb(r.get("peak_gpu_bytes"))])
     what = [f"{name}: {rows[name].get('note') or 'skipped: ' + rows[name]['skipped']}" for name in results["rows_run"]]
     pinned = bw.get("pinned_GBps") or {}
     notes = what + [f"host copy {bw['host_copy_GBps']:.1f} GB/s (read + write, {os.cpu_count()} threads)",
@@ -278,6 +428,8 @@ def report(results: Dict[str, Any]) -> None:
     for name, s in split.items():
         parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()]
         notes.append(f"{name}: " + ", ".join(parts))
+    if results.get("chunk_cpu"):
+        notes += chunk_lines(results["chunk_cpu"])
     if Table is None:
         print(" | ".join(header))
         for line in lines:
@@ -323,6 +475,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--split-steps", type=int, default=2, help="steps with OffloadTiming for the split")
     ap.add_argument("--copy-mb", type=int, default=2048, help="size of the bandwidth probes")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
+    ap.add_argument("--bucket", type=int, default=None, help="CPUOffload's bucket_elements (default: its own)")
+    ap.add_argument("--chunk-elements", type=int, default=1 << 24,
+                    help="size of the per-chunk CPU measurement (0: skip it)")
+    ap.add_argument("--chunk-reps", type=int, default=5)
+    ap.add_argument("--chunk-only", action="store_true", help="only the per-chunk CPU measurement (no device needed)")
     ap.add_argument("--json", help="write the results here (a bare name goes to benchmarks/results/)")
     args = ap.parse_args(argv)
     import torch
@@ -331,9 +488,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; expected some of {list(ROWS)}")
+    if args.bucket is None:
+        from optirs.torch.offload import DEFAULT_BUCKET_ELEMENTS
+
+        args.bucket = DEFAULT_BUCKET_ELEMENTS
     if args.quick:
         args.layers, args.embd, args.heads, args.vocab, args.seq = 2, 64, 2, 512, 32
         args.micro, args.accum, args.steps, args.warmup, args.split_steps, args.copy_mb = 2, 2, 3, 2, 1, 16
+        args.chunk_elements, args.chunk_reps = min(args.chunk_elements, 1 << 16), 2
+    if args.chunk_only:
+        results = {"environment": environment(), "chunk_cpu": chunk_cpu(args.chunk_elements, args.chunk_reps)}
+        for line in chunk_lines(results["chunk_cpu"]):
+            print(line)
+        write(results, args.json)
+        return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.quick:
         print("bench_offload: needs a CUDA device (use --quick to check the script on the CPU)")
@@ -343,7 +511,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     nbytes = args.copy_mb << 20
     results["bandwidth"] = {"host_copy_GBps": host_copy_gbps(nbytes, pin=device == "cuda"),
                             "pinned_GBps": pinned_copy_gbps(nbytes) if device == "cuda" else None}
-    total = len(rows) * (args.warmup + args.steps) + 2 * args.split_steps
+    total = len(rows) * (args.warmup + args.steps) + sum(r in OFFLOAD_ROWS for r in rows) * args.split_steps
     try:
         from rich.progress import Progress
     except ImportError:
@@ -360,15 +528,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                 bar.update(task, description=row)
                 results["rows"][row] = bench_row(row, cfg, args, device, torch.float32,
                                                  lambda r: bar.advance(task))
+    if args.chunk_elements:
+        results["chunk_cpu"] = chunk_cpu(args.chunk_elements, args.chunk_reps)
     results["analysis"] = analyse(results)
     report(results)
-    if args.json:
-        path = Path(args.json)
+    write(results, args.json)
+    return 0
+
+
+def write(results: Dict[str, Any], where: Optional[str]) -> None:
+    if where:
+        path = Path(where)
         if path.parent == Path("."):
             path = HERE / "results" / path
         path.write_text(json.dumps(results, indent=2))
         print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

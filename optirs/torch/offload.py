@@ -1,18 +1,21 @@
 """optirs.torch.CPUOffload: the optimizer state and fp32 master weights in host memory, the step
-on the ``cpu`` backend, the parameters and gradients where they are (a GPU).
+on a host backend (``cpu``: any backend whose arrays are host memory that torch CPU tensors view
+without a copy), the parameters and gradients where they are (a GPU).
 
 ``CPUOffload(ot.AdamW, model.parameters(), lr=1e-3)`` is a ``torch.optim.Optimizer``:
 ``param_groups`` (schedulers drive them), ``step(closure)``, ``zero_grad``, ``state_dict`` in the
-wrapped optimizer's torch format, ``add_param_group``, GradScaler both ways. Under it:
+wrapped optimizer's torch format, ``add_param_group``, GradScaler both ways, every step format of
+the front end (``state_dtype="int8"``, ``master_weights=...``). Under it:
 
 - the parameters are cut into *chunks* (per param group and dtype, in backward order, about
-  ``bucket_elements`` elements each); every chunk has an fp32 master copy on the host, a host
-  gradient buffer and its own inner optirs.torch optimizer (``backend="cpu"``) over the masters;
+  ``bucket_elements`` elements each); every chunk has host copies of its parameters, a host
+  gradient buffer and its own inner optirs.torch optimizer over the host copies (DIRECT, FUSED and
+  WIDEN below say how 16-bit parameters and their masters are held);
 - a post-accumulate-grad hook per parameter copies its gradient device-to-host as soon as
-  autograd has it, on a side stream ordered after the current one, into a pinned buffer;
+  autograd has it, in its own dtype, on a side stream ordered after the current one, into a
+  pinned buffer;
 - a pool of worker threads runs a chunk's CPU step once its gradients have arrived (numba's
-  parallel kernels release the GIL), then copies the masters back to the device parameters
-  (rounded to bf16/fp16 on the host where the parameters are 16-bit) on another stream;
+  parallel kernels release the GIL), then copies the updated parameters back on another stream;
 - ``step()`` waits for what is still in flight and makes the current stream wait for the
   host-to-device copies.
 
@@ -27,6 +30,7 @@ when autograd writes them.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import weakref
@@ -40,6 +44,8 @@ from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParamet
                                 UnsupportedOperationError)
 from optirs.core.interrupts import deferred_interrupts
 from optirs.torch import optimizers as _optimizers
+from optirs.core.definitions import DEFINITIONS
+from optirs.core.formats import resolve_format
 from optirs.torch._frontend import OptirsOptimizer, _check_flags
 
 OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,8 +54,9 @@ OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BUCKET_ELEMENTS = 1 << 22
 DEFAULT_WORKERS = 2
 _GROUP_ONLY = ("params", "param_names")
-# state_dict key of a 16-bit parameter's fp32 master weights (other optimizers ignore it).
-MASTER_KEY = "fp32_master"
+# state_dict key of a 16-bit parameter's fp32 master weights: the front end's own key for its
+# float32-master format, so checkpoints are the same whichever way the chunk steps.
+MASTER_KEY = "master"
 
 
 def resolve_optimizer_class(optimizer_class: Any) -> type:
@@ -70,20 +77,58 @@ def _pins(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _allocate(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """torch's host allocation (pinned through cudaHostAlloc where ``pin``): the one call that can run out."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool, what: str) -> torch.Tensor:
     try:
-        return torch.empty(numel, dtype=dtype, pin_memory=pin)
-    except RuntimeError as exc:  # torch's allocation failures (pinned or not) are RuntimeErrors
+        return _allocate(numel, dtype, pin)
+    except (RuntimeError, MemoryError) as exc:
+        # torch reports a failed host or pinned allocation as RuntimeError or one of its subclasses
+        # (torch.OutOfMemoryError, torch.AcceleratorError for a CUDA error from cudaHostAlloc);
+        # numpy-backed allocations as MemoryError.
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         kind = "pinned host memory" if pin else "host memory"
         raise DeviceMemoryError(
-            f"could not allocate {nbytes} bytes of {kind} for {what} ({numel} x {dtype}): {exc}") from exc
+            f"could not allocate {nbytes} bytes of {kind} for {what} ({numel} x {dtype}): "
+            f"{type(exc).__name__}: {exc}") from exc
+
+
+HOST_VIEW_HOOK = "optirs_host_view"
+
+
+def _host_backend(name: Any, options: Optional[Dict[str, Any]], probe: OptirsOptimizer):
+    """The backend that steps the host copies: any whose arrays are host memory that torch CPU
+    tensors view without a copy (it implements ``optirs_host_view``), as the front end opens it."""
+    from optirs.plugin.registry import REGISTRY
+
+    def require(backend) -> None:
+        if backend.host_view(np.zeros(2, np.float32)) is None:
+            raise UnsupportedOperationError(
+                f"backend {backend.name!r} does not offer zero-copy host views (hook {HOST_VIEW_HOOK}), expected a "
+                "backend whose arrays are host memory that torch CPU tensors view without a copy (backend='cpu'): "
+                "CPUOffload steps the host copies in place")
+
+    if isinstance(name, str) and name != "auto":
+        require(REGISTRY.get_backend(name, options))  # named: the missing capability is the answer
+    backend = probe._backend_for(torch.device("cpu"))  # the front end's own checks (it steps torch CPU tensors)
+    require(backend)
+    return backend
 
 
 def _sparse_gradient(gi: int, j: int) -> UnsupportedOperationError:
     return UnsupportedOperationError(
         f"param_groups[{gi}]['params'][{j}] has a sparse gradient, expected a dense one: use optirs.SparseAdam / "
         "optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients")
+
+
+def _event(timing: bool = False) -> Any:
+    """A CUDA event whose host-side wait blocks the waiting thread instead of spinning on a core: a
+    worker waiting for a gradient copy must not take a core from the CPU step running beside it
+    (the cpu backend's parallel loops use every core, and one busy core stalls the whole loop)."""
+    return torch.cuda.Event(enable_timing=timing, blocking=True)
 
 
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -98,13 +143,25 @@ def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]
 class OffloadTiming:
     """Where the offload's time goes, summed over steps: ``opt.timing = OffloadTiming()`` turns it on.
 
-    ``cpu_step_s`` (the inner optimizers' steps), ``convert_s`` (16-bit <-> fp32 on the host),
-    ``d2h_s`` / ``h2d_s`` (the copies' busy time: CUDA events around each, or the host copies'
-    wall time), their bytes, and ``step_call_s`` (wall time inside ``step()``: what the caller
-    waited). Event timing adds a synchronisation at the end of each step: time steps without it.
+    - ``cpu_step_s``: the inner optimizers' steps (wall time of each chunk's step call, the front
+      end's few microseconds per chunk included), ``step_bytes`` the bytes those steps touch (every
+      array read once, the parameters and the state also written once);
+    - ``convert_s``: separate 16-bit <-> fp32 passes on the host (only the WIDEN chunks of an
+      optimizer without step formats have them; the fused formats step converts in its own pass);
+    - ``d2h_s`` / ``h2d_s``: the copies' busy time (CUDA events around each; the host copies' wall
+      time without CUDA) and ``d2h_bytes`` / ``h2d_bytes``;
+    - ``wait_d2h_s``: workers blocked on gradient copies that had not landed when the chunk's step
+      could start (transfer time that nothing hid);
+    - ``h2d_tail_s``: after the last CPU step, the wait until every copy back had landed (the
+      transfer time left after the CPU work; measured with a host wait, so only while timing);
+    - ``early_chunks``: chunk steps that started before ``step()`` (``step_in_backward=True``);
+    - ``step_call_s``: wall time inside ``step()``: what the caller waited.
+
+    Event timing adds a synchronisation at the end of each step: time steps without it.
     """
 
-    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "step_call_s", "d2h_bytes", "h2d_bytes", "steps")
+    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s", "step_call_s",
+              "step_bytes", "d2h_bytes", "h2d_bytes", "early_chunks", "steps")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -120,7 +177,7 @@ class OffloadTiming:
             setattr(self, field, getattr(self, field) + amount)
 
     def events(self, kind: str) -> Tuple[Any, Any]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _event(timing=True), _event(timing=True)
         with self._lock:
             self._pairs.append((kind, start, end))
         return start, end
@@ -136,40 +193,92 @@ class OffloadTiming:
         return {f: getattr(self, f) for f in self.FIELDS}
 
 
+# How a chunk's tensors are held on the host (docs/offload.md, "How a step runs"):
+# - DIRECT: float32 parameters. The inner optimizer steps pinned float32 host copies (the masters)
+#   with pinned float32 gradients; its state format is the caller's (float32, bfloat16, int8).
+# - FUSED: 16-bit parameters through the formats capability. The inner optimizer steps pinned
+#   16-bit host copies with pinned 16-bit gradients in the 16-bit-parameter format (float32 masters
+#   by default): one pass reads the 16-bit gradients, updates the masters and the state and writes
+#   the 16-bit parameters, so nothing is widened or narrowed on its own.
+# - WIDEN: 16-bit parameters stepped as float32 masters: float32 masters and gradients in ordinary
+#   memory, a pinned 16-bit staging buffer, and a conversion pass each way. The same bits as FUSED
+#   with float32 masters (the same per-element math), more bytes, but the float32 step kernel:
+#   the default for float32 masters with float32 state, where the cpu backend's float32 kernel is
+#   much faster than its formats kernel (docs/offload.md), and the only way for an optimizer
+#   without step formats (Adafactor).
+DIRECT, FUSED, WIDEN = "direct", "fused", "widen"
+
+
 class _Chunk:
     """One CPU step's worth: some tensors of one param group with one dtype, their host buffers,
-    the inner optimizer over their masters, and this round's transfer bookkeeping."""
+    the inner optimizer over their host copies, and this round's transfer bookkeeping."""
 
-    def __init__(self, index: int, gi: int, params: List[torch.Tensor], positions: List[int], pin: bool):
+    def __init__(self, index: int, gi: int, params: List[torch.Tensor], positions: List[int], pin: bool, mode: str):
         self.index, self.gi, self.params, self.positions = index, gi, params, positions
-        self.dtype = params[0].dtype
+        self.dtype, self.mode = params[0].dtype, mode
         total = sum(p.numel() for p in params)
-        wide = self.dtype == torch.float32
         where = f"param_groups[{gi}] ({len(params)} tensors, {total} elements)"
-        # What a transfer touches is pinned: for fp32 parameters the masters (copied to the device)
-        # and the gradient buffer (copied into); for 16-bit ones only the 16-bit staging buffer.
-        self.master_flat = _host_empty(total, torch.float32, pin and wide, f"the fp32 masters of {where}")
-        self.grad_flat = _host_empty(total, torch.float32, pin and wide, f"the fp32 gradients of {where}")
-        self.staging_flat = (None if wide else
-                             _host_empty(total, self.dtype, pin, f"the {self.dtype} staging of {where}"))
-        self.masters = _views(self.master_flat, params)
-        self.grads = _views(self.grad_flat, params)
+        # Pinned is what a transfer touches: the gradient buffer copied into and the parameter
+        # copies copied back (DIRECT, FUSED), or only the 16-bit staging buffer (WIDEN).
+        if mode == WIDEN:
+            self.host_flat = _host_empty(total, torch.float32, False, f"the fp32 masters of {where}")
+            self.grad_flat = _host_empty(total, torch.float32, False, f"the fp32 gradients of {where}")
+            self.staging_flat = _host_empty(total, self.dtype, pin, f"the {self.dtype} staging of {where}")
+        else:
+            self.host_flat = _host_empty(total, self.dtype, pin, f"the {self.dtype} parameter copies of {where}")
+            self.grad_flat = _host_empty(total, self.dtype, pin, f"the {self.dtype} gradients of {where}")
+            self.staging_flat = None
+        self.host = _views(self.host_flat, params)  # the inner optimizer's parameters
+        self.grads = _views(self.grad_flat, params)  # ... and their gradients
         self.staging = None if self.staging_flat is None else _views(self.staging_flat, params)
         self.landing = self.grads if self.staging is None else self.staging  # where a gradient copy lands
-        self.outbound = self.masters if self.staging is None else self.staging  # what is copied back
+        self.outbound = self.host if self.staging is None else self.staging  # what is copied back
         self.inner: Optional[OptirsOptimizer] = None
-        # (version, data_ptr) of each parameter when its master last matched it: anything else
-        # (model.load_state_dict, an in-place edit) means the master is read again from it.
+        # (version, data_ptr) of each parameter when its host copy last matched it: anything else
+        # (model.load_state_dict, an in-place edit) means the host copy is read again from it.
         self.marks: List[Tuple[int, int]] = [(-1, -1)] * len(params)
         self.reset_round()
 
+    def pinned_bytes(self) -> int:
+        bufs = (self.staging_flat,) if self.mode == WIDEN else (self.host_flat, self.grad_flat)
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    def master(self, k: int) -> Optional[torch.Tensor]:
+        """Tensor k's float32 master on the host (None where the format keeps none as a float32 tensor)."""
+        if self.mode != FUSED:
+            return self.host[k]
+        entry = self.inner.state.get(self.host[k]) if self.inner is not None else None
+        return entry.get("master") if entry else None
+
     def resync(self, k: int) -> None:
-        """Read the master of tensor k again from its parameter if the parameter was written since."""
+        """Read tensor k's host copy again from its parameter if the parameter was written since."""
         p = self.params[k]
-        if (p._version, p.data_ptr()) != self.marks[k]:
-            with torch.no_grad():
-                self.masters[k].copy_(p.detach())
-            self.marks[k] = (p._version, p.data_ptr())
+        if (p._version, p.data_ptr()) == self.marks[k]:
+            return
+        with torch.no_grad():
+            self.host[k].copy_(p.detach())
+            if self.mode == FUSED:
+                # the format's master follows the parameter that was written (a fresh state reads
+                # it from the parameter at its first step anyway)
+                entry = self.inner.state.get(self.host[k]) if self.inner is not None else None
+                if entry:
+                    if "master" in entry:
+                        entry["master"].copy_(p.detach())
+                    if "master_remainder" in entry:
+                        entry["master_remainder"].zero_()  # master == the parameter
+        self.marks[k] = (p._version, p.data_ptr())
+
+    def step_bytes(self, present: List[int]) -> int:
+        """What one step of tensors ``present`` touches: gradients read; parameters and every state
+        tensor (masters, moments, codes, scales) read and written."""
+        total = 0
+        for k in present:
+            total += self.grads[k].numel() * self.grads[k].element_size()
+            total += 2 * self.host[k].numel() * self.host[k].element_size()
+            for key, v in (self.inner.state.get(self.host[k]) or {}).items():
+                if key != "step" and isinstance(v, torch.Tensor):
+                    total += 2 * v.numel() * v.element_size()
+        return total
 
     def reset_round(self) -> None:
         n = len(self.params)
@@ -177,7 +286,7 @@ class _Chunk:
         self.sent: List[Optional[Tuple[Any, int]]] = [None] * n  # (weakref to the gradient copied, its version)
         self.events: List[Any] = [None] * n  # CUDA events: that copy has landed
         self.future = None  # the chunk's step, when it started in backward
-        self.progress = 0  # 1: masters and state stepped this round; 2: also copied back
+        self.progress = 0  # 1: host copies and state stepped this round; 2: also copied back
         self.h2d_event = None
 
 
@@ -187,9 +296,14 @@ class CPUOffload(torch.optim.Optimizer):
     Args:
         optimizer_class: an optirs.torch optimizer class (``AdamW``, ``SGD``, ...) or its name.
         params: the model's parameters or param groups (float32, bfloat16 or float16, one device).
-        workers: worker threads running chunk steps and transfers (default 2: the CPU steps run one
-            at a time, each on every core; a second worker converts and copies meanwhile).
+        workers: worker threads running chunk steps and transfers (default 2: the host passes run one
+            at a time, each on every core; a second worker waits for copies and queues transfers
+            meanwhile).
         accumulation_steps: backward passes per step; gradients are copied only in the last one.
+        fuse_conversions: for 16-bit parameters with float32 masters: True steps them through the
+            formats capability in one pass (16-bit gradients in, 16-bit parameters out), False as
+            float32 masters with a conversion pass each way; None (default) picks the formats step
+            only where the format needs it (compact state, remainder or no masters). Same bits.
         step_in_backward: start a chunk's CPU step in the backward that completes its gradients.
         bucket_elements: about how many elements one CPU step (chunk) covers.
         **kwargs: the optimizer's arguments (``lr``, ``betas``, ``backend_options``, ...).
@@ -199,20 +313,26 @@ class CPUOffload(torch.optim.Optimizer):
 
     def __init__(self, optimizer_class: Any, params: Any, *, workers: Optional[int] = None,
                  accumulation_steps: int = 1, step_in_backward: bool = False,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, **kwargs: Any):
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, fuse_conversions: Optional[bool] = None,
+                 **kwargs: Any):
         cls = resolve_optimizer_class(optimizer_class)
         workers = DEFAULT_WORKERS if workers is None else workers
         for name, value in (("workers", workers), ("accumulation_steps", accumulation_steps),
                             ("bucket_elements", bucket_elements)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r}, expected an int >= 1")
+        if fuse_conversions is not None and not isinstance(fuse_conversions, bool):
+            raise InvalidParameterError(f"fuse_conversions={fuse_conversions!r}, expected None, True or False")
+        self.fuse_conversions = fuse_conversions
         backend = kwargs.pop("backend", "cpu")
-        if backend != "cpu":
-            raise UnsupportedOperationError(
-                f"backend={backend!r}, expected 'cpu': CPUOffload steps the host masters on the cpu backend")
-        self._cls, self._kwargs = cls, kwargs
+        self._formats = all(k in inspect.signature(cls).parameters for k in OptirsOptimizer._FORMAT_KEYS)
+        if self._formats and "master_weights" not in kwargs and not kwargs.get("stochastic_rounding", False):
+            # 16-bit parameters keep float32 masters on the host unless the caller chose otherwise
+            kwargs["master_weights"] = "float32"
+        self._cls, self._kwargs, self._backend_name = cls, kwargs, backend
         # A probe optimizer checks the arguments now and gives the defaults of every group.
-        self._probe = cls([torch.zeros(1)], backend="cpu", **kwargs)
+        self._probe = cls([torch.zeros(1)], backend=backend, **kwargs)
+        self._backend = _host_backend(backend, kwargs.get("backend_options"), self._probe)
         self.workers, self.accumulation_steps = workers, accumulation_steps
         self.step_in_backward, self.bucket_elements = bool(step_in_backward), bucket_elements
         self._armed = False  # step_in_backward: after one plain round showed the loop allows it
@@ -222,7 +342,6 @@ class CPUOffload(torch.optim.Optimizer):
         self._device: Optional[torch.device] = None
         self._lock = threading.RLock()  # the round's bookkeeping (hooks run on autograd's threads)
         self._streams: Optional[Tuple[Any, Any]] = None
-        self._backend = self._probe._backend_for(torch.device("cpu"))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="optirs-offload")
         self.timing: Optional[OffloadTiming] = None  # set an OffloadTiming to see where the time goes
         super().__init__(params, self._probe.defaults)
@@ -267,6 +386,7 @@ class CPUOffload(torch.optim.Optimizer):
             raise UnsupportedOperationError(
                 f"param_groups[{gi}] clips gradients over the whole group (max_grad_norm) but mixes "
                 f"{sorted(map(str, by_dtype))} parameters, expected one dtype per such group")
+        modes = {dtype: self._mode(gi, group, dtype) for dtype in by_dtype}
         runs: List[List[torch.Tensor]] = []
         for ps in by_dtype.values():
             run: List[torch.Tensor] = []
@@ -279,18 +399,38 @@ class CPUOffload(torch.optim.Optimizer):
                 size += p.numel()
             runs.append(run)
         base = len(self._chunks)
-        chunks = [_Chunk(base + i, gi, run, [position[id(p)] for p in run], _pins(device))
+        chunks = [_Chunk(base + i, gi, run, [position[id(p)] for p in run], _pins(device), modes[run[0].dtype])
                   for i, run in enumerate(runs)]
         hyper = {k: v for k, v in group.items() if k not in _GROUP_ONLY}
         with torch.no_grad():
             for c in chunks:
                 for k in range(len(c.params)):
                     c.resync(k)
-                c.inner = self._cls([{"params": c.masters, **hyper}], backend="cpu", **self._kwargs)
+                c.inner = self._cls([{"params": c.host, **hyper}], backend=self._backend_name, **self._kwargs)
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self._device = device
         return chunks
+
+    def _mode(self, gi: int, group: Dict[str, Any], dtype: torch.dtype) -> str:
+        """How a chunk of ``dtype`` tensors of this group is held (DIRECT, FUSED or WIDEN); checks
+        the group's step format (remainder masters need bf16 parameters, ...)."""
+        if not self._formats:
+            return DIRECT if dtype == torch.float32 else WIDEN
+        name, _ = self._probe._hyperparameters(group)
+        fmt = resolve_format(self._probe._precision(group), dtype, dtype, DEFINITIONS[name].kernel)
+        if dtype == torch.float32:
+            return DIRECT
+        plain_masters = fmt.master == "float32" and not fmt.stochastic  # what float32 masters can step
+        if self.fuse_conversions is False:
+            if not plain_masters:
+                raise InvalidParameterError(
+                    f"fuse_conversions=False with param_groups[{gi}]'s master_weights={fmt.master!r}, expected "
+                    "master_weights='float32' (only float32 masters can be stepped apart from the 16-bit parameters)")
+            return WIDEN
+        if self.fuse_conversions is None and plain_masters and fmt.state_dtype == "float32":
+            return WIDEN  # the float32 kernel and two conversion passes beat the formats kernel on cpu today
+        return FUSED
 
     def _register(self, chunks: List[_Chunk]) -> None:
         ref = weakref.ref(self)  # the hooks must not keep the optimizer alive
@@ -355,7 +495,7 @@ class CPUOffload(torch.optim.Optimizer):
                 if timing is not None:
                     end.record(d2h)
             g.record_stream(d2h)  # its memory is not reused before the copy has read it
-            event = torch.cuda.Event()
+            event = _event()
             event.record(d2h)
         else:
             t0 = time.perf_counter()
@@ -376,15 +516,13 @@ class CPUOffload(torch.optim.Optimizer):
         clock = time.perf_counter
         with torch.no_grad():
             if chunk.progress == 0:
+                w0 = clock()
                 for k in present:
                     if chunk.events[k] is not None:
-                        chunk.events[k].synchronize()  # releases the GIL while it waits
+                        chunk.events[k].synchronize()  # a blocking event: the wait neither spins nor holds the GIL
                 t0 = clock()
-                if chunk.staging is not None:
-                    for k in present:
-                        chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
                 keep = set(present)
-                for k, m in enumerate(chunk.masters):
+                for k, m in enumerate(chunk.host):
                     want = chunk.grads[k] if k in keep else None
                     if m.grad is not want:
                         m.grad = want
@@ -392,24 +530,34 @@ class CPUOffload(torch.optim.Optimizer):
                 for key, value in group.items():
                     if key not in _GROUP_ONLY:
                         inner[key] = value
-                # One kernel at a time: each already runs on every core, and the cpu backend's
-                # staging caches are shared by everything on it.
+                # One host pass at a time (conversions included): each already runs on every core
+                # and is bound by memory bandwidth, so running two at once only oversubscribes the
+                # cores; and the cpu backend's staging caches are shared by everything on it.
                 t1 = clock()
                 with self._backend.lock:
                     t2 = clock()
-                    chunk.inner.step(grad_scale=scale)
+                    if chunk.mode == WIDEN:
+                        for k in present:
+                            chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
                     t3 = clock()
+                    chunk.inner.step(grad_scale=scale)
+                    t4 = clock()
                 chunk.progress = 1
                 if timing is not None:
-                    timing.add("convert_s", t1 - t0)
-                    timing.add("cpu_step_s", t3 - t2)
+                    timing.add("wait_d2h_s", t0 - w0)
+                    if chunk.mode == WIDEN:
+                        timing.add("convert_s", t3 - t2)
+                    timing.add("cpu_step_s", (t1 - t0) + (t4 - t3))  # the bookkeeping and the step, not the lock wait
+                    timing.add("step_bytes", chunk.step_bytes(present))
             if chunk.progress == 1:
-                t0 = clock()
-                if chunk.staging is not None:
-                    for k in present:
-                        chunk.staging[k].copy_(chunk.masters[k])  # fp32 masters rounded to the parameters' dtype
+                if chunk.mode == WIDEN:
+                    with self._backend.lock:
+                        t0 = clock()
+                        for k in present:
+                            chunk.staging[k].copy_(chunk.host[k])  # fp32 masters rounded to the parameters' dtype
+                        if timing is not None:
+                            timing.add("convert_s", clock() - t0)
                 if timing is not None:
-                    timing.add("convert_s", clock() - t0)
                     timing.add("h2d_bytes", sum(chunk.outbound[k].numel() * chunk.outbound[k].element_size()
                                                 for k in present))
                 if self._streams is not None:
@@ -427,7 +575,7 @@ class CPUOffload(torch.optim.Optimizer):
                             chunk.params[k].copy_(chunk.outbound[k], non_blocking=True)
                         if timing is not None:
                             end.record(h2d)
-                        event = torch.cuda.Event()
+                        event = _event()
                         event.record(h2d)
                     chunk.h2d_event = event
                 else:
@@ -500,6 +648,14 @@ class CPUOffload(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             _check_flags(group)
             _, hp = self._probe._hyperparameters(group)
+            held = {(c.dtype, c.mode) for c in self._chunks if c.gi == gi}
+            for dtype, mode in held:
+                need = self._mode(gi, group, dtype)
+                if need != mode:
+                    raise UnsupportedOperationError(
+                        f"param_groups[{gi}]'s step format changed since it was added (its {dtype} tensors are held "
+                        f"as {mode!r}, the format now needs {need!r}), expected the format chosen at construction "
+                        "(make a new CPUOffload and load the state into it)")
             if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
                 raise UnsupportedOperationError(
                     f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
@@ -546,6 +702,15 @@ class CPUOffload(torch.optim.Optimizer):
                 future.result()
             except Exception as exc:  # noqa: BLE001 - re-raised below as the cause
                 failures.append((c, present, exc))
+        timing = self.timing
+        if timing is not None:
+            timing.add("early_chunks", len(started))
+            if self._streams is not None:
+                t0 = time.perf_counter()
+                for c, _, _ in jobs:
+                    if c.h2d_event is not None:
+                        c.h2d_event.synchronize()
+                timing.add("h2d_tail_s", time.perf_counter() - t0)
         unrecovered = []
         for c, present, exc in failures:  # finish the step: retry what failed, from where it stopped
             try:
@@ -587,22 +752,23 @@ class CPUOffload(torch.optim.Optimizer):
     def _refresh_state(self) -> None:
         """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers)."""
         for c in self._chunks:
-            for p, m in zip(c.params, c.masters):
+            for p, m in zip(c.params, c.host):
                 if m in c.inner.state and c.inner.state[m]:
                     self.state[p] = c.inner.state[m]
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's format, as the wrapped optimizer's; 16-bit parameters add their fp32 master
-        weights as ``state[i][MASTER_KEY]`` (the parameter itself holds only their rounding)."""
+        """torch's format, as the wrapped optimizer's with the same step format: 16-bit parameters
+        keep their ``master`` (``MASTER_KEY``) or ``master_remainder`` under the front end's keys,
+        whichever way their chunk steps (WIDEN chunks add their float32 masters themselves)."""
         self._refresh_state()
         sd = super().state_dict()
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
                 where = self._where.get(p)
-                if where is not None and where[0].staging is not None:
+                if where is not None and where[0].mode == WIDEN:
                     # a new dict: torch's packed entries are the live state dicts themselves
-                    sd["state"][index] = {**sd["state"].get(index, {}), MASTER_KEY: where[0].masters[where[1]]}
+                    sd["state"][index] = {**sd["state"].get(index, {}), MASTER_KEY: where[0].host[where[1]]}
                 index += 1
         return sd
 
@@ -620,8 +786,9 @@ class CPUOffload(torch.optim.Optimizer):
             local = {}
             for k, p in enumerate(c.params):
                 entry = dict(saved.get(index.get(p), {}))
-                master = entry.pop(MASTER_KEY, None)
-                if master is not None and c.staging is not None:
+                # WIDEN chunks hold the master themselves; FUSED ones leave it to the inner optimizer
+                master = entry.pop(MASTER_KEY, None) if c.mode == WIDEN else None
+                if master is not None:
                     if tuple(master.shape) != tuple(p.shape):
                         raise ShapeMismatchError(
                             f"state[{index[p]}][{MASTER_KEY!r}] has shape {tuple(master.shape)}, "
@@ -633,12 +800,27 @@ class CPUOffload(torch.optim.Optimizer):
         super().load_state_dict({**state_dict, "state": {}})
         for c, k, master in masters:
             with torch.no_grad():
-                c.masters[k].copy_(master)
+                c.host[k].copy_(master)
             p = c.params[k]
             c.marks[k] = (p._version, p.data_ptr())
         for c, local in zip(self._chunks, locals_):
             hyper = {k: v for k, v in self.param_groups[c.gi].items() if k not in _GROUP_ONLY}
             c.inner.load_state_dict({"state": local, "param_groups": [{**hyper, "params": list(range(len(c.params)))}]})
+            for k, entry in local.items():
+                live = c.inner.state[c.host[k]]
+                for key, value in entry.items():
+                    # torch casts every state tensor of a float32 parameter to float32; compact
+                    # state (uint8 codes, bfloat16 moments) is kept in its own dtype, on the host
+                    held = live.get(key)
+                    if key == "step" or not isinstance(value, torch.Tensor):
+                        continue
+                    if held is None or value.dtype != held.dtype:
+                        live[key] = value.detach().to(device="cpu", copy=True)
+                if c.mode == FUSED and ("master" in entry or "master_remainder" in entry):
+                    p = c.params[k]  # the loaded master stands; the host copy is the parameter
+                    with torch.no_grad():
+                        c.host[k].copy_(p.detach())
+                    c.marks[k] = (p._version, p.data_ptr())
         with self._lock:
             for c in self._chunks:
                 c.reset_round()
