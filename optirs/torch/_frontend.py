@@ -214,10 +214,9 @@ class _Bucket:
         self.device_steps = True
 
     def intact(self, opt: "OptirsOptimizer") -> bool:
-        """Whether opt.state still holds this bucket's views (nothing replaced them) and the
-        parameters still own the memory they had (``p.data = ...`` replaces it)."""
-        if tuple(map(torch.Tensor.data_ptr, self.params)) != self.param_ptrs:
-            return False
+        """Whether opt.state still holds this bucket's views (nothing replaced them)."""
+        # (the parameters' memory is checked per group by _group_tensors, which drops the
+        # group's buckets when it changes, ``p.data = ...``)
         state = opt.state
         if not all(map(operator.is_, map(state.get, self.params), self.entries)):
             return False
@@ -230,9 +229,12 @@ class _Bucket:
         The same gradient tensors with the same memory as the last step
         (``zero_grad(set_to_none=False)``) give the same list, so the backend's caches of it hit
         (the backends keep the latest list alive anyway)."""
-        ptrs = tuple(map(torch.Tensor.data_ptr, grads))
-        if ptrs == self._gptrs and all(map(operator.is_, grads, self._grads)):
-            return self._garrays
+        if len(grads) == len(self._grads) and all(map(operator.is_, grads, self._grads)):
+            ptrs = tuple(map(torch.Tensor.data_ptr, grads))
+            if ptrs == self._gptrs:
+                return self._garrays
+        else:
+            ptrs = tuple(map(torch.Tensor.data_ptr, grads))
         self._garrays = [_host_array(self.backend, g) for g in grads]
         self._grads, self._gptrs = list(grads), ptrs
         return self._garrays
@@ -470,14 +472,17 @@ class OptirsOptimizer(torch.optim.Optimizer):
                 else:
                     keys.append((gi, str(p.device), p.dtype))
             cached = self._groups[gi] = (ptrs, params, keys)
+            # the group's buckets were built on the old memory: intact() then need not re-read it
+            for k in [k for k in self._buckets if k[0] == gi]:
+                del self._buckets[k]
         keys = cached[2]
         out: Dict[tuple, List[torch.Tensor]] = {}
         for j, (p, g, key) in enumerate(zip(params, grads, keys)):
             if g is None:
                 continue
-            if key is None or g.is_sparse or not g.is_contiguous() or (g.dtype is not key[2] and g.dtype is not STATE_DTYPE):
+            # (a sparse gradient is not contiguous: _bad_tensor names it)
+            if key is None or not g.is_contiguous() or (g.dtype is not key[2] and g.dtype is not STATE_DTYPE):
                 self._bad_tensor(gi, j, p, g)
-                # torch's own checks failed to catch it? (a gradient of another shape, by .data)
             bucket = out.get(key)
             if bucket is None:
                 out[key] = [p]
