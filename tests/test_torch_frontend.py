@@ -425,7 +425,7 @@ def test_params_without_grad_are_skipped_like_torch():
 
 @pytest.mark.parametrize("kwargs,error", [
     ({"differentiable": True}, UnsupportedOperationError), ({"foreach": True}, UnsupportedOperationError),
-    ({"fused": False}, UnsupportedOperationError), ({"capturable": True}, UnsupportedOperationError),
+    ({"fused": False}, UnsupportedOperationError),
     ({"lr": -1.0}, InvalidParameterError), ({"betas": (1.2, 0.9)}, InvalidParameterError),
     ({"betas": (0.9,)}, InvalidParameterError), ({"eps": float("nan")}, InvalidParameterError),
     ({"backend": ""}, InvalidParameterError),
