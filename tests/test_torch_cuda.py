@@ -145,6 +145,28 @@ def test_capturable_equals_torch_with_a_tensor_lr_a_scheduler_and_grouping(name,
 
 @pytest.mark.cuda
 @simulator
+@pytest.mark.parametrize("name,kwargs", [("SGD", {"momentum": 0.9, "nesterov": True}), ("Adagrad", {"lr_decay": 0.01})])
+def test_capturable_through_a_param_group(name, kwargs):
+    # torch's SGD and Adagrad take no capturable argument: a group's entry asks for it
+    data = batches(8)
+    ref_model, our_model = make_model(), make_model()
+    ref = getattr(torch.optim, name)(ref_model.parameters(), lr=LR, **kwargs)
+    params = list(our_model.parameters())
+    ours = getattr(ot, name)(params[:2], lr=LR, **kwargs)
+    ours.add_param_group({"params": params[2:], "capturable": True})
+    ours.param_groups[0]["capturable"] = True
+    backend = _simulated(ours)
+    for batch in data:
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            backward(m, batch)
+            o.step()
+        assert_same(ref_model, our_model)
+    assert backend.calls == [name.lower()] * (2 * len(data))
+
+
+@pytest.mark.cuda
+@simulator
 def test_capturable_grad_scaler_fused_way_skips_infs_on_the_device():
     data = batches(10)
     ref_model, our_model = make_model(), make_model()
