@@ -397,6 +397,24 @@ def test_state_is_live_torch_tensors_with_torch_names():
     assert not torch.equal(before, opt.state[p]["exp_avg"])  # the views follow the flat buffers
 
 
+def test_state_replaced_by_hand_is_what_the_next_step_uses():
+    # the step's cached checks must see an entry (or a slot of one) assigned by hand
+    ref_model, our_model = make_model(), make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    ours = ot.AdamW(our_model.parameters(), lr=1e-2, backend="cpu")
+    for _ in range(3):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            _train(m, o, 1)
+    for m, o in ((ref_model, ref), (our_model, ours)):
+        p, q = list(m.parameters())[:2]
+        o.state[p]["exp_avg"] = torch.zeros_like(p)
+        o.state[q] = {k: (v * 2 if k == "exp_avg_sq" else v).clone() for k, v in o.state[q].items()}
+    for _ in range(3):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            _train(m, o, 1)
+        assert_same_params(ref_model, our_model)
+
+
 def test_seed_api_steps_torch_tensors_in_place():
     from optirs.torch.interop import host_arrays
 

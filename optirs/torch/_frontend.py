@@ -23,6 +23,7 @@ the ``FormatState``'s, each in its own dtype.
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -124,6 +125,44 @@ def _slot_views(state_layout, slot: str, flat: torch.Tensor) -> List[Optional[to
     return out
 
 
+class _TrackedState(defaultdict):
+    """``opt.state`` (torch's ``defaultdict(dict)``) that counts the entries set or removed, so a
+    step sees in one comparison that no ``opt.state[p] = ...`` replaced a bucket's entries.
+    (The entries stay plain dicts: ``state_dict()`` hands them to ``torch.save``.) Pickled or
+    copied it is a plain defaultdict again, and the next step rebuilds."""
+
+    def __init__(self, items: Any = ()):
+        super().__init__(dict)
+        dict.update(self, items)
+        self.version = 0
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, value)
+        self.version += 1
+
+    def __delitem__(self, key):
+        dict.__delitem__(self, key)
+        self.version += 1
+
+    def _changed(name):  # noqa: N805 - builds the counting wrappers below
+        def method(self, *args, **kwargs):
+            self.version += 1
+            return getattr(dict, name)(self, *args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    pop = _changed("pop")
+    popitem = _changed("popitem")
+    clear = _changed("clear")
+    update = _changed("update")
+    setdefault = _changed("setdefault")
+    del _changed
+
+    def __reduce__(self):
+        return (defaultdict, (dict,), None, None, iter(self.items()))
+
+
 class _Bucket:
     """One launch's worth: the tensors of one group on one device with one dtype and one step count.
 
@@ -179,6 +218,7 @@ class _Bucket:
                     entry[k] = self.views[k][i]
             opt.state[p] = entry
         self.entries = [opt.state[p] for p in params]
+        self.state_seen, self.version = None, None  # intact() looks at the entries once
         self._checks()
         self._grads: List[torch.Tensor] = []
         self._gptrs: tuple = ()
@@ -218,8 +258,12 @@ class _Bucket:
         # (the parameters' memory is checked per group by _group_tensors, which drops the
         # group's buckets when it changes, ``p.data = ...``)
         state = opt.state
-        if not all(map(operator.is_, map(state.get, self.params), self.entries)):
-            return False
+        version = getattr(state, "version", None)
+        if version is None or version != self.version or state is not self.state_seen:
+            # something set or removed entries (or replaced opt.state): look at ours one by one
+            if not all(map(operator.is_, map(state.get, self.params), self.entries)):
+                return False
+            self.state_seen, self.version = state, version
         return all(map(operator.is_, map(dict.get, self._check_entries, self._check_keys), self._check_values))
 
     def grad_arrays(self, grads: List[torch.Tensor]):
@@ -235,7 +279,10 @@ class _Bucket:
                 return self._garrays
         else:
             ptrs = tuple(map(torch.Tensor.data_ptr, grads))
-        self._garrays = [_host_array(self.backend, g) for g in grads]
+        if grads and grads[0].is_cpu:
+            self._garrays = [(g.detach() if g.requires_grad else g).numpy() for g in grads]
+        else:  # device tensors as they are (a detach per tensor costs more than the rest of the step)
+            self._garrays = [g.detach() if g.requires_grad else g for g in grads]
         self._grads, self._gptrs = list(grads), ptrs
         return self._garrays
 
@@ -410,6 +457,8 @@ class OptirsOptimizer(torch.optim.Optimizer):
                    and getattr(b, "seed", seed) == seed and (not capturable or b.device_steps)
                    and b.intact(self) for b in buckets):
                 return buckets
+        if type(self.state) is not _TrackedState:
+            self.state = _TrackedState(self.state)  # (load_state_dict gives torch's plain one)
         backend = self._backend_for(params[0].device)
         if capturable and not backend.supports("capturable"):
             raise UnsupportedOperationError(
