@@ -8,6 +8,8 @@ In one run:
   ``opt.step()`` wall time with the host included.
 * ``small``: a 1M-parameter model in 50 tensors, the same way (the host-overhead case).
 * ``copy``: device-to-device copy bandwidth (torch ``copy_``), the yardstick of every figure.
+* ``*_graph``: ``capturable=True`` and one step captured into a CUDA graph after warm-up, timed
+  as ``graph.replay()`` (torch fused capturable and optirs.torch), in the gpt2 and small cases.
 * ``train``: a whole GPT-2 124M training step (forward, backward, step; bf16 autocast), with
   optirs and with torch fused, and the optimizer's share of the step for both.
 
@@ -210,10 +212,37 @@ def make_optimizer(kind: str, groups) -> Optional[Callable[[], None]]:
             return None
         opt = ot.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
         return opt.step
+    if kind in ("torch_fused_graph", "optirs_torch_graph"):
+        # capturable=True, one step captured into a CUDA graph after warm-up on a side stream:
+        # the step is graph.replay() (the host work left is the replay's launch)
+        lr = torch.tensor(LR, device="cuda")
+        if kind == "torch_fused_graph":
+            opt = torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, fused=True, capturable=True)
+        else:
+            try:
+                import optirs.torch as ot
+            except ImportError:
+                return None
+            opt = ot.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, capturable=True)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                opt.step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            opt.step()
+        def replay() -> None:
+            graph.replay()  # (the closure keeps opt alive: the graph writes its state buffers)
+
+        replay.optimizer = opt  # type: ignore[attr-defined]
+        return replay
     raise ValueError(kind)
 
 
-KINDS = ("torch_fused", "optirs_seed", "optirs_torch")
+KINDS = ("torch_fused", "optirs_seed", "optirs_torch", "torch_fused_graph", "optirs_torch_graph")
+TRAIN_KINDS = KINDS[:3]  # a graph of the step alone replays on static gradients: not a training step
 
 
 # ------------------------------------------------------------------ timing
@@ -274,7 +303,7 @@ def bench_train(cfg, args) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     batch, seq = (2, 32) if args.smoke else (args.batch, args.seq)
-    for kind in KINDS:
+    for kind in TRAIN_KINDS:
         torch.manual_seed(0)
         model, loss_of, source = gpt2_model(cfg)
         out["model"] = source
@@ -304,7 +333,7 @@ def bench_train(cfg, args) -> Dict[str, Any]:
         del model, params, step
         torch.cuda.empty_cache()
     base = out["torch_fused"]["ms"]
-    for kind in KINDS:
+    for kind in TRAIN_KINDS:
         if "ms" in out.get(kind, {}):
             out[kind]["vs_torch_fused"] = base / out[kind]["ms"]
     return out
@@ -345,7 +374,7 @@ def report(results: Dict[str, Any]) -> None:
     tr = results.get("train")
     if tr:
         print(f"train step ({tr['model']}, bf16 autocast):")
-        for kind in KINDS:
+        for kind in TRAIN_KINDS:
             t = tr.get(kind, {})
             if "ms" in t:
                 print(f"  {kind:13s} {t['ms']:8.3f} ms  optimizer {t['optimizer_ms']:.3f} ms "
