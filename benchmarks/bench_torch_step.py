@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -461,15 +462,19 @@ def cpu_train(args) -> Dict[str, Any]:
 def cpu_main(args) -> int:
     import torch
 
-    if args.threads:
+    if args.threads:  # both libraries' thread pools (torch's intra-op, numba's parallel loops)
+        import numba
+
         torch.set_num_threads(args.threads)
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     if args.smoke:
         args.warmup, args.reps = 2, 5
     total = 10_000 if args.smoke else 1_000_000
     small = small_shapes(total, 50)
     results: Dict[str, Any] = {
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+                        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "smoke": args.smoke,
         "small": cpu_steps(small, args),
         "overhead": cpu_steps([(n, (1,)) for n, _ in small], args),
@@ -477,7 +482,8 @@ def cpu_main(args) -> int:
     if not args.no_train:
         results["train"] = cpu_train(args)
     env = results["environment"]
-    print(f"CPU ({env['cpu']}, {env['threads']} torch threads), us per call (median); >1x: optirs faster")
+    print(f"CPU ({env['cpu']}, {env['threads']} torch threads, load average {env['load_average']}), us per call "
+          "(median); >1x: optirs faster")
     for case in ("small", "overhead"):
         r = results[case]
         print(f"{case:9s} {r['tensors']} tensors, {r['elements']:8d} parameters: torch fused "
@@ -506,7 +512,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seq", type=int, default=1024, help="training sequence length")
     ap.add_argument("--no-train", action="store_true", help="skip the whole-training-step case")
     ap.add_argument("--cpu", action="store_true", help="the CPU mode: torch CPU tensors, the cpu backend")
-    ap.add_argument("--threads", type=int, default=0, help="CPU mode: torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU mode: torch's and numba's threads (0: their defaults)")
     args = ap.parse_args(argv)
     if args.cpu:
         return cpu_main(args)
