@@ -397,6 +397,30 @@ def test_capturable_hook_refuses_what_it_cannot_do(rng, monkeypatch):
     np.testing.assert_array_equal(steps.copy_to_host(), np.zeros(1, np.float32))
 
 
+@pytest.mark.skipif(SIMULATOR, reason="the simulator has no compiler; the normal pass compiles PTX")
+def test_capturable_scalars_kernels_compile_to_ptx_for_sm90(monkeypatch):
+    """The device scalars kernel of every elementwise family, with the argument types the hook
+    launches it with (the step kernel itself is test_cuda's)."""
+    import numba
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+
+    from optirs.backends.cuda import _head_types
+    from optirs.backends.cuda import kernels as K
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.core.scalars import FORMULAS
+
+    if not cuda.is_available():
+        monkeypatch.setattr(dispatcher, "get_current_device",
+                            lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+    assert set(K.SCALARS_FUNCTIONS) == {"adam", "sgd", "rmsprop", "adagrad", "lion"}
+    for family, fn in K.SCALARS_FUNCTIONS.items():
+        hp = next(d for d in DEFINITIONS.values() if d.kernel == family).examples[0]
+        floats = (1e-3, 1.0) + tuple(float(c) for c in FORMULAS[family].constants(hp))
+        ptx, _ = cuda.compile_ptx(fn, _head_types("scalars") + (numba.typeof(floats),), cc=(9, 0))
+        assert ".target sm_90" in ptx, family
+
+
 # ------------------------------------------------------------------ the H200: torch streams and graphs
 
 
