@@ -8,6 +8,8 @@ In one run:
   ``opt.step()`` wall time with the host included.
 * ``small``: a 1M-parameter model in 50 tensors, the same way (the host-overhead case).
 * ``copy``: device-to-device copy bandwidth (torch ``copy_``), the yardstick of every figure.
+* ``*_graph``: ``capturable=True`` and one step captured into a CUDA graph after warm-up, timed
+  as ``graph.replay()`` (torch fused capturable and optirs.torch), in the gpt2 and small cases.
 * ``train``: a whole GPT-2 124M training step (forward, backward, step; bf16 autocast), with
   optirs and with torch fused, and the optimizer's share of the step for both.
 
@@ -19,14 +21,22 @@ which optirs follows. Timing: CUDA events around batches of back-to-back steps a
 batches; also host ``perf_counter`` over the same batches. Each figure is printed as ms, as a
 fraction of the copy bandwidth (28 bytes per element for AdamW) and as a ratio to torch fused.
 
+On the CPU (``--cpu``, no GPU needed): torch CPU tensors, ``optirs.torch.AdamW(backend="cpu")``
+against ``torch.optim.AdamW(fused=True)`` on the CPU, timed per call with the host clock (median of
+many): ``small`` (1M parameters in 50 tensors), ``overhead`` (the same 50 tensors at one element
+each: what is left is the front end's and the launch's host work) and ``train`` (a whole training
+step of examples/train_torch.py's model: forward, backward, step), each with the ratio to torch.
+
     python benchmarks/bench_torch_step.py --json h200-torch-step.json
     python benchmarks/bench_torch_step.py --smoke        # tiny sizes; skips cleanly without CUDA
+    python benchmarks/bench_torch_step.py --cpu [--smoke] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -203,10 +213,37 @@ def make_optimizer(kind: str, groups) -> Optional[Callable[[], None]]:
             return None
         opt = ot.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
         return opt.step
+    if kind in ("torch_fused_graph", "optirs_torch_graph"):
+        # capturable=True, one step captured into a CUDA graph after warm-up on a side stream:
+        # the step is graph.replay() (the host work left is the replay's launch)
+        lr = torch.tensor(LR, device="cuda")
+        if kind == "torch_fused_graph":
+            opt = torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, fused=True, capturable=True)
+        else:
+            try:
+                import optirs.torch as ot
+            except ImportError:
+                return None
+            opt = ot.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, capturable=True)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                opt.step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            opt.step()
+        def replay() -> None:
+            graph.replay()  # (the closure keeps opt alive: the graph writes its state buffers)
+
+        replay.optimizer = opt  # type: ignore[attr-defined]
+        return replay
     raise ValueError(kind)
 
 
-KINDS = ("torch_fused", "optirs_seed", "optirs_torch")
+KINDS = ("torch_fused", "optirs_seed", "optirs_torch", "torch_fused_graph", "optirs_torch_graph")
+TRAIN_KINDS = KINDS[:3]  # a graph of the step alone replays on static gradients: not a training step
 
 
 # ------------------------------------------------------------------ timing
@@ -267,7 +304,7 @@ def bench_train(cfg, args) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     batch, seq = (2, 32) if args.smoke else (args.batch, args.seq)
-    for kind in KINDS:
+    for kind in TRAIN_KINDS:
         torch.manual_seed(0)
         model, loss_of, source = gpt2_model(cfg)
         out["model"] = source
@@ -297,7 +334,7 @@ def bench_train(cfg, args) -> Dict[str, Any]:
         del model, params, step
         torch.cuda.empty_cache()
     base = out["torch_fused"]["ms"]
-    for kind in KINDS:
+    for kind in TRAIN_KINDS:
         if "ms" in out.get(kind, {}):
             out[kind]["vs_torch_fused"] = base / out[kind]["ms"]
     return out
@@ -338,11 +375,130 @@ def report(results: Dict[str, Any]) -> None:
     tr = results.get("train")
     if tr:
         print(f"train step ({tr['model']}, bf16 autocast):")
-        for kind in KINDS:
+        for kind in TRAIN_KINDS:
             t = tr.get(kind, {})
             if "ms" in t:
                 print(f"  {kind:13s} {t['ms']:8.3f} ms  optimizer {t['optimizer_ms']:.3f} ms "
                       f"({t['optimizer_share']:.1%})  {t['vs_torch_fused']:.2f}x torch fused")
+
+
+# ------------------------------------------------------------------ the CPU mode
+
+
+def cpu_optimizer(kind: str, groups):
+    import torch
+
+    if kind == "torch_fused":
+        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
+    import optirs.torch as ot
+
+    return ot.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, backend="cpu")
+
+
+def time_calls(fn: Callable[[], None], warmup: int, reps: int) -> Dict[str, float]:
+    """Median and minimum microseconds per call over ``reps`` calls, each timed by the host clock."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return {"us": statistics.median(times), "min_us": min(times)}
+
+
+def cpu_steps(shapes, args) -> Dict[str, Any]:
+    import torch
+
+    rows: Dict[str, Any] = {"tensors": len(shapes), "elements": sum(_prod(s) for _, s in shapes)}
+    for kind in ("torch_fused", "optirs_torch"):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for _, s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        rows[kind] = time_calls(cpu_optimizer(kind, groups_of(shapes, params)).step, args.warmup, args.reps)
+    rows["optirs_vs_torch_fused"] = rows["torch_fused"]["us"] / rows["optirs_torch"]["us"]
+    return rows
+
+
+def cpu_train(args) -> Dict[str, Any]:
+    """examples/train_torch.py's model and batches: forward + backward + step, per optimizer."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_torch.py"
+    spec = importlib.util.spec_from_file_location("train_torch", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    text = example.corpus()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    context, batch = 8, (32 if args.smoke else 256)
+    windows = torch.tensor([index[c] for c in text], dtype=torch.long).unfold(0, context + 1, 1)
+    out: Dict[str, Any] = {}
+    for kind in ("torch_fused", "optirs_torch"):
+        torch.manual_seed(0)
+        model = example.CharModel(len(chars), context)
+        opt = cpu_optimizer(kind, example.param_groups(model, DECAY))
+        gen = torch.Generator().manual_seed(1)
+
+        def train_step() -> None:
+            rows = windows[torch.randint(0, len(windows), (batch,), generator=gen)]
+            loss = torch.nn.functional.cross_entropy(model(rows[:, :-1]), rows[:, -1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        out[kind] = time_calls(train_step, args.warmup, args.reps)
+        out[kind]["step_us"] = time_calls(opt.step, 2, args.reps)["us"]  # the optimizer alone, on these grads
+        out["parameters"] = sum(p.numel() for p in model.parameters())
+        out["tensors"] = len(list(model.parameters()))
+    out["optirs_vs_torch_fused"] = out["torch_fused"]["us"] / out["optirs_torch"]["us"]
+    return out
+
+
+def cpu_main(args) -> int:
+    import torch
+
+    if args.threads:  # both libraries' thread pools (torch's intra-op, numba's parallel loops)
+        import numba
+
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    if args.smoke:
+        args.warmup, args.reps = 2, 5
+    total = 10_000 if args.smoke else 1_000_000
+    small = small_shapes(total, 50)
+    results: Dict[str, Any] = {
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "smoke": args.smoke,
+        "small": cpu_steps(small, args),
+        "overhead": cpu_steps([(n, (1,)) for n, _ in small], args),
+    }
+    if not args.no_train:
+        results["train"] = cpu_train(args)
+    env = results["environment"]
+    print(f"CPU ({env['cpu']}, {env['threads']} torch threads, load average {env['load_average']}), us per call "
+          "(median); >1x: optirs faster")
+    for case in ("small", "overhead"):
+        r = results[case]
+        print(f"{case:9s} {r['tensors']} tensors, {r['elements']:8d} parameters: torch fused "
+              f"{r['torch_fused']['us']:9.1f}  optirs.torch {r['optirs_torch']['us']:9.1f}  "
+              f"{r['optirs_vs_torch_fused']:.2f}x")
+    tr = results.get("train")
+    if tr:
+        print(f"train     {tr['tensors']} tensors, {tr['parameters']:8d} parameters: torch fused "
+              f"{tr['torch_fused']['us']:9.1f} (step {tr['torch_fused']['step_us']:.1f})  optirs.torch "
+              f"{tr['optirs_torch']['us']:9.1f} (step {tr['optirs_torch']['step_us']:.1f})  "
+              f"{tr['optirs_vs_torch_fused']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -355,7 +511,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="training batch size")
     ap.add_argument("--seq", type=int, default=1024, help="training sequence length")
     ap.add_argument("--no-train", action="store_true", help="skip the whole-training-step case")
+    ap.add_argument("--cpu", action="store_true", help="the CPU mode: torch CPU tensors, the cpu backend")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU mode: torch's and numba's threads (0: their defaults)")
     args = ap.parse_args(argv)
+    if args.cpu:
+        return cpu_main(args)
     reason = cuda_unavailable_reason()
     if reason is not None:
         message = f"bench_torch_step: skipped: {reason}; this benchmark needs torch with a CUDA GPU"

@@ -297,6 +297,130 @@ def test_step_under_capture_raises_and_changes_nothing(rng, monkeypatch, first):
     assert opt.step_count == before_step + 1
 
 
+# ------------------------------------------------------------------ simulator (and GPU): the capturable hook
+
+
+CAPTURABLE = [("adamw", lambda: optirs.AdamParams(lr=2.0**-7, weight_decay=0.1, amsgrad=True)),
+              ("adam", lambda: optirs.AdamParams(lr=2.0**-7, weight_decay=0.05)),
+              ("sgd", lambda: optirs.SgdParams(lr=2.0**-5, momentum=0.9, nesterov=True)),
+              ("rmsprop", lambda: optirs.RmspropParams(lr=2.0**-8, momentum=0.5, centered=True)),
+              ("adagrad", lambda: optirs.AdagradParams(lr=2.0**-6, lr_decay=0.01)),
+              ("lion", lambda: optirs.LionParams(lr=2.0**-9, weight_decay=0.1))]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,make", CAPTURABLE, ids=[n for n, _ in CAPTURABLE])
+def test_capturable_hook_equals_the_host_path_step_after_step(rng, name, make):
+    """optirs_capturable_step (step count, lr, grad_scale and found_inf on the device) against the
+    plain step hook with host scalars, bit for bit, over steps with a changing tensor lr, a gradient
+    scale, maximize's sign and an injected found_inf (which must change nothing, not the count)."""
+    _cuda_or_skip()
+    from dataclasses import replace
+
+    from numba import cuda
+
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.core.layout import TensorLayout
+    from optirs.core.scalars import FORMULAS
+    from optirs.plugin.hookspecs import DeviceStepInputs
+
+    backend = optirs.get_backend("cuda")
+    assert backend.supports("capturable")
+    hook = backend.hook("capturable", "optirs_capturable_step")
+    definition, hp = DEFINITIONS[name], make()
+    shapes = [(37,), (4, 9), (1,)]
+    layout_a, layout_b = TensorLayout(shapes), TensorLayout(shapes)
+    host = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    slots = definition.state_slots(hp)
+    sizes = definition.state_layout(layout_a, tuple(slots)).buffer_sizes()
+    state_a = {k: cuda.to_device(np.full(sizes[k], fill, np.float32)) for k, fill in slots.items()}
+    state_b = {k: cuda.to_device(np.full(sizes[k], fill, np.float32)) for k, fill in slots.items()}
+    pa, pb = [cuda.to_device(h) for h in host], [cuda.to_device(h) for h in host]
+    steps = cuda.to_device(np.zeros(len(shapes), np.float32))
+    record = cuda.to_device(np.zeros(len(definition.scalars_type._fields), np.float32))
+    lr = cuda.to_device(np.array([hp.lr], np.float32))
+    scale, found = cuda.to_device(np.array([8.0], np.float32)), cuda.to_device(np.zeros(1, np.float32))
+    sign, host_step, host_lr = -1.0, 0, hp.lr
+    for t in range(7):
+        grads = [cuda.to_device(rng.standard_normal(s).astype(np.float32) * 8.0) for s in shapes]
+        skip = t == 3
+        found.copy_to_device(np.array([1.0 if skip else 0.0], np.float32))
+        if t == 4:  # a scheduler writing the tensor lr in place: the next step reads it
+            host_lr = hp.lr / 2
+            lr.copy_to_device(np.array([host_lr], np.float32))
+        inputs = DeviceStepInputs(steps=steps, record=record, constants=FORMULAS[name].constants(hp), lr=lr,
+                                  sign=sign, grad_scale=scale, found_inf=found)
+        hook(backend.ctx, name, pa, grads, state_a, layout_a, definition.scalars(hp, 1), inputs)
+        if not skip:
+            host_step += 1
+            scalars = definition.scalars(replace(hp, lr=host_lr), host_step, grad_factor=sign / 8.0)
+            backend.step_fn(name)(backend.ctx, pb, grads, state_b, layout_b, scalars)
+        np.testing.assert_array_equal(steps.copy_to_host(), np.full(len(shapes), host_step, np.float32))
+        for a, b in zip(pa, pb):
+            np.testing.assert_array_equal(a.copy_to_host(), b.copy_to_host())
+        for k in state_a:
+            np.testing.assert_array_equal(state_a[k].copy_to_host(), state_b[k].copy_to_host())
+    assert host_step == 6
+
+
+@pytest.mark.cuda
+def test_capturable_hook_refuses_what_it_cannot_do(rng, monkeypatch):
+    _cuda_or_skip()
+    from numba import cuda
+
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.core.layout import TensorLayout
+    from optirs.plugin.hookspecs import DeviceStepInputs
+
+    backend = optirs.get_backend("cuda")
+    hook = backend.hook("capturable", "optirs_capturable_step")
+    layout = TensorLayout([(8,)])
+    p, g = cuda.to_device(np.ones(8, np.float32)), cuda.to_device(np.ones(8, np.float32))
+    state = {"exp_avg": cuda.to_device(np.zeros(8, np.float32)), "exp_avg_sq": cuda.to_device(np.zeros(8, np.float32))}
+    steps, record = cuda.to_device(np.zeros(1, np.float32)), cuda.to_device(np.zeros(16, np.float32))
+    hp = optirs.LambParams()
+    inputs = DeviceStepInputs(steps=steps, record=record, constants=(), lr=1e-3)
+    with pytest.raises(UnsupportedOperationError, match="lamb.*elementwise"):
+        hook(backend.ctx, "lamb", [p], [g], state, layout, DEFINITIONS["lamb"].scalars(hp, 1), inputs)
+    hp = optirs.AdamParams()
+    from optirs.core.scalars import FORMULAS
+
+    inputs = DeviceStepInputs(steps=steps, record=record, constants=FORMULAS["adam"].constants(hp), lr=1e-3)
+    with pytest.raises(InvalidParameterError, match="device arrays"):
+        hook(backend.ctx, "adam", [np.ones(8, np.float32)], [g], state, layout, DEFINITIONS["adam"].scalars(hp, 1),
+             inputs)
+    # a first step under capture: nothing is built, nothing changes
+    monkeypatch.setattr(backend.ctx, "stream_capturing", lambda handle: True)
+    with pytest.raises(UnsupportedOperationError, match="warm-up"):
+        hook(backend.ctx, "adam", [p], [g], state, layout, DEFINITIONS["adam"].scalars(hp, 1), inputs)
+    np.testing.assert_array_equal(p.copy_to_host(), np.ones(8, np.float32))
+    np.testing.assert_array_equal(steps.copy_to_host(), np.zeros(1, np.float32))
+
+
+@pytest.mark.skipif(SIMULATOR, reason="the simulator has no compiler; the normal pass compiles PTX")
+def test_capturable_scalars_kernels_compile_to_ptx_for_sm90(monkeypatch):
+    """The device scalars kernel of every elementwise family, with the argument types the hook
+    launches it with (the step kernel itself is test_cuda's)."""
+    import numba
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+
+    from optirs.backends.cuda import _head_types
+    from optirs.backends.cuda import kernels as K
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.core.scalars import FORMULAS
+
+    if not cuda.is_available():
+        monkeypatch.setattr(dispatcher, "get_current_device",
+                            lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
+    assert set(K.SCALARS_FUNCTIONS) == {"adam", "sgd", "rmsprop", "adagrad", "lion"}
+    for family, fn in K.SCALARS_FUNCTIONS.items():
+        hp = next(d for d in DEFINITIONS.values() if d.kernel == family).examples[0]
+        floats = (1e-3, 1.0) + tuple(float(c) for c in FORMULAS[family].constants(hp))
+        ptx, _ = cuda.compile_ptx(fn, _head_types("scalars") + (numba.typeof(floats),), cc=(9, 0))
+        assert ".target sm_90" in ptx, family
+
+
 # ------------------------------------------------------------------ the H200: torch streams and graphs
 
 

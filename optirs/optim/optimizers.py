@@ -29,7 +29,7 @@ import numpy as np
 from optirs.core import checkpoint as ck
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta, check_no_overlap, describe
-from optirs.core.errors import InvalidParameterError, ShapeMismatchError
+from optirs.core.errors import BackendUnavailableError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.formats import PARAM_DTYPES, Precision, StepFormat, dtype_name, resolve_format
 from optirs.core.interrupts import deferred_interrupts
 from optirs.core.layout import TensorLayout
@@ -109,6 +109,22 @@ def _serialized(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
+
+
+def _numpy_checkpoint(value: Any) -> Any:
+    """``value`` with torch tensors (a portable checkpoint's) as numpy copies, exactly (bfloat16
+    as ml_dtypes.bfloat16); anything else unchanged. torch is only looked at where it is imported."""
+    if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
+        from optirs.torch.interop import host_array
+
+        return np.array(host_array(value.detach().cpu()), copy=True)
+    if isinstance(value, Mapping):
+        return {k: _numpy_checkpoint(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numpy_checkpoint(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_numpy_checkpoint(v) for v in value)
+    return value
 
 
 class GpuOptimizer:
@@ -433,8 +449,22 @@ class GpuOptimizer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> Dict[str, Any]:
-        """A self-contained checkpoint (numpy copies), from the device or the host side."""
+    def state_dict(self, portable: bool = False) -> Dict[str, Any]:
+        """A self-contained checkpoint (numpy copies), from the device or the host side.
+
+        ``portable=True``: the same checkpoint with every array as a torch CPU tensor (bfloat16
+        state as torch.bfloat16), the form ``torch.save`` / ``torch.load(weights_only=True)``
+        round-trip (weights_only refuses numpy arrays; allow-listing numpy's reconstructors is
+        the loader's decision, not ours). Needs torch. :meth:`load_state_dict` takes both forms.
+        """
+        if portable:
+            try:
+                from optirs.torch.interop import portable_state_dict
+            except (ImportError, BackendUnavailableError) as exc:  # torch is optional
+                raise UnsupportedOperationError(
+                    f"state_dict(portable=True) needs PyTorch ({exc}), expected torch installed (or portable=False: "
+                    "numpy arrays)") from exc
+            return portable_state_dict(self.state_dict())
         per_param: List[Dict[str, np.ndarray]] = []
         extra: Dict[str, Any] = {}
         if self._format is not None and self._state is not None:
@@ -466,6 +496,7 @@ class GpuOptimizer:
         ``precision`` and holds every buffer in its own dtype (uint8 codes, float32 scales,
         bfloat16 moments, int16/int8 remainders), restored as it is.
         """
+        state_dict = _numpy_checkpoint(state_dict)  # state_dict(portable=True)'s torch tensors, as numpy
         expected_keys = {"optimizer", "hyperparameters", "step", "shapes", "state"}
         if isinstance(state_dict, Mapping) and "format" in state_dict:
             expected_keys.add("format")

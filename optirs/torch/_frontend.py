@@ -22,6 +22,8 @@ the ``FormatState``'s, each in its own dtype.
 
 from __future__ import annotations
 
+import operator
+from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -30,6 +32,8 @@ import torch
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.layout import TensorLayout
+from optirs.core.scalars import FORMULAS
+from optirs.plugin.hookspecs import DeviceStepInputs
 
 STATE_DTYPE = torch.float32
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -121,15 +125,60 @@ def _slot_views(state_layout, slot: str, flat: torch.Tensor) -> List[Optional[to
     return out
 
 
+class _TrackedState(defaultdict):
+    """``opt.state`` (torch's ``defaultdict(dict)``) that counts the entries set or removed, so a
+    step sees in one comparison that no ``opt.state[p] = ...`` replaced a bucket's entries.
+    (The entries stay plain dicts: ``state_dict()`` hands them to ``torch.save``.) Pickled or
+    copied it is a plain defaultdict again, and the next step rebuilds."""
+
+    def __init__(self, items: Any = ()):
+        super().__init__(dict)
+        dict.update(self, items)
+        self.version = 0
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, value)
+        self.version += 1
+
+    def __delitem__(self, key):
+        dict.__delitem__(self, key)
+        self.version += 1
+
+    def _changed(name):  # noqa: N805 - builds the counting wrappers below
+        def method(self, *args, **kwargs):
+            self.version += 1
+            return getattr(dict, name)(self, *args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    pop = _changed("pop")
+    popitem = _changed("popitem")
+    clear = _changed("clear")
+    update = _changed("update")
+    setdefault = _changed("setdefault")
+    del _changed
+
+    def __reduce__(self):
+        return (defaultdict, (dict,), None, None, iter(self.items()))
+
+
 class _Bucket:
-    """One launch's worth: the tensors of one group on one device with one dtype and one step count."""
+    """One launch's worth: the tensors of one group on one device with one dtype and one step count.
+
+    ``device_steps``: the step count lives on the device (``steps``, a float32 tensor on the
+    parameters' device, one entry per tensor, torch's capturable ``state[p]["step"]``) and every
+    step is the backend's ``capturable`` pair (scalars kernel, then the step kernel reading the
+    record it wrote), so nothing is read back on the host: ``capturable=True``, and the
+    GradScaler's device ``found_inf`` / ``grad_scale`` on a backend with that capability.
+    """
 
     def __init__(self, opt: "OptirsOptimizer", definition: OptimizerDefinition, backend, params: List[torch.Tensor],
-                 slots: Dict[str, float], step: int):
+                 slots: Dict[str, float], step: int, device_steps: bool = False):
         self.definition, self.backend, self.params = definition, backend, params
         self.key = tuple(map(id, params))
         self.slots = slots
-        device = params[0].device
+        device = self.device = params[0].device
         self.layout = TensorLayout([tuple(p.shape) for p in params])
         self.state_layout = definition.state_layout(self.layout, tuple(slots))
         sizes = self.state_layout.buffer_sizes()
@@ -137,12 +186,14 @@ class _Bucket:
         self.views = {k: _slot_views(self.state_layout, k, v) for k, v in self.flat.items()}
         self.device_state = {k: _state_array(backend, v) for k, v in self.flat.items()}
         self.param_arrays = [_host_array(backend, p) for p in params]
-        self.param_ptrs = [p.data_ptr() for p in params]
+        self.param_ptrs = tuple(p.data_ptr() for p in params)
         self.step = step
         self.has_step = opt._has_step_state
+        self.device_steps = False
         # torch keeps one 0-dim float32 "step" tensor per parameter; here they are views of one
-        # buffer, written once per step.
-        self.steps = torch.full((len(params),), float(step), dtype=torch.float32)
+        # buffer, written once per step (on the host, or by the device scalars kernel).
+        self.steps = torch.full((len(params),), float(step), dtype=torch.float32,
+                                device=device if device_steps else "cpu")
         self.step_views = [self.steps[i] for i in range(len(params))]
         # Copy the existing state in, then point opt.state at the views.
         for i, p in enumerate(params):
@@ -167,26 +218,73 @@ class _Bucket:
                     entry[k] = self.views[k][i]
             opt.state[p] = entry
         self.entries = [opt.state[p] for p in params]
+        self.state_seen, self.version = None, None  # intact() looks at the entries once
+        self._checks()
+        self._grads: List[torch.Tensor] = []
+        self._gptrs: tuple = ()
+        self._garrays: list = []
+        if device_steps:
+            self.use_device_steps(opt)
+
+    def _checks(self) -> None:
+        # (entry, key, value) of everything opt.state must still hold, flattened for a C-speed check.
+        triples = [(e, "step", s) for e, s in zip(self.entries, self.step_views)] if self.has_step else []
+        for i, entry in enumerate(self.entries):
+            triples += [(entry, k, views[i]) for k, views in self.views.items() if views[i] is not None]
+        self._check_entries = [t[0] for t in triples]
+        self._check_keys = [t[1] for t in triples]
+        self._check_values = [t[2] for t in triples]
+
+    def use_device_steps(self, opt: "OptirsOptimizer") -> None:
+        """Move the step count to the device (once; it stays there for this bucket's life)."""
+        if self.device_steps:
+            return
+        self.backend.hook("capturable", "optirs_capturable_step")  # raises, naming the backend, without it
+        steps = self.steps.to(self.device) if self.steps.device != self.device else self.steps
+        self.steps = steps
+        self.step_views = [steps[i] for i in range(len(self.params))]
+        if self.has_step:
+            for entry, view in zip(self.entries, self.step_views):
+                entry["step"] = view
+        self._checks()
+        fields = self.definition.scalars_type._fields
+        self.record = torch.zeros(len(fields), dtype=torch.float32, device=self.device)  # written on the device
+        self.type_record: Any = None  # a host record of the family: its type only (the hook reads the device one)
+        self.lr_buffer: Optional[torch.Tensor] = None
+        self.device_steps = True
 
     def intact(self, opt: "OptirsOptimizer") -> bool:
         """Whether opt.state still holds this bucket's views (nothing replaced them)."""
+        # (the parameters' memory is checked per group by _group_tensors, which drops the
+        # group's buckets when it changes, ``p.data = ...``)
         state = opt.state
-        for p, entry, ptr in zip(self.params, self.entries, self.param_ptrs):
-            if state.get(p) is not entry or p.data_ptr() != ptr:
+        version = getattr(state, "version", None)
+        if version is None or version != self.version or state is not self.state_seen:
+            # something set or removed entries (or replaced opt.state): look at ours one by one
+            if not all(map(operator.is_, map(state.get, self.params), self.entries)):
                 return False
-        for i, entry in enumerate(self.entries):
-            for k, views in self.views.items():
-                v = views[i]
-                if v is not None and entry.get(k) is not v:
-                    return False
-            if self.has_step and entry.get("step") is not self.step_views[i]:
-                return False
-        return True
+            self.state_seen, self.version = state, version
+        return all(map(operator.is_, map(dict.get, self._check_entries, self._check_keys), self._check_values))
 
     def grad_arrays(self, grads: List[torch.Tensor]):
         """The gradients as the backend reads them: the tensors themselves (maximize and the
-        GradScaler's unscale are the scalars' ``grad_factor``, applied inside the step)."""
-        return [_host_array(self.backend, g) for g in grads]
+        GradScaler's unscale are the scalars' ``grad_factor``, applied inside the step).
+
+        The same gradient tensors with the same memory as the last step
+        (``zero_grad(set_to_none=False)``) give the same list, so the backend's caches of it hit
+        (the backends keep the latest list alive anyway)."""
+        if len(grads) == len(self._grads) and all(map(operator.is_, grads, self._grads)):
+            ptrs = tuple(map(torch.Tensor.data_ptr, grads))
+            if ptrs == self._gptrs:
+                return self._garrays
+        else:
+            ptrs = tuple(map(torch.Tensor.data_ptr, grads))
+        if grads and grads[0].is_cpu:
+            self._garrays = [(g.detach() if g.requires_grad else g).numpy() for g in grads]
+        else:  # device tensors as they are (a detach per tensor costs more than the rest of the step)
+            self._garrays = [g.detach() if g.requires_grad else g for g in grads]
+        self._grads, self._gptrs = list(grads), ptrs
+        return self._garrays
 
 
 def _storage(precision: Any, params: List[torch.Tensor], definition: OptimizerDefinition):
@@ -203,16 +301,18 @@ def _storage(precision: Any, params: List[torch.Tensor], definition: OptimizerDe
     return None if fmt.plain else fmt
 
 
-def _check_flags(group: Dict[str, Any]) -> None:
+def _check_flags(group: Dict[str, Any], capturable_ok: bool = False) -> None:
+    """``differentiable`` is never honoured; ``capturable`` only where the caller can (the
+    optirs.torch optimizers on elementwise definitions; not CPUOffload, whose step is on the host)."""
     if group.get("differentiable", False):
         raise UnsupportedOperationError(
             "differentiable=True, expected False: optirs steps parameters in place in its own kernels, "
             "outside autograd"
         )
-    if group.get("capturable", False):
+    if group.get("capturable", False) and not capturable_ok:
         raise UnsupportedOperationError(
-            "capturable=True, expected False: CUDA-graph capture (step count and lr on the device) "
-            "is not available in optirs.torch yet"
+            "capturable=True, expected False: this optimizer steps on the host, so it cannot keep its step "
+            "count and learning rate on the device for CUDA-graph capture"
         )
 
 
@@ -250,6 +350,11 @@ class OptirsOptimizer(torch.optim.Optimizer):
         self._backend_options = dict(backend_options or {})
         self._backends: Dict[str, Any] = {}
         self._buckets: Dict[tuple, Tuple[tuple, List[_Bucket]]] = {}
+        # per-step work done once: each group's checked hyperparameters (keyed by their values),
+        # its parameters' checks (keyed by the list and their memory), formats per dtype
+        self._plans: Dict[int, tuple] = {}
+        self._groups: Dict[int, tuple] = {}
+        self._formats: Dict[tuple, Any] = {}
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------ hyperparameters
@@ -264,6 +369,12 @@ class OptirsOptimizer(torch.optim.Optimizer):
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise InvalidParameterError(f"{key} is a tensor of {value.numel()} elements, expected 1 element")
+            if key == "lr" and group.get("capturable", False):
+                # capturable: the step reads the tensor on the device (a host read would
+                # synchronise, and is refused under capture); the record's lr is a placeholder.
+                if not value.is_floating_point():
+                    raise InvalidParameterError(f"lr is a {value.dtype} tensor, expected a floating-point tensor")
+                return 0.0
             return float(value.item())
         return value
 
@@ -274,12 +385,30 @@ class OptirsOptimizer(torch.optim.Optimizer):
             raise InvalidParameterError(f"{key}={value!r}, expected a pair of floats")
         return tuple(float(v.item()) if isinstance(v, torch.Tensor) else v for v in value)  # type: ignore[return-value]
 
+    def _check_group(self, group: Dict[str, Any]):
+        """(definition, hp, slots, precision) of a group, checked (the flags, the hyperparameters,
+        capturable on an elementwise definition without a compact format)."""
+        capturable = bool(group.get("capturable", False))
+        _check_flags(group, capturable_ok=True)
+        name, hp = self._hyperparameters(group)
+        definition = DEFINITIONS[name]
+        precision = self._precision(group)
+        if capturable:
+            if name not in FORMULAS:
+                raise UnsupportedOperationError(
+                    f"capturable=True for {type(self).__name__}, expected False: its step ({name}) needs per-tensor "
+                    "reductions between passes, so its scalars cannot be computed on the device; capturable steps "
+                    f"exist for {sorted(FORMULAS)}")
+            if precision.state_dtype != "float32":
+                raise UnsupportedOperationError(
+                    f"capturable=True with state_dtype={precision.state_dtype!r}, expected 'float32': capturable "
+                    "steps run float32 parameters and state")
+        return definition, hp, definition.state_slots(hp), precision
+
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         # Check the group's hyperparameters before torch adds it, so a bad group changes nothing.
         probe = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        _check_flags(probe)
-        self._hyperparameters(probe)
-        self._precision(probe)
+        self._check_group(probe)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -296,6 +425,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
                     if k != "step" and isinstance(v, torch.Tensor):
                         self.state[p][k] = v.detach().to(device=p.device).clone()
         self._buckets.clear()  # the next step copies the loaded state into fresh flat buffers
+        self._groups.clear()
 
     # ------------------------------------------------------------ the step
 
@@ -318,15 +448,23 @@ class OptirsOptimizer(torch.optim.Optimizer):
 
     def _buckets_for(self, key: tuple, params: List[torch.Tensor], definition: OptimizerDefinition,
                      slots: Dict[str, float], fmt: Optional[Any] = None, hp: Any = None,
-                     seed: int = 0) -> List[_Bucket]:
+                     seed: int = 0, capturable: bool = False) -> List[_Bucket]:
         ids = tuple(map(id, params))
         hit = self._buckets.get(key)
         if hit is not None and hit[0] == ids:
             buckets = hit[1]
             if all(b.definition is definition and b.slots == slots and getattr(b, "storage", None) == fmt
-                   and getattr(b, "seed", seed) == seed and b.intact(self) for b in buckets):
+                   and getattr(b, "seed", seed) == seed and (not capturable or b.device_steps)
+                   and b.intact(self) for b in buckets):
                 return buckets
+        if type(self.state) is not _TrackedState:
+            self.state = _TrackedState(self.state)  # (load_state_dict gives torch's plain one)
         backend = self._backend_for(params[0].device)
+        if capturable and not backend.supports("capturable"):
+            raise UnsupportedOperationError(
+                f"capturable=True on {params[0].device.type} tensors, expected tensors on a device whose backend has "
+                f"the 'capturable' capability (CUDA tensors on the cuda backend): backend {backend.name!r} implements "
+                f"{sorted(backend.capabilities)}. torch's capturable optimizers refuse CPU tensors too")
         by_step: Dict[int, List[torch.Tensor]] = {}
         for p in params:
             by_step.setdefault(self._param_step(p), []).append(p)
@@ -337,36 +475,68 @@ class OptirsOptimizer(torch.optim.Optimizer):
                        for step, ps in sorted(by_step.items())]
             self._buckets[key] = (ids, buckets)
             return buckets
-        buckets = [_Bucket(self, definition, backend, ps, slots, step) for step, ps in sorted(by_step.items())]
+        buckets = [_Bucket(self, definition, backend, ps, slots, step, device_steps=capturable)
+                   for step, ps in sorted(by_step.items())]
         self._buckets[key] = (ids, buckets)
         return buckets
 
+    def _bad_tensor(self, gi: int, j: int, p: torch.Tensor, g: torch.Tensor) -> None:
+        """The error of a parameter / gradient the step cannot take (the fast check found one)."""
+        if g.is_sparse:
+            raise UnsupportedOperationError(
+                f"param_groups[{gi}]['params'][{j}] has a sparse gradient, expected a dense one: "
+                "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients"
+            )
+        if p.dtype not in PARAM_DTYPES or g.dtype not in (p.dtype, STATE_DTYPE):
+            raise UnsupportedOperationError(
+                f"param_groups[{gi}]['params'][{j}] is {p.dtype} with a {g.dtype} gradient, expected "
+                "torch.float32, bfloat16 or float16 parameters with gradients of their dtype or float32"
+            )
+        if not p.is_contiguous() or not g.is_contiguous():
+            raise ShapeMismatchError(
+                f"param_groups[{gi}]['params'][{j}] or its gradient is not contiguous, expected contiguous tensors"
+            )
+        if g.shape != p.shape or g.device != p.device:
+            raise ShapeMismatchError(
+                f"param_groups[{gi}]['params'][{j}] has shape {tuple(p.shape)} on {p.device}, but its "
+                f"gradient {tuple(g.shape)} on {g.device}; expected the same"
+            )
+
     def _group_tensors(self, gi: int, group: Dict[str, Any]) -> Dict[tuple, List[torch.Tensor]]:
+        """The group's parameters with a gradient, per (group, device, dtype), every one checked.
+
+        The parameters' part (dtype, device, contiguity) is checked once per list of parameters
+        and memory (their data_ptr); the gradients are new tensors every step under
+        ``zero_grad(set_to_none=True)``, so theirs is checked every step, in one tight loop (torch
+        itself guarantees that an assigned gradient has its parameter's shape and device)."""
+        params = group["params"]
+        grads = [p.grad for p in params]
+        ptrs = tuple(map(torch.Tensor.data_ptr, params))
+        cached = self._groups.get(gi)
+        if cached is None or cached[0] != ptrs or cached[1] is not params or len(cached[2]) != len(params):
+            keys = []
+            for j, p in enumerate(params):
+                if p.dtype not in PARAM_DTYPES or not p.is_contiguous():
+                    keys.append(None)  # checked with its gradient below (a parameter without one is skipped)
+                else:
+                    keys.append((gi, str(p.device), p.dtype))
+            cached = self._groups[gi] = (ptrs, params, keys)
+            # the group's buckets were built on the old memory: intact() then need not re-read it
+            for k in [k for k in self._buckets if k[0] == gi]:
+                del self._buckets[k]
+        keys = cached[2]
         out: Dict[tuple, List[torch.Tensor]] = {}
-        for j, p in enumerate(group["params"]):
-            g = p.grad
+        for j, (p, g, key) in enumerate(zip(params, grads, keys)):
             if g is None:
                 continue
-            if g.is_sparse:
-                raise UnsupportedOperationError(
-                    f"param_groups[{gi}]['params'][{j}] has a sparse gradient, expected a dense one: "
-                    "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients"
-                )
-            if p.dtype not in PARAM_DTYPES or g.dtype not in (p.dtype, STATE_DTYPE):
-                raise UnsupportedOperationError(
-                    f"param_groups[{gi}]['params'][{j}] is {p.dtype} with a {g.dtype} gradient, expected "
-                    "torch.float32, bfloat16 or float16 parameters with gradients of their dtype or float32"
-                )
-            if not p.is_contiguous() or not g.is_contiguous():
-                raise ShapeMismatchError(
-                    f"param_groups[{gi}]['params'][{j}] or its gradient is not contiguous, expected contiguous tensors"
-                )
-            if g.shape != p.shape or g.device != p.device:
-                raise ShapeMismatchError(
-                    f"param_groups[{gi}]['params'][{j}] has shape {tuple(p.shape)} on {p.device}, but its "
-                    f"gradient {tuple(g.shape)} on {g.device}; expected the same"
-                )
-            out.setdefault((gi, str(p.device), p.dtype), []).append(p)
+            # (a sparse gradient is not contiguous: _bad_tensor names it)
+            if key is None or not g.is_contiguous() or (g.dtype is not key[2] and g.dtype is not STATE_DTYPE):
+                self._bad_tensor(gi, j, p, g)
+            bucket = out.get(key)
+            if bucket is None:
+                out[key] = [p]
+            else:
+                bucket.append(p)
         return out
 
     def _grad_factor(self, group: Dict[str, Any], inv_scale: Optional[float]) -> float:
@@ -376,6 +546,27 @@ class OptirsOptimizer(torch.optim.Optimizer):
         return -factor if negate else factor
 
     _native_maximize = False
+
+    def _plan(self, gi: int, group: Dict[str, Any]):
+        """(definition, hp, slots, precision) of a group, cached on its hyperparameters' values
+        (the record is rebuilt, and checked, whenever a scheduler or the user changes one)."""
+        items = []
+        for k, v in group.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                # a tensor's value is read each step (capturable lr: on the device, not here)
+                v = ("tensor", id(v)) if k == "lr" and group.get("capturable", False) else ("tensor", self._scalar(group, k) if v.numel() == 1 else id(v))
+            elif isinstance(v, (list, tuple)):
+                v = tuple(float(x.item()) if isinstance(x, torch.Tensor) else x for x in v)
+            items.append((k, v))
+        sig = tuple(items)
+        cached = self._plans.get(gi)
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        plan = self._check_group(group)
+        self._plans[gi] = (sig, plan)
+        return plan
 
     # Under torch.compile the step is a graph break: dynamo runs it eagerly rather than tracing
     # into the launch (and into numba's compiler on a first call).
@@ -388,7 +579,9 @@ class OptirsOptimizer(torch.optim.Optimizer):
         ``grad_scale`` / ``found_inf`` (or the attributes of the same names that
         ``torch.amp.GradScaler`` sets on optimizers with ``_step_supports_amp_scaling``): the
         gradients are unscaled by ``1 / grad_scale`` and nothing changes when ``found_inf`` is
-        non-zero (the step count does not advance either), as torch's fused optimizers do.
+        non-zero (the step count does not advance either), as torch's fused optimizers do. On a
+        device whose backend has the ``capturable`` capability both stay on the device (no host
+        synchronisation); on the CPU they are read on the host (free there).
         """
         loss = None
         if closure is not None:
@@ -398,30 +591,57 @@ class OptirsOptimizer(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) != 0.0:
-            return loss
-        inv_scale = None
-        if grad_scale is not None:
-            scale = float(grad_scale)
-            if not (scale > 0.0 and np.isfinite(scale)):
-                raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
-            inv_scale = 1.0 / scale
+        amp = grad_scale is not None or found_inf is not None
         # Check every group first, so a bad one leaves every parameter and state as it was.
         plans = []
         for gi, group in enumerate(self.param_groups):
-            _check_flags(group)
-            name, hp = self._hyperparameters(group)
-            definition = DEFINITIONS[name]
-            slots = definition.state_slots(hp)
-            precision = self._precision(group)
+            definition, hp, slots, precision = self._plan(gi, group)
+            capturable = bool(group.get("capturable", False))
             for key, params in self._group_tensors(gi, group).items():
-                fmt = _storage(precision, params, definition)
-                plans.append((key, params, definition, hp, slots, self._grad_factor(group, inv_scale), fmt,
-                              precision.seed))
-        for key, params, definition, hp, slots, factor, fmt, seed in plans:
-            for bucket in self._buckets_for(key, params, definition, slots, fmt, hp, seed):
-                self._launch(bucket, hp, factor)
+                fmt = self._storage(precision, params, definition)
+                if capturable and fmt is not None:
+                    raise UnsupportedOperationError(
+                        f"capturable=True on {key[2]} parameters, expected float32 ones: capturable steps run float32 "
+                        "parameters and state")
+                plans.append((key, params, definition, hp, slots, group, fmt, precision.seed, capturable))
+        launches = []
+        host_amp = False
+        for key, params, definition, hp, slots, group, fmt, seed, capturable in plans:
+            for bucket in self._buckets_for(key, params, definition, slots, fmt, hp, seed, capturable):
+                if amp and fmt is None and not bucket.device_steps and self._device_amp(bucket, definition):
+                    bucket.use_device_steps(self)
+                device = fmt is None and bucket.device_steps
+                host_amp |= amp and not device
+                launches.append((bucket, hp, group, device))
+        inv_scale = None
+        if host_amp:
+            # Buckets that step with host scalars read the AMP tensors on the host (free on the CPU).
+            if found_inf is not None and float(found_inf) != 0.0:
+                launches = [t for t in launches if t[3]]
+            if grad_scale is not None:
+                scale = float(grad_scale)
+                if not (scale > 0.0 and np.isfinite(scale)):
+                    raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
+                inv_scale = 1.0 / scale
+        for bucket, hp, group, device in launches:
+            if device:
+                self._launch_device(bucket, hp, group, grad_scale, found_inf)
+            else:
+                self._launch(bucket, hp, self._grad_factor(group, inv_scale))
         return loss
+
+    def _storage(self, precision: Any, params: List[torch.Tensor], definition: OptimizerDefinition):
+        key = (precision, params[0].dtype, definition.name)
+        hit = self._formats.get(key, self)
+        if hit is self:
+            hit = self._formats[key] = _storage(precision, params, definition)
+        return hit
+
+    def _device_amp(self, bucket: _Bucket, definition: OptimizerDefinition) -> bool:
+        """Whether the GradScaler's tensors can stay on the device for this bucket: a non-CPU
+        bucket of an elementwise definition on a backend with the ``capturable`` capability."""
+        return (not bucket.params[0].is_cpu and definition.name in FORMULAS
+                and bucket.backend.supports("capturable"))
 
     # ------------------------------------------------------------ formats
 
@@ -449,3 +669,36 @@ class OptirsOptimizer(torch.optim.Optimizer):
         bucket.step += 1
         if bucket.has_step:
             bucket.steps.fill_(float(bucket.step))
+
+    @staticmethod
+    def _on_device(t: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+        """A one-element float32 tensor on ``device`` with ``t``'s value: ``t`` itself where it is
+        one (read in place, so a change between CUDA-graph replays takes effect), else a copy
+        made on the stream (eager steps; under capture keep such tensors on the device)."""
+        if t.numel() != 1:
+            raise InvalidParameterError(f"{what} is a tensor of {t.numel()} elements, expected 1 element")
+        t = t.detach()
+        if t.dtype is STATE_DTYPE and t.device == device:
+            return t
+        return t.to(device=device, dtype=STATE_DTYPE).reshape(1)
+
+    def _launch_device(self, bucket: _Bucket, hp: Any, group: Dict[str, Any], grad_scale: Optional[torch.Tensor],
+                       found_inf: Optional[torch.Tensor]) -> None:
+        """The backend's capturable pair: the scalars record computed on the device from the
+        device step count, the lr (a float, or a tensor read at every step) and the gradient factor
+        (maximize's sign over grad_scale), then the step reading it; found_inf skips both on the device."""
+        definition, device = bucket.definition, bucket.device
+        lr = group["lr"]
+        lr_in = self._on_device(lr, device, "lr") if isinstance(lr, torch.Tensor) else float(lr)
+        sign = -1.0 if bool(group.get("maximize", False)) and not self._native_maximize else 1.0
+        inputs = DeviceStepInputs(
+            steps=bucket.steps, record=bucket.record, constants=FORMULAS[definition.name].constants(hp), lr=lr_in,
+            sign=sign, grad_scale=None if grad_scale is None else self._on_device(grad_scale, device, "grad_scale"),
+            found_inf=None if found_inf is None else self._on_device(found_inf, device, "found_inf"))
+        if bucket.type_record is None:
+            bucket.type_record = definition.scalars(hp, 1)
+        grads = [g.detach() if g.requires_grad else g for g in (p.grad for p in bucket.params)]
+        backend = bucket.backend
+        backend.hook("capturable", "optirs_capturable_step")(
+            backend.ctx, definition.name, bucket.param_arrays, grads, bucket.flat, bucket.layout, bucket.type_record,
+            inputs)

@@ -1,8 +1,9 @@
 """Bridges between the seed API (``optirs.GpuAdam`` ...) and torch.
 
 - :func:`portable_state_dict`: a seed optimizer's ``state_dict()`` with its numpy arrays as torch
-  tensors, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it; the seed's
-  ``load_state_dict`` takes it back as it is (it reads every array through ``numpy.asarray``).
+  tensors, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it (what
+  ``state_dict(portable=True)`` returns); the seed's ``load_state_dict`` takes it back as it is
+  (it converts torch tensors back to numpy exactly, bfloat16 included).
 - :func:`host_arrays`: torch CPU tensors as numpy views of the same memory (zero copy), torch
   CUDA tensors detached (they export ``__cuda_array_interface__``), anything else unchanged:
   what the seed API's ``step_gpu`` accepts.

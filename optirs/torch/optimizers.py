@@ -2,8 +2,10 @@
 
 Each class takes torch 2.13's arguments (names, defaults, keyword-only parts) plus
 ``backend="auto"`` and ``backend_options``. What optirs cannot honour raises instead of being
-ignored: ``differentiable=True``, ``foreach=True``, ``fused=False``, ``capturable=True`` (the GPU
-part), sparse gradients. Every optimizer but Adafactor also takes the step-format keywords
+ignored: ``differentiable=True``, ``foreach=True``, ``fused=False``, sparse gradients, and
+``capturable=True`` where it cannot hold (tensors on a backend without the ``capturable``
+capability, such as CPU tensors, as torch; Lamb and Adafactor, whose steps are not elementwise).
+``capturable=True`` keeps the step count on the device and reads a tensor lr there (CUDA graphs). Every optimizer but Adafactor also takes the step-format keywords
 ``master_weights=None``, ``state_dtype="float32"``, ``stochastic_rounding=False``, ``seed=0``
 (docs/formats.md): bfloat16 and float16 parameters are stepped through the backend's
 ``formats`` capability.
@@ -152,12 +154,12 @@ class Lamb(OptirsOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, *,
                  bias_correction: bool = True, max_trust_ratio: Optional[float] = None,
                  max_grad_norm: Optional[float] = None, maximize: bool = False, foreach: Optional[bool] = None,
-                 fused: Optional[bool] = None, master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 fused: Optional[bool] = None, capturable: bool = False, master_weights: Optional[str] = None, state_dtype: str = "float32",
                  stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         max_trust_ratio=max_trust_ratio, max_grad_norm=max_grad_norm, maximize=maximize,
-                        foreach=foreach, fused=fused)
+                        foreach=foreach, fused=fused, capturable=capturable)  # capturable=True: refused (norms)
         defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
 
@@ -172,10 +174,12 @@ class Lion(OptirsOptimizer):
     """Lion as the lion-pytorch package (``Lion(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0)``)."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize: bool = False,
-                 foreach: Optional[bool] = None, fused: Optional[bool] = None, master_weights: Optional[str] = None, state_dtype: str = "float32",
+                 foreach: Optional[bool] = None, fused: Optional[bool] = None, capturable: bool = False,
+                 master_weights: Optional[str] = None, state_dtype: str = "float32",
                  stochastic_rounding: bool = False, seed: int = 0, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None):
-        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach, fused=fused)
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach, fused=fused,
+                        capturable=capturable)
         defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
 

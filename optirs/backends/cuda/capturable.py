@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from optirs.backends.cuda import _head_types, device_address
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
@@ -27,6 +29,16 @@ def _address(array: Any, what: str) -> int:
     if addr is None:
         raise InvalidParameterError(f"{what} is a {type(array).__name__}, expected a CUDA device array or None")
     return int(addr)
+
+
+def _is_device_array(a: Any) -> bool:
+    """A device array (by type, cheaply: no __cuda_array_interface__ dict is built per step)."""
+    if isinstance(a, np.ndarray):
+        return False
+    is_cpu = getattr(a, "is_cpu", None)  # torch tensors
+    if is_cpu is not None:
+        return not is_cpu
+    return device_address(a) is not None
 
 
 class CudaCapturable:
@@ -42,9 +54,13 @@ class CudaCapturable:
             raise UnsupportedOperationError(
                 f"optimizer {optimizer!r} has no device-side scalars, expected an elementwise optimizer "
                 f"({sorted(ctx.kernels.SCALARS_FUNCTIONS)}): its step needs per-tensor reductions between passes")
-        if any(not hasattr(a, "__cuda_array_interface__") and not hasattr(a, "device_ctypes_pointer")
-               for a in list(params) + list(grads)):
-            raise InvalidParameterError("a capturable step takes device arrays only (CUDA tensors), not host arrays")
+        for what, arrays in (("params", params), ("grads", grads)):
+            for i, a in enumerate(arrays):
+                if not _is_device_array(a):
+                    raise InvalidParameterError(
+                        f"{what}[{i}] is a {type(a).__module__}.{type(a).__qualname__}"
+                        f"{' on the CPU' if getattr(a, 'is_cpu', False) else ''}, expected a CUDA device array: a "
+                        "capturable step takes device arrays only (CUDA tensors), not host arrays")
         handle = ctx.resolve_stream(params[0] if params else None)
         if layout.total == 0:
             return
