@@ -501,9 +501,6 @@ def test_compact_state_resumes_bit_exact(dtype, fmt):
         assert saved["master_remainder"].dtype == torch.int8
 
 
-@pytest.mark.xfail(raises=InvalidParameterError, strict=True,
-                   reason="optirs.torch's load_state_dict leaves torch's float32 cast of compact state on float32 "
-                          "parameters (its restore skips float32 parameters); CPUOffload restores it itself")
 def test_offload_int8_checkpoint_continues_in_the_plain_optimizer():
     fmt = {"state_dtype": "int8"}
     model = make_wide(torch.float32)

@@ -413,16 +413,19 @@ class OptirsOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        # torch casts floating-point state to its parameter's dtype; the masters and compact state
-        # of 16-bit parameters keep their own (float32 masters and scales, bfloat16 moments).
+        # torch casts every state tensor but "step" to its floating-point parameter's dtype; the
+        # masters and compact state keep their own: of 16-bit parameters everything (float32
+        # masters and scales, bfloat16 moments, int8 codes), of float32 parameters the bfloat16
+        # and integer tensors (a float64 value in a checkpoint is meant to arrive as float32).
         saved = state_dict.get("state", {})
         for saved_group, group in zip(state_dict.get("param_groups", []), self.param_groups):
             for index, p in zip(saved_group.get("params", []), group["params"]):
                 entry = saved.get(index)
-                if p.dtype == STATE_DTYPE or entry is None or p not in self.state:
+                if entry is None or p not in self.state:
                     continue
                 for k, v in entry.items():
-                    if k != "step" and isinstance(v, torch.Tensor):
+                    if k != "step" and isinstance(v, torch.Tensor) and (
+                            p.dtype != STATE_DTYPE or v.dtype == torch.bfloat16 or not v.is_floating_point()):
                         self.state[p][k] = v.detach().to(device=p.device).clone()
         self._buckets.clear()  # the next step copies the loaded state into fresh flat buffers
         self._groups.clear()
