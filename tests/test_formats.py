@@ -475,15 +475,24 @@ def test_same_math_is_bit_exact(backend, family, master, rng):
         host = run.host_state()
         want_bits = [R.nearest16(p, "bfloat16").reshape(p.shape) if master != "remainder16" else
                      R.remainder16_split(p.reshape(-1))[0].reshape(p.shape) for p in p32]
+        # cuda LAMB: the per-tensor float64 sums are atomics added in launch order (the float32
+        # step's too), so a trust ratio, and with it a parameter, may differ by one float32 ulp
+        ulps = 1 if (backend == "cuda" and family == "lamb") else 0
         for t in range(len(params)):
-            assert np.array_equal(params[t], want_bits[t]), f"{family} {master} step {k}: params[{t}]"
+            assert _ulps(params[t], want_bits[t]) <= ulps, f"{family} {master} step {k}: params[{t}]"
+        dense = np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32)
         if master == "float32":
-            assert np.array_equal(host["master"].view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+            assert _ulps(host["master"].view(np.uint32), dense) <= ulps
         if master == "remainder16":
             joined = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
-            assert np.array_equal(joined.view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+            assert _ulps(joined.view(np.uint32), dense) <= ulps
         for s in run.fs.slot_names:
             assert np.array_equal(host[s].view(np.uint32), from_backend_array(dense_state[s]).view(np.uint32)), s
+
+
+def _ulps(a, b):
+    """The largest distance in units of the last place between same-signed bit patterns (uint16 / uint32)."""
+    return int(np.abs(a.astype(np.int64) - b.astype(np.int64)).max(initial=0))
 
 
 def test_small_tensors_keep_float32_state(backend, rng):
