@@ -145,6 +145,22 @@ def _make_pointwise(fc, used, fresh):
             _word_out(v1, i, skind, u1, x1, k1, idx)
             _word_out(v2, i, skind, u2, x2, k2, idx)
 
+    @njit(cache=True, error_model="numpy")
+    def _run_codes(p, g, mb, v0, v1, v2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o):
+        # one int8 block, every array sliced to it (one index for all, as _run_words)
+        for i in range(p.shape[0]):
+            x0 = q0[v0[i]] * s0 if u0 else np.float32(0)
+            x1 = q1[v1[i]] * s1 if u1 else np.float32(0)
+            x2 = q2[v2[i]] * s2 if u2 else np.float32(0)
+            pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, has_master), np.uint32(g[i]),
+                                                x0, x1, x2, sc, fc, fresh, keyp, o + i)
+            p[i] = pw
+            if has_master:
+                mb[i] = mw
+            a0[i] = x0
+            a1[i] = x1
+            a2[i] = x2
+
     def chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, off, blk0, so,
               s, e, sc, keyp, k0, k1, k2):
         if not int8 or so >= 0:
@@ -175,19 +191,9 @@ def _make_pointwise(fc, used, fresh):
             s0 = c0[blk] if u0 else np.float32(0)
             s1 = c1[blk] if u1 else np.float32(0)
             s2 = c2[blk] if u2 else np.float32(0)
-            for i in range(n):
-                idx = o + i
-                x0 = q0[w0[idx]] * s0 if u0 else np.float32(0)
-                x1 = q1[w1[idx]] * s1 if u1 else np.float32(0)
-                x2 = q2[w2[idx]] * s2 if u2 else np.float32(0)
-                pw, mw, x0, x1, x2 = format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, has_master),
-                                                    np.uint32(g[b + i]), x0, x1, x2, sc, fc, fresh, keyp, idx)
-                p[b + i] = pw
-                if has_master:
-                    mbuf[idx] = mw
-                a0[i] = x0
-                a1[i] = x1
-                a2[i] = x2
+            mb = mbuf[o : o + n] if has_master else mbuf
+            _run_codes(p[b : b + n], g[b : b + n], mb, w0[o : o + n] if u0 else w0, w1[o : o + n] if u1 else w1,
+                       w2[o : o + n] if u2 else w2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o)
             if u0:
                 _store_codes(w0, c0, d0, t0, blk, o, n, a0)
             if u1:
