@@ -476,22 +476,27 @@ def test_same_math_is_bit_exact(backend, family, master, rng):
         want_bits = [R.nearest16(p, "bfloat16").reshape(p.shape) if master != "remainder16" else
                      R.remainder16_split(p.reshape(-1))[0].reshape(p.shape) for p in p32]
         # cuda LAMB: the per-tensor float64 sums are atomics added in launch order (the float32
-        # step's too), so a trust ratio, and with it a parameter, may differ by one float32 ulp
+        # step's too), so a trust ratio may differ by one float32 ulp, and each update lr * ratio * u
+        # by its own float32 rounding: a master within that of the largest one, a bfloat16 step
         ulps = 1 if (backend == "cuda" and family == "lamb") else 0
         for t in range(len(params)):
             assert _ulps(params[t], want_bits[t]) <= ulps, f"{family} {master} step {k}: params[{t}]"
-        dense = np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32)
+        dense = np.concatenate([p.reshape(-1) for p in p32])
+        got_master = None
         if master == "float32":
-            assert _ulps(host["master"].view(np.uint32), dense) <= ulps
+            got_master = host["master"]
         if master == "remainder16":
-            joined = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
-            assert _ulps(joined.view(np.uint32), dense) <= ulps
+            got_master = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
+        if got_master is not None and ulps:
+            assert np.allclose(got_master, dense, rtol=2.0**-22, atol=2.0**-22 * np.abs(dense).max())
+        elif got_master is not None:
+            assert np.array_equal(got_master.view(np.uint32), dense.view(np.uint32))
         for s in run.fs.slot_names:
             assert np.array_equal(host[s].view(np.uint32), from_backend_array(dense_state[s]).view(np.uint32)), s
 
 
 def _ulps(a, b):
-    """The largest distance in units of the last place between same-signed bit patterns (uint16 / uint32)."""
+    """The largest distance in units of the last place between same-signed bit patterns (uint16)."""
     return int(np.abs(a.astype(np.int64) - b.astype(np.int64)).max(initial=0))
 
 
