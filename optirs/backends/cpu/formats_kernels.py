@@ -1,12 +1,14 @@
 """The cpu backend's format loops (imported on the first format step: this imports numba).
 
 One ``prange`` over the chunk table per pass. Chunks start at multiples of the chunk size inside
-each tensor, a multiple of the int8 block (256), so every block lies in one chunk: a chunk walks
-its blocks, decodes each block's state slots into float32 scratch, runs the shared format element
-step (:func:`optirs.backends.common.formats.format_element`) on every element, and encodes the
-block back (an int8 block's scale is the absmax of its new values). Every word array is passed
-with the dtype it has (float32 buffers as uint32 views); numba compiles one loop per combination
-and caches it on disk. The format codes ``fc`` are uniform over the launch.
+each tensor, a multiple of the int8 block (256), so every block lies in one chunk. Each loop is
+compiled per format (:class:`~optirs.core.formats.FormatCodes`, used slots, first step): the
+codes are constants of the closure, so the branches of the shared element step
+(:func:`optirs.backends.common.formats.format_element`) fold away. float32 / bfloat16 state is
+decoded and encoded inside the element loop over arrays sliced to the chunk; int8 blocks keep
+their new values in scratch until the block's scale (the absmax of its new values) is known.
+State arrays come with their own dtype (float32 values, bfloat16 bits, int8 codes); numba caches
+every loop on disk.
 """
 
 from __future__ import annotations
