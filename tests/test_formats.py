@@ -480,7 +480,7 @@ def test_same_math_is_bit_exact(backend, family, master, rng):
         # by its own float32 rounding: a master within that of the largest one, a bfloat16 step
         ulps = 1 if (backend == "cuda" and family == "lamb") else 0
         for t in range(len(params)):
-            assert _ulps(params[t], want_bits[t]) <= ulps, f"{family} {master} step {k}: params[{t}]"
+            assert _max_ulps16(params[t], want_bits[t]) <= ulps, f"{family} {master} step {k}: params[{t}]"
         dense = np.concatenate([p.reshape(-1) for p in p32])
         got_master = None
         if master == "float32":
@@ -495,7 +495,7 @@ def test_same_math_is_bit_exact(backend, family, master, rng):
             assert np.array_equal(host[s].view(np.uint32), from_backend_array(dense_state[s]).view(np.uint32)), s
 
 
-def _ulps(a, b):
+def _max_ulps16(a, b):
     """The largest distance in units of the last place between same-signed bit patterns (uint16)."""
     return int(np.abs(a.astype(np.int64) - b.astype(np.int64)).max(initial=0))
 

@@ -74,14 +74,31 @@ def bits_f32(u):
 
 _bf16_encode = _jit(half.bf16_encode)
 _f16_encode = _jit(half.f16_encode)
-_f16_decode = _jit(half.f16_decode)
+_F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
+
+
+@_jit
+def _f16_decode(h):
+    """float16 bits -> float32, as :func:`optirs.backends.common.half.f16_decode` (NaN -> the quiet NaN
+    with h's sign), from bit operations: no scale table, whose lane-divergent reads the GPU serialises."""
+    h = _U(h) & _MASK16
+    sign = (h & _U(0x8000)) << _S16
+    e = (h >> _U(10)) & _U(0x1F)
+    m = h & _U(0x3FF)
+    if e == _U(0x1F):
+        return bits_f32(sign | (_U(0x7F800000) if m == _U(0) else _U(0x7FC00000)))
+    if e == _U(0):
+        v = np.float32(m) * _F16_SUB
+        return -v if sign != _U(0) else v
+    return bits_f32(sign | ((e + _U(112)) << _U(23)) | (m << _U(13)))
 
 
 @_jit
 def _bf16_decode(h):
     """bfloat16 bits -> float32, as :func:`optirs.backends.common.half.bf16_decode` (NaN -> the quiet
     NaN with h's sign): the bits shifted up, which is the exact value for every other input. Bit
-    operations only: the scale-table form kept numba's CPU loops from vectorizing (measured 15x)."""
+    operations only: the scale-table form's lane-divergent reads are serialised on a GPU (the
+    old kernels' ld.const)."""
     u = (_U(h) & _MASK16) << _S16
     if (u & _U(0x7FFFFFFF)) > _U(0x7F800000):
         u = (u & _U(0x80000000)) | _U(0x7FC00000)
