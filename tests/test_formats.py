@@ -475,15 +475,29 @@ def test_same_math_is_bit_exact(backend, family, master, rng):
         host = run.host_state()
         want_bits = [R.nearest16(p, "bfloat16").reshape(p.shape) if master != "remainder16" else
                      R.remainder16_split(p.reshape(-1))[0].reshape(p.shape) for p in p32]
+        # cuda LAMB: the per-tensor float64 sums are atomics added in launch order (the float32
+        # step's too), so a trust ratio may differ by one float32 ulp, and each update lr * ratio * u
+        # by its own float32 rounding: a master within that of the largest one, a bfloat16 step
+        ulps = 1 if (backend == "cuda" and family == "lamb") else 0
         for t in range(len(params)):
-            assert np.array_equal(params[t], want_bits[t]), f"{family} {master} step {k}: params[{t}]"
+            assert _max_ulps16(params[t], want_bits[t]) <= ulps, f"{family} {master} step {k}: params[{t}]"
+        dense = np.concatenate([p.reshape(-1) for p in p32])
+        got_master = None
         if master == "float32":
-            assert np.array_equal(host["master"].view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+            got_master = host["master"]
         if master == "remainder16":
-            joined = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
-            assert np.array_equal(joined.view(np.uint32), np.concatenate([p.reshape(-1) for p in p32]).view(np.uint32))
+            got_master = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
+        if got_master is not None and ulps:
+            assert np.allclose(got_master, dense, rtol=2.0**-22, atol=2.0**-22 * np.abs(dense).max())
+        elif got_master is not None:
+            assert np.array_equal(got_master.view(np.uint32), dense.view(np.uint32))
         for s in run.fs.slot_names:
             assert np.array_equal(host[s].view(np.uint32), from_backend_array(dense_state[s]).view(np.uint32)), s
+
+
+def _max_ulps16(a, b):
+    """The largest distance in units of the last place between same-signed bit patterns (uint16)."""
+    return int(np.abs(a.astype(np.int64) - b.astype(np.int64)).max(initial=0))
 
 
 def test_small_tensors_keep_float32_state(backend, rng):
@@ -611,3 +625,56 @@ def test_bad_inputs_raise_optirs_errors(backend, rng):
     with pytest.raises(UnsupportedOperationError, match="adafactor"):
         b.hook("formats", "optirs_formats_step")(b.ctx, "adafactor", staged.params, staged.grads, run.state, run.layout,
                                                  run.fs, fmt, DEFINITIONS["adafactor"].scalars(P.AdafactorParams(), 1), 0, 1, None)
+
+
+# ---------------------------------------------------------------- the two-lookup quantizer
+
+
+def _quantizer_points(signed):
+    """Every midpoint, one ulp either side of each, every bucket's ends, random values, specials."""
+    mid = F.map_midpoints(signed)
+    edges = (np.arange(0, 0x8000, dtype=np.uint32) << 16)
+    bucket_ends = np.concatenate([edges, edges | 0xFFFF]).view(np.float32)
+    rng = np.random.default_rng(11)
+    return np.concatenate([mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf)),
+                           F.dynamic_map(signed), bucket_ends, -bucket_ends,
+                           rng.uniform(-1.01, 1.01, 1 << 16).astype(np.float32),
+                           np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1, -1], np.float32)]).astype(np.float32)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_bucket_table_quantizer_counts_the_midpoints_exactly(signed):
+    """The numba quantizer (cpu and cuda's shared code) and the table's numpy text against
+    searchsorted over the midpoints, at every point where the count can change."""
+    from numba import njit
+
+    from optirs.backends.common.formats import quantize
+    from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints, quantize_table
+
+    y = _quantizer_points(signed)
+    want = np.searchsorted(F.map_midpoints(signed), y, side="left")
+    want[np.isnan(y)] = 0
+    mid, table = padded_midpoints(signed), bucket_table(signed)
+    assert np.array_equal(quantize_table(y, mid, table), want.astype(np.uint8))
+
+    @njit
+    def codes(y, scale, mid, table):
+        out = np.empty(y.size, np.uint8)
+        for i in range(y.size):
+            out[i] = quantize(y[i] * scale, scale, mid, table)
+        return out
+
+    assert np.array_equal(codes(y, np.float32(1), mid, table), want.astype(np.uint8))
+    zero = np.searchsorted(F.map_midpoints(signed), 0.0, side="left")
+    assert np.all(codes(y[:64], np.float32(0), mid, table) == zero)  # scale 0: every value is code(0)
+
+
+def test_bucket_table_refuses_a_map_too_dense_for_it():
+    from optirs.backends.common.int8_buckets import build_table
+
+    mid = np.sort(np.concatenate([F.map_midpoints(True)[:-1], [np.float32(0.99999)]])).astype(np.float32)
+    mid[-2] = np.nextafter(mid[-1], np.float32(0))  # two midpoints one ulp apart: one bucket
+    with pytest.raises(InvalidParameterError, match="holds 2 midpoints"):
+        build_table(mid)
+    with pytest.raises(InvalidParameterError, match="255 ascending"):
+        build_table(mid[:10])

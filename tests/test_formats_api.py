@@ -277,3 +277,56 @@ def test_mixed_precision_runs_the_fused_format_step(rng):
     before = [p.copy() for p in params]
     assert opt.step_gpu(params, poisoned) is False and opt.step_count == 3
     assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(params, before))
+
+
+# ---------------------------------------------------------------- describe() of torch CUDA bfloat16 tensors
+
+
+def _fake_torch_cuda_bf16(shape, pointer):
+    """An object with a torch CUDA bfloat16 tensor's interface: its __cuda_array_interface__ raises
+    TypeError as torch's does for bfloat16; its int16 view exports the same memory."""
+    torch = pytest.importorskip("torch")
+
+    class View:
+        def __init__(self, dtype):
+            assert dtype is torch.int16
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i2", "data": (pointer, False),
+                                             "strides": None, "version": 3}
+
+    class Tensor:
+        dtype = torch.bfloat16
+        is_cuda = True
+
+        @property
+        def __cuda_array_interface__(self):
+            raise TypeError("Got unsupported ScalarType BFloat16")
+
+        def view(self, dtype):
+            return View(dtype)
+
+    Tensor.__module__ = "torch"
+    return Tensor()
+
+
+def test_describe_takes_torch_cuda_bfloat16_through_its_int16_view():
+    from optirs.core.arrays import describe
+
+    meta = describe(_fake_torch_cuda_bf16((3, 5), 0x10000), "params[0]")
+    assert meta.kind == "cuda" and meta.shape == (3, 5) and meta.contiguous and meta.writeable
+    assert meta.dtype == np.dtype(ml_dtypes.bfloat16)  # the meta keeps bfloat16, not the view's int16
+    assert meta.address == 0x10000 and meta.memory == ("cuda", 0x10000, 0x10000 + 30)
+    from optirs.core.formats import dtype_name
+
+    assert dtype_name(meta.dtype) == "bfloat16"
+
+
+def test_describe_refuses_an_exporter_that_raises_with_optirs_error():
+    from optirs.core.arrays import describe
+
+    class Refuses:
+        @property
+        def __cuda_array_interface__(self):
+            raise TypeError("no typestr for this dtype")
+
+    with pytest.raises(InvalidParameterError, match="refuses __cuda_array_interface__"):
+        describe(Refuses(), "params[0]")

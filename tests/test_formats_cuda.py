@@ -61,7 +61,8 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     d = DEFINITIONS[name]
     sc = d.scalars(d.examples[0], 3)
     table = types.int64[:, ::1]
-    sig = (table, table, table, types.int64, types.float32[:, ::1], types.int64, types.UniTuple(types.int64, 9),
+    sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
+           types.UniTuple(types.int64, 9),
            types.int64, types.int64, types.int64, types.int64, typeof(sc))
     kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots))
     ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
@@ -72,6 +73,37 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     if fmt.state_dtype == "int8":
         assert "shfl.sync.bfly" in ptx  # the block absmax in registers
         assert "ld.global.v2.u32" in ptx  # 8 int8 codes per access
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
+@pytest.mark.parametrize("mode", ["lamb_norms", "lamb_apply"])
+@pytest.mark.parametrize("fmt", [_fmt("bfloat16", "remainder8", "int8"), _fmt("bfloat16", "float32", "float32")],
+                         ids=lambda f: "-".join(map(str, f.codes)))
+def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
+    from numba import cuda, types, typeof
+
+    from optirs.backends.cuda import formats_kernels as fk
+
+    d = DEFINITIONS["lamb"]
+    sc = d.scalars(d.examples[0], 3)
+    table = types.int64[:, ::1]
+    sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
+           types.UniTuple(types.int64, 9), types.int64, types.float64[:, ::1], types.int64, types.int64,
+           types.int64, types.int64, types.int64, typeof(sc))
+    kernel = fk.make_step_kernel("lamb", fmt.codes, tuple(s.signed for s in d.slots), mode)
+    ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
+    assert ".target sm_90" in ptx and "ld.global.v4.u32" in ptx
+    assert ".local" not in ptx, "a lane's 8 elements spilled to local memory"
+    if mode == "lamb_norms":
+        assert "atom.global.add.f64" in ptx and "st.global.v4.u32" not in ptx  # sums only: nothing else written
+    else:
+        assert "st.global.v4.u32" in ptx
+        if fmt.state_dtype == "int8":
+            assert "shfl.sync.bfly" in ptx
+    grad = fk.make_lamb_grad_kernel(fmt.grad_dtype)
+    ptx, _ = cuda.compile_ptx(grad, (table, table, types.int64, types.float64[:, ::1], types.int64, types.int64,
+                                     types.int64, typeof(sc)), cc=(9, 0))
+    assert "atom.global.add.f64" in ptx
 
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
@@ -107,12 +139,12 @@ def _bits(a):
     return a if a.dtype == np.float32 else a.view(np.uint16)
 
 
-def _run(name, fmt, shapes, steps, seed=5, found=None):
+def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False):
     """Steps through the hooks on numpy inputs; returns (params, buffers) after each step beside the
-    reference's from the same inputs."""
+    reference's from the same inputs (``cpu``: beside the cpu backend's hooks' instead)."""
     plugin, ctx, cuda = _cuda()
     d = DEFINITIONS[name]
-    hp = d.examples[0]
+    hp = hp if hp is not None else d.examples[0]
     layout = TensorLayout(shapes)
     fs = FormatState(layout, [s for s in d.slots if s.needed(hp)], fmt)
     host = R.fresh_buffers(fs, d, hp)
@@ -122,10 +154,17 @@ def _run(name, fmt, shapes, steps, seed=5, found=None):
     out = []
     for step in range(1, steps + 1):
         grads = [rng.standard_normal(s).astype(HOST[fmt.grad_dtype]) for s in shapes]
-        want_p, want_b = R.step(d, hp, fs, [_bits(p).copy() for p in params], [_bits(g) for g in grads], host, seed, step)
+        if cpu:
+            want_p, want_b = _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step)
+        else:
+            want_p, want_b = R.step(d, hp, fs, [_bits(p).copy() for p in params], [_bits(g) for g in grads], host,
+                                    seed, step)
+        flag = found[step - 1] if isinstance(found, list) else found
+        if flag is not None and isinstance(found, list):  # a skipped step: the reference is "nothing changes"
+            want_p, want_b = [_bits(p).reshape(-1).copy() for p in params], {k: v.copy() for k, v in host.items()}
         staged = plugin.optirs_formats_stage(ctx, params, grads, fmt)
         plugin.optirs_formats_step(ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt,
-                                   d.scalars(hp, step), seed, step, found)
+                                   d.scalars(hp, step), seed, step, flag)
         staged.finish()
         got_b = {k: state[k].copy_to_host()[: v.size] for k, v in host.items()}
         out.append(([_bits(p).reshape(-1).copy() for p in params], got_b, [np.asarray(w).reshape(-1) for w in want_p],
@@ -134,13 +173,29 @@ def _run(name, fmt, shapes, steps, seed=5, found=None):
     return out
 
 
+def _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step):
+    """One step of the cpu backend's formats hooks on copies of the same inputs."""
+    import optirs
+
+    b = optirs.get_backend("cpu")
+    ps = [p.copy() for p in params]
+    state = {k: v.copy() for k, v in host.items()}
+    staged = b.hook("formats", "optirs_formats_stage")(b.ctx, ps, list(grads), fmt)
+    b.hook("formats", "optirs_formats_step")(b.ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt,
+                                             d.scalars(hp, step), seed, step, None)
+    return [_bits(p) for p in ps], state
+
+
 def _master(fs, words, buffers):
     return np.concatenate(R.decode_master(fs, words, buffers, 2))
 
 
-def _assert_close(step_result):
+def _assert_close(step_result, master_atol=1e-12, state_rel=0.0):
     """Parameters and buffers as the reference's, up to the float32 step's own rounding (an ulp of the
-    master before encoding: one 16-bit step of the parameter, one int8 code)."""
+    master before encoding: one 16-bit step of the parameter, one int8 code). ``master_atol``: the
+    float32 rounding of an update much larger than the master it moves (LAMB's lr * ratio * u near
+    a zero crossing); ``state_rel``: float32 state within that fraction of the slot's largest value
+    (a moment's cancellation near zero, in float32 against the float64 reference)."""
     got_p, got_b, want_p, want_b, fs = step_result
     for g, w in zip(got_p, want_p):
         if g.dtype == np.float32:
@@ -150,7 +205,8 @@ def _assert_close(step_result):
     if fs.master_buffer() is not None:
         # one ulp of the master's own precision: float32 (2**-23), or 24 bits for remainder8 (2**-15)
         rtol = 2.0**-15 if fs.fmt.master == "remainder8" else 2.0**-22
-        np.testing.assert_allclose(_master(fs, got_p, got_b), _master(fs, want_p, want_b), rtol=rtol, atol=1e-12)
+        np.testing.assert_allclose(_master(fs, got_p, got_b), _master(fs, want_p, want_b), rtol=rtol,
+                                   atol=master_atol)
     for k, w in want_b.items():
         g = got_b[k]
         if k.endswith(".codes"):
@@ -158,7 +214,8 @@ def _assert_close(step_result):
         elif g.dtype == np.uint16:  # bfloat16 state words
             assert np.abs(g.astype(np.int64) - w.astype(np.int64)).max() <= 1, k
         elif k != "master_remainder" and k != "master":
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-12, err_msg=k)
+            atol = max(1e-12, state_rel * float(np.abs(w).max(initial=0)))
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=atol, err_msg=k)
 
 
 @pytest.mark.cuda
@@ -180,6 +237,46 @@ def test_int8_step_matches_the_reference():
     """One int8 block tensor (4100 elements: 16 full blocks and a 4-element one) beside a small one."""
     for result in _run("adamw", _fmt("bfloat16", "remainder8", "int8"), [(5,), (4100,)], steps=1):
         _assert_close(result)
+
+
+LAMB_FORMATS = [_fmt("bfloat16", "remainder8", "int8"), _fmt("bfloat16", "float32", "bfloat16"),
+                _fmt("float16", "float32", "float32", gdt="float32"), _fmt("bfloat16", None, "float32", stochastic=True)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", LAMB_FORMATS, ids=lambda f: "-".join(map(str, f.codes)))
+def test_lamb_matches_the_reference_and_the_cpu_backend(fmt):
+    """LAMB's passes (global clipping, per-tensor trust ratios) on a model with an int8-block tensor,
+    a small one and a misaligned one, against the float64 reference and against the cpu hooks."""
+    from optirs.core.params import LambParams
+
+    shapes = [(4100,), (37,), (300,)]
+    for hp in (LambParams(lr=1e-2, weight_decay=0.01, max_grad_norm=1.0), LambParams(lr=1e-2, max_trust_ratio=0.5)):
+        for result in _run("lamb", fmt, shapes, steps=2, hp=hp):
+            _assert_close(result, master_atol=1e-8, state_rel=1e-6)  # lr * ratio * u ~1e-2: rounding ~1e-9
+        for result in _run("lamb", fmt, shapes, steps=2, hp=hp, cpu=True):
+            # the same float32 element code; the float64 sums' order differs, so a trust ratio or the
+            # clip factor may differ by one float32 ulp, which moves a master near zero by ~1e-9
+            _assert_close(result, master_atol=1e-8, state_rel=1e-6)
+
+
+@pytest.mark.cuda
+def test_lamb_found_inf_skips_every_pass_and_the_next_step_is_clean():
+    """A raised found_inf at step 2 writes nothing (no pass runs, the clipping norm included); step 3
+    then matches the reference from step 1's state: the per-tensor sums left by step 1 were
+    cleared although step 2 was skipped."""
+    from optirs.core.params import LambParams
+
+    plugin, ctx, cuda = _cuda()
+    flag = cuda.to_device(np.ones(1, np.int32))
+    hp = LambParams(lr=1e-2, max_grad_norm=1.0)
+    results = _run("lamb", _fmt("bfloat16", "remainder8", "int8"), [(4100,), (9,)], steps=3,
+                   found=[None, flag, None], hp=hp)
+    for got_p, got_b, want_p, want_b, fs in results[1:2]:
+        assert all(np.array_equal(g, w) for g, w in zip(got_p, want_p))
+        assert all(np.array_equal(got_b[k], want_b[k]) for k in want_b)
+    _assert_close(results[0], master_atol=1e-8, state_rel=1e-6)
+    _assert_close(results[2], master_atol=1e-8, state_rel=1e-6)
 
 
 @pytest.mark.cuda

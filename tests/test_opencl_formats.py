@@ -58,15 +58,20 @@ __kernel void remainders(__global const uint *u, __global ushort *hi16, __global
     optirs_r8_split8(u24, &hi, &rem_8);
     vstore8(hi, i, hi8); vstore8(rem_8, i, rem8); vstore8(optirs_r8_join8(hi, rem_8), i, join8);
 }
-__kernel void quantize(__global const float *maps, __global const float *x, float scale,
+__kernel void quantize(__global const float *maps, __global const uchar *tables, __global const float *x, float scale,
                        __global uchar *code, __global float *deq) {
     __local float q[256], mid[256];
+    __local uchar table[OPTIRS_QT_SIZE];
     for (int j = get_local_id(0); j < 256; j += get_local_size(0)) { q[j] = maps[j]; mid[j] = maps[256 + j]; }
+    for (int j = get_local_id(0); j < (int)OPTIRS_QT_SIZE; j += get_local_size(0)) table[j] = tables[j];
     barrier(CLK_LOCAL_MEM_FENCE);
     const size_t i = get_global_id(0);
-    const uchar8 c = optirs_quantize8(V8(x, i), scale, mid);
+    const uchar8 c = optirs_quantize8(V8(x, i), scale, mid, table);
     vstore8(c, i, code);
     vstore8(optirs_dequantize8(c, scale, q), i, deq);
+}
+__kernel void table_constants(__global uint *out) {
+    out[0] = OPTIRS_QT_LO; out[1] = OPTIRS_QT_HI; out[2] = OPTIRS_QT_WIDTH; out[3] = OPTIRS_QT_SIZE;
 }
 '''
 
@@ -230,32 +235,36 @@ def test_remainders_and_round24(ctx, prg):
     assert np.all(err8 <= ulp / 2)
 
 
-def _a_map(signed):
-    """A sorted 256-code map with repeated codes (ties) and both ends exact, as the dynamic maps."""
-    rng = np.random.default_rng(7 + signed)
-    q = np.sort(rng.uniform(-1 if signed else 0, 1, 256).astype(np.float32))
-    q[0], q[-1] = (-1.0 if signed else 0.0), 1.0
-    q[100:103] = q[100]
-    return q
+def test_bucket_table_constants_match_the_host(ctx, prg):
+    from optirs.backends.common import int8_buckets as B
+
+    (out,) = _run(ctx, prg.table_constants, 8, ("out", np.uint32))
+    assert out[:4].tolist() == [B.LO, B.HI, B.WIDTH, B.SIZE]
 
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_quantize_is_nearest_code(ctx, prg, signed):
-    q = _a_map(signed)
-    mid = np.append((np.float32(0.5) * (q[:-1] + q[1:])).astype(np.float32), np.float32(np.inf))
+    """The two-lookup quantizer against searchsorted over the midpoints: on every midpoint, one ulp
+    either side, every bucket's ends, random values, zeros, NaN and inf."""
+    from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints
+
+    q, mid, table = F.dynamic_map(signed), padded_midpoints(signed), bucket_table(signed)
     rng = np.random.default_rng(3)
-    scale = np.float32(0.37)
-    x = (rng.uniform(-1.1 if signed else 0, 1.1, 1 << 14) * scale).astype(np.float32)
-    x[:8] = [0.0, -0.0, scale, -scale, mid[5] * scale, mid[200] * scale, np.nan, np.inf]
-    code, deq = _run(ctx, prg.quantize, x.size, np.concatenate([q, mid]).astype(np.float32), x, scale,
-                     ("out", np.uint8), ("out", np.float32))
-    y = x / scale
+    scale = np.float32(1)
+    edges = (np.arange(0, 0x8000, 7, dtype=np.uint32) << 16).view(np.float32)
+    y = np.concatenate([mid[:255], np.nextafter(mid[:255], np.float32(np.inf)),
+                        np.nextafter(mid[:255], np.float32(-np.inf)), q, edges, -edges,
+                        rng.uniform(-1.1 if signed else 0, 1.1, 1 << 14).astype(np.float32),
+                        np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1, -1], np.float32)]).astype(np.float32)
+    y = np.concatenate([y, np.zeros(-y.size % 8, np.float32)])
+    maps = np.concatenate([q, mid]).astype(np.float32)
+    code, deq = _run(ctx, prg.quantize, y.size, maps, table, y, scale, ("out", np.uint8), ("out", np.float32))
     want = np.searchsorted(mid[:255], y, side="left")  # the number of mid[k] < y
     want[np.isnan(y)] = 0
     assert np.array_equal(code, want.astype(np.uint8))
     assert np.array_equal(deq, q[code] * scale)
-    (zero_code, _) = _run(ctx, prg.quantize, 8, np.concatenate([q, mid]).astype(np.float32), x[:8],
-                          np.float32(0), ("out", np.uint8), ("out", np.float32))
+    x = y[:8] * np.float32(0.37)
+    (zero_code, _) = _run(ctx, prg.quantize, 8, maps, table, x, np.float32(0), ("out", np.uint8), ("out", np.float32))
     assert np.array_equal(zero_code, np.full(8, np.searchsorted(mid[:255], 0.0, side="left"), np.uint8))
 
 

@@ -7,8 +7,9 @@ before a backend touches anything.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -91,6 +92,33 @@ def _opencl_root(buffer: Any) -> Tuple[int, int]:
         buffer = parent
 
 
+def _bfloat16() -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _cuda_interface(array: Any) -> Tuple[Optional[Dict[str, Any]], Optional[np.dtype]]:
+    """(``__cuda_array_interface__``, the element dtype) of ``array``, or (None, None).
+
+    torch refuses bfloat16 in the interface (TypeError: no typestr for it), or in some versions
+    exports the anonymous ``<V2``; a torch CUDA bfloat16 tensor is described through its int16 view
+    (the same memory, shape and strides) and keeps bfloat16 as its dtype.
+    """
+    if type(array).__module__.startswith("torch") and str(getattr(array, "dtype", "")) == "torch.bfloat16":
+        torch = sys.modules.get("torch")
+        if torch is not None and getattr(array, "is_cuda", False):
+            return array.view(torch.int16).__cuda_array_interface__, _bfloat16()
+    try:
+        cai = getattr(array, "__cuda_array_interface__", None)
+    except (TypeError, ValueError) as exc:  # an exporter that refuses this array's dtype
+        raise InvalidParameterError(f"{type(array).__qualname__} refuses __cuda_array_interface__ ({exc}), expected "
+                                    "an array of a dtype its library exports") from exc
+    if cai is None:
+        return None, None
+    return cai, np.dtype(cai["typestr"])
+
+
 # ndarray subclasses that are plain memory: numpy's memory-mapped files.
 _PLAIN_SUBCLASSES = (np.memmap,)
 
@@ -110,10 +138,9 @@ def describe(array: Any, what: str = "array") -> ArrayMeta:
         # The CUDA simulator's device arrays wrap a host array and expose no
         # __cuda_array_interface__; describe the array they wrap.
         return _numpy_meta(array._ary, "cuda", True)
-    cai = getattr(array, "__cuda_array_interface__", None)
+    cai, dtype = _cuda_interface(array)
     if cai is not None:
         shape = tuple(int(d) for d in cai["shape"])
-        dtype = np.dtype(cai["typestr"])
         ptr, readonly = cai["data"]
         strides = cai.get("strides")
         first, end = _span(int(ptr or 0), shape, None if strides is None else tuple(strides), dtype.itemsize)

@@ -22,6 +22,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from optirs.backends.common import half
+from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32)
@@ -73,8 +74,35 @@ def bits_f32(u):
 
 _bf16_encode = _jit(half.bf16_encode)
 _f16_encode = _jit(half.f16_encode)
-_bf16_decode = _jit(half.bf16_decode)
-_f16_decode = _jit(half.f16_decode)
+_F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
+
+
+@_jit
+def _f16_decode(h):
+    """float16 bits -> float32, as :func:`optirs.backends.common.half.f16_decode` (NaN -> the quiet NaN
+    with h's sign), from bit operations: no scale table, whose lane-divergent reads the GPU serialises."""
+    h = _U(h) & _MASK16
+    sign = (h & _U(0x8000)) << _S16
+    e = (h >> _U(10)) & _U(0x1F)
+    m = h & _U(0x3FF)
+    if e == _U(0x1F):
+        return bits_f32(sign | (_U(0x7F800000) if m == _U(0) else _U(0x7FC00000)))
+    if e == _U(0):
+        v = np.float32(m) * _F16_SUB
+        return -v if sign != _U(0) else v
+    return bits_f32(sign | ((e + _U(112)) << _U(23)) | (m << _U(13)))
+
+
+@_jit
+def _bf16_decode(h):
+    """bfloat16 bits -> float32, as :func:`optirs.backends.common.half.bf16_decode` (NaN -> the quiet
+    NaN with h's sign): the bits shifted up, which is the exact value for every other input. Bit
+    operations only: the scale-table form's lane-divergent reads are serialised on a GPU (the
+    old kernels' ld.const)."""
+    u = (_U(h) & _MASK16) << _S16
+    if (u & _U(0x7FFFFFFF)) > _U(0x7F800000):
+        u = (u & _U(0x80000000)) | _U(0x7FC00000)
+    return bits_f32(u)
 
 
 # ---------------------------------------------------------------- random bits
@@ -202,17 +230,17 @@ def remainder8_join(hi, rem):
 
 
 @_jit
-def quantize(x, scale, mid):
+def quantize(x, scale, mid, table):
     """The code of float32 ``x`` in a block of ``scale``: the number of ``mid[k] < x / scale``
-    (``mid`` the map's 255 float32 midpoints; 0 where scale is 0). Branchless binary search."""
+    (0 where scale is 0). ``mid``: the map's 255 float32 midpoints padded with +inf, ``table`` its
+    bucket table (:mod:`optirs.backends.common.int8_buckets`): one lookup and one compare, no branch."""
     y = x / scale if scale != 0 else np.float32(0)
-    code = 0
-    step = 128
-    while step > 0:
-        if mid[code + step - 1] < y:
-            code += step
-        step >>= 1
-    return np.uint8(code)
+    u = _U(f32_bits(y))
+    a = (u >> _S16) & _U(0x7FFF)
+    a = min(max(a, _U(_BK_LO - 1)), _U(_BK_HI + 1)) - _U(_BK_LO - 1)
+    c = np.int64(table[np.int64(a + (u >> _U(31)) * _U(_BK_WIDTH))])
+    code = c + np.int64(mid[c] < y)
+    return np.uint8(code if y == y else 0)
 
 
 @_jit

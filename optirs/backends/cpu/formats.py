@@ -16,7 +16,8 @@ from optirs.backends.cpu.steps import CHUNK
 from optirs.backends.cpu.typed_lists import cached_typed_list
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.core.formats import BLOCK, FORMAT_FAMILIES, FormatState, StepFormat, dynamic_map, map_midpoints
+from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints
+from optirs.core.formats import BLOCK, FORMAT_FAMILIES, FormatState, StepFormat, dynamic_map
 from optirs.plugin.hookspecs import Staged, hookimpl
 
 assert CHUNK % BLOCK == 0  # every int8 block lies in one chunk
@@ -52,23 +53,24 @@ def _typed_list(ctx, role: str, arrays: List[np.ndarray], dtype: str):
 
 
 def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepFormat):
-    """Per kernel slot: (words, scales, small, map, midpoints) and the used bit mask."""
+    """Per kernel slot: (words, scales, small, map, padded midpoints, bucket table) and the used bit mask."""
     out, used = [], 0
     signed = {s.name: s.signed for s in fs.slots}
     f32 = _EMPTY[np.dtype(np.float32)]
     for k, name in enumerate(k_names):
         if name is None or name not in fs.slot_names:
-            out.append((_EMPTY[np.dtype(np.uint8 if fmt.state_dtype == "int8" else np.uint32)], f32, f32,
-                        dynamic_map(True), map_midpoints(True)))
+            words = {"int8": np.uint8, "bfloat16": np.uint16, "float32": np.float32}[fmt.state_dtype]
+            out.append((_EMPTY[np.dtype(words)], f32, f32,
+                        dynamic_map(True), padded_midpoints(True), bucket_table(True)))
             continue
         used |= 1 << k
-        q, mid = dynamic_map(signed[name]), map_midpoints(signed[name])
+        maps = dynamic_map(signed[name]), padded_midpoints(signed[name]), bucket_table(signed[name])
         if fmt.state_dtype == "int8":
-            out.append((state[f"{name}.codes"], state[f"{name}.scales"], state[f"{name}.small"], q, mid))
+            out.append((state[f"{name}.codes"], state[f"{name}.scales"], state[f"{name}.small"]) + maps)
         elif fmt.state_dtype == "bfloat16":
-            out.append((state[name], f32, f32, q, mid))
+            out.append((state[name], f32, f32) + maps)
         else:
-            out.append((state[name].view(np.uint32), f32, f32, q, mid))
+            out.append((state[name], f32, f32) + maps)
     return out, used
 
 
@@ -104,14 +106,14 @@ class CpuFormats:
         chunks = layout.chunks(CHUNK)
         if family == "lamb":
             slots, _ = _slot_arrays(state, format_state, names[:2], fmt)
-            (w0, c0, m0, q0, d0), (w1, c1, m1, q1, d1) = slots
-            k.lamb(params, grads, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, q1, d1, table, *chunks, len(layout),
-                   scalars, fc, fresh, seed, step)
+            (w0, c0, m0, q0, d0, t0), (w1, c1, m1, q1, d1, t1) = slots
+            k.lamb(fc, fresh)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, *chunks, len(layout),
+                       scalars, seed, step)
             return
         slots, used = _slot_arrays(state, format_state, (tuple(names) + (None, None, None))[:3], fmt)
-        (w0, c0, m0, q0, d0), (w1, c1, m1, q1, d1), (w2, c2, m2, q2, d2) = slots
-        k.pointwise(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, q1, d1, q2, d2, used, table,
-                    *chunks, scalars, fc, fresh, seed, step)
+        (w0, c0, m0, q0, d0, t0), (w1, c1, m1, q1, d1, t1), (w2, c2, m2, q2, d2, t2) = slots
+        k.pointwise(fc, used, fresh)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2,
+                              t2, table, *chunks, scalars, seed, step)
 
     @hookimpl
     def optirs_formats_check(self, ctx, grads, layout, fmt, flag) -> None:

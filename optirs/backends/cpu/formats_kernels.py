@@ -1,12 +1,14 @@
 """The cpu backend's format loops (imported on the first format step: this imports numba).
 
 One ``prange`` over the chunk table per pass. Chunks start at multiples of the chunk size inside
-each tensor, a multiple of the int8 block (256), so every block lies in one chunk: a chunk walks
-its blocks, decodes each block's state slots into float32 scratch, runs the shared format element
-step (:func:`optirs.backends.common.formats.format_element`) on every element, and encodes the
-block back (an int8 block's scale is the absmax of its new values). Every word array is passed
-with the dtype it has (float32 buffers as uint32 views); numba compiles one loop per combination
-and caches it on disk. The format codes ``fc`` are uniform over the launch.
+each tensor, a multiple of the int8 block (256), so every block lies in one chunk. Each loop is
+compiled per format (:class:`~optirs.core.formats.FormatCodes`, used slots, first step): the
+codes are constants of the closure, so the branches of the shared element step
+(:func:`optirs.backends.common.formats.format_element`) fold away. float32 / bfloat16 state is
+decoded and encoded inside the element loop over arrays sliced to the chunk; int8 blocks keep
+their new values in scratch until the block's scale (the absmax of its new values) is known.
+State arrays come with their own dtype (float32 values, bfloat16 bits, int8 codes); numba caches
+every loop on disk.
 """
 
 from __future__ import annotations
@@ -19,46 +21,83 @@ from numba import njit, prange
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, encode_state, format_element,
                                             lamb_format_element, quantize, store_master, stream_key)
-from optirs.core.formats import BLOCK, STATE_INT8
+from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
 
 _jit = njit(cache=True, error_model="numpy")
 _pjit = njit(parallel=True, cache=True, error_model="numpy")
 
 
 @_jit
-def _load_block(w, scales, small, q, kind, blk, so, o, n, buf):
-    """Decode ``n`` state values of one block (flat word offset ``o``) into ``buf``.
-    int8: ``blk`` the block's scale index, or ``so`` >= 0 for a small tensor's float32 range."""
-    if kind == STATE_INT8:
-        if so >= 0:
-            for i in range(n):
-                buf[i] = small[so + i]
-        else:
-            s = scales[blk]
-            for i in range(n):
-                buf[i] = q[w[o + i]] * s
-    else:
+def _load_codes(w, scales, small, q, blk, so, o, n, buf):
+    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``) into
+    ``buf``, or a small tensor's float32 range at ``so`` >= 0."""
+    if so >= 0:
         for i in range(n):
-            buf[i] = decode_state(w[o + i], kind)
+            buf[i] = small[so + i]
+    else:
+        s = scales[blk]
+        for i in range(n):
+            buf[i] = q[w[o + i]] * s
 
 
 @_jit
-def _store_block(w, scales, small, mid, kind, blk, so, o, n, buf, key):
-    """Encode ``buf`` back (the inverse of :func:`_load_block`); bfloat16 words round with ``key``."""
-    if kind == STATE_INT8:
-        if so >= 0:
-            for i in range(n):
-                small[so + i] = buf[i]
-        else:
-            m = np.float32(0)
-            for i in range(n):
-                m = absmax_update(m, buf[i])
-            scales[blk] = m
-            for i in range(n):
-                w[o + i] = quantize(buf[i], m, mid)
-    else:
+def _store_codes_or_small(w, scales, small, mid, tbl, blk, so, o, n, buf):
+    """The inverse of :func:`_load_codes`."""
+    if so >= 0:
         for i in range(n):
-            w[o + i] = encode_state(buf[i], kind, key, o + i)
+            small[so + i] = buf[i]
+    else:
+        _store_codes(w, scales, mid, tbl, blk, o, n, buf)
+
+
+@_jit
+def _load_words(w, kind, o, n, buf):
+    """Decode ``n`` float32 / bfloat16 state words at ``o`` into ``buf``."""
+    for i in range(n):
+        buf[i] = _word_in(w, o + i, kind, True)
+
+
+@_jit
+def _store_words(w, kind, o, n, buf, key):
+    """Encode ``buf`` back (bfloat16 words round stochastically with ``key``)."""
+    for i in range(n):
+        _word_out(w, o + i, kind, True, buf[i], key, o + i)
+
+
+@_jit
+def _word_in(v, i, kind, usedk):
+    """State value ``i`` as float32: from a float32 array, or bfloat16 bits (0 for an unused slot)."""
+    if not usedk:
+        return np.float32(0)
+    if kind == STATE_BF16:
+        return decode_state(v[i], STATE_BF16)
+    return np.float32(v[i])
+
+
+@_jit
+def _word_out(v, i, kind, usedk, x, key, idx):
+    """Store state value ``x`` at ``i``: float32, or bfloat16 rounded stochastically (``key``, ``idx``)."""
+    if usedk:
+        if kind == STATE_BF16:
+            v[i] = encode_state(x, STATE_BF16, key, idx)
+        else:
+            v[i] = x
+
+
+@_jit
+def _store_codes(w, scales, mid, tbl, blk, o, n, buf):
+    """An int8 block's new values: the scale is their absmax, then each one's code."""
+    # 8 running maxima (one vector register): max with NaN propagation is associative, so the
+    # block's scale is the same as one running maximum's, without its serial dependency
+    acc = np.zeros(8, np.float32)
+    for i in range(n):
+        acc[i & 7] = absmax_update(acc[i & 7], buf[i])
+    m = np.float32(0)
+    for j in range(8):
+        m = absmax_update(m, acc[j])
+    scales[blk] = m
+    for i in range(n):
+        w[o + i] = quantize(buf[i], m, mid, tbl)
 
 
 @_jit
@@ -66,58 +105,126 @@ def _master_word(mbuf, idx, has_master):
     return np.uint32(np.int64(mbuf[idx]) & 0xFFFFFFFF) if has_master else np.uint32(0)
 
 
-@_pjit
-def pointwise(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, q1, d1, q2, d2, used, table,
-              chunk_tensor, chunk_start, chunk_stop, sc, fc, fresh, seed, step):
-    """A pointwise family's format step over the chunk table.
+# One compiled loop per (FormatCodes, used slots): the codes are constants of the closure, so
+# the per-element branches on the format fold away and the block loops vectorize where they can
+# (numba caches closures on disk keyed by their cell values).
+_POINTWISE: dict = {}
 
-    ``ps``/``gs``: typed lists of each tensor's parameter / gradient words (uint32 views of
-    float32, or uint16). ``mbuf``: the master buffer (uint32 view of float32, int16 or int8
-    remainders; empty without masters). Slot k: words ``wk`` (uint32 view, uint16 bfloat16 bits
-    or uint8 codes), int8 scales ``ck`` and small-tensor values ``mk``, its map ``qk`` and
-    midpoints ``dk``; bit k of ``used`` says it exists. ``table``: FormatState.tensor_table().
-    """
-    has_master = mbuf.shape[0] > 0
+
+def pointwise(fc, used, fresh):
+    """The pointwise format loop for codes ``fc``, slot mask ``used`` and ``fresh`` (step 1: float32
+    masters read from the parameters); see :func:`_make_pointwise`."""
+    key = (tuple(fc), int(used), bool(fresh))
+    k = _POINTWISE.get(key)
+    if k is None:
+        k = _POINTWISE[key] = _make_pointwise(FormatCodes(*fc), int(used), bool(fresh))
+    return k
+
+
+# A runtime ``fresh`` costs ~15x in the element loop (measured: numba then keeps both master
+# paths and stops inlining the element step), so it is a constant of the loop as the codes are.
+def _make_pointwise(fc, used, fresh):
     kind = fc.state
-    keyp = stream_key(seed, step, 0)
-    k0, k1, k2 = stream_key(seed, step, 1), stream_key(seed, step, 2), stream_key(seed, step, 3)
-    for c in prange(chunk_tensor.shape[0]):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        p, g = ps[t], gs[t]
-        off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
+    int8 = kind == STATE_INT8
+    u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
+    has_master = fc.param != F32 and fc.master != MASTER_NONE
+
+    skind = STATE_F32 if int8 else kind  # a small int8 tensor's state is float32 values
+
+    @njit(cache=True, error_model="numpy")
+    def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k0, k1, k2, o):
+        for i in range(p.shape[0]):
+            idx = o + i
+            x0 = _word_in(v0, i, skind, u0)
+            x1 = _word_in(v1, i, skind, u1)
+            x2 = _word_in(v2, i, skind, u2)
+            pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, has_master), np.uint32(g[i]),
+                                                x0, x1, x2, sc, fc, fresh, keyp, idx)
+            p[i] = pw
+            if has_master:
+                mb[i] = mw
+            _word_out(v0, i, skind, u0, x0, k0, idx)
+            _word_out(v1, i, skind, u1, x1, k1, idx)
+            _word_out(v2, i, skind, u2, x2, k2, idx)
+
+    @njit(cache=True, error_model="numpy")
+    def _run_codes(p, g, mb, v0, v1, v2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o):
+        # one int8 block, every array sliced to it (one index for all, as _run_words)
+        for i in range(p.shape[0]):
+            x0 = q0[v0[i]] * s0 if u0 else np.float32(0)
+            x1 = q1[v1[i]] * s1 if u1 else np.float32(0)
+            x2 = q2[v2[i]] * s2 if u2 else np.float32(0)
+            pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, has_master), np.uint32(g[i]),
+                                                x0, x1, x2, sc, fc, fresh, keyp, o + i)
+            p[i] = pw
+            if has_master:
+                mb[i] = mw
+            a0[i] = x0
+            a1[i] = x1
+            a2[i] = x2
+
+    def chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, off, blk0, so,
+              s, e, sc, keyp, k0, k1, k2):
+        if not int8 or so >= 0:
+            # float32 / bfloat16 words (or a small tensor's float32 state): decoded and encoded in
+            # the element loop itself, every array sliced to the chunk so that one index addresses
+            # them all (LLVM then vectorizes the loop; scratch blocks or offset indices cost 3-10x)
+            n = e - s
+            o = off + s
+            mb = mbuf[o : o + n] if has_master else mbuf
+            if int8:  # a small tensor: float32 values
+                v0 = m0[so + s : so + e] if u0 else m0
+                v1 = m1[so + s : so + e] if u1 else m1
+                v2 = m2[so + s : so + e] if u2 else m2
+            else:
+                v0 = w0[o : o + n] if u0 else w0
+                v1 = w1[o : o + n] if u1 else w1
+                v2 = w2[o : o + n] if u2 else w2
+            _run_words(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k0, k1, k2, o)
+            return
+        # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch
         a0 = np.zeros(BLOCK, np.float32)
         a1 = np.zeros(BLOCK, np.float32)
         a2 = np.zeros(BLOCK, np.float32)
         for b in range(s, e, BLOCK):
             n = min(BLOCK, e - b)
             blk = blk0 + b // BLOCK
-            sob = so + b if so >= 0 else so
             o = off + b
-            if used & 1:
-                _load_block(w0, c0, m0, q0, kind, blk, sob, o, n, a0)
-            if used & 2:
-                _load_block(w1, c1, m1, q1, kind, blk, sob, o, n, a1)
-            if used & 4:
-                _load_block(w2, c2, m2, q2, kind, blk, sob, o, n, a2)
-            for i in range(n):
-                idx = o + i
-                pw, mw, x0, x1, x2 = format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, has_master),
-                                                    np.uint32(g[b + i]), a0[i], a1[i], a2[i], sc, fc, fresh, keyp, idx)
-                p[b + i] = pw
-                if has_master:
-                    mbuf[idx] = mw
-                if used & 1:
-                    a0[i] = x0
-                if used & 2:
-                    a1[i] = x1
-                if used & 4:
-                    a2[i] = x2
-            if used & 1:
-                _store_block(w0, c0, m0, d0, kind, blk, sob, o, n, a0, k0)
-            if used & 2:
-                _store_block(w1, c1, m1, d1, kind, blk, sob, o, n, a1, k1)
-            if used & 4:
-                _store_block(w2, c2, m2, d2, kind, blk, sob, o, n, a2, k2)
+            s0 = c0[blk] if u0 else np.float32(0)
+            s1 = c1[blk] if u1 else np.float32(0)
+            s2 = c2[blk] if u2 else np.float32(0)
+            mb = mbuf[o : o + n] if has_master else mbuf
+            _run_codes(p[b : b + n], g[b : b + n], mb, w0[o : o + n] if u0 else w0, w1[o : o + n] if u1 else w1,
+                       w2[o : o + n] if u2 else w2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o)
+            if u0:
+                _store_codes(w0, c0, d0, t0, blk, o, n, a0)
+            if u1:
+                _store_codes(w1, c1, d1, t1, blk, o, n, a1)
+            if u2:
+                _store_codes(w2, c2, d2, t2, blk, o, n, a2)
+
+    # the chunk is its own (serial) function: numba's parfor lowering of a body this size
+    # optimizes it far worse (measured 2-10x) than the ordinary pipeline does
+    chunk = njit(cache=True, error_model="numpy")(chunk)
+
+    def pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,
+                         chunk_tensor, chunk_start, chunk_stop, sc, seed, step):
+        """A pointwise family's format step over the chunk table.
+
+        ``ps``/``gs``: typed lists of each tensor's parameter / gradient words (uint32 views of
+        float32, or uint16). ``mbuf``: the master buffer (uint32 view of float32, int16 or int8
+        remainders; empty without masters). Slot k: words ``wk`` (uint32 view, uint16 bfloat16
+        bits or uint8 codes), int8 scales ``ck`` and small-tensor values ``mk``, its map ``qk``,
+        padded midpoints ``dk`` and bucket table ``tk``. ``table``: FormatState.tensor_table().
+        """
+        keyp = stream_key(seed, step, 0)
+        k0, k1, k2 = stream_key(seed, step, 1), stream_key(seed, step, 2), stream_key(seed, step, 3)
+        for c in prange(chunk_tensor.shape[0]):
+            t = chunk_tensor[c]
+            chunk(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2,
+                  table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k0, k1, k2)
+
+    return _pjit(pointwise_format)
 
 
 @_jit
@@ -129,79 +236,113 @@ def _grad_sum_squares(g, s, e, kind):
     return total
 
 
-@_pjit
-def lamb(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, q1, d1, table, chunk_tensor, chunk_start, chunk_stop,
-         ntensors, sc, fc, fresh, seed, step):
-    """LAMB's format step: the global gradient norm (with max_grad_norm), pass 1 (the per-tensor
-    float64 sums of p^2 and u^2, nothing written), the trust ratios, pass 2 (the same values
-    recomputed; parameter, master and moments written). Slots as :func:`pointwise` (exp_avg, exp_avg_sq)."""
-    nchunks = chunk_tensor.shape[0]
-    has_master = mbuf.shape[0] > 0
+_LAMB: dict = {}
+
+
+def lamb(fc, fresh):
+    """LAMB's format step for codes ``fc`` and ``fresh`` (compiled once each, as :func:`pointwise`)."""
+    key = (tuple(fc), bool(fresh))
+    k = _LAMB.get(key)
+    if k is None:
+        k = _LAMB[key] = _make_lamb(FormatCodes(*fc), bool(fresh))
+    return k
+
+
+def _make_lamb(fc, fresh):
     kind = fc.state
-    norm = 0.0  # unused without clipping: the scale is then the gradient factor alone
-    if sc.max_grad_norm > 0:
-        partial = np.zeros(nchunks, dtype=np.float64)
+    int8 = kind == STATE_INT8
+    has_master = fc.param != F32 and fc.master != MASTER_NONE
+
+    def lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, chunk_tensor, chunk_start,
+                    chunk_stop, ntensors, sc, seed, step):
+        """LAMB's format step: the global gradient norm (with max_grad_norm), pass 1 (the per-tensor
+        float64 sums of p^2 and u^2, nothing written), the trust ratios, pass 2 (the same values
+        recomputed; parameter, master and moments written). Slots as :func:`pointwise` (exp_avg, exp_avg_sq)."""
+        nchunks = chunk_tensor.shape[0]
+        norm = 0.0  # unused without clipping: the scale is then the gradient factor alone
+        if sc.max_grad_norm > 0:
+            partial = np.zeros(nchunks, dtype=np.float64)
+            for c in prange(nchunks):
+                partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], fc.grad)
+            norm = np.sqrt(partial.sum())
+        grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
+        p_sq = np.zeros(nchunks, dtype=np.float64)
+        u_sq = np.zeros(nchunks, dtype=np.float64)
         for c in prange(nchunks):
-            partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], fc.grad)
-        norm = np.sqrt(partial.sum())
-    grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
-    p_sq = np.zeros(nchunks, dtype=np.float64)
-    u_sq = np.zeros(nchunks, dtype=np.float64)
-    for c in prange(nchunks):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        p, g = ps[t], gs[t]
-        off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-        a0 = np.zeros(BLOCK, np.float32)
-        a1 = np.zeros(BLOCK, np.float32)
-        ps_c, us_c = 0.0, 0.0
-        for b in range(s, e, BLOCK):
-            n = min(BLOCK, e - b)
-            blk = blk0 + b // BLOCK
-            sob = so + b if so >= 0 else so
-            o = off + b
-            _load_block(w0, c0, m0, q0, kind, blk, sob, o, n, a0)
-            _load_block(w1, c1, m1, q1, kind, blk, sob, o, n, a1)
-            for i in range(n):
-                x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, has_master),
-                                                 np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, fc, fresh)
-                ps_c += np.float64(x) * np.float64(x)
-                us_c += np.float64(u) * np.float64(u)
-        p_sq[c], u_sq[c] = ps_c, us_c
-    pn = np.zeros(ntensors, dtype=np.float64)
-    un = np.zeros(ntensors, dtype=np.float64)
-    for c in range(nchunks):
-        pn[chunk_tensor[c]] += p_sq[c]
-        un[chunk_tensor[c]] += u_sq[c]
-    ratio = np.empty(ntensors, dtype=np.float32)
-    for t in range(ntensors):
-        ratio[t] = np.float32(lamb_trust_ratio(np.sqrt(pn[t]), np.sqrt(un[t]), np.float64(sc.max_trust_ratio)))
-    keyp = stream_key(seed, step, 0)
-    k0, k1 = stream_key(seed, step, 1), stream_key(seed, step, 2)
-    for c in prange(nchunks):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        p, g = ps[t], gs[t]
-        off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-        a0 = np.zeros(BLOCK, np.float32)
-        a1 = np.zeros(BLOCK, np.float32)
-        lr_t = sc.lr * ratio[t]
-        for b in range(s, e, BLOCK):
-            n = min(BLOCK, e - b)
-            blk = blk0 + b // BLOCK
-            sob = so + b if so >= 0 else so
-            o = off + b
-            _load_block(w0, c0, m0, q0, kind, blk, sob, o, n, a0)
-            _load_block(w1, c1, m1, q1, kind, blk, sob, o, n, a1)
-            for i in range(n):
-                idx = o + i
-                x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, has_master),
-                                                   np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, fc, fresh)
-                pw, mw = store_master(x - lr_t * u, fc, keyp, idx)
-                p[b + i] = pw
-                if has_master:
-                    mbuf[idx] = mw
-                a0[i], a1[i] = mn, vn
-            _store_block(w0, c0, m0, d0, kind, blk, sob, o, n, a0, k0)
-            _store_block(w1, c1, m1, d1, kind, blk, sob, o, n, a1, k1)
+            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+            p, g = ps[t], gs[t]
+            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
+            a0 = np.zeros(BLOCK, np.float32)
+            a1 = np.zeros(BLOCK, np.float32)
+            ps_c, us_c = 0.0, 0.0
+            for b in range(s, e, BLOCK):
+                n = min(BLOCK, e - b)
+                blk = blk0 + b // BLOCK
+                sob = so + b if so >= 0 else so
+                o = off + b
+                if int8:
+                    _load_codes(w0, c0, m0, q0, blk, sob, o, n, a0)
+                else:
+                    _load_words(w0, kind, o, n, a0)
+                if int8:
+                    _load_codes(w1, c1, m1, q1, blk, sob, o, n, a1)
+                else:
+                    _load_words(w1, kind, o, n, a1)
+                for i in range(n):
+                    x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, has_master),
+                                                     np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, fc, fresh)
+                    ps_c += np.float64(x) * np.float64(x)
+                    us_c += np.float64(u) * np.float64(u)
+            p_sq[c], u_sq[c] = ps_c, us_c
+        pn = np.zeros(ntensors, dtype=np.float64)
+        un = np.zeros(ntensors, dtype=np.float64)
+        for c in range(nchunks):
+            pn[chunk_tensor[c]] += p_sq[c]
+            un[chunk_tensor[c]] += u_sq[c]
+        ratio = np.empty(ntensors, dtype=np.float32)
+        for t in range(ntensors):
+            ratio[t] = np.float32(lamb_trust_ratio(np.sqrt(pn[t]), np.sqrt(un[t]), np.float64(sc.max_trust_ratio)))
+        keyp = stream_key(seed, step, 0)
+        k0, k1 = stream_key(seed, step, 1), stream_key(seed, step, 2)
+        for c in prange(nchunks):
+            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+            p, g = ps[t], gs[t]
+            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
+            a0 = np.zeros(BLOCK, np.float32)
+            a1 = np.zeros(BLOCK, np.float32)
+            lr_t = sc.lr * ratio[t]
+            for b in range(s, e, BLOCK):
+                n = min(BLOCK, e - b)
+                blk = blk0 + b // BLOCK
+                sob = so + b if so >= 0 else so
+                o = off + b
+                if int8:
+                    _load_codes(w0, c0, m0, q0, blk, sob, o, n, a0)
+                else:
+                    _load_words(w0, kind, o, n, a0)
+                if int8:
+                    _load_codes(w1, c1, m1, q1, blk, sob, o, n, a1)
+                else:
+                    _load_words(w1, kind, o, n, a1)
+                for i in range(n):
+                    idx = o + i
+                    x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, has_master),
+                                                       np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, fc, fresh)
+                    pw, mw = store_master(x - lr_t * u, fc, keyp, idx)
+                    p[b + i] = pw
+                    if has_master:
+                        mbuf[idx] = mw
+                    a0[i], a1[i] = mn, vn
+                if int8:
+                    _store_codes_or_small(w0, c0, m0, d0, t0, blk, sob, o, n, a0)
+                else:
+                    _store_words(w0, kind, o, n, a0, k0)
+                if int8:
+                    _store_codes_or_small(w1, c1, m1, d1, t1, blk, sob, o, n, a1)
+                else:
+                    _store_words(w1, kind, o, n, a1, k1)
+
+    return _pjit(lamb_format)
 
 
 @_pjit

@@ -136,15 +136,48 @@ class CudaFormats:
                                             "CUDA device array or None")
         fk = _kernels()
         table = types.int64[:, ::1]
-        maps = _maps(ctx)
+        maps, tables = _maps(ctx)
         tensors = _tensor_table(ctx, layout, format_state)
-        args = (maps, maddr, tuple(slots), used, found, int(seed) & 0xFFFFFFFF, int(step), scalars)
-        name = f"formats_step_{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
-        planned = plan(ctx, name, lambda: fk.make_step_kernel(family, fc, signed), (table, table, table, types.int64),
-                       args, layout)
-        chunks, nchunks = ctx.chunk_table(layout, planned[1])
+        name = f"{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
+        head = (table, table, table, types.int64)
         ptrs = CudaSteps._pointers(ctx, params, grads, layout)
+        if family == "lamb":
+            self._formats_lamb(ctx, fk, name, head, layout, fc, signed, ptrs, tensors,
+                               (maps, tables, maddr, tuple(slots), used), found, seed, step, scalars, fmt)
+            return
+        args = (maps, tables, maddr, tuple(slots), used, found, int(seed) & 0xFFFFFFFF, int(step), scalars)
+        planned = plan(ctx, f"formats_step_{name}", lambda: fk.make_step_kernel(family, fc, signed), head, args, layout)
+        chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
+
+    @staticmethod
+    def _formats_lamb(ctx, fk, name, head, layout, fc, signed, ptrs, tensors, fixed, found, seed, step, scalars,
+                      fmt) -> None:
+        """LAMB's launches: the gradients' sum of squares (with max_grad_norm), pass 1 (per-tensor sums
+        of p^2 and u^2, nothing else written), pass 2 (trust ratios; parameters, masters, moments).
+        The sums live in a float64[2, 2 * ntensors + 1] pair of rows used on alternate steps: pass 2
+        zeroes the other row, so no step needs a host-side memset (docs/formats.md)."""
+        from numba import types
+
+        ntensors = len(layout)
+        key = ("cuda.formats.lamb_acc", ntensors)
+        acc = layout.cache.get(key)
+        if acc is None:
+            acc = layout.cache[key] = ctx.upload(np.zeros((2, 2 * ntensors + 1), np.float64))
+        q = int(step) & 1
+        if scalars.max_grad_norm > 0:
+            gdt = _name(fmt.grad_dtype)
+            gargs = (acc, ntensors, found, q, scalars)
+            planned = plan(ctx, f"formats_lamb_grad_{gdt}", lambda: fk.make_lamb_grad_kernel(gdt),
+                           (types.int64[:, ::1], types.int64[:, ::1], types.int64), gargs, layout)
+            chunks, nchunks = ctx.chunk_table(layout, planned[1])
+            run(ctx, planned, (chunks, ptrs, nchunks), gargs, 2)
+        args = fixed + (acc, ntensors, found, int(seed) & 0xFFFFFFFF, int(step), q, scalars)
+        for mode in ("lamb_norms", "lamb_apply"):
+            planned = plan(ctx, f"formats_{mode}_{name}", lambda: fk.make_step_kernel("lamb", fc, signed, mode), head,
+                           args, layout)
+            chunks, nchunks = ctx.chunk_table(layout, planned[1])
+            run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 4)
 
     # ------------------------------------------------ staging
 
@@ -234,12 +267,12 @@ def _definition(family: str) -> Any:
     from optirs.core.definitions import DEFINITIONS
     from optirs.core.formats import FORMAT_FAMILIES
 
-    if family in FORMAT_FAMILIES and family != "lamb":
+    if family in FORMAT_FAMILIES:
         for d in DEFINITIONS.values():
             if d.kernel == family:
                 return d
     raise UnsupportedOperationError(
-        f"family={family!r}: the cuda backend's formats step runs {[f for f in FORMAT_FAMILIES if f != 'lamb']}")
+        f"family={family!r}: the cuda backend's formats step runs {list(FORMAT_FAMILIES)}")
 
 
 def _address(state: Dict[str, Any], buffer: str) -> int:
@@ -254,17 +287,20 @@ def _address(state: Dict[str, Any], buffer: str) -> int:
 
 
 def _maps(ctx: Any):
-    """float32[4, 256] on the device: the signed map and its midpoints, the unsigned map and its midpoints
-    (each 255 midpoints padded with +inf), once per context."""
+    """(float32[4, 256], uint8[2, TABLE_SIZE]) on the device, once per context: the signed map and its
+    midpoints, the unsigned map and its midpoints (each 255 midpoints padded with +inf), and the two
+    maps' bucket tables (:mod:`optirs.backends.common.int8_buckets`)."""
     maps = ctx.__dict__.get("_formats_maps")
     if maps is None:
-        from optirs.core.formats import dynamic_map, map_midpoints
+        from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints
+        from optirs.core.formats import dynamic_map
 
-        host = np.full((4, 256), np.inf, np.float32)
+        host = np.empty((4, 256), np.float32)
         for row, signed in ((0, True), (2, False)):
             host[row] = dynamic_map(signed)
-            host[row + 1, :255] = map_midpoints(signed)
-        maps = ctx._formats_maps = ctx.upload(host)
+            host[row + 1] = padded_midpoints(signed)
+        tables = np.stack([bucket_table(True), bucket_table(False)])
+        maps = ctx._formats_maps = (ctx.upload(host), ctx.upload(np.ascontiguousarray(tables)))
     return maps
 
 

@@ -23,12 +23,16 @@ code of :mod:`optirs.backends.common.formats`; the optimizer math is ``element_u
 
 from __future__ import annotations
 
-import numpy as np
-from numba import cuda, float32, uint32
+import math
 
-from optirs.backends.common.formats import (absmax_update, decode_state, dequantize, encode_state, format_element,
-                                           quantize, stream_key)
-from optirs.core.formats import (F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
+import numpy as np
+from numba import cuda, float32, float64, uint8, uint32
+
+from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
+from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, dequantize, encode_state,
+                                           format_element, lamb_format_element, quantize, store_master, stream_key)
+from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
+from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8)
 
 from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
@@ -73,6 +77,68 @@ def warp_max(x):
         if y > x or y != y:
             x = y
     return x
+
+
+@_device
+def _block_sum(x):
+    """The sum of ``x`` over the thread block (float64, a shared-memory tree), in every thread.
+    Called by the whole block (barriers)."""
+    buf = cuda.shared.array(1024, float64)
+    tid = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    buf[tid] = x
+    cuda.syncthreads()
+    stride = 1
+    while stride < n:
+        stride <<= 1
+    stride >>= 1
+    while stride > 0:
+        if tid < stride and tid + stride < n:
+            buf[tid] += buf[tid + stride]
+        cuda.syncthreads()
+        stride >>= 1
+    r = buf[0]
+    cuda.syncthreads()  # buf is reused by the next call
+    return r
+
+
+_NO_ACC = np.zeros((2, 1), np.float64)  # the pointwise steps' stand-in for LAMB's sums
+
+
+# ------------------------------------------------------------------ LAMB's gradient norm
+
+
+def make_lamb_grad_kernel(grad_dtype: str):
+    """``grad_norm(chunks, ptrs, nchunks, acc, ntensors, found, q, sc)``: ``acc[q, 2 * ntensors]`` +=
+    the sum of g^2 over the model, each gradient decoded as stored and widened to float64 before
+    squaring (global clipping, then :func:`lamb_grad_scale` in the passes). ``sc`` is unused."""
+    size = ITEMSIZE[grad_dtype]
+    kind = {"float32": F32, "bfloat16": BF16, "float16": F16}[grad_dtype]
+
+    def grad_norm(chunks, ptrs, nchunks, acc, ntensors, found, q, sc):
+        if found != 0:
+            if ld_u32(found) != 0:
+                return
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        c = cuda.blockIdx.x
+        while c < nchunks:
+            s = 0.0
+            n = chunks[c, 2]
+            ga = ptrs[chunks[c, 0], 1] + chunks[c, 1] * size
+            i = tid
+            while i < n:
+                w = ld_u16(ga + i * 2) if size == 2 else ld_u32(ga + i * 4)
+                g = float64(decode_value(w, kind))
+                s += g * g
+                i += nthreads
+            s = _block_sum(s)
+            if tid == 0:
+                cuda.atomic.add(acc, (q, 2 * ntensors), s)
+            c += cuda.gridDim.x
+
+    grad_norm.__name__ = grad_norm.__qualname__ = f"formats_lamb_grad_norm_{grad_dtype}"
+    return grad_norm
 
 
 # ------------------------------------------------------------------ the non-finite check
@@ -206,16 +272,28 @@ def _remainder(w, master):
     return np.int32(w) - np.int32(256) if w >= 0x80 else np.int32(w)
 
 
-def make_step_kernel(family: str, fc, signed):
+def make_step_kernel(family: str, fc, signed, mode: str = "step"):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8).
 
-    Arguments: ``(chunks, ptrs, tensors, nchunks, maps, master, slots, used, found, seed, step, sc)``:
-    the chunk, pointer and formats tensor tables; ``maps`` float32[4, 256] (signed q, signed mid,
-    unsigned q, unsigned mid, each mid padded with +inf); ``master`` the master buffer's address
+    Arguments: ``(chunks, ptrs, tensors, nchunks, maps, tables, master, slots, used, found, seed, step,
+    sc)``: the chunk, pointer and formats tensor tables; ``maps`` float32[4, 256] (signed q, signed
+    mid, unsigned q, unsigned mid, each mid padded with +inf), ``tables`` uint8[2, TABLE_SIZE] their
+    bucket tables (signed, unsigned; :mod:`optirs.backends.common.int8_buckets`); ``master`` the master buffer's address
     (0: none); ``slots`` the 9 addresses (values or codes of slots 0-2, their scales, their small
     state); bit k of ``used``: slot k exists; ``found`` the found_inf word's address (0: none).
+
+    ``mode`` "lamb_norms" / "lamb_apply": LAMB's two passes (family "lamb", slots exp_avg and
+    exp_avg_sq), with ``acc, ntensors`` after ``used`` and the parity ``q`` after ``step``:
+    ``acc`` float64[2, 2 * ntensors + 1] holds per tensor the sums of p^2 (row q, column t) and
+    u^2 (column ntensors + t) and the gradients' sum of squares (column 2 * ntensors, from
+    :func:`make_lamb_grad_kernel`). The norms pass writes nothing else; the apply pass takes the
+    trust ratios from them, writes parameters, masters and moments, and zeroes row 1 - q for the
+    next step (also when found_inf skips the step, so a skipped step leaves both rows zero).
     """
+    lamb = mode != "step"
+    apply = mode == "lamb_apply"
+    writes = mode != "lamb_norms"
     psize = 2 if fc.param != F32 else 4
     gsize = 2 if fc.grad != F32 else 4
     master = fc.master
@@ -225,7 +303,13 @@ def make_step_kernel(family: str, fc, signed):
     int8 = state == STATE_INT8
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
 
-    def step(chunks, ptrs, tensors, nchunks, maps, maddr, slots, used, found, seed, step, sc):
+    def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, acc, ntensors, found, seed, step, q,
+             sc):
+        if apply:
+            j = cuda.grid(1)
+            while j < 2 * ntensors + 1:
+                acc[1 - q, j] = 0.0
+                j += cuda.gridDim.x * cuda.blockDim.x
         if found != 0:
             if ld_u32(found) != 0:
                 return  # uniform: the whole step is skipped
@@ -238,6 +322,8 @@ def make_step_kernel(family: str, fc, signed):
         mid_s = cuda.shared.array(256, float32)
         q_u = cuda.shared.array(256, float32)
         mid_u = cuda.shared.array(256, float32)
+        tb_s = cuda.shared.array(TABLE_SIZE, uint8)
+        tb_u = cuda.shared.array(TABLE_SIZE, uint8)
         if int8:
             i = tid
             while i < 256:
@@ -245,6 +331,11 @@ def make_step_kernel(family: str, fc, signed):
                 mid_s[i] = maps[1, i]
                 q_u[i] = maps[2, i]
                 mid_u[i] = maps[3, i]
+                i += nthreads
+            i = tid
+            while i < TABLE_SIZE:
+                tb_s[i] = tables[0, i]
+                tb_u[i] = tables[1, i]
                 i += nthreads
             cuda.syncthreads()
         u0 = (used & 1) != 0
@@ -255,6 +346,12 @@ def make_step_kernel(family: str, fc, signed):
         key0 = stream_key(seed, step, 1)
         key1 = stream_key(seed, step, 2)
         key2 = stream_key(seed, step, 3)
+        grad_scale = float32(0)
+        if lamb:
+            raw_norm = 0.0
+            if sc.max_grad_norm > 0:
+                raw_norm = math.sqrt(acc[q, 2 * ntensors])
+            grad_scale = lamb_grad_scale(raw_norm, sc)
         pw = cuda.local.array(LANE, uint32)
         gw = cuda.local.array(LANE, uint32)
         mw = cuda.local.array(LANE, uint32)
@@ -282,6 +379,13 @@ def make_step_kernel(family: str, fc, signed):
                 sz = ssize
             block0 = tensors[t, 1] + (start >> 8)
             vec = ((pa | ga) & 15) == 0 and (off & 7) == 0
+            sp = 0.0
+            su = 0.0
+            lr_t = float32(0)
+            if apply:
+                ratio = float32(lamb_trust_ratio(math.sqrt(acc[q, t]), math.sqrt(acc[q, ntensors + t]),
+                                                 float64(sc.max_trust_ratio)))
+                lr_t = sc.lr * ratio
             ngroups = (n + GROUP - 1) >> 8
             rounds = (ngroups + nwarps - 1) // nwarps
             for r in range(rounds):
@@ -326,21 +430,33 @@ def make_step_kernel(family: str, fc, signed):
                 for j in range(LANE):
                     if j < cnt:
                         mraw = mw[j]
-                        if msize == 4:
-                            p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fc,
-                                                             fresh, keyp, np.uint32((e + j) & 0xFFFFFFFF))
-                        elif msize == 0:
-                            p_, m_, a, b, d = format_element(pw[j], np.uint32(0), gw[j], x0[j], x1[j], x2[j], sc,
-                                                             fc, fresh, keyp, np.uint32((e + j) & 0xFFFFFFFF))
+                        if msize == 0:
+                            mraw = np.uint32(0)
+                        elif msize != 4:
+                            mraw = _remainder(mraw, master)
+                        ij = np.uint32((e + j) & 0xFFFFFFFF)
+                        if lamb:
+                            xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fc,
+                                                              fresh)
+                            if apply:
+                                p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
+                                pw[j] = p_
+                                mw[j] = m_
+                                x0[j] = a
+                                x1[j] = b
+                            else:
+                                sp += float64(xp) * float64(xp)
+                                su += float64(u) * float64(u)
                         else:
-                            p_, m_, a, b, d = format_element(pw[j], _remainder(mraw, master), gw[j], x0[j], x1[j],
-                                                             x2[j], sc, fc, fresh, keyp,
-                                                             np.uint32((e + j) & 0xFFFFFFFF))
-                        pw[j] = p_
-                        mw[j] = m_
-                        x0[j] = a
-                        x1[j] = b
-                        x2[j] = d
+                            p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fc,
+                                                             fresh, keyp, ij)
+                            pw[j] = p_
+                            mw[j] = m_
+                            x0[j] = a
+                            x1[j] = b
+                            x2[j] = d
+                if not writes:
+                    continue
                 # int8: each slot's block scale is the absmax of its new values, over the warp
                 if quant:
                     if u0:
@@ -368,15 +484,30 @@ def make_step_kernel(family: str, fc, signed):
                 elif msize == 1:
                     st8_8(maddr + e, vec, cnt, mw)
                 _store_state(u0, quant, sz, sa0 + (sbase + base) * sz, vec, cnt, w0, x0, sc0, key0, e,
-                             mid_s if sg0 else mid_u)
+                             mid_s if sg0 else mid_u, tb_s if sg0 else tb_u)
                 _store_state(u1, quant, sz, sa1 + (sbase + base) * sz, vec, cnt, w1, x1, sc1, key1, e,
-                             mid_s if sg1 else mid_u)
+                             mid_s if sg1 else mid_u, tb_s if sg1 else tb_u)
                 _store_state(u2, quant, sz, sa2 + (sbase + base) * sz, vec, cnt, w2, x2, sc2, key2, e,
-                             mid_s if sg2 else mid_u)
+                             mid_s if sg2 else mid_u, tb_s if sg2 else tb_u)
+            if lamb and not apply:  # the chunk's sums (uniform over the block: every thread reaches it)
+                sp = _block_sum(sp)
+                su = _block_sum(su)
+                if tid == 0:
+                    cuda.atomic.add(acc, (q, t), sp)
+                    cuda.atomic.add(acc, (q, ntensors + t), su)
             c += cuda.gridDim.x
 
-    step.__name__ = step.__qualname__ = f"formats_step_{family}"
-    return step
+    if lamb:
+        kernel = body
+    else:
+        def kernel(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, found, seed, step, sc):
+            body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, _NO_ACC, 0, found, seed, step, 0, sc)
+
+    body.__name__ = body.__qualname__ = f"formats_{mode}_{family}"
+    if not lamb:
+        body = _device(body)
+        kernel.__name__ = kernel.__qualname__ = f"formats_step_{family}"
+    return kernel
 
 
 @_device
@@ -410,13 +541,13 @@ def _load_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, q):
 
 
 @_device
-def _store_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, key, e, mid):
+def _store_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, key, e, mid, table):
     """The lane's 8 new slot values, encoded (int8 codes at ``scale``, stochastic bfloat16, float32)."""
     if not usedk:
         return
     if quant:
         for j in range(LANE):
-            w[j] = quantize(x[j], scale, mid)
+            w[j] = quantize(x[j], scale, mid, table)
         st8_8(addr, vec, cnt, w)
     elif sz == 2:
         for j in range(LANE):

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from optirs.backends.common.int8_buckets import bucket_table
 from optirs.backends.common.opencl_source import expand_includes, program_source
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
@@ -115,13 +116,16 @@ def _check_structs(ctx: Any, kernel: Any) -> None:
 
 
 def _maps(ctx: Any) -> Any:
-    """[signed q, signed mid, unsigned q, unsigned mid] (mid padded with +inf to 256), on the device once."""
+    """[signed q, signed mid, unsigned q, unsigned mid] (mid padded with +inf to 256), then the signed
+    and the unsigned bucket tables as floats (int8_buckets; the kernels keep them as bytes), on the
+    device once."""
     cache = _cache(ctx)
     buf = cache.get("maps")
     if buf is None:
         parts = []
         for signed in (True, False):
             parts += [dynamic_map(signed), map_midpoints(signed), np.array([np.inf], np.float32)]
+        parts += [bucket_table(True).astype(np.float32), bucket_table(False).astype(np.float32)]
         host = np.concatenate(parts).astype(np.float32)
         cl = ctx.cl
         buf = cache["maps"] = cl.Buffer(ctx.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)

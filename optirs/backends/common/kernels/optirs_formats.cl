@@ -181,19 +181,23 @@ typedef struct {
     if (skip[off.skip])                                                                          \
         return;                                                                                  \
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
+    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];                       \
     __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];                            \
-    fmt_load_maps(maps, lmaps);                                                                  \
+    fmt_load_maps(maps, lmaps, ltables);                                                         \
     FMT_PROLOGUE(P, G)                                                                           \
     __global MST *m = M + off.m + lay;                                                           \
     const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st); \
     const uint key = optirs_rand_key(st.seed, st.step, 0u); /* the parameters' stream */
 
-/* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid]. */
-void fmt_load_maps(__global const float *maps, __local float *lmaps)
+/* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], and their
+ * bucket tables [signed, unsigned] (stored after the maps as floats, kept here as bytes). */
+void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uchar *ltables)
 {
 #if OPTIRS_FMT_STATE == 2
     for (int j = get_local_id(0); j < 1024; j += OPTIRS_WG)
         lmaps[j] = maps[j];
+    for (int j = get_local_id(0); j < 2 * (int)OPTIRS_QT_SIZE; j += OPTIRS_WG)
+        ltables[j] = (uchar)maps[1024 + j];
     barrier(CLK_LOCAL_MEM_FENCE);
 #endif
 }
@@ -313,7 +317,7 @@ float fmt_lane_absmax(float8 x, int nv)
 /* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
  * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
 void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
-                      __local float *scratch)
+                      __local const uchar *ltables, __local float *scratch)
 {
 #if OPTIRS_FMT_STATE == 2
     const int lid = get_local_id(0);
@@ -347,7 +351,8 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
         } else {
             __local const float *q = lmaps + (sl->sign[j] ? 0 : 512);
-            const uchar8 code = optirs_quantize8(s[j], scale[j], q + 256);
+            const uchar8 code = optirs_quantize8(s[j], scale[j], q + 256,
+                                                 ltables + (sl->sign[j] ? 0 : OPTIRS_QT_SIZE));
             store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
@@ -435,8 +440,9 @@ void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
                     const lamb_scalars sc)
 {
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
+    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];
     __local acc_t red[OPTIRS_WG];
-    fmt_load_maps(maps, lmaps);
+    fmt_load_maps(maps, lmaps, ltables);
     FMT_PROLOGUE(P, G)
     __global MST *m = M + off.m + lay;
     const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
@@ -477,7 +483,7 @@ void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
             const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, st.init_master, s, scale, &sc, &pp);
             fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
         }
-        fmt_store_states(&sl, k, nv, s, idx, lmaps, scratch);
+        fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
     FMT_ROUND_END
     (void)scratch;
 }

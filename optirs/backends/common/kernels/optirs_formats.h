@@ -125,24 +125,35 @@ uint8 optirs_r8_join8(ushort8 hi, char8 rem)
 
 /* ---------------------------------------------------------------- int8 blockwise state */
 
+/* The bucket table of optirs/backends/common/int8_buckets.py (the host checks these constants):
+ * a bucket is the top 16 bits of y, magnitudes clamped to [2^-23, 1.0078125), positive buckets
+ * then negative ones; table[b] = the number of midpoints below the bucket, and a bucket holds at
+ * most one midpoint. */
+#define OPTIRS_QT_LO 0x3400u
+#define OPTIRS_QT_HI 0x3F80u
+#define OPTIRS_QT_WIDTH (OPTIRS_QT_HI - OPTIRS_QT_LO + 3u)
+#define OPTIRS_QT_SIZE (2u * OPTIRS_QT_WIDTH)
+
 /* The code of y: the number of k in 0..254 with mid[k] < y (nearest code, ties to the lower one).
- * mid holds 256 entries, mid[255] = +inf, so an 8-step branchless search counts exactly; NaN
- * compares false everywhere and gets code 0. */
-uchar optirs_quantize1(float y, __local const float *mid)
+ * mid holds 256 entries, mid[255] = +inf; one table lookup and one compare (the 8-step binary
+ * search's dependent local-memory reads were the int8 formats' bottleneck); NaN gets code 0. */
+uchar optirs_quantize1(float y, __local const float *mid, __local const uchar *table)
 {
-    uint c = 0;
-    for (uint s = 128; s > 0; s >>= 1)
-        c += mid[c + s - 1] < y ? s : 0u;
-    return (uchar)c;
+    const uint u = as_uint(y);
+    const uint a = clamp((u >> 16) & 0x7FFFu, OPTIRS_QT_LO - 1u, OPTIRS_QT_HI + 1u) - (OPTIRS_QT_LO - 1u);
+    const uint c = table[a + (u >> 31) * OPTIRS_QT_WIDTH];
+    const uint code = c + (mid[c] < y ? 1u : 0u);
+    return (uchar)(isnan(y) ? 0u : code);
 }
 
 /* quantize(x, scale): y = x / scale (0 where scale is 0), then its code. */
-uchar8 optirs_quantize8(float8 x, float scale, __local const float *mid)
+uchar8 optirs_quantize8(float8 x, float scale, __local const float *mid, __local const uchar *table)
 {
     const float8 y = scale == 0.0f ? (float8)0.0f : x / scale;
-    return (uchar8)(optirs_quantize1(y.s0, mid), optirs_quantize1(y.s1, mid), optirs_quantize1(y.s2, mid),
-                    optirs_quantize1(y.s3, mid), optirs_quantize1(y.s4, mid), optirs_quantize1(y.s5, mid),
-                    optirs_quantize1(y.s6, mid), optirs_quantize1(y.s7, mid));
+    return (uchar8)(optirs_quantize1(y.s0, mid, table), optirs_quantize1(y.s1, mid, table),
+                    optirs_quantize1(y.s2, mid, table), optirs_quantize1(y.s3, mid, table),
+                    optirs_quantize1(y.s4, mid, table), optirs_quantize1(y.s5, mid, table),
+                    optirs_quantize1(y.s6, mid, table), optirs_quantize1(y.s7, mid, table));
 }
 
 /* dequantize(code, scale) = q[code] * scale. */

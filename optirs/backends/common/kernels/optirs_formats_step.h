@@ -19,7 +19,7 @@ void FMT_CAT(OPT, _fmt)(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FM
             FMT_CAT(OPT, _element_v8)(&pp, G_LOAD(g + k, nv, aligned), &s[0], &s[1], &s[2], &sc);
             fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
         }
-        fmt_store_states(&sl, k, nv, s, idx, lmaps, scratch);
+        fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
     FMT_ROUND_END
     (void)scratch;
 }

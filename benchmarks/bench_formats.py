@@ -1,0 +1,389 @@
+"""AdamW in every step format beside the peers, in one run, on one backend (issue 13).
+
+Through the public API only: ``optirs.torch.AdamW(..., master_weights=, state_dtype=,
+stochastic_rounding=, backend=)`` on torch tensors (``--backend cuda``: CUDA tensors; ``cpu``:
+CPU tensors), or ``GpuAdamW(..., precision=Precision(...))`` on pyopencl arrays (``--backend
+opencl``). Shapes: GPT-2 124M (148 tensors; ``transformers.GPT2Config()`` when it imports) on a
+GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, tiny ones with
+``--smoke``. AdamW lr 1e-3, weight decay 0.1 on every tensor.
+
+For each row: ms per step (back-to-back steps after warm-up, synchronized at the ends; the
+median of batches), the format's own bytes per parameter (each array read and written once, the
+gradient read), GB/s, its ratio to the copy bandwidth measured in the same run (torch ``copy_`` on
+CUDA, numpy ``copyto`` on the host, a buffer copy on OpenCL), its speed relative to the fastest
+peer (best peer ms / ms: above 1 is faster), and the state bytes per parameter as allocated
+(masters + optimizer state). Peers where they import, on the same device: torch
+AdamW(fused=True) in float32 and on bfloat16 parameters, bitsandbytes AdamW8bit, torchao
+AdamW8bit / AdamW4bit, FlashOptim FlashAdamW (OpenCL: the torch CUDA peers when CUDA is there).
+
+    python benchmarks/bench_formats.py --backend cuda --json h200-formats.json
+    python benchmarks/bench_formats.py --backend opencl --json h200-opencl-formats.json
+    python benchmarks/bench_formats.py --backend cpu
+    python benchmarks/bench_formats.py --backend cpu --smoke   # seconds; skips cleanly without the device
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+LR, BETAS, EPS, DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.1
+
+# (label, param dtype, master, state dtype, stochastic rounding)
+FORMATS = [
+    ("fp32 params, fp32 state (the ordinary step)", "float32", None, "float32", False),
+    ("bf16 params, fp32 masters, fp32 state", "bfloat16", "float32", "float32", False),
+    ("bf16 params, fp32 masters, bf16 state", "bfloat16", "float32", "bfloat16", False),
+    ("bf16 params, remainder16, fp32 state", "bfloat16", "remainder16", "float32", False),
+    ("bf16 params, remainder16, int8 state", "bfloat16", "remainder16", "int8", False),
+    ("bf16 params, remainder8, bf16 state", "bfloat16", "remainder8", "bfloat16", False),
+    ("bf16 params, remainder8, int8 state", "bfloat16", "remainder8", "int8", False),
+    ("bf16 params, no masters (nearest), fp32 state", "bfloat16", None, "float32", False),
+    ("bf16 params, stochastic rounding, bf16 state", "bfloat16", None, "bfloat16", True),
+    ("bf16 params, stochastic rounding, int8 state", "bfloat16", None, "int8", True),
+    ("fp16 params, fp32 masters, fp32 state", "float16", "float32", "float32", False),
+    ("fp32 params, bf16 state", "float32", None, "bfloat16", False),
+    ("fp32 params, int8 state", "float32", None, "int8", False),
+]
+
+
+def gpt_shapes(vocab: int, pos: int, d: int, layers: int) -> List[Tuple[int, ...]]:
+    shapes: List[Tuple[int, ...]] = [(vocab, d), (pos, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def model_shapes(backend: str, smoke: bool) -> List[Tuple[int, ...]]:
+    if smoke:
+        return [(64, 96), (96,), (5000,), (33,)]
+    if backend == "cpu":
+        return gpt_shapes(8192, 512, 384, 6)
+    try:
+        from transformers import GPT2Config
+
+        c = GPT2Config()
+        return gpt_shapes(c.vocab_size, c.n_positions, c.n_embd, c.n_layer)
+    except ImportError:
+        return gpt_shapes(50257, 1024, 768, 12)
+
+
+def format_bytes(pdt: str, master: Optional[str], state: str) -> float:
+    """Bytes per parameter one step moves: p, master and two moments read and written, g read."""
+    p = 2 if pdt != "float32" else 4
+    m = {None: 0, "float32": 4, "remainder16": 2, "remainder8": 1}[master if pdt != "float32" else None]
+    s = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256}[state]
+    return 2 * p + p + 2 * m + 2 * 2 * s
+
+
+def timed(sync: Callable[[], None], fn: Callable[[], None], steps: int, batches: int) -> float:
+    """Median ms per call over ``batches`` batches of ``steps`` back-to-back calls (after warm-up)."""
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(times)
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of a state entry: tensors, numpy / device arrays, nested dicts and lists; scalars count 0."""
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    if hasattr(value, "__tensor_flatten__"):  # torchao's quantized subclasses
+        names, _ = value.__tensor_flatten__()
+        return sum(nbytes(getattr(value, a)) for a in names)
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return int(value.numel()) * int(value.element_size()) if value.numel() > 1 else 0
+    if hasattr(value, "nbytes") and hasattr(value, "size"):
+        return int(value.nbytes) if int(value.size) > 1 else 0
+    return 0
+
+
+# ---------------------------------------------------------------- the backends
+
+
+class Device:
+    """What one backend's rows need: the copy bandwidth, a sync, optirs's step per format."""
+
+    name = ""
+
+    def copy_gb_per_s(self, n: int, steps: int, batches: int) -> float:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        pass
+
+    def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
+        raise NotImplementedError
+
+
+class TorchDevice(Device):
+    """cuda (CUDA tensors) or cpu (CPU tensors) through optirs.torch.AdamW."""
+
+    def __init__(self, torch: Any, backend: str):
+        self.torch, self.backend = torch, backend
+        self.device = "cuda" if backend == "cuda" else "cpu"
+        self.name = torch.cuda.get_device_name() if backend == "cuda" else "host CPU"
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+    def copy_gb_per_s(self, n: int, steps: int, batches: int) -> float:
+        torch = self.torch
+        src = torch.ones(n, device=self.device)
+        dst = torch.empty_like(src)
+        ms = timed(self.sync, lambda: dst.copy_(src), steps, batches)
+        return 2 * 4 * n / (ms * 1e-3) / 1e9
+
+    def tensors(self, shapes, dtype) -> List[Any]:
+        torch = self.torch
+        params = [torch.nn.Parameter(torch.randn(s, device=self.device).to(dtype) * 0.02) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        return params
+
+    def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
+        import optirs.torch as ot
+
+        label, pdt, master, state_dtype, sr = spec
+        torch = self.torch
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[pdt]
+        params = self.tensors(shapes, dtype)
+        opt = ot.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY,
+                       master_weights=master if pdt != "float32" else None, state_dtype=state_dtype,
+                       stochastic_rounding=sr, seed=1234, backend=self.backend)
+        ms = timed(self.sync, opt.step, steps, batches)
+        n = sum(p.numel() for p in params)
+        return {"label": f"optirs {label}", "ms": ms, "bytes_per_param": format_bytes(pdt, master, state_dtype),
+                "state_bytes_per_param": nbytes(opt.state_dict()["state"]) / n}
+
+
+class OpenclDevice(Device):
+    """opencl: pyopencl arrays (bfloat16 / float16 arrays of the ml_dtypes / numpy dtypes) through GpuAdamW."""
+
+    def __init__(self):
+        import optirs
+
+        self.b = optirs.get_backend("opencl")
+        self.ctx = self.b.ctx
+        self.name = self.ctx.device.name.strip()
+
+    def sync(self) -> None:
+        self.ctx.queue.finish()
+
+    def copy_gb_per_s(self, n: int, steps: int, batches: int) -> float:
+        import numpy as np
+        import pyopencl as cl
+        import pyopencl.array as cla
+
+        src = cla.to_device(self.ctx.queue, np.ones(n, np.float32))
+        dst = cla.empty_like(src)
+        ms = timed(self.sync, lambda: cl.enqueue_copy(self.ctx.queue, dst.data, src.data), steps, batches)
+        return 2 * 4 * n / (ms * 1e-3) / 1e9
+
+    def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
+        import ml_dtypes
+        import numpy as np
+        import pyopencl.array as cla
+
+        from optirs import AdamParams, GpuAdamW, GpuOptimizerConfig, Precision
+
+        label, pdt, master, state_dtype, sr = spec
+        dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[pdt]
+        rng = np.random.default_rng(0)
+        q = self.ctx.queue
+        params = [cla.to_device(q, (rng.standard_normal(s, dtype=np.float32) * 0.02).astype(dtype)) for s in shapes]
+        grads = [cla.to_device(q, (rng.standard_normal(s, dtype=np.float32) * 1e-3).astype(dtype)) for s in shapes]
+        hp = AdamParams(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=DECAY)
+        precision = Precision(master_weights=master if pdt != "float32" else None, state_dtype=state_dtype,
+                              stochastic_rounding=sr, seed=1234)
+        opt = GpuAdamW(hp, GpuOptimizerConfig("opencl"), precision=precision)
+        ms = timed(self.sync, lambda: opt.step_gpu(params, grads), steps, batches)
+        n = sum(int(p.size) for p in params)
+        return {"label": f"optirs {label}", "ms": ms, "bytes_per_param": format_bytes(pdt, master, state_dtype),
+                "state_bytes_per_param": nbytes(opt.state_dict()["state"]) / n}
+
+
+# ---------------------------------------------------------------- the peers
+
+
+def peers(torch: Any) -> List[Tuple[str, Callable, Any, float]]:
+    # bytes per parameter: fp32 parameters read and written (8) and the gradient read (4), plus the state
+    out = [("torch fused AdamW fp32", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY,
+                                                                  fused=True), torch.float32, 28.0),
+           ("torch fused AdamW bf16 params and state",
+            lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY, fused=True),
+            torch.bfloat16, 14.0)]
+    try:
+        import bitsandbytes as bnb
+
+        out.append(("bitsandbytes AdamW8bit (fp32 params)",
+                    lambda ps: bnb.optim.AdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY),
+                    torch.float32, 12 + 2 * 2 * (1 + 4 / 2048)))
+    except Exception as exc:
+        print(f"# bitsandbytes not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        out.append(("torchao AdamW8bit (fp32 params)",
+                    lambda ps: AdamW8bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY), torch.float32,
+                    12 + 2 * 2 * (1 + 4 / 256)))
+        out.append(("torchao AdamW4bit (fp32 params)",
+                    lambda ps: AdamW4bit(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY), torch.float32,
+                    12 + 2 * 2 * (0.5 + 4 / 128)))
+    except Exception as exc:
+        print(f"# torchao not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+    try:
+        from flashoptim import FlashAdamW
+
+        out.append(("FlashOptim FlashAdamW (bf16 + 8-bit correction)",
+                    lambda ps: FlashAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY), torch.bfloat16, 12.0))
+    except Exception as exc:
+        print(f"# FlashOptim not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return out
+
+
+def peer_row(dev: TorchDevice, shapes, label: str, make: Callable, dtype: Any, bytes_pp: float, steps: int,
+             batches: int) -> Dict[str, Any]:
+    params = dev.tensors(shapes, dtype)
+    try:
+        opt = make(params)
+        ms = timed(dev.sync, opt.step, steps, batches)
+    except Exception as exc:  # a peer that imports but cannot run here: say why, keep the run
+        return {"label": label, "peer": True, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+    n = sum(p.numel() for p in params)
+    return {"label": label, "peer": True, "ms": ms, "bytes_per_param": bytes_pp,
+            "state_bytes_per_param": nbytes([dict(s) for s in opt.state.values()]) / n}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def open_device(backend: str) -> Tuple[Optional[Device], Optional[Any], str]:
+    """(device, torch for the peers or None, why not) for ``backend``."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if backend in ("cuda", "cpu"):
+        if torch is None:
+            return None, None, "torch is not importable (optirs.torch drives this backend)"
+        if backend == "cuda" and not torch.cuda.is_available():
+            return None, None, f"torch {torch.__version__} sees no CUDA device"
+        import optirs
+
+        status = {s.name: s for s in optirs.list_backends()}.get(backend)
+        if status is None or not status.available:
+            return None, None, f"the {backend} backend cannot open: {getattr(status, 'reason', 'not installed')}"
+        dev = TorchDevice(torch, backend)
+        return dev, dev, ""
+    try:
+        dev = OpenclDevice()
+    except Exception as exc:
+        return None, None, f"the opencl backend cannot open: {type(exc).__name__}: {exc}"
+    peer = TorchDevice(torch, "cuda") if torch is not None and torch.cuda.is_available() else None
+    return dev, peer, ""
+
+
+def finish_rows(rows: List[Dict[str, Any]], n: int, copy: float) -> Optional[float]:
+    """Adds GB/s, the share of copy bandwidth and the speed relative to the best peer; returns the best peer's ms."""
+    timed_peers = [r["ms"] for r in rows if r.get("peer") and "ms" in r]
+    best = min(timed_peers) if timed_peers else None
+    for r in rows:
+        if "ms" not in r:
+            continue
+        r["gb_per_s"] = r["bytes_per_param"] * n / (r["ms"] * 1e-3) / 1e9
+        r["of_copy"] = r["gb_per_s"] / copy
+        r["vs_best_peer"] = best / r["ms"] if best else None
+    return best
+
+
+def print_table(rows: List[Dict[str, Any]], title: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    headers = ["implementation", "ms", "B/param", "GB/s", "of copy", "vs best peer", "state B/p"]
+
+    def cells(r):
+        if "ms" not in r:
+            return [r["label"], "error: " + r["error"], "", "", "", "", ""]
+        vs = f"{r['vs_best_peer']:.2f}x" if r.get("vs_best_peer") else "-"
+        gbs = f"{r['gb_per_s']:.0f}" if r["gb_per_s"] >= 100 else f"{r['gb_per_s']:.2f}"
+        return [r["label"], f"{r['ms']:.3f}", f"{r['bytes_per_param']:.2f}", gbs,
+                f"{r['of_copy']:.1%}", vs, f"{r['state_bytes_per_param']:.2f}"]
+
+    if Console is not None:
+        table = Table(title=title)
+        for i, h in enumerate(headers):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for r in rows:
+            table.add_row(*cells(r))
+        Console(width=160).print(table)
+        return
+    print(title)
+    print(f"{headers[0]:58s} " + " ".join(f"{h:>12s}" for h in headers[1:]))
+    for r in rows:
+        c = cells(r)
+        print(f"{c[0]:58s} " + " ".join(f"{x:>12s}" for x in c[1:]))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("cuda", "opencl", "cpu"), default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, few steps")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--steps", type=int, help="steps per batch (default 20 on a GPU, 3 on cpu)")
+    ap.add_argument("--batches", type=int, help="batches (default 5 on a GPU, 3 on cpu)")
+    ap.add_argument("--no-peers", action="store_true", help="optirs rows only")
+    args = ap.parse_args(argv)
+    dev, peer_dev, why = open_device(args.backend)
+    if dev is None:
+        print(f"skipped: {why}")
+        return 0
+    gpu = args.backend != "cpu"
+    steps = args.steps or (2 if args.smoke else 20 if gpu else 3)
+    batches = args.batches or (2 if args.smoke else 5 if gpu else 3)
+    shapes = model_shapes(args.backend, args.smoke)
+    n = sum(int(__import__("math").prod(s)) for s in shapes)
+    copy_n = (1 << 20) if args.smoke else (256 << 20) if gpu else 4 * n  # host: 2x the bf16+f32 format's bytes
+    copy = dev.copy_gb_per_s(copy_n, steps, batches)
+    title = (f"AdamW step formats, {args.backend} backend on {dev.name}: {len(shapes)} tensors, {n} parameters; "
+             f"copy {copy:.1f} GB/s")
+    print(f"# {title}", flush=True)
+    rows: List[Dict[str, Any]] = []
+    for spec in FORMATS:
+        try:
+            rows.append(dev.optirs_row(shapes, spec, steps, batches))
+        except Exception as exc:
+            rows.append({"label": f"optirs {spec[0]}", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
+        print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
+    if peer_dev is not None and not args.no_peers:
+        for label, make, dtype, bytes_pp in peers(peer_dev.torch):
+            rows.append(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
+            print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
+    best = finish_rows(rows, n, copy)
+    print_table(rows, title)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "device": dev.name, "params": n, "tensors": len(shapes),
+                       "copy_gb_per_s": copy, "best_peer_ms": best, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
