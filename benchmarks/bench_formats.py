@@ -350,6 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, help="steps per batch (default 20 on a GPU, 3 on cpu)")
     ap.add_argument("--batches", type=int, help="batches (default 5 on a GPU, 3 on cpu)")
     ap.add_argument("--no-peers", action="store_true", help="optirs rows only")
+    ap.add_argument("--only", help="words separated by ';': run only the formats and peers whose label "
+                                   "contains one of them (a short run when device time is scarce)")
     args = ap.parse_args(argv)
     dev, peer_dev, why = open_device(args.backend)
     if dev is None:
@@ -366,7 +368,14 @@ def main(argv: Optional[List[str]] = None) -> int:
              f"copy {copy:.1f} GB/s")
     print(f"# {title}", flush=True)
     rows: List[Dict[str, Any]] = []
+    words = [w.strip() for w in args.only.split(";")] if args.only else None
+
+    def wanted(label: str) -> bool:
+        return words is None or any(w in label for w in words)
+
     for spec in FORMATS:
+        if not wanted(spec[0]):
+            continue
         try:
             rows.append(dev.optirs_row(shapes, spec, steps, batches))
         except Exception as exc:
@@ -374,6 +383,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
     if peer_dev is not None and not args.no_peers:
         for label, make, dtype, bytes_pp in peers(peer_dev.torch):
+            if not wanted(label):
+                continue
             rows.append(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
             print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
     best = finish_rows(rows, n, copy)
