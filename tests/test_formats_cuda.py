@@ -10,6 +10,8 @@ comparison of each format is tests/test_formats.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import types as pytypes
 
@@ -19,6 +21,7 @@ import pytest
 
 from optirs.core import formats_reference as R
 from optirs.core.definitions import DEFINITIONS
+from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import FormatState, StepFormat
 from optirs.core.layout import TensorLayout
 
@@ -139,9 +142,11 @@ def _bits(a):
     return a if a.dtype == np.float32 else a.view(np.uint16)
 
 
-def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False):
+def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False, state_grad_dtype=None):
     """Steps through the hooks on numpy inputs; returns (params, buffers) after each step beside the
-    reference's from the same inputs (``cpu``: beside the cpu backend's hooks' instead)."""
+    reference's from the same inputs (``cpu``: beside the cpu backend's hooks' instead).
+    ``state_grad_dtype``: the hook's FormatState made for gradients of this dtype (the state's
+    buffers depend on the storage only; optirs.torch makes one for float32 gradients)."""
     plugin, ctx, cuda = _cuda()
     d = DEFINITIONS[name]
     hp = hp if hp is not None else d.examples[0]
@@ -163,7 +168,9 @@ def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False):
         if flag is not None and isinstance(found, list):  # a skipped step: the reference is "nothing changes"
             want_p, want_b = [_bits(p).reshape(-1).copy() for p in params], {k: v.copy() for k, v in host.items()}
         staged = plugin.optirs_formats_stage(ctx, params, grads, fmt)
-        plugin.optirs_formats_step(ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt,
+        hook_fs = fs if state_grad_dtype is None else FormatState(
+            layout, fs.slots, dataclasses.replace(fmt, grad_dtype=state_grad_dtype))
+        plugin.optirs_formats_step(ctx, d.kernel, staged.params, staged.grads, state, layout, hook_fs, fmt,
                                    d.scalars(hp, step), seed, step, flag)
         staged.finish()
         got_b = {k: state[k].copy_to_host()[: v.size] for k, v in host.items()}
@@ -230,6 +237,21 @@ def test_step_matches_the_reference(name, fmt):
     # sizes that leave partial lanes and groups, and (37) a tensor whose successor is misaligned
     for result in _run(name, fmt, [(37,), (300,)], steps=2):
         _assert_close(result)
+
+
+@pytest.mark.cuda
+def test_state_made_for_float32_gradients_steps_16bit_gradients():
+    """The torch front end keeps one FormatState per bucket whatever the gradients' dtype: a step
+    with bfloat16 gradients on it is the bfloat16-gradient format's step (it was refused on the H200)."""
+    fmt = _fmt("bfloat16", "float32", "float32", gdt="bfloat16")
+    for result in _run("adamw", fmt, [(300,), (37, 5)], 2, state_grad_dtype="float32"):
+        _assert_close(result)
+    plugin, ctx, _ = _cuda()
+    other = _fmt("bfloat16", "remainder8", "float32", gdt="bfloat16")  # another storage: refused
+    d, layout = DEFINITIONS["adamw"], TensorLayout([(4,)])
+    with pytest.raises(InvalidParameterError, match="same storage format"):
+        plugin.optirs_formats_step(ctx, d.kernel, [], [], {}, layout, FormatState(layout, (), fmt), other,
+                                   d.scalars(d.examples[0], 1), 0, 1, None)
 
 
 @pytest.mark.cuda

@@ -297,8 +297,9 @@ def _graph_pair(make_ours, make_ref, amp=False, replays=20):
     ours_model, ref_model = make_model().cuda(), make_model().cuda()
     lrs = [torch.tensor(1e-2, device="cuda"), torch.tensor(1e-2, device="cuda")]
     ours, ref = make_ours(ours_model.parameters(), lrs[0]), make_ref(ref_model.parameters(), lrs[1])
-    scale = torch.full((1,), 2.0**8, device="cuda")
-    found = torch.zeros(1, device="cuda")
+    # 0-d, as GradScaler makes them (torch's fused step subtracts found_inf from its 0-d step counts)
+    scale = torch.full((), 2.0**8, device="cuda")
+    found = torch.zeros((), device="cuda")
     static = [torch.zeros_like(p) for p in ours_model.parameters()]
     for p, g in zip(ours_model.parameters(), static):
         p.grad = g

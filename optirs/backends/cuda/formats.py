@@ -20,6 +20,7 @@ table). A 16-bit array may come as
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -110,8 +111,10 @@ class CudaFormats:
         from optirs.backends.cuda.steps import CudaSteps
 
         definition = _definition(family)
-        if format_state.fmt != fmt:
-            raise InvalidParameterError(f"fmt={fmt} but format_state was made for {format_state.fmt}, expected the same format")
+        # The state's buffers depend on the storage only: gradients may come in either dtype.
+        if replace(format_state.fmt, grad_dtype=fmt.grad_dtype) != fmt:
+            raise InvalidParameterError(f"fmt={fmt} but format_state was made for {format_state.fmt}, "
+                                        "expected the same storage format")
         if layout.total == 0:
             return
         ctx.resolve_stream(params[0] if params else None)
