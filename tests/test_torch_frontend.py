@@ -475,6 +475,37 @@ def test_seed_api_portable_state_dict_under_weights_only_resumes_bit_exact(label
             assert set(x) == set(y) and all(np.array_equal(x[k].view(np.uint8), y[k].view(np.uint8)) for k in x)
 
 
+def test_seed_api_on_torch_tensors_checks_once_and_follows_moved_storage(monkeypatch):
+    """step_gpu on torch tensors steps views made for the call (numpy views, detached tensors), new
+    objects every step: the checks are cached by the caller's tensors, so a repeat call describes
+    nothing, yet a tensor whose storage was replaced (``p.data = ...``) is checked again."""
+    import optirs.optim.optimizers as optimizers_module
+
+    torch.manual_seed(0)
+    params = [torch.randn(64, requires_grad=True), torch.randn(3, 5, requires_grad=True)]
+    grads = [torch.randn_like(p) for p in params]
+    ref = [p.detach().numpy().copy() for p in params]
+    opt = optirs.GpuAdam(optirs.AdamParams(lr=1e-2), optirs.GpuOptimizerConfig(backend="cpu"))
+    twin = optirs.GpuAdam(optirs.AdamParams(lr=1e-2), optirs.GpuOptimizerConfig(backend="cpu"))
+    calls = []
+    real = optimizers_module.describe
+    monkeypatch.setattr(optimizers_module, "describe", lambda a, what="array": calls.append(what) or real(a, what))
+    opt.step_gpu(params, grads)
+    first = len(calls)
+    assert first == 4
+    opt.step_gpu(params, grads)
+    assert len(calls) == first  # the repeat call re-described nothing
+    for _ in range(2):
+        twin.step_gpu(ref, [g.numpy() for g in grads])
+    for p, r in zip(params, ref):
+        assert np.array_equal(p.detach().numpy(), r)
+    with torch.no_grad():
+        params[1].data = torch.zeros(4, 4)  # the same object, other memory of another shape
+    with pytest.raises(ShapeMismatchError):
+        opt.step_gpu(params, [grads[0], torch.zeros(4, 4)])
+    assert opt.step_count == 2
+
+
 # ---------------------------------------------------------------- torch.optim machinery
 
 def test_hooks_zero_grad_add_param_group_one_launch_per_group(monkeypatch):

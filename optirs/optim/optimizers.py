@@ -245,16 +245,21 @@ class GpuOptimizer:
             return list(arrays)
         return [arrays]
 
-    def _validate(self, params: List[Any], grads: List[Any]) -> tuple:
-        """(metas of the parameters, the step's StepFormat), checked once per list of arrays."""
-        key = (tuple(map(id, params)), tuple(map(id, grads)))
+    def _validate(self, params: List[Any], grads: List[Any], originals: Optional[tuple] = None) -> tuple:
+        """(metas of the parameters, the step's StepFormat), checked once per list of arrays.
+
+        ``originals``: the (params, grads) the caller passed when ``params``/``grads`` are views
+        made for this call (torch tensors as numpy views or detached tensors, new objects every
+        step): the cache is keyed by the caller's objects and re-checks their storage."""
+        op, og = originals if originals is not None else (params, grads)
+        key = (tuple(map(id, op)), tuple(map(id, og)))
         hit = self._validated
         if hit is not None and hit[0] == key and _unchanged(hit[3]):
             return hit[2]
         # A changed array is described again: a repeat call refuses exactly what a first call would.
         self._validated = None
         checked = self._describe_all(params, grads)
-        self._validated = (key, (params, grads), checked, _mutable_in_place(params, grads))
+        self._validated = (key, (op, og), checked, _mutable_in_place(op, og))
         return checked
 
     def _describe_all(self, params: List[Any], grads: List[Any]) -> tuple:
@@ -317,16 +322,19 @@ class GpuOptimizer:
         the whole step: parameters, state and ``step_count`` stay as they were.
         """
         plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
+        originals = None
         if _is_torch(plist[0]) or _is_torch(glist[0]):  # zero-copy numpy views, detached CUDA tensors
             from optirs.torch.interop import host_arrays
 
+            originals = (plist, glist)
             plist, glist = host_arrays(plist), host_arrays(glist)
         with self._lock:  # inline rather than _serialized: this is the hot path
-            self._step_locked(plist, glist, found_inf)
+            self._step_locked(plist, glist, found_inf, originals)
 
-    def _step_locked(self, plist: List[Any], glist: List[Any], found_inf: Any = None) -> None:
+    def _step_locked(self, plist: List[Any], glist: List[Any], found_inf: Any = None,
+                     originals: Optional[tuple] = None) -> None:
         skip = self._found_inf(found_inf)
-        metas, fmt = self._validate(plist, glist)
+        metas, fmt = self._validate(plist, glist, originals)
         if skip:
             return
         if not fmt.plain:
