@@ -102,6 +102,18 @@ class SimulatedCapturable:
                    {k: w(v) for k, v in state.items()}, layout, scalars, inputs)
 
 
+def lockstep(pairs, data):
+    """Each (model, optimizer) of ``pairs`` trained on every batch of ``data`` in turn; after each batch
+    the models are the same (to float32 rounding)."""
+    for batch in data:
+        for m, o in pairs:
+            o.zero_grad()
+            backward(m, batch)
+            o.step()
+        for m, _ in pairs[1:]:
+            assert_same(pairs[0][0], m)
+
+
 def _simulated(opt):
     backend = SimulatedCapturable()
     opt._backends["cpu"] = backend
@@ -156,12 +168,7 @@ def test_capturable_through_a_param_group(name, kwargs):
     ours.add_param_group({"params": params[2:], "capturable": True})
     ours.param_groups[0]["capturable"] = True
     backend = _simulated(ours)
-    for batch in data:
-        for m, o in ((ref_model, ref), (our_model, ours)):
-            o.zero_grad()
-            backward(m, batch)
-            o.step()
-        assert_same(ref_model, our_model)
+    lockstep([(ref_model, ref), (our_model, ours)], data)
     assert backend.calls == [name.lower()] * (2 * len(data))
 
 
@@ -208,12 +215,7 @@ def test_capturable_state_dict_round_trips_with_torch():
     for g in sd_torch["param_groups"]:
         g["capturable"] = False
     ref.load_state_dict(sd_torch)
-    for batch in data[6:11]:
-        for m, o in ((model, ours), (twin, ref)):
-            o.zero_grad()
-            backward(m, batch)
-            o.step()
-        assert_same(twin, model)
+    lockstep([(model, ours), (twin, ref)], data[6:11])
     # and a non-capturable torch checkpoint back into a capturable optimizer: torch's groups take
     # the checkpoint's flags, so capturable is set again after loading (the step moves to the device)
     back_model = copy.deepcopy(twin)
@@ -222,12 +224,7 @@ def test_capturable_state_dict_round_trips_with_torch():
     back.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch's load keeps the tensors it is given
     assert back.param_groups[0]["capturable"] is False
     back.param_groups[0]["capturable"] = True
-    for batch in data[11:]:
-        for m, o in ((twin, ref), (back_model, back)):
-            o.zero_grad()
-            backward(m, batch)
-            o.step()
-        assert_same(twin, back_model)
+    lockstep([(twin, ref), (back_model, back)], data[11:])
     assert backend.calls == ["adamw"] * len(data[11:])
     assert float(back.state[next(back_model.parameters())]["step"]) == 16
 
@@ -416,20 +413,10 @@ def test_capturable_checkpoints_interoperate_with_torch_on_cuda():
     twin = copy.deepcopy(model)
     ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, capturable=True)
     ref.load_state_dict(sd)
-    for batch in data[6:11]:
-        for m, o in ((model, ours), (twin, ref)):
-            o.zero_grad()
-            backward(m, batch)
-            o.step()
-        assert_same(twin, model)
+    lockstep([(model, ours), (twin, ref)], data[6:11])
     back_model = copy.deepcopy(twin)
     back = ot.AdamW(back_model.parameters(), lr=1e-2, capturable=True)
     back.load_state_dict(copy.deepcopy(ref.state_dict()))
-    for batch in data[11:]:
-        for m, o in ((twin, ref), (back_model, back)):
-            o.zero_grad()
-            backward(m, batch)
-            o.step()
-        assert_same(twin, back_model)
+    lockstep([(twin, ref), (back_model, back)], data[11:])
     p = next(back_model.parameters())
     assert back.state[p]["step"].device == p.device

@@ -18,9 +18,10 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
+from optirs.backends.common.elementwise import lamb_grad_scale
 from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, encode_state, format_element,
                                             lamb_format_element, quantize, store_master, stream_key)
+from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
 
 _jit = njit(cache=True, error_model="numpy")
@@ -253,6 +254,17 @@ def _make_lamb(fc, fresh):
     int8 = kind == STATE_INT8
     has_master = fc.param != F32 and fc.master != MASTER_NONE
 
+    def load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, so, o, n, a0, a1):
+        """Both moments of one block into ``a0``, ``a1`` (int8 codes and scales, or words): both passes read them."""
+        if int8:
+            _load_codes(w0, c0, m0, q0, blk, so, o, n, a0)
+            _load_codes(w1, c1, m1, q1, blk, so, o, n, a1)
+        else:
+            _load_words(w0, kind, o, n, a0)
+            _load_words(w1, kind, o, n, a1)
+
+    load_moments = njit(cache=True, error_model="numpy")(load_moments)
+
     def lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, chunk_tensor, chunk_start,
                     chunk_stop, ntensors, sc, seed, step):
         """LAMB's format step: the global gradient norm (with max_grad_norm), pass 1 (the per-tensor
@@ -280,28 +292,14 @@ def _make_lamb(fc, fresh):
                 blk = blk0 + b // BLOCK
                 sob = so + b if so >= 0 else so
                 o = off + b
-                if int8:
-                    _load_codes(w0, c0, m0, q0, blk, sob, o, n, a0)
-                else:
-                    _load_words(w0, kind, o, n, a0)
-                if int8:
-                    _load_codes(w1, c1, m1, q1, blk, sob, o, n, a1)
-                else:
-                    _load_words(w1, kind, o, n, a1)
+                load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
                 for i in range(n):
                     x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, has_master),
                                                      np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, fc, fresh)
                     ps_c += np.float64(x) * np.float64(x)
                     us_c += np.float64(u) * np.float64(u)
             p_sq[c], u_sq[c] = ps_c, us_c
-        pn = np.zeros(ntensors, dtype=np.float64)
-        un = np.zeros(ntensors, dtype=np.float64)
-        for c in range(nchunks):
-            pn[chunk_tensor[c]] += p_sq[c]
-            un[chunk_tensor[c]] += u_sq[c]
-        ratio = np.empty(ntensors, dtype=np.float32)
-        for t in range(ntensors):
-            ratio[t] = np.float32(lamb_trust_ratio(np.sqrt(pn[t]), np.sqrt(un[t]), np.float64(sc.max_trust_ratio)))
+        ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
         keyp = stream_key(seed, step, 0)
         k0, k1 = stream_key(seed, step, 1), stream_key(seed, step, 2)
         for c in prange(nchunks):
@@ -316,14 +314,7 @@ def _make_lamb(fc, fresh):
                 blk = blk0 + b // BLOCK
                 sob = so + b if so >= 0 else so
                 o = off + b
-                if int8:
-                    _load_codes(w0, c0, m0, q0, blk, sob, o, n, a0)
-                else:
-                    _load_words(w0, kind, o, n, a0)
-                if int8:
-                    _load_codes(w1, c1, m1, q1, blk, sob, o, n, a1)
-                else:
-                    _load_words(w1, kind, o, n, a1)
+                load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
                 for i in range(n):
                     idx = o + i
                     x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, has_master),

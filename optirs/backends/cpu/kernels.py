@@ -108,6 +108,21 @@ def _global_grad_norm(gs, chunk_tensor, chunk_start, chunk_stop):
     return np.sqrt(partial.sum())
 
 
+@njit(cache=True, error_model="numpy")
+def chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, max_trust_ratio):
+    """LAMB's per-tensor trust ratios (float32) from the chunks' float64 sums of p^2 and u^2, summed
+    per tensor in chunk order (the float32 step and the formats step share it)."""
+    pn = np.zeros(ntensors, dtype=np.float64)
+    un = np.zeros(ntensors, dtype=np.float64)
+    for c in range(chunk_tensor.shape[0]):
+        pn[chunk_tensor[c]] += p_sq[c]
+        un[chunk_tensor[c]] += u_sq[c]
+    ratio = np.empty(ntensors, dtype=np.float32)
+    for t in range(ntensors):
+        ratio[t] = np.float32(lamb_trust_ratio(np.sqrt(pn[t]), np.sqrt(un[t]), np.float64(max_trust_ratio)))
+    return ratio
+
+
 @jit
 def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors, sc):
     nchunks = chunk_tensor.shape[0]
@@ -126,15 +141,7 @@ def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors,
             mc[i], vc[i] = lamb_moments(g[i], mc[i], vc[i], grad_scale, sc)
         p_sq[c] = _sum_squares(p)
         u_sq[c] = _sum_squared_directions(p, mc, vc, sc)
-    # Per-tensor trust ratios.
-    pn = np.zeros(ntensors, dtype=np.float64)
-    un = np.zeros(ntensors, dtype=np.float64)
-    for c in range(nchunks):
-        pn[chunk_tensor[c]] += p_sq[c]
-        un[chunk_tensor[c]] += u_sq[c]
-    ratio = np.empty(ntensors, dtype=np.float32)
-    for t in range(ntensors):
-        ratio[t] = np.float32(lamb_trust_ratio(np.sqrt(pn[t]), np.sqrt(un[t]), np.float64(sc.max_trust_ratio)))
+    ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     # Pass 2: apply; u is recomputed from the same float32 inputs, so it is the same value.
     for c in prange(nchunks):
         t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
