@@ -514,22 +514,28 @@ class MixedPrecisionOptimizer:
         return self.scaler.update(found_inf)
 
     def _check_dtypes(self, plist: List[Any], glist: List[Any]) -> None:
-        """The wrapper's own rule: parameters and gradients all of ``config.param_dtype``."""
+        """The wrapper's own rule: parameters and gradients all of ``config.param_dtype`` (device
+        arrays of bfloat16 may hold it as their uint16/int16 patterns)."""
         from optirs.core.arrays import describe
+        from optirs.optim.optimizers import as_16bit
 
         want = self.config.param_dtype
         for label, arrays in (("params", plist), ("grads", glist)):
             for i, a in enumerate(arrays):
-                dtype = describe(a, f"{label}[{i}]").dtype
+                dtype = as_16bit(describe(a, f"{label}[{i}]"), want).dtype
                 if dtype != want:
                     raise ShapeMismatchError(f"{label}[{i}] has dtype {dtype}, expected {want} (MixedPrecisionConfig.param_dtype)")
+
+    def _bits_as(self) -> Any:
+        """bfloat16 device arrays come as their 16-bit patterns (numba has no bfloat16)."""
+        return self.config.param_dtype if self.config.is_bfloat16 else None
 
     def _fused_step(self, plist: List[Any], glist: List[Any]) -> bool:
         """The step as one format launch over float32 masters (module docstring)."""
         inner, backend = self.inner, self.backend
         with inner._lock:
             self._check_dtypes(plist, glist)
-            metas, fmt = inner._validate(plist, glist)
+            metas, fmt = inner._validate(plist, glist, bits_as=self._bits_as())
             inv = self.scaler.inv_scale
             scalars = inner.step_scalars(inner.step_count + 1)
             if inv > np.float32(1.0):
@@ -540,7 +546,7 @@ class MixedPrecisionOptimizer:
                     self._install_grads32([tuple(m.shape) for m in metas])
                 if bool(unscale(backend.ctx, glist, self._grads32, self._layout, inv, self.config.is_bfloat16)):
                     return self.scaler.update(True)
-                metas, fmt = inner._validate(plist, self._grad_views)
+                metas, fmt = inner._validate(plist, self._grad_views, bits_as=self._bits_as())
                 return self.scaler.update(not inner._format_step(plist, self._grad_views, metas, fmt, scalars))
             # the loss scale divided out inside the step: no pass of its own
             scalars = scalars._replace(grad_factor=np.float32(scalars.grad_factor * inv))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -93,6 +93,17 @@ def _mutable_in_place(params: List[Any], grads: List[Any]) -> tuple:
     so a step over them re-checks nothing per tensor."""
     return ([(a, a.data_ptr()) for a in params + grads if hasattr(a, "data_ptr")] or None,
             [p for p in params if isinstance(p, np.ndarray)] or None)
+
+
+_BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
+
+
+def as_16bit(meta: ArrayMeta, dtype: Any) -> ArrayMeta:
+    """``meta`` of a device array of 16-bit patterns (uint16/int16) as an array of ``dtype``
+    (bfloat16 or float16); any other array's meta as it is."""
+    if meta.kind != "numpy" and meta.dtype in _BITS_DTYPES:
+        return replace(meta, dtype=np.dtype(dtype))
+    return meta
 
 
 def _unchanged(mutable: tuple) -> bool:
@@ -245,29 +256,34 @@ class GpuOptimizer:
             return list(arrays)
         return [arrays]
 
-    def _validate(self, params: List[Any], grads: List[Any], originals: Optional[tuple] = None) -> tuple:
+    def _validate(self, params: List[Any], grads: List[Any], originals: Optional[tuple] = None,
+                  bits_as: Any = None) -> tuple:
         """(metas of the parameters, the step's StepFormat), checked once per list of arrays.
 
         ``originals``: the (params, grads) the caller passed when ``params``/``grads`` are views
         made for this call (torch tensors as numpy views or detached tensors, new objects every
-        step): the cache is keyed by the caller's objects and re-checks their storage."""
+        step): the cache is keyed by the caller's objects and re-checks their storage.
+        ``bits_as``: the 16-bit dtype that device arrays of uint16/int16 patterns hold (numba and
+        CuPy have no bfloat16, so bfloat16 device arrays travel as their bits)."""
         op, og = originals if originals is not None else (params, grads)
-        key = (tuple(map(id, op)), tuple(map(id, og)))
+        key = (tuple(map(id, op)), tuple(map(id, og)), bits_as)
         hit = self._validated
         if hit is not None and hit[0] == key and _unchanged(hit[3]):
             return hit[2]
         # A changed array is described again: a repeat call refuses exactly what a first call would.
         self._validated = None
-        checked = self._describe_all(params, grads)
+        checked = self._describe_all(params, grads, bits_as)
         self._validated = (key, (op, og), checked, _mutable_in_place(op, og))
         return checked
 
-    def _describe_all(self, params: List[Any], grads: List[Any]) -> tuple:
+    def _describe_all(self, params: List[Any], grads: List[Any], bits_as: Any = None) -> tuple:
         if len(params) != len(grads):
             raise ShapeMismatchError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
         metas, grad_metas = [], []
         for i, (p, g) in enumerate(zip(params, grads)):
             pm, gm = describe(p, f"params[{i}]"), describe(g, f"grads[{i}]")
+            if bits_as is not None:
+                pm, gm = as_16bit(pm, bits_as), as_16bit(gm, bits_as)
             if dtype_name(pm.dtype) not in self.param_dtypes:
                 raise ShapeMismatchError(
                     f"params[{i}] has dtype {pm.dtype}, expected one of {list(self.param_dtypes)}"
