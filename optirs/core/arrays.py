@@ -8,7 +8,7 @@ before a backend touches anything.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -117,6 +117,19 @@ def _cuda_interface(array: Any) -> Tuple[Optional[Dict[str, Any]], Optional[np.d
     if cai is None:
         return None, None
     return cai, np.dtype(cai["typestr"])
+
+
+# numba, CuPy and torch's __cuda_array_interface__ have no bfloat16: bfloat16 device arrays
+# travel as their 16-bit patterns.
+BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
+
+
+def as_16bit(meta: ArrayMeta, dtype: Any) -> ArrayMeta:
+    """``meta`` of a device array of 16-bit patterns (uint16/int16) as an array of ``dtype``
+    (bfloat16 or float16); any other array's meta as it is."""
+    if meta.kind != "numpy" and meta.dtype in BITS_DTYPES:
+        return replace(meta, dtype=np.dtype(dtype))
+    return meta
 
 
 # ndarray subclasses that are plain memory: numpy's memory-mapped files.

@@ -516,8 +516,7 @@ class MixedPrecisionOptimizer:
     def _check_dtypes(self, plist: List[Any], glist: List[Any]) -> None:
         """The wrapper's own rule: parameters and gradients all of ``config.param_dtype`` (device
         arrays of bfloat16 may hold it as their uint16/int16 patterns)."""
-        from optirs.core.arrays import describe
-        from optirs.optim.optimizers import as_16bit
+        from optirs.core.arrays import as_16bit, describe
 
         want = self.config.param_dtype
         for label, arrays in (("params", plist), ("grads", glist)):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from optirs.core import checkpoint as ck
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.core.arrays import ArrayMeta, check_no_overlap, describe
+from optirs.core.arrays import ArrayMeta, as_16bit, check_no_overlap, describe
 from optirs.core.errors import BackendUnavailableError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.formats import PARAM_DTYPES, Precision, StepFormat, dtype_name, resolve_format
 from optirs.core.interrupts import deferred_interrupts
@@ -93,17 +93,6 @@ def _mutable_in_place(params: List[Any], grads: List[Any]) -> tuple:
     so a step over them re-checks nothing per tensor."""
     return ([(a, a.data_ptr()) for a in params + grads if hasattr(a, "data_ptr")] or None,
             [p for p in params if isinstance(p, np.ndarray)] or None)
-
-
-_BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
-
-
-def as_16bit(meta: ArrayMeta, dtype: Any) -> ArrayMeta:
-    """``meta`` of a device array of 16-bit patterns (uint16/int16) as an array of ``dtype``
-    (bfloat16 or float16); any other array's meta as it is."""
-    if meta.kind != "numpy" and meta.dtype in _BITS_DTYPES:
-        return replace(meta, dtype=np.dtype(dtype))
-    return meta
 
 
 def _unchanged(mutable: tuple) -> bool:

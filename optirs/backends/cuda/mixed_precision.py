@@ -16,7 +16,7 @@ from typing import Any, List
 import numpy as np
 
 from optirs.backends.common import half
-from optirs.core.arrays import ArrayMeta, describe
+from optirs.core.arrays import ArrayMeta, as_16bit, describe
 from optirs.core.errors import InvalidParameterError
 from optirs.core.layout import TensorLayout
 from optirs.core.simulator import is_simulator_array
@@ -24,7 +24,6 @@ from optirs.plugin.hookspecs import hookimpl
 
 # Threads per block: a simple elementwise pass, any multiple of the warp works.
 BLOCK = 256
-_BITS_DTYPES = (np.dtype(np.uint16), np.dtype(np.int16))
 
 _kernels = None
 cuda = None  # numba.cuda, imported by cuda_kernels
@@ -103,11 +102,7 @@ class CudaMixedPrecision:
             raise InvalidParameterError(
                 f"{what} has a dtype numpy cannot read ({exc}), expected float16, or bfloat16 as uint16/int16 bit patterns"
             ) from exc
-        # numba, CuPy and torch's __cuda_array_interface__ have no bfloat16: bfloat16 tensors
-        # arrive as their 16-bit patterns.
-        if np.dtype(half_dtype).name == "bfloat16" and meta.dtype in _BITS_DTYPES:
-            meta = ArrayMeta(meta.kind, meta.shape, np.dtype(half_dtype), meta.contiguous, meta.writeable, meta.address)
-        return meta
+        return as_16bit(meta, half_dtype) if np.dtype(half_dtype).name == "bfloat16" else meta
 
     @hookimpl
     def optirs_mixed_precision_unscale(self, ctx: Any, grads: List[Any], out: Any, layout: TensorLayout,
