@@ -301,6 +301,21 @@ def _storage(precision: Any, params: List[torch.Tensor], definition: OptimizerDe
     return None if fmt.plain else fmt
 
 
+def closure_and_amp(opt: Any, closure: Optional[Callable[[], Any]], grad_scale: Any, found_inf: Any):
+    """(``closure()``'s loss, evaluated with grad enabled, or None; ``grad_scale``; ``found_inf``),
+    the last two from the attributes of those names that ``torch.amp.GradScaler`` sets on
+    optimizers with ``_step_supports_amp_scaling`` when not passed."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    if grad_scale is None:
+        grad_scale = getattr(opt, "grad_scale", None)
+    if found_inf is None:
+        found_inf = getattr(opt, "found_inf", None)
+    return loss, grad_scale, found_inf
+
+
 def _check_flags(group: Dict[str, Any], capturable_ok: bool = False) -> None:
     """``differentiable`` is never honoured; ``capturable`` only where the caller can (the
     optirs.torch optimizers on elementwise definitions; not CPUOffload, whose step is on the host)."""
@@ -586,14 +601,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
         device whose backend has the ``capturable`` capability both stay on the device (no host
         synchronisation); on the CPU they are read on the host (free there).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if grad_scale is None:
-            grad_scale = getattr(self, "grad_scale", None)
-        if found_inf is None:
-            found_inf = getattr(self, "found_inf", None)
+        loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
         amp = grad_scale is not None or found_inf is not None
         # Check every group first, so a bad one leaves every parameter and state as it was.
         plans = []

@@ -46,7 +46,7 @@ from optirs.core.interrupts import deferred_interrupts
 from optirs.torch import optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import resolve_format
-from optirs.torch._frontend import OptirsOptimizer, _check_flags
+from optirs.torch._frontend import OptirsOptimizer, _check_flags, closure_and_amp
 
 OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per chunk: large enough that a chunk's fixed cost (a front-end step, a few copies)
@@ -601,14 +601,7 @@ class CPUOffload(torch.optim.Optimizer):
         A KeyboardInterrupt during the step is delivered after it; a worker's exception is raised
         (as the ``__cause__`` of a GpuOptimError) after the step was completed by retrying.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if grad_scale is None:
-            grad_scale = getattr(self, "grad_scale", None)
-        if found_inf is None:
-            found_inf = getattr(self, "found_inf", None)
+        loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
         t0 = time.perf_counter()
         with deferred_interrupts():
             try:
