@@ -150,3 +150,14 @@ class FakeHostBackend:
     @hookimpl
     def optirs_stage(self, params, grads):
         return Staged(params, grads)
+
+
+def backend_step(backend, name, params, grads, state, layout, scalars, *, step=1, seed=0, found_inf=None,
+                 check_finite=False, device=None, fmt=None, format_state=None):
+    """One call of an opened backend's ``optirs_step`` (``backend.step``) for optimizer ``name``."""
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.plugin.hookspecs import StepControls, StepRequest
+
+    backend.step(backend.ctx, StepRequest(DEFINITIONS[name], params, grads, state, layout, scalars,
+                                          StepControls(step, seed, found_inf, check_finite, device), fmt,
+                                          format_state))

@@ -22,7 +22,7 @@ from optirs.core.errors import DeviceMemoryError, InvalidParameterError
 from optirs.core.layout import TensorLayout
 from optirs.optim.optimizers import OPTIMIZERS
 
-from conftest import SIMULATOR
+from conftest import backend_step, SIMULATOR
 
 pytestmark = pytest.mark.cuda
 
@@ -140,13 +140,12 @@ def _run_hooks(backend, name, hp, host_params, host_grads, as_device):
         params.append(padded[1:])
     else:
         params = [p.copy() for p in host_params]
-    step = backend.step_fn(name)
     for t, gs in enumerate(host_grads, start=1):
         grads = [cuda.to_device(g.reshape(-1)) for g in gs] if as_device else gs
-        staged = backend.stage(backend.ctx, params, grads)
+        staged = backend.stage(backend.ctx, params, grads, None)
         if as_device:
             assert staged.finish is None and all(a is b for a, b in zip(staged.params, params))
-        step(backend.ctx, staged.params, staged.grads, state, layout, opt.step_scalars(t))
+        backend_step(backend, name, staged.params, staged.grads, state, layout, opt.step_scalars(t), step=t)
         if staged.finish is not None:
             staged.finish()
     out = [p.copy_to_host().reshape(h.shape) for p, h in zip(params, host_params)] if as_device else params

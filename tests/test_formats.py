@@ -291,7 +291,7 @@ def test_reference_encodings_follow_the_contract(rng):
 # ---------------------------------------------------------------- every format x family on every backend
 
 import optirs  # noqa: E402
-from conftest import from_backend_array, to_backend_array  # noqa: E402
+from conftest import backend_step, from_backend_array, to_backend_array  # noqa: E402
 
 from optirs.core import params as P  # noqa: E402
 
@@ -346,11 +346,11 @@ class FormatRun:
         """params / grads: host word arrays (float32, or uint16 bits); returns the new host words."""
         dev_p = [to_backend_array(self.backend, p) for p in params]
         dev_g = [to_backend_array(self.backend, g) for g in grads]
-        staged = self.b.hook("formats", "optirs_formats_stage")(self.b.ctx, dev_p, dev_g, self.fmt)
+        staged = self.b.stage(self.b.ctx, dev_p, dev_g, self.fmt)
         flag = None if found_inf is None else to_backend_array(self.backend, np.array([found_inf], np.int32))
-        self.b.hook("formats", "optirs_formats_step")(
-            self.b.ctx, self.d.kernel, staged.params, staged.grads, self.state, self.layout, self.fs, self.fmt,
-            self.d.scalars(self.hp, step), self.seed, step, flag)
+        backend_step(self.b, self.d.name, staged.params, staged.grads, self.state, self.layout,
+                     self.d.scalars(self.hp, step), step=step, seed=self.seed, found_inf=flag, fmt=self.fmt,
+                     format_state=self.fs)
         if staged.finish is not None:
             staged.finish()
         self.b.synchronize()
@@ -446,10 +446,10 @@ def _dense_step(backend, d, hp, params32, grads32, state32, step):
     layout = TensorLayout([p.shape for p in params32])
     dev_p = [to_backend_array(backend, p) for p in params32]
     dev_g = [to_backend_array(backend, g) for g in grads32]
-    staged = b.stage(b.ctx, dev_p, dev_g)
+    staged = b.stage(b.ctx, dev_p, dev_g, None)
     if state32 is None:
         state32 = {k: b.alloc(b.ctx, layout.total, np.float32, v) for k, v in d.state_slots(hp).items()}
-    b.step_fn(d.name)(b.ctx, staged.params, staged.grads, state32, layout, d.scalars(hp, step))
+    backend_step(b, d.name, staged.params, staged.grads, state32, layout, d.scalars(hp, step), step=step)
     if staged.finish is not None:
         staged.finish()
     b.synchronize()
@@ -603,10 +603,9 @@ def test_check_sets_the_flag(backend, dtype, bad, rng):
         last[-1] = _words(np.array([bad], np.float32), dtype)[0]
     for start in (0, 1):
         dev_g = [to_backend_array(backend, g) for g in grads]
-        staged = b.hook("formats", "optirs_formats_stage")(b.ctx, [to_backend_array(backend, g.copy()) for g in grads],
-                                                           dev_g, fmt)
+        staged = b.stage(b.ctx, [to_backend_array(backend, g.copy()) for g in grads], dev_g, fmt)
         flag = to_backend_array(backend, np.array([start], np.int32))
-        b.hook("formats", "optirs_formats_check")(b.ctx, staged.grads, layout, fmt, flag)
+        b.plugin._formats_check(b.ctx, staged.grads, layout, fmt, flag)  # the check pass alone
         b.synchronize()
         assert int(from_backend_array(flag)[0]) == (1 if bad is not None or start else 0)
 
@@ -614,7 +613,9 @@ def test_check_sets_the_flag(backend, dtype, bad, rng):
 def test_bad_inputs_raise_optirs_errors(backend, rng):
     b = _open(backend)
     fmt = F.StepFormat("bfloat16", "bfloat16", None, "float32", False)
-    stage = b.hook("formats", "optirs_formats_stage")
+    def stage(ctx, params, grads, fmt):
+        return b.stage(ctx, params, grads, fmt)
+
     p = to_backend_array(backend, np.zeros(8, np.float16))
     with pytest.raises(InvalidParameterError, match="params\\[0\\]"):
         stage(b.ctx, [p], [to_backend_array(backend, np.zeros(8, np.uint16))], fmt)
@@ -623,8 +624,8 @@ def test_bad_inputs_raise_optirs_errors(backend, rng):
     run = FormatRun(backend, "adam", "bf16", [(8,)])
     staged = stage(b.ctx, [to_backend_array(backend, np.zeros(8, np.uint16))], [to_backend_array(backend, np.zeros(8, np.uint16))], fmt)
     with pytest.raises(UnsupportedOperationError, match="adafactor"):
-        b.hook("formats", "optirs_formats_step")(b.ctx, "adafactor", staged.params, staged.grads, run.state, run.layout,
-                                                 run.fs, fmt, DEFINITIONS["adafactor"].scalars(P.AdafactorParams(), 1), 0, 1, None)
+        backend_step(b, "adafactor", staged.params, staged.grads, run.state, run.layout,
+                     DEFINITIONS["adafactor"].scalars(P.AdafactorParams(), 1), fmt=fmt, format_state=run.fs)
 
 
 # ---------------------------------------------------------------- the two-lookup quantizer

@@ -24,6 +24,7 @@ from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import FormatState, StepFormat
 from optirs.core.layout import TensorLayout
+from optirs.plugin.hookspecs import StepControls, StepRequest
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 HOST = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -167,11 +168,11 @@ def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False, state
         flag = found[step - 1] if isinstance(found, list) else found
         if flag is not None and isinstance(found, list):  # a skipped step: the reference is "nothing changes"
             want_p, want_b = [_bits(p).reshape(-1).copy() for p in params], {k: v.copy() for k, v in host.items()}
-        staged = plugin.optirs_formats_stage(ctx, params, grads, fmt)
+        staged = plugin.optirs_stage(ctx, params, grads, fmt)
         hook_fs = fs if state_grad_dtype is None else FormatState(
             layout, fs.slots, dataclasses.replace(fmt, grad_dtype=state_grad_dtype))
-        plugin.optirs_formats_step(ctx, d.kernel, staged.params, staged.grads, state, layout, hook_fs, fmt,
-                                   d.scalars(hp, step), seed, step, flag)
+        plugin.optirs_step(ctx, StepRequest(d, staged.params, staged.grads, state, layout, d.scalars(hp, step),
+                                            StepControls(step, seed, flag), fmt, hook_fs))
         staged.finish()
         got_b = {k: state[k].copy_to_host()[: v.size] for k, v in host.items()}
         out.append(([_bits(p).reshape(-1).copy() for p in params], got_b, [np.asarray(w).reshape(-1) for w in want_p],
@@ -187,8 +188,8 @@ def _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step):
     b = optirs.get_backend("cpu")
     ps = [p.copy() for p in params]
     state = {k: v.copy() for k, v in host.items()}
-    staged = b.hook("formats", "optirs_formats_stage")(b.ctx, ps, list(grads), fmt)
-    b.hook("formats", "optirs_formats_step")(b.ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt,
+    staged = b.stage(b.ctx, ps, list(grads), fmt)
+    b.plugin._formats_step(b.ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt,
                                              d.scalars(hp, step), seed, step, None)
     return [_bits(p) for p in ps], state
 
@@ -250,7 +251,7 @@ def test_state_made_for_float32_gradients_steps_16bit_gradients():
     other = _fmt("bfloat16", "remainder8", "float32", gdt="bfloat16")  # another storage: refused
     d, layout = DEFINITIONS["adamw"], TensorLayout([(4,)])
     with pytest.raises(InvalidParameterError, match="same storage format"):
-        plugin.optirs_formats_step(ctx, d.kernel, [], [], {}, layout, FormatState(layout, (), fmt), other,
+        plugin._formats_step(ctx, d.kernel, [], [], {}, layout, FormatState(layout, (), fmt), other,
                                    d.scalars(d.examples[0], 1), 0, 1, None)
 
 
@@ -307,9 +308,9 @@ def test_found_inf_skips_the_whole_step():
     flag = cuda.to_device(np.zeros(1, np.int32))
     fmt = _fmt("bfloat16", "remainder16", "bfloat16")
     grads = [np.ones(7, ml_dtypes.bfloat16), np.array([1.0, np.inf] * 20, ml_dtypes.bfloat16)]
-    staged = plugin.optirs_formats_stage(ctx, [np.zeros(7, ml_dtypes.bfloat16), np.zeros(40, ml_dtypes.bfloat16)],
+    staged = plugin.optirs_stage(ctx, [np.zeros(7, ml_dtypes.bfloat16), np.zeros(40, ml_dtypes.bfloat16)],
                                          grads, fmt)
-    plugin.optirs_formats_check(ctx, staged.grads, TensorLayout([(7,), (40,)]), fmt, flag)
+    plugin._formats_check(ctx, staged.grads, TensorLayout([(7,), (40,)]), fmt, flag)
     assert flag.copy_to_host()[0] == 1
     before = _run("adamw", fmt, [(9,)], steps=1)  # the same inputs stepped without a flag ...
     skipped = _run("adamw", fmt, [(9,)], steps=1, found=flag)  # ... and with the raised one
@@ -331,9 +332,9 @@ def test_check_flags_nonfinite_gradients_only():
             if bad is not None:
                 grads[bad].reshape(-1)[-1] = np.nan if bad else np.inf
             params = [np.zeros(s, HOST[fmt.param_dtype]) for s in shapes]
-            staged = plugin.optirs_formats_stage(ctx, params, grads, fmt)
+            staged = plugin.optirs_stage(ctx, params, grads, fmt)
             flag = cuda.to_device(np.zeros(1, np.int32))
-            plugin.optirs_formats_check(ctx, staged.grads, TensorLayout(shapes), fmt, flag)
+            plugin._formats_check(ctx, staged.grads, TensorLayout(shapes), fmt, flag)
             assert flag.copy_to_host()[0] == (bad is not None), (gdt, bad)
 
 
@@ -344,11 +345,11 @@ def test_stage_refuses_the_wrong_dtype():
     plugin, ctx, cuda = _cuda()
     fmt = _fmt("bfloat16", None, "float32")
     with pytest.raises(InvalidParameterError, match="expected bfloat16"):
-        plugin.optirs_formats_stage(ctx, [np.zeros(4, np.float16)], [np.zeros(4, ml_dtypes.bfloat16)], fmt)
+        plugin.optirs_stage(ctx, [np.zeros(4, np.float16)], [np.zeros(4, ml_dtypes.bfloat16)], fmt)
     with pytest.raises(InvalidParameterError, match="expected bfloat16"):
-        plugin.optirs_formats_stage(ctx, [cuda.to_device(np.zeros(4, np.float32))],
+        plugin.optirs_stage(ctx, [cuda.to_device(np.zeros(4, np.float32))],
                                     [cuda.to_device(np.zeros(4, np.uint16))], fmt)
     # uint16 device arrays are the bfloat16 bit patterns
-    staged = plugin.optirs_formats_stage(ctx, [cuda.to_device(np.zeros(4, np.uint16))],
+    staged = plugin.optirs_stage(ctx, [cuda.to_device(np.zeros(4, np.uint16))],
                                          [cuda.to_device(np.zeros(4, np.uint16))], fmt)
     assert len(staged.params) == 1

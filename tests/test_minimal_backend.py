@@ -45,4 +45,4 @@ def test_example_backend_fits_in_100_lines_and_runs():
     assert len(source.read_text().splitlines()) < 100
     out = subprocess.run([sys.executable, str(source)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "does not implement the 'adam' step" in out.stdout
+    assert "does not run the 'adam' step" in out.stdout

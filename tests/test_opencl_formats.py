@@ -14,6 +14,7 @@ import pytest
 
 import optirs
 from optirs.backends.common.opencl_source import expand_includes
+from conftest import backend_step
 
 cl = pytest.importorskip("pyopencl")
 cla = pytest.importorskip("pyopencl.array")
@@ -337,9 +338,10 @@ class _Model:
         self.t += 1
         params = self.params if params is None else params
         b, ctx = self.backend, self.ctx
-        staged = b.hook("formats", "optirs_formats_stage")(ctx, params, grads, self.fmt)
-        b.hook("formats", "optirs_formats_step")(ctx, self.definition.kernel, staged.params, staged.grads, self.state, self.layout,
-                              self.fs, self.fmt, self.definition.scalars(self.hp, self.t), seed, self.t, found_inf)
+        staged = b.stage(ctx, params, grads, self.fmt)
+        backend_step(b, self.definition.name, staged.params, staged.grads, self.state, self.layout,
+                     self.definition.scalars(self.hp, self.t), step=self.t, seed=seed, found_inf=found_inf,
+                     fmt=self.fmt, format_state=self.fs)
         if staged.finish is not None:
             staged.finish()
         b.synchronize()
@@ -532,7 +534,7 @@ def test_found_inf_skips_the_whole_step(ocl, name):
 @pytest.mark.parametrize("grad_dtype", ["bfloat16", "float16", "float32"])
 def test_check_flags_non_finite_gradients(ocl, grad_dtype):
     ctx = ocl.ctx
-    check = ocl.hook("formats", "optirs_formats_check")
+    check = ocl.plugin._formats_check  # the check pass alone
     fmt = F.StepFormat("float32" if grad_dtype == "float32" else grad_dtype, grad_dtype, None, "float32", False)
     shapes = [(7,), (9000,), (13,)]
     layout = TensorLayout(shapes)

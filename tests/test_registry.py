@@ -212,5 +212,5 @@ def test_probe_that_raises_is_reported(fresh_registry):
 def test_step_hook_is_bound_once(fresh_registry):
     """The hot path calls the chosen plugin's own function, not the whole hook relay."""
     cpu = optirs.get_backend("cpu")
-    assert cpu.step_fn("adam").__self__ is REGISTRY.records["cpu"].plugin
+    assert cpu.step.__self__ is REGISTRY.records["cpu"].plugin
     assert optirs.get_backend("cpu") is cpu

@@ -519,8 +519,9 @@ def test_hooks_zero_grad_add_param_group_one_launch_per_group(monkeypatch):
     opt.register_state_dict_post_hook(lambda o, sd: sd.update(tagged=True) or sd)
     backend = optirs.get_backend("cpu")
     launches = []
-    real = backend.step_fn
-    monkeypatch.setattr(backend, "step_fn", lambda name: (launches.append(name), real(name))[1])
+    real = backend.step
+    monkeypatch.setattr(backend, "step", lambda ctx, request: (launches.append(request.definition.name),
+                                                               real(ctx, request))[1])
     _train(model, opt, 2)
     assert calls == ["pre", "post"] * 2
     assert launches == ["adamw"] * 4  # one launch per group and step, whatever the tensor count

@@ -478,7 +478,7 @@ class DataParallelOptimizer:
             return {**base, "shapes": [], "state": []}
         torch, _ = _dist()
         world, S = plan.world, plan.segment
-        local = self.inner._host_state() if self.inner._state is not None else {}
+        local = self.inner.engine.host_state()
         # NCCL gathers CUDA tensors, gloo CPU ones; the checkpoint itself is numpy.
         _, dist = _dist()
         device = "cuda" if world > 1 and dist.get_backend(self.group) == "nccl" else "cpu"
@@ -533,9 +533,7 @@ class DataParallelOptimizer:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (the per-rank memory ZeRO-1 divides)."""
-        if self.inner._state is None or self.inner._layout is None:
-            return 0
-        return self.inner._layout.total * F32.itemsize * len(self.inner._state)
+        return self.inner.engine.state_bytes()
 
     def __repr__(self) -> str:
         return f"DataParallelOptimizer({self.inner!r}, mode={self.mode!r}, world={self.world_size}, step={self._step})"

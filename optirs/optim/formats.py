@@ -17,7 +17,7 @@ import numpy as np
 
 from optirs.core import checkpoint as ck
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.core.formats import FormatState, Precision, StepFormat, format_slots, resolve_format
+from optirs.core.formats import FormatState, Precision, StepFormat, resolve_format
 from optirs.core.layout import TensorLayout
 
 CAPABILITY = "formats"
@@ -45,8 +45,14 @@ def same_storage(a: Optional[StepFormat], b: Optional[StepFormat]) -> bool:
     return replace(a, grad_dtype="float32") == replace(b, grad_dtype="float32")
 
 
-def format_state(definition: Any, hp: Any, layout: TensorLayout, fmt: StepFormat) -> FormatState:
-    return FormatState(layout, format_slots(definition, hp), fmt)
+def describe(fmt: Optional[StepFormat]) -> str:
+    """A state's format for messages: ``describe_format``'s, or float32 for None."""
+    return "float32 (the ordinary step)" if fmt is None else describe_format(fmt)
+
+
+def format_state(definition: Any, layout: TensorLayout, fmt: StepFormat, slots: Mapping[str, float]) -> FormatState:
+    """The :class:`FormatState` of a definition's ``slots`` (names, as ``definition.state_slots(hp)`` gives them)."""
+    return FormatState(layout, tuple(s for s in definition.slots if s.name in slots), fmt)
 
 
 def alloc_state(backend: Any, fs: FormatState, initial: Mapping[str, float]) -> Dict[str, Any]:

@@ -16,8 +16,8 @@
 On a backend with the ``formats`` capability (docs/formats.md) the step is the fused format
 step: the inner optimizer runs ``Precision(master_weights="float32")`` over the half
 parameters, one launch decodes the masters, steps them and writes the rounded parameters, and
-the non-finite check (``optirs_formats_check``) sets the step's device ``found_inf`` flag, so an
-overflow skips the launch's writes without a host round trip before it. The loss scale is
+the gradients' non-finite check (the step's ``check_finite`` control) sets the step's device
+``found_inf`` flag, so an overflow skips the launch's writes without a host round trip before it. The loss scale is
 divided out inside the step through the scalars' ``grad_factor``; only a loss scale below 1
 (whose unscaling can overflow a finite half gradient, which the check cannot see) runs the
 unscale pass below into float32 gradients first.
@@ -43,7 +43,6 @@ from optirs.core.arrays import check_no_overlap
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.params import fits_float32
 from optirs.core.layout import TensorLayout
-from optirs.optim import formats as fm
 
 __all__ = [
     "f32_to_f16_bits", "f16_bits_to_f32", "DynamicLossScaler", "OverflowStats", "MixedPrecisionConfig",
@@ -387,7 +386,7 @@ class MixedPrecisionOptimizer:
         if self._fused is None:
             from optirs.core.formats import Precision
 
-            self._fused = self.backend.supports("formats")
+            self._fused = self.inner.name in self.backend.support.formats
             if self._fused:
                 inner = self.inner.precision
                 self.inner.precision = Precision(master_weights="float32", state_dtype=inner.state_dtype, seed=inner.seed)
@@ -400,11 +399,8 @@ class MixedPrecisionOptimizer:
 
     def master_weights(self) -> List[np.ndarray]:
         """Host float32 copies of the master weights, shaped like the parameters (empty before step 1)."""
-        if self._fused and self.inner._state is not None:
-            inner = self.inner
-            fs = inner._format_state()
-            flat = fm.host_buffers(inner.backend, fs, {"master": inner._state["master"]}, inner.state_on_device)
-            return [v.copy() for v in fs.views("master", flat["master"])]
+        if self._fused:
+            return self.inner.engine.master_weights() or []
         if self._master is None:
             return []
         backend = self.backend
@@ -532,25 +528,26 @@ class MixedPrecisionOptimizer:
     def _fused_step(self, plist: List[Any], glist: List[Any]) -> bool:
         """The step as one format launch over float32 masters (module docstring)."""
         inner, backend = self.inner, self.backend
-        with inner._lock:
+        engine = inner.engine
+        with engine.lock:
             self._check_dtypes(plist, glist)
-            metas, fmt = inner._validate(plist, glist, bits_as=self._bits_as())
+            _, shapes, fmt = inner.check_arrays(plist, glist, bits_as=self._bits_as())
             inv = self.scaler.inv_scale
-            scalars = inner.step_scalars(inner.step_count + 1)
             if inv > np.float32(1.0):
                 # A loss scale below 1 can overflow a finite half gradient when unscaled, which the
                 # gradients' check cannot see: the unscale pass writes float32 gradients and flags it.
                 unscale = self._hook("optirs_mixed_precision_unscale")
-                if self._grads32 is None or self._shapes != [tuple(m.shape) for m in metas]:
-                    self._install_grads32([tuple(m.shape) for m in metas])
+                if self._grads32 is None or self._shapes != list(shapes):
+                    self._install_grads32(list(shapes))
                 if bool(unscale(backend.ctx, glist, self._grads32, self._layout, inv, self.config.is_bfloat16)):
                     return self.scaler.update(True)
-                metas, fmt = inner._validate(plist, self._grad_views, bits_as=self._bits_as())
-                return self.scaler.update(not inner._format_step(plist, self._grad_views, metas, fmt, scalars))
+                _, shapes, fmt = inner.check_arrays(plist, self._grad_views, bits_as=self._bits_as())
+                applied = engine.step(plist, self._grad_views, shapes=shapes, hp=inner.params, fmt=fmt,
+                                      seed=inner.precision.seed)
+                return self.scaler.update(not applied)
             # the loss scale divided out inside the step: no pass of its own
-            scalars = scalars._replace(grad_factor=np.float32(scalars.grad_factor * inv))
-            flag = backend.alloc(backend.ctx, 1, np.int32, 0)
-            applied = inner._format_step(plist, glist, metas, fmt, scalars, device_flag=flag, check=True)
+            applied = engine.step(plist, glist, shapes=shapes, hp=inner.params, fmt=fmt, grad_factor=float(inv),
+                                  check_finite=True, seed=inner.precision.seed)
         return self.scaler.update(not applied)
 
     def _install_grads32(self, shapes) -> None:

@@ -31,9 +31,8 @@ from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta, as_16bit, check_no_overlap, describe
 from optirs.core.errors import BackendUnavailableError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.formats import PARAM_DTYPES, Precision, StepFormat, dtype_name, resolve_format
-from optirs.core.interrupts import deferred_interrupts
-from optirs.core.layout import TensorLayout
 from optirs.optim import formats as fm
+from optirs.optim.engine import StepEngine, run_steps
 from optirs.plugin.registry import REGISTRY, Backend
 
 STATE_DTYPE = np.dtype(np.float32)
@@ -128,7 +127,13 @@ def _numpy_checkpoint(value: Any) -> Any:
 
 
 class GpuOptimizer:
-    """Base of every optimizer; each subclass is made from one :class:`OptimizerDefinition`."""
+    """Base of every optimizer; each subclass is made from one :class:`OptimizerDefinition`.
+
+    The seed API's front door over a :class:`~optirs.optim.engine.StepEngine` (:attr:`engine`): it
+    checks the caller's arrays (cached per list of arrays, re-checking what can change under the
+    same objects), resolves the step format from their dtypes and ``precision``, and steps
+    through the engine's transaction.
+    """
 
     name: ClassVar[str]
     params_type: ClassVar[type]
@@ -145,15 +150,11 @@ class GpuOptimizer:
         if precision is not None and not isinstance(precision, Precision):
             raise InvalidParameterError(f"precision={precision!r}, expected an optirs.Precision")
         self.precision = precision or Precision()
-        # The format of the state held (None: float32 state of the ordinary step; set at the first step).
-        self._format: Optional[StepFormat] = None
         self.config = config or GpuOptimizerConfig()
         self.config.check_backend()
-        self._backend: Optional[Backend] = None
-        self._layout: Optional[TensorLayout] = None
-        self._state: Optional[Dict[str, Any]] = None
-        self._state_on_device = False
-        self._step = 0
+        self._engine: Optional[StepEngine] = None
+        # A checkpoint loaded before the backend was opened waits here for the engine.
+        self._pending: Optional[tuple] = None
         self._lock = threading.RLock()
         # The last (params, grads) lists that passed validation, kept alive so their ids stay
         # theirs: a training loop passes the same arrays every step, and re-describing hundreds
@@ -181,12 +182,20 @@ class GpuOptimizer:
     @params.setter
     def params(self, params: Any) -> None:
         params = self._check_params(params)
-        if self._state is not None and self.state_slots(params) != self.state_slots(self._params):
+        held = self._held_slots()
+        if held is not None and self.state_slots(params) != held:
             raise InvalidParameterError(
                 f"params={params!r} need state slots {sorted(self.state_slots(params))}, but the optimizer holds "
-                f"{sorted(self.state_slots(self._params))}; expected hyperparameters that keep the same state"
+                f"{sorted(held)}; expected hyperparameters that keep the same state"
             )
         self._params = params
+
+    def _held_slots(self) -> Optional[Dict[str, float]]:
+        if self._engine is not None and self._engine.state is not None:
+            return self._engine.slots
+        if self._pending is not None and self._pending[1]:
+            return self.state_slots(self._params)
+        return None
 
     def state_slots(self, params) -> Dict[str, float]:
         """Slot name -> initial value of every per-element state buffer these hyperparameters need."""
@@ -196,44 +205,47 @@ class GpuOptimizer:
         """The per-step scalars for 1-based step ``step``."""
         return self.definition.scalars(self._params, step)
 
-    # ------------------------------------------------------------ backend and state placement
+    # ------------------------------------------------------------ backend, engine and state placement
 
     @property
     def backend(self) -> Backend:
         """The opened backend (opened on first use)."""
-        if self._backend is None:
-            self._backend = REGISTRY.get_backend(self.config.backend, self.config.backend_options())
-        return self._backend
+        return self.engine.backend
+
+    @property
+    def engine(self) -> StepEngine:
+        """The :class:`~optirs.optim.engine.StepEngine` that holds the state and steps (the backend opens on first use)."""
+        engine = self._engine
+        if engine is None:
+            with self._lock:
+                if self._engine is None:
+                    backend = REGISTRY.get_backend(self.config.backend, self.config.backend_options())
+                    engine = StepEngine(self.definition, backend)
+                    if self._pending is not None:
+                        engine.restore(*self._pending)
+                        self._pending = None
+                    self._engine = engine
+                engine = self._engine
+        return engine
 
     @property
     def step_count(self) -> int:
-        return self._step
+        if self._engine is None:
+            return self._pending[0] if self._pending is not None else 0
+        return self._engine.step_count
 
     @property
     def state_on_device(self) -> bool:
-        return self._state_on_device
+        return self._engine is not None and self._engine.state_on_device
 
     def move_to_gpu(self) -> None:
         """Open the backend and make the state device-resident (no-op where it already is)."""
-        backend = self.backend
-        if self._state is not None and not self._state_on_device:
-            moved = {k: backend.to_device(backend.ctx, v) for k, v in self._state.items()}
-            self._state, self._state_on_device = moved, True
+        self.engine.to_device()
 
     def move_to_cpu(self) -> None:
         """Bring the state back to host memory (numpy); the next step sends it back."""
-        if self._state is not None and self._state_on_device:
-            self._state, self._state_on_device = self._host_state(), False
-
-    def _host_state(self) -> Dict[str, np.ndarray]:
-        assert self._state is not None
-        if self._format is not None:
-            return fm.host_buffers(self.backend if self._state_on_device else None, self._format_state(),
-                                   self._state, self._state_on_device)
-        if not self._state_on_device:
-            return {k: v.copy() for k, v in self._state.items()}
-        backend = self.backend
-        return {k: np.asarray(backend.to_host(backend.ctx, v), dtype=STATE_DTYPE) for k, v in self._state.items()}
+        if self._engine is not None:
+            self._engine.to_host()
 
     # ------------------------------------------------------------ the step
 
@@ -245,9 +257,10 @@ class GpuOptimizer:
             return list(arrays)
         return [arrays]
 
-    def _validate(self, params: List[Any], grads: List[Any], originals: Optional[tuple] = None,
-                  bits_as: Any = None) -> tuple:
-        """(metas of the parameters, the step's StepFormat), checked once per list of arrays.
+    def check_arrays(self, params: List[Any], grads: List[Any], originals: Optional[tuple] = None,
+                     bits_as: Any = None) -> tuple:
+        """(metas of the parameters, the step's StepFormat) of one step's arrays, checked once per
+        list of arrays (what can change under the same objects is re-checked every call).
 
         ``originals``: the (params, grads) the caller passed when ``params``/``grads`` are views
         made for this call (torch tensors as numpy views or detached tensors, new objects every
@@ -299,22 +312,13 @@ class GpuOptimizer:
         # Real memory identities (pointer or cl_mem handle, byte offset, byte size): no parameter may
         # share a byte with another parameter or with any gradient; gradients may share (read-only).
         check_no_overlap(metas, grad_metas)
-        shapes = [m.shape for m in metas]
-        if self._layout is not None and not self._layout.matches(shapes):
-            raise ShapeMismatchError(
-                f"the parameter list changed: got {len(shapes)} tensors with shapes {shapes}, "
-                f"expected {len(self._layout)} tensors with shapes {self._layout.shapes} as in earlier steps"
-            )
         fmt = resolve_format(self.precision, metas[0].dtype, grad_metas[0].dtype, self.definition.kernel)
-        if self._state is not None and not fm.same_storage(self._format, None if fmt.plain else fmt):
-            held = fm.describe_format(self._format) if self._format else "float32 (the ordinary step)"
-            raise ShapeMismatchError(
-                f"the optimizer's state is in format {held}, but these arrays step as {fm.describe_format(fmt)}; "
-                "expected parameters of the dtype of earlier steps")
-        return metas, fmt
+        return metas, [m.shape for m in metas], fmt
 
-    def step_gpu(self, params: ArrayOrList, grads: ArrayOrList, *, found_inf: Any = None) -> None:
-        """One optimizer step over one array or a list of arrays, updating ``params`` in place.
+    def step_gpu(self, params: ArrayOrList, grads: ArrayOrList, *, found_inf: Any = None,
+                 grad_factor: float = 1.0) -> bool:
+        """One optimizer step over one array or a list of arrays, updating ``params`` in place;
+        returns whether it was applied.
 
         numpy inputs are uploaded, stepped and written back; the backend's own device arrays are
         stepped in place; torch CPU tensors are stepped through numpy views of their memory.
@@ -323,8 +327,9 @@ class GpuOptimizer:
 
         ``found_inf`` (torch's fused optimizers' flag, computed by a pass that reads every gradient
         anyway, such as a loss scaler's unscale): None steps as usual; a bool, ``numpy.bool_`` or a
-        1-element array (numpy, or this backend's device array, read back) that is nonzero skips
-        the whole step: parameters, state and ``step_count`` stay as they were.
+        1-element array (numpy, or this backend's 1-element int32 device array, read on the device)
+        that is nonzero skips the whole step: parameters, state and ``step_count`` stay as they were.
+        ``grad_factor`` multiplies every gradient first (a loss scaler's ``1 / scale``; -1 maximizes).
         """
         plist, glist = self._as_list(params, "params"), self._as_list(grads, "grads")
         originals = None
@@ -333,132 +338,33 @@ class GpuOptimizer:
 
             originals = (plist, glist)
             plist, glist = host_arrays(plist), host_arrays(glist)
+        engine = self.engine
         with self._lock:  # inline rather than _serialized: this is the hot path
-            self._step_locked(plist, glist, found_inf, originals)
+            found_inf = self._check_found_inf(found_inf, engine)
+            _, shapes, fmt = self.check_arrays(plist, glist, originals)
+            prepared = engine.prepare(plist, glist, shapes=shapes, hp=self._params, fmt=fmt, grad_factor=grad_factor,
+                                      found_inf=found_inf, seed=self.precision.seed)
+            run_steps([prepared])
+            return prepared.applied
 
-    def _step_locked(self, plist: List[Any], glist: List[Any], found_inf: Any = None,
-                     originals: Optional[tuple] = None) -> None:
-        skip = self._found_inf(found_inf)
-        metas, fmt = self._validate(plist, glist, originals)
-        if skip:
-            return
-        if not fmt.plain:
-            self._format_step(plist, glist, metas, fmt)
-            return
-        backend = self.backend
-        step = backend.step_fn(self.name)
-        layout = self._layout or TensorLayout([m.shape for m in metas])
-        scalars = self.step_scalars(self._step + 1)
-        # The transaction: no other step on this context in between (shared staging buffers), and
-        # a KeyboardInterrupt lands before it or after the count, never inside.
-        # A plugin's own exception (not optirs' errors) becomes a PluginError naming it and the hook.
-        with deferred_interrupts(), backend.lock:
-            where = 0  # the hook running, named only if it raises
+    def _check_found_inf(self, found_inf: Any, engine: StepEngine) -> Any:
+        """``step_gpu``'s ``found_inf``, checked: None, a host bool / numpy array, or a device flag of this backend."""
+        if found_inf is None or isinstance(found_inf, (bool, np.bool_, np.ndarray)):
+            if isinstance(found_inf, np.ndarray) and found_inf.size != 1:
+                raise InvalidParameterError(f"found_inf has {found_inf.size} elements, expected a bool or a 1-element array")
+            return found_inf
+        meta = describe(found_inf, "found_inf")  # an array kind optirs does not know is refused here
+        if meta.size != 1:
+            raise InvalidParameterError(f"found_inf has {meta.size} elements, expected a bool or a 1-element array")
+        if meta.dtype != np.int32:
+            # the device reads an int32 flag: anything else is read back here
+            backend = engine.backend
             try:
-                if self._state is None:
-                    slots = self.state_slots(self._params)
-                    sizes = self.definition.state_layout(layout, tuple(slots)).buffer_sizes()
-                    state = {k: backend.alloc(backend.ctx, sizes[k], STATE_DTYPE, float(fill)) for k, fill in slots.items()}
-                else:
-                    where = 1
-                    self.move_to_gpu()
-                    state = self._state
-                where = 2
-                staged = backend.stage(backend.ctx, plist, glist)
-                where = 3
-                step(backend.ctx, staged.params, staged.grads, state, layout, scalars)
-                if staged.finish is not None:
-                    where = 4
-                    staged.finish()
-            except Exception as exc:
-                hook = ("optirs_alloc", "optirs_to_device", "optirs_stage", self.definition.hook, "optirs_stage's finish")[where]
-                error = backend.plugin_error(exc, hook)
-                if error is exc:
-                    raise
-                raise error from exc
-            self._layout, self._state, self._state_on_device = layout, state, True
-            self._step += 1
-
-    def _format_state(self, layout: Optional[TensorLayout] = None, fmt: Optional[StepFormat] = None):
-        """The :class:`~optirs.core.formats.FormatState` of the state held (or of ``layout``/``fmt``)."""
-        layout, fmt = layout or self._layout, fmt or self._format
-        cache = layout.cache.get("optirs.formats.state")
-        if cache is None or cache[0] != (fmt, self.state_slots(self._params)):
-            cache = (fmt, self.state_slots(self._params)), fm.format_state(self.definition, self._params, layout, fmt)
-            layout.cache["optirs.formats.state"] = cache
-        return cache[1]
-
-    def _format_step(self, plist: List[Any], glist: List[Any], metas: List[ArrayMeta], fmt: StepFormat,
-                     scalars: Optional[NamedTuple] = None, device_flag: Any = None, check: bool = False) -> bool:
-        """One step in ``fmt`` through the backend's ``formats`` capability, as one transaction;
-        returns whether it was applied.
-
-        ``scalars`` replaces the definition's record (a loss scaler sets its ``grad_factor``);
-        ``device_flag`` is a 1-element int32 array of the backend: non-zero (read on the device)
-        skips the launch's writes; with ``check`` the gradients' non-finite check sets it first
-        (``optirs_formats_check``, in the same transaction). The step is counted only if applied.
-        """
-        backend = self.backend
-        fm.check_backend(backend, fmt)
-        stage = backend.hook(fm.CAPABILITY, "optirs_formats_stage")
-        step = backend.hook(fm.CAPABILITY, "optirs_formats_step")
-        check_grads = backend.hook(fm.CAPABILITY, "optirs_formats_check") if check else None
-        layout = self._layout or TensorLayout([m.shape for m in metas])
-        fs = self._format_state(layout, fmt)
-        if scalars is None:
-            scalars = self.step_scalars(self._step + 1)
-        with deferred_interrupts(), backend.lock:
-            hook = "optirs_alloc"
-            try:
-                if self._state is None:
-                    state = fm.alloc_state(backend, fs, self.state_slots(self._params))
-                else:
-                    hook = "optirs_to_device"
-                    self.move_to_gpu()
-                    state = self._state
-                hook = "optirs_formats_stage"
-                staged = stage(backend.ctx, plist, glist, fmt)
-                if check_grads is not None:
-                    hook = "optirs_formats_check"
-                    check_grads(backend.ctx, staged.grads, layout, fmt, device_flag)
-                hook = "optirs_formats_step"
-                step(backend.ctx, self.definition.kernel, staged.params, staged.grads, state, layout, fs, fmt,
-                     scalars, self.precision.seed, self._step + 1, device_flag)
-                if staged.finish is not None:
-                    hook = "optirs_formats_stage's finish"
-                    staged.finish()
-                skipped = device_flag is not None and self._found_inf(device_flag)
-            except Exception as exc:
-                error = backend.plugin_error(exc, hook)
-                if error is exc:
-                    raise
-                raise error from exc
-            if skipped and self._state is None:
-                return False  # a skipped first step leaves the optimizer fresh (no state)
-            self._layout, self._state, self._state_on_device, self._format = layout, state, True, fmt
-            if not skipped:
-                self._step += 1
-            return not skipped
-
-    def _found_inf(self, found_inf: Any) -> bool:
-        """``step_gpu``'s ``found_inf`` as a host bool (a device flag is read back here)."""
-        if found_inf is None:
-            return False
-        if isinstance(found_inf, (bool, np.bool_)):
-            return bool(found_inf)
-        if isinstance(found_inf, np.ndarray):
-            host = found_inf
-        else:
-            describe(found_inf, "found_inf")  # an array kind optirs does not know is refused here
-            backend = self.backend
-            try:
-                host = np.asarray(backend.to_host(backend.ctx, found_inf))
+                return np.asarray(backend.to_host(backend.ctx, found_inf)).reshape(-1)
             except Exception as exc:
                 raise InvalidParameterError(f"found_inf could not be read back by the {backend.name} backend "
                                             f"({exc}), expected a bool, a numpy array or this backend's array") from exc
-        if host.size != 1:
-            raise InvalidParameterError(f"found_inf has {host.size} elements, expected a bool or a 1-element array")
-        return bool(host.reshape(-1)[0] != 0)
+        return found_inf
 
     # ------------------------------------------------------------ checkpoints
 
@@ -478,26 +384,13 @@ class GpuOptimizer:
                     f"state_dict(portable=True) needs PyTorch ({exc}), expected torch installed (or portable=False: "
                     "numpy arrays)") from exc
             return portable_state_dict(self.state_dict())
-        per_param: List[Dict[str, np.ndarray]] = []
-        extra: Dict[str, Any] = {}
-        if self._format is not None and self._state is not None:
-            # The compact buffers as they are (int8 codes + block scales, bfloat16, remainders).
-            per_param = fm.checkpoint_state(self._format_state(), self._host_state())
-            extra["format"] = fm.format_record(self._format)
-        elif self._state is not None and self._layout is not None:
-            flat = self._host_state()
-            state_layout = self.definition.state_layout(self._layout, tuple(flat))
-            views = {k: state_layout.views(k, v) for k, v in flat.items()}
-            per_param = [{k: views[k][i].copy() for k in flat if views[k][i] is not None}
-                         for i in range(len(self._layout))]
-        return {
-            "optimizer": self.name,
-            "hyperparameters": self._params.to_dict(),
-            "step": self._step,
-            "shapes": [list(s) for s in self._layout.shapes] if self._layout else [],
-            "state": per_param,
-            **extra,
-        }
+        if self._engine is not None:
+            held = self._engine.checkpoint()
+        elif self._pending is not None:
+            held = _pending_checkpoint(self.definition, *self._pending)
+        else:
+            held = {"step": 0, "shapes": [], "state": []}
+        return {"optimizer": self.name, "hyperparameters": self._params.to_dict(), **held}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a checkpoint from :meth:`state_dict`; everything is checked before anything changes.
@@ -532,40 +425,37 @@ class GpuOptimizer:
             self.definition.scalars(params, step + 1)  # the next step's scalars must exist (finite in float32)
         shapes = ck.shapes(state_dict["shapes"], "shapes")
         entries = ck.sequence(state_dict["state"], "state")
-        slots = self.state_slots(params)
-        if not shapes:
-            if entries or step:
-                raise InvalidParameterError("state_dict has state or steps but no shapes, expected both or neither")
-            self._params, self._layout, self._state, self._state_on_device, self._step = params, None, None, False, 0
-            self._format, self._validated = None, None
-            return
-        if len(entries) != len(shapes):
-            raise InvalidParameterError(f"state_dict has {len(entries)} state entries for {len(shapes)} tensors, expected one per tensor")
-        layout = TensorLayout(shapes)
-        if fmt is not None:
-            flat_state = fm.restore_state(fm.format_state(self.definition, params, layout, fmt), entries, slots)
-            self._params, self._layout, self._state, self._state_on_device = params, layout, flat_state, False
-            self._step, self._format, self._validated = step, fmt, None
-            return
-        state_layout = self.definition.state_layout(layout, tuple(slots))
-        values = []  # every entry checked and converted before the flat buffers are made
-        for i, entry in enumerate(entries):
-            wanted = state_layout.state_shapes(i)
-            if not isinstance(entry, Mapping) or set(entry) != set(wanted):
-                got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
-                raise InvalidParameterError(f"state[{i}] has slots {got}, expected {sorted(wanted)} for shape {shapes[i]}")
-            values.append({k: ck.float32_array(entry[k], f"state[{i}][{k!r}]", shape) for k, shape in wanted.items()})
-        flat = {k: np.zeros(n, STATE_DTYPE) for k, n in state_layout.buffer_sizes().items()}
-        views = {k: state_layout.views(k, flat[k]) for k in flat}
-        for i, entry in enumerate(values):
-            for k, value in entry.items():
-                views[k][i][...] = value
-        self._params, self._layout, self._state, self._state_on_device = params, layout, flat, False
-        self._step, self._format, self._validated = step, None, None
+        restored = (step, shapes, entries, self.state_slots(params), fmt)
+        if self._engine is not None:
+            self._engine.restore(*restored)
+        else:
+            StepEngine(self.definition, None).restore(*restored)  # checked now; installed when the engine opens
+            self._pending = restored
+        self._params, self._validated = params, None
+
+    # ------------------------------------------------------------ copies
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickled (and deep-copied) as its configuration and checkpoint: the copy opens its own backend."""
+        with self._lock:
+            return {"params": self._params, "config": self.config, "precision": self.precision,
+                    "checkpoint": self.state_dict()}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        type(self).__init__(self, state["params"], state["config"], precision=state["precision"])
+        self.load_state_dict(state["checkpoint"])
 
     def __repr__(self) -> str:
-        where = self._backend.name if self._backend else self.config.backend
-        return f"{type(self).__name__}({self._params!r}, backend={where!r}, step={self._step})"
+        where = self._engine.backend.name if self._engine else self.config.backend
+        return f"{type(self).__name__}({self._params!r}, backend={where!r}, step={self.step_count})"
+
+
+def _pending_checkpoint(definition: OptimizerDefinition, step: int, shapes: list, entries: list, slots: dict,
+                        fmt: Optional[StepFormat]) -> Dict[str, Any]:
+    """The checkpoint of a state restored before the backend was opened (held on the host)."""
+    engine = StepEngine(definition, None)
+    engine.restore(step, shapes, entries, slots, fmt)
+    return engine.checkpoint()
 
 
 # One step, checkpoint, restore, move or hyperparameter change at a time per optimizer (threads).

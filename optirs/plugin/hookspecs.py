@@ -11,7 +11,8 @@ plugin implements.
 An *analysis* plugin (occupancy, fusion, quantization, ...) answers the analysis hooks.
 
 Lifecycle: ``optirs_probe`` (cheap, never raises) -> ``optirs_open`` (a context) -> per step
-``optirs_stage`` -> ``optirs_step_<optimizer>`` -> ``Staged.finish()``.
+``optirs_stage`` -> ``optirs_step`` (one hook for every optimizer, format and control) ->
+``Staged.finish()``.
 
 Backend hooks are called on the bound backend only, so none of them is ``firstresult``; the
 analysis hooks are called on every plugin, and say so where the first answer wins.
@@ -26,8 +27,9 @@ from typing import (Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Pr
 import numpy as np
 import pluggy
 
-from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.arrays import ArrayMeta
+from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
+from optirs.core.formats import FormatState, StepFormat
 from optirs.core.layout import TensorLayout
 from optirs.core.scalars import AdamScalars, SgdScalars
 
@@ -172,18 +174,23 @@ def optirs_to_host(ctx: BackendContext, array: DeviceArray) -> np.ndarray:
 
 
 @hookspec
-def optirs_stage(ctx: BackendContext, params: List[Any], grads: List[Any]) -> Staged:
-    """Make one step's inputs usable by the step hooks.
+def optirs_stage(ctx: BackendContext, params: List[Any], grads: List[Any], fmt: Optional[StepFormat]) -> Staged:
+    """Make one step's parameters and gradients usable by :func:`optirs_step`.
 
     Host numpy arrays are uploaded (and written back by ``Staged.finish``); the backend's own
     device arrays are used in place, without copies. Shapes, dtypes and contiguity were checked
-    by the caller.
+    by the caller. With a step format, 16-bit arrays (numpy ``ml_dtypes.bfloat16`` / ``float16``,
+    their uint16 bit views, or the backend's own 16-bit device arrays) are staged as the
+    backend's flat uint16 bit arrays; an implementation that takes no ``fmt`` argument stages
+    float32 steps only.
 
     :param ctx: the context from :func:`optirs_open`.
     :param params: the caller's parameter arrays (numpy or the backend's device kind).
     :param grads: the caller's gradient arrays, same kinds and shapes.
+    :param fmt: the step's :class:`optirs.core.formats.StepFormat`, or None for float32 parameters,
+        gradients and state.
     :return: the staged arrays.
-    :raises optirs.InvalidParameterError: for an array kind this backend cannot use.
+    :raises optirs.InvalidParameterError: for an array kind or dtype this backend cannot use.
     """
 
 
@@ -209,13 +216,144 @@ def optirs_synchronize(ctx: BackendContext) -> None:
     """
 
 
-# ---------------------------------------------------------------- optimizer steps
-# One hook per optimizer definition (optirs.core.definitions): ``optirs_step_<name>``. Every step
-# hook updates ``params`` and the flat ``state`` buffers in place, for all tensors of the model
-# at once (one launch per step where the optimizer allows). The hooks are made from the
-# definitions, so adding an optimizer adds its hook.
+# ---------------------------------------------------------------- the step
+# A backend answers one step hook, optirs_step, with a StepRequest: the definition, the staged
+# arrays, the state, the layout, the scalars, the step format and the per-step controls. It picks
+# its kernel in one place (float32 elementwise, LAMB's passes, Adafactor's reductions, a step
+# format, device-side scalars), as torch's adam() picks among its implementations, and says what
+# it runs through optirs_step_support.
 
-_STEP_DOC = """{summary}
+
+@dataclass(frozen=True)
+class DeviceStepInputs:
+    """What a step with device-side scalars reads on the device (every array a float32 device array):
+    the step count and the learning rate live on the device, the backend advances the count and
+    computes the scalars record in a kernel of its own before the step, so a step captured into a
+    CUDA graph replays correctly (optirs.torch's ``capturable=True``). The formulas are
+    :data:`optirs.core.scalars.FORMULAS`, computed in float64 and rounded to float32 as the host does.
+
+    :param steps: every tensor's step count (torch's ``state[p]["step"]``), advanced by one per step.
+    :param record: where the step's scalars record goes (one float32 per field, bools as 0 / 1).
+    :param constants: ``FORMULAS[name].constants(hp)``: the hyperparameters a graph bakes in.
+    :param lr: the learning rate, a float (baked in, as torch's float lr) or a one-element device array
+        read at every step.
+    :param sign: -1.0 with maximize, else 1.0.
+    :param grad_scale: None, or a one-element device array: the gradient factor is ``sign / grad_scale``.
+    :param found_inf: None, or a one-element device array: when non-zero, the step changes nothing
+        (not the count either).
+    """
+
+    steps: DeviceArray
+    record: DeviceArray
+    constants: Tuple[float, ...]
+    lr: Any
+    sign: float = 1.0
+    grad_scale: Optional[DeviceArray] = None
+    found_inf: Optional[DeviceArray] = None
+
+
+class StepControls(NamedTuple):
+    """The per-step controls of a :class:`StepRequest`.
+
+    :param step: the 1-based step being taken (stochastic rounding's counter, the formats' first-step reads).
+    :param seed: stochastic rounding's seed, in [0, 2**32).
+    :param found_inf: None, or a 1-element int32 array of this backend: when it is non-zero (read
+        on the device, without a host round trip) the step writes nothing.
+    :param check_finite: set ``found_inf[0] = 1`` first when any gradient is inf or NaN (``found_inf``
+        is then given), so a loss scaler skips the whole step on the device.
+    :param device: None, or the :class:`DeviceStepInputs` of a step whose count, lr and scalars live
+        on the device (``scalars`` is then a record of the family's type, its values unused).
+    """
+
+    step: int = 1
+    seed: int = 0
+    found_inf: Optional[DeviceArray] = None
+    check_finite: bool = False
+    device: Optional[DeviceStepInputs] = None
+
+
+class StepRequest(NamedTuple):
+    """One optimizer step over every tensor of a model, as :func:`optirs_step` receives it.
+
+    :param definition: the optimizer's :class:`~optirs.core.definitions.OptimizerDefinition`
+        (``definition.kernel`` is its kernel family, ``definition.slot_names()`` its slots in kernel order).
+    :param params: the parameters as staged by :func:`optirs_stage` (flat device arrays), updated in place.
+    :param grads: the gradients, staged like ``params``; never written.
+    :param state: buffer name -> flat device array, updated in place. Without a format: one buffer
+        per slot the hyperparameters need, laid out by ``definition.state_layout``. With a format:
+        ``format_state.buffer_sizes()`` / ``buffer_dtypes()`` (slot buffers and the master buffer).
+    :param layout: the model's :class:`~optirs.core.layout.TensorLayout` (offsets, chunk table, and
+        ``cache``, where a backend keeps prepared data: tables, compiled kernels, launches).
+    :param scalars: the per-step scalars (:mod:`optirs.core.scalars`), already float32. Its last
+        field, ``grad_factor``, multiplies every gradient element before anything else reads it
+        (-1 for maximize, ``1 / scale`` for a loss scaler's unscale).
+    :param controls: the :class:`StepControls`.
+    :param fmt: None for float32 parameters, gradients and state; else the step's
+        :class:`~optirs.core.formats.StepFormat` (docs/formats.md is the bit-exact contract).
+    :param format_state: with ``fmt``, where each tensor's compact buffers live
+        (:class:`~optirs.core.formats.FormatState`).
+    """
+
+    definition: OptimizerDefinition
+    params: List[DeviceArray]
+    grads: List[DeviceArray]
+    state: SlotBuffers
+    layout: TensorLayout
+    scalars: StepScalars
+    controls: StepControls
+    fmt: Optional[StepFormat] = None
+    format_state: Optional[FormatState] = None
+
+
+class StepSupport(NamedTuple):
+    """What a backend's :func:`optirs_step` runs, by optimizer definition name.
+
+    :param optimizers: definitions stepped with float32 parameters, gradients and state.
+    :param formats: definitions stepped in every step format (16-bit parameters, compact masters,
+        compact state), with ``controls.check_finite``.
+    :param capturable: definitions whose scalars the device computes (``controls.device``).
+    """
+
+    optimizers: Tuple[str, ...] = ()
+    formats: Tuple[str, ...] = ()
+    capturable: Tuple[str, ...] = ()
+
+
+@hookspec
+def optirs_step_support() -> StepSupport:
+    """Say which optimizers, formats and controls this backend's :func:`optirs_step` runs.
+
+    Called once per backend (``optirs info``'s capability matrix, and every feature's choice);
+    it takes no context, so the answer cannot depend on the device.
+
+    :return: a :class:`StepSupport`.
+    """
+
+
+@hookspec
+def optirs_step(ctx: BackendContext, request: StepRequest) -> None:
+    """One optimizer step of every tensor of a model, in place: parameters and state updated.
+
+    The backend picks its kernel from the request: the definition's family, the format, the
+    controls. Per element it reads the gradient times ``scalars.grad_factor``, runs the family's
+    float32 element step (docs/architecture.md; :mod:`optirs.core.reference` is the float64
+    specification every backend is tested against) and writes the parameter and the state; with
+    a format, it decodes and encodes as docs/formats.md says. ``controls.found_inf`` (non-zero)
+    means nothing is written; ``controls.check_finite`` sets it first from the gradients.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param request: the :class:`StepRequest`.
+    :raises optirs.UnsupportedOperationError: for an optimizer, format or control this backend does
+        not run (see :func:`optirs_step_support`), before anything is written.
+    """
+
+
+# ---- the per-optimizer step hooks of earlier releases
+# ``optirs_step_<name>(ctx, params, grads, state, layout, scalars)``: a backend that implements
+# these and not optirs_step still steps float32 (the registry adapts the request, reading a
+# found_inf flag on the host) with a PluginDeprecationWarning. They go in the next release.
+
+_STEP_DOC = """{summary} (deprecated: implement :func:`optirs_step`)
 
 The update, per element (``t`` the 1-based step):
 
@@ -229,9 +367,7 @@ The update, per element (``t`` the 1-based step):
     only the slots the hyperparameters need are present.
 :param layout: the model's :class:`~optirs.core.layout.TensorLayout` (offsets, chunk table, ``cache``).
 :param scalars: the per-step scalars (:class:`optirs.core.scalars.{scalars}`), already float32. Its last
-    field, ``grad_factor``, multiplies every gradient element before anything else reads it (-1 for
-    maximize, ``1 / scale`` for a GradScaler's unscale, as optirs.torch passes; 1 from the seed API);
-    the gradients themselves are never written.
+    field, ``grad_factor``, multiplies every gradient element before anything else reads it.
 """
 
 
@@ -250,8 +386,8 @@ def _step_spec(definition: OptimizerDefinition) -> Callable:
 for _definition in DEFINITIONS.values():
     globals()[_definition.hook] = _step_spec(_definition)
 
-STEP_HOOKS: Dict[str, str] = {d.name: d.hook for d in DEFINITIONS.values()}
-OPTIMIZER_NAMES: Tuple[str, ...] = tuple(STEP_HOOKS)
+LEGACY_STEP_HOOKS: Dict[str, str] = {d.name: d.hook for d in DEFINITIONS.values()}
+OPTIMIZER_NAMES: Tuple[str, ...] = tuple(DEFINITIONS)
 
 
 # ---------------------------------------------------------------- analysis
@@ -273,7 +409,7 @@ def optirs_launch_config(kernel: Any, device: Any, elements: int) -> Optional[Tu
 # CAPABILITIES. A backend that lacks one raises UnsupportedOperationError naming the backend and the
 # capability. Sections below are grouped by capability; each starts with its banner.
 
-# ---- mixed precision (section owned by the mixed-precision work)
+# ---- mixed precision
 # optirs.optim.mixed_precision.MixedPrecisionOptimizer steps float16/bfloat16 parameters over
 # float32 master weights that live on the backend. Per step it describes the caller's half arrays,
 # runs one unscale pass (half gradients -> float32 buffer, flagging inf/NaN) and, when the step is
@@ -341,7 +477,7 @@ def optirs_mixed_precision_narrow(ctx: BackendContext, masters: DeviceArray, par
     :param bfloat16: True when the parameters are bfloat16, False for float16.
     """
 
-# ---- sparse rows (section owned by the sparse work)
+# ---- sparse rows
 # Row-sparse steps of embedding tables (optirs.optim.sparse: SparseAdam, SparseSgd). The optimizer
 # checks the gradient on the host and sorts it into segments (SparseRows); state slots are flat
 # arrays of this backend made with optirs_alloc and read back with optirs_to_host. A step is one
@@ -428,7 +564,7 @@ def optirs_sparse_sgd_step(ctx: BackendContext, table: SparseTable, grad: Sparse
     :param dense_decay: False: touch only the rows present; True: step every row.
     """
 
-# ---- replica reduction (section owned by the data-parallel work)
+# ---- replica reduction
 # One device sums (or averages) N gradient replicas into the first: the single-device half of data
 # parallelism (optirs.optim.data_parallel.reduce_replicas). Moving data between devices is a
 # collective's job (torch.distributed), never this hook's.
@@ -457,7 +593,7 @@ def optirs_replica_reduce(ctx: BackendContext, replicas: Sequence[DeviceArray], 
     """
 
 
-# ---- fake quantization (section owned by the quantization work)
+# ---- fake quantization
 
 
 class FakeQuantGrid(NamedTuple):
@@ -522,7 +658,7 @@ def optirs_fake_quant_backward(ctx: BackendContext, x: DeviceArray, grad: Device
     :raises optirs.ShapeMismatchError: for a device array that is not C-contiguous.
     """
 
-# ---- fused elementwise groups (section owned by the fusion work)
+# ---- fused elementwise groups
 # A fusion plan (optirs.analysis.fusion) becomes one kernel per group. The ``fusion`` analysis
 # plugin generates each group's source in every dialect (optirs_fusion_generate); a backend with
 # the ``fusion`` capability compiles the dialect it runs (optirs_fusion_compile) and runs it on its
@@ -693,7 +829,7 @@ def optirs_torch_device(ctx: BackendContext) -> Optional[str]:
     """
 
 
-# ---- streams (section owned by the CUDA-streams work)
+# ---- streams
 # Which device queue a backend's launches and copies go on, so that they are ordered with the
 # caller's own work (torch's current CUDA stream). The rule of a backend that has streams: a
 # stream pinned with optirs_use_stream (or the open option ``stream``) takes every launch;
@@ -730,134 +866,6 @@ def optirs_current_stream(ctx: BackendContext) -> int:
 
 
 
-# ---- step formats (section owned by the formats work, issue 13; the contract is docs/formats.md)
-# 16-bit parameters, compact master weights and compact state, stepped in one fused pass per
-# optimizer and format (one launch for the whole model on a GPU backend, one parallel loop on cpu).
-# float32 parameters with float32 state run the ordinary step hooks; everything else runs these.
-
-from optirs.core.formats import FormatState, StepFormat  # noqa: E402
-
-
-@hookspec
-def optirs_formats_stage(ctx: BackendContext, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
-    """Make one format step's parameters and gradients usable by :func:`optirs_formats_step`.
-
-    Like :func:`optirs_stage`, for the dtypes of ``fmt``: 16-bit arrays (numpy ``ml_dtypes.bfloat16``
-    / ``float16``, or their uint16 bit views; a backend's own 16-bit device arrays) are staged as
-    the backend's flat uint16 bit arrays, float32 ones as float32. Host arrays are uploaded and
-    written back by ``Staged.finish``; the backend's own device arrays are used in place.
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param params: the caller's parameters, all of ``fmt.param_dtype`` (or its uint16 bits).
-    :param grads: the caller's gradients, all of ``fmt.grad_dtype`` (or its uint16 bits).
-    :param fmt: the step's :class:`optirs.core.formats.StepFormat`.
-    :return: the staged arrays.
-    :raises optirs.InvalidParameterError: for an array kind or dtype this backend cannot use with ``fmt``.
-    """
-
-
-@hookspec
-def optirs_formats_step(ctx: BackendContext, family: str, params: List[DeviceArray], grads: List[DeviceArray],
-                        state: SlotBuffers, layout: TensorLayout, format_state: FormatState, fmt: StepFormat,
-                        scalars: StepScalars, seed: int, step: int, found_inf: Optional[DeviceArray]) -> None:
-    """One step of kernel family ``family`` in format ``fmt``, every tensor at once, in place.
-
-    Per element: decode the master (the float32 master, the bfloat16 parameter joined with its
-    remainder, or the parameter itself; at ``step`` 1 a float32 master is read from the
-    parameter), the gradient and the state; run the family's float32 element step; encode the
-    parameter, master and state with the rounding of docs/formats.md (nearest even, stochastic with
-    the counter-based random bits of ``seed`` and ``step``, remainder splits, int8 blocks of 256
-    with one absmax scale each). LAMB runs its two passes (norms in float64, as its float32 step).
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param family: the definition's kernel family (one of ``optirs.core.formats.FORMAT_FAMILIES``).
-    :param params: the parameters as staged by :func:`optirs_formats_stage`, updated in place.
-    :param grads: the gradients, staged like ``params``.
-    :param state: buffer name -> flat device array, as ``format_state.buffer_sizes()`` /
-        ``buffer_dtypes()`` (slot buffers and the master buffer), updated in place.
-    :param layout: the model's :class:`~optirs.core.layout.TensorLayout` (backends may keep prepared
-        data in ``layout.cache``).
-    :param format_state: where each tensor's buffers live (:class:`optirs.core.formats.FormatState`).
-    :param fmt: the step's :class:`optirs.core.formats.StepFormat`.
-    :param scalars: the family's float32 per-step record (:mod:`optirs.core.scalars`).
-    :param seed: the stochastic rounding's seed, in [0, 2**32).
-    :param step: the 1-based step being taken.
-    :param found_inf: None, or a 1-element int32 device array: when it is non-zero the step writes
-        nothing (read on the device, without a host round trip).
-    :raises optirs.UnsupportedOperationError: for a family or format this backend does not run,
-        before anything is written.
-    """
-
-
-@hookspec
-def optirs_formats_check(ctx: BackendContext, grads: List[DeviceArray], layout: TensorLayout, fmt: StepFormat,
-                         flag: DeviceArray) -> None:
-    """Set ``flag[0] = 1`` when any gradient is not finite (inf or NaN); otherwise leave it as it is.
-
-    Reads only the gradients (one pass, one launch on a GPU backend), so a loss scaler can skip a
-    whole format step through its ``found_inf`` without a host round trip.
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param grads: the gradients as staged by :func:`optirs_formats_stage`.
-    :param layout: the model's :class:`~optirs.core.layout.TensorLayout`.
-    :param fmt: the step's :class:`optirs.core.formats.StepFormat` (its ``grad_dtype``).
-    :param flag: a 1-element int32 device array of this backend.
-    """
-
-
-# ---- capturable steps (CUDA graphs; optirs.torch's capturable=True)
-# The step count and the learning rate live on the device: the backend advances the count and
-# computes the per-step scalars in a kernel of its own, queued before the step kernel on the same
-# stream, so a step captured into a CUDA graph replays correctly (bias corrections advance, a
-# tensor lr changed between replays takes effect). Only elementwise optimizers; the scalars'
-# formulas are optirs.core.scalars.FORMULAS, computed on the device in float64 and rounded to
-# float32 as the host does.
-
-
-@dataclass(frozen=True)
-class DeviceStepInputs:
-    """What a capturable step reads on the device (every array a float32 device array).
-
-    :param steps: every tensor's step count (torch's ``state[p]["step"]``), advanced by one per step.
-    :param record: where the step's scalars record goes (one float32 per field, bools as 0 / 1).
-    :param constants: ``FORMULAS[family].constants(hp)``: the hyperparameters a graph bakes in.
-    :param lr: the learning rate, a float (baked in, as torch's float lr) or a one-element device array
-        read at every step.
-    :param sign: -1.0 with maximize, else 1.0.
-    :param grad_scale: None, or a one-element device array: the gradient factor is ``sign / grad_scale``.
-    :param found_inf: None, or a one-element device array: when non-zero, the step changes nothing
-        (not the count either).
-    """
-
-    steps: DeviceArray
-    record: DeviceArray
-    constants: Tuple[float, ...]
-    lr: Any
-    sign: float = 1.0
-    grad_scale: Optional[DeviceArray] = None
-    found_inf: Optional[DeviceArray] = None
-
-
-@hookspec
-def optirs_capturable_step(ctx: BackendContext, optimizer: str, params: List[DeviceArray],
-                           grads: List[DeviceArray], state: SlotBuffers, layout: TensorLayout,
-                           scalars: StepScalars, inputs: DeviceStepInputs) -> None:
-    """One step of an elementwise optimizer whose count, lr and scalars live on the device; may be
-    called while the stream is being captured into a CUDA graph (after one step outside it).
-
-    :param ctx: the context from :func:`optirs_open`.
-    :param optimizer: the definition's name (``"adamw"``).
-    :param params: the parameters (device arrays, stepped in place; no staging copy).
-    :param grads: the gradients, only read.
-    :param state: as the step hooks' ``state``.
-    :param layout: as the step hooks' ``layout``.
-    :param scalars: a host record of the family (its type; its values are not used).
-    :param inputs: the device inputs.
-    :raises optirs.UnsupportedOperationError: for an optimizer that is not elementwise, host arrays, or a
-        first step (uncached tables) under capture.
-    """
-
-
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
@@ -868,7 +876,7 @@ CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "fusion": ("optirs_fusion_compile", "optirs_fusion_run"),
     "measure": ("optirs_measure_copy", "optirs_measure_elapsed_ms", "optirs_torch_device"),
     "streams": ("optirs_use_stream", "optirs_current_stream"),
-    "formats": ("optirs_formats_stage", "optirs_formats_step", "optirs_formats_check"),
-    "capturable": ("optirs_capturable_step",),
 }
+# Capabilities of the step itself, read from optirs_step_support (StepSupport's fields).
+STEP_CAPABILITIES: Tuple[str, ...] = ("formats", "capturable")
 

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import pluggy
 
 from optirs.plugin import hookspecs
 from optirs.core.errors import BackendUnavailableError, GpuOptimError, PluginError, UnsupportedOperationError
-from optirs.plugin.hookspecs import CAPABILITIES, STEP_HOOKS, DeviceInfo, ProbeResult
+from optirs.plugin.hookspecs import (CAPABILITIES, LEGACY_STEP_HOOKS, STEP_CAPABILITIES, DeviceInfo, ProbeResult,
+                                    StepRequest, StepSupport)
 
 ENTRY_POINT_GROUP = "optirs"
 AUTOLOAD_ENV = "OPTIRS_DISABLE_PLUGIN_AUTOLOAD"
@@ -52,6 +54,10 @@ REQUIRED_BACKEND_HOOKS = ("optirs_open", "optirs_alloc", "optirs_to_device", "op
 
 class PluginWarning(UserWarning):
     """A plugin could not be loaded; the others keep working."""
+
+
+class PluginDeprecationWarning(FutureWarning):
+    """A plugin implements a hook of an earlier release that optirs still adapts, for one more release."""
 
 
 @dataclass
@@ -145,8 +151,10 @@ def _bind(caller: Any, impl: Any) -> Callable:
 class Backend:
     """A backend opened on a device: its context and its own hook implementations, bound once.
 
-    ``lock`` serializes transactions on the context (an optimizer step's stage -> step ->
-    finish), whose staging buffers and launch caches are shared by every optimizer on it.
+    ``lock`` serializes transactions on the context (a step's stage -> step -> finish), whose
+    staging buffers and launch caches are shared by every optimizer on it. ``step`` is the
+    plugin's :func:`~optirs.plugin.hookspecs.optirs_step` (or the adapter of the per-optimizer
+    hooks of earlier releases), ``support`` its :class:`~optirs.plugin.hookspecs.StepSupport`.
     :meth:`plugin_error` is how a feature reports a hook's own exception.
     """
 
@@ -170,15 +178,36 @@ class Backend:
         self.stage = impl("optirs_stage")
         self._synchronize = impl("optirs_synchronize")
         self._host_view = impl("optirs_host_view")
-        self._steps = {opt: impl(hook) for opt, hook in STEP_HOOKS.items()}
-        self.optimizers = tuple(opt for opt, fn in self._steps.items() if fn is not None)
+        self.support: StepSupport = registry.step_support(name)
+        self.optimizers = self.support.optimizers
+        step = impl("optirs_step")
+        if step is None:
+            self._legacy = {opt: impl(hook) for opt, hook in LEGACY_STEP_HOOKS.items() if impl(hook) is not None}
+            if self._legacy:
+                warnings.warn(
+                    f"optirs: plugin {name!r} implements the per-optimizer step hooks "
+                    f"{sorted(LEGACY_STEP_HOOKS[o] for o in self._legacy)}, which optirs adapts for one more "
+                    "release; implement optirs_step and optirs_step_support instead (docs/plugins.md)",
+                    PluginDeprecationWarning, stacklevel=4)
+            step = self._legacy_step
+        self.step: Callable[[Any, StepRequest], None] = step
         self._hooks: Dict[str, Optional[Callable]] = {}
         self._impl = impl
         self.capabilities = registry.capabilities(name)
 
     def supports(self, capability: str) -> bool:
-        """Whether this backend implements every hook of ``capability`` (a key of CAPABILITIES)."""
+        """Whether this backend implements every hook of ``capability`` (a key of CAPABILITIES), or
+        runs the step capability ``capability`` (``"formats"``, ``"capturable"``) for some optimizer."""
         return capability in self.capabilities
+
+    def steps(self, optimizer: str, fmt: Any = None, device_scalars: bool = False) -> bool:
+        """Whether :attr:`step` runs ``optimizer`` in float32 (``fmt`` None or plain), in a step format,
+        or with device-side scalars."""
+        if device_scalars:
+            return optimizer in self.support.capturable
+        if fmt is not None and not fmt.plain:
+            return optimizer in self.support.formats
+        return optimizer in self.support.optimizers
 
     def hook(self, capability: str, hook: str) -> Callable:
         """This backend's own implementation of ``hook``, bound once, for the feature ``capability``.
@@ -198,14 +227,27 @@ class Backend:
             self._hooks[hook] = fn
         return fn
 
-    def step_fn(self, optimizer: str) -> Callable:
-        fn = self._steps.get(optimizer)
-        if fn is None:
+    def step_hook(self, optimizer: str) -> str:
+        """The name of the hook :attr:`step` runs for ``optimizer`` (for messages)."""
+        return LEGACY_STEP_HOOKS[optimizer] if self.step == self._legacy_step else "optirs_step"
+
+    def _legacy_step(self, ctx: Any, request: StepRequest) -> None:
+        """A request run by the per-optimizer hooks of earlier releases: float32 steps, found_inf read on the host."""
+        name = request.definition.name
+        fn = self._legacy.get(name)
+        controls = request.controls
+        if fn is None or request.fmt is not None or controls.device is not None or controls.check_finite:
+            what = ("step formats" if request.fmt is not None else "device-side scalars" if controls.device is not None
+                    else "check_finite" if controls.check_finite else f"the {name!r} step")
             raise UnsupportedOperationError(
-                f"backend {self.name!r} does not implement the {optimizer!r} step; "
-                f"it implements {list(self.optimizers)}"
-            )
-        return fn
+                f"backend {self.name!r} does not run {what} for {name!r}; it steps {list(self.optimizers)} in float32 "
+                "through the per-optimizer hooks of earlier releases")
+        flag = controls.found_inf
+        if flag is not None:
+            host = flag if isinstance(flag, np.ndarray) else np.asarray(self.to_host(ctx, flag))
+            if host.reshape(-1)[0] != 0:
+                return
+        fn(ctx, request.params, request.grads, request.state, request.layout, request.scalars)
 
     def host_view(self, array: Any) -> Optional[Any]:
         """A zero-copy device array over a C-contiguous host array, or None where the backend must copy."""
@@ -237,6 +279,7 @@ class Registry:
         self.records: Dict[str, PluginRecord] = {}
         self._opened: Dict[Tuple[str, Tuple], Backend] = {}
         self._auto: Dict[Tuple, AutoChoice] = {}  # choose_auto's answers, per options and candidates
+        self._support: Dict[str, StepSupport] = {}  # optirs_step_support's answers, per plugin
 
     # ------------------------------------------------------------ loading
 
@@ -322,10 +365,12 @@ class Registry:
             self.records.clear()
             self._opened.clear()
             self._auto.clear()
+            self._support.clear()
 
     def unregister(self, name: str) -> None:
         with self._lock:
             record = self.records.pop(name, None)
+            self._support.pop(name, None)
             if record is not None and record.plugin is not None:
                 self.pm.unregister(record.plugin)
             for key in [k for k in self._opened if k[0] == name]:
@@ -367,13 +412,55 @@ class Registry:
             return ProbeResult(False, f"probe raised {type(exc).__name__}: {exc}")
         return result if isinstance(result, ProbeResult) else ProbeResult(False, f"probe returned {result!r}")
 
+    def step_support(self, name: str) -> StepSupport:
+        """What the named backend's step runs: its ``optirs_step_support`` answer; a plugin with
+        ``optirs_step`` but no answer steps every optimizer in float32; one with only the
+        per-optimizer hooks of earlier releases, those optimizers in float32."""
+        hit = self._support.get(name)
+        if hit is not None:
+            return hit
+        from optirs.core.definitions import DEFINITIONS
+
+        if self.implementation(name, "optirs_step") is not None:
+            answer = self.implementation(name, "optirs_step_support")
+            support = StepSupport(tuple(DEFINITIONS))
+            if answer is not None:
+                try:
+                    support = self._checked_support(name, answer())
+                except Exception as exc:  # a broken answer: the backend steps nothing, and says why
+                    support = StepSupport()
+                    warnings.warn(f"optirs: plugin {name!r}'s optirs_step_support failed, so it steps nothing: "
+                                  f"{type(exc).__name__}: {exc}", PluginWarning, stacklevel=3)
+        else:
+            support = StepSupport(tuple(opt for opt, hook in LEGACY_STEP_HOOKS.items()
+                                        if self.implementation(name, hook) is not None))
+        self._support[name] = support
+        return support
+
+    @staticmethod
+    def _checked_support(name: str, got: Any) -> StepSupport:
+        from optirs.core.definitions import DEFINITIONS
+
+        if not isinstance(got, StepSupport):
+            raise PluginError(f"plugin {name!r}'s optirs_step_support returned {got!r}, expected a StepSupport")
+        unknown = sorted(set(got.optimizers + got.formats + got.capturable) - set(DEFINITIONS))
+        if unknown:
+            raise PluginError(f"plugin {name!r}'s optirs_step_support names {unknown}, expected optimizer "
+                              f"definitions {sorted(DEFINITIONS)}")
+        return StepSupport(*(tuple(d for d in DEFINITIONS if d in field) for field in got))
+
     def capabilities(self, name: str) -> Tuple[str, ...]:
-        """The capabilities (keys of CAPABILITIES) whose every hook the named plugin implements."""
-        return tuple(cap for cap, hooks in CAPABILITIES.items()
-                     if all(self.implementation(name, h) is not None for h in hooks))
+        """The capabilities (keys of CAPABILITIES) whose every hook the named plugin implements, and the
+        step capabilities (STEP_CAPABILITIES) its step runs for some optimizer."""
+        caps = [cap for cap, hooks in CAPABILITIES.items()
+                if all(self.implementation(name, h) is not None for h in hooks)]
+        if self.implementation(name, "optirs_step") is not None:
+            support = self.step_support(name)
+            caps += [cap for cap in STEP_CAPABILITIES if getattr(support, cap)]
+        return tuple(caps)
 
     def optimizers(self, name: str) -> Tuple[str, ...]:
-        return tuple(opt for opt, hook in STEP_HOOKS.items() if self.implementation(name, hook) is not None)
+        return self.step_support(name).optimizers
 
     def list_backends(self, options: Optional[Dict[str, Any]] = None) -> List[BackendStatus]:
         out = []

@@ -338,23 +338,20 @@ def measure_copy(kind: Kind, n: int, reps: int, repeats: int) -> Tuple[float, st
 
 def bench_optirs(backend: Any, kind: Kind, name: str, hp: Any, params: List[Any], grads: List[Any], sizes: List[int],
                  reps: int, repeats: int, warmup: int, wall: bool) -> Tuple[float, float]:
-    """(API step ms, hook-only ms) for one optimizer on prepared device arrays."""
+    """(API step ms, hook-only ms) for one optimizer on prepared device arrays: the whole step through
+    ``step_gpu``, then the backend's ``optirs_step`` alone on the same engine's state (no checks)."""
     import optirs
-    from optirs.core.layout import TensorLayout
     from optirs.optim.optimizers import OPTIMIZERS
+    from optirs.plugin.hookspecs import StepControls, StepRequest
 
     opt = OPTIMIZERS[name](hp, optirs.GpuOptimizerConfig(backend=backend.name))
     api_ms = _median_ms(kind, lambda: opt.step_gpu(params, grads), reps, repeats, warmup, wall=wall)
-    state_slots = opt.state_slots(hp)
-    del opt
-    layout = TensorLayout([(n,) for n in sizes])
-    state = {k: backend.alloc(backend.ctx, layout.total, np.float32, float(v)) for k, v in state_slots.items()}
-    staged = backend.stage(backend.ctx, params, grads)
-    step = backend.step_fn(name)
-    sc = OPTIMIZERS[name](hp).step_scalars(2)
-    hook_ms = _median_ms(kind, lambda: step(backend.ctx, staged.params, staged.grads, state, layout, sc),
-                         reps, repeats, warmup, wall=wall)
-    del state, staged
+    engine = opt.engine
+    staged = backend.stage(backend.ctx, params, grads, None)
+    request = StepRequest(engine.definition, staged.params, staged.grads, engine.state, engine.layout,
+                          opt.step_scalars(2), StepControls(2))
+    hook_ms = _median_ms(kind, lambda: backend.step(backend.ctx, request), reps, repeats, warmup, wall=wall)
+    del opt, engine, staged, request
     return api_ms, hook_ms
 
 

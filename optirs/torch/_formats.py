@@ -22,6 +22,7 @@ from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.formats import FormatState, StepFormat, format_slots
 from optirs.core.layout import TensorLayout
 from optirs.optim import formats as fm
+from optirs.plugin.hookspecs import StepControls, StepRequest
 
 # numpy dtype of a FormatState buffer -> the torch dtype it is held in (bfloat16 state as bfloat16:
 # what a user sees in state_dict; the kernels get its uint16 bits).
@@ -148,11 +149,9 @@ class _FormatBucket:
         gdtype = str(grads[0].dtype).replace("torch.", "")
         garrays = [_kernel_array(backend, g) for g in grads]
         fmt = replace(self.storage, grad_dtype=gdtype)
-        stage = backend.hook(fm.CAPABILITY, "optirs_formats_stage")
-        step = backend.hook(fm.CAPABILITY, "optirs_formats_step")
-        staged = stage(backend.ctx, self.param_arrays, garrays, fmt)
-        step(backend.ctx, self.definition.kernel, staged.params, staged.grads, self.device_state, self.layout, self.fs,
-             fmt, scalars, self.seed, self.step + 1, None)
+        staged = backend.stage(backend.ctx, self.param_arrays, garrays, fmt)
+        backend.step(backend.ctx, StepRequest(self.definition, staged.params, staged.grads, self.device_state, self.layout,
+                                              scalars, StepControls(self.step + 1, self.seed), fmt, self.fs))
         if staged.finish is not None:
             staged.finish()
         self.step += 1

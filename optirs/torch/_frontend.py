@@ -33,7 +33,7 @@ from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.layout import TensorLayout
 from optirs.core.scalars import FORMULAS
-from optirs.plugin.hookspecs import DeviceStepInputs
+from optirs.plugin.hookspecs import DeviceStepInputs, StepControls, StepRequest
 
 STATE_DTYPE = torch.float32
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -239,7 +239,10 @@ class _Bucket:
         """Move the step count to the device (once; it stays there for this bucket's life)."""
         if self.device_steps:
             return
-        self.backend.hook("capturable", "optirs_capturable_step")  # raises, naming the backend, without it
+        if not self.backend.steps(self.definition.name, device_scalars=True):
+            raise UnsupportedOperationError(
+                f"backend {self.backend.name!r} has no device-side scalars for {self.definition.name!r} (the "
+                f"'capturable' capability); it implements {sorted(self.backend.capabilities)}")
         steps = self.steps.to(self.device) if self.steps.device != self.device else self.steps
         self.steps = steps
         self.step_views = [steps[i] for i in range(len(self.params))]
@@ -316,7 +319,7 @@ def closure_and_amp(opt: Any, closure: Optional[Callable[[], Any]], grad_scale: 
     return loss, grad_scale, found_inf
 
 
-def _check_flags(group: Dict[str, Any], capturable_ok: bool = False) -> None:
+def check_flags(group: Dict[str, Any], capturable_ok: bool = False) -> None:
     """``differentiable`` is never honoured; ``capturable`` only where the caller can (the
     optirs.torch optimizers on elementwise definitions; not CPUOffload, whose step is on the host)."""
     if group.get("differentiable", False):
@@ -404,7 +407,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
         """(definition, hp, slots, precision) of a group, checked (the flags, the hyperparameters,
         capturable on an elementwise definition without a compact format)."""
         capturable = bool(group.get("capturable", False))
-        _check_flags(group, capturable_ok=True)
+        check_flags(group, capturable_ok=True)
         name, hp = self._hyperparameters(group)
         definition = DEFINITIONS[name]
         precision = self._precision(group)
@@ -657,6 +660,19 @@ class OptirsOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ formats
 
     _FORMAT_KEYS = ("master_weights", "state_dtype", "stochastic_rounding", "seed")
+    FORMAT_KEYS = _FORMAT_KEYS  # the step-format keywords a param group may set
+
+    def group_hyperparameters(self, group: Dict[str, Any]):
+        """(definition name, hyperparameters record) of a param group (what wrappers such as CPUOffload read)."""
+        return self._hyperparameters(group)
+
+    def group_precision(self, group: Dict[str, Any]):
+        """The group's :class:`~optirs.core.formats.Precision`."""
+        return self._precision(group)
+
+    def backend_for(self, device: torch.device):
+        """The optirs backend that steps this optimizer's tensors on ``device`` (opened once)."""
+        return self._backend_for(device)
 
     def _precision(self, group: Dict[str, Any]):
         """The group's :class:`~optirs.core.formats.Precision` (its defaults where the optimizer takes none)."""
@@ -671,10 +687,10 @@ class OptirsOptimizer(torch.optim.Optimizer):
         backend = bucket.backend
         grads = [p.grad for p in bucket.params]
         garrays = bucket.grad_arrays(grads)
-        staged = backend.stage(backend.ctx, bucket.param_arrays, garrays)
+        staged = backend.stage(backend.ctx, bucket.param_arrays, garrays, None)
         scalars = bucket.definition.scalars(hp, bucket.step + 1, grad_factor=factor)
-        backend.step_fn(bucket.definition.name)(backend.ctx, staged.params, staged.grads, bucket.device_state,
-                                                bucket.layout, scalars)
+        backend.step(backend.ctx, StepRequest(bucket.definition, staged.params, staged.grads, bucket.device_state,
+                                              bucket.layout, scalars, StepControls(bucket.step + 1)))
         if staged.finish is not None:
             staged.finish()
         bucket.step += 1
@@ -710,6 +726,5 @@ class OptirsOptimizer(torch.optim.Optimizer):
             bucket.type_record = definition.scalars(hp, 1)
         grads = [g.detach() if g.requires_grad else g for g in (p.grad for p in bucket.params)]
         backend = bucket.backend
-        backend.hook("capturable", "optirs_capturable_step")(
-            backend.ctx, definition.name, bucket.param_arrays, grads, bucket.flat, bucket.layout, bucket.type_record,
-            inputs)
+        backend.step(backend.ctx, StepRequest(definition, bucket.param_arrays, grads, bucket.flat, bucket.layout,
+                                              bucket.type_record, StepControls(device=inputs)))

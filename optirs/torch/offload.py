@@ -46,7 +46,7 @@ from optirs.core.interrupts import deferred_interrupts
 from optirs.torch import optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import resolve_format
-from optirs.torch._frontend import OptirsOptimizer, _check_flags, closure_and_amp
+from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp
 
 OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per chunk: large enough that a chunk's fixed cost (a front-end step, a few copies)
@@ -113,7 +113,7 @@ def _host_backend(name: Any, options: Optional[Dict[str, Any]], probe: OptirsOpt
 
     if isinstance(name, str) and name != "auto":
         require(REGISTRY.get_backend(name, options))  # named: the missing capability is the answer
-    backend = probe._backend_for(torch.device("cpu"))  # the front end's own checks (it steps torch CPU tensors)
+    backend = probe.backend_for(torch.device("cpu"))  # the front end's own checks (it steps torch CPU tensors)
     require(backend)
     return backend
 
@@ -325,7 +325,7 @@ class CPUOffload(torch.optim.Optimizer):
             raise InvalidParameterError(f"fuse_conversions={fuse_conversions!r}, expected None, True or False")
         self.fuse_conversions = fuse_conversions
         backend = kwargs.pop("backend", "cpu")
-        self._formats = all(k in inspect.signature(cls).parameters for k in OptirsOptimizer._FORMAT_KEYS)
+        self._formats = all(k in inspect.signature(cls).parameters for k in OptirsOptimizer.FORMAT_KEYS)
         if self._formats and "master_weights" not in kwargs and not kwargs.get("stochastic_rounding", False):
             # 16-bit parameters keep float32 masters on the host unless the caller chose otherwise
             kwargs["master_weights"] = "float32"
@@ -350,8 +350,8 @@ class CPUOffload(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         probe = {**self.defaults, **{k: v for k, v in param_group.items() if k not in _GROUP_ONLY}}
-        _check_flags(probe)
-        _, hp = self._probe._hyperparameters(probe)
+        check_flags(probe)
+        _, hp = self._probe.group_hyperparameters(probe)
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         try:
@@ -417,8 +417,8 @@ class CPUOffload(torch.optim.Optimizer):
         the group's step format (remainder masters need bf16 parameters, ...)."""
         if not self._formats:
             return DIRECT if dtype == torch.float32 else WIDEN
-        name, _ = self._probe._hyperparameters(group)
-        fmt = resolve_format(self._probe._precision(group), dtype, dtype, DEFINITIONS[name].kernel)
+        name, _ = self._probe.group_hyperparameters(group)
+        fmt = resolve_format(self._probe.group_precision(group), dtype, dtype, DEFINITIONS[name].kernel)
         if dtype == torch.float32:
             return DIRECT
         plain_masters = fmt.master == "float32" and not fmt.stochastic  # what float32 masters can step
@@ -639,8 +639,8 @@ class CPUOffload(torch.optim.Optimizer):
                 raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
         # Check every group and gradient before anything is stepped.
         for gi, group in enumerate(self.param_groups):
-            _check_flags(group)
-            _, hp = self._probe._hyperparameters(group)
+            check_flags(group)
+            _, hp = self._probe.group_hyperparameters(group)
             held = {(c.dtype, c.mode) for c in self._chunks if c.gi == gi}
             for dtype, mode in held:
                 need = self._mode(gi, group, dtype)

@@ -112,7 +112,9 @@ class CpuDevice:
         return np.array(array, copy=True)
 
     @hookimpl
-    def optirs_stage(self, ctx: CpuContext, params: List[Any], grads: List[Any]) -> Staged:
+    def optirs_stage(self, ctx: CpuContext, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
+        if fmt is not None:
+            return self._formats_stage(ctx, params, grads, fmt)
         for i, p in enumerate(params):
             if not isinstance(p, np.ndarray):
                 raise InvalidParameterError(

@@ -1,4 +1,4 @@
-"""The cpu backend's ``formats`` capability: 16-bit parameters, compact masters and state (docs/formats.md).
+"""The cpu backend's step formats (``optirs_step`` with a format): 16-bit parameters, compact masters and state (docs/formats.md).
 
 Staging views the caller's numpy arrays as words (float32 as uint32, bfloat16 / float16 as
 uint16; a torch CPU bfloat16 tensor arrives from the caller as a numpy uint16 view), so the
@@ -18,7 +18,7 @@ from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints
 from optirs.core.formats import BLOCK, FORMAT_FAMILIES, FormatState, StepFormat, dynamic_map
-from optirs.plugin.hookspecs import Staged, hookimpl
+from optirs.plugin.hookspecs import Staged
 
 assert CHUNK % BLOCK == 0  # every int8 block lies in one chunk
 
@@ -85,19 +85,14 @@ def _master(state: Dict[str, Any], fs: FormatState) -> np.ndarray:
 class CpuFormats:
     """16-bit parameters, compact masters and compact state in one parallel loop per pass."""
 
-    @hookimpl
-    def optirs_formats_stage(self, ctx, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
+    def _formats_stage(self, ctx, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
         return Staged(_typed_list(ctx, "params", params, fmt.param_dtype),
                       _typed_list(ctx, "grads", grads, fmt.grad_dtype))
 
-    @hookimpl
-    def optirs_formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step,
-                            found_inf) -> None:
+    def _formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step) -> None:
         if family not in _FAMILY_DEFINITION:
             raise UnsupportedOperationError(f"family {family!r} has no format step on cpu; expected one of "
                                             f"{list(FORMAT_FAMILIES)}")
-        if found_inf is not None and int(np.asarray(found_inf).reshape(-1)[0]) != 0:
-            return  # host memory: the flag is read here, before anything is written
         k = _kernels()
         names = _FAMILY_DEFINITION[family].slot_names()
         fc, fresh, seed, step = fmt.codes, step == 1, np.uint64(int(seed) & 0xFFFFFFFF), np.uint64(step)
@@ -115,8 +110,7 @@ class CpuFormats:
         k.pointwise(fc, used, fresh)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2,
                               t2, table, *chunks, scalars, seed, step)
 
-    @hookimpl
-    def optirs_formats_check(self, ctx, grads, layout, fmt, flag) -> None:
+    def _formats_check(self, ctx, grads, layout, fmt, flag) -> None:
         chunks = layout.chunks(CHUNK)
         flags = np.zeros(len(chunks[0]), dtype=np.int32)
         _kernels().check(grads, *chunks, fmt.codes.grad, flags)

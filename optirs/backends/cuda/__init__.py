@@ -735,7 +735,9 @@ class CudaDevice:
         return np.asarray(ctx.download(array)).reshape(-1)
 
     @hookimpl
-    def optirs_stage(self, ctx: CudaContext, params: List[Any], grads: List[Any]) -> Staged:
+    def optirs_stage(self, ctx: CudaContext, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
+        if fmt is not None:
+            return self._formats_stage(ctx, params, grads, fmt)
         # The step's stream (pinned, or torch's current one for torch tensors: one
         # current_stream() call), then the capture guard, before anything is queued.
         ctx.refuse_capture(ctx.resolve_stream(params[0] if params else None), "an optimizer step")

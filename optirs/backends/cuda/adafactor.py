@@ -5,19 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from optirs.core.factored import factored_layout
-from optirs.plugin.hookspecs import hookimpl
 
 
 class CudaAdafactor:
     """Mixin of CudaBackend: Adafactor, one block per tensor."""
 
-    @hookimpl
-    def optirs_step_adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
+    def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
         from optirs.backends.cuda import adafactor_kernels as kernels
         from optirs.backends.cuda import device_address
 
-        if layout.total == 0:
-            return
         fl = factored_layout(layout)
         tables = layout.cache.get("cuda.adafactor")
         if tables is None:  # the tensor table and the row-mean scratch, once per layout

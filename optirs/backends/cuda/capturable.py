@@ -1,4 +1,4 @@
-"""The cuda backend's ``capturable`` capability: steps whose count, lr and scalars live on the device.
+"""The cuda backend's steps whose count, lr and scalars live on the device (``optirs_step`` with ``controls.device``).
 
 A capturable step is two launches on the step's stream: the family's one-thread scalars kernel
 (``kernels.SCALARS_FUNCTIONS``: unless found_inf is set, advance the count, compute the record
@@ -21,7 +21,7 @@ import numpy as np
 from optirs.backends.cuda import _head_types, device_address
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.plugin.hookspecs import DeviceStepInputs, hookimpl
+from optirs.plugin.hookspecs import DeviceStepInputs
 
 
 def _address(array: Any, what: str) -> int:
@@ -44,8 +44,7 @@ def _is_device_array(a: Any) -> bool:
 class CudaCapturable:
     """Mixin of :class:`optirs.backends.cuda.CudaBackend`."""
 
-    @hookimpl
-    def optirs_capturable_step(self, ctx, optimizer: str, params, grads, state, layout, scalars,
+    def _capturable_step(self, ctx, optimizer: str, params, grads, state, layout, scalars,
                                inputs: DeviceStepInputs) -> None:
         definition = DEFINITIONS[optimizer]
         family = definition.kernel

@@ -1,4 +1,4 @@
-"""The cuda backend's ``formats`` capability: 16-bit parameters, compact masters, compact state.
+"""The cuda backend's step formats (``optirs_step`` with a format): 16-bit parameters, compact masters, compact state.
 
 One launch steps the whole model for every format (LAMB: its passes), see
 :mod:`optirs.backends.cuda.formats_kernels`. The kernels are specialised per step format
@@ -27,7 +27,7 @@ import numpy as np
 
 from optirs.core.arrays import describe
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.plugin.hookspecs import Staged, hookimpl
+from optirs.plugin.hookspecs import Staged
 
 _HALF = ("bfloat16", "float16")
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
@@ -77,15 +77,13 @@ def _check_kind(kind: str, contiguous: bool, expected: str, what: str) -> None:
 
 
 class CudaFormats:
-    """Hooks of the ``formats`` capability (mixed into :class:`optirs.backends.cuda.CudaBackend`)."""
+    """The step formats' kernels and staging (mixed into :class:`optirs.backends.cuda.CudaBackend`; ``optirs_step`` calls them)."""
 
-    @hookimpl
-    def optirs_formats_check(self, ctx: Any, grads: List[Any], layout: Any, fmt: Any, flag: Any) -> None:
+    def _formats_check(self, ctx: Any, grads: List[Any], layout: Any, fmt: Any, flag: Any) -> None:
         from numba import types
 
         from optirs.backends.cuda import device_address
-        from optirs.backends.cuda.steps import CudaSteps
-
+        
         if layout.total == 0:
             return
         ctx.resolve_stream(grads[0] if grads else None)
@@ -95,21 +93,19 @@ class CudaFormats:
         planned = plan(ctx, f"formats_check_{gdt}", lambda: fk.make_check_kernel(gdt),
                        (table, table, types.int64), ((0,),), layout)
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
-        ptrs = CudaSteps._pointers(ctx, grads, grads, layout)
+        ptrs = self._pointers(ctx, grads, grads, layout)
         address = device_address(flag)
         if address is None:
             raise InvalidParameterError(f"flag is a {type(flag).__name__}, expected a 1-element int32 CUDA device array")
         run(ctx, planned, (chunks, ptrs, nchunks), ((address,),), 0)
 
-    @hookimpl
-    def optirs_formats_step(self, ctx: Any, family: str, params: List[Any], grads: List[Any], state: Dict[str, Any],
+    def _formats_step(self, ctx: Any, family: str, params: List[Any], grads: List[Any], state: Dict[str, Any],
                             layout: Any, format_state: Any, fmt: Any, scalars: Any, seed: int, step: int,
                             found_inf: Any) -> None:
         from numba import types
 
         from optirs.backends.cuda import device_address
-        from optirs.backends.cuda.steps import CudaSteps
-
+        
         definition = _definition(family)
         # The state's buffers depend on the storage only: gradients may come in either dtype.
         if replace(format_state.fmt, grad_dtype=fmt.grad_dtype) != fmt:
@@ -143,7 +139,7 @@ class CudaFormats:
         tensors = _tensor_table(ctx, layout, format_state)
         name = f"{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
         head = (table, table, table, types.int64)
-        ptrs = CudaSteps._pointers(ctx, params, grads, layout)
+        ptrs = self._pointers(ctx, params, grads, layout)
         if family == "lamb":
             self._formats_lamb(ctx, fk, name, head, layout, fc, signed, ptrs, tensors,
                                (maps, tables, maddr, tuple(slots), used), found, seed, step, scalars, fmt)
@@ -184,8 +180,7 @@ class CudaFormats:
 
     # ------------------------------------------------ staging
 
-    @hookimpl
-    def optirs_formats_stage(self, ctx: Any, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
+    def _formats_stage(self, ctx: Any, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
         from optirs.backends.cuda import DeviceList
 
         if len(params) != len(grads):

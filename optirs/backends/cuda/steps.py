@@ -1,45 +1,44 @@
-"""The cuda backend's step hooks: one per optimizer definition.
+"""The cuda backend's step: one hook that picks the kernel for every optimizer, format and control.
 
 Every elementwise optimizer is one launch of the generic step kernel of its family
-(``kernels.STEP_FUNCTIONS``), with the definition's state slots as slots 0-2; LAMB runs its
-norm passes (``kernels.LAMB_FUNCTIONS``).
+(``kernels.STEP_FUNCTIONS``), with the definition's state slots as slots 0-2 and the found_inf
+flag read on the device; LAMB runs its norm passes (``kernels.LAMB_FUNCTIONS``), Adafactor one
+block per tensor (:mod:`optirs.backends.cuda.adafactor`), every step format the formats kernels
+(:mod:`optirs.backends.cuda.formats`), and device-side scalars the capturable pair
+(:mod:`optirs.backends.cuda.capturable`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from optirs.backends.cuda import CudaContext, device_address
-from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.plugin.hookspecs import hookimpl
+from optirs.core.definitions import DEFINITIONS
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.core.formats import FORMAT_FAMILIES
+from optirs.core.scalars import FORMULAS
+from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
+
+SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
+                      formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
+                      capturable=tuple(n for n in DEFINITIONS if n in FORMULAS))
 
 
-def _pointwise_step(definition: OptimizerDefinition) -> Callable:
-    names = definition.slot_names()
-
-    def step(self, ctx, params, grads, state, layout, scalars) -> None:
-        if layout.total == 0:
-            return
-        family = definition.kernel
-        compiled, chunk, grid, block = ctx.plan(family, ctx.kernels.STEP_FUNCTIONS[family], "step", scalars, layout)
-        chunks, nchunks = ctx.chunk_table(layout, chunk)
-        ptrs = self._pointers(ctx, params, grads, layout)
-        addrs, used = [0, 0, 0], 0
-        for k, slot in enumerate(names):
-            if slot in state:
-                addrs[k] = device_address(state[slot])
-                used |= 1 << k
-        ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, 0, 0, scalars), grid, block)  # host scalars, no flag
-
-    step.__name__ = step.__qualname__ = definition.hook
-    step.__doc__ = f"{definition.summary} (one launch of the generic step kernel)"
-    return hookimpl(step)
+def flag_address(flag: Any) -> int:
+    """The device address of a found_inf flag (0: none)."""
+    if flag is None:
+        return 0
+    address = device_address(flag)
+    if address is None:
+        raise InvalidParameterError(f"found_inf is a {type(flag).__name__}, expected a 1-element int32 CUDA device "
+                                    "array or None")
+    return int(address)
 
 
 class CudaSteps:
-    """The dense step of every optimizer definition."""
+    """``optirs_step``: the kernel for each request, chosen here."""
 
     @staticmethod
     def _pointers(ctx: CudaContext, params: Any, grads: Any, layout: Any):
@@ -51,9 +50,55 @@ class CudaSteps:
         return ctx.pointer_table(layout, paddr, gaddr)
 
     @hookimpl
-    def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
+    def optirs_step_support(self) -> StepSupport:
+        return SUPPORT
+
+    @hookimpl
+    def optirs_step(self, ctx, request: StepRequest) -> None:
+        controls, definition = request.controls, request.definition
+        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
+                                                 request.scalars)
+        if controls.device is not None:
+            self._capturable_step(ctx, definition.name, params, grads, state, layout, scalars, controls.device)
+            return
+        if request.fmt is not None:
+            if controls.check_finite:
+                self._formats_check(ctx, grads, layout, request.fmt, controls.found_inf)
+            self._formats_step(ctx, definition.kernel, params, grads, state, layout, request.format_state,
+                               request.fmt, scalars, controls.seed, controls.step, controls.found_inf)
+            return
+        if controls.check_finite:
+            raise UnsupportedOperationError("check_finite on a float32 step of the cuda backend, expected a step format")
         if layout.total == 0:
             return
+        family = definition.kernel
+        if definition.pointwise:
+            self._pointwise(ctx, definition, params, grads, state, layout, scalars, flag_address(controls.found_inf))
+            return
+        # LAMB's and Adafactor's passes read no flag: read it here (one synchronisation)
+        if controls.found_inf is not None and int(self.optirs_to_host(ctx, controls.found_inf)[0]) != 0:
+            return
+        if family == "lamb":
+            self._lamb(ctx, params, grads, state, layout, scalars)
+        elif family == "adafactor":
+            self._adafactor(ctx, params, grads, state, layout, scalars)
+        else:
+            raise UnsupportedOperationError(f"the cuda backend has no kernel for the {family!r} family of "
+                                            f"{definition.name!r}")
+
+    def _pointwise(self, ctx, definition, params, grads, state, layout, scalars, flag: int) -> None:
+        family = definition.kernel
+        compiled, chunk, grid, block = ctx.plan(family, ctx.kernels.STEP_FUNCTIONS[family], "step", scalars, layout)
+        chunks, nchunks = ctx.chunk_table(layout, chunk)
+        ptrs = self._pointers(ctx, params, grads, layout)
+        addrs, used = [0, 0, 0], 0
+        for k, slot in enumerate(definition.slot_names()):
+            if slot in state:
+                addrs[k] = device_address(state[slot])
+                used |= 1 << k
+        ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, 0, flag, scalars), grid, block)  # host scalars
+
+    def _lamb(self, ctx, params, grads, state, layout, scalars) -> None:
         ptrs = self._pointers(ctx, params, grads, layout)
         ntensors = len(layout)
         acc = layout.cache.get("cuda.lamb_acc")
@@ -75,10 +120,3 @@ class CudaSteps:
             acc[1] = 0
             raise
         acc[1] = 1 - q
-
-
-
-
-for _definition in DEFINITIONS.values():
-    if _definition.pointwise:
-        setattr(CudaSteps, _definition.hook, _pointwise_step(_definition))

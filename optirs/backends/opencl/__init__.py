@@ -628,7 +628,12 @@ class OpenclDevice:
         return array.get(queue=ctx.queue).reshape(-1)
 
     @hookimpl
-    def optirs_stage(self, ctx: OpenclContext, params: List[Any], grads: List[Any]) -> Staged:
+    def optirs_stage(self, ctx: OpenclContext, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
+        if fmt is not None:
+            return self._formats_stage(ctx, params, grads, fmt)
+        return self._stage(ctx, params, grads)
+
+    def _stage(self, ctx: OpenclContext, params: List[Any], grads: List[Any]) -> Staged:
         if all(isinstance(a, np.ndarray) for a in params):
             return _stage_numpy(ctx, params, grads)  # the caller checked that grads match params
         ours, foreign = ctx.queue, {}
@@ -655,31 +660,6 @@ class OpenclDevice:
     @hookimpl
     def optirs_synchronize(self, ctx: OpenclContext) -> None:
         ctx.queue.finish()
-
-
-def _pointwise_step(definition: OptimizerDefinition) -> Callable:
-    names = definition.slot_names()
-
-    def step(self, ctx, params, grads, state, layout, scalars) -> None:
-        slots = tuple(state.get(names[k]) if k < len(names) else None for k in range(3))
-        _elementwise(ctx, definition.kernel, params, grads, slots, layout, scalars)
-
-    step.__name__ = step.__qualname__ = definition.hook
-    step.__doc__ = f"{definition.summary} (the generic STEP_KERNELS of its family)"
-    return hookimpl(step)
-
-
-class OpenclSteps:
-    """The dense step of every optimizer definition."""
-
-    @hookimpl
-    def optirs_step_lamb(self, ctx, params, grads, state, layout, scalars) -> None:
-        _lamb(ctx, params, grads, state["exp_avg"], state["exp_avg_sq"], layout, scalars)
-
-
-for _definition in DEFINITIONS.values():
-    if _definition.pointwise:
-        setattr(OpenclSteps, _definition.hook, _pointwise_step(_definition))
 
 
 # ---------------------------------------------------------------- staging
@@ -805,6 +785,9 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
                 k["lamb_apply"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, ratio, rec)
         except cl.Error as exc:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
+
+
+from optirs.backends.opencl.steps import OpenclSteps  # noqa: E402  (it uses the drivers above)
 
 
 class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion, OpenclAdafactor, OpenclMeasure,

@@ -13,7 +13,6 @@ import numpy as np
 
 from optirs.core.errors import GpuOptimError
 from optirs.core.factored import factored_layout
-from optirs.plugin.hookspecs import hookimpl
 
 def appended_kernels(ctx: Any) -> None:
     """Make (once per context) the ``adafactor_step`` kernel with its argument types."""
@@ -36,8 +35,7 @@ def appended_kernels(ctx: Any) -> None:
 class OpenclAdafactor:
     """Mixin of OpenclBackend: Adafactor, one work-group per tensor."""
 
-    @hookimpl
-    def optirs_step_adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
+    def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
         from optirs.backends.opencl import _flat_range, _state_base
 
         if layout.total == 0:

@@ -22,7 +22,7 @@ from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import (FORMAT_FAMILIES, FormatState, StepFormat, dtype_name, dynamic_map,
                                  map_midpoints)
-from optirs.plugin.hookspecs import Staged, hookimpl
+from optirs.plugin.hookspecs import Staged
 
 KERNEL_FILE = "optirs_formats.cl"
 STEP_TEMPLATE = "optirs_formats_step.h"
@@ -305,10 +305,9 @@ def _state_args(ctx: Any, family: str, state: Dict[str, Any], fs: FormatState, f
 
 
 class OpenclFormats:
-    """The ``formats`` capability of the opencl backend."""
+    """The step formats of the opencl backend (``optirs_step`` with a format calls them)."""
 
-    @hookimpl
-    def optirs_formats_stage(self, ctx: Any, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
+    def _formats_stage(self, ctx: Any, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
         from optirs.backends.opencl import OpenclDevice
 
         if all(isinstance(a, np.ndarray) for a in params):
@@ -320,10 +319,9 @@ class OpenclFormats:
                 if not isinstance(a, np.ndarray) and hasattr(a, "dtype") and not _device_dtype_ok(a, dtype):
                     raise InvalidParameterError(f"{what}[{i}] has dtype {a.dtype}, expected {dtype}"
                                                 + (" (or its uint16 bits)" if dtype in _HALF else ""))
-        return OpenclDevice.optirs_stage(self, ctx, params, grads)  # in place, with the float32 step's checks
+        return OpenclDevice._stage(self, ctx, params, grads)  # in place, with the float32 step's checks
 
-    @hookimpl
-    def optirs_formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step,
+    def _formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step,
                             found_inf) -> None:
         if family not in FORMAT_FAMILIES or family not in FAMILY_SLOTS:
             raise UnsupportedOperationError(f"the opencl formats step runs the families {list(FORMAT_FAMILIES)}, "
@@ -351,8 +349,7 @@ class OpenclFormats:
             except cl.Error as exc:
                 raise ctx.translate(exc, f"running the {family} format step over {n} elements") from exc
 
-    @hookimpl
-    def optirs_formats_check(self, ctx, grads, layout, fmt, flag) -> None:
+    def _formats_check(self, ctx, grads, layout, fmt, flag) -> None:
         if layout.total == 0:
             return
         if flag.offset:
