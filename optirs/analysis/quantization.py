@@ -664,11 +664,3 @@ class QuantizationPlugin:
 
 plugin = QuantizationPlugin()
 
-
-def __getattr__(name: str):
-    # QatConfig and QatOptimizer moved to optirs.optim.qat (which imports this module): re-exported lazily.
-    if name in ("QatConfig", "QatOptimizer"):
-        from optirs.optim import qat
-
-        return getattr(qat, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

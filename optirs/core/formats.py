@@ -1,4 +1,4 @@
-"""Step formats: how parameters, master weights and optimizer state are stored (issue 13).
+"""Step formats: how parameters, master weights and optimizer state are stored.
 
 The contract every backend follows bit for bit is docs/formats.md. This module holds its host
 side: the user's options (:class:`Precision`), the format one step runs (:class:`StepFormat`,

@@ -163,11 +163,14 @@ def lamb(params, grads, state, hp: LambParams, step: int) -> StepResult:
 def run(name: str, params, grad_sequence, hp, start_step: int = 1, state=None) -> StepResult:
     """Apply ``len(grad_sequence)`` steps of optimizer ``name`` and return the final params and state.
 
-    The step function is the definition's (optirs.core.definitions, which imports this module).
+    ``name`` is an optimizer's name; its step is this module's function of that name (the one its
+    definition in optirs.core.definitions names).
     """
-    from optirs.core.definitions import definition
+    step_fn = STEPS.get(name)
+    if step_fn is None:
+        from optirs.core.errors import InvalidParameterError
 
-    step_fn = definition(name).reference
+        raise InvalidParameterError(f"optimizer={name!r}, expected one of {sorted(STEPS)}")
     state = state or [{} for _ in params]
     params = _f64(params)
     for k, grads in enumerate(grad_sequence):
@@ -229,3 +232,6 @@ def adafactor(params, grads, state, hp: AdafactorParams, step: int) -> StepResul
     return new_p, new_s
 
 
+# Each optimizer's float64 step, by name (run() looks steps up here).
+STEPS: Dict[str, Callable[..., StepResult]] = {f.__name__: f for f in (adam, adamw, sgd, rmsprop, adagrad, lamb, lion,
+                                                                        adafactor)}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from optirs.core import checkpoint as ck
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.core.arrays import ArrayMeta, as_16bit, check_no_overlap, describe
+from optirs.core.arrays import as_16bit, check_no_overlap, describe
 from optirs.core.errors import BackendUnavailableError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.formats import PARAM_DTYPES, Precision, StepFormat, dtype_name, resolve_format
 from optirs.optim import formats as fm

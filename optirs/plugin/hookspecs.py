@@ -21,7 +21,7 @@ analysis hooks are called on every plugin, and say so where the first answer win
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Tuple,
+from typing import (Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple,
                     runtime_checkable)
 
 import numpy as np
@@ -665,14 +665,6 @@ def optirs_fake_quant_backward(ctx: BackendContext, x: DeviceArray, grad: Device
 # own flat device arrays (optirs_fusion_run). Kernel text names no sizes, so a backend may cache
 # compiled kernels by text and share them between groups and plans.
 
-# Imported here (not at the top) to keep this section's edits within its banner.
-from typing import TYPE_CHECKING  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-if TYPE_CHECKING:  # types of the analysis layer, named in hook signatures only
-    from optirs.analysis.fusion import FusionGraph, FusionGroup
-
 FUSION_DIALECTS = ("numba-parallel", "numba-cuda", "opencl-c")
 """The languages fused kernels are generated in: Python for ``numba.njit(parallel=True)`` (function
 ``kernel_``), Python for ``numba.cuda.jit`` (``kernel_`` and, for reductions over all axes,
@@ -756,10 +748,11 @@ class CompiledFusedKernel:
 
 
 @hookspec(firstresult=True)
-def optirs_fusion_generate(graph: "FusionGraph", group: "FusionGroup") -> Optional[FusedGroupSource]:
+def optirs_fusion_generate(graph: Any, group: Any) -> Optional[FusedGroupSource]:
     """Generate the kernels of one fused group in every dialect a plugin knows. Stops at the first non-None result.
 
-    :param graph: the :class:`optirs.analysis.fusion.FusionGraph` the group belongs to.
+    :param graph: the :class:`optirs.analysis.fusion.FusionGraph` the group belongs to (a type of the
+        analysis layer above this interface, so not imported here).
     :param group: the :class:`optirs.analysis.fusion.FusionGroup` (not opaque) to generate.
     :return: the group's :class:`FusedGroupSource`, or None to defer to another plugin.
     """

@@ -43,7 +43,7 @@ import torch
 from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
                                 UnsupportedOperationError)
 from optirs.core.interrupts import deferred_interrupts
-from optirs.torch import optimizers as _optimizers
+import optirs.torch.optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import resolve_format
 from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp

@@ -8,7 +8,7 @@ analysis plugin answering ``optirs_fusion_generate``, and values move with the b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import numpy as np
 
@@ -16,9 +16,6 @@ from optirs.analysis.fusion.graph import call_opaque
 from optirs.core.errors import BackendUnavailableError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.plugin.hookspecs import CompiledFusedKernel, FusedGroupSource
 from optirs.plugin.registry import REGISTRY, Backend
-
-if TYPE_CHECKING:
-    from optirs.analysis.fusion.planner import FusionPlan
 
 CAPABILITY = "fusion"
 
@@ -38,7 +35,7 @@ def bind_backend(backend: Union[str, Backend]) -> Backend:
 class CompiledPlan:
     """A plan with one compiled kernel per group on one backend; :meth:`run` executes it."""
 
-    def __init__(self, plan: "FusionPlan", backend: Union[str, Backend]):
+    def __init__(self, plan: Any, backend: Union[str, Backend]):
         self.plan = plan
         self.backend = bind_backend(backend)
         compile_group = self.backend.hook(CAPABILITY, "optirs_fusion_compile")

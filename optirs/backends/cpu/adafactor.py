@@ -9,7 +9,7 @@ class CpuAdafactor:
     """Mixin of CpuBackend: Adafactor, one parallel loop over the model's tensors."""
 
     def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
-        from optirs.backends.cpu import adafactor_kernels
+        import optirs.backends.cpu.adafactor_kernels as adafactor_kernels
 
         fl = factored_layout(layout)
         adafactor_kernels.adafactor(params, grads, state["row_var"], state["col_var"], state["variance"], fl.table,

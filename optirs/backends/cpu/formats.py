@@ -27,7 +27,7 @@ _FAMILY_DEFINITION = {d.kernel: d for d in DEFINITIONS.values() if d.kernel in F
 
 
 def _kernels():
-    from optirs.backends.cpu import formats_kernels
+    import optirs.backends.cpu.formats_kernels as formats_kernels
 
     return formats_kernels
 

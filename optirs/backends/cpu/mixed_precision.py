@@ -124,7 +124,7 @@ class CpuMixedPrecision:
     @hookimpl
     def optirs_mixed_precision_unscale(self, ctx: Any, grads: List[np.ndarray], out: np.ndarray, layout: TensorLayout,
                                        inv_scale: np.float32, bfloat16: bool) -> bool:
-        from optirs.backends.cpu import CHUNK
+        from optirs.backends.cpu.steps import CHUNK
 
         chunk_tensor, chunk_start, chunk_stop = layout.chunks(CHUNK)
         flags = np.zeros(chunk_tensor.shape[0], np.uint8)
@@ -135,7 +135,7 @@ class CpuMixedPrecision:
     @hookimpl
     def optirs_mixed_precision_narrow(self, ctx: Any, masters: np.ndarray, params: List[np.ndarray],
                                       layout: TensorLayout, bfloat16: bool) -> None:
-        from optirs.backends.cpu import CHUNK
+        from optirs.backends.cpu.steps import CHUNK
 
         cpu_kernels().narrow(masters.view(np.uint32), _bit_views(layout, params), layout.offsets,
                              *layout.chunks(CHUNK), bool(bfloat16))

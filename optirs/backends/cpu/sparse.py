@@ -20,7 +20,7 @@ _NO_FLAGS = np.zeros(1, np.uint8)
 
 
 def _loops():
-    from optirs.backends.cpu import sparse_loops
+    import optirs.backends.cpu.sparse_loops as sparse_loops
 
     return sparse_loops
 

@@ -11,8 +11,8 @@ class CudaAdafactor:
     """Mixin of CudaBackend: Adafactor, one block per tensor."""
 
     def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
-        from optirs.backends.cuda import adafactor_kernels as kernels
-        from optirs.backends.cuda import device_address
+        import optirs.backends.cuda.adafactor_kernels as kernels
+        from optirs.backends.cuda.context import device_address
 
         fl = factored_layout(layout)
         tables = layout.cache.get("cuda.adafactor")

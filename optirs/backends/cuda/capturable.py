@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from optirs.backends.cuda import _head_types, device_address
+from optirs.backends.cuda.context import _head_types, device_address
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.plugin.hookspecs import DeviceStepInputs

@@ -82,7 +82,7 @@ class CudaFormats:
     def _formats_check(self, ctx: Any, grads: List[Any], layout: Any, fmt: Any, flag: Any) -> None:
         from numba import types
 
-        from optirs.backends.cuda import device_address
+        from optirs.backends.cuda.context import device_address
         
         if layout.total == 0:
             return
@@ -104,7 +104,7 @@ class CudaFormats:
                             found_inf: Any) -> None:
         from numba import types
 
-        from optirs.backends.cuda import device_address
+        from optirs.backends.cuda.context import device_address
         
         definition = _definition(family)
         # The state's buffers depend on the storage only: gradients may come in either dtype.
@@ -181,7 +181,7 @@ class CudaFormats:
     # ------------------------------------------------ staging
 
     def _formats_stage(self, ctx: Any, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
-        from optirs.backends.cuda import DeviceList
+        from optirs.backends.cuda.context import DeviceList
 
         if len(params) != len(grads):
             raise InvalidParameterError(f"{len(params)} params and {len(grads)} grads, expected one gradient per parameter")
@@ -202,7 +202,7 @@ class CudaFormats:
     @staticmethod
     def _formats_stage_host(ctx: Any, params: Sequence[np.ndarray], grads: Sequence[np.ndarray], pdt: str,
                             gdt: str) -> Staged:
-        from optirs.backends.cuda import DeviceList, device_address
+        from optirs.backends.cuda.context import DeviceList, device_address
 
         for label, arrays, expected in (("params", params, pdt), ("grads", grads, gdt)):
             for i, a in enumerate(arrays):
@@ -274,7 +274,7 @@ def _definition(family: str) -> Any:
 
 
 def _address(state: Dict[str, Any], buffer: str) -> int:
-    from optirs.backends.cuda import device_address
+    from optirs.backends.cuda.context import device_address
 
     array = state.get(buffer)
     address = device_address(array) if array is not None else None
@@ -311,7 +311,7 @@ def _tensor_table(ctx: Any, layout: Any, format_state: Any):
 
 
 def _kernels():
-    from optirs.backends.cuda import formats_kernels
+    import optirs.backends.cuda.formats_kernels as formats_kernels
 
     return formats_kernels
 
@@ -343,7 +343,7 @@ def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
     and the ``ndyn`` integers before it may change every step (the step count, the address of the
     caller's found_inf flag): they are rewritten in the prepared argument block, not keyed.
     """
-    from optirs.backends.cuda import PreparedLaunch
+    from optirs.backends.cuda.context import PreparedLaunch
 
     compiled, _, grid, block = plan
     stable = head + args[: len(args) - 1 - ndyn]

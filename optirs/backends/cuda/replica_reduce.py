@@ -105,7 +105,7 @@ class CudaReplicaReduce:
         kernel = _kernel(ctx)
         size = int(arrays[0].shape[0])
         if ctx.simulator:  # every simulated thread is a Python thread: keep the grid tiny
-            from optirs.backends.cuda import SIM_BLOCK, SIM_GRID
+            from optirs.backends.cuda.context import SIM_BLOCK, SIM_GRID
 
             grid, block = SIM_GRID, SIM_BLOCK
         else:

@@ -57,7 +57,7 @@ class CudaSparse:
 
     @staticmethod
     def _launcher(ctx: Any) -> Callable[..., None]:
-        from optirs.backends.cuda import sparse_kernels
+        import optirs.backends.cuda.sparse_kernels as sparse_kernels
 
         compiled = sparse_kernels.kernels()
 

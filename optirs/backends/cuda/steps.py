@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from optirs.backends.cuda import CudaContext, device_address
+from optirs.backends.cuda.context import CudaContext, device_address
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import FORMAT_FAMILIES

@@ -36,7 +36,8 @@ class OpenclAdafactor:
     """Mixin of OpenclBackend: Adafactor, one work-group per tensor."""
 
     def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
-        from optirs.backends.opencl import _flat_range, _state_base
+        from optirs.backends.opencl.context import _flat_range
+        from optirs.backends.opencl.steps import _state_base
 
         if layout.total == 0:
             return

@@ -28,7 +28,7 @@ def kernels(ctx: Any) -> Tuple[Any, Any]:
     """(forward, backward) kernels of ``ctx``'s context, built on first use."""
     found = _PROGRAMS.get(ctx)
     if found is None:
-        from optirs.backends.opencl import build_program
+        from optirs.backends.opencl.context import build_program
 
         program = build_program(ctx.context, ctx.device, opencl_source.program_source(KERNEL_FILE), [])
         found = _PROGRAMS[ctx] = (program.fake_quant, program.fake_quant_backward)

@@ -65,7 +65,7 @@ def _cache(ctx: Any) -> Dict[Any, Any]:
 
 def _program(ctx: Any, fmt: StepFormat) -> _Program:
     """The kernels of ``fmt``'s program, built once per context and format codes."""
-    from optirs.backends.opencl import ELEMENTWISE, build_program
+    from optirs.backends.opencl.context import ELEMENTWISE, build_program
 
     cache = _cache(ctx)
     key = ("program", fmt.codes)
@@ -214,7 +214,7 @@ class _Plan:
 
     def __init__(self, ctx: Any, params: List[Any], grads: List[Any], layout: Any, table: Optional[np.ndarray],
                  s_offs: Tuple[int, ...], tables: Any):
-        from optirs.backends.opencl import SlotGrouper
+        from optirs.backends.opencl.context import SlotGrouper
 
         self.refs = [weakref.ref(a) for a in params] + [weakref.ref(a) for a in grads]
         self.key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs)
@@ -248,7 +248,7 @@ class _Plan:
 def _plan(ctx: Any, name: str, params, grads, layout, table: Optional[np.ndarray],
           s_offs: Tuple[int, ...]) -> Tuple[_Plan, Any]:
     """The cached plan ``name`` ("step", "check") of this layout for these arrays."""
-    from optirs.backends.opencl import _layout_tables
+    from optirs.backends.opencl.context import _layout_tables
 
     tables = _layout_tables(ctx, layout)
     cache = layout.cache.setdefault(("opencl-formats", id(ctx)), {})
@@ -308,7 +308,7 @@ class OpenclFormats:
     """The step formats of the opencl backend (``optirs_step`` with a format calls them)."""
 
     def _formats_stage(self, ctx: Any, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
-        from optirs.backends.opencl import OpenclDevice
+        from optirs.backends.opencl.device import OpenclDevice
 
         if all(isinstance(a, np.ndarray) for a in params):
             if not all(isinstance(a, np.ndarray) for a in grads):
@@ -369,7 +369,7 @@ class OpenclFormats:
 
 
 def _lamb(ctx, prog, layout, tables, launches, bufs, offs, chunk, skip, st, rec, scalars) -> None:
-    from optirs.backends.opencl import _lamb_scratch
+    from optirs.backends.opencl.context import _lamb_scratch
 
     q, wg, k, kf = ctx.queue, ctx.work_group, ctx.kernels, prog.kernels
     partial_g, partial_pu, scale, ratio = _lamb_scratch(ctx, layout, tables)

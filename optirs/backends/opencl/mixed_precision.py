@@ -34,7 +34,7 @@ def opencl_kernels(ctx: Any) -> Dict[str, Any]:
     if hit is None:
         import pyopencl as cl
 
-        from optirs.backends.opencl import build_program
+        from optirs.backends.opencl.context import build_program
 
         program = build_program(ctx.context, ctx.device, program_source(KERNEL_FILE), [])
         hit = {"unscale": program.optirs_mp_unscale, "narrow": program.optirs_mp_narrow,

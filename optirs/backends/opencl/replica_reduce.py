@@ -31,7 +31,7 @@ def _kernel(ctx: Any, context: Any, device: Any) -> Any:
     if kernel is None:
         import pyopencl as cl
 
-        from optirs.backends.opencl import build_program
+        from optirs.backends.opencl.context import build_program
 
         # The sum is exact IEEE float32; the mean's division must be too (numba and numpy round it).
         options = []

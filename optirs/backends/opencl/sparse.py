@@ -26,7 +26,7 @@ class _Program:
     name on the program makes a new one per call)."""
 
     def __init__(self, ctx: Any):
-        from optirs.backends.opencl import build_program
+        from optirs.backends.opencl.context import build_program
 
         program = build_program(ctx.context, ctx.device, program_source(KERNEL_FILE), ctx.build_options)
         self.kernels = {k.function_name: k for k in program.all_kernels()}

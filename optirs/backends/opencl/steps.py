@@ -11,14 +11,90 @@ from __future__ import annotations
 
 import numpy as np
 
-from optirs.backends.opencl import _elementwise, _lamb
+from typing import Any, List, Sequence, Tuple
+
+from optirs.backends.opencl.context import OpenclContext, _lamb_scratch, _layout_tables, _plan
 from optirs.core.definitions import DEFINITIONS
-from optirs.core.errors import UnsupportedOperationError
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import FORMAT_FAMILIES
 from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES))
+
+
+def _state_base(ctx: OpenclContext, arrays: Sequence[Any]) -> Tuple[List[Any], int]:
+    """The state slots' buffers (the dummy for unused ones) and their common element offset."""
+    bufs, offsets = [], set()
+    for a in arrays:
+        if a is None:
+            bufs.append(ctx.dummy)
+        else:
+            bufs.append(a.base_data if a.size else ctx.dummy)
+            offsets.add(a.offset // 4)
+    if len(offsets) > 1:
+        raise InvalidParameterError(f"state buffers start at element offsets {sorted(offsets)}, expected one common offset")
+    return bufs, (offsets.pop() if offsets else 0)
+
+
+def _elementwise(ctx: OpenclContext, family: str, params, grads, state_arrays, layout, scalars) -> None:
+    n = layout.total
+    if n == 0:
+        return
+    rec = np.array(tuple(scalars), ctx.records[family])
+    s_bufs, s_off = _state_base(ctx, state_arrays)
+    wg, cl = ctx.work_group, ctx.cl
+    with ctx.lock:
+        try:
+            plan = _plan(ctx, params, grads, layout, s_off, chunked=False)
+            if plan.flat is not None:
+                ph, p_off, gh, g_off = plan.flat
+                if p_off % 4 == 0 and g_off % 4 == 0 and s_off % 4 == 0:
+                    kernel, items = ctx.kernels[family + "_flat4"], n // 4 + (1 if n % 4 else 0)
+                else:
+                    kernel, items = ctx.kernels[family + "_flat1"], n
+                gsize = (items + wg - 1) // wg * wg
+                kernel(ctx.queue, (gsize,), (wg,), params[ph].base_data, p_off, grads[gh].base_data, g_off,
+                       *s_bufs, s_off, n, rec)
+                return
+            tables = _layout_tables(ctx, layout)
+            kernel = ctx.kernels[family + "_chunks"]
+            for grp in plan.groups:
+                kernel(ctx.queue, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers(ctx, params, grads),
+                       *s_bufs, plan.tens, plan.info, tables.chunk_tensor, tables.chunk_start, grp.chunk_begin, rec)
+        except cl.Error as exc:
+            raise ctx.translate(exc, f"running the {family} step over {n} elements") from exc
+
+
+def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
+    n = layout.total
+    if n == 0:
+        return
+    rec = np.array(tuple(scalars), ctx.records["lamb"])
+    (mb, vb), s_off = _state_base(ctx, (m, v))
+    wg, cl, q, k = ctx.work_group, ctx.cl, ctx.queue, ctx.kernels
+    clip = bool(scalars.max_grad_norm > 0)
+    with ctx.lock:
+        try:
+            tables = _layout_tables(ctx, layout)
+            plan = _plan(ctx, params, grads, layout, s_off, chunked=True)
+            partial_g, partial_pu, scale, ratio = _lamb_scratch(ctx, layout, tables)
+            chunk_args = (plan.tens, plan.info, tables.chunk_tensor, tables.chunk_start)
+            launches = [(((grp.chunk_end - grp.chunk_begin) * wg,), grp.buffers(ctx, params, grads), grp.chunk_begin)
+                        for grp in plan.groups]
+            if clip:
+                for gsize, bufs, c0 in launches:
+                    k["lamb_grad_sumsq"](q, gsize, (wg,), *bufs, *chunk_args, c0, partial_g)
+                k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm,
+                                     scalars.grad_factor, scale)
+            for gsize, bufs, c0 in launches:
+                k["lamb_moments"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, scale, int(clip), partial_pu, rec)
+            k["lamb_trust_ratios"](q, (len(layout) * wg,), (wg,), partial_pu, tables.first_chunk, tables.nchunks,
+                                   scalars.max_trust_ratio, ratio)
+            for gsize, bufs, c0 in launches:
+                k["lamb_apply"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, ratio, rec)
+        except cl.Error as exc:
+            raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
 class OpenclSteps:

@@ -1,0 +1,606 @@
+"""The cuda backend's context: numba.cuda, device addresses, raw launches, compiled kernels, streams.
+
+:class:`CudaContext` is what ``optirs_open`` returns: the kernels, the compiled-kernel and
+prepared-launch caches, the chunk and pointer tables, the staging buffers and the stream in use.
+:class:`PreparedLaunch` calls ``cuLaunchKernel`` once per step on an argument block marshalled
+once (numba's own launch is the fallback). The hook mixins of the package use these.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
+from optirs.core.simulator import cuda_simulator_enabled
+
+DEFAULT_BLOCK = 256
+SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
+_LRU = 8  # cached pointer tables per layout, prepared launches per context
+
+
+def _simulator() -> bool:
+    return cuda_simulator_enabled()
+
+
+# ------------------------------------------------------------------ arrays and addresses
+
+
+def _address_getter(obj: Any):
+    """The cheapest way to read a device array's address, per type (looked up once per type)."""
+    cls = type(obj)
+    module = cls.__module__
+    if module.startswith("torch"):
+        return lambda a: a.data_ptr()
+    if module.startswith("cupy"):
+        return lambda a: a.data.ptr
+    if cls.__name__ == "FakeCUDAArray":  # simulator: the wrapped numpy array's memory
+        return lambda a: a._ary.__array_interface__["data"][0]
+    if hasattr(obj, "device_ctypes_pointer"):  # numba DeviceNDArray
+        return lambda a: a.device_ctypes_pointer.value or 0
+    if hasattr(obj, "__cuda_array_interface__"):
+        return lambda a: a.__cuda_array_interface__["data"][0] or 0
+    return None
+
+
+_GETTERS: Dict[type, Any] = {}
+
+
+def device_address(obj: Any) -> Optional[int]:
+    """Address of a device array, or None when ``obj`` is not one."""
+    getter = _GETTERS.get(type(obj))
+    if getter is None:
+        getter = _address_getter(obj)
+        if getter is None:
+            return None
+        _GETTERS[type(obj)] = getter
+    return int(getter(obj))
+
+
+class DeviceList(list):
+    """The arrays of one step, with their device addresses (read once, in ``optirs_stage``)."""
+
+    def __init__(self, arrays: Sequence[Any], addresses: Tuple[int, ...]):
+        super().__init__(arrays)
+        self.addresses = addresses
+
+
+# ------------------------------------------------------------------ raw launches
+
+
+class _Launcher:
+    """Calls cuLaunchKernel on a prepared argument block (one ctypes call per step)."""
+
+    def __init__(self) -> None:
+        self.fn = self.lib = None
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuLaunchKernel
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            fn.restype = ctypes.c_int
+            self.fn, self.lib = fn, lib
+        except (OSError, AttributeError):  # pragma: no cover - numba's own launch is the fallback
+            self.fn = None
+
+    def function(self, handle: int) -> ctypes.c_void_p:
+        """The CUfunction of numba's handle (a CUkernel from cuLibraryLoad; returned as is otherwise)."""
+        out = ctypes.c_void_p()
+        try:
+            if self.lib is not None and self.lib.cuKernelGetFunction(ctypes.byref(out), ctypes.c_void_p(handle)) == 0:
+                return out
+        except AttributeError:  # pragma: no cover - a driver before CUDA 12
+            pass
+        return ctypes.c_void_p(handle)
+
+    def capture_status(self, stream: int) -> int:
+        """cuStreamIsCapturing of a raw stream: 0 none, 1 active, 2 invalidated (-1: unknown).
+
+        The legacy default stream answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT while a blocking
+        stream captures: reported as active, since a launch there would join or break the capture.
+        """
+        if self.lib is None:
+            return -1
+        out = ctypes.c_int()
+        try:
+            err = self.lib.cuStreamIsCapturing(ctypes.c_void_p(stream or None), ctypes.byref(out))
+        except AttributeError:  # pragma: no cover - a driver before CUDA 10
+            return -1
+        if err == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+            return 1
+        return int(out.value) if err == 0 else -1
+
+    def active_blocks(self, function: ctypes.c_void_p, block: int) -> int:
+        """Blocks of ``block`` threads the compiled kernel keeps resident per SM (the driver's occupancy)."""
+        out = ctypes.c_int()
+        if self.lib is None or self.lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(out), function, ctypes.c_int(block), ctypes.c_size_t(0)) != 0:
+            raise GpuOptimError("cuOccupancyMaxActiveBlocksPerMultiprocessor failed")
+        return int(out.value)
+
+
+class PreparedLaunch:
+    """One kernel with its arguments marshalled once; ``__call__(sc)`` updates the scalars and launches.
+
+    numba's own marshalling (``_Kernel._prepare_args``) flattens the arguments; the flat values
+    are kept as ctypes objects and the scalars record (the last argument) is rewritten in place
+    when it changes. Without a usable libcuda (or under the simulator) it falls back to numba's
+    launch.
+    """
+
+    def __init__(self, ctx: "CudaContext", compiled: "Compiled", args: tuple, grid: int, block: int):
+        self.compiled, self.args, self.grid, self.block = compiled, args, grid, block
+        raw = os.environ.get("OPTIRS_CUDA_RAW_LAUNCH", "1") != "0"  # 0: numba's launch (for comparison)
+        self.fn = ctx.launcher.fn if (raw and compiled.handle is not None and not ctx.simulator) else None
+        self.sc = args[-1]
+        if self.fn is None:
+            return
+        flat: List[Any] = []
+        kernel = compiled.kernel
+        for ty, val in zip(kernel.argument_types, args):
+            kernel._prepare_args(ty, val, 0, [], flat)
+        self.cargs = [self._ctype(v) for v in flat]
+        self.nsc = len(self.sc)
+        self.sc_args = self.cargs[len(self.cargs) - self.nsc:]
+        self.pointers = (ctypes.c_void_p * len(self.cargs))(*[ctypes.addressof(c) for c in self.cargs])
+
+    @staticmethod
+    def _ctype(value: Any):
+        if isinstance(value, (bool, np.bool_)):
+            return ctypes.c_bool(bool(value))
+        if isinstance(value, (int, np.integer)):
+            return ctypes.c_int64(int(value))  # pointers, sizes, shapes, strides: all intptr-sized
+        if isinstance(value, ctypes._SimpleCData):
+            return value
+        raise TypeError(f"cannot marshal kernel argument {value!r}")  # pragma: no cover
+
+    def __call__(self, sc: Any, stream: int = 0, nstream: Any = 0) -> None:
+        """Launch with scalars ``sc`` on the raw CUDA stream ``stream`` (0: the legacy default
+        stream); ``nstream`` is the same stream as numba's launch takes it (numba's fallback)."""
+        if self.fn is None:
+            args = self.args[:-1] + (sc,)
+            self.compiled.dispatcher[self.grid, self.block, nstream](*args)
+            return
+        if sc is not self.sc:
+            for cval, new, old in zip(self.sc_args, sc, self.sc):
+                if new != old:
+                    cval.value = new
+            self.sc = sc
+        err = self.fn(self.compiled.handle, self.grid, 1, 1, self.block, 1, 1, 0, stream or None, self.pointers, None)
+        if err:
+            if err == CUDA_ERROR_OUT_OF_MEMORY:
+                raise DeviceMemoryError(f"cuLaunchKernel of {self.compiled.name} ran out of device memory")
+            raise GpuOptimError(f"cuLaunchKernel of {self.compiled.name} failed with CUresult {err}")
+
+
+class Compiled:
+    """A kernel compiled for one argument signature, with its driver handle and launch size."""
+
+    def __init__(self, ctx: "CudaContext", name: str, dispatcher: Any, argtypes: tuple):
+        self.name, self.dispatcher = name, dispatcher
+        self.kernel = None
+        self.handle = None
+        if ctx.simulator:
+            return
+        self.kernel = dispatcher.compile(argtypes)
+        try:
+            cufunc = self.kernel._codelibrary.get_cufunc()
+            self.cufunc = cufunc
+            self.handle = ctx.launcher.function(int(cufunc.handle)) if ctx.launcher.lib is not None else None
+        except Exception:  # pragma: no cover - fall back to numba's launch path
+            self.handle = None
+
+    def launch_size(self, ctx: "CudaContext", elements: int) -> Tuple[int, int]:
+        """(grid, block) before capping the grid to the number of chunks."""
+        if ctx.simulator:
+            return SIM_GRID, SIM_BLOCK
+        config = None
+        forced = int(os.environ.get("OPTIRS_CUDA_BLOCK", "0") or 0)  # tuning: resident grid of this block size
+        if not forced:
+            try:
+                from optirs.plugin.registry import REGISTRY
+
+                config = REGISTRY.launch_config(self.kernel, ctx.device, elements)
+            except Exception:
+                config = None
+        limit = int(getattr(self.kernel, "max_threads_per_block", 1024) or 1024)  # registers can lower it
+        if config is not None:
+            grid, block = int(config[0]), min(int(config[1]), limit)
+        else:
+            block = min(forced or DEFAULT_BLOCK, limit)
+            try:
+                per_sm = ctx.launcher.active_blocks(self.handle, block)
+            except Exception:
+                per_sm = 2048 // block
+            grid = max(1, per_sm) * ctx.sm_count
+        return max(1, grid), block
+
+
+# ------------------------------------------------------------------ the context
+
+
+class CudaContext:
+    """The opened backend: numba.cuda, the kernels, caches of compiled kernels and launches."""
+
+    def __init__(self, options: Dict[str, Any]):
+        from numba import cuda
+
+        import optirs.backends.cuda.kernels as cuda_kernels
+
+        self.cuda = cuda
+        self.kernels = cuda_kernels
+        self.simulator = _simulator()
+        device = options.get("device")
+        if device is not None and not self.simulator:
+            cuda.select_device(_device_index(device))
+        self.device = cuda.get_current_device()
+        name = getattr(self.device, "name", "numba CUDA simulator")
+        self.device_name = name.decode() if isinstance(name, bytes) else str(name)
+        self.context = None if self.simulator else cuda.current_context()
+        self.sm_count = 1 if self.simulator else int(self.device.MULTIPROCESSOR_COUNT)
+        self.launcher = _Launcher() if not self.simulator else None
+        self._dispatchers: Dict[str, Any] = {}
+        self._compiled: Dict[Tuple[str, Any], Compiled] = {}
+        self._launches: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()
+        self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
+        # Indirection for tests that simulate a failing allocation.
+        self.device_array = cuda.device_array
+        # The stream every launch and copy goes on (see the module docstring, "Streams"):
+        # ``pinned`` is the caller's choice (options["stream"] or optirs_use_stream; None: the
+        # rule), ``stream`` the raw handle in use, ``nstream`` the same stream as numba takes it.
+        self._numba_streams: Dict[int, Any] = {}
+        self.pinned: Optional[int] = None
+        self.stream, self.nstream = 0, 0
+        self.use_stream(options.get("stream"))
+
+    # ------------------------------------------------ streams
+
+    def use_stream(self, stream: Any) -> None:
+        """Pin every later launch to ``stream`` (a raw handle, or a torch/numba/CuPy stream object);
+        None or "auto" returns to the rule (torch's current stream for torch tensors, else 0)."""
+        self.pinned = None if stream is None or (isinstance(stream, str) and stream == "auto") else stream_handle(stream)
+        self._set_stream(self.pinned or 0)
+
+    def _set_stream(self, handle: int) -> None:
+        if handle != self.stream:
+            self.stream, self.nstream = handle, self.numba_stream(handle)
+
+    def numba_stream(self, handle: int) -> Any:
+        """numba's stream object for a raw handle (0 stays 0: numba's legacy default stream)."""
+        if not handle:
+            return 0
+        hit = self._numba_streams.get(handle)
+        if hit is None:
+            # The simulator has no external streams; its stream objects order nothing (it runs
+            # every launch to completion) and stand in for the handle.
+            hit = self.cuda.stream() if self.simulator else self.cuda.external_stream(handle)
+            self._numba_streams[handle] = hit
+            if len(self._numba_streams) > 4 * _LRU:
+                self._numba_streams.pop(next(iter(self._numba_streams)))
+        return hit
+
+    def resolve_stream(self, array: Any = None) -> int:
+        """The stream of a call on ``array`` (its first device array), made the one in use.
+
+        Pinned: that stream. Otherwise a torch CUDA tensor's calls go on torch's current stream
+        of its device at the time of the call (torch's convention), anything else on the legacy
+        default stream 0.
+        """
+        handle = self.pinned
+        if handle is None:
+            handle = _torch_stream(array) if type(array).__module__.startswith("torch") else 0
+        self._set_stream(handle)
+        return handle
+
+    def stream_capturing(self, handle: int) -> bool:
+        """Whether a CUDA graph capture is in progress on the raw stream ``handle``."""
+        if self.launcher is None:  # the simulator: nothing is ever captured
+            return False
+        return self.launcher.capture_status(handle) in (1, 2)
+
+    def refuse_capture(self, handle: int, what: str, also_torch: bool = False) -> None:
+        """UnsupportedOperationError when ``handle`` is being captured into a CUDA graph.
+
+        A step's per-step scalars (bias corrections, decayed learning rates) are host values
+        marshalled into the launch: a captured launch would replay them unchanged every time.
+        ``also_torch``: also when torch's current stream captures (before the step's stream is
+        known, as when state is allocated).
+        """
+        if self.stream_capturing(handle) or (also_torch and _torch_capturing()):
+            raise UnsupportedOperationError(
+                f"{what} was called while CUDA stream {handle:#x} is being captured into a CUDA graph: its "
+                "per-step scalars (step count, bias corrections, learning rate) are host values baked into "
+                "the launch, so every replay would repeat this step's values (stale). Run the step outside "
+                "the capture, or use optirs.torch's capturable=True (step count and learning rate on the device)"
+            )
+
+    def upload(self, host: np.ndarray):
+        """A new device copy of ``host``, ordered on the stream in use."""
+        return self.cuda.to_device(host, stream=self.nstream)
+
+    def write(self, device: Any, host: np.ndarray) -> None:
+        """Copy ``host`` into ``device`` on the stream in use."""
+        device.copy_to_device(host, stream=self.nstream)
+
+    def download(self, device: Any, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """``device``'s values on the host, after the work queued on the stream in use."""
+        host = device.copy_to_host(out, stream=self.nstream) if out is not None else device.copy_to_host(stream=self.nstream)
+        self.sync_stream()
+        return host
+
+    def sync_stream(self) -> None:
+        """Wait for the stream in use (numba's copies on stream 0 are synchronous already)."""
+        if self.nstream:
+            self.nstream.synchronize()
+
+    # ------------------------------------------------ memory
+
+    def memory_info(self) -> Tuple[Optional[int], Optional[int]]:
+        try:
+            free, total = self.cuda.current_context().get_memory_info()
+            return int(free), int(total)
+        except Exception:
+            return None, None
+
+    def empty(self, size: int, dtype: Any):
+        """A device array, or DeviceMemoryError with the sizes asked and free."""
+        dtype = np.dtype(dtype)
+        try:
+            return self.device_array(int(size), dtype=dtype)
+        except Exception as exc:
+            if _is_oom(exc):
+                free, total = self.memory_info()
+                raise DeviceMemoryError(
+                    f"could not allocate {int(size) * dtype.itemsize} bytes of device memory "
+                    f"({int(size)} x {dtype}) on {self.device_name}: free {free} of {total} bytes"
+                ) from exc
+            raise
+
+    # ------------------------------------------------ kernels
+
+    def compiled(self, name: str, pyfunc: Any, argtypes: tuple) -> Compiled:
+        key = (name, argtypes)
+        hit = self._compiled.get(key)
+        if hit is None:
+            dispatcher = self._dispatchers.get(name)
+            if dispatcher is None:
+                dispatcher = self.cuda.jit(pyfunc, fastmath=False) if not self.simulator else self.cuda.jit(pyfunc)
+                self._dispatchers[name] = dispatcher
+            hit = self._compiled[key] = Compiled(self, name, dispatcher, argtypes)
+        return hit
+
+    def plan(self, name: str, pyfunc: Any, family: str, scalars: Any, layout: Any) -> Tuple[Compiled, int, int, int]:
+        """(compiled kernel, chunk elements, grid, block) for this kernel on this layout, once per layout.
+
+        The block comes from the launch configuration (occupancy plugin, or the default); the
+        chunk is sized so that every thread moves at least MIN_VECTORS_PER_THREAD float4 vectors
+        per chunk (short-lived blocks measured slower), and the grid is capped at one block per chunk.
+        """
+        key = ("cuda.plan", name)
+        plan = layout.cache.get(key)
+        if plan is None:
+            import numba
+
+            compiled = self.compiled(name, pyfunc, _head_types(family) + (numba.typeof(scalars),))
+            grid, block = compiled.launch_size(self, (layout.total + 3) // 4)
+            chunk = self.kernels.chunk_elements(block)
+            nchunks = len(layout.chunks(chunk)[0])
+            plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
+        return plan
+
+    def launch(self, compiled: Compiled, args: tuple, grid: int, block: int) -> None:
+        """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place)."""
+        key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer)) else id(a) for a in args[:-1])
+        prepared = self._launches.get(key)
+        if prepared is None:
+            prepared = PreparedLaunch(self, compiled, args, grid, block)
+            self._launches[key] = prepared
+            if len(self._launches) > 4 * _LRU:
+                self._launches.popitem(last=False)
+        else:
+            self._launches.move_to_end(key)
+        prepared(args[-1], self.stream, self.nstream)
+
+    # ------------------------------------------------ tables
+
+    def chunk_table(self, layout: Any, chunk: int):
+        """Device int64[nchunks, 4] (tensor, start, count, state offset), once per layout and chunk size."""
+        key = ("cuda.chunks", chunk)
+        table = layout.cache.get(key)
+        if table is None:
+            tensor, start, stop = layout.chunks(chunk)
+            host = np.stack([tensor, start, stop - start, layout.offsets[tensor]], axis=1).astype(np.int64)
+            if len(host) == 0:
+                host = np.zeros((1, 4), np.int64)
+            table = layout.cache[key] = (self.upload(np.ascontiguousarray(host)), len(tensor))
+        return table
+
+    def pointer_table(self, layout: Any, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
+        """Device int64[ntensors, 2] (param address, grad address), cached per address set."""
+        tables = layout.cache.get("cuda.pointers")
+        if tables is None:
+            tables = layout.cache["cuda.pointers"] = OrderedDict()
+        key = (paddr, gaddr)
+        table = tables.get(key)
+        if table is None:
+            host = np.ascontiguousarray(np.array([paddr, gaddr], dtype=np.int64).T)
+            table = tables[key] = self.upload(host)
+            if len(tables) > _LRU:
+                tables.popitem(last=False)
+        else:
+            tables.move_to_end(key)
+        return table
+
+    def addresses(self, arrays: List[Any], label: str) -> Tuple[int, ...]:
+        """Device addresses of a list of arrays, cached by the arrays' identities.
+
+        Like the optimizer's validation cache, this takes an array object to keep its memory
+        between steps (true of numba and CuPy arrays; torch tensors are re-checked through
+        ``data_ptr()``, since ``tensor.data`` can be reassigned); the entry keeps the arrays alive,
+        so the identities stay theirs.
+        """
+        key = tuple(map(id, arrays))
+        hit = self._address_cache.get(key)
+        # A torch tensor can change storage under the same object (``tensor.data = ...``):
+        # its data_ptr() is cheap, so check those before trusting the cached addresses.
+        if hit is not None and all(arrays[i].data_ptr() == hit[1][i] for i in hit[2]):
+            self._address_cache.move_to_end(key)
+            return hit[1]
+        found = []
+        for i, a in enumerate(arrays):
+            addr = device_address(a)
+            if addr is None:
+                raise InvalidParameterError(
+                    f"{label}[{i}] is a {type(a).__module__}.{type(a).__qualname__}, expected a numpy array or "
+                    "a CUDA device array (__cuda_array_interface__) on the cuda backend"
+                )
+            found.append(addr)
+        out = tuple(found)
+        swappable = tuple(i for i, a in enumerate(arrays) if hasattr(a, "data_ptr"))
+        self._address_cache[key] = (list(arrays), out, swappable)
+        if len(self._address_cache) > 2 * _LRU:
+            self._address_cache.popitem(last=False)
+        return out
+
+    # ------------------------------------------------ staging numpy inputs
+
+    def staging(self, shapes: Tuple[Tuple[int, ...], ...], sizes: List[int]):
+        """Reused device buffers (params, grads) and pinned host buffers for one model's shapes."""
+        hit = self._staging.get(shapes)
+        if hit is None:
+            total = max(1, sum(sizes))
+            dp, dg = self.empty(total, np.float32), self.empty(total, np.float32)
+            try:
+                hp = self.cuda.pinned_array(total, dtype=np.float32)
+                hg = self.cuda.pinned_array(total, dtype=np.float32)
+            except Exception:
+                hp, hg = np.empty(total, np.float32), np.empty(total, np.float32)
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            pbase, gbase = device_address(dp), device_address(dg)
+            paddr = tuple(int(pbase + 4 * o) for o in offsets[:-1])
+            gaddr = tuple(int(gbase + 4 * o) for o in offsets[:-1])
+            hit = (dp, dg, hp, hg, offsets, paddr, gaddr)
+            self._staging[shapes] = hit
+            while len(self._staging) > 2:  # big buffers: keep only the latest models
+                self._staging.popitem(last=False)
+        else:
+            self._staging.move_to_end(shapes)
+        return hit
+
+
+def stream_handle(stream: Any) -> int:
+    """The raw CUstream of a handle or stream object (torch.cuda.Stream, numba Stream, CuPy Stream)."""
+    if isinstance(stream, (int, np.integer)) and not isinstance(stream, bool) and int(stream) >= 0:
+        return int(stream)
+    for attr in ("cuda_stream", "ptr"):  # torch, CuPy
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    handle = getattr(stream, "handle", None)  # numba
+    if handle is not None:
+        value = getattr(handle, "value", handle)
+        if value is None or isinstance(value, int):
+            return int(value or 0)
+    raise InvalidParameterError(
+        f"stream={stream!r}, expected a raw CUDA stream handle (int >= 0, 0: the legacy default stream), a "
+        "torch.cuda.Stream, a numba or CuPy stream, or None/'auto' (torch's current stream for torch tensors)"
+    )
+
+
+def _torch_stream(tensor: Any) -> int:
+    """torch's current stream on a CUDA tensor's device (0 for anything that is not one)."""
+    device = getattr(tensor, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _torch_capturing() -> bool:
+    """torch's current stream is being captured (False when torch or its CUDA is not in use)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    except Exception:
+        return False
+
+
+def _head_types(family: str) -> tuple:
+    """numba types of a kernel family's arguments before the scalars record (see cuda_kernels)."""
+    from numba import types
+
+    table, i64, acc = types.int64[:, ::1], types.int64, types.float64[:, ::1]
+    return {"step": (table, table, i64, i64, i64, i64, i64, i64, i64),
+            "scalars": (i64, i64, i64, i64, i64, i64),
+            "grad_norm": (table, table, i64, acc, i64, i64),
+            "lamb": (table, table, i64, i64, i64, acc, i64, i64)}[family]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    code = getattr(exc, "code", None)
+    try:
+        if code is not None and int(code) == CUDA_ERROR_OUT_OF_MEMORY:
+            return True
+    except (TypeError, ValueError):
+        pass
+    return "OUT_OF_MEMORY" in str(exc).upper().replace(" ", "_")
+
+
+def _device_index(device: Any) -> int:
+    from numba import cuda
+
+    if isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        return int(device)
+    if isinstance(device, str):
+        names = [(d.id, d.name.decode() if isinstance(d.name, bytes) else str(d.name)) for d in cuda.gpus]
+        for i, name in names:
+            if device.lower() in name.lower():
+                return i
+        raise InvalidParameterError(f"device={device!r}, expected an index or a substring of one of {[n for _, n in names]}")
+    raise InvalidParameterError(f"device={device!r}, expected a CUDA device index or name substring")
+
+
+# ------------------------------------------------------------------ why numba.cuda does not import
+
+# Text of errors raised when numba or numba-cuda use a numpy API that the installed numpy removed
+# (numba-cuda 0.30.4 overloads ``np.row_stack``, which numpy 2.5 removed) or reject its version.
+_NUMPY_MISMATCH = ("module 'numpy' has no attribute", "numpy.core", "numba needs numpy", "numpy version")
+
+
+def _version(dist: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def import_failure_reason(exc: BaseException) -> str:
+    """Why ``from numba import cuda`` failed: the exception, the likely cause and the fix."""
+    error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    numpy_v, numba_v, cuda_v = np.__version__, _version("numba"), _version("numba-cuda")
+    versions = f"numpy {numpy_v}, numba {numba_v or 'not installed'}, numba-cuda {cuda_v or 'not installed'}"
+    if cuda_v is None or numba_v is None:
+        cause = "numba-cuda is not installed; fix: pip install 'optirs[cuda]'"
+    elif any(m in error.lower() for m in _NUMPY_MISMATCH):
+        major_minor = ".".join(numpy_v.split(".")[:2])
+        cause = (f"numpy {numpy_v} is newer than numba-cuda {cuda_v} supports (it uses a numpy API that numpy "
+                 f"{major_minor} removed or changed); fix: pip install 'numpy<{major_minor}' (optirs[cuda] pins "
+                 f"it), or a numba-cuda release that supports numpy {major_minor}")
+    else:
+        cause = ("the installed numba-cuda, numba and numpy may not work together; "
+                 "fix: pip install --upgrade 'optirs[cuda]'")
+    return f"numba-cuda is not importable ({error}); {versions}: likely cause: {cause}"
