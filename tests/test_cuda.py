@@ -214,9 +214,9 @@ def test_mixed_or_foreign_arrays_are_rejected_before_anything_changes(rng):
     backend = _cuda_backend()
     host = np.ones(8, np.float32)
     with pytest.raises(InvalidParameterError, match="mix numpy and device"):
-        backend.stage(backend.ctx, [host], [cuda.to_device(host)])
+        backend.stage(backend.ctx, [host], [cuda.to_device(host)], None)
     with pytest.raises(InvalidParameterError, match=r"params\[0\] is a builtins.list"):
-        backend.stage(backend.ctx, [[1.0]], [[1.0]])
+        backend.stage(backend.ctx, [[1.0]], [[1.0]], None)
 
 
 # ------------------------------------------------------------------ memory errors

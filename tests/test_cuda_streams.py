@@ -25,7 +25,7 @@ from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 
 from conftest import backend_step, SIMULATOR
 
-cuda_backend_mod = pytest.importorskip("optirs.backends.cuda")
+cuda_backend_mod = pytest.importorskip("optirs.backends.cuda.context")
 CudaContext, PreparedLaunch = cuda_backend_mod.CudaContext, cuda_backend_mod.PreparedLaunch
 
 

@@ -189,8 +189,8 @@ def _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step):
     ps = [p.copy() for p in params]
     state = {k: v.copy() for k, v in host.items()}
     staged = b.stage(b.ctx, ps, list(grads), fmt)
-    b.plugin._formats_step(b.ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt,
-                                             d.scalars(hp, step), seed, step, None)
+    b.plugin._formats_step(b.ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt, d.scalars(hp, step),
+                           seed, step)
     return [_bits(p) for p in ps], state
 
 

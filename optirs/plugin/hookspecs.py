@@ -90,6 +90,21 @@ class ProbeResult:
     devices: Sequence[DeviceInfo] = ()
 
 
+class AddressedArrays(list):
+    """A list of device arrays that carries their addresses (``addresses``: one int per array, in
+    order), read by whoever made it. A front end that has read its arrays' addresses anyway (to
+    see that nothing moved since the last step) hands them over this way, vouching that the
+    arrays are of the backend's device kind, C-contiguous and of the step's dtypes; a backend
+    whose kernels read addresses then stages them without reading each array again. To every
+    other backend it is a plain list."""
+
+    __slots__ = ("addresses",)
+
+    def __init__(self, arrays: Sequence[Any], addresses: Tuple[int, ...]):
+        super().__init__(arrays)
+        self.addresses = addresses
+
+
 @dataclass
 class Staged:
     """Parameters and gradients as the backend's own flat (1-D) device arrays for one step.

@@ -12,12 +12,13 @@ import ctypes
 import os
 import sys
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.simulator import cuda_simulator_enabled
+from optirs.plugin.hookspecs import AddressedArrays
 
 DEFAULT_BLOCK = 256
 SIM_BLOCK, SIM_GRID = 32, 2  # the simulator runs every thread as a Python thread: keep it tiny
@@ -64,12 +65,8 @@ def device_address(obj: Any) -> Optional[int]:
     return int(getter(obj))
 
 
-class DeviceList(list):
-    """The arrays of one step, with their device addresses (read once, in ``optirs_stage``)."""
-
-    def __init__(self, arrays: Sequence[Any], addresses: Tuple[int, ...]):
-        super().__init__(arrays)
-        self.addresses = addresses
+# The arrays of one step with their device addresses (read once, by the caller or in ``optirs_stage``).
+DeviceList = AddressedArrays
 
 
 # ------------------------------------------------------------------ raw launches
@@ -115,6 +112,23 @@ class _Launcher:
         if err == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
             return 1
         return int(out.value) if err == 0 else -1
+
+    def copy_to_device_async(self, device_address: int, host: np.ndarray, stream: int) -> bool:
+        """``cuMemcpyHtoDAsync`` of a pinned host array on a raw stream (False: not available here).
+
+        numba's copy on the legacy default stream is a synchronous cuMemcpyHtoD, which waits for
+        every kernel queued before it: a step must not."""
+        if self.lib is None:
+            return False
+        try:
+            fn = self.lib.cuMemcpyHtoDAsync_v2
+        except AttributeError:  # pragma: no cover - a driver without the v2 entry point
+            return False
+        err = fn(ctypes.c_uint64(device_address), ctypes.c_void_p(host.ctypes.data), ctypes.c_size_t(host.nbytes),
+                 ctypes.c_void_p(stream or None))
+        if err:
+            raise GpuOptimError(f"cuMemcpyHtoDAsync of {host.nbytes} bytes failed with CUresult {err}")
+        return True
 
     def active_blocks(self, function: ctypes.c_void_p, block: int) -> int:
         """Blocks of ``block`` threads the compiled kernel keeps resident per SM (the driver's occupancy)."""
@@ -423,20 +437,11 @@ class CudaContext:
         return table
 
     def pointer_table(self, layout: Any, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
-        """Device int64[ntensors, 2] (param address, grad address), cached per address set."""
+        """Device int64[ntensors, 2] (param address, grad address) of one address set (:class:`PointerTables`)."""
         tables = layout.cache.get("cuda.pointers")
         if tables is None:
-            tables = layout.cache["cuda.pointers"] = OrderedDict()
-        key = (paddr, gaddr)
-        table = tables.get(key)
-        if table is None:
-            host = np.ascontiguousarray(np.array([paddr, gaddr], dtype=np.int64).T)
-            table = tables[key] = self.upload(host)
-            if len(tables) > _LRU:
-                tables.popitem(last=False)
-        else:
-            tables.move_to_end(key)
-        return table
+            tables = layout.cache["cuda.pointers"] = PointerTables(self, len(paddr))
+        return tables.table(paddr, gaddr)
 
     def addresses(self, arrays: List[Any], label: str) -> Tuple[int, ...]:
         """Device addresses of a list of arrays, cached by the arrays' identities.
@@ -493,6 +498,60 @@ class CudaContext:
         else:
             self._staging.move_to_end(shapes)
         return hit
+
+
+class PointerTables:
+    """The pointer tables of one layout: up to ``_LRU`` device tables, made once, each holding one
+    address set (gradients are often new tensors every step, at addresses the allocator reuses).
+
+    A known address set reuses its table; a new one rewrites the least recently used table with an
+    asynchronous copy from its own pinned buffer on the step's stream, so a step neither allocates
+    nor waits for the device: the copy is ordered before the launch that reads it and after every
+    earlier launch on that stream that read the old contents. Before a pinned buffer is rewritten
+    its last copy must have been read (its event); a table last written on another stream waits
+    for that stream's work first.
+    """
+
+    def __init__(self, ctx: "CudaContext", ntensors: int):
+        self.ctx, self.ntensors = ctx, max(1, ntensors)
+        self.by_key: "OrderedDict[tuple, list]" = OrderedDict()
+        self.slots: List[list] = []  # [device table, pinned host table, event, stream handle]
+
+    def table(self, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
+        key = (paddr, gaddr)
+        slot = self.by_key.get(key)
+        if slot is not None:
+            self.by_key.move_to_end(key)
+            return slot[0]
+        ctx = self.ctx
+        if len(self.slots) < _LRU:
+            shape = (self.ntensors, 2)
+            try:
+                host = ctx.cuda.pinned_array(shape, dtype=np.int64)
+            except Exception:  # pinned memory refused: a synchronous copy from ordinary memory
+                host = np.empty(shape, np.int64)
+            slot = [ctx.empty(2 * self.ntensors, np.int64).reshape(shape), host, None, ctx.stream]
+            self.slots.append(slot)
+        else:
+            _, slot = self.by_key.popitem(last=False)
+        device, host, event, stream = slot
+        if event is not None:
+            event.synchronize()  # the pinned buffer's last copy has been read (long done, as a rule)
+        if stream != ctx.stream:
+            ctx.numba_stream(stream).synchronize() if stream else ctx.cuda.default_stream().synchronize()
+        if paddr:
+            host[: len(paddr), 0] = paddr
+            host[: len(gaddr), 1] = gaddr
+        launcher = ctx.launcher
+        if launcher is None or not launcher.copy_to_device_async(device_address(device), host, ctx.stream):
+            device.copy_to_device(host, stream=ctx.nstream)
+        if launcher is not None:
+            if event is None:
+                event = slot[2] = ctx.cuda.event(timing=False)
+            event.record(ctx.nstream)
+        slot[3] = ctx.stream
+        self.by_key[key] = slot
+        return device
 
 
 def stream_handle(stream: Any) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 from optirs.backends.cuda.context import (DEFAULT_BLOCK, CudaContext, DeviceList, _simulator, import_failure_reason,
                                           _NUMPY_MISMATCH)
 from optirs.core.errors import InvalidParameterError
-from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.plugin.hookspecs import AddressedArrays, DeviceInfo, ProbeResult, Staged, hookimpl
 
 
 class CudaDevice:
@@ -103,10 +103,14 @@ class CudaDevice:
 
     @hookimpl
     def optirs_stage(self, ctx: CudaContext, params: List[Any], grads: List[Any], fmt: Any) -> Staged:
-        if fmt is not None:
-            return self._formats_stage(ctx, params, grads, fmt)
         # The step's stream (pinned, or torch's current one for torch tensors: one
         # current_stream() call), then the capture guard, before anything is queued.
+        if type(params) is AddressedArrays and type(grads) is AddressedArrays:
+            # the caller read the addresses and vouches for the arrays: nothing to look at again
+            ctx.refuse_capture(ctx.resolve_stream(params[0] if params else None), "an optimizer step")
+            return Staged(params, grads)
+        if fmt is not None:
+            return self._formats_stage(ctx, params, grads, fmt)
         ctx.refuse_capture(ctx.resolve_stream(params[0] if params else None), "an optimizer step")
         host = [isinstance(a, np.ndarray) for a in params] + [isinstance(a, np.ndarray) for a in grads]
         if all(host):
