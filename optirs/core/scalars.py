@@ -116,8 +116,10 @@ class ScalarFormula(NamedTuple):
 
 
 def _record(cls: type, values) -> NamedTuple:
-    """``values`` (float64, bools as 0/1) as the float32/bool record ``cls``."""
-    return cls(*[bool(v) if b else f32(v) for v, b in zip(values, _BOOLS[cls])])
+    """``values`` (float64, bools as 0/1) as the float32/bool record ``cls``: every float rounded once
+    to float32 by one array conversion (a step builds a record per launch: this is its host cost)."""
+    rounded = np.array(values, dtype=np.float32)
+    return cls._make([bool(v) if b else x for v, b, x in zip(values, _BOOLS[cls], rounded)])
 
 
 def adam_values(c, lr, step, grad_factor):

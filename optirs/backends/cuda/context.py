@@ -411,7 +411,8 @@ class CudaContext:
 
     def launch(self, compiled: Compiled, args: tuple, grid: int, block: int) -> None:
         """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place)."""
-        key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer)) else id(a) for a in args[:-1])
+        key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a)
+                                                  for a in args[:-1])
         prepared = self._launches.get(key)
         if prepared is None:
             prepared = PreparedLaunch(self, compiled, args, grid, block)

@@ -100,51 +100,22 @@ class CudaFormats:
         run(ctx, planned, (chunks, ptrs, nchunks), ((address,),), 0)
 
     def _formats_step(self, ctx: Any, family: str, params: List[Any], grads: List[Any], state: Dict[str, Any],
-                            layout: Any, format_state: Any, fmt: Any, scalars: Any, seed: int, step: int,
-                            found_inf: Any) -> None:
-        from numba import types
+                      layout: Any, format_state: Any, fmt: Any, scalars: Any, seed: int, step: int,
+                      found_inf: Any) -> None:
+        from optirs.backends.cuda.steps import flag_address
 
-        from optirs.backends.cuda.context import device_address
-        
-        definition = _definition(family)
-        # The state's buffers depend on the storage only: gradients may come in either dtype.
-        if replace(format_state.fmt, grad_dtype=fmt.grad_dtype) != fmt:
-            raise InvalidParameterError(f"fmt={fmt} but format_state was made for {format_state.fmt}, "
-                                        "expected the same storage format")
         if layout.total == 0:
             return
         ctx.resolve_stream(params[0] if params else None)
-        fc = fmt.codes
-        names = definition.slot_names()
-        signed = tuple(bool(getattr(s, "signed", True)) for s in definition.slots)
-        slots, used = [0] * 9, 0
-        for k, name in enumerate(names):
-            if name not in format_state.slot_names:
-                continue
-            used |= 1 << k
-            buffers = format_state.slot_buffers(name)
-            for j, buffer in enumerate(buffers):
-                slots[k + 3 * j] = _address(state, buffer)
-        master = format_state.master_buffer()
-        maddr = _address(state, master) if master is not None else 0
-        found = 0
-        if found_inf is not None:
-            found = device_address(found_inf)
-            if found is None:
-                raise InvalidParameterError(f"found_inf is a {type(found_inf).__name__}, expected a 1-element int32 "
-                                            "CUDA device array or None")
+        name, head, fixed, tensors, fc, signed = _setup(ctx, family, state, layout, format_state, fmt)
+        found = flag_address(found_inf)
         fk = _kernels()
-        table = types.int64[:, ::1]
-        maps, tables = _maps(ctx)
-        tensors = _tensor_table(ctx, layout, format_state)
-        name = f"{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
-        head = (table, table, table, types.int64)
         ptrs = self._pointers(ctx, params, grads, layout)
         if family == "lamb":
-            self._formats_lamb(ctx, fk, name, head, layout, fc, signed, ptrs, tensors,
-                               (maps, tables, maddr, tuple(slots), used), found, seed, step, scalars, fmt)
+            self._formats_lamb(ctx, fk, name, head, layout, fc, signed, ptrs, tensors, fixed, found, seed, step, scalars,
+                               fmt)
             return
-        args = (maps, tables, maddr, tuple(slots), used, found, int(seed) & 0xFFFFFFFF, int(step), scalars)
+        args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
         planned = plan(ctx, f"formats_step_{name}", lambda: fk.make_step_kernel(family, fc, signed), head, args, layout)
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
@@ -260,6 +231,42 @@ def _host_buffers(ctx: Any, shapes: tuple, sizes: tuple, pdt: str, gdt: str):
     return hit
 
 
+def _setup(ctx: Any, family: str, state: Dict[str, Any], layout: Any, format_state: Any, fmt: Any) -> tuple:
+    """What a format step of ``family`` on these state buffers launches with, besides the arrays that
+    may move (kernel name, argument types, the maps and buffer addresses, the tensor table, codes,
+    signs): worked out once per layout, format and state, so a step only reads the parameters and
+    gradients (a replaced state dict is worked out again)."""
+    key = ("cuda.formats.setup", family, fmt)
+    hit = layout.cache.get(key)
+    if hit is not None and hit[0] is state and hit[1] is format_state:
+        return hit[2]
+    from numba import types
+
+    definition = _definition(family)
+    # The state's buffers depend on the storage only: gradients may come in either dtype.
+    if replace(format_state.fmt, grad_dtype=fmt.grad_dtype) != fmt:
+        raise InvalidParameterError(f"fmt={fmt} but format_state was made for {format_state.fmt}, "
+                                    "expected the same storage format")
+    fc = fmt.codes
+    signed = tuple(bool(getattr(s, "signed", True)) for s in definition.slots)
+    slots, used = [0] * 9, 0
+    for k, name in enumerate(definition.slot_names()):
+        if name not in format_state.slot_names:
+            continue
+        used |= 1 << k
+        for j, buffer in enumerate(format_state.slot_buffers(name)):
+            slots[k + 3 * j] = _address(state, buffer)
+    master = format_state.master_buffer()
+    maddr = _address(state, master) if master is not None else 0
+    maps, tables = _maps(ctx)
+    table = types.int64[:, ::1]
+    name = f"{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
+    setup = (name, (table, table, table, types.int64), (maps, tables, maddr, tuple(slots), used),
+             _tensor_table(ctx, layout, format_state), fc, signed)
+    layout.cache[key] = (state, format_state, setup)
+    return setup
+
+
 def _definition(family: str) -> Any:
     """The definition whose kernel family is ``family`` (its slots give the element step's slot order)."""
     from optirs.core.definitions import DEFINITIONS
@@ -349,7 +356,9 @@ def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
     stable = head + args[: len(args) - 1 - ndyn]
     dyn, sc = args[len(args) - 1 - ndyn : -1], args[-1]
     launches: "OrderedDict[tuple, Any]" = ctx.__dict__.setdefault("_formats_launches", OrderedDict())
-    key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer)) else id(a) for a in stable)
+    # ints and tuples of ints (addresses) by value, arrays by identity: a tuple made anew each step
+    # with the same addresses must find the launch prepared for it
+    key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a) for a in stable)
     prepared = launches.get(key)
     if prepared is None:
         prepared = launches[key] = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
