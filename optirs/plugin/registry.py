@@ -169,7 +169,12 @@ class Backend:
         if not probe.available:
             raise BackendUnavailableError(f"backend {name!r} cannot open: {probe.reason}")
         self.devices: Tuple[DeviceInfo, ...] = tuple(probe.devices)
-        self.ctx = registry.implementation(name, "optirs_open")(self.options)
+        try:
+            self.ctx = registry.implementation(name, "optirs_open")(self.options)
+        except GpuOptimError:
+            raise
+        except Exception as exc:  # a plugin's own failure, named
+            raise PluginError(f"plugin {name!r} raised {type(exc).__name__} in optirs_open: {exc}") from exc
         self.lock = threading.RLock()
         impl = lambda hook: registry.implementation(name, hook)  # noqa: E731
         self.alloc = impl("optirs_alloc")
