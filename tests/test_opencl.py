@@ -112,7 +112,7 @@ def test_separate_device_arrays_stepped_in_place(ctx, name, rng, launches):
     family = "adam" if name == "adamw" else name
     kernels = {n for n, _, _ in launches}
     assert (f"{family}_chunks" in kernels) if name != "lamb" else {"lamb_moments", "lamb_apply"} <= kernels
-    assert isinstance(opt._state[next(iter(opt._state))], cla.Array)  # state stays on the device
+    assert isinstance(opt.engine.state[next(iter(opt.engine.state))], cla.Array)  # state stays on the device
 
 
 def test_flat_views_take_one_float4_launch_and_match_separate_arrays(ctx, rng, launches):

@@ -1,11 +1,10 @@
-"""The optimizers' side of the step formats (docs/formats.md): state buffers, the step, checkpoints.
+"""The step engine's side of the step formats (docs/formats.md): their descriptions and checkpoints.
 
-:class:`optirs.optim.optimizers.GpuOptimizer` runs float32 parameters with float32 state through
-the ordinary step hook; every other :class:`~optirs.core.formats.StepFormat` runs here, through
-the bound backend's ``formats`` capability. The state is one flat buffer per
-``FormatState.buffer_sizes()`` entry, of ``buffer_dtypes()``'s dtype; a checkpoint holds each
-tensor's compact buffers as they are (int8 codes and float32 block scales, bfloat16 moments,
-remainders), so it is as small as the state and a resumed run is bit-exact.
+:class:`optirs.optim.engine.StepEngine` holds a state of any :class:`~optirs.core.formats.StepFormat`
+as one flat buffer per ``FormatState.buffer_sizes()`` entry, of ``buffer_dtypes()``'s dtype, and the
+backend's one step hook runs it. A checkpoint holds each tensor's compact buffers as they are (int8
+codes and float32 block scales, bfloat16 moments, remainders), so it is as small as the state and a
+resumed run is bit-exact; this module turns flat buffers into checkpoint entries and back.
 """
 
 from __future__ import annotations
@@ -53,20 +52,6 @@ def describe(fmt: Optional[StepFormat]) -> str:
 def format_state(definition: Any, layout: TensorLayout, fmt: StepFormat, slots: Mapping[str, float]) -> FormatState:
     """The :class:`FormatState` of a definition's ``slots`` (names, as ``definition.state_slots(hp)`` gives them)."""
     return FormatState(layout, tuple(s for s in definition.slots if s.name in slots), fmt)
-
-
-def alloc_state(backend: Any, fs: FormatState, initial: Mapping[str, float]) -> Dict[str, Any]:
-    """Fresh device buffers of a format state (fills per ``FormatState.buffer_fills``)."""
-    sizes, dtypes, fills = fs.buffer_sizes(), fs.buffer_dtypes(), fs.buffer_fills(dict(initial))
-    return {k: backend.alloc(backend.ctx, sizes[k], dtypes[k], fills[k]) for k in sizes}
-
-
-def host_buffers(backend: Any, fs: FormatState, state: Mapping[str, Any], on_device: bool) -> Dict[str, np.ndarray]:
-    """Host copies of the flat buffers, each in its own dtype."""
-    dtypes = fs.buffer_dtypes()
-    if not on_device:
-        return {k: np.array(v, dtype=dtypes[k], copy=True) for k, v in state.items()}
-    return {k: np.asarray(backend.to_host(backend.ctx, v)).view(dtypes[k]).reshape(-1) for k, v in state.items()}
 
 
 def _bfloat16() -> np.dtype:
