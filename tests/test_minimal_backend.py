@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import optirs
 from optirs.core import reference
+from optirs.plugin.registry import PluginDeprecationWarning
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -26,13 +28,16 @@ def minimal_backend(fresh_registry, monkeypatch):
 
 @pytest.mark.parametrize("hp", [optirs.SgdParams(lr=0.05), optirs.SgdParams(lr=0.1, momentum=0.9, weight_decay=0.01),
                                 optirs.SgdParams(lr=0.1, momentum=0.9, nesterov=True)])
-def test_example_backend_matches_reference(minimal_backend, hp, rng):
+@pytest.mark.parametrize("grad_factor", [1.0, -0.5])  # -0.5: maximize with a loss scale of 2
+def test_example_backend_matches_reference(minimal_backend, hp, grad_factor, rng):
     params = [rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal(5).astype(np.float32)]
     grads = [[rng.standard_normal(p.shape).astype(np.float32) for p in params] for _ in range(6)]
-    expected, _ = reference.run("sgd", params, grads, hp)
+    expected, _ = reference.run("sgd", params, [[grad_factor * g for g in gs] for gs in grads], hp)
     opt = optirs.GpuSgd(hp, optirs.GpuOptimizerConfig(backend="tiny"))
-    for g in grads:
-        opt.step_gpu(params, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginDeprecationWarning)  # the documented example uses the current hook
+        for g in grads:
+            opt.step_gpu(params, g, grad_factor=grad_factor)
     for a, e in zip(params, expected):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
     assert opt.backend.ctx.steps == 6
