@@ -51,3 +51,16 @@ def test_example_backend_fits_in_100_lines_and_runs():
     out = subprocess.run([sys.executable, str(source)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "does not run the 'adam' step" in out.stdout
+
+
+def test_docs_show_the_example_as_it_is():
+    """docs/plugins.md lists the backend class exactly as the file has it, and says how long the file is."""
+    import re
+
+    source = (EXAMPLES / "minimal_backend.py").read_text()
+    doc = (EXAMPLES.parent / "docs" / "plugins.md").read_text()
+    listing = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert listing.startswith("class TinyBackend:") and listing in source
+    assert "def optirs_step(" in listing and "def optirs_step_support(" in listing
+    heading = re.search(r"## A dense-step backend in (\d+) lines", doc)
+    assert heading and int(heading.group(1)) == len(source.splitlines())
