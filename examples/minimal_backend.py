@@ -10,9 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 import optirs
-from optirs.core.layout import TensorLayout
-from optirs.core.scalars import SgdScalars
-from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, hookimpl
+from optirs.plugin.hookspecs import DeviceInfo, ProbeResult, Staged, StepRequest, StepSupport, hookimpl
 
 
 class TinyContext:
@@ -55,16 +53,27 @@ class TinyBackend:
         return Staged([p.reshape(-1) for p in params], [g.reshape(-1) for g in grads])
 
     @hookimpl
-    def optirs_step_sgd(self, ctx, params, grads, state, layout: TensorLayout, scalars: SgdScalars):
+    def optirs_step_support(self):
+        return StepSupport(optimizers=("sgd",))  # float32 only: no step formats, no device-side scalars
+
+    @hookimpl
+    def optirs_step(self, ctx, request: StepRequest):
+        controls, sc, layout = request.controls, request.scalars, request.layout
+        if request.definition.name != "sgd" or request.fmt or controls.device or controls.check_finite:
+            raise optirs.UnsupportedOperationError(f"the tiny backend runs float32 SGD only, not this "
+                                                   f"{request.definition.name!r} step")
+        if controls.found_inf is not None and controls.found_inf[0] != 0:
+            return  # a loss scaler saw inf/NaN gradients: write nothing
         ctx.steps += 1
-        for p, g, start, size in zip(params, grads, layout.offsets, layout.sizes):
-            if scalars.weight_decay != 0:  # as torch: no decay term (no 0 * inf) without decay
-                g = g + scalars.weight_decay * p
-            if scalars.has_momentum:  # the state buffer holds every tensor back to back
-                buf = state["momentum_buffer"][start : start + size]
-                buf[...] = g if scalars.first_step else scalars.momentum * buf + scalars.dampening_factor * g
-                g = g + scalars.momentum * buf if scalars.nesterov else buf
-            p -= scalars.lr * g
+        for p, g, start, size in zip(request.params, request.grads, layout.offsets, layout.sizes):
+            g = g * sc.grad_factor  # first: -1 maximizes, 1 / scale unscales
+            if sc.weight_decay != 0:  # as torch: no decay term (no 0 * inf) without decay
+                g = g + sc.weight_decay * p
+            if sc.has_momentum:  # the state buffer holds every tensor back to back
+                buf = request.state["momentum_buffer"][start : start + size]
+                buf[...] = g if sc.first_step else sc.momentum * buf + sc.dampening_factor * g
+                g = g + sc.momentum * buf if sc.nesterov else buf
+            p -= sc.lr * g
 
 
 def main() -> None:

@@ -41,6 +41,52 @@ def test_optirs_info_command():
     assert "available" in out.stdout
 
 
+def _matrix_rows(text):
+    """The capability matrix of ``optirs info``'s output: header cells and row name -> cells, each
+    cell's folded lines joined again."""
+    lines = text.split("Capability matrix", 1)[1].splitlines()
+    rows, header, body = {}, None, False
+    for line in lines:
+        if line.startswith("┡"):
+            body = True
+        elif line.startswith("└"):
+            break
+        elif line.startswith(("┃", "│")):
+            cells = [c.strip() for c in line[1:-1].split("┃" if line.startswith("┃") else "│")]
+            if not body:
+                header = cells if header is None else [f"{a} {b}".strip() for a, b in zip(header, cells)]
+            elif cells[0]:
+                rows[cells[0]] = current = cells
+            else:
+                current[:] = [f"{a} {b}".strip() for a, b in zip(current, cells)]
+    return header, rows
+
+
+def test_optirs_info_matrix_is_readable_in_a_pipe(fresh_registry, monkeypatch, capsys):
+    """Piped (80 columns), every cell is whole (folded, never cut to "..."), and the matrix says per
+    backend which optimizers its step runs, in which formats, and its capabilities."""
+    pytest.importorskip("rich")
+    from conftest import THIRD_PARTY_BACKEND, register_third_party_backend
+    from optirs.tools import cli
+
+    register_third_party_backend()
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "\u2026" not in out and "..." not in out
+    header, rows = _matrix_rows(out)
+    names = [b.name for b in optirs.list_backends()]
+    assert header == ["optimizer / capability"] + names
+    col = {name: i + 1 for i, name in enumerate(names)}
+    assert rows["adam"][col[THIRD_PARTY_BACKEND]] == "float32" and rows["lamb"][col[THIRD_PARTY_BACKEND]] == "-"
+    assert rows["adam"][col["cpu"]] == "float32, formats" and rows["adafactor"][col["cpu"]] == "float32"
+    assert rows["sparse"][col[THIRD_PARTY_BACKEND]] == "yes" and rows["formats"][col[THIRD_PARTY_BACKEND]] == "-"
+    assert rows["capturable"][col["cpu"]] == "-"
+    if not fresh_registry.records["cuda"].broken:  # read from its optirs_step_support, with or without a GPU
+        assert rows["adam"][col["cuda"]] == "float32, formats, capturable"
+        assert rows["capturable"][col["cuda"]] == "yes"
+
+
 def test_cli_unknown_command_lists_known_ones():
     out = _run([sys.executable, "-m", "optirs.tools.cli", "frobnicate"])
     assert out.returncode == 2

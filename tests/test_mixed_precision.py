@@ -23,7 +23,7 @@ from optirs.core.errors import UnsupportedOperationError
 from optirs.optim.mixed_precision import (DynamicLossScaler, MixedPrecisionConfig, MixedPrecisionOptimizer, OverflowStats,
                                           f16_bits_to_f32, f32_to_f16_bits)
 from optirs.optim.optimizers import OPTIMIZERS
-from optirs.plugin.hookspecs import hookimpl
+from optirs.plugin.hookspecs import StepSupport, hookimpl
 
 import conftest
 from conftest import THIRD_PARTY_BACKEND, FakeHostBackend, from_backend_array
@@ -512,7 +512,11 @@ class HostBackendWithSteps(FakeHostBackend):
     """A backend with every step a GpuAdam needs, but without the mixed_precision hooks."""
 
     @hookimpl
-    def optirs_step_adam(self, ctx, params, grads, state, layout, scalars):
+    def optirs_step_support(self):
+        return StepSupport(optimizers=("adam",))
+
+    @hookimpl
+    def optirs_step(self, ctx, request):
         raise AssertionError("a refused mixed-precision step must not reach the optimizer")
 
 

@@ -180,7 +180,7 @@ class _SwappableTensor:
 
 def test_swapped_storage_is_validated_again(fresh_registry):
     """The same objects with new storage of another shape are checked again, not trusted from the last step."""
-    from optirs.plugin.hookspecs import Staged, hookimpl
+    from optirs.plugin.hookspecs import Staged, StepSupport, hookimpl
 
     class HostCai(FakeHostBackend):
         @hookimpl
@@ -188,9 +188,13 @@ def test_swapped_storage_is_validated_again(fresh_registry):
             return Staged([p.host.reshape(-1) for p in params], [g.host.reshape(-1) for g in grads])
 
         @hookimpl
-        def optirs_step_sgd(self, params, grads, scalars):
-            for p, g in zip(params, grads):
-                p -= scalars.lr * g
+        def optirs_step_support(self):
+            return StepSupport(optimizers=("sgd",))
+
+        @hookimpl
+        def optirs_step(self, request):
+            for p, g in zip(request.params, request.grads):
+                p -= request.scalars.lr * g
 
     optirs.register_plugin(HostCai(), "hostcai")
     p, g = _SwappableTensor(np.ones(4, np.float32)), _SwappableTensor(np.ones(4, np.float32))

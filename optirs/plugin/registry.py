@@ -242,11 +242,11 @@ class Backend:
         fn = self._legacy.get(name)
         controls = request.controls
         if fn is None or request.fmt is not None or controls.device is not None or controls.check_finite:
-            what = ("step formats" if request.fmt is not None else "device-side scalars" if controls.device is not None
-                    else "check_finite" if controls.check_finite else f"the {name!r} step")
+            what = (f"the {name!r} step" if fn is None else "step formats" if request.fmt is not None
+                    else "device-side scalars" if controls.device is not None else "check_finite")
             raise UnsupportedOperationError(
-                f"backend {self.name!r} does not run {what} for {name!r}; it steps {list(self.optimizers)} in float32 "
-                "through the per-optimizer hooks of earlier releases")
+                f"backend {self.name!r} does not run {what}{'' if fn is None else f' for {name!r}'}; it steps "
+                f"{list(self.optimizers)} in float32 through the per-optimizer hooks of earlier releases")
         flag = controls.found_inf
         if flag is not None:
             host = flag if isinstance(flag, np.ndarray) else np.asarray(self.to_host(ctx, flag))

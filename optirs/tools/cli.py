@@ -30,7 +30,8 @@ def _fmt_bytes(n: Optional[int]) -> str:
 
 def info_main(argv: List[str]) -> int:
     import optirs
-    from optirs.plugin.hookspecs import CAPABILITIES, OPTIMIZER_NAMES
+    from optirs.plugin.hookspecs import CAPABILITIES, OPTIMIZER_NAMES, STEP_CAPABILITIES
+    from optirs.plugin.registry import REGISTRY
 
     parser = argparse.ArgumentParser(prog="optirs info", description=SUBCOMMANDS["info"][1])
     parser.parse_args(argv)
@@ -40,9 +41,10 @@ def info_main(argv: List[str]) -> int:
     console = Console()
     console.print(f"optirs {optirs.__version__}; probe order for backend='auto': {', '.join(optirs.SUPPORTED_BACKENDS)}")
     backends = optirs.list_backends()
+    # Long words (device names, paths, versions) fold instead of ending in "...": a pipe has 80 columns.
     table = Table(title="Backends")
     for col in ("backend", "status", "devices"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for b in backends:
         status = "[green]available[/]" if b.available else f"[red]unavailable[/]: {b.reason}"
         devices = "\n".join(
@@ -55,23 +57,40 @@ def info_main(argv: List[str]) -> int:
     from optirs.plugin.registry import choose_auto
 
     console.print(str(choose_auto()), markup=False, highlight=False)
-    matrix = Table(title="Capability matrix (from the hooks each backend implements)")
-    matrix.add_column("backend")
-    for opt in OPTIMIZER_NAMES:
-        matrix.add_column(opt, justify="center")
-    for cap in CAPABILITIES:
-        matrix.add_column(cap, justify="center")
-    for b in backends:
-        matrix.add_row(b.name, *["yes" if opt in b.optimizers else "-" for opt in OPTIMIZER_NAMES],
-                       *["yes" if cap in b.capabilities else "-" for cap in CAPABILITIES])
-    console.print(matrix)
+    console.print(_capability_matrix(backends, REGISTRY, OPTIMIZER_NAMES, tuple(CAPABILITIES), STEP_CAPABILITIES))
     plugins = Table(title="Plugins")
     for col in ("plugin", "kind", "source", "summary / error"):
-        plugins.add_column(col)
+        plugins.add_column(col, overflow="fold")
     for p in optirs.list_plugins():
         plugins.add_row(p.name, p.kind, p.source, p.error or p.summary)
     console.print(plugins)
     return 0
+
+
+def _capability_matrix(backends, registry, optimizers, capabilities, step_capabilities):
+    """One column per backend (there are few; optimizers and capabilities are many): per optimizer
+    what its optirs_step runs (optirs_step_support), then every capability the backend offers."""
+    from rich.table import Table
+
+    matrix = Table(title="Capability matrix (optirs_step_support and the hooks each backend implements)",
+                   caption_justify="left",
+                   caption="float32: the optimizer steps; formats: also in step formats (16-bit parameters, "
+                           "compact state); capturable: also with device-side scalars (CUDA graphs)")
+    matrix.add_column("optimizer / capability", overflow="fold")
+    for b in backends:
+        matrix.add_column(b.name, justify="center", overflow="fold")
+    supports = [registry.step_support(b.name) for b in backends]
+    for opt in optimizers:
+        cells = []
+        for s in supports:
+            kinds = [k for k, listed in (("float32", s.optimizers), ("formats", s.formats),
+                                         ("capturable", s.capturable)) if opt in listed]
+            cells.append(", ".join(kinds) or "-")
+        matrix.add_row(opt, *cells)
+    matrix.add_section()
+    for cap in capabilities + tuple(c for c in step_capabilities if c not in capabilities):
+        matrix.add_row(cap, *["yes" if cap in b.capabilities else "-" for b in backends])
+    return matrix
 
 
 def main(argv: Optional[List[str]] = None) -> int:
