@@ -1,6 +1,6 @@
 """Step formats (issue 13, docs/formats.md): the records, the 8-bit map, the shared encodings and
 every format x family on every backend with the ``formats`` capability, against the float64
-reference of the format (optirs.core.formats_reference)."""
+reference of the format (optirs.core.reference)."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_bad_format_state_raises():
 
 # ---------------------------------------------------------------- the encodings: numba element code vs the numpy reference
 
-from optirs.core import formats_reference as R  # noqa: E402
+from optirs.core import reference as R  # noqa: E402
 
 
 def _special_floats(rng, n=4000):
@@ -433,7 +433,7 @@ def test_format_step_matches_the_reference(backend, family, fmt_name, rng):
     for k, g in enumerate(grads, start=1):
         before = run.host_state()
         got = run.step(params, g, k)
-        want_p, want_s = R.step(run.d, run.hp, run.fs, params, g, before, run.seed, k)
+        want_p, want_s = R.format_step(run.d, run.hp, run.fs, params, g, before, run.seed, k)
         what = f"{backend} {family} {fmt_name} step {k}"
         _assert_close_params(got, want_p, run.fmt, what)
         _assert_close_state(run.fs, run.host_state(), want_s, what)

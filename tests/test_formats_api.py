@@ -1,5 +1,5 @@
 """The seed API's ``precision=`` option (issue 13, docs/formats.md): formats stepped through the
-optimizer classes, against the float64 reference of the format (optirs.core.formats_reference),
+optimizer classes, against the float64 reference of the format (optirs.core.reference),
 the transaction (nothing changed on error), checkpoints of the compact state (bit-exact resume,
 their size) and backends without the ``formats`` capability."""
 
@@ -11,7 +11,7 @@ import pytest
 
 import optirs
 from optirs import AdamParams, GpuOptimizerConfig, LionParams, Precision, SgdParams
-from optirs.core import formats_reference as R
+from optirs.core import reference as R
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.formats import FormatState, format_slots, resolve_format
@@ -80,7 +80,7 @@ def test_format_steps_match_the_reference(name, hp, pdt, gdt, precision, feature
         grads = _arrays(rng, gdt, 0.1)
         if step > 1:
             fs, buffers = _flat(opt)
-        want_p, want_b = R.step(definition, hp, fs, [_words(p) for p in params], [_words(g) for g in grads], buffers,
+        want_p, want_b = R.format_step(definition, hp, fs, [_words(p) for p in params], [_words(g) for g in grads], buffers,
                                 precision.seed, step)
         opt.step_gpu(params, grads)
         assert opt.step_count == step

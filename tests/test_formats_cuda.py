@@ -1,5 +1,5 @@
 """The cuda backend's formats kernels: PTX for the H200 (sm_90) without a GPU, and the simulator
-against the float64 reference of a format step (optirs.core.formats_reference).
+against the float64 reference of a format step (optirs.core.reference).
 
 Normal pass: every formats kernel compiles for sm_90 with 16-byte vector loads, no float64, no
 local-memory arrays (the 8 elements of a lane stay in registers) and, for int8 state, the block
@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from optirs.core import formats_reference as R
+from optirs.core import reference as R
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import FormatState, StepFormat
@@ -163,7 +163,7 @@ def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False, state
         if cpu:
             want_p, want_b = _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step)
         else:
-            want_p, want_b = R.step(d, hp, fs, [_bits(p).copy() for p in params], [_bits(g) for g in grads], host,
+            want_p, want_b = R.format_step(d, hp, fs, [_bits(p).copy() for p in params], [_bits(g) for g in grads], host,
                                     seed, step)
         flag = found[step - 1] if isinstance(found, list) else found
         if flag is not None and isinstance(found, list):  # a skipped step: the reference is "nothing changes"

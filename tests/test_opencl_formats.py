@@ -272,7 +272,7 @@ def test_quantize_is_nearest_code(ctx, prg, signed):
 # ---------------------------------------------------------------- the formats capability's step
 
 from optirs.core import formats as F  # noqa: E402
-from optirs.core import formats_reference as R  # noqa: E402
+from optirs.core import reference as R  # noqa: E402
 from optirs.core.definitions import DEFINITIONS  # noqa: E402
 from optirs.core.layout import TensorLayout  # noqa: E402
 
@@ -355,7 +355,7 @@ def _master(fs, params, buffers, t):
 def _close_to_reference(model, before_p, before_s, grads, seed):
     """The backend's step against the float64 reference run from the same inputs."""
     fmt, fs = model.fmt, model.fs
-    want_p, want_s = R.step(model.definition, model.hp, fs, before_p, grads, before_s, seed, model.t)
+    want_p, want_s = R.format_step(model.definition, model.hp, fs, before_p, grads, before_s, seed, model.t)
     got_s = model.host_state()
     got_m = _master(fs, model.params, got_s, 2)
     want_m = _master(fs, want_p, want_s, 2)
@@ -409,7 +409,7 @@ def test_format_step_matches_reference(ocl, name, fmt):
 
 def _exact_sgd(model, before_p, before_s, grads, seed):
     """SGD with momentum (no decay, no nesterov) in numpy float32, the kernels' exact operations,
-    then the contract's encodings (formats_reference): the expected words, bit for bit."""
+    then the contract's encodings (the format step of optirs.core.reference): the expected words, bit for bit."""
     fmt, fs, t = model.fmt, model.fs, model.t
     sc = model.definition.scalars(model.hp, t)
     p = _master(fs, before_p, before_s, t)

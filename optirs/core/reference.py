@@ -8,14 +8,19 @@ Every backend is tested against these functions. The state slot names are the on
 
 Weight decay is applied as torch applies it: only when ``weight_decay != 0`` (so an infinite
 weight with no decay stays infinite instead of becoming ``0 * inf`` = NaN).
+
+The step formats (docs/formats.md) have their reference here too (:func:`format_step`): the
+contract's encodings in numpy and ml_dtypes, independent of the backends' element code.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 
+from optirs.core.formats import BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints
 from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
                                 SgdParams)
 
@@ -230,6 +235,267 @@ def adafactor(params, grads, state, hp: AdafactorParams, step: int) -> StepResul
         new_p.append(p - (alpha / denom) * update)
         new_s.append(ns)
     return new_p, new_s
+
+
+# ---------------------------------------------------------------- step formats (docs/formats.md)
+# The reference of a format step (docs/formats.md): decode, the float64 step, encode.
+# 
+# Written in numpy and ml_dtypes, independently of the numba element code
+# (``optirs/backends/common/formats.py``), so the tests compare two implementations of the
+# contract: the encodings on uint32 arrays, the random bits in numpy uint32, the int8 blocks with
+# ``np.searchsorted`` over the map's midpoints. A step decodes the compact parameters, masters and
+# state to float32, runs the definition's float64 step (:mod:`optirs.core.reference`), rounds the
+# results once to float32 and encodes them with the contract's rounding. Where a backend's float32
+# step computes the same value the results are bit-exact; elsewhere they differ by the float32
+# step's own rounding (an ulp before encoding: one bfloat16 step or one int8 code after it).
+
+
+_U32 = np.uint32
+
+
+# ---------------------------------------------------------------- random bits
+
+
+def fmix32(h) -> np.ndarray:
+    h = np.asarray(h, dtype=np.uint64) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    return h.astype(_U32)
+
+
+def stream_key(seed: int, step: int, stream: int) -> np.uint32:
+    """``fmix32(seed ^ fmix32(step * 4 + stream))``."""
+    inner = fmix32((int(step) * 4 + int(stream)) & 0xFFFFFFFF)
+    return _U32(fmix32(np.uint64(int(seed) & 0xFFFFFFFF) ^ np.uint64(inner)))
+
+
+def rand_bits(key, index: np.ndarray) -> np.ndarray:
+    """``fmix32(key ^ (i * 0x9E3779B1))`` for flat layout indices ``index`` (low 32 bits)."""
+    i = np.asarray(index, dtype=np.int64).astype(np.uint64) & 0xFFFFFFFF
+    return fmix32(np.uint64(key) ^ ((i * 0x9E3779B1) & 0xFFFFFFFF))
+
+
+# ---------------------------------------------------------------- encodings (float32 arrays <-> bits)
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(_U32)
+
+
+def from_bits(u: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(u, dtype=_U32).view(np.float32)
+
+
+def decode16(h: np.ndarray, dtype: str) -> np.ndarray:
+    """uint16 bits of ``dtype`` ("bfloat16" / "float16") -> float32."""
+    h = np.ascontiguousarray(h, dtype=np.uint16)
+    return h.view(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).astype(np.float32)
+
+
+def nearest16(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 -> uint16 bits, nearest even (ml_dtypes' bfloat16 cast, numpy's float16 cast)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).view(np.uint16)
+
+
+def bf16_stochastic(x: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """``(bits(x) + (r & 0xFFFF)) >> 16`` for finite x; inf and NaN to nearest."""
+    u = bits(x).astype(np.uint64)
+    out = ((u + (np.asarray(r, np.uint64) & 0xFFFF)) & 0xFFFFFFFF) >> 16
+    finite = (u & 0x7F800000) != 0x7F800000
+    return np.where(finite, out, nearest16(x, "bfloat16")).astype(np.uint16)
+
+
+def remainder16_split(master: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    u = bits(master).astype(np.int64)
+    hi, lo = u >> 16, u & 0xFFFF
+    hi = np.where(lo >= 0x8000, hi + 1, hi) & 0xFFFF
+    return hi.astype(np.uint16), lo.astype(np.uint16).view(np.int16)
+
+
+def remainder16_join(hi: np.ndarray, rem: np.ndarray) -> np.ndarray:
+    h = np.asarray(hi, np.int64) & 0xFFFF
+    r = np.asarray(rem, np.int64)
+    h = np.where(r < 0, h - 1, h) & 0xFFFF
+    return from_bits(((h << 16) | (r & 0xFFFF)).astype(_U32))
+
+
+def round24(x: np.ndarray) -> np.ndarray:
+    u = bits(x).astype(np.int64)
+    u24 = (u + 0x7F + ((u >> 8) & 1)) >> 8
+    finite = (u & 0x7F800000) != 0x7F800000
+    return from_bits(np.where(finite, (u24 << 8) & 0xFFFFFFFF, u).astype(_U32))
+
+
+def remainder8_split(master24: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    u24 = bits(master24).astype(np.int64) >> 8
+    hi, lo = u24 >> 8, u24 & 0xFF
+    hi = np.where(lo >= 0x80, hi + 1, hi) & 0xFFFF
+    return hi.astype(np.uint16), lo.astype(np.uint8).view(np.int8)
+
+
+def remainder8_join(hi: np.ndarray, rem: np.ndarray) -> np.ndarray:
+    h = np.asarray(hi, np.int64) & 0xFFFF
+    r = np.asarray(rem, np.int64)
+    h = np.where(r < 0, h - 1, h) & 0xFFFF
+    return from_bits((((h << 8) | (r & 0xFF)) << 8).astype(_U32))
+
+
+# ---------------------------------------------------------------- int8 blocks
+
+
+def quantize_blocks(x: np.ndarray, signed: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """Flat float32 values of one tensor -> (uint8 codes, float32 scale per 256-element block)."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    nblocks = -(-x.size // BLOCK)
+    pad = np.zeros(nblocks * BLOCK, np.float32)
+    pad[: x.size] = x
+    scales = np.abs(pad.reshape(nblocks, BLOCK)).max(axis=1)  # np.max propagates NaN
+    s = np.repeat(scales, BLOCK)[: x.size]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(s == 0, np.float32(0), x / np.where(s == 0, np.float32(1), s)).astype(np.float32)
+    codes = np.searchsorted(map_midpoints(signed), y, side="left")
+    codes[np.isnan(y)] = 0
+    return codes.astype(np.uint8), scales.astype(np.float32)
+
+
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, signed: bool) -> np.ndarray:
+    codes = np.asarray(codes).reshape(-1)
+    return (dynamic_map(signed)[codes] * np.repeat(np.asarray(scales, np.float32), BLOCK)[: codes.size]).astype(np.float32)
+
+
+def code_step(codes: np.ndarray, scales: np.ndarray, signed: bool) -> np.ndarray:
+    """The value of one code step at each element: the larger gap to a neighbouring code, times the scale."""
+    q = dynamic_map(signed)
+    c = np.asarray(codes, np.int64).reshape(-1)
+    gap = np.maximum(q[np.minimum(c + 1, 255)] - q[c], q[c] - q[np.maximum(c - 1, 0)])
+    return gap * np.repeat(np.asarray(scales, np.float32), BLOCK)[: c.size]
+
+
+# ---------------------------------------------------------------- decode, step, encode
+
+
+def _slot_signed(fs: FormatState) -> Dict[str, bool]:
+    return {s.name: s.signed for s in fs.slots}
+
+
+def decode_master(fs: FormatState, params: Sequence[np.ndarray], buffers: Dict[str, np.ndarray], step: int) -> List[np.ndarray]:
+    """Each tensor's float32 master, from its parameter words (float32, or uint16 bits) and the master buffer."""
+    fmt, out = fs.fmt, []
+    for t, p in enumerate(params):
+        o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
+        p = np.asarray(p).reshape(-1)
+        if fmt.param_dtype == "float32":
+            out.append(p.astype(np.float32))
+        elif fmt.master == "float32" and step > 1:
+            out.append(buffers["master"][o : o + n].astype(np.float32))
+        elif fmt.master == "remainder16":
+            out.append(remainder16_join(p.view(np.uint16), buffers["master_remainder"][o : o + n]))
+        elif fmt.master == "remainder8":
+            out.append(remainder8_join(p.view(np.uint16), buffers["master_remainder"][o : o + n]))
+        else:
+            out.append(decode16(p.view(np.uint16), fmt.param_dtype))
+    return out
+
+
+def decode_grads(fmt: StepFormat, grads: Sequence[np.ndarray]) -> List[np.ndarray]:
+    if fmt.grad_dtype == "float32":
+        return [np.asarray(g, np.float32).reshape(-1) for g in grads]
+    return [decode16(np.asarray(g).reshape(-1).view(np.uint16), fmt.grad_dtype) for g in grads]
+
+
+def decode_state(fs: FormatState, buffers: Dict[str, np.ndarray]) -> List[Dict[str, np.ndarray]]:
+    """Each tensor's float32 state values per slot, from the compact buffers."""
+    signed, fmt = _slot_signed(fs), fs.fmt
+    out = []
+    for t in range(len(fs.layout)):
+        o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
+        row = fs.tensor_table()[t]
+        st = {}
+        for s in fs.slot_names:
+            if fmt.state_dtype == "float32":
+                st[s] = buffers[s][o : o + n].astype(np.float32)
+            elif fmt.state_dtype == "bfloat16":
+                st[s] = decode16(buffers[s][o : o + n], "bfloat16")
+            elif fs.is_small(t):
+                st[s] = buffers[f"{s}.small"][row[2] : row[2] + n].astype(np.float32)
+            else:
+                nb = -(-n // BLOCK)
+                st[s] = dequantize_blocks(buffers[f"{s}.codes"][o : o + n], buffers[f"{s}.scales"][row[1] : row[1] + nb],
+                                          signed[s])
+        out.append(st)
+    return out
+
+
+def format_step(definition, hp, fs: FormatState, params: Sequence[np.ndarray], grads: Sequence[np.ndarray],
+         buffers: Dict[str, np.ndarray], seed: int, step_number: int) -> Tuple[List[np.ndarray], Dict[str, np.ndarray]]:
+    """One format step of ``definition`` with hyperparameters ``hp``; nothing is modified in place.
+
+    :param fs: the :class:`~optirs.core.formats.FormatState` (its ``fmt`` is the step's format).
+    :param params: each tensor's parameter words: float32, or the uint16 bits of 16-bit parameters.
+    :param grads: each tensor's gradient: float32, or uint16 bits of ``fmt.grad_dtype``.
+    :param buffers: buffer name -> flat host array, as ``fs.buffer_sizes()`` / ``buffer_dtypes()``.
+    :param seed: the stochastic rounding's seed.
+    :param step_number: the 1-based step.
+    :return: (new parameter words, each shaped like the input; new buffers).
+    """
+    fmt, layout = fs.fmt, fs.layout
+    masters = decode_master(fs, params, buffers, step_number)
+    state = decode_state(fs, buffers)
+    new_p, new_s = definition.reference([m.astype(np.float64) for m in masters],
+                                        [g.astype(np.float64) for g in decode_grads(fmt, grads)],
+                                        [{k: v.astype(np.float64) for k, v in s.items()} for s in state],
+                                        hp, step_number)
+    out = {k: np.array(v, copy=True) for k, v in buffers.items()}
+    kernel_slots = definition.slot_names()
+    signed = _slot_signed(fs)
+    words = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t, p in enumerate(params):
+            o, n = int(layout.offsets[t]), int(layout.sizes[t])
+            index = np.arange(o, o + n, dtype=np.int64)
+            x = np.asarray(new_p[t], np.float64).astype(np.float32).reshape(-1)
+            shape = np.asarray(p).shape
+            if fmt.param_dtype == "float32":
+                words.append(x.reshape(shape))
+                pw = None
+            elif fmt.master == "remainder16":
+                pw, out["master_remainder"][o : o + n] = remainder16_split(x)
+            elif fmt.master == "remainder8":
+                pw, out["master_remainder"][o : o + n] = remainder8_split(round24(x))
+            elif fmt.stochastic:
+                pw = bf16_stochastic(x, rand_bits(stream_key(seed, step_number, 0), index))
+            else:
+                pw = nearest16(x, fmt.param_dtype)
+                if fmt.master == "float32":
+                    out["master"][o : o + n] = x
+            if pw is not None:
+                words.append(pw.reshape(shape))
+            row = fs.tensor_table()[t]
+            for s in fs.slot_names:
+                v = np.asarray(new_s[t][s], np.float64).astype(np.float32).reshape(-1)
+                if fmt.state_dtype == "float32":
+                    out[s][o : o + n] = v
+                elif fmt.state_dtype == "bfloat16":
+                    key = stream_key(seed, step_number, 1 + kernel_slots.index(s))
+                    out[s][o : o + n] = bf16_stochastic(v, rand_bits(key, index))
+                elif fs.is_small(t):
+                    out[f"{s}.small"][row[2] : row[2] + n] = v
+                else:
+                    codes, scales = quantize_blocks(v, signed[s])
+                    out[f"{s}.codes"][o : o + n] = codes
+                    out[f"{s}.scales"][row[1] : row[1] + scales.size] = scales
+    return words, out
+
+
+def fresh_buffers(fs: FormatState, definition, hp) -> Dict[str, np.ndarray]:
+    """The host buffers of a fresh state (as a backend allocates them with ``buffer_fills``)."""
+    fills = fs.buffer_fills(definition.state_slots(hp))
+    dtypes = fs.buffer_dtypes()
+    return {k: np.full(n, fills[k], dtype=dtypes[k]) for k, n in fs.buffer_sizes().items()}
 
 
 # Each optimizer's float64 step, by name (run() looks steps up here).
