@@ -705,6 +705,48 @@ def test_a_bad_hyperparameter_at_step_changes_nothing():
     _assert_snapshot(_snapshot(model, opt), before)
 
 
+def _drop(key):
+    def edit(opt):
+        del opt.param_groups[1][key]
+    return edit
+
+
+def _set(key, value):
+    def edit(opt):
+        opt.param_groups[1][key] = value
+    return edit
+
+
+BAD_STEPS = {
+    # what is wrong -> (how, step()'s keywords, the words the error must contain)
+    "no-lr-in-group-1": (_drop("lr"), {}, r"param_groups\[1\] has no 'lr'"),
+    "no-betas-in-group-1": (_drop("betas"), {}, r"param_groups\[1\] has no 'betas'"),
+    "beta2-in-group-1": (_set("betas", (0.9, 1.5)), {}, r"param_groups\[1\]: beta2=1.5"),
+    "lr-tensor-in-group-1": (_set("lr", torch.tensor([1e-2, 2e-2])), {}, r"param_groups\[1\]: lr is a tensor of 2"),
+    "grad_scale-of-2": (None, {"grad_scale": torch.tensor([1.0, 2.0])}, "grad_scale is a tensor of 2 elements"),
+    "grad_scale-0": (None, {"grad_scale": torch.tensor(0.0)}, "grad_scale=tensor.*finite scale > 0"),
+    "found_inf-yes": (None, {"found_inf": "yes"}, "found_inf='yes', expected None, a number or a 1-element"),
+    "found_inf-of-3": (None, {"found_inf": torch.zeros(3)}, "found_inf is a tensor of 3 elements"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STEPS))
+def test_everything_is_checked_before_anything_is_stepped(case):
+    """A bad value anywhere (the second group, GradScaler's tensors) is an optirs error naming it,
+    and the parameters, masters and state are exactly as before the call."""
+    edit, kwargs, words = BAD_STEPS[case]
+    model = make_model()
+    opt = offload("AdamW", groups(model), lr=1e-2)
+    _train(model, opt, 2)
+    loss_of(model, 3).backward()
+    before = _snapshot(model, opt)
+    if edit is not None:
+        edit(opt)
+    with pytest.raises(InvalidParameterError, match=words + ".*nothing was stepped"):
+        opt.step(**kwargs)
+    _assert_snapshot(_snapshot(model, opt), before)
+
+
 # ---------------------------------------------------------------- bad cases
 
 PINNED_FAILURES = {

@@ -118,6 +118,22 @@ def _host_backend(name: Any, options: Optional[Dict[str, Any]], probe: OptirsOpt
     return backend
 
 
+def _amp_value(value: Any, what: str) -> float:
+    """A GradScaler value (``grad_scale`` / ``found_inf``) as a float: a number or a 1-element tensor
+    (read on the host: a device tensor synchronises, as torch's non-capturable optimizers do)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise InvalidParameterError(
+                f"{what} is a tensor of {value.numel()} elements (shape {tuple(value.shape)}), expected a 1-element "
+                "tensor (torch.amp.GradScaler's)")
+        if value.is_complex():
+            raise InvalidParameterError(f"{what} is a {value.dtype} tensor, expected a real one")
+        return float(value.item())
+    if isinstance(value, (bool, int, float, np.integer, np.floating, np.bool_)):
+        return float(value)
+    raise InvalidParameterError(f"{what}={value!r}, expected None, a number or a 1-element tensor")
+
+
 def _sparse_gradient(gi: int, j: int) -> UnsupportedOperationError:
     return UnsupportedOperationError(
         f"param_groups[{gi}]['params'][{j}] has a sparse gradient, expected a dense one: use optirs.SparseAdam / "
@@ -350,8 +366,7 @@ class CPUOffload(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         probe = {**self.defaults, **{k: v for k, v in param_group.items() if k not in _GROUP_ONLY}}
-        check_flags(probe)
-        _, hp = self._probe.group_hyperparameters(probe)
+        hp = self._group_values(len(self.param_groups), probe)
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         try:
@@ -361,6 +376,46 @@ class CPUOffload(torch.optim.Optimizer):
             self.param_groups.pop()  # a group that cannot be offloaded is not added
             raise
         self._register(chunks)
+
+    def _group_values(self, gi: int, group: Dict[str, Any]) -> Any:
+        """The group's hyperparameters record, checked as the inner optimizers will read them; every
+        failure an optirs error naming the group (a missing key or a value of the wrong type too)."""
+        try:
+            check_flags(group)
+            return self._probe.group_hyperparameters(group)[1]
+        except GpuOptimError as exc:
+            raise type(exc)(f"param_groups[{gi}]: {exc}") from exc
+        except KeyError as exc:
+            key = exc.args[0] if exc.args else None
+            default = f" (the default is {self.defaults[key]!r})" if key in self.defaults else ""
+            raise InvalidParameterError(
+                f"param_groups[{gi}] has no {key!r}, expected every hyperparameter of {self._cls.__name__} in "
+                f"each group{default}") from exc
+        except Exception as exc:  # noqa: BLE001 - a value the record cannot take
+            raise InvalidParameterError(
+                f"param_groups[{gi}]'s hyperparameters cannot be read ({type(exc).__name__}: {exc}), expected the "
+                f"values {self._cls.__name__} takes") from exc
+
+    def _check_groups(self) -> None:
+        """Every group as the step will read it: flags, hyperparameters, the format its chunks were
+        made for; raises before anything is stepped."""
+        for gi, group in enumerate(self.param_groups):
+            hp = self._group_values(gi, group)
+            held = {(c.dtype, c.mode) for c in self._chunks if c.gi == gi}
+            for dtype, mode in held:
+                try:
+                    need = self._mode(gi, group, dtype)
+                except GpuOptimError as exc:
+                    raise type(exc)(f"param_groups[{gi}]: {exc}") from exc
+                if need != mode:
+                    raise UnsupportedOperationError(
+                        f"param_groups[{gi}]'s step format changed since it was added (its {dtype} tensors are held "
+                        f"as {mode!r}, the format now needs {need!r}), expected the format chosen at construction "
+                        "(make a new CPUOffload and load the state into it)")
+            if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
+                raise UnsupportedOperationError(
+                    f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
+                    "several chunks; expected max_grad_norm when the group is added")
 
     def _make_chunks(self, gi: int, group: Dict[str, Any], coupled: bool) -> List[_Chunk]:
         params = [p for p in group["params"] if p.requires_grad]
@@ -623,36 +678,23 @@ class CPUOffload(torch.optim.Optimizer):
     def _step_round(self, grad_scale: Any, found_inf: Any) -> None:
         with self._lock:
             started = self._started()
-        scaled = grad_scale is not None or found_inf is not None
-        if scaled and self.step_in_backward:
-            self._wait(started)
-            raise UnsupportedOperationError(
-                "GradScaler (grad_scale / found_inf) with step_in_backward=True, expected step_in_backward=False: "
-                "a step started in backward cannot wait for the inf check"
-                + (f"; {self._torn(started)}" if started else " (nothing was stepped)"))
-        if found_inf is not None and float(found_inf) != 0.0:
-            return
-        scale = None
-        if grad_scale is not None:
-            scale = float(grad_scale)
-            if not (scale > 0.0 and np.isfinite(scale)):
-                raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
-        # Check every group and gradient before anything is stepped.
-        for gi, group in enumerate(self.param_groups):
-            check_flags(group)
-            _, hp = self._probe.group_hyperparameters(group)
-            held = {(c.dtype, c.mode) for c in self._chunks if c.gi == gi}
-            for dtype, mode in held:
-                need = self._mode(gi, group, dtype)
-                if need != mode:
-                    raise UnsupportedOperationError(
-                        f"param_groups[{gi}]'s step format changed since it was added (its {dtype} tensors are held "
-                        f"as {mode!r}, the format now needs {need!r}), expected the format chosen at construction "
-                        "(make a new CPUOffload and load the state into it)")
-            if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
+        # Check everything before anything is stepped: GradScaler's values, every group.
+        try:
+            scale = None
+            if grad_scale is not None:
+                scale = _amp_value(grad_scale, "grad_scale")
+                if isinstance(grad_scale, bool) or not (scale > 0.0 and np.isfinite(scale)):
+                    raise InvalidParameterError(f"grad_scale={grad_scale!r}, expected a finite scale > 0")
+            skip = found_inf is not None and _amp_value(found_inf, "found_inf") != 0.0
+            if (grad_scale is not None or found_inf is not None) and self.step_in_backward:
                 raise UnsupportedOperationError(
-                    f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
-                    "several chunks; expected max_grad_norm when the group is added")
+                    "GradScaler (grad_scale / found_inf) with step_in_backward=True, expected step_in_backward=False: "
+                    "a step started in backward cannot wait for the inf check")
+            self._check_groups()
+        except GpuOptimError as exc:
+            raise self._refused(exc, started) from exc
+        if skip:
+            return
         # GradScaler passes found_inf without grad_scale after scaler.unscale_(opt), whose in-place
         # unscale does not bump the gradients' version counters: copy every gradient again.
         unscaled = found_inf is not None and grad_scale is None
@@ -727,6 +769,13 @@ class CPUOffload(torch.optim.Optimizer):
                 "parameter, master and state is after the step") from failures[0][2]
         if self.step_in_backward:
             self._armed = True
+
+    def _refused(self, error: GpuOptimError, started: List[_Chunk]) -> GpuOptimError:
+        """``error`` as step() raises it: saying what was stepped (chunks started in backward) or that nothing was."""
+        if not started:
+            return type(error)(f"{error} (nothing was stepped)")
+        self._wait(started)
+        return type(error)(f"{error}; {self._torn(started)}")
 
     def _wait(self, chunks: List[_Chunk]) -> None:
         for c in chunks:
