@@ -207,6 +207,83 @@ def test_gradients_changed_after_backward_are_refused_with_step_in_backward():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+EDITS = {
+    # in-place edits after backward that move no version counter of the gradient torch hands out
+    "data-mul": lambda g: g.data.mul_(0.5),
+    "data-neg": lambda g: g.data.neg_(),  # the bit sum alone can miss a sign flip
+    "data-copy": lambda g: g.data.copy_(torch.full_like(g, 1e-3)),
+    "numpy-view": lambda g: g.numpy().__setitem__(Ellipsis, g.numpy() * 0.25),
+    "one-element": lambda g: g.data.view(-1)[0].add_(1e-3),
+}
+
+
+@pytest.fixture(params=[offload_mod.COPY_AT_STEP, offload_mod.FINGERPRINT])
+def gradient_check(request, monkeypatch):
+    """Each way of checking the gradients, on CPU tensors: FINGERPRINT is what CUDA tensors use."""
+    monkeypatch.setattr(offload_mod, "_gradient_check", lambda device, step_in_backward: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_gradients_edited_without_a_version_bump_are_copied_again(edit, gradient_check):
+    """Edits through .data or a numpy view after backward: the offload steps with the edited
+    gradients, as the optimizer without offload does."""
+    ref_model, our_model = make_model(), make_model()
+    ref = plain("AdamW", groups(ref_model), lr=1e-2)
+    ours = offload("AdamW", groups(our_model), lr=1e-2)
+    assert ours._check == gradient_check
+    for t in range(3):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            loss_of(m, t).backward()
+            for q in list(m.parameters())[::2]:
+                EDITS[edit](q.grad)
+            o.step()
+        assert_same(ref_model, our_model, rtol=0, atol=0)
+
+
+def test_the_fingerprint_moves_with_every_edit_of_the_tests():
+    g = torch.tensor([1.0, -1.0, 2.0, -2.0])
+    out = torch.zeros((6, 2), dtype=torch.int64)
+    offload_mod._fingerprint(g, out[0])
+    offload_mod._fingerprint(g.clone(), out[1])
+    offload_mod._fingerprint(-g, out[2])  # the same values (and bit sum): only their places moved
+    h = g.clone()
+    h.view(torch.int32)[3] += 1  # one ulp of one element
+    offload_mod._fingerprint(h, out[3])
+    offload_mod._fingerprint(g * 0.5, out[4])
+    assert torch.equal(out[0], out[1]) and out[2, 0] == out[0, 0]
+    for i in (2, 3, 4):
+        assert not torch.equal(out[i], out[0]), i
+    nan = torch.tensor([float("nan"), 1.0]).bfloat16()
+    offload_mod._fingerprint(nan, out[5])
+    again = torch.zeros(2, dtype=torch.int64)
+    offload_mod._fingerprint(nan.clone(), again)
+    assert torch.equal(again, out[5])  # the same bits, NaN included, give the same fingerprint
+    offload_mod._fingerprint(torch.zeros(0), again)  # an empty gradient
+    assert not again.any()
+
+
+@pytest.mark.parametrize("edit", ["data-mul", "numpy-view"])
+def test_gradients_edited_without_a_version_bump_are_refused_with_step_in_backward(edit):
+    model = make_model()
+    opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
+    assert opt._check == offload_mod.FINGERPRINT
+    loss_of(model, 0).backward()
+    EDITS[edit](model.head.weight.grad)
+    before = _snapshot(model, opt)
+    with pytest.raises(UnsupportedOperationError, match=r"changed after backward.*nothing was stepped"):
+        opt.step()  # the first round: refused before anything is stepped
+    _assert_snapshot(_snapshot(model, opt), before)
+    _train(model, opt, 2, start=1)  # armed: the next round's chunks start in backward
+    opt.zero_grad()
+    loss_of(model, 4).backward()
+    assert all(c.future is not None for c in opt._chunks)
+    EDITS[edit](model.head.weight.grad)
+    with pytest.raises(UnsupportedOperationError, match=r"changed after backward.*differ from the rest by one step"):
+        opt.step()
+
+
 INF_STEPS = (2, 5, 6)
 
 
@@ -890,6 +967,41 @@ def test_cuda_16bit_formats_equal_the_gpu_optimizer(fmt, step_in_backward):
     assert all(v.device.type == "cpu" for s in ours.state.values() for v in s.values())
     assert all(c.host_flat.is_pinned() and c.grad_flat.is_pinned() or c.staging_flat.is_pinned()
                for c in ours._chunks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("edit", ["data-mul", "data-neg", "one-element"])
+def test_cuda_gradients_edited_without_a_version_bump_are_copied_again(edit):
+    """The fingerprints on the device: an edit queued after backward (through .data: no version
+    bump), racing the copy on its side stream, is seen and copied again."""
+    ref_model, our_model = make_model(device="cuda"), make_model(device="cuda")
+    ref = ot.AdamW(groups(ref_model), lr=1e-2, backend="cuda")
+    ours = ot.CPUOffload("AdamW", groups(our_model), lr=1e-2, bucket_elements=300)
+    assert ours._check == offload_mod.FINGERPRINT
+    ours.timing = offload_mod.OffloadTiming()
+    for t in range(6):
+        for m, o in ((ref_model, ref), (our_model, ours)):
+            o.zero_grad()
+            loss_of(m, t, "cuda").backward()
+            for q in list(m.parameters())[::2]:
+                EDITS[edit](q.grad)
+            o.step()
+        assert_same(ref_model, our_model, rtol=1e-4, atol=1e-5)
+    n = sum(p.numel() for p in our_model.parameters())
+    edited = sum(p.numel() for p in list(our_model.parameters())[::2])
+    assert ours.timing.d2h_bytes == 6 * 4 * (n + edited) and ours.timing.check_s > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_edits_are_refused_with_step_in_backward():
+    model = make_model(device="cuda")
+    opt = ot.CPUOffload("AdamW", model.parameters(), lr=1e-2, bucket_elements=300, step_in_backward=True)
+    loss_of(model, 0, "cuda").backward()
+    model.head.weight.grad.data.mul_(0.5)
+    with pytest.raises(UnsupportedOperationError, match=r"changed after backward.*nothing was stepped"):
+        opt.step()
 
 
 @pytest.mark.gpu

@@ -147,6 +147,39 @@ def _event(timing: bool = False) -> Any:
     return torch.cuda.Event(enable_timing=timing, blocking=True)
 
 
+# How step() knows that a gradient's host copy is still the gradient (docs/offload.md, "Gradients
+# edited after backward"). A version counter misses edits through ``.data``, a numpy view, DDP's
+# bucket views or a kernel writing the memory, so neither mode trusts it alone:
+# - COPY_AT_STEP: host tensors (no CUDA), steps at step(): the copy is synchronous, so nothing is
+#   gained by copying in backward; step() copies every gradient, after the caller's last edit.
+# - FINGERPRINT: the hook records a fingerprint of each gradient on its device as it starts the
+#   copy; step() computes it again and copies again what differs (with step_in_backward=True, where
+#   the copy may already have been stepped, a difference is an error).
+COPY_AT_STEP, FINGERPRINT = "copy-at-step", "fingerprint"
+
+
+def _gradient_check(device: torch.device, step_in_backward: bool) -> str:
+    """COPY_AT_STEP or FINGERPRINT for gradients on ``device``."""
+    return COPY_AT_STEP if device.type == "cpu" and not step_in_backward else FINGERPRINT
+
+
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _fingerprint(g: torch.Tensor, out: torch.Tensor) -> None:
+    """Two reductions of ``g`` on its own device (queued on the current stream), into ``out`` (2 x int64):
+    the wrapping int64 sum of its bit patterns, which any change of a single element moves (and a
+    scaling, a clamp, an all-reduce), and the index of its first maximum, which a sign flip moves
+    where the bit sum can stay (as many positive as negative elements), as any position-free sum
+    must (``-[1, -1]`` holds the same values). No temporaries: the cast happens inside the reduction."""
+    flat = g.detach().reshape(-1)
+    if flat.numel() == 0:
+        out.zero_()
+        return
+    torch.sum(flat.view(_BITS[flat.dtype]), 0, dtype=torch.int64, out=out[0])
+    torch.argmax(flat, 0, out=out[1])
+
+
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
     out, offset = [], 0
     for p in params:
@@ -170,13 +203,15 @@ class OffloadTiming:
       could start (transfer time that nothing hid);
     - ``h2d_tail_s``: after the last CPU step, the wait until every copy back had landed (the
       transfer time left after the CPU work; measured with a host wait, so only while timing);
+    - ``check_s``: in ``step()``, the gradients' fingerprints computed again and compared, the wait
+      for the device to reach ``step()`` included (docs/offload.md);
     - ``early_chunks``: chunk steps that started before ``step()`` (``step_in_backward=True``);
     - ``step_call_s``: wall time inside ``step()``: what the caller waited.
 
     Event timing adds a synchronisation at the end of each step: time steps without it.
     """
 
-    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s", "step_call_s",
+    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s", "check_s", "step_call_s",
               "step_bytes", "d2h_bytes", "h2d_bytes", "early_chunks", "steps")
 
     def __init__(self) -> None:
@@ -250,6 +285,7 @@ class _Chunk:
         self.landing = self.grads if self.staging is None else self.staging  # where a gradient copy lands
         self.outbound = self.host if self.staging is None else self.staging  # what is copied back
         self.inner: Optional[OptirsOptimizer] = None
+        self.row = 0  # tensor k's fingerprints are row ``row + k`` of the optimizer's tables
         # (version, data_ptr) of each parameter when its host copy last matched it: anything else
         # (model.load_state_dict, an in-place edit) means the host copy is read again from it.
         self.marks: List[Tuple[int, int]] = [(-1, -1)] * len(params)
@@ -358,6 +394,13 @@ class CPUOffload(torch.optim.Optimizer):
         self._device: Optional[torch.device] = None
         self._lock = threading.RLock()  # the round's bookkeeping (hooks run on autograd's threads)
         self._streams: Optional[Tuple[Any, Any]] = None
+        self._check: Optional[str] = None  # COPY_AT_STEP or FINGERPRINT, once the device is known
+        # FINGERPRINT: per tensor the fingerprint of the copy sent and of the gradient at step(), on
+        # the device, and where their comparison lands on the host
+        self._fp_sent: Optional[torch.Tensor] = None
+        self._fp_now: Optional[torch.Tensor] = None
+        self._fp_differ: Optional[torch.Tensor] = None
+        self._groups_ok: Optional[bool] = None  # this round's groups checked by a hook (step_in_backward)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="optirs-offload")
         self.timing: Optional[OffloadTiming] = None  # set an OffloadTiming to see where the time goes
         super().__init__(params, self._probe.defaults)
@@ -465,6 +508,7 @@ class CPUOffload(torch.optim.Optimizer):
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self._device = device
+        self._check = _gradient_check(device, self.step_in_backward)
         return chunks
 
     def _mode(self, gi: int, group: Dict[str, Any], dtype: torch.dtype) -> str:
@@ -497,11 +541,26 @@ class CPUOffload(torch.optim.Optimizer):
                     opt._on_grad(chunk, k, p)
             return hook
 
+        if chunks and self._check == FINGERPRINT:
+            self._grow_fingerprints(chunks)
         for c in chunks:
             for k, p in enumerate(c.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(make_hook(c, k)))
                 self._where[p] = (c, k)
             self._chunks.append(c)
+
+    def _grow_fingerprints(self, chunks: List[_Chunk]) -> None:
+        """Rows for the new chunks' tensors in the fingerprint tables (the rows held are kept)."""
+        with self._lock:
+            held = 0 if self._fp_sent is None else self._fp_sent.shape[0]
+            rows = held
+            for c in chunks:
+                c.row, rows = rows, rows + len(c.params)
+            sent = torch.zeros((rows, 2), dtype=torch.int64, device=self._device)
+            if held:
+                sent[:held].copy_(self._fp_sent)
+            self._fp_sent, self._fp_now = sent, torch.zeros_like(sent)
+            self._fp_differ = _host_empty(rows, torch.bool, _pins(self._device), "the gradients' fingerprint check")
 
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks (the optimizer then copies every gradient in step())."""
@@ -513,22 +572,34 @@ class CPUOffload(torch.optim.Optimizer):
 
     def _on_grad(self, chunk: _Chunk, k: int, p: torch.Tensor) -> None:
         with self._lock:
+            self._check_gradient(chunk, k, p, p.grad)
             chunk.fires[k] += 1
-            if chunk.fires[k] < self.accumulation_steps:
-                return  # not the last backward before step(): nothing to copy yet
+            if chunk.fires[k] < self.accumulation_steps or self._check == COPY_AT_STEP:
+                return  # not the last backward before step(), or copied by step() itself
             if chunk.future is not None:
                 raise UnsupportedOperationError(
                     f"backward {chunk.fires[k]} since the last step() wrote param_groups[{chunk.gi}]['params']"
                     f"[{chunk.positions[k]}]'s gradient, but its step already started with the gradients of "
                     f"accumulation_steps={self.accumulation_steps} backwards (step_in_backward=True); expected "
                     f"step() after every {self.accumulation_steps} backwards")
-            self._send(chunk, k, p)
-            if self.step_in_backward and self._armed and all(s is not None for s in chunk.sent):
+            self._send(chunk, k, p, fingerprint=True)
+            if (self.step_in_backward and self._armed and all(s is not None for s in chunk.sent)
+                    and self._groups_valid()):
                 chunk.future = self._pool.submit(self._run_chunk, chunk, list(range(len(chunk.params))), None, None)
 
-    def _send(self, chunk: _Chunk, k: int, p: torch.Tensor) -> None:
-        """Start copying p's gradient into its host buffer (on CUDA: on the side stream, after the current one)."""
-        g = p.grad
+    def _groups_valid(self) -> bool:
+        """Whether every group passes step()'s checks (once per round): a chunk starts in backward
+        only then, so that step() refuses a bad group before anything is stepped."""
+        if self._groups_ok is None:
+            try:
+                self._check_groups()
+                self._groups_ok = True
+            except GpuOptimError:
+                self._groups_ok = False
+        return self._groups_ok
+
+    @staticmethod
+    def _check_gradient(chunk: _Chunk, k: int, p: torch.Tensor, g: torch.Tensor) -> None:
         if g.is_sparse:
             raise _sparse_gradient(chunk.gi, chunk.positions[k])
         if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
@@ -536,12 +607,23 @@ class CPUOffload(torch.optim.Optimizer):
                 f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] is {tuple(p.shape)} {p.dtype} "
                 f"on {p.device}, "
                 f"but its gradient {tuple(g.shape)} {g.dtype} on {g.device}; expected the same")
+
+    def _send(self, chunk: _Chunk, k: int, p: torch.Tensor, fingerprint: bool = False) -> None:
+        """Start copying p's gradient into its host buffer (on CUDA: on the side stream, after the
+        current one); ``fingerprint``: record the gradient's fingerprint for step() to compare."""
+        g = p.grad
+        self._check_gradient(chunk, k, p, g)
         chunk.resync(k)
         landing = chunk.landing[k]
         timing = self.timing
         if self._streams is not None:
             d2h = self._streams[0]
-            d2h.wait_stream(torch.cuda.current_stream(p.device))
+            current = torch.cuda.current_stream(p.device)
+            d2h.wait_stream(current)
+            if fingerprint:
+                # on the current stream: before any later edit of the gradient there, whichever of
+                # the edit and the copy runs first
+                _fingerprint(g, self._fp_sent[chunk.row + k])
             with torch.cuda.stream(d2h):
                 if timing is not None:
                     start, end = timing.events("d2h_s")
@@ -555,6 +637,8 @@ class CPUOffload(torch.optim.Optimizer):
         else:
             t0 = time.perf_counter()
             with torch.no_grad():
+                if fingerprint:
+                    _fingerprint(g, self._fp_sent[chunk.row + k])
                 landing.copy_(g)
             if timing is not None:
                 timing.add("d2h_s", time.perf_counter() - t0)
@@ -665,6 +749,7 @@ class CPUOffload(torch.optim.Optimizer):
                 with self._lock:
                     for c in self._chunks:
                         c.reset_round()
+                    self._groups_ok = None
         timing = self.timing
         if timing is not None:
             timing.add("step_call_s", time.perf_counter() - t0)
@@ -691,36 +776,19 @@ class CPUOffload(torch.optim.Optimizer):
                     "GradScaler (grad_scale / found_inf) with step_in_backward=True, expected step_in_backward=False: "
                     "a step started in backward cannot wait for the inf check")
             self._check_groups()
+            if skip:
+                return
+            # GradScaler passes found_inf without grad_scale after scaler.unscale_(opt), whose in-place
+            # unscale moves no version counter: copy every gradient again.
+            work, changed = self._gradients(unscaled=found_inf is not None and grad_scale is None)
+            if changed and self.step_in_backward:
+                names = [f"param_groups[{c.gi}]['params'][{c.positions[k]}]" for c, k in changed]
+                raise UnsupportedOperationError(
+                    f"the gradients of {names[:3]}{' ...' if len(names) > 3 else ''} changed after backward wrote "
+                    "them (clipped, unscaled or edited in place?) with step_in_backward=True, expected them final "
+                    "when backward writes them (or step_in_backward=False)")
         except GpuOptimError as exc:
             raise self._refused(exc, started) from exc
-        if skip:
-            return
-        # GradScaler passes found_inf without grad_scale after scaler.unscale_(opt), whose in-place
-        # unscale does not bump the gradients' version counters: copy every gradient again.
-        unscaled = found_inf is not None and grad_scale is None
-        work, changed = [], []
-        for c in self._chunks:
-            present, stale = [], []
-            for k, p in enumerate(c.params):
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise _sparse_gradient(c.gi, c.positions[k])
-                present.append(k)
-                sent = c.sent[k]
-                if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
-                    stale.append(k)
-                    if sent is not None and not unscaled:
-                        changed.append(f"param_groups[{c.gi}]['params'][{c.positions[k]}]")
-            work.append((c, present, stale))
-        if changed and self.step_in_backward:
-            self._wait(started)
-            raise UnsupportedOperationError(
-                f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} changed after backward wrote them "
-                "(clipped or unscaled in place?) with step_in_backward=True, expected them final when backward writes "
-                "them (or step_in_backward=False)"
-                + (f"; {self._torn(started)}" if started else " (nothing was stepped)"))
         for c, present, stale in work:
             for k in stale:
                 self._send(c, k, c.params[k])
@@ -769,6 +837,59 @@ class CPUOffload(torch.optim.Optimizer):
                 "parameter, master and state is after the step") from failures[0][2]
         if self.step_in_backward:
             self._armed = True
+
+    def _gradients(self, unscaled: bool) -> Tuple[List[Tuple[_Chunk, List[int], List[int]]], List[Tuple[_Chunk, int]]]:
+        """(per chunk: the chunk, its tensors with a gradient, those whose host copy is not the
+        gradient now), and the (chunk, tensor) pairs whose gradient changed after its copy started."""
+        work, changed, verify = [], [], []
+        for c in self._chunks:
+            present: List[int] = []
+            stale: List[int] = []
+            for k, p in enumerate(c.params):
+                g = p.grad
+                if g is None:
+                    continue
+                self._check_gradient(c, k, p, g)
+                present.append(k)
+                sent = c.sent[k]
+                if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
+                    stale.append(k)
+                    if sent is not None and not unscaled:
+                        changed.append((c, k))
+                else:  # the same tensor and version: edits through .data or other views move neither
+                    verify.append((c, k))
+            work.append((c, present, stale))
+        if verify:
+            again = self._fingerprints_differ(verify)
+            if again:
+                changed += again
+                stale_of = {id(c): stale for c, _, stale in work}
+                for c, k in again:
+                    stale_of[id(c)].append(k)
+        return work, changed
+
+    def _fingerprints_differ(self, pairs: List[Tuple[_Chunk, int]]) -> List[Tuple[_Chunk, int]]:
+        """The pairs whose gradient's fingerprint now differs from the one recorded with its copy.
+
+        On a device this waits until the device has run everything queued before step() (the
+        fingerprints are computed after it); the rows of other tensors are compared too and ignored."""
+        t0 = time.perf_counter()
+        now = self._fp_now
+        for c, k in pairs:
+            _fingerprint(c.params[k].grad, now[c.row + k])
+        differ = torch.ne(self._fp_sent, now).any(1)
+        host = self._fp_differ
+        if self._streams is not None:
+            host.copy_(differ, non_blocking=True)
+            event = _event()
+            event.record(torch.cuda.current_stream(self._device))
+            event.synchronize()
+        else:
+            host.copy_(differ)
+        flags = host.numpy()
+        if self.timing is not None:
+            self.timing.add("check_s", time.perf_counter() - t0)
+        return [(c, k) for c, k in pairs if flags[c.row + k]]
 
     def _refused(self, error: GpuOptimError, started: List[_Chunk]) -> GpuOptimError:
         """``error`` as step() raises it: saying what was stepped (chunks started in backward) or that nothing was."""
