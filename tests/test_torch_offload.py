@@ -824,6 +824,25 @@ def test_everything_is_checked_before_anything_is_stepped(case):
     _assert_snapshot(_snapshot(model, opt), before)
 
 
+def test_a_bad_group_starts_nothing_in_backward():
+    """step_in_backward: a group made invalid before the backward starts no chunk there, so
+    step() refuses it before anything is stepped."""
+    model = make_model()
+    opt = offload("AdamW", groups(model), lr=1e-2, step_in_backward=True)
+    _train(model, opt, 2)  # armed
+    opt.zero_grad()
+    opt.param_groups[2]["weight_decay"] = -0.5
+    loss_of(model, 2).backward()
+    assert all(c.future is None for c in opt._chunks)
+    before = _snapshot(model, opt)
+    with pytest.raises(InvalidParameterError, match=r"param_groups\[2\]: weight_decay=-0.5.*nothing was stepped"):
+        opt.step()
+    _assert_snapshot(_snapshot(model, opt), before)
+    opt.param_groups[2]["weight_decay"] = 0.0
+    opt.step()  # the same gradients, copied again: the round goes on
+    assert not any(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+
+
 # ---------------------------------------------------------------- bad cases
 
 PINNED_FAILURES = {
