@@ -24,7 +24,8 @@ import optirs.torch as ot  # noqa: E402
 from conftest import register_third_party_backend  # noqa: E402
 from optirs.backends.cpu import CpuBackend  # noqa: E402
 from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError,  # noqa: E402
-                                UnsupportedOperationError)
+                                PluginError, UnsupportedOperationError)
+from optirs.plugin.hookspecs import hookimpl  # noqa: E402
 from optirs.torch import offload as offload_mod  # noqa: E402
 
 STEPS = 32
@@ -751,6 +752,117 @@ def test_a_worker_failing_for_good_is_reported(monkeypatch):
     with pytest.raises(GpuOptimError, match="failed again") as info:
         ours.step()
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+class FlakyCpu(CpuBackend):
+    """The cpu backend whose optirs_step raises while ``fails(request)`` says so."""
+
+    def __init__(self):
+        self.fails = lambda request: False
+        self.calls = 0
+
+    @hookimpl
+    def optirs_step(self, ctx, request):
+        self.calls += 1
+        if self.fails(request):
+            raise RuntimeError(f"injected failure of call {self.calls}")
+        return super().optirs_step(ctx, request)
+
+
+@pytest.fixture
+def flaky(fresh_registry):
+    plugin = FlakyCpu()
+    optirs.register_plugin(plugin, "flaky-cpu")
+    return plugin
+
+
+def _flaky_pair(dtype=torch.float32, steps=3):
+    """The same training on the flaky plugin and on the cpu backend, up to a backward after ``steps`` steps."""
+    runs = []
+    for backend in ("flaky-cpu", "cpu"):
+        model = make_model(dtype)
+        opt = offload("AdamW", groups(model), lr=1e-2, backend=backend)
+        _train(model, opt, steps)
+        opt.zero_grad()
+        loss_of(model, steps).backward()
+        runs.append((model, opt))
+    return runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_plugin_failing_for_good_changes_nothing_and_names_itself(flaky, dtype):
+    (model, opt), (ref_model, ref) = _flaky_pair(dtype)
+    before = _snapshot(model, opt)
+    flaky.fails = lambda request: True
+    with pytest.raises(PluginError, match=r"plugin 'flaky-cpu' raised RuntimeError in optirs_step: injected.*"
+                                          r"failed again when retried.*nothing was stepped") as info:
+        opt.step()
+    assert info.value.stepped == [] and len(info.value.not_stepped) == len(list(model.parameters()))
+    _assert_snapshot(_snapshot(model, opt), before)  # parameters, masters, state and step counts
+    flaky.fails = lambda request: False
+    opt.step()  # the same gradients: the step the failed call would have taken
+    ref.step()
+    _assert_snapshot(_snapshot(model, opt), _snapshot(ref_model, ref))
+
+
+def test_a_plugin_failing_once_is_retried_and_the_step_completes(flaky):
+    (model, opt), (ref_model, ref) = _flaky_pair()
+    flaky.fails = lambda request: flaky.calls == flaky.calls_at_start + 1
+    flaky.calls_at_start = flaky.calls
+    with pytest.raises(PluginError, match=r"plugin 'flaky-cpu' raised RuntimeError in optirs_step.*"
+                                          r"completed by retrying") as info:
+        opt.step()
+    assert info.value.not_stepped == [] and isinstance(info.value.__cause__.__cause__, RuntimeError)
+    ref.step()
+    _assert_snapshot(_snapshot(model, opt), _snapshot(ref_model, ref))  # after the whole step
+
+
+def test_a_plugin_failing_on_one_chunk_says_exactly_what_was_stepped(flaky):
+    (model, opt), _ = _flaky_pair()
+    last = max(opt._chunks, key=lambda c: c.index)  # submitted last: others may step before it fails
+    size = sum(p.numel() for p in last.params)
+    assert sum(sum(p.numel() for p in c.params) == size for c in opt._chunks) == 1
+    flaky.fails = lambda request: request.layout.total == size
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PluginError, match="plugin 'flaky-cpu' raised RuntimeError in optirs_step") as info:
+        opt.step()
+    names = {p: f"param_groups[{gi}]['params'][{j}]" for gi, g in enumerate(opt.param_groups)
+             for j, p in enumerate(g["params"])}
+    changed = {names[p] for p, b in zip(model.parameters(), before) if not torch.equal(p, b)}
+    assert set(info.value.stepped) == changed and not changed & set(info.value.not_stepped)
+    assert {names[p] for p in last.params} <= set(info.value.not_stepped)
+    assert ("nothing was stepped" in str(info.value)) == (not changed)
+    assert ("the step is incomplete" in str(info.value)) == bool(changed)
+
+
+class _BadOpen(CpuBackend):
+    @hookimpl
+    def optirs_open(self, options):
+        return {}["device"]  # a KeyError out of the plugin
+
+
+class _GarbageStage(CpuBackend):
+    @hookimpl
+    def optirs_stage(self, ctx, params, grads, fmt):
+        return params, grads  # a tuple, not a Staged
+
+
+class _RaisingStage(CpuBackend):
+    @hookimpl
+    def optirs_stage(self, ctx, params, grads, fmt):
+        return params.staged  # AttributeError
+
+
+@pytest.mark.parametrize("plugin,words", [
+    (_BadOpen, r"plugin 'bad' raised KeyError in optirs_open: 'device'"),
+    (_GarbageStage, r"plugin 'bad''s optirs_stage returned \(\[array.*expected an optirs.plugin.hookspecs.Staged"),
+    (_RaisingStage, r"plugin 'bad' raised AttributeError in optirs_stage: 'list' object has no attribute 'staged'"),
+], ids=["open-KeyError", "stage-garbage", "stage-AttributeError"])
+def test_a_plugin_failing_to_open_or_stage_is_named_before_anything(fresh_registry, plugin, words):
+    optirs.register_plugin(plugin(), "bad")
+    model = make_model()
+    with pytest.raises(PluginError, match=words):
+        ot.CPUOffload("AdamW", model.parameters(), backend="bad")
 
 
 def test_keyboard_interrupt_during_the_step_lands_after_it(monkeypatch):

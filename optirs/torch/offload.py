@@ -40,12 +40,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
-                                UnsupportedOperationError)
+from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError, PluginError,
+                                ShapeMismatchError, UnsupportedOperationError)
 from optirs.core.interrupts import deferred_interrupts
 from optirs.torch import optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import resolve_format
+from optirs.plugin import hookspecs
+from optirs.plugin.hookspecs import Staged
 from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp
 
 OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,25 +99,96 @@ def _host_empty(numel: int, dtype: torch.dtype, pin: bool, what: str) -> torch.T
 
 
 HOST_VIEW_HOOK = "optirs_host_view"
+_HOOKS = frozenset(n for n in vars(hookspecs) if n.startswith("optirs_"))
+
+
+def _raised_in(exc: BaseException) -> Tuple[Optional[str], Any]:
+    """(the hook ``exc`` was raised in, its frame), or (None, None): the innermost frame of its
+    traceback named after a hook (pluggy binds a hook implementation by its name)."""
+    hook, frame = None, None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in _HOOKS:
+            hook, frame = tb.tb_frame.f_code.co_name, tb.tb_frame
+        tb = tb.tb_next
+    return hook, frame
+
+
+def _plugin_named(frame: Any, fallback: str) -> str:
+    """The registry's name of the plugin whose hook runs in ``frame`` (``fallback`` if none matches)."""
+    from optirs.plugin.registry import REGISTRY
+
+    owner = frame.f_locals.get("self") if frame is not None else None
+    module = frame.f_globals.get("__name__") if frame is not None else None
+    for name, record in list(REGISTRY.records.items()):
+        plugin = record.plugin
+        if plugin is not None and (plugin is owner or getattr(plugin, "__name__", None) == module):
+            return name
+    return fallback
+
+
+def _plugin_failure(backend_name: str, exc: BaseException, hook: Optional[str] = None) -> BaseException:
+    """``exc`` as optirs reports it: optirs' own errors as they are; an exception out of a plugin's
+    hook (found in its traceback, else ``hook`` when given) as a PluginError naming the plugin and
+    the hook, whose ``__cause__`` is the original; anything else as it is."""
+    if isinstance(exc, GpuOptimError) or not isinstance(exc, Exception):
+        return exc
+    found, frame = _raised_in(exc)
+    if found is None and hook is None:
+        return exc
+    error = PluginError(f"plugin {_plugin_named(frame, backend_name)!r} raised {type(exc).__name__} in "
+                        f"{found or hook}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _host_backend(name: Any, options: Optional[Dict[str, Any]], probe: OptirsOptimizer):
     """The backend that steps the host copies: any whose arrays are host memory that torch CPU
-    tensors view without a copy (it implements ``optirs_host_view``), as the front end opens it."""
+    tensors view without a copy (it implements ``optirs_host_view``), as the front end opens it.
+    A plugin failing to open, to view or to stage is a PluginError naming it and the hook, now."""
     from optirs.plugin.registry import REGISTRY
 
     def require(backend) -> None:
-        if backend.host_view(np.zeros(2, np.float32)) is None:
+        try:
+            view = backend.host_view(np.zeros(2, np.float32))
+        except Exception as exc:
+            raise _plugin_failure(backend.name, exc, HOST_VIEW_HOOK) from exc
+        if view is None:
             raise UnsupportedOperationError(
                 f"backend {backend.name!r} does not offer zero-copy host views (hook {HOST_VIEW_HOOK}), expected a "
                 "backend whose arrays are host memory that torch CPU tensors view without a copy (backend='cpu'): "
                 "CPUOffload steps the host copies in place")
+        _check_stage(backend)
 
-    if isinstance(name, str) and name != "auto":
-        require(REGISTRY.get_backend(name, options))  # named: the missing capability is the answer
-    backend = probe.backend_for(torch.device("cpu"))  # the front end's own checks (it steps torch CPU tensors)
+    named = isinstance(name, str) and name != "auto"
+    try:
+        if named:
+            require(REGISTRY.get_backend(name, options))  # named: the missing capability is the answer
+        backend = probe.backend_for(torch.device("cpu"))  # the front end's own checks (it steps torch CPU tensors)
+    except Exception as exc:
+        raise _plugin_failure(str(name), exc, "optirs_open") from exc
     require(backend)
     return backend
+
+
+def _check_stage(backend: Any) -> None:
+    """The backend's ``optirs_stage`` on two tiny host arrays, no step (so no ``finish``): a plugin
+    that raises or answers with something other than a Staged is named here, before any step."""
+    params, grads = [np.zeros(2, np.float32)], [np.zeros(2, np.float32)]
+    with backend.lock:
+        try:
+            staged = backend.stage(backend.ctx, params, grads, None)
+        except Exception as exc:
+            raise _plugin_failure(backend.name, exc, "optirs_stage") from exc
+    try:
+        ok = (isinstance(staged, Staged) and len(staged.params) == 1 and len(staged.grads) == 1
+              and (staged.finish is None or callable(staged.finish)))
+    except TypeError:  # params or grads without a length
+        ok = False
+    if not ok:
+        raise PluginError(
+            f"plugin {backend.name!r}'s optirs_stage returned {staged!r} for 1 parameter and 1 gradient, expected "
+            "an optirs.plugin.hookspecs.Staged holding 1 of each")
 
 
 def _amp_value(value: Any, what: str) -> float:
@@ -340,6 +413,7 @@ class _Chunk:
         self.future = None  # the chunk's step, when it started in backward
         self.progress = 0  # 1: host copies and state stepped this round; 2: also copied back
         self.h2d_event = None
+        self.counts: Optional[Tuple[Any, ...]] = None  # CPUOffload._counts just before this round's step
 
 
 class CPUOffload(torch.optim.Optimizer):
@@ -401,6 +475,7 @@ class CPUOffload(torch.optim.Optimizer):
         self._fp_now: Optional[torch.Tensor] = None
         self._fp_differ: Optional[torch.Tensor] = None
         self._groups_ok: Optional[bool] = None  # this round's groups checked by a hook (step_in_backward)
+        self._abort = threading.Event()  # this round: a chunk's step failed, start no other
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="optirs-offload")
         self.timing: Optional[OffloadTiming] = None  # set an OffloadTiming to see where the time goes
         super().__init__(params, self._probe.defaults)
@@ -585,7 +660,8 @@ class CPUOffload(torch.optim.Optimizer):
             self._send(chunk, k, p, fingerprint=True)
             if (self.step_in_backward and self._armed and all(s is not None for s in chunk.sent)
                     and self._groups_valid()):
-                chunk.future = self._pool.submit(self._run_chunk, chunk, list(range(len(chunk.params))), None, None)
+                chunk.future = self._pool.submit(self._job, chunk, list(range(len(chunk.params))), None, None,
+                                                 self._abort)
 
     def _groups_valid(self) -> bool:
         """Whether every group passes step()'s checks (once per round): a chunk starts in backward
@@ -650,7 +726,19 @@ class CPUOffload(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ one chunk's step (a worker)
 
-    def _run_chunk(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any) -> None:
+    def _job(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any,
+             abort: threading.Event) -> bool:
+        """A worker's chunk: a failure sets ``abort``, so that no chunk step starts after it."""
+        try:
+            return self._run_chunk(chunk, present, scale, after, abort)
+        except BaseException:
+            abort.set()
+            raise
+
+    def _run_chunk(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any,
+                   abort: Optional[threading.Event] = None) -> bool:
+        """The chunk's CPU step and its copy back, from where it stopped (``chunk.progress``); False
+        when ``abort`` was set before the CPU step started (nothing of the chunk was stepped)."""
         timing = self.timing
         clock = time.perf_counter
         with torch.no_grad():
@@ -674,6 +762,9 @@ class CPUOffload(torch.optim.Optimizer):
                 # cores; and the cpu backend's staging caches are shared by everything on it.
                 t1 = clock()
                 with self._backend.lock:
+                    if abort is not None and abort.is_set():
+                        return False  # another chunk's step failed: all chunks step or none
+                    chunk.counts = self._counts(chunk, present)
                     t2 = clock()
                     if chunk.mode == WIDEN:
                         for k in present:
@@ -726,6 +817,24 @@ class CPUOffload(torch.optim.Optimizer):
                 for k in present:
                     chunk.marks[k] = (chunk.params[k]._version, chunk.params[k].data_ptr())
                 chunk.progress = 2
+        return True
+
+    @staticmethod
+    def _counts(chunk: _Chunk, present: List[int]) -> Tuple[Any, ...]:
+        """What says, per tensor, whether the inner optimizer stepped it: its step count (0.0 without
+        state), or ``"held"`` for state without a count (SGD's momentum buffer)."""
+        out: List[Any] = []
+        state = chunk.inner.state
+        for k in present:
+            entry = state.get(chunk.host[k])
+            if not entry:
+                out.append(0.0)
+            elif "step" in entry:
+                step = entry["step"]
+                out.append(float(step.item() if isinstance(step, torch.Tensor) else step))
+            else:
+                out.append("held")
+        return tuple(out)
 
     # ------------------------------------------------------------ the step
 
@@ -737,8 +846,12 @@ class CPUOffload(torch.optim.Optimizer):
 
         ``grad_scale`` / ``found_inf`` (or the attributes GradScaler sets): as the front end, the
         gradients are unscaled by ``1 / grad_scale`` and nothing changes when ``found_inf`` is set.
-        A KeyboardInterrupt during the step is delivered after it; a worker's exception is raised
-        (as the ``__cause__`` of a GpuOptimError) after the step was completed by retrying.
+        A KeyboardInterrupt during the step is delivered after it. A chunk whose CPU step fails
+        stops the chunks not yet started; it is retried once where that cannot step anything twice,
+        and then the others are stepped: the error says whether the step was completed, or that
+        nothing was stepped, or (a chunk failing for good after others had stepped) exactly which
+        tensors were (``.stepped`` / ``.not_stepped``). A plugin's exception is named by a
+        PluginError (the plugin and the hook).
         """
         loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
         t0 = time.perf_counter()
@@ -750,6 +863,7 @@ class CPUOffload(torch.optim.Optimizer):
                     for c in self._chunks:
                         c.reset_round()
                     self._groups_ok = None
+                    self._abort = threading.Event()
         timing = self.timing
         if timing is not None:
             timing.add("step_call_s", time.perf_counter() - t0)
@@ -796,14 +910,15 @@ class CPUOffload(torch.optim.Optimizer):
         if self._streams is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self._device))
+        abort = self._abort
         jobs = [(c, present, c.future) for c, present, _ in work if c.future is not None]
-        jobs += [(c, present, self._pool.submit(self._run_chunk, c, present, scale, after))
+        jobs += [(c, present, self._pool.submit(self._job, c, present, scale, after, abort))
                  for c, present, _ in work if c.future is None and present]
-        failures = []
+        done, held, failures = [], [], []
         for c, present, future in jobs:
             try:
-                future.result()
-            except Exception as exc:  # noqa: BLE001 - re-raised below as the cause
+                (done if future.result() else held).append((c, present))
+            except Exception as exc:  # noqa: BLE001 - raised below, named
                 failures.append((c, present, exc))
         timing = self.timing
         if timing is not None:
@@ -814,29 +929,102 @@ class CPUOffload(torch.optim.Optimizer):
                     if c.h2d_event is not None:
                         c.h2d_event.synchronize()
                 timing.add("h2d_tail_s", time.perf_counter() - t0)
-        unrecovered = []
-        for c, present, exc in failures:  # finish the step: retry what failed, from where it stopped
-            try:
-                self._run_chunk(c, present, None if c.future is not None else scale, after)
-            except Exception as again:  # noqa: BLE001
-                unrecovered.append((c, again))
+        error = self._finish(done, held, failures, scale, after) if failures else None
         if self._streams is not None:
             current = torch.cuda.current_stream(self._device)
             for c, _, _ in jobs:
                 if c.h2d_event is not None:
                     current.wait_event(c.h2d_event)
         self._refresh_state()
-        if failures:
-            where = ", ".join(f"chunk {c.index} (param_groups[{c.gi}])" for c, _, _ in failures)
-            if unrecovered:
-                raise GpuOptimError(
-                    f"the CPU step of {where} failed and failed again when retried ({unrecovered[0][1]!r}); the other "
-                    f"chunks were stepped: {self._torn([c for c, _ in unrecovered])}") from failures[0][2]
-            raise GpuOptimError(
-                f"a worker failed on {where} ({failures[0][2]!r}); the step was completed by retrying it, so every "
-                "parameter, master and state is after the step") from failures[0][2]
+        if error is not None:
+            raise error
         if self.step_in_backward:
             self._armed = True
+
+    def _finish(self, done: List[Tuple[_Chunk, List[int]]], held: List[Tuple[_Chunk, List[int]]],
+                failures: List[Tuple[_Chunk, List[int], BaseException]], scale: Optional[float],
+                after: Any) -> GpuOptimError:
+        """After chunk steps failed (no chunk step started after the first failure): retry each
+        failed chunk once, in this thread, where that cannot step a tensor twice, then step the
+        chunks held back; stop at the first chunk that fails for good. Returns the error step()
+        raises: it names the first failure (a plugin's as a PluginError naming the plugin and the
+        hook) and says whether the step was completed, or exactly what was stepped."""
+        first_chunk, first_present, first = failures[0]
+        cause = _plugin_failure(self._backend.name, first)
+        stepped = list(done)
+        queue = sorted([(c, present, exc) for c, present, exc in failures] + [(c, present, None) for c, present in held],
+                       key=lambda t: t[0].index)
+        final: Optional[Tuple[_Chunk, List[int], BaseException, List[int], bool]] = None
+        for c, present, exc in queue:
+            if exc is not None and c.progress == 0:
+                moved, known = self._moved(c, present)
+                if moved or not known:  # part of it may have been stepped: a retry could step it twice
+                    final = (c, present, exc, moved, known)
+                    break
+            try:
+                self._run_chunk(c, present, None if c.future is not None else scale, after)
+            except Exception as again:  # noqa: BLE001 - the error below names it
+                moved, known = self._moved(c, present) if c.progress == 0 else (list(present), True)
+                final = (c, present, again, moved, known)
+                break
+            stepped.append((c, present))
+        kind = type(cause) if isinstance(cause, GpuOptimError) else GpuOptimError
+        head = f"the CPU step of {self._where_of(first_chunk, first_present)} failed: " + (
+            str(cause) if cause is not first else repr(first))
+        if final is None:
+            error = kind(f"{head}; the step was completed by retrying it (and stepping the chunks held back "
+                         "meanwhile), so every parameter, master, state and step count is after the step")
+            error.stepped, error.not_stepped = self._names(stepped), []
+            error.__cause__ = cause
+            return error
+        c, present, again, moved, known = final
+        if again is not first:
+            again_named = _plugin_failure(self._backend.name, again)
+            head += (f"; it failed again when retried: {again_named}" if c is first_chunk
+                     else f"; then {self._where_of(c, present)} failed: {again_named}")
+        if c.progress >= 1:  # stepped on the host; its copy back failed (the next step's copy brings it)
+            head += f"; {self._where_of(c, present)} was stepped on the host but not copied back"
+        if not known:
+            head += (f"; {self._where_of(c, present)} holds tensors with and without state (several launches), so "
+                     "whether some of them were stepped is unknown")
+        names = self._names(stepped + ([(c, moved)] if moved else []))
+        taken = set(names)
+        not_stepped = [n for n in self._names([(x, list(range(len(x.params)))) for x in self._chunks])
+                       if n not in taken]
+        if not names and known:
+            message = (f"{head}; nothing was stepped: every parameter, master, state and step count is as before "
+                       "this step()")
+        else:
+            message = (f"{head}; the step is incomplete: {len(names)} tensors were stepped {names[:6]}"
+                       f"{' ...' if len(names) > 6 else ''} and {len(not_stepped)} were not {not_stepped[:6]}"
+                       f"{' ...' if len(not_stepped) > 6 else ''} (the error's .stepped and .not_stepped list them)")
+        error = kind(message)
+        error.stepped, error.not_stepped = names, not_stepped
+        error.__cause__ = cause
+        return error
+
+    def _moved(self, chunk: _Chunk, present: List[int]) -> Tuple[List[int], bool]:
+        """(the tensors of a failed chunk step that the inner optimizer counted as stepped, whether
+        that is known). The inner step is one transaction: a hook that raised counts nothing, the
+        launches before it (tensors of another step count) are counted. Without step counts
+        (``"held"``), only a chunk whose tensors all held state or none is known to be one launch."""
+        before = chunk.counts
+        if before is None:  # it failed before its step started
+            return [], True
+        after = self._counts(chunk, present)
+        if "held" in before or "held" in after:
+            return [], len(set(before)) <= 1
+        return [k for k, a, b in zip(present, after, before) if a != b], True
+
+    @staticmethod
+    def _where_of(chunk: _Chunk, present: List[int]) -> str:
+        return f"chunk {chunk.index} (param_groups[{chunk.gi}]['params'] {sorted(chunk.positions[k] for k in present)})"
+
+    @staticmethod
+    def _names(parts: List[Tuple[_Chunk, List[int]]]) -> List[str]:
+        """'param_groups[i]['params'][j]' of each tensor, in the groups' order."""
+        return [f"param_groups[{gi}]['params'][{j}]" for gi, j in sorted((c.gi, c.positions[k]) for c, ks in parts
+                                                                         for k in ks)]
 
     def _gradients(self, unscaled: bool) -> Tuple[List[Tuple[_Chunk, List[int], List[int]]], List[Tuple[_Chunk, int]]]:
         """(per chunk: the chunk, its tensors with a gradient, those whose host copy is not the
@@ -913,11 +1101,16 @@ class CPUOffload(torch.optim.Optimizer):
     # ------------------------------------------------------------ torch.optim's state
 
     def _refresh_state(self) -> None:
-        """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers)."""
+        """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers);
+        an entry whose step count is 0 (made for a first step that failed) is not state yet."""
         for c in self._chunks:
+            state = c.inner.state
             for p, m in zip(c.params, c.host):
-                if m in c.inner.state and c.inner.state[m]:
-                    self.state[p] = c.inner.state[m]
+                entry = state.get(m)
+                if entry and self.state.get(p) is not entry:
+                    step = entry.get("step", 1)
+                    if float(step.item() if isinstance(step, torch.Tensor) else step) != 0:
+                        self.state[p] = entry
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's format, as the wrapped optimizer's with the same step format: 16-bit parameters
