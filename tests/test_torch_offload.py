@@ -13,6 +13,7 @@ from __future__ import annotations
 import _thread
 import copy
 import io
+import pickle
 from pathlib import Path
 
 import pytest
@@ -692,6 +693,63 @@ def test_state_dict_loads_into_the_plain_optimizer_and_back():
     _train(clone, back, 3, start=8)
     assert_same(plain_model, clone)
     assert float(back.state[next(clone.parameters())]["step"]) == 11
+
+
+# ---------------------------------------------------------------- copies
+
+def _through_pickle(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+COPIES = {
+    # (parameters' dtype, the offload's keywords): DIRECT, WIDEN (masters held by the offload),
+    # FUSED with int8 state (masters and compact state held by the inner optimizer), step_in_backward
+    "fp32": (torch.float32, {}),
+    "bf16-widen": (torch.bfloat16, {}),
+    "bf16-int8": (torch.bfloat16, {"state_dtype": "int8", "bucket_elements": 9000}),
+    "fp32-step_in_backward": (torch.float32, {"step_in_backward": True}),
+}
+
+
+@pytest.mark.parametrize("how", [copy.deepcopy, _through_pickle], ids=["deepcopy", "pickle"])
+@pytest.mark.parametrize("case", sorted(COPIES))
+def test_a_copy_of_model_and_optimizer_continues_as_the_original(case, how):
+    dtype, kwargs = COPIES[case]
+    wide = "bucket_elements" in kwargs
+    model = make_wide(dtype) if wide else make_model(dtype)
+    opt = offload("AdamW", model.parameters() if wide else groups(model), lr=1e-2, **kwargs)
+    train = _train_wide if wide else _train
+    train(model, opt, 3)
+    opt.param_groups[0]["lr"] = 5e-3  # as a scheduler would: the copy takes the groups as they are
+    model2, opt2 = how((model, opt))
+    assert opt2.param_groups[0]["params"][0] is next(model2.parameters())
+    assert opt2.param_groups[0]["lr"] == 5e-3 and opt2._armed == opt._armed
+    train(model, opt, 3, start=3)
+    train(model2, opt2, 3, start=3)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    _assert_snapshot(_snapshot(model2, opt2), _snapshot(model, opt))
+
+
+def test_a_deepcopy_of_the_optimizer_alone_steps_copies_of_the_parameters_as_torch():
+    model = make_model()
+    opt = offload("AdamW", model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    twin = copy.deepcopy(opt)
+    torch_twin = copy.deepcopy(torch.optim.AdamW(model.parameters()))
+    for a, b, p in zip(twin.param_groups[0]["params"], torch_twin.param_groups[0]["params"], model.parameters()):
+        assert a is not p and b is not p and torch.equal(a, p)  # torch copies the parameters too
+    for a, p in zip(twin.param_groups[0]["params"], model.parameters()):
+        a.grad = None
+    opt.zero_grad()
+    loss_of(model, 2).backward()  # the original's hooks only: the twin's parameters have no gradient
+    for a, p in zip(twin.param_groups[0]["params"], model.parameters()):
+        assert a.grad is None
+        a.grad = p.grad.clone()
+    opt.step()
+    twin.step()
+    for a, p in zip(twin.param_groups[0]["params"], model.parameters()):
+        assert torch.equal(a, p)
 
 
 # ---------------------------------------------------------------- interrupted steps

@@ -1182,6 +1182,57 @@ class CPUOffload(torch.optim.Optimizer):
                 c.reset_round()
         self._refresh_state()
 
+    # ------------------------------------------------------------ copies
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """What ``copy.deepcopy`` and ``pickle`` carry, as torch's optimizers: ``defaults``,
+        ``param_groups`` (their parameters: the model's copies when the model is copied along, else
+        copies of their own, as torch) and the state per parameter (host copies, compact tensors in
+        their dtypes, a 16-bit parameter's float32 master under ``MASTER_KEY``), plus how the
+        offload was made. The chunks, host buffers, hooks, locks, worker pool and streams are made
+        again for the copy's parameters; a gradient copy in flight is not carried (the copy's step()
+        copies every gradient). A step started in backward lands first."""
+        with self._lock:
+            started = self._started()
+        self._wait(started)
+        self._refresh_state()
+        state: Dict[torch.Tensor, Dict[str, Any]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = dict(self.state[p]) if p in self.state else {}
+                where = self._where.get(p)
+                if where is not None and where[0].mode == WIDEN:
+                    entry[MASTER_KEY] = where[0].host[where[1]]
+                if entry:  # copies: the live entries are views of whole flat buffers
+                    state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        made = {"optimizer_class": self._cls, "kwargs": dict(self._kwargs), "backend": self._backend_name,
+                "workers": self.workers, "accumulation_steps": self.accumulation_steps,
+                "step_in_backward": self.step_in_backward, "bucket_elements": self.bucket_elements,
+                "fuse_conversions": self.fuse_conversions, "armed": self._armed}
+        return {"defaults": self.defaults, "param_groups": self.param_groups, "state": state, "offload": made}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "offload" not in state:  # torch's load_state_dict installs its state and groups this way
+            super().__setstate__(state)
+            return
+        made = state["offload"]
+        groups = [dict(g) for g in state["param_groups"]]
+        self.__init__(made["optimizer_class"], groups, workers=made["workers"],
+                      accumulation_steps=made["accumulation_steps"], step_in_backward=made["step_in_backward"],
+                      bucket_elements=made["bucket_elements"], fuse_conversions=made["fuse_conversions"],
+                      backend=made["backend"], **made["kwargs"])
+        index: Dict[torch.Tensor, int] = {}
+        saved_groups = []
+        for g in groups:
+            ids = []
+            for p in g["params"]:
+                index.setdefault(p, len(index))
+                ids.append(index[p])
+            saved_groups.append({**g, "params": ids})
+        self.load_state_dict({"state": {index[p]: entry for p, entry in state["state"].items()},
+                              "param_groups": saved_groups})
+        self._armed = made["armed"]
+
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         pool = getattr(self, "_pool", None)
         if pool is not None:
