@@ -893,6 +893,24 @@ def test_a_plugin_failing_on_one_chunk_says_exactly_what_was_stepped(flaky):
     assert ("the step is incomplete" in str(info.value)) == bool(changed)
 
 
+def test_no_chunk_starts_after_a_chunk_failed(flaky):
+    """One worker, so chunk 0 steps first: its plugin failure holds every other chunk back, and the
+    step leaves everything as it was although only chunk 0's tensors make the plugin fail."""
+    model = make_model()
+    opt = offload("AdamW", groups(model), lr=1e-2, backend="flaky-cpu", workers=1)
+    _train(model, opt, 2)
+    opt.zero_grad()
+    loss_of(model, 2).backward()
+    first = min(opt._chunks, key=lambda c: c.index)
+    size = sum(p.numel() for p in first.params)
+    assert sum(sum(p.numel() for p in c.params) == size for c in opt._chunks) == 1
+    flaky.fails = lambda request: request.layout.total == size
+    before = _snapshot(model, opt)
+    with pytest.raises(PluginError, match="optirs_step.*nothing was stepped"):
+        opt.step()
+    _assert_snapshot(_snapshot(model, opt), before)
+
+
 class _BadOpen(CpuBackend):
     @hookimpl
     def optirs_open(self, options):

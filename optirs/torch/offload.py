@@ -765,13 +765,18 @@ class CPUOffload(torch.optim.Optimizer):
                     if abort is not None and abort.is_set():
                         return False  # another chunk's step failed: all chunks step or none
                     chunk.counts = self._counts(chunk, present)
-                    t2 = clock()
-                    if chunk.mode == WIDEN:
-                        for k in present:
-                            chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
-                    t3 = clock()
-                    chunk.inner.step(grad_scale=scale)
-                    t4 = clock()
+                    try:
+                        t2 = clock()
+                        if chunk.mode == WIDEN:
+                            for k in present:
+                                chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
+                        t3 = clock()
+                        chunk.inner.step(grad_scale=scale)
+                        t4 = clock()
+                    except BaseException:
+                        if abort is not None:
+                            abort.set()  # under the lock: the next chunk to take it sees the failure
+                        raise
                 chunk.progress = 1
                 if timing is not None:
                     timing.add("wait_d2h_s", t0 - w0)
@@ -1080,22 +1085,27 @@ class CPUOffload(torch.optim.Optimizer):
         return [(c, k) for c, k in pairs if flags[c.row + k]]
 
     def _refused(self, error: GpuOptimError, started: List[_Chunk]) -> GpuOptimError:
-        """``error`` as step() raises it: saying what was stepped (chunks started in backward) or that nothing was."""
-        if not started:
-            return type(error)(f"{error} (nothing was stepped)")
-        self._wait(started)
-        return type(error)(f"{error}; {self._torn(started)}")
+        """``error`` as step() raises it: saying what was stepped (chunks started in backward) or that
+        nothing was; ``.stepped`` lists the tensors stepped."""
+        stepped = self._wait(started)
+        refused = type(error)(f"{error}; {self._torn(stepped)}" if stepped else f"{error} (nothing was stepped)")
+        refused.stepped = self._names([(c, list(range(len(c.params)))) for c in stepped])
+        return refused
 
-    def _wait(self, chunks: List[_Chunk]) -> None:
+    def _wait(self, chunks: List[_Chunk]) -> List[_Chunk]:
+        """Wait for steps started in backward; the chunks they stepped (not those held back or failed)."""
+        stepped = []
         for c in chunks:
             try:
-                c.future.result()
+                if c.future.result():
+                    stepped.append(c)
             except Exception:  # noqa: BLE001 - the caller raises the error that matters
                 pass
+        return stepped
 
     @staticmethod
     def _torn(stepped: List[_Chunk]) -> str:
-        names = [f"param_groups[{c.gi}]['params'][{j}]" for c in stepped for j in c.positions]
+        names = [f"param_groups[{c.gi}]['params'][{j}]" for c in stepped for j in sorted(c.positions)]
         return f"these tensors differ from the rest by one step: {names[:6]}{' ...' if len(names) > 6 else ''}"
 
     # ------------------------------------------------------------ torch.optim's state
