@@ -13,7 +13,8 @@ the front end (``state_dtype="int8"``, ``master_weights=...``). Under it:
   WIDEN below say how 16-bit parameters and their masters are held);
 - a post-accumulate-grad hook per parameter copies its gradient device-to-host as soon as
   autograd has it, in its own dtype, on a side stream ordered after the current one, into a
-  pinned buffer;
+  pinned buffer, and records a fingerprint of it on the device (CPU tensors are copied in
+  ``step()`` instead: a host copy is synchronous);
 - a pool of worker threads runs a chunk's CPU step once its gradients have arrived (numba's
   parallel kernels release the GIL), then copies the updated parameters back on another stream;
 - ``step()`` waits for what is still in flight and makes the current stream wait for the
@@ -21,11 +22,16 @@ the front end (``state_dtype="int8"``, ``master_weights=...``). Under it:
 
 When the CPU steps start (see docs/offload.md): by default at ``step()`` (the gradient copies
 overlap the backward; the steps and the copies back overlap each other), which keeps every
-torch contract (GradScaler, gradients clipped or unscaled in place after backward: a gradient
-changed after its copy is copied again). ``step_in_backward=True`` starts a chunk's step in the
-backward that completes its gradients (the ``accumulation_steps``-th backward since the last
-step), overlapping the CPU step with the rest of the backward; the gradients must then be final
-when autograd writes them.
+torch contract (GradScaler, gradients clipped, unscaled or edited after backward, through
+``.data`` or a numpy view too: a gradient whose tensor, version or fingerprint changed after its
+copy is copied again). ``step_in_backward=True`` starts a chunk's step in the backward that
+completes its gradients (the ``accumulation_steps``-th backward since the last step),
+overlapping the CPU step with the rest of the backward; the gradients must then be final when
+autograd writes them.
+
+A step is all or nothing where it can be: everything is checked before anything is stepped, a
+chunk whose step fails holds back the chunks not yet started, and the error says what was
+stepped (docs/offload.md, "Interrupted steps").
 """
 
 from __future__ import annotations
