@@ -19,7 +19,7 @@ per-chunk CPU work on the host (``--chunk-elements``: bf16 parameters stepped th
 float32 step + narrow, against the fused formats step; float32 and int8 state; numpy's and torch's
 copy of the same bytes beside). The offload rows are run again with
 :class:`optirs.torch.offload.OffloadTiming` to split the time they add into CPU step,
-conversions, transfers, waits and what overlapped. "GPU state" is the bytes of the optimizer's
+conversions, transfers, waits (the gradient check in ``step()`` among them) and what overlapped. "GPU state" is the bytes of the optimizer's
 state tensors that live on the GPU (each storage once); "GPU alloc delta" is
 ``torch.cuda.memory_allocated()`` after the steps (gradients freed) minus before the optimizer.
 
@@ -28,6 +28,10 @@ state tensors that live on the GPU (each storage once); "GPU alloc delta" is
     python benchmarks/bench_offload.py --layers 2 --accum 2 --micro 1   # a small smoke run on the GPU
     python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, seconds
     python benchmarks/bench_offload.py --chunk-only                     # only the per-chunk CPU work
+
+A row that fails (an exception anywhere in it, after minutes of steps) is a row that says FAILED
+with the reason, printed as it comes; the other rows, what the failed row measured before it
+failed, and the JSON (written after every row) are kept, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -145,11 +150,14 @@ def train_step(model, loss_fn, opt, batches, device: str) -> None:
         model.zero_grad(set_to_none=True)
 
 
-def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress) -> Dict[str, Any]:
+def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress,
+              out: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One row's measurements, written into ``out`` as they are made (a failure keeps them)."""
     import torch
 
     from optirs.torch.offload import OffloadTiming
 
+    out = {} if out is None else out
     model, loss_fn, source = build_model(cfg, device, dtype)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg["vocab"], (args.micro, cfg["seq"]), generator=g).to(device)
@@ -162,8 +170,9 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress)
     try:
         opt, note = make_optimizer(row, model, device, args.accum, args.bucket)
     except RuntimeError as exc:
-        return {"skipped": str(exc)}
-    out: Dict[str, Any] = {"note": note, "model": source}
+        out["skipped"] = str(exc)
+        return out
+    out.update(note=note, model=source)
     times = []
     for i in range(args.warmup + args.steps):
         synchronize(device)
@@ -191,25 +200,23 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress)
         opt.remove_hooks()
     out["parameters"] = sum(p.numel() for p in model.parameters())
     del opt, model, batches
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        if hasattr(torch._C, "_host_emptyCache"):
-            torch._C._host_emptyCache()  # torch keeps freed pinned blocks cached
     return out
 
 
-def state_bytes(opt, device_type: str) -> int:
+def state_bytes(opt, device_type: str) -> Optional[int]:
     """Bytes of the optimizer's state tensors on ``device_type``, each storage counted once (views
-    of one flat buffer are one storage): the state itself, nothing else that was allocated."""
+    of one flat buffer are one storage): the state itself, nothing else that was allocated. None
+    where the optimizer shows no state to count (torchao 0.18's CPUOffloadOptimizer has no ``.state``)."""
     import torch
 
     if opt is None:
         return 0
-    states = [opt.state]
+    states = [opt.state] if isinstance(getattr(opt, "state", None), dict) else []
     inner = getattr(opt, "optim_dict", None)  # torchao's CPUOffloadOptimizer: one optimizer per parameter
     if isinstance(inner, dict):
-        states += [o.state for o in inner.values()]
+        states += [o.state for o in inner.values() if isinstance(getattr(o, "state", None), dict)]
+    if not states:
+        return None
     storages: Dict[Tuple[int, int], int] = {}
 
     def walk(value) -> None:
@@ -363,24 +370,27 @@ def analyse(results: Dict[str, Any]) -> Dict[str, Any]:
     """Per offload row: the time it adds over torch_fused, split into what it spent (summed busy
     times) and what of that overlapped; ratios against torchao and the bandwidths of this run."""
     rows, bw = results["rows"], results["bandwidth"]
-    base = rows.get("torch_fused", {}).get("step_ms")
+    ok = {name: r for name, r in rows.items() if "failed" not in r}
+    base = ok.get("torch_fused", {}).get("step_ms")
     out: Dict[str, Any] = {}
-    for name, r in rows.items():
+    for name, r in ok.items():
         if "step_ms" in r and base is not None:
             r["added_ms"] = r["step_ms"] - base
-    ao = rows.get("torchao", {}).get("added_ms")
+    ao = ok.get("torchao", {}).get("added_ms")
     for name in OFFLOAD_ROWS:
-        r = rows.get(name, {})
+        r = ok.get(name, {})
         t = r.get("timing")
         if not t:
             continue
-        ms = {k: 1e3 * t[k] for k in ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s",
-                                       "step_call_s")}
+        ms = {k: 1e3 * t.get(k, 0.0) for k in ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s",
+                                                "h2d_tail_s", "check_s", "step_call_s")}
         xfer_ms = ms["d2h_s"] + ms["h2d_s"]
         split = {"cpu_step_ms": ms["cpu_step_s"], "convert_ms": ms["convert_s"], "transfer_ms": xfer_ms,
                  "d2h_ms": ms["d2h_s"], "h2d_ms": ms["h2d_s"],
                  "waited_d2h_ms": ms["wait_d2h_s"],  # workers blocked on gradient copies not yet landed
                  "h2d_tail_ms": ms["h2d_tail_s"],  # copies back still landing after the last CPU step
+                 # step()'s gradient check: fingerprints again, compared, and the wait for the device to reach step()
+                 "check_ms": ms["check_s"],
                  "in_step_ms": ms["step_call_s"],  # the caller's wait inside step()
                  "early_chunks": t["early_chunks"],  # chunk steps started before step()
                  "step_bytes_per_param": t["step_bytes"] / r["parameters"],
@@ -392,7 +402,8 @@ def analyse(results: Dict[str, Any]) -> Dict[str, Any]:
                 split["added_vs_torchao"] = r["added_ms"] / ao
         if t["cpu_step_s"] > 0:
             split["cpu_step_GBps"] = t["step_bytes"] / t["cpu_step_s"] / 1e9
-            split["cpu_step_of_host_copy"] = split["cpu_step_GBps"] / bw["host_copy_GBps"]
+            if bw.get("host_copy_GBps"):
+                split["cpu_step_of_host_copy"] = split["cpu_step_GBps"] / bw["host_copy_GBps"]
         pinned = bw.get("pinned_GBps") or {}
         for way in ("d2h", "h2d"):
             if t[f"{way}_s"] > 0:
@@ -414,14 +425,14 @@ def report(results: Dict[str, Any]) -> None:
     header = ["row", "step ms", "added ms", "GPU state GB", "GPU alloc delta GB", "host state GB", "peak GPU GB"]
     lines = []
     for name in results["rows_run"]:
-        r = rows[name]
-        if "skipped" in r:
-            lines.append([name, "skipped"] + [""] * (len(header) - 2))
+        r = rows.get(name, {"failed": "not run (interrupted)"})
+        if "failed" in r or "skipped" in r:
+            lines.append([name, "FAILED" if "failed" in r else "skipped"] + [""] * (len(header) - 2))
             continue
         lines.append([name, f"{r['step_ms']:.1f}", f"{r.get('added_ms', float('nan')):.1f}",
                       gb(r.get("opt_state_gpu_bytes")), gb(r.get("gpu_alloc_delta_bytes")),
                       gb(r.get("opt_state_host_bytes")), gb(r.get("peak_gpu_bytes"))])
-    what = [f"{name}: {rows[name].get('note') or 'skipped: ' + rows[name]['skipped']}" for name in results["rows_run"]]
+    what = [f"{name}: {row_note(rows.get(name, {'failed': 'not run (interrupted)'}))}" for name in results["rows_run"]]
     pinned = bw.get("pinned_GBps") or {}
     notes = what + [f"host copy {bw['host_copy_GBps']:.1f} GB/s (read + write, {os.cpu_count()} threads)",
              "pinned " + (", ".join(f"{k} {v:.1f} GB/s" for k, v in pinned.items()) or "n/a (no CUDA)")]
@@ -429,7 +440,8 @@ def report(results: Dict[str, Any]) -> None:
         parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.items()]
         notes.append(f"{name}: " + ", ".join(parts))
     if results.get("chunk_cpu"):
-        notes += chunk_lines(results["chunk_cpu"])
+        chunk = results["chunk_cpu"]
+        notes += [f"per-chunk CPU work: FAILED: {chunk['failed']}"] if "failed" in chunk else chunk_lines(chunk)
     if Table is None:
         print(" | ".join(header))
         for line in lines:
@@ -445,6 +457,61 @@ def report(results: Dict[str, Any]) -> None:
     console.print(table)
     for n in notes:
         console.print(n)
+
+
+def row_note(r: Dict[str, Any]) -> str:
+    if "failed" in r:
+        return f"FAILED: {r['failed']}"
+    if "skipped" in r:
+        return f"skipped: {r['skipped']}"
+    return r.get("note", "")
+
+
+def row_line(name: str, r: Dict[str, Any]) -> str:
+    """One row as soon as it is done (the table comes at the end)."""
+    if "failed" in r or "skipped" in r:
+        return f"bench_offload: {name} {row_note(r)}"
+    gb = lambda b: "n/a" if b is None else f"{b / 1e9:.3f} GB"  # noqa: E731
+    return (f"bench_offload: {name}: {r['step_ms']:.1f} ms/step, state on the host {gb(r.get('opt_state_host_bytes'))}"
+            + (f", on the GPU {gb(r.get('opt_state_gpu_bytes'))}" if "opt_state_gpu_bytes" in r else ""))
+
+
+def failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def release_memory(device: str) -> None:
+    """What a finished (or failed) row held, given back before the next row."""
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # torch keeps freed pinned blocks cached
+
+
+def run_rows(rows: List[str], cfg: Dict[str, int], args, device: str, dtype, results: Dict[str, Any],
+             progress, say) -> bool:
+    """Every row in turn into ``results["rows"]``; a row that raises is a row saying FAILED (with
+    what it measured before), said at once; the JSON is written after every row. Returns whether
+    every row ran (a KeyboardInterrupt stops the rows, keeping those done)."""
+    for row in rows:
+        out: Dict[str, Any] = {}
+        results["rows"][row] = out
+        try:
+            bench_row(row, cfg, args, device, dtype, progress, out)
+        except KeyboardInterrupt:
+            out["failed"] = "interrupted"
+            say(row_line(row, out))
+            return False
+        except Exception as exc:  # noqa: BLE001 - the row's reason; the other rows go on
+            out["failed"] = failure(exc)
+            out["traceback"] = traceback.format_exc(limit=8)
+        release_memory(device)
+        say(row_line(row, out))
+        write(results, args.json, quiet=True)
+    return True
 
 
 def environment() -> Dict[str, Any]:
@@ -517,32 +584,41 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ImportError:
         Progress = None  # type: ignore[assignment]
     results["rows"] = {}
+
+    def say(line: str) -> None:  # plain print: rich's live bar redirects stdout above itself, unwrapped
+        print(line, flush=True)
+
     if Progress is None:
-        for row in rows:
-            print(f"bench_offload: {row} ...", flush=True)
-            results["rows"][row] = bench_row(row, cfg, args, device, torch.float32, lambda r: None)
+        finished = run_rows(rows, cfg, args, device, torch.float32, results, lambda r: None, say)
     else:
         with Progress(transient=True) as bar:
             task = bar.add_task("steps", total=total)
-            for row in rows:
-                bar.update(task, description=row)
-                results["rows"][row] = bench_row(row, cfg, args, device, torch.float32,
-                                                 lambda r: bar.advance(task))
-    if args.chunk_elements:
-        results["chunk_cpu"] = chunk_cpu(args.chunk_elements, args.chunk_reps)
+
+            def progress(row: str) -> None:
+                bar.update(task, description=row, advance=1)
+
+            finished = run_rows(rows, cfg, args, device, torch.float32, results, progress, say)
+    if args.chunk_elements and finished:
+        try:
+            results["chunk_cpu"] = chunk_cpu(args.chunk_elements, args.chunk_reps)
+        except Exception as exc:  # noqa: BLE001 - the table above is kept
+            results["chunk_cpu"] = {"failed": failure(exc)}
     results["analysis"] = analyse(results)
     report(results)
     write(results, args.json)
-    return 0
+    if not finished:
+        return 130
+    return 1 if any("failed" in r for r in results["rows"].values()) else 0
 
 
-def write(results: Dict[str, Any], where: Optional[str]) -> None:
+def write(results: Dict[str, Any], where: Optional[str], quiet: bool = False) -> None:
     if where:
         path = Path(where)
         if path.parent == Path("."):
             path = HERE / "results" / path
-        path.write_text(json.dumps(results, indent=2))
-        print(f"wrote {path}")
+        path.write_text(json.dumps(results, indent=2, default=str))
+        if not quiet:
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

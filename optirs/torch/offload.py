@@ -13,7 +13,8 @@ the front end (``state_dtype="int8"``, ``master_weights=...``). Under it:
   WIDEN below say how 16-bit parameters and their masters are held);
 - a post-accumulate-grad hook per parameter copies its gradient device-to-host as soon as
   autograd has it, in its own dtype, on a side stream ordered after the current one, into a
-  pinned buffer;
+  pinned buffer, and records a fingerprint of it on the device (CPU tensors are copied in
+  ``step()`` instead: a host copy is synchronous);
 - a pool of worker threads runs a chunk's CPU step once its gradients have arrived (numba's
   parallel kernels release the GIL), then copies the updated parameters back on another stream;
 - ``step()`` waits for what is still in flight and makes the current stream wait for the
@@ -21,11 +22,16 @@ the front end (``state_dtype="int8"``, ``master_weights=...``). Under it:
 
 When the CPU steps start (see docs/offload.md): by default at ``step()`` (the gradient copies
 overlap the backward; the steps and the copies back overlap each other), which keeps every
-torch contract (GradScaler, gradients clipped or unscaled in place after backward: a gradient
-changed after its copy is copied again). ``step_in_backward=True`` starts a chunk's step in the
-backward that completes its gradients (the ``accumulation_steps``-th backward since the last
-step), overlapping the CPU step with the rest of the backward; the gradients must then be final
-when autograd writes them.
+torch contract (GradScaler, gradients clipped, unscaled or edited after backward, through
+``.data`` or a numpy view too: a gradient whose tensor, version or fingerprint changed after its
+copy is copied again). ``step_in_backward=True`` starts a chunk's step in the backward that
+completes its gradients (the ``accumulation_steps``-th backward since the last step),
+overlapping the CPU step with the rest of the backward; the gradients must then be final when
+autograd writes them.
+
+A step is all or nothing where it can be: everything is checked before anything is stepped, a
+chunk whose step fails holds back the chunks not yet started, and the error says what was
+stepped (docs/offload.md, "Interrupted steps").
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError, ShapeMismatchError,
-                                UnsupportedOperationError)
+from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError, PluginError,
+                                ShapeMismatchError, UnsupportedOperationError)
 from optirs.core.interrupts import deferred_interrupts
 import optirs.torch.optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import resolve_format
+from optirs.plugin import hookspecs
+from optirs.plugin.hookspecs import Staged
 from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp
 
 OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,25 +105,112 @@ def _host_empty(numel: int, dtype: torch.dtype, pin: bool, what: str) -> torch.T
 
 
 HOST_VIEW_HOOK = "optirs_host_view"
+_HOOKS = frozenset(n for n in vars(hookspecs) if n.startswith("optirs_"))
+
+
+def _raised_in(exc: BaseException) -> Tuple[Optional[str], Any]:
+    """(the hook ``exc`` was raised in, its frame), or (None, None): the innermost frame of its
+    traceback named after a hook (pluggy binds a hook implementation by its name)."""
+    hook, frame = None, None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in _HOOKS:
+            hook, frame = tb.tb_frame.f_code.co_name, tb.tb_frame
+        tb = tb.tb_next
+    return hook, frame
+
+
+def _plugin_named(frame: Any, fallback: str) -> str:
+    """The registry's name of the plugin whose hook runs in ``frame`` (``fallback`` if none matches)."""
+    from optirs.plugin.registry import REGISTRY
+
+    owner = frame.f_locals.get("self") if frame is not None else None
+    module = frame.f_globals.get("__name__") if frame is not None else None
+    for name, record in list(REGISTRY.records.items()):
+        plugin = record.plugin
+        if plugin is not None and (plugin is owner or getattr(plugin, "__name__", None) == module):
+            return name
+    return fallback
+
+
+def _plugin_failure(backend_name: str, exc: BaseException, hook: Optional[str] = None) -> BaseException:
+    """``exc`` as optirs reports it: optirs' own errors as they are; an exception out of a plugin's
+    hook (found in its traceback, else ``hook`` when given) as a PluginError naming the plugin and
+    the hook, whose ``__cause__`` is the original; anything else as it is."""
+    if isinstance(exc, GpuOptimError) or not isinstance(exc, Exception):
+        return exc
+    found, frame = _raised_in(exc)
+    if found is None and hook is None:
+        return exc
+    error = PluginError(f"plugin {_plugin_named(frame, backend_name)!r} raised {type(exc).__name__} in "
+                        f"{found or hook}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def _host_backend(name: Any, options: Optional[Dict[str, Any]], probe: OptirsOptimizer):
     """The backend that steps the host copies: any whose arrays are host memory that torch CPU
-    tensors view without a copy (it implements ``optirs_host_view``), as the front end opens it."""
+    tensors view without a copy (it implements ``optirs_host_view``), as the front end opens it.
+    A plugin failing to open, to view or to stage is a PluginError naming it and the hook, now."""
     from optirs.plugin.registry import REGISTRY
 
     def require(backend) -> None:
-        if backend.host_view(np.zeros(2, np.float32)) is None:
+        try:
+            view = backend.host_view(np.zeros(2, np.float32))
+        except Exception as exc:
+            raise _plugin_failure(backend.name, exc, HOST_VIEW_HOOK) from exc
+        if view is None:
             raise UnsupportedOperationError(
                 f"backend {backend.name!r} does not offer zero-copy host views (hook {HOST_VIEW_HOOK}), expected a "
                 "backend whose arrays are host memory that torch CPU tensors view without a copy (backend='cpu'): "
                 "CPUOffload steps the host copies in place")
+        _check_stage(backend)
 
-    if isinstance(name, str) and name != "auto":
-        require(REGISTRY.get_backend(name, options))  # named: the missing capability is the answer
-    backend = probe.backend_for(torch.device("cpu"))  # the front end's own checks (it steps torch CPU tensors)
+    named = isinstance(name, str) and name != "auto"
+    try:
+        if named:
+            require(REGISTRY.get_backend(name, options))  # named: the missing capability is the answer
+        backend = probe.backend_for(torch.device("cpu"))  # the front end's own checks (it steps torch CPU tensors)
+    except Exception as exc:
+        raise _plugin_failure(str(name), exc, "optirs_open") from exc
     require(backend)
     return backend
+
+
+def _check_stage(backend: Any) -> None:
+    """The backend's ``optirs_stage`` on two tiny host arrays, no step (so no ``finish``): a plugin
+    that raises or answers with something other than a Staged is named here, before any step."""
+    params, grads = [np.zeros(2, np.float32)], [np.zeros(2, np.float32)]
+    with backend.lock:
+        try:
+            staged = backend.stage(backend.ctx, params, grads, None)
+        except Exception as exc:
+            raise _plugin_failure(backend.name, exc, "optirs_stage") from exc
+    try:
+        ok = (isinstance(staged, Staged) and len(staged.params) == 1 and len(staged.grads) == 1
+              and (staged.finish is None or callable(staged.finish)))
+    except TypeError:  # params or grads without a length
+        ok = False
+    if not ok:
+        raise PluginError(
+            f"plugin {backend.name!r}'s optirs_stage returned {staged!r} for 1 parameter and 1 gradient, expected "
+            "an optirs.plugin.hookspecs.Staged holding 1 of each")
+
+
+def _amp_value(value: Any, what: str) -> float:
+    """A GradScaler value (``grad_scale`` / ``found_inf``) as a float: a number or a 1-element tensor
+    (read on the host: a device tensor synchronises, as torch's non-capturable optimizers do)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise InvalidParameterError(
+                f"{what} is a tensor of {value.numel()} elements (shape {tuple(value.shape)}), expected a 1-element "
+                "tensor (torch.amp.GradScaler's)")
+        if value.is_complex():
+            raise InvalidParameterError(f"{what} is a {value.dtype} tensor, expected a real one")
+        return float(value.item())
+    if isinstance(value, (bool, int, float, np.integer, np.floating, np.bool_)):
+        return float(value)
+    raise InvalidParameterError(f"{what}={value!r}, expected None, a number or a 1-element tensor")
 
 
 def _sparse_gradient(gi: int, j: int) -> UnsupportedOperationError:
@@ -129,6 +224,39 @@ def _event(timing: bool = False) -> Any:
     worker waiting for a gradient copy must not take a core from the CPU step running beside it
     (the cpu backend's parallel loops use every core, and one busy core stalls the whole loop)."""
     return torch.cuda.Event(enable_timing=timing, blocking=True)
+
+
+# How step() knows that a gradient's host copy is still the gradient (docs/offload.md, "Gradients
+# edited after backward"). A version counter misses edits through ``.data``, a numpy view, DDP's
+# bucket views or a kernel writing the memory, so neither mode trusts it alone:
+# - COPY_AT_STEP: host tensors (no CUDA), steps at step(): the copy is synchronous, so nothing is
+#   gained by copying in backward; step() copies every gradient, after the caller's last edit.
+# - FINGERPRINT: the hook records a fingerprint of each gradient on its device as it starts the
+#   copy; step() computes it again and copies again what differs (with step_in_backward=True, where
+#   the copy may already have been stepped, a difference is an error).
+COPY_AT_STEP, FINGERPRINT = "copy-at-step", "fingerprint"
+
+
+def _gradient_check(device: torch.device, step_in_backward: bool) -> str:
+    """COPY_AT_STEP or FINGERPRINT for gradients on ``device``."""
+    return COPY_AT_STEP if device.type == "cpu" and not step_in_backward else FINGERPRINT
+
+
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _fingerprint(g: torch.Tensor, out: torch.Tensor) -> None:
+    """Two reductions of ``g`` on its own device (queued on the current stream), into ``out`` (2 x int64):
+    the wrapping int64 sum of its bit patterns, which any change of a single element moves (and a
+    scaling, a clamp, an all-reduce), and the index of its first maximum, which a sign flip moves
+    where the bit sum can stay (as many positive as negative elements), as any position-free sum
+    must (``-[1, -1]`` holds the same values). No temporaries: the cast happens inside the reduction."""
+    flat = g.detach().reshape(-1)
+    if flat.numel() == 0:
+        out.zero_()
+        return
+    torch.sum(flat.view(_BITS[flat.dtype]), 0, dtype=torch.int64, out=out[0])
+    torch.argmax(flat, 0, out=out[1])
 
 
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -154,13 +282,15 @@ class OffloadTiming:
       could start (transfer time that nothing hid);
     - ``h2d_tail_s``: after the last CPU step, the wait until every copy back had landed (the
       transfer time left after the CPU work; measured with a host wait, so only while timing);
+    - ``check_s``: in ``step()``, the gradients' fingerprints computed again and compared, the wait
+      for the device to reach ``step()`` included (docs/offload.md);
     - ``early_chunks``: chunk steps that started before ``step()`` (``step_in_backward=True``);
     - ``step_call_s``: wall time inside ``step()``: what the caller waited.
 
     Event timing adds a synchronisation at the end of each step: time steps without it.
     """
 
-    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s", "step_call_s",
+    FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s", "check_s", "step_call_s",
               "step_bytes", "d2h_bytes", "h2d_bytes", "early_chunks", "steps")
 
     def __init__(self) -> None:
@@ -234,6 +364,7 @@ class _Chunk:
         self.landing = self.grads if self.staging is None else self.staging  # where a gradient copy lands
         self.outbound = self.host if self.staging is None else self.staging  # what is copied back
         self.inner: Optional[OptirsOptimizer] = None
+        self.row = 0  # tensor k's fingerprints are row ``row + k`` of the optimizer's tables
         # (version, data_ptr) of each parameter when its host copy last matched it: anything else
         # (model.load_state_dict, an in-place edit) means the host copy is read again from it.
         self.marks: List[Tuple[int, int]] = [(-1, -1)] * len(params)
@@ -288,6 +419,7 @@ class _Chunk:
         self.future = None  # the chunk's step, when it started in backward
         self.progress = 0  # 1: host copies and state stepped this round; 2: also copied back
         self.h2d_event = None
+        self.counts: Optional[Tuple[Any, ...]] = None  # CPUOffload._counts just before this round's step
 
 
 class CPUOffload(torch.optim.Optimizer):
@@ -342,6 +474,14 @@ class CPUOffload(torch.optim.Optimizer):
         self._device: Optional[torch.device] = None
         self._lock = threading.RLock()  # the round's bookkeeping (hooks run on autograd's threads)
         self._streams: Optional[Tuple[Any, Any]] = None
+        self._check: Optional[str] = None  # COPY_AT_STEP or FINGERPRINT, once the device is known
+        # FINGERPRINT: per tensor the fingerprint of the copy sent and of the gradient at step(), on
+        # the device, and where their comparison lands on the host
+        self._fp_sent: Optional[torch.Tensor] = None
+        self._fp_now: Optional[torch.Tensor] = None
+        self._fp_differ: Optional[torch.Tensor] = None
+        self._groups_ok: Optional[bool] = None  # this round's groups checked by a hook (step_in_backward)
+        self._abort = threading.Event()  # this round: a chunk's step failed, start no other
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="optirs-offload")
         self.timing: Optional[OffloadTiming] = None  # set an OffloadTiming to see where the time goes
         super().__init__(params, self._probe.defaults)
@@ -350,8 +490,7 @@ class CPUOffload(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         probe = {**self.defaults, **{k: v for k, v in param_group.items() if k not in _GROUP_ONLY}}
-        check_flags(probe)
-        _, hp = self._probe.group_hyperparameters(probe)
+        hp = self._group_values(len(self.param_groups), probe)
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         try:
@@ -361,6 +500,46 @@ class CPUOffload(torch.optim.Optimizer):
             self.param_groups.pop()  # a group that cannot be offloaded is not added
             raise
         self._register(chunks)
+
+    def _group_values(self, gi: int, group: Dict[str, Any]) -> Any:
+        """The group's hyperparameters record, checked as the inner optimizers will read them; every
+        failure an optirs error naming the group (a missing key or a value of the wrong type too)."""
+        try:
+            check_flags(group)
+            return self._probe.group_hyperparameters(group)[1]
+        except GpuOptimError as exc:
+            raise type(exc)(f"param_groups[{gi}]: {exc}") from exc
+        except KeyError as exc:
+            key = exc.args[0] if exc.args else None
+            default = f" (the default is {self.defaults[key]!r})" if key in self.defaults else ""
+            raise InvalidParameterError(
+                f"param_groups[{gi}] has no {key!r}, expected every hyperparameter of {self._cls.__name__} in "
+                f"each group{default}") from exc
+        except Exception as exc:  # noqa: BLE001 - a value the record cannot take
+            raise InvalidParameterError(
+                f"param_groups[{gi}]'s hyperparameters cannot be read ({type(exc).__name__}: {exc}), expected the "
+                f"values {self._cls.__name__} takes") from exc
+
+    def _check_groups(self) -> None:
+        """Every group as the step will read it: flags, hyperparameters, the format its chunks were
+        made for; raises before anything is stepped."""
+        for gi, group in enumerate(self.param_groups):
+            hp = self._group_values(gi, group)
+            held = {(c.dtype, c.mode) for c in self._chunks if c.gi == gi}
+            for dtype, mode in held:
+                try:
+                    need = self._mode(gi, group, dtype)
+                except GpuOptimError as exc:
+                    raise type(exc)(f"param_groups[{gi}]: {exc}") from exc
+                if need != mode:
+                    raise UnsupportedOperationError(
+                        f"param_groups[{gi}]'s step format changed since it was added (its {dtype} tensors are held "
+                        f"as {mode!r}, the format now needs {need!r}), expected the format chosen at construction "
+                        "(make a new CPUOffload and load the state into it)")
+            if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
+                raise UnsupportedOperationError(
+                    f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
+                    "several chunks; expected max_grad_norm when the group is added")
 
     def _make_chunks(self, gi: int, group: Dict[str, Any], coupled: bool) -> List[_Chunk]:
         params = [p for p in group["params"] if p.requires_grad]
@@ -410,6 +589,7 @@ class CPUOffload(torch.optim.Optimizer):
         if device.type == "cuda" and self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         self._device = device
+        self._check = _gradient_check(device, self.step_in_backward)
         return chunks
 
     def _mode(self, gi: int, group: Dict[str, Any], dtype: torch.dtype) -> str:
@@ -442,11 +622,26 @@ class CPUOffload(torch.optim.Optimizer):
                     opt._on_grad(chunk, k, p)
             return hook
 
+        if chunks and self._check == FINGERPRINT:
+            self._grow_fingerprints(chunks)
         for c in chunks:
             for k, p in enumerate(c.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(make_hook(c, k)))
                 self._where[p] = (c, k)
             self._chunks.append(c)
+
+    def _grow_fingerprints(self, chunks: List[_Chunk]) -> None:
+        """Rows for the new chunks' tensors in the fingerprint tables (the rows held are kept)."""
+        with self._lock:
+            held = 0 if self._fp_sent is None else self._fp_sent.shape[0]
+            rows = held
+            for c in chunks:
+                c.row, rows = rows, rows + len(c.params)
+            sent = torch.zeros((rows, 2), dtype=torch.int64, device=self._device)
+            if held:
+                sent[:held].copy_(self._fp_sent)
+            self._fp_sent, self._fp_now = sent, torch.zeros_like(sent)
+            self._fp_differ = _host_empty(rows, torch.bool, _pins(self._device), "the gradients' fingerprint check")
 
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks (the optimizer then copies every gradient in step())."""
@@ -458,22 +653,35 @@ class CPUOffload(torch.optim.Optimizer):
 
     def _on_grad(self, chunk: _Chunk, k: int, p: torch.Tensor) -> None:
         with self._lock:
+            self._check_gradient(chunk, k, p, p.grad)
             chunk.fires[k] += 1
-            if chunk.fires[k] < self.accumulation_steps:
-                return  # not the last backward before step(): nothing to copy yet
+            if chunk.fires[k] < self.accumulation_steps or self._check == COPY_AT_STEP:
+                return  # not the last backward before step(), or copied by step() itself
             if chunk.future is not None:
                 raise UnsupportedOperationError(
                     f"backward {chunk.fires[k]} since the last step() wrote param_groups[{chunk.gi}]['params']"
                     f"[{chunk.positions[k]}]'s gradient, but its step already started with the gradients of "
                     f"accumulation_steps={self.accumulation_steps} backwards (step_in_backward=True); expected "
                     f"step() after every {self.accumulation_steps} backwards")
-            self._send(chunk, k, p)
-            if self.step_in_backward and self._armed and all(s is not None for s in chunk.sent):
-                chunk.future = self._pool.submit(self._run_chunk, chunk, list(range(len(chunk.params))), None, None)
+            self._send(chunk, k, p, fingerprint=True)
+            if (self.step_in_backward and self._armed and all(s is not None for s in chunk.sent)
+                    and self._groups_valid()):
+                chunk.future = self._pool.submit(self._job, chunk, list(range(len(chunk.params))), None, None,
+                                                 self._abort)
 
-    def _send(self, chunk: _Chunk, k: int, p: torch.Tensor) -> None:
-        """Start copying p's gradient into its host buffer (on CUDA: on the side stream, after the current one)."""
-        g = p.grad
+    def _groups_valid(self) -> bool:
+        """Whether every group passes step()'s checks (once per round): a chunk starts in backward
+        only then, so that step() refuses a bad group before anything is stepped."""
+        if self._groups_ok is None:
+            try:
+                self._check_groups()
+                self._groups_ok = True
+            except GpuOptimError:
+                self._groups_ok = False
+        return self._groups_ok
+
+    @staticmethod
+    def _check_gradient(chunk: _Chunk, k: int, p: torch.Tensor, g: torch.Tensor) -> None:
         if g.is_sparse:
             raise _sparse_gradient(chunk.gi, chunk.positions[k])
         if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
@@ -481,12 +689,23 @@ class CPUOffload(torch.optim.Optimizer):
                 f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] is {tuple(p.shape)} {p.dtype} "
                 f"on {p.device}, "
                 f"but its gradient {tuple(g.shape)} {g.dtype} on {g.device}; expected the same")
+
+    def _send(self, chunk: _Chunk, k: int, p: torch.Tensor, fingerprint: bool = False) -> None:
+        """Start copying p's gradient into its host buffer (on CUDA: on the side stream, after the
+        current one); ``fingerprint``: record the gradient's fingerprint for step() to compare."""
+        g = p.grad
+        self._check_gradient(chunk, k, p, g)
         chunk.resync(k)
         landing = chunk.landing[k]
         timing = self.timing
         if self._streams is not None:
             d2h = self._streams[0]
-            d2h.wait_stream(torch.cuda.current_stream(p.device))
+            current = torch.cuda.current_stream(p.device)
+            d2h.wait_stream(current)
+            if fingerprint:
+                # on the current stream: before any later edit of the gradient there, whichever of
+                # the edit and the copy runs first
+                _fingerprint(g, self._fp_sent[chunk.row + k])
             with torch.cuda.stream(d2h):
                 if timing is not None:
                     start, end = timing.events("d2h_s")
@@ -500,6 +719,8 @@ class CPUOffload(torch.optim.Optimizer):
         else:
             t0 = time.perf_counter()
             with torch.no_grad():
+                if fingerprint:
+                    _fingerprint(g, self._fp_sent[chunk.row + k])
                 landing.copy_(g)
             if timing is not None:
                 timing.add("d2h_s", time.perf_counter() - t0)
@@ -511,7 +732,19 @@ class CPUOffload(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ one chunk's step (a worker)
 
-    def _run_chunk(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any) -> None:
+    def _job(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any,
+             abort: threading.Event) -> bool:
+        """A worker's chunk: a failure sets ``abort``, so that no chunk step starts after it."""
+        try:
+            return self._run_chunk(chunk, present, scale, after, abort)
+        except BaseException:
+            abort.set()
+            raise
+
+    def _run_chunk(self, chunk: _Chunk, present: List[int], scale: Optional[float], after: Any,
+                   abort: Optional[threading.Event] = None) -> bool:
+        """The chunk's CPU step and its copy back, from where it stopped (``chunk.progress``); False
+        when ``abort`` was set before the CPU step started (nothing of the chunk was stepped)."""
         timing = self.timing
         clock = time.perf_counter
         with torch.no_grad():
@@ -535,13 +768,21 @@ class CPUOffload(torch.optim.Optimizer):
                 # cores; and the cpu backend's staging caches are shared by everything on it.
                 t1 = clock()
                 with self._backend.lock:
-                    t2 = clock()
-                    if chunk.mode == WIDEN:
-                        for k in present:
-                            chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
-                    t3 = clock()
-                    chunk.inner.step(grad_scale=scale)
-                    t4 = clock()
+                    if abort is not None and abort.is_set():
+                        return False  # another chunk's step failed: all chunks step or none
+                    chunk.counts = self._counts(chunk, present)
+                    try:
+                        t2 = clock()
+                        if chunk.mode == WIDEN:
+                            for k in present:
+                                chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
+                        t3 = clock()
+                        chunk.inner.step(grad_scale=scale)
+                        t4 = clock()
+                    except BaseException:
+                        if abort is not None:
+                            abort.set()  # under the lock: the next chunk to take it sees the failure
+                        raise
                 chunk.progress = 1
                 if timing is not None:
                     timing.add("wait_d2h_s", t0 - w0)
@@ -587,6 +828,24 @@ class CPUOffload(torch.optim.Optimizer):
                 for k in present:
                     chunk.marks[k] = (chunk.params[k]._version, chunk.params[k].data_ptr())
                 chunk.progress = 2
+        return True
+
+    @staticmethod
+    def _counts(chunk: _Chunk, present: List[int]) -> Tuple[Any, ...]:
+        """What says, per tensor, whether the inner optimizer stepped it: its step count (0.0 without
+        state), or ``"held"`` for state without a count (SGD's momentum buffer)."""
+        out: List[Any] = []
+        state = chunk.inner.state
+        for k in present:
+            entry = state.get(chunk.host[k])
+            if not entry:
+                out.append(0.0)
+            elif "step" in entry:
+                step = entry["step"]
+                out.append(float(step.item() if isinstance(step, torch.Tensor) else step))
+            else:
+                out.append("held")
+        return tuple(out)
 
     # ------------------------------------------------------------ the step
 
@@ -598,8 +857,12 @@ class CPUOffload(torch.optim.Optimizer):
 
         ``grad_scale`` / ``found_inf`` (or the attributes GradScaler sets): as the front end, the
         gradients are unscaled by ``1 / grad_scale`` and nothing changes when ``found_inf`` is set.
-        A KeyboardInterrupt during the step is delivered after it; a worker's exception is raised
-        (as the ``__cause__`` of a GpuOptimError) after the step was completed by retrying.
+        A KeyboardInterrupt during the step is delivered after it. A chunk whose CPU step fails
+        stops the chunks not yet started; it is retried once where that cannot step anything twice,
+        and then the others are stepped: the error says whether the step was completed, or that
+        nothing was stepped, or (a chunk failing for good after others had stepped) exactly which
+        tensors were (``.stepped`` / ``.not_stepped``). A plugin's exception is named by a
+        PluginError (the plugin and the hook).
         """
         loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
         t0 = time.perf_counter()
@@ -610,6 +873,8 @@ class CPUOffload(torch.optim.Optimizer):
                 with self._lock:
                     for c in self._chunks:
                         c.reset_round()
+                    self._groups_ok = None
+                    self._abort = threading.Event()
         timing = self.timing
         if timing is not None:
             timing.add("step_call_s", time.perf_counter() - t0)
@@ -623,62 +888,32 @@ class CPUOffload(torch.optim.Optimizer):
     def _step_round(self, grad_scale: Any, found_inf: Any) -> None:
         with self._lock:
             started = self._started()
-        scaled = grad_scale is not None or found_inf is not None
-        if scaled and self.step_in_backward:
-            self._wait(started)
-            raise UnsupportedOperationError(
-                "GradScaler (grad_scale / found_inf) with step_in_backward=True, expected step_in_backward=False: "
-                "a step started in backward cannot wait for the inf check"
-                + (f"; {self._torn(started)}" if started else " (nothing was stepped)"))
-        if found_inf is not None and float(found_inf) != 0.0:
-            return
-        scale = None
-        if grad_scale is not None:
-            scale = float(grad_scale)
-            if not (scale > 0.0 and np.isfinite(scale)):
-                raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
-        # Check every group and gradient before anything is stepped.
-        for gi, group in enumerate(self.param_groups):
-            check_flags(group)
-            _, hp = self._probe.group_hyperparameters(group)
-            held = {(c.dtype, c.mode) for c in self._chunks if c.gi == gi}
-            for dtype, mode in held:
-                need = self._mode(gi, group, dtype)
-                if need != mode:
-                    raise UnsupportedOperationError(
-                        f"param_groups[{gi}]'s step format changed since it was added (its {dtype} tensors are held "
-                        f"as {mode!r}, the format now needs {need!r}), expected the format chosen at construction "
-                        "(make a new CPUOffload and load the state into it)")
-            if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
+        # Check everything before anything is stepped: GradScaler's values, every group.
+        try:
+            scale = None
+            if grad_scale is not None:
+                scale = _amp_value(grad_scale, "grad_scale")
+                if isinstance(grad_scale, bool) or not (scale > 0.0 and np.isfinite(scale)):
+                    raise InvalidParameterError(f"grad_scale={grad_scale!r}, expected a finite scale > 0")
+            skip = found_inf is not None and _amp_value(found_inf, "found_inf") != 0.0
+            if (grad_scale is not None or found_inf is not None) and self.step_in_backward:
                 raise UnsupportedOperationError(
-                    f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
-                    "several chunks; expected max_grad_norm when the group is added")
-        # GradScaler passes found_inf without grad_scale after scaler.unscale_(opt), whose in-place
-        # unscale does not bump the gradients' version counters: copy every gradient again.
-        unscaled = found_inf is not None and grad_scale is None
-        work, changed = [], []
-        for c in self._chunks:
-            present, stale = [], []
-            for k, p in enumerate(c.params):
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise _sparse_gradient(c.gi, c.positions[k])
-                present.append(k)
-                sent = c.sent[k]
-                if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
-                    stale.append(k)
-                    if sent is not None and not unscaled:
-                        changed.append(f"param_groups[{c.gi}]['params'][{c.positions[k]}]")
-            work.append((c, present, stale))
-        if changed and self.step_in_backward:
-            self._wait(started)
-            raise UnsupportedOperationError(
-                f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} changed after backward wrote them "
-                "(clipped or unscaled in place?) with step_in_backward=True, expected them final when backward writes "
-                "them (or step_in_backward=False)"
-                + (f"; {self._torn(started)}" if started else " (nothing was stepped)"))
+                    "GradScaler (grad_scale / found_inf) with step_in_backward=True, expected step_in_backward=False: "
+                    "a step started in backward cannot wait for the inf check")
+            self._check_groups()
+            if skip:
+                return
+            # GradScaler passes found_inf without grad_scale after scaler.unscale_(opt), whose in-place
+            # unscale moves no version counter: copy every gradient again.
+            work, changed = self._gradients(unscaled=found_inf is not None and grad_scale is None)
+            if changed and self.step_in_backward:
+                names = [f"param_groups[{c.gi}]['params'][{c.positions[k]}]" for c, k in changed]
+                raise UnsupportedOperationError(
+                    f"the gradients of {names[:3]}{' ...' if len(names) > 3 else ''} changed after backward wrote "
+                    "them (clipped, unscaled or edited in place?) with step_in_backward=True, expected them final "
+                    "when backward writes them (or step_in_backward=False)")
+        except GpuOptimError as exc:
+            raise self._refused(exc, started) from exc
         for c, present, stale in work:
             for k in stale:
                 self._send(c, k, c.params[k])
@@ -686,14 +921,15 @@ class CPUOffload(torch.optim.Optimizer):
         if self._streams is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self._device))
+        abort = self._abort
         jobs = [(c, present, c.future) for c, present, _ in work if c.future is not None]
-        jobs += [(c, present, self._pool.submit(self._run_chunk, c, present, scale, after))
+        jobs += [(c, present, self._pool.submit(self._job, c, present, scale, after, abort))
                  for c, present, _ in work if c.future is None and present]
-        failures = []
+        done, held, failures = [], [], []
         for c, present, future in jobs:
             try:
-                future.result()
-            except Exception as exc:  # noqa: BLE001 - re-raised below as the cause
+                (done if future.result() else held).append((c, present))
+            except Exception as exc:  # noqa: BLE001 - raised below, named
                 failures.append((c, present, exc))
         timing = self.timing
         if timing is not None:
@@ -704,50 +940,193 @@ class CPUOffload(torch.optim.Optimizer):
                     if c.h2d_event is not None:
                         c.h2d_event.synchronize()
                 timing.add("h2d_tail_s", time.perf_counter() - t0)
-        unrecovered = []
-        for c, present, exc in failures:  # finish the step: retry what failed, from where it stopped
-            try:
-                self._run_chunk(c, present, None if c.future is not None else scale, after)
-            except Exception as again:  # noqa: BLE001
-                unrecovered.append((c, again))
+        error = self._finish(done, held, failures, scale, after) if failures else None
         if self._streams is not None:
             current = torch.cuda.current_stream(self._device)
             for c, _, _ in jobs:
                 if c.h2d_event is not None:
                     current.wait_event(c.h2d_event)
         self._refresh_state()
-        if failures:
-            where = ", ".join(f"chunk {c.index} (param_groups[{c.gi}])" for c, _, _ in failures)
-            if unrecovered:
-                raise GpuOptimError(
-                    f"the CPU step of {where} failed and failed again when retried ({unrecovered[0][1]!r}); the other "
-                    f"chunks were stepped: {self._torn([c for c, _ in unrecovered])}") from failures[0][2]
-            raise GpuOptimError(
-                f"a worker failed on {where} ({failures[0][2]!r}); the step was completed by retrying it, so every "
-                "parameter, master and state is after the step") from failures[0][2]
+        if error is not None:
+            raise error
         if self.step_in_backward:
             self._armed = True
 
-    def _wait(self, chunks: List[_Chunk]) -> None:
+    def _finish(self, done: List[Tuple[_Chunk, List[int]]], held: List[Tuple[_Chunk, List[int]]],
+                failures: List[Tuple[_Chunk, List[int], BaseException]], scale: Optional[float],
+                after: Any) -> GpuOptimError:
+        """After chunk steps failed (no chunk step started after the first failure): retry each
+        failed chunk once, in this thread, where that cannot step a tensor twice, then step the
+        chunks held back; stop at the first chunk that fails for good. Returns the error step()
+        raises: it names the first failure (a plugin's as a PluginError naming the plugin and the
+        hook) and says whether the step was completed, or exactly what was stepped."""
+        first_chunk, first_present, first = failures[0]
+        cause = _plugin_failure(self._backend.name, first)
+        stepped = list(done)
+        queue = sorted([(c, present, exc) for c, present, exc in failures] + [(c, present, None) for c, present in held],
+                       key=lambda t: t[0].index)
+        final: Optional[Tuple[_Chunk, List[int], BaseException, List[int], bool]] = None
+        for c, present, exc in queue:
+            if exc is not None and c.progress == 0:
+                moved, known = self._moved(c, present)
+                if moved or not known:  # part of it may have been stepped: a retry could step it twice
+                    final = (c, present, exc, moved, known)
+                    break
+            try:
+                self._run_chunk(c, present, None if c.future is not None else scale, after)
+            except Exception as again:  # noqa: BLE001 - the error below names it
+                moved, known = self._moved(c, present) if c.progress == 0 else (list(present), True)
+                final = (c, present, again, moved, known)
+                break
+            stepped.append((c, present))
+        kind = type(cause) if isinstance(cause, GpuOptimError) else GpuOptimError
+        head = f"the CPU step of {self._where_of(first_chunk, first_present)} failed: " + (
+            str(cause) if cause is not first else repr(first))
+        if final is None:
+            error = kind(f"{head}; the step was completed by retrying it (and stepping the chunks held back "
+                         "meanwhile), so every parameter, master, state and step count is after the step")
+            error.stepped, error.not_stepped = self._names(stepped), []
+            error.__cause__ = cause
+            return error
+        c, present, again, moved, known = final
+        if again is not first:
+            again_named = _plugin_failure(self._backend.name, again)
+            head += (f"; it failed again when retried: {again_named}" if c is first_chunk
+                     else f"; then {self._where_of(c, present)} failed: {again_named}")
+        if c.progress >= 1:  # stepped on the host; its copy back failed (the next step's copy brings it)
+            head += f"; {self._where_of(c, present)} was stepped on the host but not copied back"
+        if not known:
+            head += (f"; {self._where_of(c, present)} holds tensors with and without state (several launches), so "
+                     "whether some of them were stepped is unknown")
+        names = self._names(stepped + ([(c, moved)] if moved else []))
+        taken = set(names)
+        not_stepped = [n for n in self._names([(x, list(range(len(x.params)))) for x in self._chunks])
+                       if n not in taken]
+        if not names and known:
+            message = (f"{head}; nothing was stepped: every parameter, master, state and step count is as before "
+                       "this step()")
+        else:
+            message = (f"{head}; the step is incomplete: {len(names)} tensors were stepped {names[:6]}"
+                       f"{' ...' if len(names) > 6 else ''} and {len(not_stepped)} were not {not_stepped[:6]}"
+                       f"{' ...' if len(not_stepped) > 6 else ''} (the error's .stepped and .not_stepped list them)")
+        error = kind(message)
+        error.stepped, error.not_stepped = names, not_stepped
+        error.__cause__ = cause
+        return error
+
+    def _moved(self, chunk: _Chunk, present: List[int]) -> Tuple[List[int], bool]:
+        """(the tensors of a failed chunk step that the inner optimizer counted as stepped, whether
+        that is known). The inner step is one transaction: a hook that raised counts nothing, the
+        launches before it (tensors of another step count) are counted. Without step counts
+        (``"held"``), only a chunk whose tensors all held state or none is known to be one launch."""
+        before = chunk.counts
+        if before is None:  # it failed before its step started
+            return [], True
+        after = self._counts(chunk, present)
+        if "held" in before or "held" in after:
+            return [], len(set(before)) <= 1
+        return [k for k, a, b in zip(present, after, before) if a != b], True
+
+    @staticmethod
+    def _where_of(chunk: _Chunk, present: List[int]) -> str:
+        return f"chunk {chunk.index} (param_groups[{chunk.gi}]['params'] {sorted(chunk.positions[k] for k in present)})"
+
+    @staticmethod
+    def _names(parts: List[Tuple[_Chunk, List[int]]]) -> List[str]:
+        """'param_groups[i]['params'][j]' of each tensor, in the groups' order."""
+        return [f"param_groups[{gi}]['params'][{j}]" for gi, j in sorted((c.gi, c.positions[k]) for c, ks in parts
+                                                                         for k in ks)]
+
+    def _gradients(self, unscaled: bool) -> Tuple[List[Tuple[_Chunk, List[int], List[int]]], List[Tuple[_Chunk, int]]]:
+        """(per chunk: the chunk, its tensors with a gradient, those whose host copy is not the
+        gradient now), and the (chunk, tensor) pairs whose gradient changed after its copy started."""
+        work, changed, verify = [], [], []
+        for c in self._chunks:
+            present: List[int] = []
+            stale: List[int] = []
+            for k, p in enumerate(c.params):
+                g = p.grad
+                if g is None:
+                    continue
+                self._check_gradient(c, k, p, g)
+                present.append(k)
+                sent = c.sent[k]
+                if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
+                    stale.append(k)
+                    if sent is not None and not unscaled:
+                        changed.append((c, k))
+                else:  # the same tensor and version: edits through .data or other views move neither
+                    verify.append((c, k))
+            work.append((c, present, stale))
+        if verify:
+            again = self._fingerprints_differ(verify)
+            if again:
+                changed += again
+                stale_of = {id(c): stale for c, _, stale in work}
+                for c, k in again:
+                    stale_of[id(c)].append(k)
+        return work, changed
+
+    def _fingerprints_differ(self, pairs: List[Tuple[_Chunk, int]]) -> List[Tuple[_Chunk, int]]:
+        """The pairs whose gradient's fingerprint now differs from the one recorded with its copy.
+
+        On a device this waits until the device has run everything queued before step() (the
+        fingerprints are computed after it); the rows of other tensors are compared too and ignored."""
+        t0 = time.perf_counter()
+        now = self._fp_now
+        for c, k in pairs:
+            _fingerprint(c.params[k].grad, now[c.row + k])
+        differ = torch.ne(self._fp_sent, now).any(1)
+        host = self._fp_differ
+        if self._streams is not None:
+            host.copy_(differ, non_blocking=True)
+            event = _event()
+            event.record(torch.cuda.current_stream(self._device))
+            event.synchronize()
+        else:
+            host.copy_(differ)
+        flags = host.numpy()
+        if self.timing is not None:
+            self.timing.add("check_s", time.perf_counter() - t0)
+        return [(c, k) for c, k in pairs if flags[c.row + k]]
+
+    def _refused(self, error: GpuOptimError, started: List[_Chunk]) -> GpuOptimError:
+        """``error`` as step() raises it: saying what was stepped (chunks started in backward) or that
+        nothing was; ``.stepped`` lists the tensors stepped."""
+        stepped = self._wait(started)
+        refused = type(error)(f"{error}; {self._torn(stepped)}" if stepped else f"{error} (nothing was stepped)")
+        refused.stepped = self._names([(c, list(range(len(c.params)))) for c in stepped])
+        return refused
+
+    def _wait(self, chunks: List[_Chunk]) -> List[_Chunk]:
+        """Wait for steps started in backward; the chunks they stepped (not those held back or failed)."""
+        stepped = []
         for c in chunks:
             try:
-                c.future.result()
+                if c.future.result():
+                    stepped.append(c)
             except Exception:  # noqa: BLE001 - the caller raises the error that matters
                 pass
+        return stepped
 
     @staticmethod
     def _torn(stepped: List[_Chunk]) -> str:
-        names = [f"param_groups[{c.gi}]['params'][{j}]" for c in stepped for j in c.positions]
+        names = [f"param_groups[{c.gi}]['params'][{j}]" for c in stepped for j in sorted(c.positions)]
         return f"these tensors differ from the rest by one step: {names[:6]}{' ...' if len(names) > 6 else ''}"
 
     # ------------------------------------------------------------ torch.optim's state
 
     def _refresh_state(self) -> None:
-        """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers)."""
+        """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers);
+        an entry whose step count is 0 (made for a first step that failed) is not state yet."""
         for c in self._chunks:
+            state = c.inner.state
             for p, m in zip(c.params, c.host):
-                if m in c.inner.state and c.inner.state[m]:
-                    self.state[p] = c.inner.state[m]
+                entry = state.get(m)
+                if entry and self.state.get(p) is not entry:
+                    step = entry.get("step", 1)
+                    if float(step.item() if isinstance(step, torch.Tensor) else step) != 0:
+                        self.state[p] = entry
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's format, as the wrapped optimizer's with the same step format: 16-bit parameters
@@ -818,6 +1197,57 @@ class CPUOffload(torch.optim.Optimizer):
             for c in self._chunks:
                 c.reset_round()
         self._refresh_state()
+
+    # ------------------------------------------------------------ copies
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """What ``copy.deepcopy`` and ``pickle`` carry, as torch's optimizers: ``defaults``,
+        ``param_groups`` (their parameters: the model's copies when the model is copied along, else
+        copies of their own, as torch) and the state per parameter (host copies, compact tensors in
+        their dtypes, a 16-bit parameter's float32 master under ``MASTER_KEY``), plus how the
+        offload was made. The chunks, host buffers, hooks, locks, worker pool and streams are made
+        again for the copy's parameters; a gradient copy in flight is not carried (the copy's step()
+        copies every gradient). A step started in backward lands first."""
+        with self._lock:
+            started = self._started()
+        self._wait(started)
+        self._refresh_state()
+        state: Dict[torch.Tensor, Dict[str, Any]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = dict(self.state[p]) if p in self.state else {}
+                where = self._where.get(p)
+                if where is not None and where[0].mode == WIDEN:
+                    entry[MASTER_KEY] = where[0].host[where[1]]
+                if entry:  # copies: the live entries are views of whole flat buffers
+                    state[p] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        made = {"optimizer_class": self._cls, "kwargs": dict(self._kwargs), "backend": self._backend_name,
+                "workers": self.workers, "accumulation_steps": self.accumulation_steps,
+                "step_in_backward": self.step_in_backward, "bucket_elements": self.bucket_elements,
+                "fuse_conversions": self.fuse_conversions, "armed": self._armed}
+        return {"defaults": self.defaults, "param_groups": self.param_groups, "state": state, "offload": made}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "offload" not in state:  # torch's load_state_dict installs its state and groups this way
+            super().__setstate__(state)
+            return
+        made = state["offload"]
+        groups = [dict(g) for g in state["param_groups"]]
+        self.__init__(made["optimizer_class"], groups, workers=made["workers"],
+                      accumulation_steps=made["accumulation_steps"], step_in_backward=made["step_in_backward"],
+                      bucket_elements=made["bucket_elements"], fuse_conversions=made["fuse_conversions"],
+                      backend=made["backend"], **made["kwargs"])
+        index: Dict[torch.Tensor, int] = {}
+        saved_groups = []
+        for g in groups:
+            ids = []
+            for p in g["params"]:
+                index.setdefault(p, len(index))
+                ids.append(index[p])
+            saved_groups.append({**g, "params": ids})
+        self.load_state_dict({"state": {index[p]: entry for p, entry in state["state"].items()},
+                              "param_groups": saved_groups})
+        self._armed = made["armed"]
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         pool = getattr(self, "_pool", None)
