@@ -234,6 +234,42 @@ def test_capturable_state_dict_round_trips_with_torch():
     assert float(back.state[next(back_model.parameters())]["step"]) == 16
 
 
+@pytest.mark.cuda
+@simulator
+def test_ctrl_c_inside_a_capturable_launch_lands_after_every_group():
+    """A SIGINT while the first group's capturable pair runs is delivered after the second group's
+    launch and the step's install: both groups (and their device step counts) are stepped."""
+    import _thread
+
+    data = batches(2)
+    models = [make_model(), make_model()]
+    opts = []
+    for m in models:
+        named = list(m.named_parameters())
+        groups = [{"params": [p for n, p in named if n.endswith("weight")]},
+                  {"params": [p for n, p in named if n.endswith("bias")]}]
+        opts.append(ot.AdamW(groups, lr=LR, capturable=True))
+    backends = [_simulated(o) for o in opts]
+    lockstep(list(zip(models, opts)), data[:1])
+    real = backends[0].step
+
+    def interrupting(ctx, request):
+        if request.controls.device is not None and len(backends[0].calls) == 2:
+            _thread.interrupt_main()
+        return real(ctx, request)
+
+    backends[0].step = interrupting
+    for m, o in zip(models, opts):
+        o.zero_grad()
+        backward(m, data[1])
+    with pytest.raises(KeyboardInterrupt):
+        opts[0].step()
+    opts[1].step()
+    assert backends[0].calls == backends[1].calls == ["adamw"] * 4
+    assert_same(models[1], models[0])
+    assert all(float(opts[0].state[p]["step"]) == 2.0 for p in models[0].parameters())
+
+
 def test_capturable_refusals_change_nothing():
     # the cpu backend has no capturable capability: refused at the first step, as torch refuses
     # capturable CPU tensors (torch raises at its step too), with nothing changed
