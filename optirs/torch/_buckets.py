@@ -163,9 +163,7 @@ class Bucket:
         self.entries: Optional[List[Dict[str, Any]]] = None  # opt.state's entries, once installed
         self._checks: tuple = ((), (), ())
         self.state_seen, self.version = None, None
-        self._grads: List[torch.Tensor] = []
-        self._gptrs: tuple = ()
-        self._garrays: List[Any] = []
+        self._gcache: tuple = ((), (), [])  # the last gradients, their data pointers, their arrays
         if device_steps:
             fields = definition.scalars_type._fields
             self.record = torch.zeros(len(fields), dtype=torch.float32, device=self.device)  # written on the device
@@ -294,23 +292,22 @@ class Bucket:
 
     def refresh_params(self) -> None:
         """The kernels' arrays over the parameters' current memory."""
+        ptrs = tuple(map(_DATA_PTR, self.params))  # (read first: a stale pair only re-reads them)
         self.param_arrays = kernel_arrays(self.params, self.on_cpu, True)
-        self.param_ptrs = tuple(map(_DATA_PTR, self.params))
+        self.param_ptrs = ptrs
 
     def grad_arrays(self, grads: List[torch.Tensor]) -> List[Any]:
         """The gradients as the backend reads them (the same list as the last step for the same
         tensors with the same memory, so the backend's caches of it hit)."""
         if not self.on_cpu and not self.detach_grads and grads[0].dtype not in _BITS:
             return grads  # device tensors as they are: the backend reads their pointers
-        if len(grads) == len(self._grads) and all(map(_IS, grads, self._grads)):
-            ptrs = tuple(map(_DATA_PTR, grads))
-            if ptrs == self._gptrs:
-                return self._garrays
-        else:
-            ptrs = tuple(map(_DATA_PTR, grads)) if self.on_cpu else ()
-        self._garrays = kernel_arrays(grads, self.on_cpu, self.detach_grads)
-        self._grads, self._gptrs = grads, ptrs
-        return self._garrays
+        last, last_ptrs, arrays = self._gcache
+        ptrs = tuple(map(_DATA_PTR, grads))
+        if ptrs == last_ptrs and len(grads) == len(last) and all(map(_IS, grads, last)):
+            return arrays
+        arrays = kernel_arrays(grads, self.on_cpu, self.detach_grads)
+        self._gcache = (grads, ptrs, arrays)  # one assignment: an interrupt leaves it whole
+        return arrays
 
     def step_format(self, grad_dtype: torch.dtype) -> Optional[StepFormat]:
         """The step's format for gradients of ``grad_dtype`` (its storage is the bucket's)."""
