@@ -395,7 +395,11 @@ def test_a_checkpoint_step_that_is_not_a_count_is_an_optirs_error(step):
 
 
 class _RaisingHost(FakeHostBackend):
-    """A host backend (the front end's hooks, host memory) whose step raises a foreign exception."""
+    """A host backend (the front end's hooks, host memory) whose hook ``fail`` raises a foreign exception."""
+
+    def __init__(self, fail):
+        super().__init__()
+        self.fail = fail
 
     @hookimpl
     def optirs_step_support(self):
@@ -403,10 +407,13 @@ class _RaisingHost(FakeHostBackend):
 
     @hookimpl
     def optirs_step(self, ctx, request):
-        raise RuntimeError("kernel exploded")
+        if self.fail == "optirs_step":
+            raise RuntimeError("kernel exploded")
 
     @hookimpl
     def optirs_host_view(self, ctx, array):
+        if self.fail == "optirs_host_view":
+            raise RuntimeError("kernel exploded")
         return array.reshape(-1)
 
     @hookimpl
@@ -422,13 +429,14 @@ class _RaisingHost(FakeHostBackend):
         return "cpu"
 
 
-def test_a_raising_plugin_step_is_a_plugin_error_naming_plugin_and_hook(fresh_registry):
-    optirs.register_plugin(_RaisingHost(), "raising")
+@pytest.mark.parametrize("hook", ["optirs_step", "optirs_host_view"])
+def test_a_raising_plugin_hook_is_a_plugin_error_naming_plugin_and_hook(fresh_registry, hook):
+    optirs.register_plugin(_RaisingHost(hook), "raising")
     params = make_params()
     opt = ot.AdamW(two_groups(params), lr=1e-2, backend="raising")
     set_grads(params, 0)
     before = snapshot(opt, params)
-    with pytest.raises(PluginError, match=r"plugin 'raising' raised RuntimeError in optirs_step: kernel") as info:
+    with pytest.raises(PluginError, match=rf"plugin 'raising' raised RuntimeError in {hook}: kernel") as info:
         opt.step()
     assert isinstance(info.value.__cause__, RuntimeError)
     assert same(snapshot(opt, params), before) and not opt.state

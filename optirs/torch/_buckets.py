@@ -190,7 +190,14 @@ class Bucket:
         bits = flat.view(_BITS.get(flat.dtype, flat.dtype))
         if not flat.is_cpu:
             return bits
-        view = self.backend.host_view(bits.numpy())
+        backend = self.backend
+        try:
+            view = backend.host_view(bits.numpy())
+        except Exception as exc:  # a plugin's own error names the plugin and the hook
+            error = backend.plugin_error(exc, "optirs_host_view")
+            if error is exc:
+                raise
+            raise error from exc
         if view is None:
             raise UnsupportedOperationError(
                 f"backend {self.backend.name!r} cannot work in host memory, expected a backend whose memory is the "
