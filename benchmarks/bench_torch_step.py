@@ -12,6 +12,10 @@ In one run:
   as ``graph.replay()`` (torch fused capturable and optirs.torch), in the gpt2 and small cases.
 * ``train``: a whole GPT-2 124M training step (forward, backward, step; bf16 autocast), with
   optirs and with torch fused, and the optimizer's share of the step for both.
+* ``host``: the host time of the ``opt.step()`` call alone (``perf_counter`` around single calls,
+  the device synchronized between calls, median), for the gpt2 and small cases in fp32, bf16
+  parameters over float32 masters and bf16 ``remainder8`` masters with int8 state, beside torch
+  fused (``torch.optim.AdamW(fused=True)``, on the same dtype) in the same run.
 
 Optimizers: ``torch_fused`` (torch.optim.AdamW(fused=True)), ``optirs_seed`` (the seed API:
 one ``optirs.GpuAdamW`` per group, ``step_gpu`` on the torch tensors) and ``optirs_torch``
@@ -25,7 +29,9 @@ On the CPU (``--cpu``, no GPU needed): torch CPU tensors, ``optirs.torch.AdamW(b
 against ``torch.optim.AdamW(fused=True)`` on the CPU, timed per call with the host clock (median of
 many): ``small`` (1M parameters in 50 tensors), ``overhead`` (the same 50 tensors at one element
 each: what is left is the front end's and the launch's host work) and ``train`` (a whole training
-step of examples/train_torch.py's model: forward, backward, step), each with the ratio to torch.
+step of examples/train_torch.py's model: forward, backward, step), each with the ratio to torch;
+and ``host`` as above, on GPT-2 124M's 148 tensors at one element each and the 50-tensor model
+(on the CPU the kernel runs inside the call: its time is part of the host time).
 
     python benchmarks/bench_torch_step.py --json h200-torch-step.json
     python benchmarks/bench_torch_step.py --smoke        # tiny sizes; skips cleanly without CUDA
@@ -372,6 +378,7 @@ def report(results: Dict[str, Any]) -> None:
                 continue
             print(f"  {kind:13s} {t['ms']:8.3f} ms (host clock {t['wall_ms']:.3f})  {t['of_copy']:6.1%} of copy  "
                   f"{t['vs_torch_fused']:.2f}x torch fused")
+    report_host(results["host"])
     tr = results.get("train")
     if tr:
         print(f"train step ({tr['model']}, bf16 autocast):")
@@ -380,6 +387,75 @@ def report(results: Dict[str, Any]) -> None:
             if "ms" in t:
                 print(f"  {kind:13s} {t['ms']:8.3f} ms  optimizer {t['optimizer_ms']:.3f} ms "
                       f"({t['optimizer_share']:.1%})  {t['vs_torch_fused']:.2f}x torch fused")
+
+
+# ------------------------------------------------------------------ host time of the step call
+
+# label -> (parameter dtype name, optirs.torch format keywords)
+HOST_FORMATS = {"fp32": ("float32", {}),
+                "bf16+fp32 masters": ("bfloat16", {"master_weights": "float32"}),
+                "bf16 remainder8+int8": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "int8"})}
+HOST_KINDS = ("torch_fused", "optirs_torch")
+
+
+def host_step_times(step: Callable[[], None], sync: Callable[[], None], warmup: int, reps: int) -> Dict[str, float]:
+    """Median and minimum microseconds of host time in one ``step()`` call, the device idle before each."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    return {"us": statistics.median(times), "min_us": min(times)}
+
+
+def bench_host(shapes, device: str, args, backend: str = "auto") -> Dict[str, Any]:
+    """``host`` rows of one model: per format, torch fused and optirs.torch (module docstring)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows: Dict[str, Any] = {"tensors": len(shapes), "elements": sum(_prod(s) for _, s in shapes)}
+    for label, (dtype_name, kw) in HOST_FORMATS.items():
+        dtype = getattr(torch, dtype_name)
+        row: Dict[str, Any] = {}
+        for kind in HOST_KINDS:
+            g = torch.Generator(device=device).manual_seed(0)
+            params = [torch.nn.Parameter((torch.randn(s, device=device, generator=g) * 0.02).to(dtype))
+                      for _, s in shapes]
+            for p in params:
+                p.grad = (torch.randn(p.shape, device=device, generator=g) * 1e-3).to(dtype)
+            try:
+                if kind == "torch_fused":
+                    opt = torch.optim.AdamW(groups_of(shapes, params), lr=LR, betas=BETAS, eps=EPS, fused=True)
+                else:
+                    import optirs.torch as ot
+
+                    opt = ot.AdamW(groups_of(shapes, params), lr=LR, betas=BETAS, eps=EPS, backend=backend, **kw)
+                row[kind] = host_step_times(opt.step, sync, max(3, args.warmup), max(5, args.reps))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
+                row[kind] = {"skipped": f"{type(exc).__name__}: {exc}"}
+            del params
+        if "us" in row.get("torch_fused", {}) and "us" in row.get("optirs_torch", {}):
+            row["optirs_vs_torch_fused"] = row["torch_fused"]["us"] / row["optirs_torch"]["us"]
+        rows[label] = row
+    return rows
+
+
+def report_host(host: Dict[str, Any]) -> None:
+    print("host time of one opt.step() call, us (median; device synchronized between calls); >1x: optirs less")
+    for case, rows in host.items():
+        print(f"  {case}: {rows['tensors']} tensors, {rows['elements']} parameters")
+        for label in HOST_FORMATS:
+            row = rows[label]
+            cells = []
+            for kind in HOST_KINDS:
+                t = row.get(kind, {})
+                cells.append(f"{kind} {t['us']:9.1f}" if "us" in t else f"{kind} skipped ({t.get('skipped')})")
+            ratio = f"  {row['optirs_vs_torch_fused']:.2f}x" if "optirs_vs_torch_fused" in row else ""
+            print(f"    {label:22s} " + "  ".join(cells) + ratio)
 
 
 # ------------------------------------------------------------------ the CPU mode
@@ -479,6 +555,9 @@ def cpu_main(args) -> int:
         "small": cpu_steps(small, args),
         "overhead": cpu_steps([(n, (1,)) for n, _ in small], args),
     }
+    gpt2_tiny = [(n, (1,) * len(s)) for n, s in gpt2_shapes(gpt2_config(False))]  # host work only
+    results["host"] = {"gpt2": bench_host(gpt2_tiny, "cpu", args, backend="cpu"),
+                       "small": bench_host(small, "cpu", args, backend="cpu")}
     if not args.no_train:
         results["train"] = cpu_train(args)
     env = results["environment"]
@@ -489,6 +568,7 @@ def cpu_main(args) -> int:
         print(f"{case:9s} {r['tensors']} tensors, {r['elements']:8d} parameters: torch fused "
               f"{r['torch_fused']['us']:9.1f}  optirs.torch {r['optirs_torch']['us']:9.1f}  "
               f"{r['optirs_vs_torch_fused']:.2f}x")
+    report_host(results["host"])
     tr = results.get("train")
     if tr:
         print(f"train     {tr['tensors']} tensors, {tr['parameters']:8d} parameters: torch fused "
@@ -535,6 +615,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     results["copy"] = copy_bandwidth(elements, args.reps, args.batches)
     results["gpt2"] = bench_steps("gpt2", gpt2, results["copy"]["GBps"], args)
     results["small"] = bench_steps("small", small, results["copy"]["GBps"], args)
+    results["host"] = {"gpt2": bench_host(gpt2, "cuda", args), "small": bench_host(small, "cuda", args)}
     if not args.no_train:
         results["train"] = bench_train(cfg, args)
     report(results)

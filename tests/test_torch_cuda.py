@@ -55,29 +55,30 @@ def assert_same(a, b, **tol):
 
 
 class SimulatedCapturable:
-    """The cpu backend plus the ``capturable`` capability of the CUDA simulator, over host memory.
+    """The cpu backend plus the CUDA simulator's device-side scalars, over host memory.
 
-    Everything but the capturable hook is the cpu backend's; the hook wraps every torch tensor it
-    is given as a simulator device array over the same memory and calls the cuda backend's own
-    ``optirs_capturable_step`` (whose kernels the simulator runs on those addresses)."""
+    Everything but a step with ``controls.device`` is the cpu backend's; such a step wraps every
+    array it is given as a simulator device array over the same memory and runs through the
+    cuda backend's own ``optirs_step`` (whose kernels the simulator runs on those addresses)."""
 
     def __init__(self):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        from optirs.plugin.hookspecs import StepSupport
 
         self._wrap_type = FakeCUDAArray
         self.cpu, self.cuda = optirs.get_backend("cpu"), optirs.get_backend("cuda")
-        self._real = self.cuda.hook("capturable", "optirs_capturable_step")
         self.name = "cpu+simulated-capturable"
         self.capabilities = set(self.cpu.capabilities) | {"capturable"}
+        self.support = StepSupport(self.cpu.support.optimizers, self.cpu.support.formats, self.cuda.support.capturable)
         self.calls = []
 
     def supports(self, capability):
         return capability in self.capabilities
 
-    def hook(self, capability, name):
-        if capability == "capturable":
-            return self._hook
-        return self.cpu.hook(capability, name)
+    def steps(self, optimizer, fmt=None, device_scalars=False):
+        if device_scalars:
+            return optimizer in self.support.capturable
+        return self.cpu.steps(optimizer, fmt)
 
     def __getattr__(self, name):
         return getattr(self.cpu, name)
@@ -90,16 +91,20 @@ class SimulatedCapturable:
         assert t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
         return self._wrap_type(t.detach().numpy())
 
-    def _hook(self, ctx, optimizer, params, grads, state, layout, scalars, inputs):
+    def step(self, ctx, request):
         from dataclasses import replace
 
         assert ctx is self.cpu.ctx
-        self.calls.append(optimizer)
+        inputs = request.controls.device
+        if inputs is None:
+            return self.cpu.step(ctx, request)
+        self.calls.append(request.definition.name)
         w = self._wrap
         inputs = replace(inputs, steps=w(inputs.steps), record=w(inputs.record), lr=w(inputs.lr),
                          grad_scale=w(inputs.grad_scale), found_inf=w(inputs.found_inf))
-        self._real(self.cuda.ctx, optimizer, [w(p) for p in params], [w(g) for g in grads],
-                   {k: w(v) for k, v in state.items()}, layout, scalars, inputs)
+        self.cuda.step(self.cuda.ctx, request._replace(
+            params=[w(p) for p in request.params], grads=[w(g) for g in request.grads],
+            state={k: w(v) for k, v in request.state.items()}, controls=request.controls._replace(device=inputs)))
 
 
 def lockstep(pairs, data):
@@ -227,6 +232,42 @@ def test_capturable_state_dict_round_trips_with_torch():
     lockstep([(twin, ref), (back_model, back)], data[11:])
     assert backend.calls == ["adamw"] * len(data[11:])
     assert float(back.state[next(back_model.parameters())]["step"]) == 16
+
+
+@pytest.mark.cuda
+@simulator
+def test_ctrl_c_inside_a_capturable_launch_lands_after_every_group():
+    """A SIGINT while the first group's capturable pair runs is delivered after the second group's
+    launch and the step's install: both groups (and their device step counts) are stepped."""
+    import _thread
+
+    data = batches(2)
+    models = [make_model(), make_model()]
+    opts = []
+    for m in models:
+        named = list(m.named_parameters())
+        groups = [{"params": [p for n, p in named if n.endswith("weight")]},
+                  {"params": [p for n, p in named if n.endswith("bias")]}]
+        opts.append(ot.AdamW(groups, lr=LR, capturable=True))
+    backends = [_simulated(o) for o in opts]
+    lockstep(list(zip(models, opts)), data[:1])
+    real = backends[0].step
+
+    def interrupting(ctx, request):
+        if request.controls.device is not None and len(backends[0].calls) == 2:
+            _thread.interrupt_main()
+        return real(ctx, request)
+
+    backends[0].step = interrupting
+    for m, o in zip(models, opts):
+        o.zero_grad()
+        backward(m, data[1])
+    with pytest.raises(KeyboardInterrupt):
+        opts[0].step()
+    opts[1].step()
+    assert backends[0].calls == backends[1].calls == ["adamw"] * 4
+    assert_same(models[1], models[0])
+    assert all(float(opts[0].state[p]["step"]) == 2.0 for p in models[0].parameters())
 
 
 def test_capturable_refusals_change_nothing():

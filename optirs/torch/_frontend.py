@@ -1,42 +1,56 @@
 """The machinery behind :mod:`optirs.torch`: a ``torch.optim.Optimizer`` that steps through an
-optirs definition and the bound backend.
+optirs definition's :class:`~optirs.optim.engine.StepEngine`.
 
-Per (param group, device, dtype) the optimizer keeps a *bucket*: the group's tensors that have a
-gradient, their :class:`optirs.core.layout.TensorLayout`, one flat torch buffer per state slot
-(laid out by the definition's ``state_layout``), and ``self.state[p][slot]`` as views into those
-buffers, so torch's ``state`` and ``state_dict()`` see the live state without copies. A step is
-one call of the backend's step hook per bucket, with the scalars of
-``definition.scalars(hyperparameters, step)`` built from ``param_groups[i]`` at that step, so
-every ``torch.optim.lr_scheduler`` works unchanged.
+Per (param group, device, dtype, step count) the optimizer keeps a *bucket*
+(:mod:`optirs.torch._buckets`): the group's tensors that have a gradient, their engine, and
+``self.state[p]`` as views of the engine's flat buffers, so torch's ``state`` and
+``state_dict()`` see the live state without copies. The scalars come from ``param_groups[i]``
+at every step, so every ``torch.optim.lr_scheduler`` works unchanged.
 
-A bucket is rebuilt (its state copied once into fresh flat buffers) when the tensors with a
-gradient change, the slots change (``amsgrad`` switched on), or the state was replaced
-(``load_state_dict``, or an entry of ``opt.state[p]`` assigned by hand).
+``step()`` is one transaction over every group:
 
-Formats (docs/formats.md): a group's ``master_weights`` / ``state_dtype`` /
-``stochastic_rounding`` / ``seed`` and its tensors' dtype give a bucket its
-:class:`~optirs.core.formats.StepFormat`; float32 tensors with float32 state run the step hook as
-above, every other format a :class:`_FormatBucket` (optirs.torch._formats) whose flat buffers are
-the ``FormatState``'s, each in its own dtype.
+1. Check everything, for every group: hyperparameters, tensors and gradients, formats,
+   ``capturable``, the GradScaler's values, the state ``opt.state`` holds for tensors that start
+   a bucket (a loaded checkpoint, converted where its format differs). New buckets and their
+   engines are built here, but neither ``opt.state`` nor any step count is touched.
+2. :func:`~optirs.optim.engine.run_steps` over every prepared step (the engines' and backends'
+   locks, SIGINT deferred around every launch and count), then the new buckets' ``opt.state``
+   entries and the step tensors are installed, still with SIGINT deferred.
+
+A step that fails in 1 changes nothing in any group; a Ctrl-C lands before or after the whole
+step. A plugin's own exception is a ``PluginError`` naming the plugin and the hook (the engine's).
+
+A group's *plan* caches what its step needs: when the group's parameter list, its tensors'
+dtypes, devices, sizes, strides and memory, which of them have a gradient, and the state's
+entries are what they were at the last step, a step re-reads only each parameter's ``.grad``,
+checks the tensors' metadata in one C++ call (:mod:`optirs.torch._guards`) and their data
+pointers in one ``map``, and launches; anything else re-plans that group (keeping the buckets
+whose tensors did not change). The hyperparameter record is rebuilt only when a value changed.
 """
 
 from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from itertools import repeat
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
-from optirs.core.layout import TensorLayout
+from optirs.core.interrupts import deferred_interrupts
 from optirs.core.scalars import FORMULAS
-from optirs.plugin.hookspecs import DeviceStepInputs, StepControls, StepRequest
+from optirs.optim.engine import PreparedStep, run_steps
+from optirs.plugin.hookspecs import DeviceStepInputs
+from optirs.torch._buckets import STATE_DTYPE, Bucket, step_value
+from optirs.torch._guards import TensorCheck
 
-STATE_DTYPE = torch.float32
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_GRAD = operator.attrgetter("grad")
+_IS = operator.is_
+_DATA_PTR = torch.Tensor.data_ptr
 
 # backend spec -> opened backend, per torch device type, so "auto" is resolved once.
 _AUTO: Dict[Tuple[str, str], Any] = {}
@@ -54,7 +68,13 @@ def _open_backend(name: str, options: Dict[str, Any], device_type: str):
     def torch_device(backend) -> Optional[str]:
         if not backend.supports("measure"):
             return None
-        return backend.hook("measure", "optirs_torch_device")(backend.ctx)
+        try:
+            return backend.hook("measure", "optirs_torch_device")(backend.ctx)
+        except Exception as exc:  # a plugin's own error names the plugin and the hook
+            error = backend.plugin_error(exc, "optirs_torch_device")
+            if error is exc:
+                raise
+            raise error from exc
 
     if name != "auto":
         backend = REGISTRY.get_backend(name, options)
@@ -83,46 +103,6 @@ def _open_backend(name: str, options: Dict[str, Any], device_type: str):
         reasons.append(f"{candidate}: steps {where!r} tensors")
     raise UnsupportedOperationError(
         f"no optirs backend steps torch {device_type!r} tensors in place ({'; '.join(reasons)})")
-
-
-def _host_array(backend, tensor: torch.Tensor):
-    """The backend's array over a torch tensor's memory, without a copy."""
-    if tensor.is_cpu:
-        return tensor.detach().numpy()
-    # CUDA tensors: the backend reads __cuda_array_interface__ (detach: a tensor that requires
-    # grad refuses to export it).
-    return tensor.detach()
-
-
-def _state_array(backend, flat: torch.Tensor):
-    """The backend's device array over a flat state buffer (same memory)."""
-    if flat.is_cpu:
-        view = backend.host_view(flat.numpy())
-        if view is None:
-            raise UnsupportedOperationError(
-                f"backend {backend.name!r} cannot work in host memory, expected a backend whose memory is the "
-                "host's for torch CPU tensors (backend='cpu')"
-            )
-        return view
-    return flat
-
-
-def _slot_views(state_layout, slot: str, flat: torch.Tensor) -> List[Optional[torch.Tensor]]:
-    """Per-tensor torch views of a flat state buffer, where the definition's layout puts them.
-
-    The layout answers with numpy views of a host buffer; the same offsets and shapes are read off
-    a scratch array (never touched) and applied to the torch buffer, whatever its device.
-    """
-    probe = np.empty(flat.numel(), np.float32)
-    base = probe.__array_interface__["data"][0]
-    out: List[Optional[torch.Tensor]] = []
-    for v in state_layout.views(slot, probe):
-        if v is None:
-            out.append(None)
-            continue
-        offset = (v.__array_interface__["data"][0] - base) // 4 if v.size else 0
-        out.append(flat[offset : offset + v.size].view(v.shape))
-    return out
 
 
 class _TrackedState(defaultdict):
@@ -163,147 +143,6 @@ class _TrackedState(defaultdict):
         return (defaultdict, (dict,), None, None, iter(self.items()))
 
 
-class _Bucket:
-    """One launch's worth: the tensors of one group on one device with one dtype and one step count.
-
-    ``device_steps``: the step count lives on the device (``steps``, a float32 tensor on the
-    parameters' device, one entry per tensor, torch's capturable ``state[p]["step"]``) and every
-    step is the backend's ``capturable`` pair (scalars kernel, then the step kernel reading the
-    record it wrote), so nothing is read back on the host: ``capturable=True``, and the
-    GradScaler's device ``found_inf`` / ``grad_scale`` on a backend with that capability.
-    """
-
-    def __init__(self, opt: "OptirsOptimizer", definition: OptimizerDefinition, backend, params: List[torch.Tensor],
-                 slots: Dict[str, float], step: int, device_steps: bool = False):
-        self.definition, self.backend, self.params = definition, backend, params
-        self.key = tuple(map(id, params))
-        self.slots = slots
-        device = self.device = params[0].device
-        self.layout = TensorLayout([tuple(p.shape) for p in params])
-        self.state_layout = definition.state_layout(self.layout, tuple(slots))
-        sizes = self.state_layout.buffer_sizes()
-        self.flat = {k: torch.full((sizes[k],), fill, dtype=STATE_DTYPE, device=device) for k, fill in slots.items()}
-        self.views = {k: _slot_views(self.state_layout, k, v) for k, v in self.flat.items()}
-        self.device_state = {k: _state_array(backend, v) for k, v in self.flat.items()}
-        self.param_arrays = [_host_array(backend, p) for p in params]
-        self.param_ptrs = tuple(p.data_ptr() for p in params)
-        self.step = step
-        self.has_step = opt._has_step_state
-        self.device_steps = False
-        # torch keeps one 0-dim float32 "step" tensor per parameter; here they are views of one
-        # buffer, written once per step (on the host, or by the device scalars kernel).
-        self.steps = torch.full((len(params),), float(step), dtype=torch.float32,
-                                device=device if device_steps else "cpu")
-        self.step_views = [self.steps[i] for i in range(len(params))]
-        # Copy the existing state in, then point opt.state at the views.
-        for i, p in enumerate(params):
-            old = opt.state.get(p, {}) if p in opt.state else {}
-            for k in slots:
-                value = old.get(k)
-                view = self.views[k][i]
-                if view is None:
-                    continue
-                if isinstance(value, torch.Tensor):
-                    if tuple(value.shape) != tuple(view.shape):
-                        raise ShapeMismatchError(
-                            f"state[{k!r}] of a parameter of shape {tuple(p.shape)} has shape {tuple(value.shape)}, "
-                            f"expected {tuple(view.shape)}"
-                        )
-                    view.copy_(value.detach().to(device=device, dtype=STATE_DTYPE))
-            entry: Dict[str, Any] = {}
-            if self.has_step:
-                entry["step"] = self.step_views[i]
-            for k in slots:
-                if self.views[k][i] is not None:
-                    entry[k] = self.views[k][i]
-            opt.state[p] = entry
-        self.entries = [opt.state[p] for p in params]
-        self.state_seen, self.version = None, None  # intact() looks at the entries once
-        self._checks()
-        self._grads: List[torch.Tensor] = []
-        self._gptrs: tuple = ()
-        self._garrays: list = []
-        if device_steps:
-            self.use_device_steps(opt)
-
-    def _checks(self) -> None:
-        # (entry, key, value) of everything opt.state must still hold, flattened for a C-speed check.
-        triples = [(e, "step", s) for e, s in zip(self.entries, self.step_views)] if self.has_step else []
-        for i, entry in enumerate(self.entries):
-            triples += [(entry, k, views[i]) for k, views in self.views.items() if views[i] is not None]
-        self._check_entries = [t[0] for t in triples]
-        self._check_keys = [t[1] for t in triples]
-        self._check_values = [t[2] for t in triples]
-
-    def use_device_steps(self, opt: "OptirsOptimizer") -> None:
-        """Move the step count to the device (once; it stays there for this bucket's life)."""
-        if self.device_steps:
-            return
-        if not self.backend.steps(self.definition.name, device_scalars=True):
-            raise UnsupportedOperationError(
-                f"backend {self.backend.name!r} has no device-side scalars for {self.definition.name!r} (the "
-                f"'capturable' capability); it implements {sorted(self.backend.capabilities)}")
-        steps = self.steps.to(self.device) if self.steps.device != self.device else self.steps
-        self.steps = steps
-        self.step_views = [steps[i] for i in range(len(self.params))]
-        if self.has_step:
-            for entry, view in zip(self.entries, self.step_views):
-                entry["step"] = view
-        self._checks()
-        fields = self.definition.scalars_type._fields
-        self.record = torch.zeros(len(fields), dtype=torch.float32, device=self.device)  # written on the device
-        self.type_record: Any = None  # a host record of the family: its type only (the hook reads the device one)
-        self.lr_buffer: Optional[torch.Tensor] = None
-        self.device_steps = True
-
-    def intact(self, opt: "OptirsOptimizer") -> bool:
-        """Whether opt.state still holds this bucket's views (nothing replaced them)."""
-        # (the parameters' memory is checked per group by _group_tensors, which drops the
-        # group's buckets when it changes, ``p.data = ...``)
-        state = opt.state
-        version = getattr(state, "version", None)
-        if version is None or version != self.version or state is not self.state_seen:
-            # something set or removed entries (or replaced opt.state): look at ours one by one
-            if not all(map(operator.is_, map(state.get, self.params), self.entries)):
-                return False
-            self.state_seen, self.version = state, version
-        return all(map(operator.is_, map(dict.get, self._check_entries, self._check_keys), self._check_values))
-
-    def grad_arrays(self, grads: List[torch.Tensor]):
-        """The gradients as the backend reads them: the tensors themselves (maximize and the
-        GradScaler's unscale are the scalars' ``grad_factor``, applied inside the step).
-
-        The same gradient tensors with the same memory as the last step
-        (``zero_grad(set_to_none=False)``) give the same list, so the backend's caches of it hit
-        (the backends keep the latest list alive anyway)."""
-        if len(grads) == len(self._grads) and all(map(operator.is_, grads, self._grads)):
-            ptrs = tuple(map(torch.Tensor.data_ptr, grads))
-            if ptrs == self._gptrs:
-                return self._garrays
-        else:
-            ptrs = tuple(map(torch.Tensor.data_ptr, grads))
-        if grads and grads[0].is_cpu:
-            self._garrays = [(g.detach() if g.requires_grad else g).numpy() for g in grads]
-        else:  # device tensors as they are (a detach per tensor costs more than the rest of the step)
-            self._garrays = [g.detach() if g.requires_grad else g for g in grads]
-        self._grads, self._gptrs = list(grads), ptrs
-        return self._garrays
-
-
-def _storage(precision: Any, params: List[torch.Tensor], definition: OptimizerDefinition):
-    """The storage format of a bucket's tensors (None: float32 tensors and state, the step hook).
-
-    The gradients' dtype is resolved per launch (they may be unscaled into float32)."""
-    from dataclasses import replace
-
-    from optirs.core.formats import resolve_format
-
-    dtype = str(params[0].dtype).replace("torch.", "")
-    fmt = resolve_format(precision, dtype, dtype, definition.kernel)
-    fmt = replace(fmt, grad_dtype="float32")
-    return None if fmt.plain else fmt
-
-
 def closure_and_amp(opt: Any, closure: Optional[Callable[[], Any]], grad_scale: Any, found_inf: Any):
     """(``closure()``'s loss, evaluated with grad enabled, or None; ``grad_scale``; ``found_inf``),
     the last two from the attributes of those names that ``torch.amp.GradScaler`` sets on
@@ -334,18 +173,128 @@ def check_flags(group: Dict[str, Any], capturable_ok: bool = False) -> None:
         )
 
 
+def _immutable(value: Any) -> bool:
+    """Whether a hyperparameter's value cannot change without being replaced."""
+    if isinstance(value, tuple):
+        return all(map(_immutable, value))
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+class _Hyper(NamedTuple):
+    """A group's checked hyperparameters. ``key``: what its buckets depend on (a plan stays valid
+    while it is equal; a scheduler changing ``lr`` changes ``hp`` only)."""
+
+    definition: OptimizerDefinition
+    hp: Any
+    slots: Dict[str, float]
+    precision: Any
+    capturable: bool
+    key: tuple
+
+
+def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], List[Any]]:
+    """A C-speed selection of ``indices`` from a list."""
+    indices = list(indices)
+    if not indices:
+        return lambda seq: []
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda seq: [seq[i]]
+    get = operator.itemgetter(*indices)
+    return lambda seq: list(get(seq))
+
+
+class _GroupPlan:
+    """One group's step as it was planned (module docstring): what a step re-reads, and its buckets.
+
+    ``launches``: (bucket, the selection of the bucket's gradients among the present ones).
+    """
+
+    __slots__ = ("params", "n", "key", "mask", "pick", "present", "check", "ptrs", "launches", "amp_pending")
+
+    def __init__(self, params: List[torch.Tensor], key: tuple, mask: tuple, present: List[int],
+                 grads: List[torch.Tensor], launches: List[Tuple[Bucket, Any]], amp_pending: bool):
+        self.params, self.n, self.key, self.mask = params, len(params), key, mask
+        self.pick = None if len(present) == len(params) else _picker(present)
+        self.present = [params[j] for j in present]
+        self.check = TensorCheck(self.present + [grads[j] for j in present])
+        self.ptrs = tuple(map(_DATA_PTR, self.present))
+        self.launches, self.amp_pending = launches, amp_pending
+
+    def current(self, params: List[torch.Tensor], grads: List[Any], key: tuple, state: Any) -> Optional[List[Any]]:
+        """The present gradients when nothing this plan depends on changed, else None.
+
+        Per tensor this is a few C-speed passes: the metadata check of parameters and gradients
+        (a None where a gradient was fails it), the parameters' data pointers (``p.data = ...``)
+        and the state entries' identities; with parameters that had no gradient, which ones."""
+        if params is not self.params or len(grads) != self.n or key != self.key:
+            return None
+        if self.pick is None:
+            present = grads
+        else:
+            if tuple(map(_IS, grads, repeat(None))) != self.mask:
+                return None
+            present = self.pick(grads)
+        if not self.check(self.present + present) or tuple(map(_DATA_PTR, self.present)) != self.ptrs:
+            return None
+        for bucket, _ in self.launches:
+            if not bucket.intact(state):
+                return None
+        return present
+
+
+class _Amp(NamedTuple):
+    """The GradScaler's inputs of one step, checked: None, a number, or a one-element tensor each."""
+
+    grad_scale: Any
+    found_inf: Any
+
+    @staticmethod
+    def checked(grad_scale: Any, found_inf: Any) -> "_Amp":
+        for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1 or value.is_complex() or value.is_sparse:
+                    raise InvalidParameterError(
+                        f"{name} is a tensor of shape {tuple(value.shape)} ({value.dtype}), expected a 1-element real "
+                        "tensor (as torch.amp.GradScaler passes) or a number")
+                if name == "grad_scale" and not value.is_floating_point():
+                    raise InvalidParameterError(f"grad_scale is a {value.dtype} tensor, expected a floating-point one")
+            elif isinstance(value, (bool, np.bool_)) and name == "found_inf":
+                continue
+            elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise InvalidParameterError(f"{name}={value!r} of type {type(value).__name__}, expected None, a number "
+                                            "or a 1-element tensor")
+        return _Amp(grad_scale, found_inf)
+
+    def host_values(self) -> Tuple[Optional[float], bool]:
+        """(the inverse scale or None, whether an inf was found), read on the host."""
+        found = self.found_inf is not None and float(self.found_inf) != 0.0
+        inv = None
+        if self.grad_scale is not None:
+            scale = float(self.grad_scale)
+            if not (scale > 0.0 and np.isfinite(scale)):
+                raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
+            inv = 1.0 / scale
+        return inv, found
+
+
 class OptirsOptimizer(torch.optim.Optimizer):
     """Base of the optirs.torch optimizers: torch's Optimizer (param_groups, hooks, state,
-    state_dict) over an optirs definition's one-launch step.
+    state_dict) over an optirs definition's engine, one launch per bucket.
 
-    Subclasses set ``definition_name`` and implement :meth:`_hyperparameters` (a param group to
-    the definition's params record and the definition to run it with).
+    Subclasses implement :meth:`_hyperparameters` (a param group to the definition's name and
+    its params record).
     """
 
     definition_name: str = ""
     _has_step_state: bool = True
     # GradScaler passes grad_scale / found_inf to step (torch's fused optimizers' contract).
     _step_supports_amp_scaling = True
+    _native_maximize = False
+    _FORMAT_KEYS = ("master_weights", "state_dtype", "stochastic_rounding", "seed")
+    FORMAT_KEYS = _FORMAT_KEYS  # the step-format keywords a param group may set
 
     def __init__(self, params: Any, defaults: Dict[str, Any], *, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None, foreach: Optional[bool] = None,
@@ -366,14 +315,18 @@ class OptirsOptimizer(torch.optim.Optimizer):
             raise InvalidParameterError(f"backend_options={backend_options!r}, expected a dict or None")
         self._backend_name = backend
         self._backend_options = dict(backend_options or {})
-        self._backends: Dict[str, Any] = {}
-        self._buckets: Dict[tuple, Tuple[tuple, List[_Bucket]]] = {}
-        # per-step work done once: each group's checked hyperparameters (keyed by their values),
-        # its parameters' checks (keyed by the list and their memory), formats per dtype
-        self._plans: Dict[int, tuple] = {}
-        self._groups: Dict[int, tuple] = {}
-        self._formats: Dict[tuple, Any] = {}
+        self._init_caches()
         super().__init__(params, defaults)
+        self.state = _TrackedState(self.state)
+
+    def _init_caches(self) -> None:
+        """What a step reuses, each rebuilt from param_groups and state when missing (a copy starts
+        without them): the opened backends, each group's checked hyperparameters (keyed by their
+        values) and plan, the storage format per dtype."""
+        held = self.__dict__
+        for name in ("_backends", "_hypers", "_plans", "_formats"):
+            if name not in held:
+                held[name] = {}
 
     # ------------------------------------------------------------ hyperparameters
 
@@ -387,6 +340,8 @@ class OptirsOptimizer(torch.optim.Optimizer):
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise InvalidParameterError(f"{key} is a tensor of {value.numel()} elements, expected 1 element")
+            if value.is_complex() or value.dtype == torch.bool:
+                raise InvalidParameterError(f"{key} is a {value.dtype} tensor, expected a real number")
             if key == "lr" and group.get("capturable", False):
                 # capturable: the step reads the tensor on the device (a host read would
                 # synchronise, and is refused under capture); the record's lr is a placeholder.
@@ -401,16 +356,30 @@ class OptirsOptimizer(torch.optim.Optimizer):
         value = group[key]
         if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
             raise InvalidParameterError(f"{key}={value!r}, expected a pair of floats")
-        return tuple(float(v.item()) if isinstance(v, torch.Tensor) else v for v in value)  # type: ignore[return-value]
+        out = []
+        for i, v in enumerate(value):
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool:
+                    raise InvalidParameterError(f"{key}[{i}] is a tensor of shape {tuple(v.shape)} ({v.dtype}), "
+                                                "expected a float (or a 1-element real tensor)")
+                v = float(v.item())
+            out.append(v)
+        return tuple(out)  # type: ignore[return-value]
 
-    def _check_group(self, group: Dict[str, Any]):
-        """(definition, hp, slots, precision) of a group, checked (the flags, the hyperparameters,
-        capturable on an elementwise definition without a compact format)."""
+    def _check_group(self, group: Dict[str, Any], where: str = "the param group") -> _Hyper:
+        """A group's definition, hyperparameters, slots and precision, checked (the flags, the
+        hyperparameters, capturable on an elementwise definition without a compact format)."""
         capturable = bool(group.get("capturable", False))
         check_flags(group, capturable_ok=True)
-        name, hp = self._hyperparameters(group)
+        try:
+            name, hp = self._hyperparameters(group)
+            precision = self._precision(group)
+        except KeyError as exc:
+            missing = exc.args[0] if exc.args else exc
+            raise InvalidParameterError(
+                f"{where} has no {missing!r}, expected every hyperparameter of {type(self).__name__} "
+                f"({sorted(k for k in self.defaults if k != 'params')})") from exc
         definition = DEFINITIONS[name]
-        precision = self._precision(group)
         if capturable:
             if name not in FORMULAS:
                 raise UnsupportedOperationError(
@@ -421,246 +390,46 @@ class OptirsOptimizer(torch.optim.Optimizer):
                 raise UnsupportedOperationError(
                     f"capturable=True with state_dtype={precision.state_dtype!r}, expected 'float32': capturable "
                     "steps run float32 parameters and state")
-        return definition, hp, definition.state_slots(hp), precision
+        slots = definition.state_slots(hp)
+        return _Hyper(definition, hp, slots, precision, capturable,
+                      (definition.name, tuple(slots.items()), precision, capturable))
+
+    def _hyper(self, gi: int, group: Dict[str, Any]) -> _Hyper:
+        """:meth:`_check_group` of a group, cached on its hyperparameters' values (rebuilt, and
+        checked, whenever a scheduler or the user changes one)."""
+        cached = self._hypers.get(gi)
+        if cached is not None:
+            values = cached[1]  # the same immutable values as last time, by identity
+            if values is not None and len(values) == len(group) and all(map(_IS, group.values(), values)) \
+                    and cached[2] == tuple(group):
+                return cached[3]
+        capturable = group.get("capturable", False)
+        items = []
+        for k, v in group.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):
+                # a tensor's value is read each step (a capturable lr: on the device, not here)
+                v = ("tensor", id(v)) if v.numel() != 1 or (k == "lr" and capturable) else ("tensor", v.item())
+            elif isinstance(v, (list, tuple)):
+                v = tuple(("tensor", x.item() if x.numel() == 1 else id(x)) if isinstance(x, torch.Tensor) else x
+                          for x in v)
+            items.append((k, v))
+        sig = tuple(items)
+        if cached is not None and cached[0] == sig:
+            hyper = cached[3]
+        else:
+            hyper = self._check_group(group, f"param_groups[{gi}]")
+        # values that cannot change in place (no tensors, no lists) are then compared by identity
+        values = list(group.values()) if all(_immutable(v) for k, v in group.items() if k != "params") else None
+        self._hypers[gi] = (sig, values, tuple(group), hyper)
+        return hyper
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         # Check the group's hyperparameters before torch adds it, so a bad group changes nothing.
         probe = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._check_group(probe)
         super().add_param_group(param_group)
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        # torch casts every state tensor but "step" to its floating-point parameter's dtype; the
-        # masters and compact state keep their own: of 16-bit parameters everything (float32
-        # masters and scales, bfloat16 moments, int8 codes), of float32 parameters the bfloat16
-        # and integer tensors (a float64 value in a checkpoint is meant to arrive as float32).
-        saved = state_dict.get("state", {})
-        for saved_group, group in zip(state_dict.get("param_groups", []), self.param_groups):
-            for index, p in zip(saved_group.get("params", []), group["params"]):
-                entry = saved.get(index)
-                if entry is None or p not in self.state:
-                    continue
-                for k, v in entry.items():
-                    if k != "step" and isinstance(v, torch.Tensor) and (
-                            p.dtype != STATE_DTYPE or v.dtype == torch.bfloat16 or not v.is_floating_point()):
-                        self.state[p][k] = v.detach().to(device=p.device).clone()
-        self._buckets.clear()  # the next step copies the loaded state into fresh flat buffers
-        self._groups.clear()
-
-    # ------------------------------------------------------------ the step
-
-    def _backend_for(self, device: torch.device):
-        backend = self._backends.get(device.type)
-        if backend is None:
-            backend = self._backends[device.type] = _open_backend(
-                self._backend_name, self._backend_options, device.type)
-        return backend
-
-    def _param_step(self, p: torch.Tensor) -> int:
-        state = self.state.get(p) if p in self.state else None
-        if not state:
-            return 0
-        if self._has_step_state:
-            step = state.get("step", 0)
-            return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
-        # SGD: a momentum buffer (compact ones under momentum_buffer.codes / .scales) means it has stepped
-        return 1 if any(k.split(".")[0] == "momentum_buffer" and v is not None for k, v in state.items()) else 0
-
-    def _buckets_for(self, key: tuple, params: List[torch.Tensor], definition: OptimizerDefinition,
-                     slots: Dict[str, float], fmt: Optional[Any] = None, hp: Any = None,
-                     seed: int = 0, capturable: bool = False) -> List[_Bucket]:
-        ids = tuple(map(id, params))
-        hit = self._buckets.get(key)
-        if hit is not None and hit[0] == ids:
-            buckets = hit[1]
-            if all(b.definition is definition and b.slots == slots and getattr(b, "storage", None) == fmt
-                   and getattr(b, "seed", seed) == seed and (not capturable or b.device_steps)
-                   and b.intact(self) for b in buckets):
-                return buckets
-        if type(self.state) is not _TrackedState:
-            self.state = _TrackedState(self.state)  # (load_state_dict gives torch's plain one)
-        backend = self._backend_for(params[0].device)
-        if capturable and not backend.supports("capturable"):
-            raise UnsupportedOperationError(
-                f"capturable=True on {params[0].device.type} tensors, expected tensors on a device whose backend has "
-                f"the 'capturable' capability (CUDA tensors on the cuda backend): backend {backend.name!r} implements "
-                f"{sorted(backend.capabilities)}. torch's capturable optimizers refuse CPU tensors too")
-        by_step: Dict[int, List[torch.Tensor]] = {}
-        for p in params:
-            by_step.setdefault(self._param_step(p), []).append(p)
-        if fmt is not None:
-            from optirs.torch._formats import _FormatBucket
-
-            buckets = [_FormatBucket(self, definition, backend, ps, slots, step, fmt, hp, seed)
-                       for step, ps in sorted(by_step.items())]
-            self._buckets[key] = (ids, buckets)
-            return buckets
-        buckets = [_Bucket(self, definition, backend, ps, slots, step, device_steps=capturable)
-                   for step, ps in sorted(by_step.items())]
-        self._buckets[key] = (ids, buckets)
-        return buckets
-
-    def _bad_tensor(self, gi: int, j: int, p: torch.Tensor, g: torch.Tensor) -> None:
-        """The error of a parameter / gradient the step cannot take (the fast check found one)."""
-        if g.is_sparse:
-            raise UnsupportedOperationError(
-                f"param_groups[{gi}]['params'][{j}] has a sparse gradient, expected a dense one: "
-                "use optirs.SparseAdam / optirs.SparseSgd (or torch.optim.SparseAdam) for sparse gradients"
-            )
-        if p.dtype not in PARAM_DTYPES or g.dtype not in (p.dtype, STATE_DTYPE):
-            raise UnsupportedOperationError(
-                f"param_groups[{gi}]['params'][{j}] is {p.dtype} with a {g.dtype} gradient, expected "
-                "torch.float32, bfloat16 or float16 parameters with gradients of their dtype or float32"
-            )
-        if not p.is_contiguous() or not g.is_contiguous():
-            raise ShapeMismatchError(
-                f"param_groups[{gi}]['params'][{j}] or its gradient is not contiguous, expected contiguous tensors"
-            )
-        if g.shape != p.shape or g.device != p.device:
-            raise ShapeMismatchError(
-                f"param_groups[{gi}]['params'][{j}] has shape {tuple(p.shape)} on {p.device}, but its "
-                f"gradient {tuple(g.shape)} on {g.device}; expected the same"
-            )
-
-    def _group_tensors(self, gi: int, group: Dict[str, Any]) -> Dict[tuple, List[torch.Tensor]]:
-        """The group's parameters with a gradient, per (group, device, dtype), every one checked.
-
-        The parameters' part (dtype, device, contiguity) is checked once per list of parameters
-        and memory (their data_ptr); the gradients are new tensors every step under
-        ``zero_grad(set_to_none=True)``, so theirs is checked every step, in one tight loop (torch
-        itself guarantees that an assigned gradient has its parameter's shape and device)."""
-        params = group["params"]
-        grads = [p.grad for p in params]
-        ptrs = tuple(map(torch.Tensor.data_ptr, params))
-        cached = self._groups.get(gi)
-        if cached is None or cached[0] != ptrs or cached[1] is not params or len(cached[2]) != len(params):
-            keys = []
-            for j, p in enumerate(params):
-                if p.dtype not in PARAM_DTYPES or not p.is_contiguous():
-                    keys.append(None)  # checked with its gradient below (a parameter without one is skipped)
-                else:
-                    keys.append((gi, str(p.device), p.dtype))
-            cached = self._groups[gi] = (ptrs, params, keys)
-            # the group's buckets were built on the old memory: intact() then need not re-read it
-            for k in [k for k in self._buckets if k[0] == gi]:
-                del self._buckets[k]
-        keys = cached[2]
-        out: Dict[tuple, List[torch.Tensor]] = {}
-        for j, (p, g, key) in enumerate(zip(params, grads, keys)):
-            if g is None:
-                continue
-            # (a sparse gradient is not contiguous: _bad_tensor names it)
-            if key is None or not g.is_contiguous() or (g.dtype is not key[2] and g.dtype is not STATE_DTYPE):
-                self._bad_tensor(gi, j, p, g)
-            bucket = out.get(key)
-            if bucket is None:
-                out[key] = [p]
-            else:
-                bucket.append(p)
-        return out
-
-    def _grad_factor(self, group: Dict[str, Any], inv_scale: Optional[float]) -> float:
-        """The scalars' ``grad_factor``: what the step multiplies every gradient element by first."""
-        negate = bool(group.get("maximize", False)) and not self._native_maximize
-        factor = 1.0 if inv_scale is None else inv_scale
-        return -factor if negate else factor
-
-    _native_maximize = False
-
-    def _plan(self, gi: int, group: Dict[str, Any]):
-        """(definition, hp, slots, precision) of a group, cached on its hyperparameters' values
-        (the record is rebuilt, and checked, whenever a scheduler or the user changes one)."""
-        items = []
-        for k, v in group.items():
-            if k == "params":
-                continue
-            if isinstance(v, torch.Tensor):
-                # a tensor's value is read each step (capturable lr: on the device, not here)
-                v = ("tensor", id(v)) if k == "lr" and group.get("capturable", False) else ("tensor", self._scalar(group, k) if v.numel() == 1 else id(v))
-            elif isinstance(v, (list, tuple)):
-                v = tuple(float(x.item()) if isinstance(x, torch.Tensor) else x for x in v)
-            items.append((k, v))
-        sig = tuple(items)
-        cached = self._plans.get(gi)
-        if cached is not None and cached[0] == sig:
-            return cached[1]
-        plan = self._check_group(group)
-        self._plans[gi] = (sig, plan)
-        return plan
-
-    # Under torch.compile the step is a graph break: dynamo runs it eagerly rather than tracing
-    # into the launch (and into numba's compiler on a first call).
-    @torch.compiler.disable
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
-             found_inf: Optional[torch.Tensor] = None):
-        """One step of every param group; returns ``closure()``'s loss (evaluated with grad enabled).
-
-        ``grad_scale`` / ``found_inf`` (or the attributes of the same names that
-        ``torch.amp.GradScaler`` sets on optimizers with ``_step_supports_amp_scaling``): the
-        gradients are unscaled by ``1 / grad_scale`` and nothing changes when ``found_inf`` is
-        non-zero (the step count does not advance either), as torch's fused optimizers do. On a
-        device whose backend has the ``capturable`` capability both stay on the device (no host
-        synchronisation); on the CPU they are read on the host (free there).
-        """
-        loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
-        amp = grad_scale is not None or found_inf is not None
-        # Check every group first, so a bad one leaves every parameter and state as it was.
-        plans = []
-        for gi, group in enumerate(self.param_groups):
-            definition, hp, slots, precision = self._plan(gi, group)
-            capturable = bool(group.get("capturable", False))
-            for key, params in self._group_tensors(gi, group).items():
-                fmt = self._storage(precision, params, definition)
-                if capturable and fmt is not None:
-                    raise UnsupportedOperationError(
-                        f"capturable=True on {key[2]} parameters, expected float32 ones: capturable steps run float32 "
-                        "parameters and state")
-                plans.append((key, params, definition, hp, slots, group, fmt, precision.seed, capturable))
-        launches = []
-        host_amp = False
-        for key, params, definition, hp, slots, group, fmt, seed, capturable in plans:
-            for bucket in self._buckets_for(key, params, definition, slots, fmt, hp, seed, capturable):
-                if amp and fmt is None and not bucket.device_steps and self._device_amp(bucket, definition):
-                    bucket.use_device_steps(self)
-                device = fmt is None and bucket.device_steps
-                host_amp |= amp and not device
-                launches.append((bucket, hp, group, device))
-        inv_scale = None
-        if host_amp:
-            # Buckets that step with host scalars read the AMP tensors on the host (free on the CPU).
-            if found_inf is not None and float(found_inf) != 0.0:
-                launches = [t for t in launches if t[3]]
-            if grad_scale is not None:
-                scale = float(grad_scale)
-                if not (scale > 0.0 and np.isfinite(scale)):
-                    raise InvalidParameterError(f"grad_scale={scale!r}, expected a finite scale > 0")
-                inv_scale = 1.0 / scale
-        for bucket, hp, group, device in launches:
-            if device:
-                self._launch_device(bucket, hp, group, grad_scale, found_inf)
-            else:
-                self._launch(bucket, hp, self._grad_factor(group, inv_scale))
-        return loss
-
-    def _storage(self, precision: Any, params: List[torch.Tensor], definition: OptimizerDefinition):
-        key = (precision, params[0].dtype, definition.name)
-        hit = self._formats.get(key, self)
-        if hit is self:
-            hit = self._formats[key] = _storage(precision, params, definition)
-        return hit
-
-    def _device_amp(self, bucket: _Bucket, definition: OptimizerDefinition) -> bool:
-        """Whether the GradScaler's tensors can stay on the device for this bucket: a non-CPU
-        bucket of an elementwise definition on a backend with the ``capturable`` capability."""
-        return (not bucket.params[0].is_cpu and definition.name in FORMULAS
-                and bucket.backend.supports("capturable"))
-
-    # ------------------------------------------------------------ formats
-
-    _FORMAT_KEYS = ("master_weights", "state_dtype", "stochastic_rounding", "seed")
-    FORMAT_KEYS = _FORMAT_KEYS  # the step-format keywords a param group may set
 
     def group_hyperparameters(self, group: Dict[str, Any]):
         """(definition name, hyperparameters record) of a param group (what wrappers such as CPUOffload read)."""
@@ -680,28 +449,265 @@ class OptirsOptimizer(torch.optim.Optimizer):
 
         return Precision(**{k: group[k] for k in self._FORMAT_KEYS if k in group})
 
-    def _launch(self, bucket: _Bucket, hp: Any, factor: float) -> None:
-        if getattr(bucket, "storage", None) is not None:
-            bucket.launch(hp, factor)
-            return
-        backend = bucket.backend
-        grads = [p.grad for p in bucket.params]
-        garrays = bucket.grad_arrays(grads)
-        staged = backend.stage(backend.ctx, bucket.param_arrays, garrays, None)
-        scalars = bucket.definition.scalars(hp, bucket.step + 1, grad_factor=factor)
-        backend.step(backend.ctx, StepRequest(bucket.definition, staged.params, staged.grads, bucket.device_state,
-                                              bucket.layout, scalars, StepControls(bucket.step + 1)))
-        if staged.finish is not None:
-            staged.finish()
-        bucket.step += 1
-        if bucket.has_step:
-            bucket.steps.fill_(float(bucket.step))
+    def _storage(self, precision: Any, dtype: torch.dtype, definition: OptimizerDefinition):
+        """The state's storage format for parameters of ``dtype`` (None: float32 tensors and state;
+        the gradients' dtype is the step's, resolved per launch)."""
+        key = (precision, dtype, definition.name)
+        hit = self._formats.get(key, self)
+        if hit is self:
+            from dataclasses import replace
+
+            from optirs.core.formats import resolve_format
+
+            name = str(dtype).replace("torch.", "")
+            fmt = replace(resolve_format(precision, name, name, definition.kernel), grad_dtype="float32")
+            hit = self._formats[key] = None if fmt.plain else fmt
+        return hit
+
+    # ------------------------------------------------------------ checkpoints and copies
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+        # steps are checked before torch takes anything (torch would keep a bad one until a step fails)
+        for index, entry in (saved.items() if isinstance(saved, dict) else ()):
+            if isinstance(entry, dict) and "step" in entry:
+                step_value(entry["step"], f"state_dict['state'][{index!r}]")
+        super().load_state_dict(state_dict)
+        # torch casts every state tensor but "step" to its floating-point parameter's dtype; the
+        # masters and compact state keep their own: of 16-bit parameters everything (float32
+        # masters and scales, bfloat16 moments, int8 codes), of float32 parameters the bfloat16
+        # and integer tensors (a float64 value in a checkpoint is meant to arrive as float32).
+        for saved_group, group in zip(state_dict.get("param_groups", []), self.param_groups):
+            for index, p in zip(saved_group.get("params", []), group["params"]):
+                entry = saved.get(index)
+                if entry is None or p not in self.state:
+                    continue
+                for k, v in entry.items():
+                    if k != "step" and isinstance(v, torch.Tensor) and (
+                            p.dtype != STATE_DTYPE or v.dtype == torch.bfloat16 or not v.is_floating_point()):
+                        self.state[p][k] = v.detach().to(device=p.device).clone()
+        self.state = _TrackedState(self.state)
+        self._plans.clear()  # the next step copies the loaded state into fresh flat buffers
+        self._hypers.clear()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """torch's (defaults, state, param_groups) with each state entry as its own tensors (not views
+        of flat buffers, which plain pickle would write once per view), and the backend choice: a
+        copy rebuilds its buckets and engines from them at its first step."""
+        state = super().__getstate__()
+        state["state"] = {p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+                          for p, entry in self.state.items()}
+        state["_backend_name"], state["_backend_options"] = self._backend_name, dict(self._backend_options)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._init_caches()
+        self.state = _TrackedState(self.state)
+
+    # ------------------------------------------------------------ the step
+
+    def _backend_for(self, device: torch.device):
+        backend = self._backends.get(device.type)
+        if backend is None:
+            backend = self._backends[device.type] = _open_backend(
+                self._backend_name, self._backend_options, device.type)
+        return backend
+
+    def _param_step(self, p: torch.Tensor, what: str) -> int:
+        """The step count ``opt.state`` holds for ``p`` (0 without state), checked."""
+        state = self.state.get(p)
+        if not state:
+            return 0
+        if self._has_step_state:
+            if "step" not in state:
+                raise InvalidParameterError(f"the state of {what} has keys {sorted(state)} but no 'step', expected "
+                                            "its step count (as torch keeps it)")
+            return step_value(state["step"], f"the state of {what}")
+        # SGD: a momentum buffer (compact ones under momentum_buffer.codes / .scales) means it has stepped
+        return 1 if any(k.split(".")[0] == "momentum_buffer" and v is not None for k, v in state.items()) else 0
+
+    def _bad_tensor(self, gi: int, j: int, p: torch.Tensor, g: torch.Tensor) -> Optional[Exception]:
+        """The error of a parameter / gradient the step cannot take, or None."""
+        where = f"param_groups[{gi}]['params'][{j}]"
+        if not isinstance(g, torch.Tensor):
+            return InvalidParameterError(f"{where}.grad is a {type(g).__name__}, expected a tensor or None")
+        if g.is_sparse or g.layout != torch.strided:
+            return UnsupportedOperationError(
+                f"{where} has a sparse gradient, expected a dense one: use optirs.SparseAdam / optirs.SparseSgd (or "
+                "torch.optim.SparseAdam) for sparse gradients")
+        if p.dtype not in PARAM_DTYPES or g.dtype not in (p.dtype, STATE_DTYPE):
+            return UnsupportedOperationError(
+                f"{where} is {p.dtype} with a {g.dtype} gradient, expected torch.float32, bfloat16 or float16 "
+                "parameters with gradients of their dtype or float32")
+        if g.shape != p.shape or g.device != p.device:
+            return ShapeMismatchError(
+                f"{where} has shape {tuple(p.shape)} on {p.device}, but its gradient {tuple(g.shape)} on {g.device}; "
+                "expected the same (a gradient of another shape would be read out of bounds)")
+        if not p.is_contiguous() or not g.is_contiguous():
+            return ShapeMismatchError(f"{where} or its gradient is not contiguous (strides {p.stride()} and "
+                                      f"{g.stride()}), expected contiguous tensors")
+        return None
+
+    def _plan_group(self, gi: int, group: Dict[str, Any], params: List[torch.Tensor], grads: List[Any],
+                    hyper: _Hyper, amp: bool) -> _GroupPlan:
+        """A new plan of one group (every tensor checked, buckets reused where their tensors did not
+        change, new ones adopting what opt.state holds); nothing of the optimizer changes."""
+        definition, slots, precision, capturable = hyper.definition, hyper.slots, hyper.precision, hyper.capturable
+        present = [j for j, g in enumerate(grads) if g is not None]
+        by_key: Dict[tuple, List[int]] = {}
+        for j in present:
+            p, g = params[j], grads[j]
+            error = self._bad_tensor(gi, j, p, g)
+            if error is not None:
+                raise error
+            by_key.setdefault((p.device, p.dtype), []).append(j)
+        old = self._plans.get(gi)
+        reusable = {tuple(map(id, b.params)): b for b, _ in old.launches} if old is not None else {}
+        launches: List[Tuple[Bucket, Any]] = []
+        amp_pending = False
+        position = {j: k for k, j in enumerate(present)}
+        for (device, dtype), members in by_key.items():
+            gdtypes = {grads[j].dtype for j in members}
+            if len(gdtypes) > 1:
+                raise ShapeMismatchError(
+                    f"param_groups[{gi}]'s {dtype} parameters on {device} have gradients of dtypes "
+                    f"{sorted(map(str, gdtypes))}, expected one dtype (the parameters' or float32) for all of them: "
+                    "one launch reads one gradient dtype")
+            storage = self._storage(precision, dtype, definition)
+            if capturable and storage is not None:
+                raise UnsupportedOperationError(
+                    f"capturable=True on {dtype} parameters, expected float32 ones: capturable steps run float32 "
+                    "parameters and state")
+            backend = self._backend_for(device)
+            if capturable and not backend.supports("capturable"):
+                raise UnsupportedOperationError(
+                    f"capturable=True on {device.type} tensors, expected tensors on a device whose backend has the "
+                    f"'capturable' capability (CUDA tensors on the cuda backend): backend {backend.name!r} implements "
+                    f"{sorted(backend.capabilities)}. torch's capturable optimizers refuse CPU tensors too")
+            device_amp = (device.type != "cpu" and storage is None and definition.name in FORMULAS
+                          and backend.supports("capturable"))
+            want_device = capturable or (amp and device_amp)
+            by_step: Dict[int, List[int]] = {}
+            for j in members:
+                by_step.setdefault(self._param_step(params[j], f"param_groups[{gi}]['params'][{j}]"), []).append(j)
+            detach = any(grads[j].requires_grad for j in members)
+            for step, js in sorted(by_step.items()):
+                ps = [params[j] for j in js]
+                bucket = reusable.get(tuple(map(id, ps)))
+                if bucket is None or not (
+                        bucket.layout.shapes == [tuple(p.shape) for p in ps]
+                        and bucket.definition is definition and bucket.slots == slots and bucket.storage == storage
+                        and bucket.seed == precision.seed and (bucket.device_steps or not want_device)
+                        and bucket.detach_grads == detach and bucket.intact(self.state)):
+                    bucket = Bucket(definition, backend, ps, slots, storage, precision.seed, self._has_step_state,
+                                    [f"param_groups[{gi}]['params'][{j}]" for j in js], device_steps=want_device,
+                                    detach_grads=detach)
+                    entries = [self.state.get(p) for p in ps]
+                    if any(entries):
+                        bucket.adopt(entries, step)
+                elif bucket.param_ptrs != tuple(map(_DATA_PTR, ps)):
+                    bucket.refresh_params()  # the same tensors over other memory (p.data = ...)
+                amp_pending |= device_amp and not bucket.device_steps
+                pick = None if len(js) == len(present) else _picker([position[j] for j in js])
+                launches.append((bucket, pick))
+        mask = tuple(map(_IS, grads, repeat(None)))
+        return _GroupPlan(params, hyper.key, mask, present, grads, launches, amp_pending)
+
+    def _grad_factor(self, group: Dict[str, Any], inv_scale: Optional[float]) -> float:
+        """The scalars' ``grad_factor``: what the step multiplies every gradient element by first."""
+        negate = bool(group.get("maximize", False)) and not self._native_maximize
+        factor = 1.0 if inv_scale is None else inv_scale
+        return -factor if negate else factor
+
+    # Under torch.compile the step is a graph break: dynamo runs it eagerly rather than tracing
+    # into the launch (and into numba's compiler on a first call).
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
+             found_inf: Optional[torch.Tensor] = None):
+        """One step of every param group, as one transaction (module docstring); returns
+        ``closure()``'s loss (evaluated with grad enabled).
+
+        ``grad_scale`` / ``found_inf`` (or the attributes of the same names that
+        ``torch.amp.GradScaler`` sets on optimizers with ``_step_supports_amp_scaling``): the
+        gradients are unscaled by ``1 / grad_scale`` and nothing changes when ``found_inf`` is
+        non-zero (the step count does not advance either), as torch's fused optimizers do. On a
+        device whose backend has the ``capturable`` capability both stay on the device (no host
+        synchronisation); on the CPU they are read on the host (free there).
+        """
+        loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
+        amp = _Amp.checked(grad_scale, found_inf)
+        has_amp = grad_scale is not None or found_inf is not None
+        state = self.state
+        # Phase 1: check every group and plan its buckets; nothing of the optimizer changes.
+        work: List[Tuple[Dict[str, Any], _Hyper, _GroupPlan, List[torch.Tensor], bool]] = []
+        for gi, group in enumerate(self.param_groups):
+            hyper = self._hyper(gi, group)
+            params = group["params"]
+            grads = list(map(_GRAD, params))
+            plan = self._plans.get(gi)
+            present = None
+            if plan is not None and not (has_amp and plan.amp_pending):
+                present = plan.current(params, grads, hyper.key, state)
+            fresh = present is None
+            if fresh:
+                plan = self._plan_group(gi, group, params, grads, hyper, has_amp)
+                present = [g for g in grads if g is not None]
+            work.append((group, hyper, plan, present, fresh))
+        inv_scale, found = None, None
+        if has_amp and any(not b.device_steps for _, _, plan, _, _ in work for b, _ in plan.launches):
+            inv_scale, found = amp.host_values()  # buckets with host scalars read them on the host
+        prepared: List[Tuple[Bucket, PreparedStep]] = []
+        for group, hyper, plan, present, _ in work:
+            factor = self._grad_factor(group, inv_scale)
+            for bucket, pick in plan.launches:
+                grads = present if pick is None else pick(present)
+                if bucket.device_steps:
+                    inputs = self._device_inputs(bucket, hyper.hp, group, amp)
+                    prepared.append((bucket, bucket.prepare(hyper.hp, grads, 1.0, None, inputs)))
+                else:
+                    prepared.append((bucket, bucket.prepare(hyper.hp, grads, factor, found)))
+        # Phase 2: the transaction, then the new buckets' entries in opt.state.
+        with deferred_interrupts():
+            try:
+                run_steps([p for _, p in prepared])
+            finally:
+                self._commit(work, prepared)
+        return loss
+
+    def _commit(self, work: List[tuple], prepared: List[Tuple[Bucket, PreparedStep]]) -> None:
+        """After the launches: the step tensors of the stepped buckets; the entries of new buckets
+        whose engine holds state now; the plans whose every bucket is installed."""
+        done = {}
+        for bucket, p in prepared:
+            bucket.finish(p)
+            done[id(bucket)] = p.applied or (p.skip and bucket.engine.state is not None)
+        state = self.state
+        if type(state) is not _TrackedState:
+            state = self.state = _TrackedState(state)
+        for gi, (_, _, plan, _, fresh) in enumerate(work):
+            if not fresh:
+                continue
+            complete = True
+            for bucket, _ in plan.launches:
+                if bucket.entries is None:
+                    if done.get(id(bucket)):
+                        bucket.install(state)
+                    else:
+                        complete = False
+            if complete:
+                self._plans[gi] = plan
+            else:
+                self._plans.pop(gi, None)
 
     @staticmethod
-    def _on_device(t: torch.Tensor, device: torch.device, what: str) -> torch.Tensor:
+    def _on_device(t: Any, device: torch.device, what: str) -> torch.Tensor:
         """A one-element float32 tensor on ``device`` with ``t``'s value: ``t`` itself where it is
         one (read in place, so a change between CUDA-graph replays takes effect), else a copy
         made on the stream (eager steps; under capture keep such tensors on the device)."""
+        if not isinstance(t, torch.Tensor):
+            return torch.full((1,), float(t), dtype=STATE_DTYPE, device=device)
         if t.numel() != 1:
             raise InvalidParameterError(f"{what} is a tensor of {t.numel()} elements, expected 1 element")
         t = t.detach()
@@ -709,22 +715,15 @@ class OptirsOptimizer(torch.optim.Optimizer):
             return t
         return t.to(device=device, dtype=STATE_DTYPE).reshape(1)
 
-    def _launch_device(self, bucket: _Bucket, hp: Any, group: Dict[str, Any], grad_scale: Optional[torch.Tensor],
-                       found_inf: Optional[torch.Tensor]) -> None:
-        """The backend's capturable pair: the scalars record computed on the device from the
-        device step count, the lr (a float, or a tensor read at every step) and the gradient factor
-        (maximize's sign over grad_scale), then the step reading it; found_inf skips both on the device."""
+    def _device_inputs(self, bucket: Bucket, hp: Any, group: Dict[str, Any], amp: _Amp) -> DeviceStepInputs:
+        """The device-side scalars' inputs: the device step count, the lr (a float, or a tensor read
+        at every step), maximize's sign and the GradScaler's device tensors."""
         definition, device = bucket.definition, bucket.device
         lr = group["lr"]
         lr_in = self._on_device(lr, device, "lr") if isinstance(lr, torch.Tensor) else float(lr)
         sign = -1.0 if bool(group.get("maximize", False)) and not self._native_maximize else 1.0
-        inputs = DeviceStepInputs(
+        return DeviceStepInputs(
             steps=bucket.steps, record=bucket.record, constants=FORMULAS[definition.name].constants(hp), lr=lr_in,
-            sign=sign, grad_scale=None if grad_scale is None else self._on_device(grad_scale, device, "grad_scale"),
-            found_inf=None if found_inf is None else self._on_device(found_inf, device, "found_inf"))
-        if bucket.type_record is None:
-            bucket.type_record = definition.scalars(hp, 1)
-        grads = [g.detach() if g.requires_grad else g for g in (p.grad for p in bucket.params)]
-        backend = bucket.backend
-        backend.step(backend.ctx, StepRequest(definition, bucket.param_arrays, grads, bucket.flat, bucket.layout,
-                                              bucket.type_record, StepControls(device=inputs)))
+            sign=sign,
+            grad_scale=None if amp.grad_scale is None else self._on_device(amp.grad_scale, device, "grad_scale"),
+            found_inf=None if amp.found_inf is None else self._on_device(amp.found_inf, device, "found_inf"))
