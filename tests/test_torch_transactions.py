@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 import optirs  # noqa: E402
 import optirs.torch as ot  # noqa: E402
-from optirs.core import formats_reference as fref  # noqa: E402
+from optirs.core import reference as fref  # noqa: E402
 from optirs.core.errors import InvalidParameterError, PluginError, ShapeMismatchError  # noqa: E402
 from optirs.plugin.hookspecs import StepSupport, hookimpl  # noqa: E402
 from optirs.torch._guards import TensorCheck  # noqa: E402

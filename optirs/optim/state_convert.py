@@ -5,7 +5,7 @@ than the optimizer steps in: float32 moments loaded into int8 state, int8 codes 
 into float32, bfloat16 into int8, another kind of master weights. :func:`convert_entry` gives
 the entry in the target's keys, dtypes and shapes. A key the source already holds in the
 target's dtype and shape is copied as it is (a resumed run stays bit-exact); anything else is
-decoded to float32 with the contract's own decoders (:mod:`optirs.core.formats_reference`) and
+decoded to float32 with the contract's own decoders (:func:`optirs.core.reference.format_step`'s) and
 encoded as the target keeps it. What the target has no place for (master weights into a format
 without them) and what is missing (a moment the target needs) are refused, naming the key:
 nothing is dropped or restarted silently.
@@ -19,7 +19,7 @@ import numpy as np
 
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
 from optirs.core.formats import BLOCK, FormatState, StepFormat
-from optirs.core import formats_reference as ref
+from optirs.core import reference as ref
 
 FLOAT32 = np.dtype(np.float32)
 MASTER_KEYS = ("master", "master_remainder")

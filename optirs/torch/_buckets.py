@@ -34,7 +34,7 @@ from optirs.core.layout import TensorLayout
 from optirs.optim import formats as fm
 from optirs.optim.engine import PreparedStep, StepEngine
 from optirs.optim.state_convert import MASTER_KEYS, TensorTarget, convert_entry, target_of
-from optirs.plugin.hookspecs import DeviceStepInputs
+from optirs.plugin.hookspecs import AddressedArrays, DeviceStepInputs
 
 STATE_DTYPE = torch.float32
 # numpy dtype of a state buffer -> the torch dtype it is held in (bfloat16 state as bfloat16: what a
@@ -298,21 +298,25 @@ class Bucket:
     # ------------------------------------------------------------ the step
 
     def refresh_params(self) -> None:
-        """The kernels' arrays over the parameters' current memory."""
+        """The kernels' arrays over the parameters' current memory (on a device, with the addresses
+        just read: the backend reads nothing again per step)."""
         ptrs = tuple(map(_DATA_PTR, self.params))  # (read first: a stale pair only re-reads them)
-        self.param_arrays = kernel_arrays(self.params, self.on_cpu, True)
+        arrays = kernel_arrays(self.params, self.on_cpu, True)
+        self.param_arrays = arrays if self.on_cpu else AddressedArrays(arrays, ptrs)
         self.param_ptrs = ptrs
 
     def grad_arrays(self, grads: List[torch.Tensor]) -> List[Any]:
         """The gradients as the backend reads them (the same list as the last step for the same
-        tensors with the same memory, so the backend's caches of it hit)."""
-        if not self.on_cpu and not self.detach_grads and grads[0].dtype not in _BITS:
-            return grads  # device tensors as they are: the backend reads their pointers
+        tensors with the same memory, so the backend's caches of it hit). On a device: the tensors
+        themselves (16-bit ones too: no view per tensor and step) with their addresses."""
         last, last_ptrs, arrays = self._gcache
         ptrs = tuple(map(_DATA_PTR, grads))
         if ptrs == last_ptrs and len(grads) == len(last) and all(map(_IS, grads, last)):
             return arrays
-        arrays = kernel_arrays(grads, self.on_cpu, self.detach_grads)
+        if self.on_cpu:
+            arrays = kernel_arrays(grads, True, self.detach_grads)
+        else:
+            arrays = AddressedArrays(list(map(torch.Tensor.detach, grads)) if self.detach_grads else grads, ptrs)
         self._gcache = (grads, ptrs, arrays)  # one assignment: an interrupt leaves it whole
         return arrays
 

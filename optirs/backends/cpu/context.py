@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from optirs.backends.cpu.typed_lists import cached_typed_list
+from optirs.backends.cpu.typed_lists import cached_typed_list, latest_typed_list
 
 
 def cpu_name() -> str:
@@ -34,22 +34,29 @@ def _total_memory() -> int | None:
 class CpuContext:
     """The opened CPU backend: the kernels module and a small cache of typed lists."""
 
-    # Cached typed lists per role. An entry keeps its arrays alive (so the ids stay theirs):
-    # parameters are the same memory step after step, but gradients are often new arrays every
-    # step (torch's zero_grad(set_to_none=True)), so only the latest gradient list is kept;
-    # a longer cache would hold old gradients, a model's worth each.
-    CACHED = {"params": 4, "grads": 1}
+    # Typed lists kept: parameter lists (the same memory step after step) and, per parameter
+    # list, its latest gradient list (optirs.backends.cpu.typed_lists).
+    CACHED = {"params": 4, "grads": 4}
 
     def __init__(self, kernels: Any):
         self.kernels = kernels
-        # The numba typed lists of recent lists, keyed by the arrays' identities.
         self.lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
         # The same for the word views the formats capability stages (optirs.backends.cpu.formats).
         self.format_lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
 
-    def typed_list(self, arrays: List[np.ndarray], role: str = "params"):
-        return cached_typed_list(self.lists[role], arrays, self.CACHED[role],
-                                 lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]))
+    def typed_lists(self, params: List[np.ndarray], grads: List[np.ndarray]) -> tuple:
+        """The typed lists of one step's parameters and gradients (flat views)."""
+        return staged_lists(self, self.lists, params, grads, lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]),
+                            lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]))
+
+
+def staged_lists(ctx: CpuContext, lists: Dict[str, "OrderedDict[tuple, tuple]"], params: List[Any], grads: List[Any],
+                 build_params: Any, build_grads: Any) -> tuple:
+    """(typed list of ``params``, of ``grads``): the parameters' cached by identity, the gradients
+    as the parameters' latest."""
+    owner = tuple(map(id, params))
+    return (cached_typed_list(lists["params"], params, ctx.CACHED["params"], build_params),
+            latest_typed_list(lists["grads"], owner, grads, ctx.CACHED["grads"], build_grads))
 
 
 def _available_memory() -> int | None:

@@ -61,7 +61,7 @@ class CpuDevice:
                 raise InvalidParameterError(
                     f"params[{i}] is a {type(p).__name__}, expected a numpy array on the cpu backend"
                 )
-        return Staged(ctx.typed_list(params, "params"), ctx.typed_list(grads, "grads"))
+        return Staged(*ctx.typed_lists(params, grads))
 
     @hookimpl
     def optirs_host_view(self, ctx: CpuContext, array: np.ndarray) -> np.ndarray:

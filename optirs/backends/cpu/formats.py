@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from optirs.backends.cpu.steps import CHUNK
-from optirs.backends.cpu.typed_lists import cached_typed_list
+from optirs.backends.cpu.context import staged_lists
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints
@@ -46,10 +46,9 @@ def _words(array: np.ndarray, dtype: str, what: str) -> np.ndarray:
     return array.reshape(-1).view(np.uint16)
 
 
-def _typed_list(ctx, role: str, arrays: List[np.ndarray], dtype: str):
-    """The typed list of the word views of ``arrays`` (cached by the arrays' identities, as the dense stage)."""
-    return cached_typed_list(ctx.format_lists[role], arrays, ctx.CACHED[role], lambda a: ctx.kernels.typed_list(
-        [_words(x, dtype, f"{role}[{i}]") for i, x in enumerate(a)]))
+def _build(ctx, role: str, dtype: str):
+    """Builds the typed list of the word views of a list of arrays of ``dtype``."""
+    return lambda a: ctx.kernels.typed_list([_words(x, dtype, f"{role}[{i}]") for i, x in enumerate(a)])
 
 
 def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepFormat):
@@ -86,8 +85,8 @@ class CpuFormats:
     """16-bit parameters, compact masters and compact state in one parallel loop per pass."""
 
     def _formats_stage(self, ctx, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
-        return Staged(_typed_list(ctx, "params", params, fmt.param_dtype),
-                      _typed_list(ctx, "grads", grads, fmt.grad_dtype))
+        return Staged(*staged_lists(ctx, ctx.format_lists, params, grads, _build(ctx, "params", fmt.param_dtype),
+                                    _build(ctx, "grads", fmt.grad_dtype)))
 
     def _formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step) -> None:
         if family not in _FAMILY_DEFINITION:

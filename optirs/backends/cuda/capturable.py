@@ -21,7 +21,7 @@ import numpy as np
 from optirs.backends.cuda.context import _head_types, device_address
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.plugin.hookspecs import DeviceStepInputs
+from optirs.plugin.hookspecs import AddressedArrays, DeviceStepInputs
 
 
 def _address(array: Any, what: str) -> int:
@@ -53,7 +53,8 @@ class CudaCapturable:
             raise UnsupportedOperationError(
                 f"optimizer {optimizer!r} has no device-side scalars, expected an elementwise optimizer "
                 f"({sorted(ctx.kernels.SCALARS_FUNCTIONS)}): its step needs per-tensor reductions between passes")
-        for what, arrays in (("params", params), ("grads", grads)):
+        vouched = type(params) is AddressedArrays and type(grads) is AddressedArrays
+        for what, arrays in (() if vouched else (("params", params), ("grads", grads))):
             for i, a in enumerate(arrays):
                 if not _is_device_array(a):
                     raise InvalidParameterError(
@@ -64,8 +65,10 @@ class CudaCapturable:
         if layout.total == 0:
             return
         capturing = ctx.stream_capturing(handle)
-        paddr = ctx.addresses(list(params), "params")
-        gaddr = ctx.addresses(list(grads), "grads")
+        if vouched:  # the caller read the addresses (and checked the arrays)
+            paddr, gaddr = params.addresses, grads.addresses
+        else:
+            paddr, gaddr = ctx.addresses(list(params), "params"), ctx.addresses(list(grads), "grads")
         warm = layout.cache.setdefault("cuda.capturable_warm", set())
         key = (optimizer, paddr, gaddr, type(scalars), len(inputs.constants))
         if capturing and key not in warm:
