@@ -1224,7 +1224,10 @@ def test_cuda_optimizer_state_takes_no_gpu_memory():
         model(x).sum().backward()
         opt.step()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    # all state is on the host; the GPU keeps only the gradients' fingerprints (two int64 per
+    # tensor, sent and now; torch's allocator rounds each table up to 512 bytes)
+    tensors = len(list(model.parameters()))
+    assert torch.cuda.memory_allocated() - before <= max(2 * 2 * 8 * tensors, 2 * 512)
     assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
 
 
