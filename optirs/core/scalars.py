@@ -122,6 +122,20 @@ def _record(cls: type, values) -> NamedTuple:
     return cls._make([bool(v) if b else x for v, b, x in zip(values, _BOOLS[cls], rounded)])
 
 
+# Below this, a sum of magnitudes says every value rounds to a finite float32 (float32's largest
+# value; a float64 value rounds to inf from half an ulp above it). NaN fails the comparison too.
+_FINITE_SUM = float(np.finfo(np.float32).max)
+
+
+def _finite_record(cls: type, values, hp, step: int) -> NamedTuple:
+    """:func:`_record` of ``values``, checked as :func:`_checked` does: one sum says all is finite in
+    the common case, else the fields are checked one by one (and the message names the field)."""
+    record = _record(cls, values)
+    if not sum(map(abs, values)) <= _FINITE_SUM:
+        _checked(record, hp, step)
+    return record
+
+
 def adam_values(c, lr, step, grad_factor):
     beta1, beta2, eps, weight_decay, decoupled, amsgrad = c
     return (beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay, lr / (1.0 - beta1**step),
@@ -172,8 +186,7 @@ def lion_constants(hp: LionParams) -> Tuple[float, ...]:
 
 
 def _pointwise(formula_values, constants, hp, step: int, grad_factor: float, record: type) -> NamedTuple:
-    return _checked(_record(record, formula_values(constants, float(hp.lr), float(step), float(grad_factor))),
-                    hp, step)
+    return _finite_record(record, formula_values(constants, float(hp.lr), float(step), float(grad_factor)), hp, step)
 
 
 def adam_scalars(hp: AdamParams, step: int, decoupled: bool, grad_factor: float = 1.0) -> AdamScalars:

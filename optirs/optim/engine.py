@@ -20,7 +20,6 @@ step whose hook raised is not counted (the steps before it in the transaction ar
 from __future__ import annotations
 
 import threading
-from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -123,21 +122,32 @@ def run_steps(steps: Sequence[PreparedStep]) -> None:
     A step whose launch raised is not counted and its error is raised after the steps before it
     were counted; the steps after it are not launched.
     """
-    engines = list({id(s.engine): s.engine for s in steps}.values())
-    backends = list({id(s.engine.backend): s.engine.backend for s in steps}.values())
-    locks = [e.lock for e in sorted(engines, key=id)] + [b.lock for b in sorted(backends, key=id)]
-    with deferred_interrupts(), ExitStack() as held:
-        for lock in locks:
-            held.enter_context(lock)
-        done: List[PreparedStep] = []
+    if len(steps) == 1:
+        engine = steps[0].engine
+        locks = [engine.lock, engine.backend.lock]
+    else:
+        engines = {id(s.engine): s.engine for s in steps}
+        backends = {id(e.backend): e.backend for e in engines.values()}
+        # one order for every thread: no two transactions wait on each other
+        locks = [engines[k].lock for k in sorted(engines)] + [backends[k].lock for k in sorted(backends)]
+    with deferred_interrupts():
+        held = 0
         try:
-            for s in steps:
-                if not s.skip:
-                    s.launch()
-                    done.append(s)
+            for lock in locks:
+                lock.acquire()
+                held += 1
+            done: List[PreparedStep] = []
+            try:
+                for s in steps:
+                    if not s.skip:
+                        s.launch()
+                        done.append(s)
+            finally:
+                for s in done:
+                    s.commit()
         finally:
-            for s in done:
-                s.commit()
+            for lock in reversed(locks[:held]):
+                lock.release()
 
 
 class StepEngine:

@@ -159,6 +159,7 @@ class Bucket:
         self.refresh_params()
         self.formats: Dict[torch.dtype, Optional[StepFormat]] = {}
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=self.device if device_steps else "cpu")
+        self.steps_host = self.steps.numpy() if not device_steps else None  # the host count's view
         self.extras: List[Dict[str, Any]] = [{} for _ in params]
         self.entries: Optional[List[Dict[str, Any]]] = None  # opt.state's entries, once installed
         self._checks: tuple = ((), (), ())
@@ -346,7 +347,7 @@ class Bucket:
     def finish(self, prepared: PreparedStep) -> None:
         """After the transaction: the step tensors follow a host count."""
         if prepared.applied and self.has_step and not self.device_steps:
-            self.steps.fill_(float(self.engine.step_count))
+            self.steps_host[...] = self.engine.step_count  # (a numpy view: a torch fill_ costs more)
 
 
 __all__ = ["Bucket", "STATE_DTYPE", "dtype_name", "kernel_arrays", "step_value"]
