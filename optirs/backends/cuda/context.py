@@ -581,6 +581,9 @@ def _torch_stream(tensor: Any) -> int:
         return 0
     import torch
 
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the handle without a Stream object
+    if raw is not None and device.index is not None:
+        return int(raw(device.index))
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
