@@ -134,11 +134,16 @@ def test_torch_tensors_follow_torchs_current_stream(monkeypatch):
         asked.append(device)
         return pytypes.SimpleNamespace(cuda_stream=0xC0DE)
 
+    def raw_stream(index):  # torch's builds with CUDA answer the raw handle directly
+        asked.append(index)
+        return 0xC0DE
+
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", raw_stream, raising=False)
     ctx, rec, compiled = _fake_context()
     tensor = _TorchLikeTensor()
     assert ctx.resolve_stream(tensor) == 0xC0DE
-    assert asked == [tensor.device]  # the tensor's device, at the time of the call
+    assert asked == [tensor.device.index]  # the tensor's device, at the time of the call
     ctx.launch(compiled, (1, 2, _scalars(1.0)), 4, 256)
     assert rec.streams == [0xC0DE]
     ctx.use_stream(0x42)  # pinned beats the rule
