@@ -228,12 +228,14 @@ def _bad_array(draw, how: str, rng: np.random.Generator, shape) -> Any:
     return _values(rng, shape)
 
 
-def _must_raise(how: str, side: str, bad: Any, shape, n_arrays: int, holds_state: bool) -> bool:
+def _must_raise(how: str, side: str, bad: Any, shape, n_arrays: int, holds_state: bool,
+                held_dtype: Any = None) -> bool:
     if how == "bfloat16" or (how == "dtype" and bad.dtype == np.float16):
         # 16-bit parameters are a step format of their own (docs/formats.md): accepted only when
-        # every parameter has that dtype (a one-array model here) and no float32 state is held yet;
-        # 16-bit gradients of float32 parameters are always refused.
-        return side == "grads" or n_arrays > 1 or holds_state
+        # every parameter has that dtype (a one-array model here) and the state held, if any, is of
+        # that format (``held_dtype``: its parameters' dtype); 16-bit gradients of float32
+        # parameters are always refused.
+        return side == "grads" or n_arrays > 1 or (holds_state and held_dtype != bad.dtype.name)
     if how in ("strided", "fortran"):  # a view numpy still calls C-contiguous (size-1 axes) is fine
         return not bad.flags.c_contiguous or bad.shape != tuple(shape)
     if how in ALWAYS_REJECTED or (how == "readonly" and side == "params"):
@@ -341,9 +343,11 @@ def _scenario(data, backend: str) -> None:
             p = list(params)
             g = [x.copy() for x in grads]
             (p if side == "params" else g)[i] = bad
-            holds_state = bool(opt.state_dict()["state"])
+            held = opt.state_dict()
+            holds_state = bool(held["state"])
+            held_dtype = held["format"]["param_dtype"] if "format" in held else "float32"
             exc = _call(opt, lambda: opt.step_gpu(p, g), p + g, f"bad_step {how}")
-            if _must_raise(how, side, bad, shapes[i], len(shapes), holds_state):
+            if _must_raise(how, side, bad, shapes[i], len(shapes), holds_state, held_dtype):
                 assert exc is not None, f"{side}[{i}] = {how} array {bad!r} was accepted"
         elif op == "bad_list":
             choice = data.draw(st.sampled_from(["short", "empty", "swap", "other_model", "same_twice", "tuple_mix"]))
