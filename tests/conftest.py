@@ -161,3 +161,24 @@ def backend_step(backend, name, params, grads, state, layout, scalars, *, step=1
     backend.step(backend.ctx, StepRequest(DEFINITIONS[name], params, grads, state, layout, scalars,
                                           StepControls(step, seed, found_inf, check_finite, device), fmt,
                                           format_state))
+
+
+def interrupt_at(line_event, package="/optirs/"):
+    """A trace function that sends SIGINT to the main thread (as Ctrl-C does) at the given line
+    event (counted over optirs' own frames), and the counter of those events; install it with
+    ``sys.settrace``."""
+    import _thread
+
+    count = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            count[0] += 1
+            if count[0] == line_event:
+                _thread.interrupt_main()
+        return local
+
+    def global_trace(frame, event, arg):
+        return local if package in frame.f_code.co_filename else None
+
+    return global_trace, count

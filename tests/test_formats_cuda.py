@@ -189,8 +189,8 @@ def _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step):
     ps = [p.copy() for p in params]
     state = {k: v.copy() for k, v in host.items()}
     staged = b.stage(b.ctx, ps, list(grads), fmt)
-    b.plugin._formats_step(b.ctx, d.kernel, staged.params, staged.grads, state, layout, fs, fmt, d.scalars(hp, step),
-                           seed, step)
+    b.step(b.ctx, StepRequest(d, staged.params, staged.grads, state, layout, d.scalars(hp, step),
+                              StepControls(step, seed), fmt, fs))
     return [_bits(p) for p in ps], state
 
 
@@ -251,8 +251,8 @@ def test_state_made_for_float32_gradients_steps_16bit_gradients():
     other = _fmt("bfloat16", "remainder8", "float32", gdt="bfloat16")  # another storage: refused
     d, layout = DEFINITIONS["adamw"], TensorLayout([(4,)])
     with pytest.raises(InvalidParameterError, match="same storage format"):
-        plugin._formats_step(ctx, d.kernel, [], [], {}, layout, FormatState(layout, (), fmt), other,
-                                   d.scalars(d.examples[0], 1), 0, 1, None)
+        plugin.optirs_step(ctx, StepRequest(d, [], [], {}, layout, d.scalars(d.examples[0], 1), StepControls(1), other,
+                                            FormatState(layout, (), fmt)))
 
 
 @pytest.mark.cuda

@@ -374,7 +374,9 @@ def test_pyopencl_ctx_is_honoured_when_no_option_is_given(monkeypatch):
     plat, dev, _ = ocl.select_device({})
     assert (plat, dev) == (p, d)
     monkeypatch.setenv("PYOPENCL_CTX", f"{pi}:no-such-device")
-    with pytest.raises(ocl._NoDevice, match="PYOPENCL_CTX"):
+    from optirs.backends.opencl.context import _NoDevice
+
+    with pytest.raises(_NoDevice, match="PYOPENCL_CTX"):
         ocl.select_device({})
     plat, dev, _ = ocl.select_device({"platform": pi, "device": di})  # options win over the variable
     assert dev == d

@@ -28,7 +28,7 @@ from optirs.core.errors import InvalidParameterError, PluginError, ShapeMismatch
 from optirs.plugin.hookspecs import StepSupport, hookimpl  # noqa: E402
 from optirs.torch._guards import TensorCheck  # noqa: E402
 
-from conftest import FakeHostBackend  # noqa: E402
+from conftest import FakeHostBackend, interrupt_at  # noqa: E402
 
 SHAPES = [(3, 2), (4,), (2, 2), (3,)]
 
@@ -88,31 +88,13 @@ def twins(make_opt, dtype=torch.float32, shapes=SHAPES):
 # ------------------------------------------------------------------ Ctrl-C during step()
 
 
-def _interrupt_at(line_event):
-    """A trace function sending SIGINT to the main thread (as Ctrl-C does) at the given line event
-    of optirs' own frames, and the counter of those events."""
-    count = [0]
-
-    def local(frame, event, arg):
-        if event == "line":
-            count[0] += 1
-            if count[0] == line_event:
-                _thread.interrupt_main()
-        return local
-
-    def global_trace(frame, event, arg):
-        return local if "/optirs/" in frame.f_code.co_filename else None
-
-    return global_trace, count
-
-
 def test_ctrl_c_anywhere_in_a_two_group_lamb_step_lands_before_or_after_the_whole_step():
     assert threading.current_thread() is threading.main_thread()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     (victim, vp), (twin, tp) = twins(lambda g: ot.Lamb(g, lr=1e-2, backend="cpu"))
     set_grads(vp, 1)
     set_grads(tp, 1)  # the same gradients every step: the twin is the reference
-    tracer, count = _interrupt_at(-1)
+    tracer, count = interrupt_at(-1)
     sys.settrace(tracer)
     try:
         victim.step()
@@ -124,7 +106,7 @@ def test_ctrl_c_anywhere_in_a_two_group_lamb_step_lands_before_or_after_the_whol
     outcomes = {"before": 0, "after": 0}
     for k in range(1, events + 1, max(1, events // 60)):
         assert same(snapshot(victim, vp), snapshot(twin, tp))
-        tracer, seen = _interrupt_at(k)
+        tracer, seen = interrupt_at(k)
         interrupted = False
         sys.settrace(tracer)
         try:

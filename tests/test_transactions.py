@@ -21,7 +21,7 @@ from optirs.core import reference
 from optirs.core.errors import GpuOptimError, InvalidParameterError, PluginError, ShapeMismatchError
 from optirs.plugin.hookspecs import StepSupport, hookimpl
 
-from conftest import FakeHostBackend
+from conftest import FakeHostBackend, interrupt_at
 
 SHAPES = [(6, 4), (10,), (3, 5)]
 
@@ -179,24 +179,6 @@ def test_one_optimizer_stepped_from_many_threads_loses_no_step(backend):
 # ------------------------------------------------------------------ 4. KeyboardInterrupt during a step
 
 
-def _interrupt_at(line_events, package="/optirs/"):
-    """A trace function that sends SIGINT to the main thread (as Ctrl-C does) at the given
-    line event (counted over optirs' own frames) and returns the tracer to install."""
-    count = [0]
-
-    def local(frame, event, arg):
-        if event == "line":
-            count[0] += 1
-            if count[0] == line_events:
-                _thread.interrupt_main()
-        return local
-
-    def global_trace(frame, event, arg):
-        return local if package in frame.f_code.co_filename else None
-
-    return global_trace, count
-
-
 def test_keyboard_interrupt_lands_before_or_after_a_step(backend):
     """SIGINT at every point of a step (each line optirs runs): the optimizer is then exactly as
     before the step or exactly as after it, step count included."""
@@ -208,7 +190,7 @@ def test_keyboard_interrupt_lands_before_or_after_a_step(backend):
     victim.step_gpu(p, g)
     twin.step_gpu(twin_p, g)
     # how many optirs line events one step takes (the first step allocates; count a later one)
-    tracer, count = _interrupt_at(-1)
+    tracer, count = interrupt_at(-1)
     sys.settrace(tracer)
     try:
         victim.step_gpu(p, g)
@@ -221,7 +203,7 @@ def test_keyboard_interrupt_lands_before_or_after_a_step(backend):
     outcomes = {"before": 0, "after": 0}
     for k in points:
         before_count = victim.step_count
-        tracer, seen = _interrupt_at(k)
+        tracer, seen = interrupt_at(k)
         interrupted = False
         sys.settrace(tracer)
         try:

@@ -8,7 +8,9 @@ from optirs.core.factored import factored_layout
 class CpuAdafactor:
     """Mixin of CpuBackend: Adafactor, one parallel loop over the model's tensors."""
 
-    def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
+    def _adafactor(self, ctx, request) -> None:
+        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
+                                                 request.scalars)
         import optirs.backends.cpu.adafactor_kernels as adafactor_kernels
 
         fl = factored_layout(layout)

@@ -88,7 +88,11 @@ class CpuFormats:
         return Staged(*staged_lists(ctx, ctx.format_lists, params, grads, _build(ctx, "params", fmt.param_dtype),
                                     _build(ctx, "grads", fmt.grad_dtype)))
 
-    def _formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step) -> None:
+    def _formats_step(self, ctx, request) -> None:
+        family, params, grads, state, layout = (request.definition.kernel, request.params, request.grads,
+                                                request.state, request.layout)
+        format_state, fmt, scalars = request.format_state, request.fmt, request.scalars
+        seed, step = request.controls.seed, request.controls.step
         if family not in _FAMILY_DEFINITION:
             raise UnsupportedOperationError(f"family {family!r} has no format step on cpu; expected one of "
                                             f"{list(FORMAT_FAMILIES)}")

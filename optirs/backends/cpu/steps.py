@@ -1,10 +1,10 @@
-"""The cpu backend's step: one hook that picks the loop for every optimizer, format and control.
+"""The cpu backend's kernels for the one step hook (:mod:`optirs.backends.common.steps` picks them).
 
 Every elementwise optimizer runs the one generic chunk loop (``kernels.pointwise``) with its
 state slots in the definition's order; LAMB runs its norm passes (``kernels.lamb``), Adafactor
 its factored loop (:mod:`optirs.backends.cpu.adafactor`), and every step format the formats loops
 (:mod:`optirs.backends.cpu.formats`). Host memory is this backend's memory, so a ``found_inf``
-flag is read here, before anything is written.
+flag is read before anything is written.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.core.errors import UnsupportedOperationError
 from optirs.core.formats import FORMAT_FAMILIES
-from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
+from optirs.backends.common.steps import StepDispatch
+from optirs.plugin.hookspecs import StepRequest, StepSupport
 
 # Elements per chunk: large enough to amortise the loop's bookkeeping, small enough to balance
 # a model of uneven tensors over the threads.
@@ -40,48 +40,20 @@ def slot_buffers(definition: OptimizerDefinition, state, count: int = 3):
     return buffers, used
 
 
-def flag_set(flag) -> bool:
-    """Whether a host found_inf flag (a 1-element array) is non-zero."""
-    return flag is not None and int(np.asarray(flag).reshape(-1)[0]) != 0
+class CpuSteps(StepDispatch):
+    """The cpu backend's kernels for :class:`~optirs.backends.common.steps.StepDispatch` (host memory:
+    every found_inf flag is read here, before anything is written)."""
 
+    NAME = "cpu"
+    SUPPORT = SUPPORT
 
-class CpuSteps:
-    """``optirs_step``: the loop for each request, chosen here."""
+    def _pointwise(self, ctx, request: StepRequest) -> None:
+        buffers, used = slot_buffers(request.definition, request.state)
+        layout = request.layout
+        ctx.kernels.pointwise(request.params, request.grads, *buffers, used, layout.offsets, *layout.chunks(CHUNK),
+                              request.scalars)
 
-    @hookimpl
-    def optirs_step_support(self) -> StepSupport:
-        return SUPPORT
-
-    @hookimpl
-    def optirs_step(self, ctx, request: StepRequest) -> None:
-        controls, definition = request.controls, request.definition
-        if controls.device is not None:
-            raise UnsupportedOperationError(
-                f"the cpu backend has no device-side scalars ({definition.name} with controls.device), expected "
-                "host scalars: a host step has no CUDA graph to capture")
-        if request.fmt is not None:
-            if controls.check_finite:
-                self._formats_check(ctx, request.grads, request.layout, request.fmt, controls.found_inf)
-            if flag_set(controls.found_inf):
-                return
-            self._formats_step(ctx, definition.kernel, request.params, request.grads, request.state, request.layout,
-                               request.format_state, request.fmt, request.scalars, controls.seed, controls.step)
-            return
-        if controls.check_finite:
-            raise UnsupportedOperationError("check_finite on a float32 step of the cpu backend, expected a step format")
-        if flag_set(controls.found_inf) or request.layout.total == 0:
-            return
-        family = definition.kernel
-        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
-                                                 request.scalars)
-        if family == "lamb":
-            ctx.kernels.lamb(params, grads, state["exp_avg"], state["exp_avg_sq"], layout.offsets,
-                             *layout.chunks(CHUNK), len(layout), scalars)
-        elif family == "adafactor":
-            self._adafactor(ctx, params, grads, state, layout, scalars)
-        elif definition.pointwise:
-            buffers, used = slot_buffers(definition, state)
-            ctx.kernels.pointwise(params, grads, *buffers, used, layout.offsets, *layout.chunks(CHUNK), scalars)
-        else:
-            raise UnsupportedOperationError(f"the cpu backend has no loop for the {family!r} family of "
-                                            f"{definition.name!r}")
+    def _lamb(self, ctx, request: StepRequest) -> None:
+        layout, state = request.layout, request.state
+        ctx.kernels.lamb(request.params, request.grads, state["exp_avg"], state["exp_avg_sq"], layout.offsets,
+                         *layout.chunks(CHUNK), len(layout), request.scalars)

@@ -10,7 +10,9 @@ from optirs.core.factored import factored_layout
 class CudaAdafactor:
     """Mixin of CudaBackend: Adafactor, one block per tensor."""
 
-    def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
+    def _adafactor(self, ctx, request) -> None:
+        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
+                                                 request.scalars)
         import optirs.backends.cuda.adafactor_kernels as kernels
         from optirs.backends.cuda.context import device_address
 

@@ -99,11 +99,14 @@ class CudaFormats:
             raise InvalidParameterError(f"flag is a {type(flag).__name__}, expected a 1-element int32 CUDA device array")
         run(ctx, planned, (chunks, ptrs, nchunks), ((address,),), 0)
 
-    def _formats_step(self, ctx: Any, family: str, params: List[Any], grads: List[Any], state: Dict[str, Any],
-                      layout: Any, format_state: Any, fmt: Any, scalars: Any, seed: int, step: int,
-                      found_inf: Any) -> None:
+    def _formats_step(self, ctx: Any, request: Any) -> None:
         from optirs.backends.cuda.steps import flag_address
 
+        family, params, grads, state, layout = (request.definition.kernel, request.params, request.grads,
+                                                request.state, request.layout)
+        format_state, fmt, scalars = request.format_state, request.fmt, request.scalars
+        controls = request.controls
+        seed, step, found_inf = controls.seed, controls.step, controls.found_inf
         if layout.total == 0:
             return
         ctx.resolve_stream(params[0] if params else None)

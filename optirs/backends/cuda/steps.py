@@ -1,4 +1,4 @@
-"""The cuda backend's step: one hook that picks the kernel for every optimizer, format and control.
+"""The cuda backend's kernels for the one step hook (:mod:`optirs.backends.common.steps` picks them).
 
 Every elementwise optimizer is one launch of the generic step kernel of its family
 (``kernels.STEP_FUNCTIONS``), with the definition's state slots as slots 0-2 and the found_inf
@@ -16,10 +16,11 @@ import numpy as np
 
 from optirs.backends.cuda.context import CudaContext, device_address
 from optirs.core.definitions import DEFINITIONS
-from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import FORMAT_FAMILIES
 from optirs.core.scalars import FORMULAS
-from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
+from optirs.backends.common.steps import StepDispatch
+from optirs.plugin.hookspecs import StepRequest, StepSupport
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
@@ -37,8 +38,14 @@ def flag_address(flag: Any) -> int:
     return int(address)
 
 
-class CudaSteps:
-    """``optirs_step``: the kernel for each request, chosen here."""
+class CudaSteps(StepDispatch):
+    """The cuda backend's kernels for :class:`~optirs.backends.common.steps.StepDispatch`: the
+    elementwise and format kernels read a found_inf flag on the device; LAMB's and Adafactor's
+    passes read none, so theirs is read on the host first (one synchronisation)."""
+
+    NAME = "cuda"
+    SUPPORT = SUPPORT
+    FLAG_ON_DEVICE = frozenset({"pointwise", "formats"})
 
     @staticmethod
     def _pointers(ctx: CudaContext, params: Any, grads: Any, layout: Any):
@@ -49,44 +56,14 @@ class CudaSteps:
             gaddr = tuple(device_address(a) for a in grads)
         return ctx.pointer_table(layout, paddr, gaddr)
 
-    @hookimpl
-    def optirs_step_support(self) -> StepSupport:
-        return SUPPORT
+    def _device_scalars_step(self, ctx, request: StepRequest) -> None:
+        self._capturable_step(ctx, request.definition.name, request.params, request.grads, request.state,
+                              request.layout, request.scalars, request.controls.device)
 
-    @hookimpl
-    def optirs_step(self, ctx, request: StepRequest) -> None:
-        controls, definition = request.controls, request.definition
-        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
-                                                 request.scalars)
-        if controls.device is not None:
-            self._capturable_step(ctx, definition.name, params, grads, state, layout, scalars, controls.device)
-            return
-        if request.fmt is not None:
-            if controls.check_finite:
-                self._formats_check(ctx, grads, layout, request.fmt, controls.found_inf)
-            self._formats_step(ctx, definition.kernel, params, grads, state, layout, request.format_state,
-                               request.fmt, scalars, controls.seed, controls.step, controls.found_inf)
-            return
-        if controls.check_finite:
-            raise UnsupportedOperationError("check_finite on a float32 step of the cuda backend, expected a step format")
-        if layout.total == 0:
-            return
-        family = definition.kernel
-        if definition.pointwise:
-            self._pointwise(ctx, definition, params, grads, state, layout, scalars, flag_address(controls.found_inf))
-            return
-        # LAMB's and Adafactor's passes read no flag: read it here (one synchronisation)
-        if controls.found_inf is not None and int(self.optirs_to_host(ctx, controls.found_inf)[0]) != 0:
-            return
-        if family == "lamb":
-            self._lamb(ctx, params, grads, state, layout, scalars)
-        elif family == "adafactor":
-            self._adafactor(ctx, params, grads, state, layout, scalars)
-        else:
-            raise UnsupportedOperationError(f"the cuda backend has no kernel for the {family!r} family of "
-                                            f"{definition.name!r}")
-
-    def _pointwise(self, ctx, definition, params, grads, state, layout, scalars, flag: int) -> None:
+    def _pointwise(self, ctx, request: StepRequest) -> None:
+        definition, params, grads, state, layout, scalars = (request.definition, request.params, request.grads,
+                                                             request.state, request.layout, request.scalars)
+        flag = flag_address(request.controls.found_inf)
         family = definition.kernel
         compiled, chunk, grid, block = ctx.plan(family, ctx.kernels.STEP_FUNCTIONS[family], "step", scalars, layout)
         chunks, nchunks = ctx.chunk_table(layout, chunk)
@@ -98,7 +75,9 @@ class CudaSteps:
                 used |= 1 << k
         ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, 0, flag, scalars), grid, block)  # host scalars
 
-    def _lamb(self, ctx, params, grads, state, layout, scalars) -> None:
+    def _lamb(self, ctx, request: StepRequest) -> None:
+        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
+                                                 request.scalars)
         ptrs = self._pointers(ctx, params, grads, layout)
         ntensors = len(layout)
         acc = layout.cache.get("cuda.lamb_acc")

@@ -35,7 +35,9 @@ def appended_kernels(ctx: Any) -> None:
 class OpenclAdafactor:
     """Mixin of OpenclBackend: Adafactor, one work-group per tensor."""
 
-    def _adafactor(self, ctx, params, grads, state, layout, scalars) -> None:
+    def _adafactor(self, ctx, request) -> None:
+        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
+                                                 request.scalars)
         from optirs.backends.opencl.context import _flat_range
         from optirs.backends.opencl.steps import _state_base
 

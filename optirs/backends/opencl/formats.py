@@ -321,8 +321,11 @@ class OpenclFormats:
                                                 + (" (or its uint16 bits)" if dtype in _HALF else ""))
         return OpenclDevice._stage(self, ctx, params, grads)  # in place, with the float32 step's checks
 
-    def _formats_step(self, ctx, family, params, grads, state, layout, format_state, fmt, scalars, seed, step,
-                            found_inf) -> None:
+    def _formats_step(self, ctx, request) -> None:
+        family, params, grads, state, layout = (request.definition.kernel, request.params, request.grads,
+                                                request.state, request.layout)
+        format_state, fmt, scalars = request.format_state, request.fmt, request.scalars
+        seed, step, found_inf = request.controls.seed, request.controls.step, request.controls.found_inf
         if family not in FORMAT_FAMILIES or family not in FAMILY_SLOTS:
             raise UnsupportedOperationError(f"the opencl formats step runs the families {list(FORMAT_FAMILIES)}, "
                                             f"got {family!r}")

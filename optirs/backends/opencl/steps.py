@@ -1,4 +1,4 @@
-"""The opencl backend's step: one hook that picks the kernels for every optimizer, format and control.
+"""The opencl backend's kernels for the one step hook (:mod:`optirs.backends.common.steps` picks them).
 
 Every elementwise optimizer runs the generic ``STEP_KERNELS`` of its family (``_elementwise``),
 LAMB its norm passes (``_lamb``), Adafactor one work-group per tensor
@@ -15,9 +15,10 @@ from typing import Any, List, Sequence, Tuple
 
 from optirs.backends.opencl.context import OpenclContext, _lamb_scratch, _layout_tables, _plan
 from optirs.core.definitions import DEFINITIONS
-from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import FORMAT_FAMILIES
-from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
+from optirs.backends.common.steps import StepDispatch
+from optirs.plugin.hookspecs import StepRequest, StepSupport
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES))
@@ -97,42 +98,22 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 
 
-class OpenclSteps:
-    """``optirs_step``: the kernels for each request, chosen here."""
+class OpenclSteps(StepDispatch):
+    """The opencl backend's kernels for :class:`~optirs.backends.common.steps.StepDispatch`: the
+    format kernels read a found_inf flag on the device; the float32 kernels take none, so theirs is
+    read on the host first."""
 
-    @hookimpl
-    def optirs_step_support(self) -> StepSupport:
-        return SUPPORT
+    NAME = "opencl"
+    SUPPORT = SUPPORT
+    FLAG_ON_DEVICE = frozenset({"formats"})
 
-    @hookimpl
-    def optirs_step(self, ctx, request: StepRequest) -> None:
-        controls, definition = request.controls, request.definition
-        params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
-                                                 request.scalars)
-        if controls.device is not None:
-            raise UnsupportedOperationError(
-                f"the opencl backend has no device-side scalars ({definition.name} with controls.device), expected "
-                "host scalars")
-        if request.fmt is not None:
-            if controls.check_finite:
-                self._formats_check(ctx, grads, layout, request.fmt, controls.found_inf)
-            self._formats_step(ctx, definition.kernel, params, grads, state, layout, request.format_state, request.fmt,
-                               scalars, controls.seed, controls.step, controls.found_inf)
-            return
-        if controls.check_finite:
-            raise UnsupportedOperationError("check_finite on a float32 step of the opencl backend, expected a step "
-                                            "format")
-        if controls.found_inf is not None and int(self.optirs_to_host(ctx, controls.found_inf)[0]) != 0:
-            return
-        family = definition.kernel
-        if definition.pointwise:
-            names = definition.slot_names()
-            slots = tuple(state.get(names[k]) if k < len(names) else None for k in range(3))
-            _elementwise(ctx, family, params, grads, slots, layout, scalars)
-        elif family == "lamb":
-            _lamb(ctx, params, grads, state["exp_avg"], state["exp_avg_sq"], layout, scalars)
-        elif family == "adafactor":
-            self._adafactor(ctx, params, grads, state, layout, scalars)
-        else:
-            raise UnsupportedOperationError(f"the opencl backend has no kernel for the {family!r} family of "
-                                            f"{definition.name!r}")
+    def _pointwise(self, ctx, request: StepRequest) -> None:
+        names = request.definition.slot_names()
+        slots = tuple(request.state.get(names[k]) if k < len(names) else None for k in range(3))
+        _elementwise(ctx, request.definition.kernel, request.params, request.grads, slots, request.layout,
+                     request.scalars)
+
+    def _lamb(self, ctx, request: StepRequest) -> None:
+        state = request.state
+        _lamb(ctx, request.params, request.grads, state["exp_avg"], state["exp_avg_sq"], request.layout,
+              request.scalars)
