@@ -98,6 +98,14 @@ def _problem(seed: int, steps: int = STEPS, shapes: Sequence[Tuple[int, ...]] = 
     return params, grads
 
 
+def _float32_optimizers(kit: "_Kit") -> List[str]:
+    """The float32 optimizers to check (those the backend lists, among those asked for), or Skipped."""
+    names = kit.listed(kit.support.optimizers)
+    if not names:
+        raise Skipped(f"backend {kit.name!r} lists no optimizer in optirs_step_support().optimizers")
+    return names
+
+
 def _richest(definition: OptimizerDefinition) -> Any:
     """The first example hyperparameters that need every state slot any example needs."""
     return max(definition.examples, key=lambda hp: len(definition.state_slots(hp)))
@@ -305,9 +313,7 @@ def check_steps(kit: _Kit) -> None:
 
 
 def check_grad_factor(kit: _Kit) -> None:
-    names = kit.listed(kit.support.optimizers)
-    if not names:
-        raise Skipped(f"backend {kit.name!r} lists no optimizer in optirs_step_support().optimizers")
+    names = _float32_optimizers(kit)
     for name in names:
         hp = _richest(DEFINITIONS[name])
         for factor in GRAD_FACTORS:
@@ -321,9 +327,7 @@ def check_grad_factor(kit: _Kit) -> None:
 
 
 def check_found_inf(kit: _Kit) -> None:
-    names = kit.listed(kit.support.optimizers)
-    if not names:
-        raise Skipped(f"backend {kit.name!r} lists no optimizer in optirs_step_support().optimizers")
+    names = _float32_optimizers(kit)
     b = kit.backend
     for name in names:
         definition = DEFINITIONS[name]
@@ -382,9 +386,7 @@ def check_unsupported_optimizer(kit: _Kit) -> None:
 
 
 def check_failed_step(kit: _Kit) -> None:
-    names = kit.listed(kit.support.optimizers)
-    if not names:
-        raise Skipped(f"backend {kit.name!r} lists no optimizer in optirs_step_support().optimizers")
+    names = _float32_optimizers(kit)
     import ml_dtypes
 
     for name in names:
@@ -427,9 +429,7 @@ def check_failed_step(kit: _Kit) -> None:
 
 
 def check_resume(kit: _Kit) -> None:
-    names = kit.listed(kit.support.optimizers)
-    if not names:
-        raise Skipped(f"backend {kit.name!r} lists no optimizer in optirs_step_support().optimizers")
+    names = _float32_optimizers(kit)
     for name in names:
         definition = DEFINITIONS[name]
         hp = _richest(definition)
