@@ -149,3 +149,28 @@ def test_found_inf_that_is_not_a_flag_is_refused(backend):
             opt.step_gpu(p, _arrays(7), found_inf=bad)
     _same(p, before)
     assert opt.step_count == 0
+
+
+def test_prepare_again_steps_like_prepare_until_the_engine_changes():
+    """A step made by prepare_again from the last one equals a step prepare makes (the same bits
+    over three steps), and once the state moved (to_host) it declines so that prepare runs again."""
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.optim.engine import StepEngine
+
+    backend = optirs.get_backend("cpu")
+    definition, hp = DEFINITIONS["adamw"], optirs.AdamParams(lr=0.01, weight_decay=0.1)
+    shapes = [tuple(s) for s in SHAPES]
+    ours, twin = StepEngine(definition, backend), StepEngine(definition, backend)
+    p_ours, p_twin = _arrays(1), _arrays(1)
+    last = None
+    for k in range(3):
+        grads = _arrays(20 + k)
+        again = ours.prepare_again(last, p_ours, grads, hp) if last is not None else None
+        assert (again is None) == (k == 0)
+        last = again or ours.prepare(p_ours, grads, shapes=shapes, hp=hp)
+        run_steps([last])
+        twin.step(p_twin, [g.copy() for g in grads], shapes=shapes, hp=hp)
+    _same(p_ours, p_twin)
+    assert ours.step_count == twin.step_count == 3
+    ours.to_host()
+    assert ours.prepare_again(last, p_ours, _arrays(30), hp) is None

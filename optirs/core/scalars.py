@@ -118,8 +118,10 @@ class ScalarFormula(NamedTuple):
 def _record(cls: type, values) -> NamedTuple:
     """``values`` (float64, bools as 0/1) as the float32/bool record ``cls``: every float rounded once
     to float32 by one array conversion (a step builds a record per launch: this is its host cost)."""
-    rounded = np.array(values, dtype=np.float32)
-    return cls._make([bool(v) if b else x for v, b, x in zip(values, _BOOLS[cls], rounded)])
+    fields = list(np.array(values, dtype=np.float32))
+    for i in _BOOL_FIELDS[cls]:
+        fields[i] = bool(values[i])
+    return cls._make(fields)
 
 
 # Below this, a sum of magnitudes says every value rounds to a finite float32 (float32's largest
@@ -260,6 +262,7 @@ _BOOLS: Dict[type, Tuple[bool, ...]] = {
     cls: tuple(getattr(cls.__annotations__[name], "__forward_arg__", cls.__annotations__[name]) in (bool, "bool")
                for name in cls._fields)
     for cls in (AdamScalars, SgdScalars, RmspropScalars, AdagradScalars, LambScalars, LionScalars, AdafactorScalars)}
+_BOOL_FIELDS: Dict[type, Tuple[int, ...]] = {cls: tuple(i for i, b in enumerate(bools) if b) for cls, bools in _BOOLS.items()}
 
 # The pointwise kernel families' formulas (adamw shares adam's record and formula; decoupled is a constant).
 FORMULAS: Dict[str, ScalarFormula] = {

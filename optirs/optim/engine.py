@@ -81,7 +81,7 @@ class PreparedStep:
                 params, grads, finish = staged.params, staged.grads, staged.finish
             else:  # the caller's device arrays as they are: nothing may be copied during a capture
                 params, grads, finish = self.params, self.grads, None
-            hook = backend.step_hook(engine.definition.name)
+            hook = ""  # the step hook (named only if it raises)
             backend.step(ctx, StepRequest(engine.definition, params, grads, state, self.layout, self.scalars,
                                           controls, self.fmt, self.format_state))
             if finish is not None:
@@ -92,7 +92,7 @@ class PreparedStep:
                 hook = "optirs_to_host"
                 applied = not _flag_set(backend.to_host(ctx, controls.found_inf))
         except Exception as exc:
-            error = backend.plugin_error(exc, hook)
+            error = backend.plugin_error(exc, hook or backend.step_hook(engine.definition.name))
             if error is exc:
                 raise
             raise error from exc
@@ -265,6 +265,23 @@ class StepEngine:
             found_inf = self._call("optirs_alloc", backend.alloc, backend.ctx, 1, np.int32, 0)
         controls = StepControls(self.step_count + 1, int(seed) & 0xFFFFFFFF, found_inf, check_finite, device)
         return PreparedStep(self, params, grads, fmt, layout, slots, state, fresh, scalars, controls, format_state, skip)
+
+    def prepare_again(self, last: PreparedStep, params: List[Any], grads: List[Any], hp: Any,
+                      grad_factor: float = 1.0) -> Optional[PreparedStep]:
+        """The next step like ``last`` (a step :meth:`prepare` made with host scalars and no
+        found_inf, that ran), over these arrays and hyperparameters: None when anything ``last``
+        was checked against changed since (the state, its format or layout), and the caller
+        calls :meth:`prepare`. The caller vouches that the arrays, the state slots and the format
+        are what ``last`` was prepared with (a front end's cached plan)."""
+        if (last.engine is not self or last.state is not self.state or last.fmt is not self.fmt
+                or last.layout is not self.layout or self.state is None or last.controls.found_inf is not None
+                or last.controls.check_finite or last.controls.device is not None):
+            return None
+        step = self.step_count + 1
+        controls = StepControls(step, last.controls.seed, None, False, None)
+        return PreparedStep(self, params, grads, last.fmt, last.layout, last.slots, last.state, False,
+                            self.definition.scalars(hp, step, grad_factor=grad_factor), controls, last.format_state,
+                            False)
 
     def step(self, params: List[Any], grads: List[Any], **kwargs: Any) -> bool:
         """:meth:`prepare` and :func:`run_steps` one step; returns whether it was applied."""

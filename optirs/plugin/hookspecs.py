@@ -297,6 +297,8 @@ class StepRequest(NamedTuple):
     :param state: buffer name -> flat device array, updated in place. Without a format: one buffer
         per slot the hyperparameters need, laid out by ``definition.state_layout``. With a format:
         ``format_state.buffer_sizes()`` / ``buffer_dtypes()`` (slot buffers and the master buffer).
+        The engine hands the same dict for as long as its buffers stay the same, and a new dict when
+        any buffer is replaced, so a backend may cache what it derives from it by its identity.
     :param layout: the model's :class:`~optirs.core.layout.TensorLayout` (offsets, chunk table, and
         ``cache``, where a backend keeps prepared data: tables, compiled kernels, launches).
     :param scalars: the per-step scalars (:mod:`optirs.core.scalars`), already float32. Its last

@@ -19,6 +19,10 @@ from optirs.core.errors import UnsupportedOperationError
 from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
 
 
+# kind of kernel -> the method that runs it
+_RUNNERS = {"pointwise": "_pointwise", "lamb": "_lamb", "adafactor": "_adafactor", "formats": "_formats_step"}
+
+
 class StepDispatch:
     """``optirs_step`` and ``optirs_step_support`` of a built-in backend (module docstring)."""
 
@@ -46,8 +50,7 @@ class StepDispatch:
                 "format (the gradients' check belongs to the formats)")
         else:
             kind = "pointwise" if definition.pointwise else definition.kernel
-        run = {"pointwise": self._pointwise, "lamb": self._lamb, "adafactor": self._adafactor,
-               "formats": self._formats_step}.get(kind)
+        run = getattr(self, _RUNNERS[kind], None) if kind in _RUNNERS else None
         if run is None:
             raise UnsupportedOperationError(f"the {self.NAME} backend has no kernel for the {definition.kernel!r} "
                                             f"family of {definition.name!r}")

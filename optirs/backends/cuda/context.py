@@ -409,8 +409,9 @@ class CudaContext:
             plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
         return plan
 
-    def launch(self, compiled: Compiled, args: tuple, grid: int, block: int) -> None:
-        """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place)."""
+    def launch(self, compiled: Compiled, args: tuple, grid: int, block: int) -> "PreparedLaunch":
+        """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place).
+        Returns the prepared launch (a caller may launch it again while its arguments hold)."""
         key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a)
                                                   for a in args[:-1])
         prepared = self._launches.get(key)
@@ -422,6 +423,7 @@ class CudaContext:
         else:
             self._launches.move_to_end(key)
         prepared(args[-1], self.stream, self.nstream)
+        return prepared
 
     # ------------------------------------------------ tables
 
@@ -517,12 +519,17 @@ class PointerTables:
         self.ctx, self.ntensors = ctx, max(1, ntensors)
         self.by_key: "OrderedDict[tuple, list]" = OrderedDict()
         self.slots: List[list] = []  # [device table, pinned host table, event, stream handle]
+        self.last: tuple = (None, None, None)  # the last address pair asked for and its table
 
     def table(self, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
+        last = self.last
+        if last[0] is paddr and last[1] is gaddr:  # the caller's very tuples of the last step: no hashing
+            return last[2]
         key = (paddr, gaddr)
         slot = self.by_key.get(key)
         if slot is not None:
             self.by_key.move_to_end(key)
+            self.last = (paddr, gaddr, slot[0])
             return slot[0]
         ctx = self.ctx
         if len(self.slots) < _LRU:
@@ -552,6 +559,7 @@ class PointerTables:
             event.record(ctx.nstream)
         slot[3] = ctx.stream
         self.by_key[key] = slot
+        self.last = (paddr, gaddr, device)
         return device
 
 

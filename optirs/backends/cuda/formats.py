@@ -19,6 +19,7 @@ table). A 16-bit array may come as
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Dict, List, Sequence, Tuple
@@ -33,6 +34,7 @@ _HALF = ("bfloat16", "float16")
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.int16": "bits16", "torch.uint16": "bits16"}
 _KEEP = 2  # staging buffers kept per context (the latest models)
+_IS = operator.is_
 
 
 def _name(dtype: Any) -> str:
@@ -358,17 +360,28 @@ def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
     compiled, _, grid, block = plan
     stable = head + args[: len(args) - 1 - ndyn]
     dyn, sc = args[len(args) - 1 - ndyn : -1], args[-1]
-    launches: "OrderedDict[tuple, Any]" = ctx.__dict__.setdefault("_formats_launches", OrderedDict())
-    # ints and tuples of ints (addresses) by value, arrays by identity: a tuple made anew each step
-    # with the same addresses must find the launch prepared for it
-    key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a) for a in stable)
-    prepared = launches.get(key)
-    if prepared is None:
-        prepared = launches[key] = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
-        while len(launches) > 16:
-            launches.popitem(last=False)
+    # the very objects of this plan's last launch (one plan per kernel and layout; cached tables and
+    # setup): that launch, unkeyed
+    last = ctx.__dict__.setdefault("_formats_last", {}).get(id(plan))
+    if last is not None and last[1] is compiled and len(last[0]) == len(stable) and all(map(_IS, last[0], stable)):
+        prepared = last[2]
     else:
-        launches.move_to_end(key)
+        launches: "OrderedDict[tuple, Any]" = ctx.__dict__.setdefault("_formats_launches", OrderedDict())
+        # ints and tuples of ints (addresses) by value, arrays by identity: a tuple made anew each
+        # step with the same addresses must find the launch prepared for it
+        key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a)
+                                                  for a in stable)
+        prepared = launches.get(key)
+        if prepared is None:
+            prepared = launches[key] = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
+            while len(launches) > 16:
+                launches.popitem(last=False)
+        else:
+            launches.move_to_end(key)
+        memo = ctx._formats_last
+        memo[id(plan)] = (stable, compiled, prepared)
+        while len(memo) > 16:
+            memo.pop(next(iter(memo)))
     if prepared.fn is None:  # numba's launch (simulator): the arguments as they are now
         compiled.dispatcher[grid, block, ctx.nstream](*stable, *dyn, sc)
         return

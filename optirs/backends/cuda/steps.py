@@ -63,17 +63,25 @@ class CudaSteps(StepDispatch):
     def _pointwise(self, ctx, request: StepRequest) -> None:
         definition, params, grads, state, layout, scalars = (request.definition, request.params, request.grads,
                                                              request.state, request.layout, request.scalars)
-        flag = flag_address(request.controls.found_inf)
+        found_inf = request.controls.found_inf
+        ptrs = self._pointers(ctx, params, grads, layout)
+        # The same pointer table, state, flag and optimizer as the last step of this layout: its
+        # prepared launch, with this step's scalars (the arguments are addresses that did not move).
+        last = layout.cache.get("cuda.pointwise.last")
+        if last is not None and last[0] is ptrs and last[1] is state and last[2] is found_inf and last[3] is definition:
+            last[4](scalars, ctx.stream, ctx.nstream)
+            return
+        flag = flag_address(found_inf)
         family = definition.kernel
         compiled, chunk, grid, block = ctx.plan(family, ctx.kernels.STEP_FUNCTIONS[family], "step", scalars, layout)
         chunks, nchunks = ctx.chunk_table(layout, chunk)
-        ptrs = self._pointers(ctx, params, grads, layout)
         addrs, used = [0, 0, 0], 0
         for k, slot in enumerate(definition.slot_names()):
             if slot in state:
                 addrs[k] = device_address(state[slot])
                 used |= 1 << k
-        ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, 0, flag, scalars), grid, block)  # host scalars
+        prepared = ctx.launch(compiled, (chunks, ptrs, nchunks, *addrs, used, 0, flag, scalars), grid, block)
+        layout.cache["cuda.pointwise.last"] = (ptrs, state, found_inf, definition, prepared)
 
     def _lamb(self, ctx, request: StepRequest) -> None:
         params, grads, state, layout, scalars = (request.params, request.grads, request.state, request.layout,
