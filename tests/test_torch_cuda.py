@@ -461,3 +461,38 @@ def test_capturable_checkpoints_interoperate_with_torch_on_cuda():
     lockstep([(twin, ref), (back_model, back)], data[11:])
     p = next(back_model.parameters())
     assert back.state[p]["step"].device == p.device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("master_weights", [None, "float32"])
+def test_a_step_keeps_no_gradient_alive_and_follows_moved_gradients(master_weights):
+    """As with torch.optim, no gradient outlives zero_grad() (the step keeps their addresses, not the
+    tensors), and a step over gradients at new addresses (new tensors each step, some kept alive so
+    the allocator cannot hand the same memory back) moves the parameters as torch's AdamW does."""
+    import weakref
+
+    _torch_cuda_or_skip()
+    dtype = torch.float32 if master_weights is None else torch.bfloat16
+    shapes = [(300, 7), (64,), (5, 5, 3)]
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda").to(dtype)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    kw = {} if master_weights is None else {"master_weights": master_weights}
+    opt = ot.AdamW(params, lr=1e-2, **kw)
+    ref = torch.optim.AdamW(twins, lr=1e-2)
+    kept = []
+    for k in range(4):
+        gen = torch.Generator(device="cuda").manual_seed(k)
+        for p, t in zip(params, twins):
+            g = torch.randn(p.shape, device="cuda", generator=gen)
+            p.grad, t.grad = g.to(dtype), g.to(dtype).float()
+        if k % 2:
+            kept.append([p.grad for p in params])
+        gone = [weakref.ref(p.grad) for p in params]
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        assert all(r() is None for r in gone) or k % 2
+    for p, t in zip(params, twins):
+        tol = {} if master_weights is None else {"atol": 1e-2, "rtol": 1e-2}
+        torch.testing.assert_close(p.float(), t.detach(), **tol)

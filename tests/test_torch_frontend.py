@@ -533,6 +533,39 @@ def test_hooks_zero_grad_add_param_group_one_launch_per_group(monkeypatch):
     assert all(p.grad is not None and not p.grad.any() for p in params)
 
 
+def test_step_hooks_profiler_and_grad_mode_as_torch():
+    """What observes a step sees it as with torch.optim.AdamW (which runs torch's own step wrapper):
+    global and per-optimizer hooks in torch's order, a pre-hook's new arguments (a closure whose
+    loss step() returns), the profiler's ``Optimizer.step#<class>.step`` annotation, and grad mode
+    as the caller had it afterwards (the step itself skips torch's wrapper when nothing observes it)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def run(cls):
+        model = make_model()
+        opt = cls(model.parameters(), lr=1e-2, **({"backend": "cpu"} if cls is ot.AdamW else {}))
+        calls = []
+        handles = [register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global pre")),
+                   register_optimizer_step_post_hook(lambda o, a, k: calls.append("global post")),
+                   opt.register_step_pre_hook(lambda o, a, k: (calls.append("pre"), (a, {"closure": lambda: 7.0}))[1]),
+                   opt.register_step_post_hook(lambda o, a, k: calls.append(f"post {sorted(k)}"))]
+        _train(model, opt, 1)
+        loss = opt.step()
+        for h in handles:
+            h.remove()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _train(model, opt, 1)
+        names = {e.name for e in prof.events()}
+        assert torch.is_grad_enabled()
+        with torch.no_grad():
+            opt.step()
+            assert not torch.is_grad_enabled()
+        return calls, loss, f"Optimizer.step#{cls.__name__}.step" in names
+
+    ours, ref = run(ot.AdamW), run(torch.optim.AdamW)
+    assert ours == ref
+    assert ours[1] == 7.0 and ours[2] is True
+
+
 def test_params_without_grad_are_skipped_like_torch():
     ref_model, our_model = make_model(), make_model()
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)

@@ -119,6 +119,7 @@ def test_ctrl_c_anywhere_in_a_two_group_lamb_step_lands_before_or_after_the_whol
         except KeyboardInterrupt:
             interrupted = True
         assert interrupted or seen[0] < k, f"the interrupt at line event {k} of {events} was lost"
+        assert torch.is_grad_enabled(), f"an interrupt at line event {k} left grad mode off"
         if same(snapshot(victim, vp), snapshot(twin, tp)):
             outcomes["before"] += 1
         else:

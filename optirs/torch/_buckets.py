@@ -35,6 +35,7 @@ from optirs.optim import formats as fm
 from optirs.optim.engine import PreparedStep, StepEngine
 from optirs.optim.state_convert import MASTER_KEYS, TensorTarget, convert_entry, target_of
 from optirs.plugin.hookspecs import AddressedArrays, DeviceStepInputs
+from optirs.torch._state import TrackedEntry, TrackedState
 
 STATE_DTYPE = torch.float32
 # numpy dtype of a state buffer -> the torch dtype it is held in (bfloat16 state as bfloat16: what a
@@ -164,7 +165,9 @@ class Bucket:
         self.entries: Optional[List[Dict[str, Any]]] = None  # opt.state's entries, once installed
         self._checks: tuple = ((), (), ())
         self.state_seen, self.version = None, None
-        self._gcache: tuple = ((), (), [])  # the last gradients, their data pointers, their arrays
+        self._gcache: tuple = ((), (), [])  # on the CPU: the last gradients, their data pointers, their arrays
+        self._gptrs: tuple = ()  # on a device: the last gradients' addresses
+        self.last: Optional[PreparedStep] = None  # the last step prepared with host scalars (prepare_again's model)
         if device_steps:
             fields = definition.scalars_type._fields
             self.record = torch.zeros(len(fields), dtype=torch.float32, device=self.device)  # written on the device
@@ -267,9 +270,10 @@ class Bucket:
         """Point ``opt.state[p]`` at this bucket's views (after the step transaction)."""
         views = self.tensor_views()
         step_views = list(self.steps.unbind(0)) if self.has_step else None
+        owner = state if isinstance(state, TrackedState) else None
         entries = []
         for i, p in enumerate(self.params):
-            entry: Dict[str, Any] = dict(self.extras[i])
+            entry = TrackedEntry(owner, self.extras[i])
             if step_views is not None:
                 entry["step"] = step_views[i]
             entry.update(views[i])
@@ -284,17 +288,21 @@ class Bucket:
         self.state_seen, self.version = None, None
 
     def intact(self, state: Any) -> bool:
-        """Whether ``opt.state`` still holds this bucket's views (nothing replaced them)."""
+        """Whether ``opt.state`` still holds this bucket's views (nothing replaced them): one
+        comparison when nothing in ``opt.state`` changed since the last look (its version counts
+        every entry and every value set or removed), else a look at each entry and value."""
         if self.entries is None:
             return False
         version = getattr(state, "version", None)
-        if version is None or version != self.version or state is not self.state_seen:
-            # something set or removed entries (or replaced opt.state): look at ours one by one
-            if not all(map(_IS, map(state.get, self.params), self.entries)):
-                return False
-            self.state_seen, self.version = state, version
+        if version is not None and version == self.version and state is self.state_seen:
+            return True
+        if not all(map(_IS, map(state.get, self.params), self.entries)):
+            return False
         entries, keys, values = self._checks
-        return all(map(_IS, map(dict.get, entries, keys), values))
+        if not all(map(_IS, map(dict.get, entries, keys), values)):
+            return False
+        self.state_seen, self.version = state, version
+        return True
 
     # ------------------------------------------------------------ the step
 
@@ -307,17 +315,23 @@ class Bucket:
         self.param_ptrs = ptrs
 
     def grad_arrays(self, grads: List[torch.Tensor]) -> List[Any]:
-        """The gradients as the backend reads them (the same list as the last step for the same
-        tensors with the same memory, so the backend's caches of it hit). On a device: the tensors
-        themselves (16-bit ones too: no view per tensor and step) with their addresses."""
+        """The gradients as the backend reads them. On a device: the tensors themselves (16-bit ones
+        too: no view per tensor and step) with their addresses, the same tuple object as the last
+        step's when the addresses did not move (the backend's caches of a step's launch hit by
+        identity), and no gradient kept after the step (``zero_grad()`` frees them, as with torch).
+        On the CPU: numpy views, the same list as the last step's for the same tensors."""
+        if not self.on_cpu:
+            ptrs = tuple(map(_DATA_PTR, grads))
+            if ptrs == self._gptrs:
+                ptrs = self._gptrs
+            else:
+                self._gptrs = ptrs
+            return AddressedArrays(list(map(torch.Tensor.detach, grads)) if self.detach_grads else grads, ptrs)
         last, last_ptrs, arrays = self._gcache
         ptrs = tuple(map(_DATA_PTR, grads))
         if ptrs == last_ptrs and len(grads) == len(last) and all(map(_IS, grads, last)):
             return arrays
-        if self.on_cpu:
-            arrays = kernel_arrays(grads, True, self.detach_grads)
-        else:
-            arrays = AddressedArrays(list(map(torch.Tensor.detach, grads)) if self.detach_grads else grads, ptrs)
+        arrays = kernel_arrays(grads, True, self.detach_grads)
         self._gcache = (grads, ptrs, arrays)  # one assignment: an interrupt leaves it whole
         return arrays
 
@@ -334,15 +348,24 @@ class Bucket:
     def prepare(self, hp: Any, grads: List[torch.Tensor], factor: float, found_inf: Optional[bool],
                 device: Optional[DeviceStepInputs] = None) -> PreparedStep:
         """The engine's prepared step over ``grads`` (nothing the engine holds changes)."""
+        garrays = self.grad_arrays(grads)
+        fmt = self.step_format(grads[0].dtype)
+        last = self.last
+        if last is not None and device is None and found_inf is None and last.fmt is fmt:
+            again = self.engine.prepare_again(last, self.param_arrays, garrays, hp, factor)
+            if again is not None:
+                self.last = again
+                return again
         scalars = None
         if device is not None:
             if self.type_record is None:
                 self.type_record = self.definition.scalars(hp, 1)
             scalars = self.type_record
-        return self.engine.prepare(self.param_arrays, self.grad_arrays(grads), shapes=self.layout.shapes, hp=hp,
-                                   slots=self.slots, fmt=self.step_format(grads[0].dtype), scalars=scalars,
-                                   grad_factor=factor, found_inf=found_inf, device=device, seed=self.seed,
-                                   layout=self.layout)
+        prepared = self.engine.prepare(self.param_arrays, garrays, shapes=self.layout.shapes, hp=hp, slots=self.slots,
+                                       fmt=fmt, scalars=scalars, grad_factor=factor, found_inf=found_inf,
+                                       device=device, seed=self.seed, layout=self.layout)
+        self.last = prepared if device is None and found_inf is None else None
+        return prepared
 
     def finish(self, prepared: PreparedStep) -> None:
         """After the transaction: the step tensors follow a host count."""

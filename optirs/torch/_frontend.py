@@ -31,7 +31,6 @@ whose tensors did not change). The hyperparameter record is rebuilt only when a 
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 from itertools import repeat
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -46,11 +45,15 @@ from optirs.optim.engine import PreparedStep, run_steps
 from optirs.plugin.hookspecs import DeviceStepInputs
 from optirs.torch._buckets import STATE_DTYPE, Bucket, step_value
 from optirs.torch._guards import TensorCheck
+from optirs.torch._state import TrackedState, plain
+from optirs.torch._stepcall import observed_step
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _GRAD = operator.attrgetter("grad")
 _IS = operator.is_
 _DATA_PTR = torch.Tensor.data_ptr
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 
 # backend spec -> opened backend, per torch device type, so "auto" is resolved once.
 _AUTO: Dict[Tuple[str, str], Any] = {}
@@ -105,44 +108,6 @@ def _open_backend(name: str, options: Dict[str, Any], device_type: str):
         f"no optirs backend steps torch {device_type!r} tensors in place ({'; '.join(reasons)})")
 
 
-class _TrackedState(defaultdict):
-    """``opt.state`` (torch's ``defaultdict(dict)``) that counts the entries set or removed, so a
-    step sees in one comparison that no ``opt.state[p] = ...`` replaced a bucket's entries.
-    (The entries stay plain dicts: ``state_dict()`` hands them to ``torch.save``.) Pickled or
-    copied it is a plain defaultdict again, and the next step rebuilds."""
-
-    def __init__(self, items: Any = ()):
-        super().__init__(dict)
-        dict.update(self, items)
-        self.version = 0
-
-    def __setitem__(self, key, value):
-        dict.__setitem__(self, key, value)
-        self.version += 1
-
-    def __delitem__(self, key):
-        dict.__delitem__(self, key)
-        self.version += 1
-
-    def _changed(name):  # noqa: N805 - builds the counting wrappers below
-        def method(self, *args, **kwargs):
-            self.version += 1
-            return getattr(dict, name)(self, *args, **kwargs)
-
-        method.__name__ = name
-        return method
-
-    pop = _changed("pop")
-    popitem = _changed("popitem")
-    clear = _changed("clear")
-    update = _changed("update")
-    setdefault = _changed("setdefault")
-    del _changed
-
-    def __reduce__(self):
-        return (defaultdict, (dict,), None, None, iter(self.items()))
-
-
 def closure_and_amp(opt: Any, closure: Optional[Callable[[], Any]], grad_scale: Any, found_inf: Any):
     """(``closure()``'s loss, evaluated with grad enabled, or None; ``grad_scale``; ``found_inf``),
     the last two from the attributes of those names that ``torch.amp.GradScaler`` sets on
@@ -151,10 +116,11 @@ def closure_and_amp(opt: Any, closure: Optional[Callable[[], Any]], grad_scale: 
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
+    held = opt.__dict__  # (GradScaler sets them on the instance; a missed getattr costs an exception)
     if grad_scale is None:
-        grad_scale = getattr(opt, "grad_scale", None)
+        grad_scale = held.get("grad_scale")
     if found_inf is None:
-        found_inf = getattr(opt, "found_inf", None)
+        found_inf = held.get("found_inf")
     return loss, grad_scale, found_inf
 
 
@@ -280,6 +246,9 @@ class _Amp(NamedTuple):
         return inv, found
 
 
+_NO_AMP = _Amp(None, None)
+
+
 class OptirsOptimizer(torch.optim.Optimizer):
     """Base of the optirs.torch optimizers: torch's Optimizer (param_groups, hooks, state,
     state_dict) over an optirs definition's engine, one launch per bucket.
@@ -317,7 +286,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
         self._backend_options = dict(backend_options or {})
         self._init_caches()
         super().__init__(params, defaults)
-        self.state = _TrackedState(self.state)
+        self.state = TrackedState(self.state)
 
     def _init_caches(self) -> None:
         """What a step reuses, each rebuilt from param_groups and state when missing (a copy starts
@@ -466,6 +435,15 @@ class OptirsOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ checkpoints and copies
 
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's ``state_dict()`` (hooks included), its entries as plain dicts (a checkpoint names
+        no optirs class: ``torch.load(weights_only=True)`` reads it)."""
+        out = super().state_dict()
+        held = out.get("state") if isinstance(out, dict) else None
+        if isinstance(held, dict):
+            out["state"] = {k: plain(v) for k, v in held.items()}
+        return out
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
         # steps are checked before torch takes anything (torch would keep a bad one until a step fails)
@@ -486,7 +464,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
                     if k != "step" and isinstance(v, torch.Tensor) and (
                             p.dtype != STATE_DTYPE or v.dtype == torch.bfloat16 or not v.is_floating_point()):
                         self.state[p][k] = v.detach().to(device=p.device).clone()
-        self.state = _TrackedState(self.state)
+        self.state = TrackedState(self.state)
         self._plans.clear()  # the next step copies the loaded state into fresh flat buffers
         self._hypers.clear()
 
@@ -503,7 +481,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
         self._init_caches()
-        self.state = _TrackedState(self.state)
+        self.state = TrackedState(self.state)
 
     # ------------------------------------------------------------ the step
 
@@ -620,10 +598,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
         factor = 1.0 if inv_scale is None else inv_scale
         return -factor if negate else factor
 
-    # Under torch.compile the step is a graph break: dynamo runs it eagerly rather than tracing
-    # into the launch (and into numba's compiler on a first call).
-    @torch.compiler.disable
-    @torch.no_grad()
+    @observed_step  # torch's hooks and profiler annotation when observed; grad off; a graph break
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
              found_inf: Optional[torch.Tensor] = None):
         """One step of every param group, as one transaction (module docstring); returns
@@ -637,8 +612,8 @@ class OptirsOptimizer(torch.optim.Optimizer):
         synchronisation); on the CPU they are read on the host (free there).
         """
         loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
-        amp = _Amp.checked(grad_scale, found_inf)
         has_amp = grad_scale is not None or found_inf is not None
+        amp = _Amp.checked(grad_scale, found_inf) if has_amp else _NO_AMP
         state = self.state
         # Phase 1: check every group and plan its buckets; nothing of the optimizer changes.
         work: List[Tuple[Dict[str, Any], _Hyper, _GroupPlan, List[torch.Tensor], bool]] = []
@@ -670,22 +645,28 @@ class OptirsOptimizer(torch.optim.Optimizer):
                     prepared.append((bucket, bucket.prepare(hyper.hp, grads, factor, found)))
         # Phase 2: the transaction, then the new buckets' entries in opt.state.
         with deferred_interrupts():
+            grad_mode = _grad_enabled()
+            _set_grad_enabled(False)  # as torch's steps run (launches and plugins included)
             try:
                 run_steps([p for _, p in prepared])
             finally:
-                self._commit(work, prepared)
+                try:
+                    self._commit(work, prepared)
+                finally:
+                    _set_grad_enabled(grad_mode)
         return loss
 
     def _commit(self, work: List[tuple], prepared: List[Tuple[Bucket, PreparedStep]]) -> None:
         """After the launches: the step tensors of the stepped buckets; the entries of new buckets
         whose engine holds state now; the plans whose every bucket is installed."""
-        done = {}
         for bucket, p in prepared:
             bucket.finish(p)
-            done[id(bucket)] = p.applied or (p.skip and bucket.engine.state is not None)
+        if not any(w[4] for w in work):  # every group stepped on its cached plan
+            return
+        done = {id(bucket): p.applied or (p.skip and bucket.engine.state is not None) for bucket, p in prepared}
         state = self.state
-        if type(state) is not _TrackedState:
-            state = self.state = _TrackedState(state)
+        if type(state) is not TrackedState:
+            state = self.state = TrackedState(state)
         for gi, (_, _, plan, _, fresh) in enumerate(work):
             if not fresh:
                 continue

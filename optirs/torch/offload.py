@@ -55,6 +55,8 @@ from optirs.core.formats import resolve_format
 from optirs.plugin import hookspecs
 from optirs.plugin.hookspecs import Staged
 from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp
+from optirs.torch._state import plain
+from optirs.torch._stepcall import observed_step
 
 OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per chunk: large enough that a chunk's fixed cost (a front-end step, a few copies)
@@ -849,7 +851,7 @@ class CPUOffload(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ the step
 
-    @torch.compiler.disable
+    @observed_step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
              found_inf: Optional[torch.Tensor] = None):
@@ -1134,12 +1136,12 @@ class CPUOffload(torch.optim.Optimizer):
         whichever way their chunk steps (WIDEN chunks add their float32 masters themselves)."""
         self._refresh_state()
         sd = super().state_dict()
+        sd["state"] = {k: plain(v) for k, v in sd["state"].items()}  # the inner optimizers' live entries, as dicts
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
                 where = self._where.get(p)
                 if where is not None and where[0].mode == WIDEN:
-                    # a new dict: torch's packed entries are the live state dicts themselves
                     sd["state"][index] = {**sd["state"].get(index, {}), MASTER_KEY: where[0].host[where[1]]}
                 index += 1
         return sd
