@@ -341,6 +341,10 @@ class StepEngine:
         with self.lock:
             if self.state is not None and self.state_on_device:
                 self.state, self.state_on_device = self.host_state(), False
+                if self.layout is not None:
+                    # what the backend derived from the device buffers (a prepared launch holds
+                    # them) must not keep them alive: the point of moving them is to free them
+                    self.layout.cache.clear()
 
     def host_state(self) -> Dict[str, np.ndarray]:
         """Host copies of the flat state buffers, each in its own dtype (empty before the first step)."""

@@ -368,7 +368,9 @@ class Bucket:
         return prepared
 
     def finish(self, prepared: PreparedStep) -> None:
-        """After the transaction: the step tensors follow a host count."""
+        """After the transaction: the step tensors follow a host count; the step, kept as the model
+        of the next, lets go of its gradients (nothing holds them past the step)."""
+        prepared.grads = None
         if prepared.applied and self.has_step and not self.device_steps:
             self.steps_host[...] = self.engine.step_count  # (a numpy view: a torch fill_ costs more)
 
