@@ -480,11 +480,15 @@ def test_a_step_keeps_no_gradient_alive_and_follows_moved_gradients(master_weigh
     opt = ot.AdamW(params, lr=1e-2, **kw)
     ref = torch.optim.AdamW(twins, lr=1e-2)
     kept = []
-    for k in range(4):
+
+    def new_grads(k):  # (no local of this test holds a gradient)
         gen = torch.Generator(device="cuda").manual_seed(k)
         for p, t in zip(params, twins):
-            g = torch.randn(p.shape, device="cuda", generator=gen)
-            p.grad, t.grad = g.to(dtype), g.to(dtype).float()
+            p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
+            t.grad = p.grad.float().clone()
+
+    for k in range(4):
+        new_grads(k)
         if k % 2:
             kept.append([p.grad for p in params])
         gone = [weakref.ref(p.grad) for p in params]
