@@ -469,6 +469,7 @@ def test_a_step_keeps_no_gradient_alive_and_follows_moved_gradients(master_weigh
     """As with torch.optim, no gradient outlives zero_grad() (the step keeps their addresses, not the
     tensors), and a step over gradients at new addresses (new tensors each step, some kept alive so
     the allocator cannot hand the same memory back) moves the parameters as torch's AdamW does."""
+    import gc
     import weakref
 
     _torch_cuda_or_skip()
@@ -496,6 +497,7 @@ def test_a_step_keeps_no_gradient_alive_and_follows_moved_gradients(master_weigh
         ref.step()
         opt.zero_grad()
         ref.zero_grad()
+        gc.collect()  # (cyclic garbage of a first step's compile is not a reference the step keeps)
         assert all(r() is None for r in gone) or k % 2
     for p, t in zip(params, twins):
         tol = {} if master_weights is None else {"atol": 1e-2, "rtol": 1e-2}
