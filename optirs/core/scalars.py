@@ -257,12 +257,11 @@ def adafactor_scalars(hp: AdafactorParams, step: int, grad_factor: float = 1.0) 
     ), hp, step)
 
 
-# Which fields of each record are bools (the rest are float32), for _record.
-_BOOLS: Dict[type, Tuple[bool, ...]] = {
-    cls: tuple(getattr(cls.__annotations__[name], "__forward_arg__", cls.__annotations__[name]) in (bool, "bool")
-               for name in cls._fields)
+# The positions of each record's bool fields (the rest are float32), for _record.
+_BOOL_FIELDS: Dict[type, Tuple[int, ...]] = {
+    cls: tuple(i for i, name in enumerate(cls._fields)
+               if getattr(cls.__annotations__[name], "__forward_arg__", cls.__annotations__[name]) in (bool, "bool"))
     for cls in (AdamScalars, SgdScalars, RmspropScalars, AdagradScalars, LambScalars, LionScalars, AdafactorScalars)}
-_BOOL_FIELDS: Dict[type, Tuple[int, ...]] = {cls: tuple(i for i, b in enumerate(bools) if b) for cls, bools in _BOOLS.items()}
 
 # The pointwise kernel families' formulas (adamw shares adam's record and formula; decoupled is a constant).
 FORMULAS: Dict[str, ScalarFormula] = {

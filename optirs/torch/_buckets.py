@@ -320,15 +320,14 @@ class Bucket:
         step's when the addresses did not move (the backend's caches of a step's launch hit by
         identity), and no gradient kept after the step (``zero_grad()`` frees them, as with torch).
         On the CPU: numpy views, the same list as the last step's for the same tensors."""
+        ptrs = tuple(map(_DATA_PTR, grads))
         if not self.on_cpu:
-            ptrs = tuple(map(_DATA_PTR, grads))
             if ptrs == self._gptrs:
                 ptrs = self._gptrs
             else:
                 self._gptrs = ptrs
             return AddressedArrays(list(map(torch.Tensor.detach, grads)) if self.detach_grads else grads, ptrs)
         last, last_ptrs, arrays = self._gcache
-        ptrs = tuple(map(_DATA_PTR, grads))
         if ptrs == last_ptrs and len(grads) == len(last) and all(map(_IS, grads, last)):
             return arrays
         arrays = kernel_arrays(grads, True, self.detach_grads)

@@ -598,7 +598,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
         factor = 1.0 if inv_scale is None else inv_scale
         return -factor if negate else factor
 
-    @observed_step  # torch's hooks and profiler annotation when observed; grad off; a graph break
+    @observed_step  # torch's hooks and profiler annotation when observed; a graph break under torch.compile
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scale: Optional[torch.Tensor] = None,
              found_inf: Optional[torch.Tensor] = None):
         """One step of every param group, as one transaction (module docstring); returns
