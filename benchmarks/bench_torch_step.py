@@ -412,6 +412,31 @@ def host_step_times(step: Callable[[], None], sync: Callable[[], None], warmup: 
     return {"us": statistics.median(times), "min_us": min(times)}
 
 
+def checked_reads_us(params, args) -> Dict[str, float]:
+    """Host time of the per-tensor reads that a step which checks its inputs cannot skip: every
+    gradient, the dtype, device, sizes and strides of every parameter and gradient (checked in C
+    by torch's TensorGuards, as optirs.torch does) and every data pointer. No launch, no math:
+    the floor under a checked step's host time on this host."""
+    import operator
+
+    import torch
+    from torch._C._dynamo.guards import TensorGuards
+
+    get, ptr = operator.attrgetter("grad"), torch.Tensor.data_ptr
+    tensors = list(params) + [p.grad for p in params]
+    guard = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.size()) for t in tensors],
+                         dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+    def reads() -> None:
+        grads = list(map(get, params))
+        if not guard.check(*params, *grads):
+            raise AssertionError("the tensors changed while they were timed")
+        tuple(map(ptr, params))
+        tuple(map(ptr, grads))
+
+    return time_calls(reads, max(3, args.warmup), max(5, args.reps))
+
+
 def bench_host(shapes, device: str, args, backend: str = "auto") -> Dict[str, Any]:
     """``host`` rows of one model: per format, torch fused and optirs.torch (module docstring)."""
     import torch
@@ -437,6 +462,11 @@ def bench_host(shapes, device: str, args, backend: str = "auto") -> Dict[str, An
                 row[kind] = host_step_times(opt.step, sync, max(3, args.warmup), max(5, args.reps))
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
                 row[kind] = {"skipped": f"{type(exc).__name__}: {exc}"}
+            if "checked_reads" not in rows:
+                try:
+                    rows["checked_reads"] = checked_reads_us(params, args)
+                except Exception as exc:  # noqa: BLE001 - torch's private guards may be missing
+                    rows["checked_reads"] = {"skipped": f"{type(exc).__name__}: {exc}"}
             del params
         if "us" in row.get("torch_fused", {}) and "us" in row.get("optirs_torch", {}):
             row["optirs_vs_torch_fused"] = row["torch_fused"]["us"] / row["optirs_torch"]["us"]
@@ -448,6 +478,10 @@ def report_host(host: Dict[str, Any]) -> None:
     print("host time of one opt.step() call, us (median; device synchronized between calls); >1x: optirs less")
     for case, rows in host.items():
         print(f"  {case}: {rows['tensors']} tensors, {rows['elements']} parameters")
+        floor = rows.get("checked_reads", {})
+        if "us" in floor:
+            print(f"    {'the checks alone':22s} {floor['us']:9.1f} (reading every gradient, every tensor's metadata "
+                  "and address: the floor of a checked step)")
         for label in HOST_FORMATS:
             row = rows[label]
             cells = []

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 import optirs
 from optirs.core.layout import TensorLayout
@@ -73,3 +74,42 @@ def test_only_the_latest_gradient_list_stays_cached(rng):
     gc.collect()
     alive = [sum(r() is not None for r in step) for step in refs]
     assert alive[:-1] == [0] * 5, alive  # the latest list may stay (the validation and stage caches)
+
+
+def test_typed_lists_are_built_in_cached_code_and_keep_their_arrays():
+    """The kernels' typed lists come from a compiled builder (numba's List.append from Python
+    compiles in every process): the same views, and the arrays they borrow stay alive with the list."""
+    import gc
+    import weakref
+
+    from optirs.backends.cpu.kernels import typed_list
+
+    arrays = [np.arange(n, dtype=np.float32) for n in (5, 1, 300)]
+    refs = [weakref.ref(a) for a in arrays]
+    built = typed_list(arrays)
+    del arrays
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    assert [np.array_equal(v, np.arange(n, dtype=np.float32)) for v, n in zip(built, (5, 1, 300))] == [True] * 3
+    built[0][1] = 42.0  # a view: the caller's memory
+    assert refs[0]()[1] == 42.0
+    with pytest.raises(TypeError, match="contiguous"):
+        typed_list([np.zeros((4, 4), np.float32)[:, 0]])
+
+
+def test_a_formats_second_step_compiles_nothing():
+    """The first step of a format has no loop of its own (a fresh float32 master reads the
+    parameter), so the second step runs the first one's compiled loop."""
+    torch = pytest.importorskip("torch")
+    import optirs.torch as ot
+    from optirs.core.compile_cache import compile_records, install_compile_log
+
+    install_compile_log()
+    model = torch.nn.Linear(300, 20).to(torch.bfloat16)
+    opt = ot.AdamW(model.parameters(), lr=1e-3, master_weights="float32", state_dtype="int8", backend="cpu")
+    for step in range(2):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.01 * (step + 1))
+        before = len(compile_records())
+        opt.step()
+    assert compile_records()[before:] == ()

@@ -195,7 +195,7 @@ def _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step):
 
 
 def _master(fs, words, buffers):
-    return np.concatenate(R.decode_master(fs, words, buffers, 2))
+    return np.concatenate(R.decode_master(fs, words, buffers))
 
 
 def _assert_close(step_result, master_atol=1e-12, state_rel=0.0):

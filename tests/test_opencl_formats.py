@@ -349,7 +349,7 @@ class _Model:
 
 def _master(fs, params, buffers, t):
     """The float32 masters the step at ``t`` reads (t >= 2: float32 masters from their buffer)."""
-    return np.concatenate(R.decode_master(fs, params, buffers, t))
+    return np.concatenate(R.decode_master(fs, params, buffers))
 
 
 def _close_to_reference(model, before_p, before_s, grads, seed):

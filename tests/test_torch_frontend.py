@@ -663,3 +663,19 @@ def test_a_compiled_training_step_is_correct():
         expected, got = train_step(ref_model, ref), compiled(our_model, ours)
         torch.testing.assert_close(got, expected)
     assert_same_params(ref_model, our_model)
+
+
+def test_auto_opens_only_the_backends_that_step_the_models_device(monkeypatch):
+    """A CPU model's backend='auto' does not open (or probe) a GPU backend: the backends say which
+    torch devices they could step before they open (optirs_torch_devices)."""
+    from optirs.plugin.registry import REGISTRY
+    from optirs.torch import _frontend
+
+    assert REGISTRY.torch_devices("cpu") == ("cpu",) and REGISTRY.torch_devices("cuda") == ("cuda",)
+    assert REGISTRY.torch_devices("opencl") == ()
+    opened = []
+    real = REGISTRY.get_backend
+    monkeypatch.setattr(REGISTRY, "get_backend", lambda name, options=None: opened.append(name) or real(name, options))
+    monkeypatch.setattr(_frontend, "_AUTO", {})
+    backend = _frontend._open_backend("auto", {}, "cpu")
+    assert backend.name == "cpu" and opened == ["cpu"]

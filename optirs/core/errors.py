@@ -1,4 +1,4 @@
-"""The error types of optirs.
+"""The error and warning types of optirs.
 
 Every error is a :class:`GpuOptimError`; the subclasses say what went wrong. Messages name the
 offending value and what was expected ("beta1=1.2, expected 0 <= beta1 < 1").
@@ -35,6 +35,11 @@ class PluginError(GpuOptimError):
     """A plugin failed to import, or its hooks do not match the specifications."""
 
 
+class CompileCacheWarning(UserWarning):
+    """Compiled kernels cannot be cached where they should be (docs/compile_cache.md): numba caches
+    them elsewhere, or nowhere, and the warning says where and why."""
+
+
 __all__ = [
     "GpuOptimError",
     "BackendUnavailableError",
@@ -43,4 +48,5 @@ __all__ = [
     "ShapeMismatchError",
     "DeviceMemoryError",
     "PluginError",
+    "CompileCacheWarning",
 ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Sequence, Tuple
 
-import ml_dtypes
 import numpy as np
 
 from optirs.core.formats import BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints
@@ -289,16 +288,26 @@ def from_bits(u: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(u, dtype=_U32).view(np.float32)
 
 
+def _half(dtype: str) -> np.dtype:
+    """numpy's dtype of ``dtype`` ("bfloat16" / "float16"); ml_dtypes loads on first use (its
+    import takes about a second, and most programs never decode a 16-bit word here)."""
+    if dtype != "bfloat16":
+        return np.dtype(np.float16)
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def decode16(h: np.ndarray, dtype: str) -> np.ndarray:
     """uint16 bits of ``dtype`` ("bfloat16" / "float16") -> float32."""
     h = np.ascontiguousarray(h, dtype=np.uint16)
-    return h.view(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).astype(np.float32)
+    return h.view(_half(dtype)).astype(np.float32)
 
 
 def nearest16(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 -> uint16 bits, nearest even (ml_dtypes' bfloat16 cast, numpy's float16 cast)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).view(np.uint16)
+        return np.asarray(x, np.float32).astype(_half(dtype)).view(np.uint16)
 
 
 def bf16_stochastic(x: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -382,16 +391,18 @@ def _slot_signed(fs: FormatState) -> Dict[str, bool]:
     return {s.name: s.signed for s in fs.slots}
 
 
-def decode_master(fs: FormatState, params: Sequence[np.ndarray], buffers: Dict[str, np.ndarray], step: int) -> List[np.ndarray]:
-    """Each tensor's float32 master, from its parameter words (float32, or uint16 bits) and the master buffer."""
+def decode_master(fs: FormatState, params: Sequence[np.ndarray], buffers: Dict[str, np.ndarray]) -> List[np.ndarray]:
+    """Each tensor's float32 master, from its parameter words (float32, or uint16 bits) and the
+    master buffer; a float32 master of 0 bits (a fresh buffer) is the parameter's value."""
     fmt, out = fs.fmt, []
     for t, p in enumerate(params):
         o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
         p = np.asarray(p).reshape(-1)
         if fmt.param_dtype == "float32":
             out.append(p.astype(np.float32))
-        elif fmt.master == "float32" and step > 1:
-            out.append(buffers["master"][o : o + n].astype(np.float32))
+        elif fmt.master == "float32":
+            m = np.asarray(buffers["master"][o : o + n], np.float32)
+            out.append(np.where(bits(m) == 0, decode16(p.view(np.uint16), fmt.param_dtype), m))
         elif fmt.master == "remainder16":
             out.append(remainder16_join(p.view(np.uint16), buffers["master_remainder"][o : o + n]))
         elif fmt.master == "remainder8":
@@ -443,7 +454,7 @@ def format_step(definition, hp, fs: FormatState, params: Sequence[np.ndarray], g
     :return: (new parameter words, each shaped like the input; new buffers).
     """
     fmt, layout = fs.fmt, fs.layout
-    masters = decode_master(fs, params, buffers, step_number)
+    masters = decode_master(fs, params, buffers)
     state = decode_state(fs, buffers)
     new_p, new_s = definition.reference([m.astype(np.float64) for m in masters],
                                         [g.astype(np.float64) for g in decode_grads(fmt, grads)],

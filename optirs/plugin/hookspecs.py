@@ -839,6 +839,17 @@ def optirs_torch_device(ctx: BackendContext) -> Optional[str]:
     """
 
 
+@hookspec
+def optirs_torch_devices() -> Tuple[str, ...]:
+    """The torch device types whose tensors this backend could step in place (``("cuda",)``,
+    ``("cpu",)``; ``()``: none), said without opening it.
+
+    ``optirs.torch``'s ``backend="auto"`` opens only the backends that list a model's device type
+    (or that do not implement this hook), so a CPU model does not wait for a GPU runtime to load.
+    The opened backend's :func:`optirs_torch_device` stays the answer.
+    """
+
+
 # ---- streams
 # Which device queue a backend's launches and copies go on, so that they are ordered with the
 # caller's own work (torch's current CUDA stream). The rule of a backend that has streams: a

@@ -417,6 +417,23 @@ class Registry:
             return ProbeResult(False, f"probe raised {type(exc).__name__}: {exc}")
         return result if isinstance(result, ProbeResult) else ProbeResult(False, f"probe returned {result!r}")
 
+    def torch_devices(self, name: str) -> Optional[Tuple[str, ...]]:
+        """The torch device types the named backend could step (``optirs_torch_devices``), or None
+        where it does not say (or its answer is broken: then only opening it tells)."""
+        self.pm  # the plugins load on first use
+        answer = self.implementation(name, "optirs_torch_devices")
+        if answer is None:
+            return None
+        try:
+            devices = answer()
+            if isinstance(devices, str) or not all(isinstance(d, str) for d in devices):
+                raise TypeError(f"returned {devices!r}, expected a tuple of torch device type strings")
+            return tuple(devices)
+        except Exception as exc:  # noqa: BLE001 - a broken answer: open the backend to know
+            warnings.warn(f"optirs: plugin {name!r}'s optirs_torch_devices failed: {type(exc).__name__}: {exc}",
+                          PluginWarning, stacklevel=3)
+            return None
+
     def step_support(self, name: str) -> StepSupport:
         """What the named backend's step runs: its ``optirs_step_support`` answer; a plugin with
         ``optirs_step`` but no answer steps every optimizer in float32; one with only the

@@ -15,6 +15,7 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
     "info": ("optirs.tools.cli:info_main", "list backends, devices, status, capability matrix and plugins"),
     "bench": ("optirs.tools.bench:main", "time every optimizer on every backend beside torch"),
     "occupancy": ("optirs.tools.occupancy_cli:main", "CUDA occupancy table and curves"),
+    "warmup": ("optirs.tools.warmup:main", "compile (or load from the cache) the kernels of some optimizers and formats"),
 }
 
 
@@ -64,7 +65,43 @@ def info_main(argv: List[str]) -> int:
     for p in optirs.list_plugins():
         plugins.add_row(p.name, p.kind, p.source, p.error or p.summary)
     console.print(plugins)
+    _compile_cache_report(console)
     return 0
+
+
+def _compile_cache_report(console) -> None:
+    """Where numba caches optirs's kernels and what is there, and the OpenCL program caches: read
+    from the directories only (nothing is compiled)."""
+    import datetime
+
+    from rich.table import Table
+
+    from optirs.core.compile_cache import cache_location, cached_kernels, opencl_binary_caches
+
+    location = cache_location()
+    modules = cached_kernels()
+    table = Table(title="Compiled kernel cache (numba; `optirs warmup` fills it)",
+                  caption="entries: compiled signatures; functions: cached functions (stale files included)")
+    for col, justify in (("module", "left"), ("entries", "right"), ("functions", "right"), ("size", "right"),
+                         ("newest", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for m in modules:
+        newest = datetime.datetime.fromtimestamp(m.newest).strftime("%Y-%m-%d %H:%M") if m.newest else "-"
+        table.add_row(m.module.removeprefix("optirs.").removeprefix("backends."), str(m.entries), str(m.functions),
+                      _fmt_bytes(m.bytes), newest)
+    if modules:
+        table.add_section()
+        table.add_row("all", str(sum(m.entries for m in modules)), str(sum(m.functions for m in modules)),
+                      _fmt_bytes(sum(m.bytes for m in modules)), "")
+    else:
+        table.add_row("nothing cached yet: each kernel compiles on its first step", "-", "-", "-", "-")
+    console.print(table)
+    lines = [f"numba caches optirs's kernels in {location.where}: {location.reason}"]
+    lines += [f"  passed over {p.directory}: it {p.why}" for p in location.passed_over]
+    lines += [f"{c.name} cache: {c.directory}: {c.files} files, {_fmt_bytes(c.bytes)} ({c.note})"
+              for c in opencl_binary_caches()]
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
 
 
 def _capability_matrix(backends, registry, optimizers, capabilities, step_capabilities):

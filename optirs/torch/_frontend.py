@@ -94,6 +94,10 @@ def _open_backend(name: str, options: Dict[str, Any], device_type: str):
         return hit
     reasons = []
     for candidate in SUPPORTED_BACKENDS:
+        said = REGISTRY.torch_devices(candidate)
+        if said is not None and device_type not in said:
+            reasons.append(f"{candidate}: steps {', '.join(map(repr, said)) or 'no torch'} tensors")
+            continue  # not opened: a GPU runtime's load is seconds
         try:
             backend = REGISTRY.get_backend(candidate, options)
         except BackendUnavailableError as exc:

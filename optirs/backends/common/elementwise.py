@@ -21,7 +21,10 @@ import math
 from numba import float32, float64, njit
 from numba.extending import overload
 
+from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.definitions import DEFINITIONS
+
+prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
 
 @njit(cache=True, error_model="numpy")

@@ -24,8 +24,11 @@ from numba.extending import intrinsic
 from optirs.backends.common import half
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
+from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32)
+
+prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
 _jit = njit(cache=True, error_model="numpy")
 
@@ -279,19 +282,21 @@ def encode_state(x, kind, key, i):
 
 
 @_jit
-def load_master(praw, mraw, fc, fresh):
+def load_master(praw, mraw, fc):
     """The float32 master of one element.
 
     :param praw: the parameter word (float32 bits, or 16-bit bits), uint32.
     :param mraw: the master word: float32 bits (MASTER_F32), the remainder (int16 / int8 as
         int32, MASTER_R16 / MASTER_R8), else unused.
     :param fc: the :class:`~optirs.core.formats.FormatCodes`.
-    :param fresh: step 1: a float32 master is read from the parameter (its buffer is not filled yet).
+
+    A float32 master word of 0 (a fresh buffer, or a master of +0.0, whose parameter is +0.0 too)
+    is read from the parameter: the first step needs no variant of its own (docs/formats.md).
     """
     if fc.param == F32:
         return bits_f32(praw)
-    if fc.master == MASTER_F32 and not fresh:
-        return bits_f32(mraw)
+    if fc.master == MASTER_F32:
+        return bits_f32(mraw) if mraw != 0 else decode16(praw, fc.param)
     if fc.master == MASTER_R16:
         return remainder16_join(praw, np.int32(mraw))
     if fc.master == MASTER_R8:
@@ -325,13 +330,13 @@ def store_master(x, fc, key, i):
 
 
 @_jit
-def format_element(praw, mraw, graw, s0, s1, s2, sc, fc, fresh, key, i):
+def format_element(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
     """One element of a pointwise family in a format: decode, ``element_update``, encode the master.
 
     ``s0``-``s2`` are the decoded float32 state values (0 for unused slots) and come back updated
     for the loop to encode. Returns (parameter word, master word, s0, s1, s2) with the words as uint32
     (a remainder word holds the signed remainder's two's complement)."""
-    p = load_master(praw, mraw, fc, fresh)
+    p = load_master(praw, mraw, fc)
     g = decode_value(graw, fc.grad)
     p, s0, s1, s2 = element_update(p, g, s0, s1, s2, sc)
     pw, mw = store_master(p, fc, key, i)
@@ -339,12 +344,12 @@ def format_element(praw, mraw, graw, s0, s1, s2, sc, fc, fresh, key, i):
 
 
 @_jit
-def lamb_format_element(praw, mraw, graw, m, v, grad_scale, sc, fc, fresh):
+def lamb_format_element(praw, mraw, graw, m, v, grad_scale, sc, fc):
     """LAMB's per-element work in a format: (master p, new m, new v, direction u), all float32.
 
     Both passes call it with the same inputs (pass 1 for the norms, pass 2 to apply
     ``p - lr * ratio * u``), so they see the same values; nothing is written in pass 1."""
-    p = load_master(praw, mraw, fc, fresh)
+    p = load_master(praw, mraw, fc)
     g = decode_value(graw, fc.grad)
     m, v = lamb_moments(g, m, v, grad_scale, sc)
     return p, m, v, lamb_direction(p, m, v, sc)

@@ -23,6 +23,10 @@ from __future__ import annotations
 
 from numba import njit
 
+from optirs.core.compile_cache import prepare_kernel_compilation
+
+prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
+
 
 @njit(cache=True)
 def gathered_grad(values, order, start, stop, j):

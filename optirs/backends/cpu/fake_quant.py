@@ -25,6 +25,10 @@ _LOOPS: Optional[Tuple[Any, Any]] = None
 def _build_loops() -> Tuple[Any, Any]:
     from numba import njit, prange
 
+    from optirs.core.compile_cache import prepare_kernel_compilation
+
+    prepare_kernel_compilation()
+
     fq = njit(cache=True, inline="always")(fq_element)
 
     @njit(parallel=True, cache=True)

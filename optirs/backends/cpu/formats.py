@@ -98,19 +98,19 @@ class CpuFormats:
                                             f"{list(FORMAT_FAMILIES)}")
         k = _kernels()
         names = _FAMILY_DEFINITION[family].slot_names()
-        fc, fresh, seed, step = fmt.codes, step == 1, np.uint64(int(seed) & 0xFFFFFFFF), np.uint64(step)
+        fc, seed, step = fmt.codes, np.uint64(int(seed) & 0xFFFFFFFF), np.uint64(step)
         table = format_state.tensor_table()
         mbuf = _master(state, format_state)
         chunks = layout.chunks(CHUNK)
         if family == "lamb":
             slots, _ = _slot_arrays(state, format_state, names[:2], fmt)
             (w0, c0, m0, q0, d0, t0), (w1, c1, m1, q1, d1, t1) = slots
-            k.lamb(fc, fresh)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, *chunks, len(layout),
+            k.lamb(fc)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, *chunks, len(layout),
                        scalars, seed, step)
             return
         slots, used = _slot_arrays(state, format_state, (tuple(names) + (None, None, None))[:3], fmt)
         (w0, c0, m0, q0, d0, t0), (w1, c1, m1, q1, d1, t1), (w2, c2, m2, q2, d2, t2) = slots
-        k.pointwise(fc, used, fresh)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2,
+        k.pointwise(fc, used)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2,
                               t2, table, *chunks, scalars, seed, step)
 
     def _formats_check(self, ctx, grads, layout, fmt, flag) -> None:

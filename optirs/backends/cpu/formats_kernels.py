@@ -2,9 +2,9 @@
 
 One ``prange`` over the chunk table per pass. Chunks start at multiples of the chunk size inside
 each tensor, a multiple of the int8 block (256), so every block lies in one chunk. Each loop is
-compiled per format (:class:`~optirs.core.formats.FormatCodes`, used slots, first step): the
-codes are constants of the closure, so the branches of the shared element step
-(:func:`optirs.backends.common.formats.format_element`) fold away. float32 / bfloat16 state is
+compiled per format (:class:`~optirs.core.formats.FormatCodes`, used slots): the codes are
+constants of the loop (a variant, :mod:`optirs.backends.common.variants`), so the branches of the
+shared element step (:func:`optirs.backends.common.formats.format_element`) fold away. float32 / bfloat16 state is
 decoded and encoded inside the element loop over arrays sliced to the chunk; int8 blocks keep
 their new values in scratch until the block's scale (the absmax of its new values) is known.
 State arrays come with their own dtype (float32 values, bfloat16 bits, int8 codes); numba caches
@@ -19,6 +19,7 @@ import numpy as np
 from numba import njit, prange
 
 from optirs.backends.common.elementwise import lamb_grad_scale
+from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, encode_state, format_element,
                                             lamb_format_element, quantize, store_master, stream_key)
 from optirs.backends.cpu.kernels import chunk_trust_ratios
@@ -106,126 +107,130 @@ def _master_word(mbuf, idx, has_master):
     return np.uint32(np.int64(mbuf[idx]) & 0xFFFFFFFF) if has_master else np.uint32(0)
 
 
-# One compiled loop per (FormatCodes, used slots): the codes are constants of the closure, so
-# the per-element branches on the format fold away and the block loops vectorize where they can
-# (numba caches closures on disk keyed by their cell values).
+# One compiled loop per (FormatCodes, used slots): the codes are constants of the loop, so the
+# per-element branches on the format fold away and the block loops vectorize where they can. The
+# loops are templates whose constants are bound per variant (optirs.backends.common.variants), so
+# numba caches each variant on disk. The module's values of the constants are placeholders.
+FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
+U0 = U1 = U2 = HAS_MASTER = INT8 = False
+SKIND = STATE_F32
+RUN_WORDS = RUN_CODES = CHUNK = LOAD_MOMENTS = None
+
 _POINTWISE: dict = {}
 
 
-def pointwise(fc, used, fresh):
-    """The pointwise format loop for codes ``fc``, slot mask ``used`` and ``fresh`` (step 1: float32
-    masters read from the parameters); see :func:`_make_pointwise`."""
-    key = (tuple(fc), int(used), bool(fresh))
+def pointwise(fc, used):
+    """The pointwise format loop for codes ``fc`` and slot mask ``used`` (see :func:`_pointwise_format`)."""
+    key = (tuple(fc), int(used))
     k = _POINTWISE.get(key)
     if k is None:
-        k = _POINTWISE[key] = _make_pointwise(FormatCodes(*fc), int(used), bool(fresh))
+        k = _POINTWISE[key] = _make_pointwise(FormatCodes(*fc), int(used))
     return k
 
 
-# A runtime ``fresh`` costs ~15x in the element loop (measured: numba then keeps both master
-# paths and stops inlining the element step), so it is a constant of the loop as the codes are.
-def _make_pointwise(fc, used, fresh):
-    kind = fc.state
-    int8 = kind == STATE_INT8
-    u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
-    has_master = fc.param != F32 and fc.master != MASTER_NONE
-
-    skind = STATE_F32 if int8 else kind  # a small int8 tensor's state is float32 values
-
-    @njit(cache=True, error_model="numpy")
-    def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k0, k1, k2, o):
-        for i in range(p.shape[0]):
-            idx = o + i
-            x0 = _word_in(v0, i, skind, u0)
-            x1 = _word_in(v1, i, skind, u1)
-            x2 = _word_in(v2, i, skind, u2)
-            pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, has_master), np.uint32(g[i]),
-                                                x0, x1, x2, sc, fc, fresh, keyp, idx)
-            p[i] = pw
-            if has_master:
-                mb[i] = mw
-            _word_out(v0, i, skind, u0, x0, k0, idx)
-            _word_out(v1, i, skind, u1, x1, k1, idx)
-            _word_out(v2, i, skind, u2, x2, k2, idx)
-
-    @njit(cache=True, error_model="numpy")
-    def _run_codes(p, g, mb, v0, v1, v2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o):
-        # one int8 block, every array sliced to it (one index for all, as _run_words)
-        for i in range(p.shape[0]):
-            x0 = q0[v0[i]] * s0 if u0 else np.float32(0)
-            x1 = q1[v1[i]] * s1 if u1 else np.float32(0)
-            x2 = q2[v2[i]] * s2 if u2 else np.float32(0)
-            pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, has_master), np.uint32(g[i]),
-                                                x0, x1, x2, sc, fc, fresh, keyp, o + i)
-            p[i] = pw
-            if has_master:
-                mb[i] = mw
-            a0[i] = x0
-            a1[i] = x1
-            a2[i] = x2
-
-    def chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, off, blk0, so,
-              s, e, sc, keyp, k0, k1, k2):
-        if not int8 or so >= 0:
-            # float32 / bfloat16 words (or a small tensor's float32 state): decoded and encoded in
-            # the element loop itself, every array sliced to the chunk so that one index addresses
-            # them all (LLVM then vectorizes the loop; scratch blocks or offset indices cost 3-10x)
-            n = e - s
-            o = off + s
-            mb = mbuf[o : o + n] if has_master else mbuf
-            if int8:  # a small tensor: float32 values
-                v0 = m0[so + s : so + e] if u0 else m0
-                v1 = m1[so + s : so + e] if u1 else m1
-                v2 = m2[so + s : so + e] if u2 else m2
-            else:
-                v0 = w0[o : o + n] if u0 else w0
-                v1 = w1[o : o + n] if u1 else w1
-                v2 = w2[o : o + n] if u2 else w2
-            _run_words(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k0, k1, k2, o)
-            return
-        # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch
-        a0 = np.zeros(BLOCK, np.float32)
-        a1 = np.zeros(BLOCK, np.float32)
-        a2 = np.zeros(BLOCK, np.float32)
-        for b in range(s, e, BLOCK):
-            n = min(BLOCK, e - b)
-            blk = blk0 + b // BLOCK
-            o = off + b
-            s0 = c0[blk] if u0 else np.float32(0)
-            s1 = c1[blk] if u1 else np.float32(0)
-            s2 = c2[blk] if u2 else np.float32(0)
-            mb = mbuf[o : o + n] if has_master else mbuf
-            _run_codes(p[b : b + n], g[b : b + n], mb, w0[o : o + n] if u0 else w0, w1[o : o + n] if u1 else w1,
-                       w2[o : o + n] if u2 else w2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o)
-            if u0:
-                _store_codes(w0, c0, d0, t0, blk, o, n, a0)
-            if u1:
-                _store_codes(w1, c1, d1, t1, blk, o, n, a1)
-            if u2:
-                _store_codes(w2, c2, d2, t2, blk, o, n, a2)
-
+def _make_pointwise(fc, used):
+    int8 = fc.state == STATE_INT8
+    constants = dict(FC=fc, U0=bool(used & 1), U1=bool(used & 2), U2=bool(used & 4),
+                     HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE, INT8=int8,
+                     SKIND=STATE_F32 if int8 else fc.state)  # a small int8 tensor's state is float32 values
+    label = "_".join(map(str, tuple(fc))) + f"_u{used}"
+    constants["RUN_WORDS"] = _jit(variant(_run_words, label, constants))
+    constants["RUN_CODES"] = _jit(variant(_run_codes, label, constants))
     # the chunk is its own (serial) function: numba's parfor lowering of a body this size
     # optimizes it far worse (measured 2-10x) than the ordinary pipeline does
-    chunk = njit(cache=True, error_model="numpy")(chunk)
+    constants["CHUNK"] = _jit(variant(_chunk, label, constants))
+    return _pjit(variant(_pointwise_format, label, constants))
 
-    def pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,
-                         chunk_tensor, chunk_start, chunk_stop, sc, seed, step):
-        """A pointwise family's format step over the chunk table.
 
-        ``ps``/``gs``: typed lists of each tensor's parameter / gradient words (uint32 views of
-        float32, or uint16). ``mbuf``: the master buffer (uint32 view of float32, int16 or int8
-        remainders; empty without masters). Slot k: words ``wk`` (uint32 view, uint16 bfloat16
-        bits or uint8 codes), int8 scales ``ck`` and small-tensor values ``mk``, its map ``qk``,
-        padded midpoints ``dk`` and bucket table ``tk``. ``table``: FormatState.tensor_table().
-        """
-        keyp = stream_key(seed, step, 0)
-        k0, k1, k2 = stream_key(seed, step, 1), stream_key(seed, step, 2), stream_key(seed, step, 3)
-        for c in prange(chunk_tensor.shape[0]):
-            t = chunk_tensor[c]
-            chunk(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2,
-                  table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k0, k1, k2)
+def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k0, k1, k2, o):
+    for i in range(p.shape[0]):
+        idx = o + i
+        x0 = _word_in(v0, i, SKIND, U0)
+        x1 = _word_in(v1, i, SKIND, U1)
+        x2 = _word_in(v2, i, SKIND, U2)
+        pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, HAS_MASTER), np.uint32(g[i]),
+                                            x0, x1, x2, sc, FC, keyp, idx)
+        p[i] = pw
+        if HAS_MASTER:
+            mb[i] = mw
+        _word_out(v0, i, SKIND, U0, x0, k0, idx)
+        _word_out(v1, i, SKIND, U1, x1, k1, idx)
+        _word_out(v2, i, SKIND, U2, x2, k2, idx)
 
-    return _pjit(pointwise_format)
+
+def _run_codes(p, g, mb, v0, v1, v2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o):
+    # one int8 block, every array sliced to it (one index for all, as _run_words)
+    for i in range(p.shape[0]):
+        x0 = q0[v0[i]] * s0 if U0 else np.float32(0)
+        x1 = q1[v1[i]] * s1 if U1 else np.float32(0)
+        x2 = q2[v2[i]] * s2 if U2 else np.float32(0)
+        pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, HAS_MASTER), np.uint32(g[i]),
+                                            x0, x1, x2, sc, FC, keyp, o + i)
+        p[i] = pw
+        if HAS_MASTER:
+            mb[i] = mw
+        a0[i] = x0
+        a1[i] = x1
+        a2[i] = x2
+
+
+def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, off, blk0, so,
+           s, e, sc, keyp, k0, k1, k2):
+    if not INT8 or so >= 0:
+        # float32 / bfloat16 words (or a small tensor's float32 state): decoded and encoded in
+        # the element loop itself, every array sliced to the chunk so that one index addresses
+        # them all (LLVM then vectorizes the loop; scratch blocks or offset indices cost 3-10x)
+        n = e - s
+        o = off + s
+        mb = mbuf[o : o + n] if HAS_MASTER else mbuf
+        if INT8:  # a small tensor: float32 values
+            v0 = m0[so + s : so + e] if U0 else m0
+            v1 = m1[so + s : so + e] if U1 else m1
+            v2 = m2[so + s : so + e] if U2 else m2
+        else:
+            v0 = w0[o : o + n] if U0 else w0
+            v1 = w1[o : o + n] if U1 else w1
+            v2 = w2[o : o + n] if U2 else w2
+        RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k0, k1, k2, o)
+        return
+    # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch
+    a0 = np.zeros(BLOCK, np.float32)
+    a1 = np.zeros(BLOCK, np.float32)
+    a2 = np.zeros(BLOCK, np.float32)
+    for b in range(s, e, BLOCK):
+        n = min(BLOCK, e - b)
+        blk = blk0 + b // BLOCK
+        o = off + b
+        s0 = c0[blk] if U0 else np.float32(0)
+        s1 = c1[blk] if U1 else np.float32(0)
+        s2 = c2[blk] if U2 else np.float32(0)
+        mb = mbuf[o : o + n] if HAS_MASTER else mbuf
+        RUN_CODES(p[b : b + n], g[b : b + n], mb, w0[o : o + n] if U0 else w0, w1[o : o + n] if U1 else w1,
+                  w2[o : o + n] if U2 else w2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o)
+        if U0:
+            _store_codes(w0, c0, d0, t0, blk, o, n, a0)
+        if U1:
+            _store_codes(w1, c1, d1, t1, blk, o, n, a1)
+        if U2:
+            _store_codes(w2, c2, d2, t2, blk, o, n, a2)
+
+
+def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,
+                      chunk_tensor, chunk_start, chunk_stop, sc, seed, step):
+    """A pointwise family's format step over the chunk table.
+
+    ``ps``/``gs``: typed lists of each tensor's parameter / gradient words (uint32 views of
+    float32, or uint16). ``mbuf``: the master buffer (uint32 view of float32, int16 or int8
+    remainders; empty without masters). Slot k: words ``wk`` (uint32 view, uint16 bfloat16
+    bits or uint8 codes), int8 scales ``ck`` and small-tensor values ``mk``, its map ``qk``,
+    padded midpoints ``dk`` and bucket table ``tk``. ``table``: FormatState.tensor_table().
+    """
+    keyp = stream_key(seed, step, 0)
+    k0, k1, k2 = stream_key(seed, step, 1), stream_key(seed, step, 2), stream_key(seed, step, 3)
+    for c in prange(chunk_tensor.shape[0]):
+        t = chunk_tensor[c]
+        CHUNK(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2,
+              table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k0, k1, k2)
 
 
 @_jit
@@ -240,100 +245,96 @@ def _grad_sum_squares(g, s, e, kind):
 _LAMB: dict = {}
 
 
-def lamb(fc, fresh):
-    """LAMB's format step for codes ``fc`` and ``fresh`` (compiled once each, as :func:`pointwise`)."""
-    key = (tuple(fc), bool(fresh))
+def lamb(fc):
+    """LAMB's format step for codes ``fc`` (one variant each, as :func:`pointwise`)."""
+    key = tuple(fc)
     k = _LAMB.get(key)
     if k is None:
-        k = _LAMB[key] = _make_lamb(FormatCodes(*fc), bool(fresh))
+        fc = FormatCodes(*fc)
+        constants = dict(FC=fc, INT8=fc.state == STATE_INT8, HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE)
+        label = "_".join(map(str, key))
+        constants["LOAD_MOMENTS"] = _jit(variant(_load_moments, label, constants))
+        k = _LAMB[key] = _pjit(variant(_lamb_format, label, constants))
     return k
 
 
-def _make_lamb(fc, fresh):
-    kind = fc.state
-    int8 = kind == STATE_INT8
-    has_master = fc.param != F32 and fc.master != MASTER_NONE
+def _load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, so, o, n, a0, a1):
+    """Both moments of one block into ``a0``, ``a1`` (int8 codes and scales, or words): both passes read them."""
+    if INT8:
+        _load_codes(w0, c0, m0, q0, blk, so, o, n, a0)
+        _load_codes(w1, c1, m1, q1, blk, so, o, n, a1)
+    else:
+        _load_words(w0, FC.state, o, n, a0)
+        _load_words(w1, FC.state, o, n, a1)
 
-    def load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, so, o, n, a0, a1):
-        """Both moments of one block into ``a0``, ``a1`` (int8 codes and scales, or words): both passes read them."""
-        if int8:
-            _load_codes(w0, c0, m0, q0, blk, so, o, n, a0)
-            _load_codes(w1, c1, m1, q1, blk, so, o, n, a1)
-        else:
-            _load_words(w0, kind, o, n, a0)
-            _load_words(w1, kind, o, n, a1)
 
-    load_moments = njit(cache=True, error_model="numpy")(load_moments)
-
-    def lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, chunk_tensor, chunk_start,
-                    chunk_stop, ntensors, sc, seed, step):
-        """LAMB's format step: the global gradient norm (with max_grad_norm), pass 1 (the per-tensor
-        float64 sums of p^2 and u^2, nothing written), the trust ratios, pass 2 (the same values
-        recomputed; parameter, master and moments written). Slots as :func:`pointwise` (exp_avg, exp_avg_sq)."""
-        nchunks = chunk_tensor.shape[0]
-        norm = 0.0  # unused without clipping: the scale is then the gradient factor alone
-        if sc.max_grad_norm > 0:
-            partial = np.zeros(nchunks, dtype=np.float64)
-            for c in prange(nchunks):
-                partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], fc.grad)
-            norm = np.sqrt(partial.sum())
-        grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
-        p_sq = np.zeros(nchunks, dtype=np.float64)
-        u_sq = np.zeros(nchunks, dtype=np.float64)
+def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, chunk_tensor, chunk_start,
+                 chunk_stop, ntensors, sc, seed, step):
+    """LAMB's format step: the global gradient norm (with max_grad_norm), pass 1 (the per-tensor
+    float64 sums of p^2 and u^2, nothing written), the trust ratios, pass 2 (the same values
+    recomputed; parameter, master and moments written). Slots as :func:`pointwise` (exp_avg, exp_avg_sq)."""
+    nchunks = chunk_tensor.shape[0]
+    norm = 0.0  # unused without clipping: the scale is then the gradient factor alone
+    if sc.max_grad_norm > 0:
+        partial = np.zeros(nchunks, dtype=np.float64)
         for c in prange(nchunks):
-            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-            p, g = ps[t], gs[t]
-            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-            a0 = np.zeros(BLOCK, np.float32)
-            a1 = np.zeros(BLOCK, np.float32)
-            ps_c, us_c = 0.0, 0.0
-            for b in range(s, e, BLOCK):
-                n = min(BLOCK, e - b)
-                blk = blk0 + b // BLOCK
-                sob = so + b if so >= 0 else so
-                o = off + b
-                load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
-                for i in range(n):
-                    x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, has_master),
-                                                     np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, fc, fresh)
-                    ps_c += np.float64(x) * np.float64(x)
-                    us_c += np.float64(u) * np.float64(u)
-            p_sq[c], u_sq[c] = ps_c, us_c
-        ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
-        keyp = stream_key(seed, step, 0)
-        k0, k1 = stream_key(seed, step, 1), stream_key(seed, step, 2)
-        for c in prange(nchunks):
-            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-            p, g = ps[t], gs[t]
-            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-            a0 = np.zeros(BLOCK, np.float32)
-            a1 = np.zeros(BLOCK, np.float32)
-            lr_t = sc.lr * ratio[t]
-            for b in range(s, e, BLOCK):
-                n = min(BLOCK, e - b)
-                blk = blk0 + b // BLOCK
-                sob = so + b if so >= 0 else so
-                o = off + b
-                load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
-                for i in range(n):
-                    idx = o + i
-                    x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, has_master),
-                                                       np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, fc, fresh)
-                    pw, mw = store_master(x - lr_t * u, fc, keyp, idx)
-                    p[b + i] = pw
-                    if has_master:
-                        mbuf[idx] = mw
-                    a0[i], a1[i] = mn, vn
-                if int8:
-                    _store_codes_or_small(w0, c0, m0, d0, t0, blk, sob, o, n, a0)
-                else:
-                    _store_words(w0, kind, o, n, a0, k0)
-                if int8:
-                    _store_codes_or_small(w1, c1, m1, d1, t1, blk, sob, o, n, a1)
-                else:
-                    _store_words(w1, kind, o, n, a1, k1)
-
-    return _pjit(lamb_format)
+            partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], FC.grad)
+        norm = np.sqrt(partial.sum())
+    grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
+    p_sq = np.zeros(nchunks, dtype=np.float64)
+    u_sq = np.zeros(nchunks, dtype=np.float64)
+    for c in prange(nchunks):
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        p, g = ps[t], gs[t]
+        off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
+        a0 = np.zeros(BLOCK, np.float32)
+        a1 = np.zeros(BLOCK, np.float32)
+        ps_c, us_c = 0.0, 0.0
+        for b in range(s, e, BLOCK):
+            n = min(BLOCK, e - b)
+            blk = blk0 + b // BLOCK
+            sob = so + b if so >= 0 else so
+            o = off + b
+            LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
+            for i in range(n):
+                x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, HAS_MASTER),
+                                                 np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
+                ps_c += np.float64(x) * np.float64(x)
+                us_c += np.float64(u) * np.float64(u)
+        p_sq[c], u_sq[c] = ps_c, us_c
+    ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
+    keyp = stream_key(seed, step, 0)
+    k0, k1 = stream_key(seed, step, 1), stream_key(seed, step, 2)
+    for c in prange(nchunks):
+        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+        p, g = ps[t], gs[t]
+        off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
+        a0 = np.zeros(BLOCK, np.float32)
+        a1 = np.zeros(BLOCK, np.float32)
+        lr_t = sc.lr * ratio[t]
+        for b in range(s, e, BLOCK):
+            n = min(BLOCK, e - b)
+            blk = blk0 + b // BLOCK
+            sob = so + b if so >= 0 else so
+            o = off + b
+            LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
+            for i in range(n):
+                idx = o + i
+                x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, HAS_MASTER),
+                                                   np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
+                pw, mw = store_master(x - lr_t * u, FC, keyp, idx)
+                p[b + i] = pw
+                if HAS_MASTER:
+                    mbuf[idx] = mw
+                a0[i], a1[i] = mn, vn
+            if INT8:
+                _store_codes_or_small(w0, c0, m0, d0, t0, blk, sob, o, n, a0)
+            else:
+                _store_words(w0, FC.state, o, n, a0, k0)
+            if INT8:
+                _store_codes_or_small(w1, c1, m1, d1, t1, blk, sob, o, n, a1)
+            else:
+                _store_words(w1, FC.state, o, n, a1, k1)
 
 
 @_pjit

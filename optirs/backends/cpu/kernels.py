@@ -12,7 +12,8 @@ Parameters and gradients are numba typed lists of 1-D views.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic
 from numba.typed import List
 
 from optirs.backends.common.elementwise import (element_update, lamb_direction, lamb_grad_scale, lamb_moments,
@@ -21,10 +22,39 @@ from optirs.backends.common.elementwise import (element_update, lamb_direction, 
 jit = njit(parallel=True, cache=True, error_model="numpy")
 
 
-def typed_list(arrays):
+@intrinsic
+def _data_pointer(typingctx, address, like):
+    """``address`` as a pointer to elements of ``like``'s dtype."""
+    sig = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@njit(cache=True)
+def _views_list(addresses, sizes, like):
     out = List()
+    for i in range(addresses.shape[0]):
+        out.append(carray(_data_pointer(addresses[i], like), (sizes[i],)))
+    return out
+
+
+def typed_list(arrays):
+    """A numba typed list of 1-D contiguous ``arrays`` (all of one dtype), built in compiled code:
+    numba's own ``List.append`` from Python compiles its helpers in every process (about a
+    second), this builder is cached on disk with the kernels."""
+    if not arrays:
+        return List.empty_list(types.float32[::1])
+    first = arrays[0]
+    addresses = np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays))
+    sizes = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
     for a in arrays:
-        out.append(a)
+        if a.dtype != first.dtype or a.ndim != 1 or not a.flags.c_contiguous:
+            raise TypeError(f"typed_list takes 1-D contiguous arrays of one dtype, got {a.dtype} {a.shape}")
+    out = _views_list(addresses, sizes, first[:1] if first.size else np.empty(1, first.dtype))
+    out.borrowed = arrays  # the views borrow these arrays' memory: they live as long as the list
     return out
 
 

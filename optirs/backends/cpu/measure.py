@@ -35,5 +35,9 @@ class CpuMeasure:
         return (time.perf_counter() - t0) * 1e3 / reps
 
     @hookimpl
+    def optirs_torch_devices(self) -> Tuple[str, ...]:
+        return ("cpu",)
+
+    @hookimpl
     def optirs_torch_device(self, ctx) -> Optional[str]:
         return "cpu"

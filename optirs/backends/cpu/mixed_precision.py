@@ -32,7 +32,8 @@ def cpu_kernels():
     if _kernels is not None:
         return _kernels
     from numba import njit, prange
-    from numba.typed import List as TypedList
+
+    from optirs.backends.cpu.kernels import typed_list  # (its import prepares the kernel cache)
 
     f16_decode = njit(cache=True)(half.f16_decode)
     bf16_decode = njit(cache=True)(half.bf16_decode)
@@ -71,12 +72,6 @@ def cpu_kernels():
     def decode_all(bits, out, bf16):
         for i in prange(bits.shape[0]):
             out[i] = bf16_decode(bits[i]) if bf16 else f16_decode(bits[i])
-
-    def typed_list(arrays):
-        out = TypedList()
-        for a in arrays:
-            out.append(a)
-        return out
 
     class Kernels:
         pass

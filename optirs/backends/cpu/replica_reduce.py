@@ -20,6 +20,10 @@ def _kernel():
     if not _KERNEL:
         from numba import njit, prange
 
+        from optirs.core.compile_cache import prepare_kernel_compilation
+
+        prepare_kernel_compilation()
+
         @njit(parallel=True, cache=True, error_model="numpy")
         def replica_reduce(replicas, divisor, average):
             dst = replicas[0]

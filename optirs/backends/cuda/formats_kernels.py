@@ -341,7 +341,6 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
         u0 = (used & 1) != 0
         u1 = (used & 2) != 0
         u2 = (used & 4) != 0
-        fresh = step == 1
         keyp = stream_key(seed, step, 0)
         key0 = stream_key(seed, step, 1)
         key1 = stream_key(seed, step, 2)
@@ -436,8 +435,7 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
                             mraw = _remainder(mraw, master)
                         ij = np.uint32((e + j) & 0xFFFFFFFF)
                         if lamb:
-                            xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fc,
-                                                              fresh)
+                            xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fc)
                             if apply:
                                 p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
                                 pw[j] = p_
@@ -449,7 +447,7 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
                                 su += float64(u) * float64(u)
                         else:
                             p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fc,
-                                                             fresh, keyp, ij)
+                                                             keyp, ij)
                             pw[j] = p_
                             mw[j] = m_
                             x0[j] = a

@@ -37,6 +37,10 @@ class CudaMeasure:
         return start.elapsed_time(stop) / reps
 
     @hookimpl
+    def optirs_torch_devices(self) -> Tuple[str, ...]:
+        return ("cuda",)
+
+    @hookimpl
     def optirs_torch_device(self, ctx) -> Optional[str]:
         if ctx.simulator:
             return None

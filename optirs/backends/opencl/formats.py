@@ -30,7 +30,7 @@ STEP_TEMPLATE = "optirs_formats_step.h"
 FAMILY_SLOTS = {d.kernel: d.slot_names() for d in DEFINITIONS.values()}
 # fmt_offsets and fmt_step of optirs_formats.cl, passed by value.
 OFFSETS = np.dtype([(n, "<i8") for n in ("m", "s0", "s1", "s2", "c0", "c1", "c2", "l0", "l1", "l2", "skip")])
-STEP = np.dtype([("seed", "<u4"), ("step", "<u4"), ("init_master", "<i4"), ("used", "<i4"), ("signed_mask", "<i4")])
+STEP = np.dtype([("seed", "<u4"), ("step", "<u4"), ("used", "<i4"), ("signed_mask", "<i4")])
 _HALF = ("bfloat16", "float16")
 
 # OpenCL context wrapper -> its format programs, maps and zero flag; dies with the context.
@@ -334,7 +334,7 @@ class OpenclFormats:
             return
         prog = _program(ctx, fmt)
         bufs, offs, used, signed_mask, skip, s_offs = _state_args(ctx, family, state, format_state, found_inf)
-        st = np.array((int(seed) & 0xFFFFFFFF, int(step) & 0xFFFFFFFF, int(step == 1), used, signed_mask), STEP)
+        st = np.array((int(seed) & 0xFFFFFFFF, int(step) & 0xFFFFFFFF, used, signed_mask), STEP)
         rec = np.array(tuple(scalars), ctx.records[family])
         cl, q, wg = ctx.cl, ctx.queue, ctx.work_group
         with ctx.lock:

@@ -31,5 +31,9 @@ class OpenclMeasure:
         return (time.perf_counter() - t0) * 1e3 / reps
 
     @hookimpl
+    def optirs_torch_devices(self) -> Tuple[str, ...]:
+        return ()  # torch has no OpenCL device
+
+    @hookimpl
     def optirs_torch_device(self, ctx) -> Optional[str]:
         return None  # torch has no OpenCL device

@@ -130,12 +130,11 @@ typedef struct {
     long m, s0, s1, s2, c0, c1, c2, l0, l1, l2, skip;
 } fmt_offsets;
 
-/* seed, step: the random bits' key inputs; init_master: float32 masters are read from the
- * parameters (the first step); used: bit k set when slot k is stored; signed_mask: bit k set
- * when slot k takes the signed int8 map. */
+/* seed, step: the random bits' key inputs; used: bit k set when slot k is stored; signed_mask:
+ * bit k set when slot k takes the signed int8 map. */
 typedef struct {
     uint seed, step;
-    int init_master, used, signed_mask;
+    int used, signed_mask;
 } fmt_step;
 
 /* Tensor table row (long8): x param offset, y grad offset (elements, in their slot's buffer),
@@ -229,14 +228,16 @@ fmt_slots fmt_slots_of(long8 row, long lay, int aligned, __global SST *S0, __glo
 /* ---------------------------------------------------------------- master weights */
 
 /* The float32 value the step starts from, for the 8 elements at p (and m). */
-float8 fmt_load_master(__global const PST *p, __global const MST *m, int nv, int al, int init)
+float8 fmt_load_master(__global const PST *p, __global const MST *m, int nv, int al)
 {
 #if OPTIRS_FMT_PARAM == 0
     return P_LOAD(p, nv, al);
 #elif OPTIRS_FMT_MASTER == 0
     return P_LOAD(p, nv, al);
 #elif OPTIRS_FMT_MASTER == 1
-    return init ? P_LOAD(p, nv, al) : load8_float(m, nv, al);
+    /* a master word of 0 (a fresh buffer, or +0.0 whose parameter is +0.0 too): the parameter */
+    const float8 mv = load8_float(m, nv, al);
+    return select(mv, P_LOAD(p, nv, al), as_int8(mv) == (int8)(0));
 #elif OPTIRS_FMT_MASTER == 2
     return as_float8(optirs_r16_join8(load8_ushort(p, nv, al), load8_short(m, nv, al)));
 #else
@@ -426,9 +427,9 @@ void fmt_lamb_grad_sumsq(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), F
 /* LAMB's element work, the same in both passes: the master p, the new moments s[0], s[1] and the
  * direction u, from the stored state (pass 1 writes nothing; pass 2 recomputes and writes). */
 float8 fmt_lamb_element(__global const PST *p, __global const MST *m, __global const GST *g, int nv, int al,
-                        int init, float8 *s, float scale, const lamb_scalars *sc, float8 *pp)
+                        float8 *s, float scale, const lamb_scalars *sc, float8 *pp)
 {
-    *pp = fmt_load_master(p, m, nv, al, init);
+    *pp = fmt_load_master(p, m, nv, al);
     lamb_moments_v8(G_LOAD(g, nv, al), &s[0], &s[1], scale, sc);
     return lamb_direction_v8(*pp, s[0], s[1], sc);
 }
@@ -452,7 +453,7 @@ void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
         if (nv > 0) {
             float8 s[3], pp;
             fmt_load_states(&sl, k, nv, s, lmaps);
-            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, st.init_master, s, scale, &sc, &pp);
+            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
             sp += fmt_sum_squares8(fmt_valid(pp, nv));
             su += fmt_sum_squares8(fmt_valid(u, nv));
         }
@@ -480,7 +481,7 @@ void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
         fmt_load_states(&sl, k, nv, s, lmaps);
         if (nv > 0) {
             float8 pp;
-            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, st.init_master, s, scale, &sc, &pp);
+            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
             fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
         }
         fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);

@@ -15,7 +15,7 @@ void FMT_CAT(OPT, _fmt)(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FM
         const uint8 idx = fmt_index8(lay, k);
         fmt_load_states(&sl, k, nv, s, lmaps);
         if (nv > 0) {
-            float8 pp = fmt_load_master(p + k, m + k, nv, aligned, st.init_master);
+            float8 pp = fmt_load_master(p + k, m + k, nv, aligned);
             FMT_CAT(OPT, _element_v8)(&pp, G_LOAD(g + k, nv, aligned), &s[0], &s[1], &s[2], &sc);
             fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
         }
