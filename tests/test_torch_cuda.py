@@ -502,3 +502,36 @@ def test_a_step_keeps_no_gradient_alive_and_follows_moved_gradients(master_weigh
     for p, t in zip(params, twins):
         tol = {} if master_weights is None else {"atol": 1e-2, "rtol": 1e-2}
         torch.testing.assert_close(p.float(), t.detach(), **tol)
+
+
+@pytest.mark.gpu
+def test_a_second_process_loads_the_cuda_kernels_from_the_disk_cache(tmp_path):
+    """The step kernels are closures (numba-cuda's own cache key never hits for them): keyed by
+    their name and the sources' state, a second process compiles none of them."""
+    _torch_cuda_or_skip()
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch, optirs.torch as ot
+        from optirs.core.compile_cache import compile_records
+        for kw in ({}, {"master_weights": "float32", "state_dtype": "int8"}):
+            dtype = torch.bfloat16 if kw else torch.float32
+            p = torch.nn.Parameter(torch.randn(5000, device="cuda", dtype=dtype))
+            opt = ot.AdamW([p], lr=1e-3, **kw)
+            for _ in range(2):
+                p.grad = torch.ones_like(p)
+                opt.step()
+        torch.cuda.synchronize()
+        print(sorted(r.name for r in compile_records() if r.name.startswith("cuda.")))
+    """)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "OPTIRS_COMPILE_LOG": "0"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    first, second = (eval(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first, runs[0].stdout  # the cold process built its kernels (and logged them)
+    assert second == [], second

@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from optirs.backends.cuda.kernel_cache import enable as enable_kernel_cache
+from optirs.backends.cuda.kernel_cache import finish_build
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import AddressedArrays
@@ -202,7 +204,12 @@ class Compiled:
         self.handle = None
         if ctx.simulator:
             return
-        self.kernel = dispatcher.compile(argtypes)
+        try:
+            self.kernel = dispatcher.compile(argtypes)  # or loaded from the disk cache (kernel_cache)
+        except BaseException as exc:
+            finish_build(dispatcher._cache, exc)
+            raise
+        finish_build(dispatcher._cache)
         try:
             cufunc = self.kernel._codelibrary.get_cufunc()
             self.cufunc = cufunc
@@ -385,7 +392,11 @@ class CudaContext:
         if hit is None:
             dispatcher = self._dispatchers.get(name)
             if dispatcher is None:
-                dispatcher = self.cuda.jit(pyfunc, fastmath=False) if not self.simulator else self.cuda.jit(pyfunc)
+                if self.simulator:
+                    dispatcher = self.cuda.jit(pyfunc)
+                else:
+                    dispatcher = self.cuda.jit(pyfunc, fastmath=False)
+                    enable_kernel_cache(dispatcher, name)
                 self._dispatchers[name] = dispatcher
             hit = self._compiled[key] = Compiled(self, name, dispatcher, argtypes)
         return hit
