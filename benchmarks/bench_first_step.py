@@ -6,10 +6,12 @@ case this runs a FRESH Python subprocess twice with the same ``NUMBA_CACHE_DIR``
 an empty cache directory (a new temporary one per case unless ``--cache-dir`` is given) and fills
 it, run 2 shows what every later run pays. Each subprocess times:
 
-* ``import optirs.torch`` (torch imported before, and timed apart);
+* ``import optirs.torch`` (torch imported before, and timed apart), then ``import torch._dynamo``
+  (what torch.optim's constructor loads first, whichever optimizer is made first: timed apart);
+* each optimizer's construction (optirs.torch opens its backend there: numba's start, the kernels
+  module), and the sum of construction and first step beside torch's;
 * optirs.torch.AdamW's first, second and steady ``opt.step()`` (steady: the median of ``--steps``
-  more); the second step of a format may run another kernel than the first (a fresh state is a
-  constant of the compiled loop);
+  more);
 * torch.optim.AdamW (``fused=True`` on cuda, ``foreach=True`` on cpu) on a copy of the model, in the
   same process after optirs: its first and steady step. optirs runs first, so a lazy initialisation
   the two share (torch's) lands on optirs's figure, never on torch's.
@@ -65,6 +67,10 @@ def child(case: str, device: str, steps: int) -> Dict[str, Any]:
     from optirs.core.compile_cache import cache_location, compile_records, install_compile_log
 
     install_compile_log()  # after the import's timing: it imports numba
+    s = time.perf_counter()
+    import torch._dynamo  # noqa: F401 - what torch.optim's constructor loads first, timed apart
+
+    import_dynamo = time.perf_counter() - s
     dtype_name, formats = CASES[case]
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
@@ -92,18 +98,22 @@ def child(case: str, device: str, steps: int) -> Dict[str, Any]:
             out.append(time.perf_counter() - s)
         return out
 
+    s = time.perf_counter()
     opt = ot.AdamW(model.parameters(), lr=LR, weight_decay=DECAY, backend=device, **formats)
+    optirs_construct = time.perf_counter() - s
     optirs_times = timed_steps(model, opt, 2 + steps)
     compiled = compile_records()
     peer_kwargs = {"fused": True} if device == "cuda" else {"foreach": True}
+    s = time.perf_counter()
     peer = torch.optim.AdamW(peer_model.parameters(), lr=LR, weight_decay=DECAY, **peer_kwargs)
+    peer_construct = time.perf_counter() - s
     peer_times = timed_steps(peer_model, peer, 1 + steps)
     return {
-        "import_torch_s": t1 - t0, "import_optirs_torch_s": t2 - t1,
+        "import_torch_s": t1 - t0, "import_optirs_torch_s": t2 - t1, "import_torch_dynamo_s": import_dynamo,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "optirs": {"first_s": optirs_times[0], "second_s": optirs_times[1],
+        "optirs": {"construct_s": optirs_construct, "first_s": optirs_times[0], "second_s": optirs_times[1],
                    "steady_s": statistics.median(optirs_times[2:])},
-        "torch": {"kind": next(iter(peer_kwargs)), "first_s": peer_times[0],
+        "torch": {"kind": next(iter(peer_kwargs)), "construct_s": peer_construct, "first_s": peer_times[0],
                   "steady_s": statistics.median(peer_times[1:])},
         "compiled": [{"kernel": r.name, "seconds": r.seconds} for r in compiled],
         "cache": cache_location().where,
@@ -141,6 +151,7 @@ def run_child(case: str, device: str, steps: int, cache_dir: str) -> Dict[str, A
 def ratios(r: Dict[str, Any]) -> Dict[str, float]:
     o, t = r["optirs"], r["torch"]
     return {"first_minus_torch_first_s": o["first_s"] - t["first_s"],
+            "ready_minus_torch_ready_s": (o["construct_s"] + o["first_s"]) - (t["construct_s"] + t["first_s"]),
             "second_over_steady": o["second_s"] / o["steady_s"],
             "first_over_steady": o["first_s"] / o["steady_s"]}
 
@@ -149,10 +160,12 @@ def line(case: str, run: int, r: Dict[str, Any]) -> str:
     o, t, q = r["optirs"], r["torch"], r["ratios"]
     compiled = sum(k["seconds"] for k in r["compiled"])
     return (f"{case:13s} run {run} ({'cold' if run == 1 else 'warm'}): import optirs.torch "
-            f"{r['import_optirs_torch_s']:6.2f} s | optirs first {o['first_s']:7.3f} s, second "
+            f"{r['import_optirs_torch_s']:6.2f} s | construct optirs {o['construct_s']:6.3f} s, torch "
+            f"{t['construct_s']:6.3f} s | optirs first {o['first_s']:7.3f} s, second "
             f"{o['second_s'] * 1e3:8.2f} ms, steady {o['steady_s'] * 1e3:7.2f} ms | torch {t['kind']} first "
             f"{t['first_s'] * 1e3:7.2f} ms, steady {t['steady_s'] * 1e3:7.2f} ms | first - torch first "
-            f"{q['first_minus_torch_first_s']:+7.3f} s, second / steady {q['second_over_steady']:5.2f}x | "
+            f"{q['first_minus_torch_first_s']:+7.3f} s, construct + first - torch's {q['ready_minus_torch_ready_s']:+7.3f} s, "
+            f"second / steady {q['second_over_steady']:5.2f}x | "
             f"{len(r['compiled'])} kernels compiled ({compiled:.1f} s)")
 
 

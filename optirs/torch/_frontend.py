@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.core.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.interrupts import deferred_interrupts
 from optirs.core.scalars import FORMULAS
 from optirs.optim.engine import PreparedStep, run_steps
@@ -291,6 +291,14 @@ class OptirsOptimizer(torch.optim.Optimizer):
         self._init_caches()
         super().__init__(params, defaults)
         self.state = TrackedState(self.state)
+        # The backends open now, as torch's optimizers load their compiler at construction: the
+        # first step launches instead of starting numba. A backend that cannot open is the first
+        # step's to report (with the step's own checks first).
+        for device in {p.device for group in self.param_groups for p in group["params"]}:
+            try:
+                self._backend_for(device)
+            except GpuOptimError:
+                pass
 
     def _init_caches(self) -> None:
         """What a step reuses, each rebuilt from param_groups and state when missing (a copy starts

@@ -32,6 +32,9 @@ class CpuDevice:
     def optirs_open(self, options: Dict[str, Any]) -> CpuContext:
         import optirs.backends.cpu.kernels as cpu_kernels
 
+        # numba's CPU target loads its registries on the first compiled call (about 0.5 s): an
+        # opened backend has made one (a cached builder), so a first step does not wait for it
+        cpu_kernels.typed_list([np.zeros(1, np.float32)])
         return CpuContext(cpu_kernels)
 
     @hookimpl

@@ -280,6 +280,10 @@ class CudaContext:
         self.pinned: Optional[int] = None
         self.stream, self.nstream = 0, 0
         self.use_stream(options.get("stream"))
+        if not self.simulator:
+            # numba-cuda's compiler context loads its registries on first use (seconds): an opened
+            # backend is ready to load its kernels, so a first step does not wait for it
+            cuda_kernels.fill_kernel.targetctx.refresh()
 
     # ------------------------------------------------ streams
 
