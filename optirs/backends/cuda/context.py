@@ -536,6 +536,18 @@ class PointerTables:
         self.slots: List[list] = []  # [device table, pinned host table, event, stream handle]
         self.last: tuple = (None, None, None)  # the last address pair asked for and its table
 
+    def _allocate(self) -> None:
+        """Every table's device and pinned memory at once (pinned memory costs a millisecond per
+        allocation: the second step, whose gradients are new tensors, must not pay it)."""
+        ctx, shape = self.ctx, (_LRU, self.ntensors, 2)
+        try:
+            hosts = ctx.cuda.pinned_array(shape, dtype=np.int64)
+        except Exception:  # pinned memory refused: a synchronous copy from ordinary memory
+            hosts = np.empty(shape, np.int64)
+        devices = ctx.empty(_LRU * 2 * self.ntensors, np.int64).reshape(shape)
+        self.hosts = [hosts[k] for k in range(_LRU)]
+        self.devices = [devices[k] for k in range(_LRU)]
+
     def table(self, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
         last = self.last
         if last[0] is paddr and last[1] is gaddr:  # the caller's very tuples of the last step: no hashing
@@ -548,12 +560,10 @@ class PointerTables:
             return slot[0]
         ctx = self.ctx
         if len(self.slots) < _LRU:
-            shape = (self.ntensors, 2)
-            try:
-                host = ctx.cuda.pinned_array(shape, dtype=np.int64)
-            except Exception:  # pinned memory refused: a synchronous copy from ordinary memory
-                host = np.empty(shape, np.int64)
-            slot = [ctx.empty(2 * self.ntensors, np.int64).reshape(shape), host, None, ctx.stream]
+            if not self.slots:
+                self._allocate()
+            k = len(self.slots)
+            slot = [self.devices[k], self.hosts[k], None, ctx.stream]
             self.slots.append(slot)
         else:
             _, slot = self.by_key.popitem(last=False)
