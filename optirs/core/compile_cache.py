@@ -15,6 +15,7 @@ Nothing here imports numba at import time: ``optirs info`` and the backends pay 
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import logging
 import os
@@ -538,6 +539,22 @@ def install_compile_log() -> None:
             _LISTENER = listener
 
 
+@functools.lru_cache(maxsize=None)
+def source_state(*folders: str) -> str:
+    """The size and modification time of every Python source in ``folders`` (relative to the optirs
+    package), read once per process: part of the cache key of kernels that numba would otherwise
+    keep after an edit of a file they call into (numba checks the kernel's own file only)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    stamps = []
+    for folder in folders:
+        here = os.path.join(root, folder)
+        for name in sorted(os.listdir(here)):
+            if name.endswith(".py"):
+                st = os.stat(os.path.join(here, name))
+                stamps.append(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns}")
+    return ";".join(stamps)
+
+
 def prepare_kernel_compilation() -> CacheLocation:
     """What a backend calls once before it imports its numba kernels: :func:`ensure_cache_usable`
     (numba picks each kernel's cache directory when it decorates it) and :func:`install_compile_log`.
@@ -551,4 +568,5 @@ __all__ = [
     "COMPILE_LOGGER", "COMPILE_LOG_ENV", "CacheLocation", "PassedOver", "CachedModule", "BinaryCache",
     "CompileRecord", "cache_location", "kernel_cache_directory", "ensure_cache_usable", "cached_kernels",
     "opencl_binary_caches", "compile_records", "install_compile_log", "compiling", "prepare_kernel_compilation",
+    "source_state",
 ]

@@ -7,17 +7,20 @@ holds a compiled function pickles with an id drawn anew in every process. A vari
 module-level template's code with its constants, and the variants it calls, bound as globals of
 its own and a qualified name of its own: numba caches it like any module-level function, in an
 index per variant. numba invalidates a cached function when its own source file changes, not when
-a function it calls does; a variant's name also carries the state of the shared element code
-(this folder's sources), so editing the shared math never loads a stale loop.
+a function it calls does; a variant's name also carries the state of the sources it can call
+into (the backends' and core's), so editing the shared math never loads a stale loop.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import os
 import types
 from typing import Any, Callable, Dict
+
+from optirs.core.compile_cache import source_state
+
+# what a variant can call into, beside its own file (numba watches that one)
+_SOURCES = ("backends/common", "backends/cpu", "backends/cuda", "core")
 
 
 def _describe(value: Any) -> str:
@@ -26,18 +29,6 @@ def _describe(value: Any) -> str:
     if py_func is not None:
         return f"{py_func.__module__}.{py_func.__qualname__}"
     return repr(value)
-
-
-@functools.lru_cache(maxsize=1)
-def _shared_sources() -> str:
-    """The size and modification time of every source file of the shared element code."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    stamps = []
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            st = os.stat(os.path.join(here, name))
-            stamps.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
-    return ";".join(stamps)
 
 
 def variant(template: Callable[..., Any], label: str, constants: Dict[str, Any]) -> Callable[..., Any]:
@@ -51,7 +42,7 @@ def variant(template: Callable[..., Any], label: str, constants: Dict[str, Any])
         raise TypeError(f"{template.__qualname__} is a closure; a variant's template binds globals only")
     glb = dict(template.__globals__)
     glb.update(constants)
-    text = repr(sorted((name, _describe(value)) for name, value in constants.items())) + _shared_sources()
+    text = repr(sorted((name, _describe(value)) for name, value in constants.items())) + source_state(*_SOURCES)
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     fn = types.FunctionType(template.__code__, glb, template.__name__, template.__defaults__)
     fn.__qualname__ = f"{template.__qualname__}__{label}_{digest}"

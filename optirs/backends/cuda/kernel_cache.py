@@ -12,25 +12,11 @@ kernel. A cold build is reported by the compile log (:func:`optirs.core.compile_
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any, Optional
 
-_FOLDERS = ("backends/cuda", "backends/common", "core")
+from optirs.core.compile_cache import source_state
 
-
-@functools.lru_cache(maxsize=1)
-def source_state() -> str:
-    """The size and modification time of every source file a CUDA kernel can be built from."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    stamps = []
-    for folder in _FOLDERS:
-        here = os.path.join(root, folder)
-        for name in sorted(os.listdir(here)):
-            if name.endswith(".py"):
-                st = os.stat(os.path.join(here, name))
-                stamps.append(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns}")
-    return ";".join(stamps)
+_SOURCES = ("backends/cuda", "backends/common", "core")  # what a CUDA kernel can be built from
 
 
 def enable(dispatcher: Any, name: str) -> bool:
@@ -47,7 +33,7 @@ def enable(dispatcher: Any, name: str) -> bool:
         that follows, the save after it (or :func:`finish_build`) closes it."""
 
         def __init__(self, py_func: Any):
-            self.optirs_key = (name, source_state())
+            self.optirs_key = (name, source_state(*_SOURCES))
             self.build: Optional[Any] = None
             super().__init__(py_func)
 
@@ -90,4 +76,4 @@ def finish_build(cache: Any, error: Optional[BaseException] = None) -> None:
         build.__exit__(type(error), error, error.__traceback__)
 
 
-__all__ = ["enable", "finish_build", "source_state"]
+__all__ = ["enable", "finish_build"]
