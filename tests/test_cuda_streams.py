@@ -72,7 +72,7 @@ def _fake_context(capture_status=0):
     ctx.simulator = False
     ctx.launcher = pytypes.SimpleNamespace(fn=recorder, capture_status=lambda h: capture_status)
     ctx.cuda = pytypes.SimpleNamespace(external_stream=lambda h: pytypes.SimpleNamespace(handle=h))
-    ctx._launches, ctx._numba_streams = OrderedDict(), {}
+    ctx._launches, ctx._launch_shapes, ctx._numba_streams = OrderedDict(), OrderedDict(), {}
     ctx.pinned, ctx.stream, ctx.nstream = None, 0, 0
     compiled = pytypes.SimpleNamespace(name="fake_step", handle=ctypes.c_void_p(0x1000), kernel=_FakeKernel(),
                                        dispatcher=None)
@@ -103,6 +103,64 @@ def test_pinned_stream_reaches_cuLaunchKernel():
     ctx.resolve_stream(np.zeros(1))
     ctx.launch(compiled, (1, 2, _scalars(0.25)), 4, 256)
     assert rec.streams[-1] is None
+
+
+class _DeviceTable:
+    """A device array as the context reads one: shape, dtype, strides, its address."""
+
+    def __init__(self, address, n):
+        self.shape, self.dtype, self.strides, self.size = (n,), np.dtype(np.int64), (8,), n
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": (n,), "typestr": "<i8", "version": 3}
+
+
+def _address(array):
+    return array.__cuda_array_interface__["data"][0]
+
+
+class _TableKernel:
+    """A kernel of (array, count, scalars): an array marshals as its address and size."""
+
+    argument_types = ("array", "i64", "scalars")
+
+    def __init__(self):
+        self.marshalled = []
+
+    def _prepare_args(self, ty, val, stream, retr, kernelargs):
+        self.marshalled.append(ty)
+        if ty == "array":
+            kernelargs.extend((ctypes.c_int64(val.size), ctypes.c_int64(_address(val))))
+        elif ty == "scalars":
+            kernelargs.extend(ctypes.c_float(float(v)) for v in val)
+        else:
+            kernelargs.append(ctypes.c_int64(int(val)))
+
+
+def test_a_new_table_of_the_same_shape_patches_only_its_address():
+    ctx, _, compiled = _fake_context()
+    compiled.kernel = kernel = _TableKernel()
+    seen = []
+
+    def launch(*call):  # decode the argument block as the driver reads it, at the call
+        ptrs = call[9]
+        ints = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_int64)).contents.value for i in range(3)]
+        floats = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_float)).contents.value for i in (3, 4)]
+        seen.append((ints, floats))
+        return 0
+
+    ctx.launcher.fn = launch
+    a, b = _DeviceTable(0xA000, 6), _DeviceTable(0xB000, 6)
+    ctx.launch(compiled, (a, 3, _scalars(0.5)), 4, 256)
+    assert kernel.marshalled == ["array", "i64", "scalars"]
+    ctx.launch(compiled, (b, 3, _scalars(0.25)), 4, 256)  # another table, same shapes: its address patched
+    assert len(kernel.marshalled) == 3
+    ctx.launch(compiled, (a, 3, _scalars(1.0)), 4, 256)  # back to the first: its own launch
+    ctx.launch(compiled, (b, 3, _scalars(0.25)), 4, 256)
+    assert len(kernel.marshalled) == 3 and len(ctx._launches) == 2
+    assert seen == [([6, 0xA000, 3], [0.5, 1.0]), ([6, 0xB000, 3], [0.25, 0.5]),
+                    ([6, 0xA000, 3], [1.0, 2.0]), ([6, 0xB000, 3], [0.25, 0.5])]
+    ctx.launch(compiled, (_DeviceTable(0xC000, 7), 3, _scalars(0.25)), 4, 256)  # another shape: marshalled whole
+    assert kernel.marshalled[3:] == ["array", "i64", "scalars"]
+    assert seen[-1] == ([7, 0xC000, 3], [0.25, 0.5])
 
 
 def test_stream_objects_and_bad_streams():

@@ -56,6 +56,15 @@ def _address_getter(obj: Any):
 _GETTERS: Dict[type, Any] = {}
 
 
+def _array_signature(obj: Any) -> tuple:
+    """What numba marshals of an array besides its address: type, dtype, shape, strides (an object
+    without them stands for itself)."""
+    shape = getattr(obj, "shape", None)
+    if shape is None:
+        return (id(obj),)
+    return (type(obj), getattr(obj, "dtype", None), tuple(shape), tuple(getattr(obj, "strides", ()) or ()))
+
+
 def device_address(obj: Any) -> Optional[int]:
     """Address of a device array, or None when ``obj`` is not one."""
     getter = _GETTERS.get(type(obj))
@@ -157,14 +166,54 @@ class PreparedLaunch:
         self.sc = args[-1]
         if self.fn is None:
             return
+        self.spans: List[Tuple[int, int]] = []  # each argument's run of flat values
+        self.address_at: Dict[int, int] = {}  # argument -> the flat value that is its device address
+        cargs: List[Any] = []
+        for i, value in enumerate(args):
+            start = len(cargs)
+            cargs.extend(self._marshal(i, value))
+            self.spans.append((start, len(cargs)))
+            address = device_address(value) if hasattr(value, "shape") else None
+            found = [j for j in range(start, len(cargs)) if address and getattr(cargs[j], "value", None) == address]
+            if len(found) == 1:
+                self.address_at[i] = found[0]
+        self._finish(cargs)
+
+    def _marshal(self, i: int, value: Any) -> List[Any]:
+        """The ctypes values of argument ``i`` (numba's marshalling of that argument alone)."""
         flat: List[Any] = []
-        kernel = compiled.kernel
-        for ty, val in zip(kernel.argument_types, args):
-            kernel._prepare_args(ty, val, 0, [], flat)
-        self.cargs = [self._ctype(v) for v in flat]
+        kernel = self.compiled.kernel
+        kernel._prepare_args(kernel.argument_types[i], value, 0, [], flat)
+        return [self._ctype(v) for v in flat]
+
+    def _finish(self, cargs: List[Any]) -> None:
+        self.cargs = cargs
         self.nsc = len(self.sc)
-        self.sc_args = self.cargs[len(self.cargs) - self.nsc:]
-        self.pointers = (ctypes.c_void_p * len(self.cargs))(*[ctypes.addressof(c) for c in self.cargs])
+        self.sc_args = cargs[len(cargs) - self.nsc:]
+        self.pointers = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
+
+    def rebound(self, args: tuple) -> "PreparedLaunch":
+        """A launch of the same kernel and shapes on ``args``, re-marshalling only the arguments that
+        are other objects (a new pointer table: a new address set of the same tensors). Copies every
+        ctypes value, so that the two launches' scalars are rewritten apart."""
+        twin = object.__new__(PreparedLaunch)
+        twin.compiled, twin.args, twin.grid, twin.block, twin.fn = self.compiled, args, self.grid, self.block, self.fn
+        twin.sc, twin.spans, twin.address_at = args[-1], self.spans, self.address_at
+        if twin.fn is None:
+            return twin
+        cargs = [type(c)(c.value) for c in self.cargs]
+        for i, (new, old) in enumerate(zip(args[:-1], self.args[:-1])):
+            if new is not old:
+                at = self.address_at.get(i)
+                if at is not None:  # same type, dtype, shape and strides: only the address differs
+                    cargs[at].value = device_address(new)
+                else:
+                    start, stop = self.spans[i]
+                    cargs[start:stop] = self._marshal(i, new)
+        for cval, value in zip(cargs[len(cargs) - len(twin.sc):], twin.sc):
+            cval.value = value
+        twin._finish(cargs)
+        return twin
 
     @staticmethod
     def _ctype(value: Any):
@@ -269,6 +318,7 @@ class CudaContext:
         self._dispatchers: Dict[str, Any] = {}
         self._compiled: Dict[Tuple[str, Any], Compiled] = {}
         self._launches: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()
+        self._launch_shapes: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()  # the latest per shapes
         self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
         self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
         # Indirection for tests that simulate a failing allocation.
@@ -427,14 +477,20 @@ class CudaContext:
     def launch(self, compiled: Compiled, args: tuple, grid: int, block: int) -> "PreparedLaunch":
         """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place).
         Returns the prepared launch (a caller may launch it again while its arguments hold)."""
-        key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a)
-                                                  for a in args[:-1])
+        head = (id(compiled), grid, block)
+        key = head + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a) for a in args[:-1])
         prepared = self._launches.get(key)
         if prepared is None:
-            prepared = PreparedLaunch(self, compiled, args, grid, block)
-            self._launches[key] = prepared
+            # The same kernel on arrays of the same shapes (another pointer table) re-marshals only those
+            shapes = head + tuple(a if isinstance(a, (int, np.integer, tuple)) else _array_signature(a)
+                                  for a in args[:-1])
+            twin = self._launch_shapes.get(shapes)
+            prepared = twin.rebound(args) if twin is not None else PreparedLaunch(self, compiled, args, grid, block)
+            self._launches[key] = self._launch_shapes[shapes] = prepared
             if len(self._launches) > 4 * _LRU:
                 self._launches.popitem(last=False)
+            if len(self._launch_shapes) > 4 * _LRU:
+                self._launch_shapes.popitem(last=False)
         else:
             self._launches.move_to_end(key)
         prepared(args[-1], self.stream, self.nstream)
@@ -533,7 +589,7 @@ class PointerTables:
     def __init__(self, ctx: "CudaContext", ntensors: int):
         self.ctx, self.ntensors = ctx, max(1, ntensors)
         self.by_key: "OrderedDict[tuple, list]" = OrderedDict()
-        self.slots: List[list] = []  # [device table, pinned host table, event, stream handle]
+        self.slots: List[list] = []  # [device table, pinned host table, copy recorded, stream handle, event]
         self.last: tuple = (None, None, None)  # the last address pair asked for and its table
 
     def _allocate(self) -> None:
@@ -547,6 +603,8 @@ class PointerTables:
         devices = ctx.empty(_LRU * 2 * self.ntensors, np.int64).reshape(shape)
         self.hosts = [hosts[k] for k in range(_LRU)]
         self.devices = [devices[k] for k in range(_LRU)]
+        # events too: with a raw launcher, each pinned buffer's last copy is tracked by one
+        self.events = [ctx.cuda.event(timing=False) if ctx.launcher is not None else None for _ in range(_LRU)]
 
     def table(self, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
         last = self.last
@@ -563,12 +621,12 @@ class PointerTables:
             if not self.slots:
                 self._allocate()
             k = len(self.slots)
-            slot = [self.devices[k], self.hosts[k], None, ctx.stream]
+            slot = [self.devices[k], self.hosts[k], False, ctx.stream, self.events[k]]
             self.slots.append(slot)
         else:
             _, slot = self.by_key.popitem(last=False)
-        device, host, event, stream = slot
-        if event is not None:
+        device, host, written, stream, event = slot
+        if written:
             event.synchronize()  # the pinned buffer's last copy has been read (long done, as a rule)
         if stream != ctx.stream:
             ctx.numba_stream(stream).synchronize() if stream else ctx.cuda.default_stream().synchronize()
@@ -578,10 +636,9 @@ class PointerTables:
         launcher = ctx.launcher
         if launcher is None or not launcher.copy_to_device_async(device_address(device), host, ctx.stream):
             device.copy_to_device(host, stream=ctx.nstream)
-        if launcher is not None:
-            if event is None:
-                event = slot[2] = ctx.cuda.event(timing=False)
+        if event is not None:
             event.record(ctx.nstream)
+            slot[2] = True
         slot[3] = ctx.stream
         self.by_key[key] = slot
         self.last = (paddr, gaddr, device)
