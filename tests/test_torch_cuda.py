@@ -507,7 +507,8 @@ def test_a_step_keeps_no_gradient_alive_and_follows_moved_gradients(master_weigh
 @pytest.mark.gpu
 def test_a_second_process_loads_the_cuda_kernels_from_the_disk_cache(tmp_path):
     """The step kernels are closures (numba-cuda's own cache key never hits for them): keyed by
-    their name and the sources' state, a second process compiles none of them."""
+    their name and the sources' state, a second process compiles none of them, nor a side
+    feature's kernel launched through numba's dispatcher."""
     _torch_cuda_or_skip()
     import os
     import subprocess
@@ -525,6 +526,10 @@ def test_a_second_process_loads_the_cuda_kernels_from_the_disk_cache(tmp_path):
                 p.grad = torch.ones_like(p)
                 opt.step()
         torch.cuda.synchronize()
+        import numpy as np
+        from optirs.analysis import quantization as qz
+        x = np.linspace(-3, 3, 1000, dtype=np.float32)  # a side feature's kernel (numba's own launch)
+        qz.fake_quant_int(x, qz.per_tensor_params(x), backend="cuda")
         print(sorted(r.name for r in compile_records() if r.name.startswith("cuda.")))
     """)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "OPTIRS_COMPILE_LOG": "0"}
@@ -533,5 +538,5 @@ def test_a_second_process_loads_the_cuda_kernels_from_the_disk_cache(tmp_path):
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     first, second = (eval(r.stdout.strip().splitlines()[-1]) for r in runs)
-    assert first, runs[0].stdout  # the cold process built its kernels (and logged them)
+    assert "cuda.fake_quant.forward" in first, runs[0].stdout  # the cold process built its kernels (and logged them)
     assert second == [], second

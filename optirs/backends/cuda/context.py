@@ -164,10 +164,10 @@ class PreparedLaunch:
         raw = os.environ.get("OPTIRS_CUDA_RAW_LAUNCH", "1") != "0"  # 0: numba's launch (for comparison)
         self.fn = ctx.launcher.fn if (raw and compiled.handle is not None and not ctx.simulator) else None
         self.sc = args[-1]
-        if self.fn is None:
-            return
         self.spans: List[Tuple[int, int]] = []  # each argument's run of flat values
         self.address_at: Dict[int, int] = {}  # argument -> the flat value that is its device address
+        if self.fn is None:
+            return
         cargs: List[Any] = []
         for i, value in enumerate(args):
             start = len(cargs)

@@ -31,6 +31,8 @@ def kernels() -> Tuple[Any, Any]:
     if _KERNELS is None:
         from numba import cuda as _cuda
 
+        from optirs.backends.cuda.kernel_cache import jit as cached_jit
+
         cuda = _cuda
         fq = cuda.jit(device=True)(fq_element)
         if cuda_simulator_enabled():
@@ -44,7 +46,6 @@ def kernels() -> Tuple[Any, Any]:
                 return libdevice.fmul_rn(a, b)  # never contracted into an FMA
         mul = cuda.jit(device=True)(mul)
 
-        @cuda.jit
         def forward(x, out, mask, inv, scale, zp, inner, nch, qmin, qmax, int64_cast, stochastic, key_lo, key_hi):
             i = cuda.grid(1)
             if i < x.size:
@@ -53,7 +54,6 @@ def kernels() -> Tuple[Any, Any]:
                 out[i] = o
                 mask[i] = m
 
-        @cuda.jit
         def backward(x, g, gin, inv, scale, zp, inner, nch, qmin, qmax, int64_cast):
             i = cuda.grid(1)
             if i < x.size:
@@ -61,7 +61,7 @@ def kernels() -> Tuple[Any, Any]:
                 o, m = fq(mul(x[i], inv[c]), scale[c], zp[c], qmin, qmax, int64_cast, False, NO_KEY, NO_KEY, i)
                 gin[i] = g[i] if m else g[i] * ZERO  # selection keeps a NaN gradient's bits
 
-        _KERNELS = (forward, backward)
+        _KERNELS = (cached_jit(forward, "fake_quant.forward"), cached_jit(backward, "fake_quant.backward"))
     return _KERNELS
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from optirs.core.compile_cache import source_state
+from optirs.core.simulator import cuda_simulator_enabled
 
 _SOURCES = ("backends/cuda", "backends/common", "core")  # what a CUDA kernel can be built from
 
@@ -64,6 +65,18 @@ def enable(dispatcher: Any, name: str) -> bool:
     return True
 
 
+def jit(pyfunc: Any, name: str) -> Any:
+    """``numba.cuda.jit(pyfunc)`` with the disk cache above under ``name`` (one name per kernel
+    source: a builder's closure included), for kernels launched through numba's own dispatcher.
+    Under the simulator (kernels run as Python) there is nothing to cache."""
+    from numba import cuda
+
+    dispatcher = cuda.jit(pyfunc)
+    if not cuda_simulator_enabled():
+        enable(dispatcher, name)
+    return dispatcher
+
+
 def finish_build(cache: Any, error: Optional[BaseException] = None) -> None:
     """Close the compile log's record of a build that ``cache`` saw start (if any)."""
     build = getattr(cache, "build", None)
@@ -76,4 +89,4 @@ def finish_build(cache: Any, error: Optional[BaseException] = None) -> None:
         build.__exit__(type(error), error, error.__traceback__)
 
 
-__all__ = ["enable", "finish_build"]
+__all__ = ["enable", "finish_build", "jit"]

@@ -37,12 +37,13 @@ def cuda_kernels():
         return _kernels
     from numba import cuda
 
+    from optirs.backends.cuda.kernel_cache import jit as cached_jit
+
     f16_decode = cuda.jit(device=True)(half.f16_decode)
     bf16_decode = cuda.jit(device=True)(half.bf16_decode)
     f16_encode = cuda.jit(device=True)(half.f16_encode)
     bf16_encode = cuda.jit(device=True)(half.bf16_encode)
 
-    @cuda.jit
     def unscale(g, out, offset, inv_scale, bf16, found_inf):
         i = cuda.grid(1)
         if i < g.shape[0]:
@@ -51,7 +52,6 @@ def cuda_kernels():
             if not math.isfinite(x):
                 found_inf[0] = 1  # every writer stores the same value: no atomic needed
 
-    @cuda.jit
     def narrow(master_bits, p, offset, bf16):
         i = cuda.grid(1)
         if i < p.shape[0]:
@@ -61,7 +61,9 @@ def cuda_kernels():
     class Kernels:
         pass
 
-    Kernels.unscale, Kernels.narrow, Kernels.cuda = unscale, narrow, cuda
+    Kernels.unscale = cached_jit(unscale, "mixed_precision.unscale")
+    Kernels.narrow = cached_jit(narrow, "mixed_precision.narrow")
+    Kernels.cuda = cuda
     _kernels = Kernels
     return Kernels
 

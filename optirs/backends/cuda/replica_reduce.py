@@ -47,8 +47,10 @@ def replica_reduce3(dst, a, b, c, count, divisor, average):
 def _kernel(ctx: Any):
     global cuda
     if not _KERNEL:
+        from optirs.backends.cuda.kernel_cache import jit as cached_jit
+
         cuda = ctx.cuda
-        _KERNEL.append(ctx.cuda.jit(replica_reduce3))
+        _KERNEL.append(cached_jit(replica_reduce3, "replica_reduce3"))
     return _KERNEL[0]
 
 

@@ -16,6 +16,7 @@ from numba import cuda, float32
 
 from optirs.backends.common.elementwise import adam_update, sgd_update
 from optirs.backends.common.sparse_rows import gathered_grad
+from optirs.backends.cuda.kernel_cache import jit as cached_jit
 from optirs.core.simulator import cuda_simulator_enabled
 
 # 256 threads is a full-occupancy block size on every sm_70+ GPU for kernels this small.
@@ -104,7 +105,7 @@ def kernels():
     global _COMPILED, segment_grad
     if _COMPILED is None:
         segment_grad = gathered_grad.py_func if cuda_simulator_enabled() else gathered_grad
-        _COMPILED = {fn.__name__: cuda.jit(fn) for fn in KERNELS}
+        _COMPILED = {fn.__name__: cached_jit(fn, f"sparse.{fn.__name__}") for fn in KERNELS}
     return _COMPILED
 
 
