@@ -23,11 +23,44 @@ BUILTIN_BACKENDS = ("cpu", "cuda", "opencl")
 THIRD_PARTY_BACKEND = "numpy"
 THIRD_PARTY_DIR = Path(__file__).parent / "plugins" / "optirs_numpy_backend"
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-if SIMULATOR:
-    # numba's simulator runs every CUDA thread as a Python thread and releases a syncthreads barrier
-    # from a polling loop that keeps the GIL for a whole switch interval (5 ms by default) each time it
-    # gets it: a barrier then costs several intervals. At 0.2 ms the block kernels' tests run 3x faster.
+
+def _simulator_for_short_switches() -> None:
+    """numba's simulator runs every CUDA thread as a Python thread and releases a syncthreads barrier
+    from a polling loop that keeps the GIL for a whole switch interval (5 ms by default) each time it
+    gets it: a barrier then costs several intervals. At 0.2 ms the block kernels' tests run 3x faster.
+
+    Threads then interleave where they rarely did, and the simulator's ``cuda.shared.array`` makes
+    a block's array on the first thread that asks without a lock (numba-cuda 0.30: check, then
+    insert), so two threads could get two arrays. Here the same lookup (by the calling line, as
+    the simulator keys it) is made under a lock."""
+    import threading
+
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    original = FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or the simulator's refusal
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(key)
+            if found is None:
+                found = self._allocations[key] = np.empty(shape, dtype)
+        return found
+
+    FakeCUDAShared.array = array
     sys.setswitchinterval(2e-4)
+
+
+if SIMULATOR:
+    _simulator_for_short_switches()
 
 
 def _status():
