@@ -222,3 +222,26 @@ def test_warmup_formats_cover_every_combination_once():
         Precision(**spec.precision)
     assert warmup.FORMATS["bf16-masters+int8-state"].precision == {"master_weights": "float32", "state_dtype": "int8"}
     assert warmup.FORMATS["int8-state"].param_dtype == "float32"
+
+
+def test_an_opencl_build_slow_enough_to_have_compiled_is_in_the_compile_log(monkeypatch):
+    """The OpenCL driver's cache says nothing of a hit: a build over SLOW_BUILD_S is recorded as
+    compiled, a faster one (a cache hit) is not."""
+    cl = pytest.importorskip("pyopencl")
+    from optirs.backends.opencl.context import build_program
+    from optirs.core import compile_cache as cc
+
+    try:
+        device = next(d for p in cl.get_platforms() for d in p.get_devices())
+    except (cl.Error, StopIteration):
+        pytest.skip("no OpenCL device")
+    context = cl.Context([device])
+    source = "__kernel void twice(__global float *x) { x[get_global_id(0)] *= 2.0f; }"
+    before = len(cc.compile_records())
+    monkeypatch.setattr(cc, "SLOW_BUILD_S", 1e9)
+    assert build_program(context, device, source, [], "fast").twice is not None
+    assert len(cc.compile_records()) == before
+    monkeypatch.setattr(cc, "SLOW_BUILD_S", 0.0)
+    build_program(context, device, source, [], "slow")
+    records = cc.compile_records()[before:]
+    assert [(r.name, r.failed, r.cache_directory) for r in records] == [("opencl.slow", False, None)]

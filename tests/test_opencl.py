@@ -297,7 +297,7 @@ def test_kernels_are_built_once_and_reused(ctx, rng, launches, monkeypatch):
 def test_build_error_carries_the_compiler_log(ctx):
     bad = "__kernel void broken(__global float *a) { a[0] = optirs_no_such_symbol; }"
     with pytest.raises(GpuOptimError, match="compiler log") as info:
-        ocl.build_program(ctx.context, ctx.device, bad, ["-DOPTIRS_WG=64"])
+        ocl.build_program(ctx.context, ctx.device, bad, ["-DOPTIRS_WG=64"], "bad")
     assert "optirs_no_such_symbol" in str(info.value)
 
 

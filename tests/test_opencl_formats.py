@@ -86,7 +86,7 @@ def ctx():
 def prg(ctx):
     from optirs.backends.opencl import build_program
 
-    program = build_program(ctx.context, ctx.device, expand_includes(HARNESS), [])
+    program = build_program(ctx.context, ctx.device, expand_includes(HARNESS), [], "formats_harness")
     return type("Kernels", (), {k.function_name: k for k in program.all_kernels()})
 
 

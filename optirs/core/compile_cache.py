@@ -401,7 +401,7 @@ def opencl_binary_caches() -> Tuple[BinaryCache, ...]:
 
 def compile_records() -> Tuple[CompileRecord, ...]:
     """Every outermost optirs kernel compiled in this process since :func:`install_compile_log`, and
-    every build a backend reported with :func:`compiling`, in order."""
+    every build a backend reported with :func:`compiling` or :func:`timed_build`, in order."""
     with _LOCK:
         return tuple(_RECORDS)
 
@@ -469,10 +469,27 @@ def _compile_ended(started: Tuple[str, Optional[str], float], failed: bool) -> N
         logger.info("optirs: %s %s in %.1f s", "failed compiling" if failed else "compiled", name, seconds)
 
 
+# An OpenCL build that took longer than this compiled (a driver's cache hit loads in milliseconds).
+SLOW_BUILD_S = 0.5
+
+
+def timed_build(name: str, seconds: float, where: str) -> None:
+    """The compile log's line and record of a build whose cache is the driver's (an OpenCL
+    program): whether it hit is known only by its time, so a build over ``SLOW_BUILD_S`` is
+    reported after it, as what compiled. ``where``: who caches it for later runs."""
+    if seconds < SLOW_BUILD_S:
+        return
+    with _LOCK:
+        _RECORDS.append(CompileRecord(name, seconds, None, False))
+    logger = _compile_logger()
+    if logger is not None:
+        logger.info("optirs: compiled %s in %.1f s (first build on this machine; %s)", name, seconds, where)
+
+
 @contextmanager
 def compiling(name: str, cache_directory: Optional[str] = None) -> Iterator[None]:
-    """The compile log's two lines and record around a build numba's event does not cover: an
-    OpenCL program, a numba-cuda kernel (numba-cuda fires no ``numba:compile`` for its kernels).
+    """The compile log's two lines and record around a build numba's event does not cover: a
+    numba-cuda kernel (numba-cuda fires no ``numba:compile`` for its kernels).
 
     :param name: what is built, as the log names it (``opencl.formats.adam``).
     :param cache_directory: where the build is cached for later runs; None when it is not.

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from optirs.backends.common.opencl_source import program_source
+from optirs.core.compile_cache import timed_build
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import DeviceMemoryError, GpuOptimError
 from optirs.plugin.hookspecs import DeviceInfo
@@ -199,13 +201,18 @@ def build_options(device: Any, work_group: int) -> List[str]:
     return opts
 
 
-def build_program(context: Any, device: Any, source: str, options: Sequence[str]) -> Any:
-    """Build ``source`` for ``device``; a failure is a GpuOptimError carrying the compiler log."""
+def build_program(context: Any, device: Any, source: str, options: Sequence[str], name: str) -> Any:
+    """Build ``source`` for ``device``; a failure is a GpuOptimError carrying the compiler log. A
+    build slow enough to have compiled is in the compile log as ``opencl.<name>``."""
     import pyopencl as cl
 
     program = cl.Program(context, source)
     try:
-        return program.build(options=list(options), devices=[device])
+        start = time.perf_counter()
+        built = program.build(options=list(options), devices=[device])
+        timed_build(f"opencl.{name}", time.perf_counter() - start,
+                    "the OpenCL driver or pyopencl caches the binary: later runs load it")
+        return built
     except cl.Error as exc:
         try:
             log = program.get_build_info(device, cl.program_build_info.LOG)
@@ -261,7 +268,7 @@ class OpenclContext:
         self.queue = cl.CommandQueue(self.context, device, properties=props)
         self.work_group = _work_group(device)
         self.build_options = build_options(device, self.work_group)
-        self.program = build_program(self.context, device, kernel_source(), self.build_options)
+        self.program = build_program(self.context, device, kernel_source(), self.build_options, "kernels")
         self.records = {name: record_dtype(cls) for name, cls in RECORDS.items()}
         self.kernels: Dict[str, Any] = {}
         self._make_kernels()

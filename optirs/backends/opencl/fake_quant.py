@@ -30,7 +30,7 @@ def kernels(ctx: Any) -> Tuple[Any, Any]:
     if found is None:
         from optirs.backends.opencl.context import build_program
 
-        program = build_program(ctx.context, ctx.device, opencl_source.program_source(KERNEL_FILE), [])
+        program = build_program(ctx.context, ctx.device, opencl_source.program_source(KERNEL_FILE), [], "fake_quant")
         found = _PROGRAMS[ctx] = (program.fake_quant, program.fake_quant_backward)
     return found
 

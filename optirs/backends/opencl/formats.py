@@ -77,7 +77,8 @@ def _program(ctx: Any, fmt: StepFormat) -> _Program:
         if hit is not None:
             return hit
         options = [o for o in ctx.build_options] + format_defines(fmt)
-        program = build_program(ctx.context, ctx.device, format_source(ELEMENTWISE), options)
+        program = build_program(ctx.context, ctx.device, format_source(ELEMENTWISE), options,
+                                f"formats.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}{'-sr' if fmt.stochastic else ''}")
         u32, i32 = np.uint32, np.int32
         off, st = OFFSETS, STEP
         slots = [None] * 32

@@ -36,7 +36,7 @@ def opencl_kernels(ctx: Any) -> Dict[str, Any]:
 
         from optirs.backends.opencl.context import build_program
 
-        program = build_program(ctx.context, ctx.device, program_source(KERNEL_FILE), [])
+        program = build_program(ctx.context, ctx.device, program_source(KERNEL_FILE), [], "mixed_precision")
         hit = {"unscale": program.optirs_mp_unscale, "narrow": program.optirs_mp_narrow,
                "found": cl.Buffer(ctx.context, cl.mem_flags.READ_WRITE, 4)}
         _built[ctx] = hit

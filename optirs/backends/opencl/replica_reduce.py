@@ -37,7 +37,7 @@ def _kernel(ctx: Any, context: Any, device: Any) -> Any:
         options = []
         if device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
             options.append("-cl-fp32-correctly-rounded-divide-sqrt")
-        kernel = build_program(context, device, program_source(KERNEL_FILE), options).replica_reduce3
+        kernel = build_program(context, device, program_source(KERNEL_FILE), options, "replica_reduce").replica_reduce3
         per_ctx[context.int_ptr] = kernel
     return kernel
 

@@ -28,7 +28,7 @@ class _Program:
     def __init__(self, ctx: Any):
         from optirs.backends.opencl.context import build_program
 
-        program = build_program(ctx.context, ctx.device, program_source(KERNEL_FILE), ctx.build_options)
+        program = build_program(ctx.context, ctx.device, program_source(KERNEL_FILE), ctx.build_options, "sparse")
         self.kernels = {k.function_name: k for k in program.all_kernels()}
         self.queue = ctx.queue
         self.stand_in = ctx.dummy  # a small buffer for state slots the hyperparameters do not use
