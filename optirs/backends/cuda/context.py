@@ -96,6 +96,15 @@ class _Launcher:
             self.fn, self.lib = fn, lib
         except (OSError, AttributeError):  # pragma: no cover - numba's own launch is the fallback
             self.fn = None
+        self.htod = None  # resolved here, not on the first new pointer table (a step's path)
+        try:
+            if self.lib is not None:
+                htod = self.lib.cuMemcpyHtoDAsync_v2
+                htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+                htod.restype = ctypes.c_int
+                self.htod = htod
+        except AttributeError:  # pragma: no cover - a driver without the v2 entry point
+            self.htod = None
 
     def function(self, handle: int) -> ctypes.c_void_p:
         """The CUfunction of numba's handle (a CUkernel from cuLibraryLoad; returned as is otherwise)."""
@@ -129,14 +138,10 @@ class _Launcher:
 
         numba's copy on the legacy default stream is a synchronous cuMemcpyHtoD, which waits for
         every kernel queued before it: a step must not."""
-        if self.lib is None:
+        fn = self.htod
+        if fn is None:
             return False
-        try:
-            fn = self.lib.cuMemcpyHtoDAsync_v2
-        except AttributeError:  # pragma: no cover - a driver without the v2 entry point
-            return False
-        err = fn(ctypes.c_uint64(device_address), ctypes.c_void_p(host.ctypes.data), ctypes.c_size_t(host.nbytes),
-                 ctypes.c_void_p(stream or None))
+        err = fn(device_address, host.ctypes.data, host.nbytes, stream or None)
         if err:
             raise GpuOptimError(f"cuMemcpyHtoDAsync of {host.nbytes} bytes failed with CUresult {err}")
         return True
@@ -589,7 +594,7 @@ class PointerTables:
     def __init__(self, ctx: "CudaContext", ntensors: int):
         self.ctx, self.ntensors = ctx, max(1, ntensors)
         self.by_key: "OrderedDict[tuple, list]" = OrderedDict()
-        self.slots: List[list] = []  # [device table, pinned host table, copy recorded, stream handle, event]
+        self.slots: List[list] = []  # [device table, pinned host table, its copy's event, stream handle]
         self.last: tuple = (None, None, None)  # the last address pair asked for and its table
 
     def _allocate(self) -> None:
@@ -603,8 +608,12 @@ class PointerTables:
         devices = ctx.empty(_LRU * 2 * self.ntensors, np.int64).reshape(shape)
         self.hosts = [hosts[k] for k in range(_LRU)]
         self.devices = [devices[k] for k in range(_LRU)]
-        # events too: with a raw launcher, each pinned buffer's last copy is tracked by one
+        # events too: with a raw launcher, each pinned buffer's last copy is tracked by one (recorded
+        # once now, so that numba binds its event calls here and not on a step's first new table)
         self.events = [ctx.cuda.event(timing=False) if ctx.launcher is not None else None for _ in range(_LRU)]
+        for event in self.events:
+            if event is not None:
+                event.record(ctx.nstream)
 
     def table(self, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
         last = self.last
@@ -621,12 +630,14 @@ class PointerTables:
             if not self.slots:
                 self._allocate()
             k = len(self.slots)
-            slot = [self.devices[k], self.hosts[k], False, ctx.stream, self.events[k]]
+            slot = [self.devices[k], self.hosts[k], self.events[k], ctx.stream]
             self.slots.append(slot)
+            written = False
         else:
             _, slot = self.by_key.popitem(last=False)
-        device, host, written, stream, event = slot
-        if written:
+            written = True
+        device, host, event, stream = slot
+        if written and event is not None:
             event.synchronize()  # the pinned buffer's last copy has been read (long done, as a rule)
         if stream != ctx.stream:
             ctx.numba_stream(stream).synchronize() if stream else ctx.cuda.default_stream().synchronize()
@@ -638,7 +649,6 @@ class PointerTables:
             device.copy_to_device(host, stream=ctx.nstream)
         if event is not None:
             event.record(ctx.nstream)
-            slot[2] = True
         slot[3] = ctx.stream
         self.by_key[key] = slot
         self.last = (paddr, gaddr, device)
