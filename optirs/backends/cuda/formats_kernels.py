@@ -281,19 +281,20 @@ def _remainder(w, master):
     return np.int32(np.int8(w))
 
 
-def make_step_kernel(family: str, fc, signed, mode: str = "step"):
+def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
-    constants); ``signed[k]``: state slot k takes the signed map (int8).
+    constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
+    slot k exists (compiled in as well: an unused slot takes no registers).
 
-    Arguments: ``(chunks, ptrs, tensors, nchunks, maps, tables, master, slots, used, found, seed, step,
+    Arguments: ``(chunks, ptrs, tensors, nchunks, maps, tables, master, slots, found, seed, step,
     sc)``: the chunk, pointer and formats tensor tables; ``maps`` float32[4, 256] (signed q, signed
     mid, unsigned q, unsigned mid, each mid padded with +inf), ``tables`` uint8[2, TABLE_SIZE] their
     bucket tables (signed, unsigned; :mod:`optirs.backends.common.int8_buckets`); ``master`` the master buffer's address
     (0: none); ``slots`` the 9 addresses (values or codes of slots 0-2, their scales, their small
-    state); bit k of ``used``: slot k exists; ``found`` the found_inf word's address (0: none).
+    state); ``found`` the found_inf word's address (0: none).
 
     ``mode`` "lamb_norms" / "lamb_apply": LAMB's two passes (family "lamb", slots exp_avg and
-    exp_avg_sq), with ``acc, ntensors`` after ``used`` and the parity ``q`` after ``step``:
+    exp_avg_sq), with ``acc, ntensors`` after ``slots`` and the parity ``q`` after ``step``:
     ``acc`` float64[2, 2 * ntensors + 1] holds per tensor the sums of p^2 (row q, column t) and
     u^2 (column ntensors + t) and the gradients' sum of squares (column 2 * ntensors, from
     :func:`make_lamb_grad_kernel`). The norms pass writes nothing else; the apply pass takes the
@@ -311,8 +312,9 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
     ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1}[state]
     int8 = state == STATE_INT8
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
+    u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
 
-    def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, acc, ntensors, found, seed, step, q,
+    def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, acc, ntensors, found, seed, step, q,
              sc):
         if apply:
             j = cuda.grid(1)
@@ -347,9 +349,6 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
                 tb_u[i] = tables[1, i]
                 i += nthreads
             cuda.syncthreads()
-        u0 = (used & 1) != 0
-        u1 = (used & 2) != 0
-        u2 = (used & 4) != 0
         keyp = stream_key(seed, step, 0)
         key0 = stream_key(seed, step, 1)
         key1 = stream_key(seed, step, 2)
@@ -507,8 +506,8 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
     if lamb:
         kernel = body
     else:
-        def kernel(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, found, seed, step, sc):
-            body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, _NO_ACC, 0, found, seed, step, 0, sc)
+        def kernel(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, found, seed, step, sc):
+            body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, _NO_ACC, 0, found, seed, step, 0, sc)
 
     body.__name__ = body.__qualname__ = f"formats_{mode}_{family}"
     if not lamb:
