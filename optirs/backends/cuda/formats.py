@@ -35,7 +35,7 @@ _HALF = ("bfloat16", "float16")
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.int16": "bits16", "torch.uint16": "bits16"}
 _KEEP = 2  # staging buffers kept per context (the latest models)
-RESIDENT_BLOCK = 256  # threads per block of the formats kernels (see _resident_block)
+RESIDENT_BLOCK = 128  # threads per block of the formats kernels (see _resident_block; H200: 128 < 256 < 512)
 _IS = operator.is_
 
 
