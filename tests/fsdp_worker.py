@@ -189,6 +189,45 @@ def check_replicated_lamb(mesh):
     assert isinstance(ours.state[p]["exp_avg"], DTensor)
 
 
+def check_ddp():
+    # DistributedDataParallel, each rank its own batch: the averaged gradients, one optirs step per
+    # rank, the ranks in sync and equal to torch's AdamW under DDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ours, theirs = DDP(make_model()), DDP(make_model())
+    opts = ot.AdamW(ours.parameters(), lr=1e-2, backend="cpu"), torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    for step in range(STEPS):
+        for m, o in zip((ours, theirs), opts):
+            o.zero_grad()
+            (m(batch(10 * step + rank)) ** 2).mean().backward()
+            o.step()
+    close(list(ours.parameters()), list(theirs.parameters()), dict(rtol=1e-6, atol=1e-7))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [p.detach() for p in ours.parameters()])
+    close(gathered[0], gathered[1], dict(rtol=0, atol=0))
+
+
+def check_muon_gathers_each_matrix(mesh):
+    # Muon on FSDP2 (the whole matrix gathered for Newton-Schulz) against torch.optim.Muon unsharded
+    model, plain = sharded(make_model(), mesh), make_model()
+    weights = lambda m: [p for p in m.parameters() if p.dim() == 2]  # noqa: E731
+    others = lambda m: [p for p in m.parameters() if p.dim() != 2]  # noqa: E731
+    opts = [(ot.Muon(weights(model), lr=0.02, backend="cpu"), ot.AdamW(others(model), lr=1e-2, backend="cpu")),
+            (torch.optim.Muon(weights(plain), lr=0.02), torch.optim.AdamW(others(plain), lr=1e-2))]
+    for step in range(STEPS):
+        for m, (muon, adamw) in zip((model, plain), opts):
+            muon.zero_grad()
+            adamw.zero_grad()
+            (m(batch(step)) ** 2).mean().backward()
+            muon.step()
+            adamw.step()
+    close(full(model), full(plain), dict(rtol=1e-4, atol=2e-5))
+    for p in weights(model):
+        buf = opts[0][0].state[p]["momentum_buffer"]
+        assert isinstance(buf, DTensor) and buf.placements == p.placements
+
+
 def main():
     checkdir = Path(sys.argv[1])
     dist.init_process_group("gloo")
@@ -198,6 +237,8 @@ def main():
     check_checkpoint_round_trip_and_reshard(mesh, checkdir)
     check_refusals(mesh)
     check_replicated_lamb(mesh)
+    check_muon_gathers_each_matrix(mesh)
+    check_ddp()
     dist.barrier()
     if dist.get_rank() == 0:
         (checkdir / "done").write_text("ok")
