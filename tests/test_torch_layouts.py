@@ -153,3 +153,24 @@ def test_storage_order_is_the_order_that_makes_a_permuted_tensor_contiguous(shap
     assert order is not None and t.permute(order).is_contiguous()
     assert storage_order(t.shape, tuple(2 * s for s in t.stride())) is None  # gaps: not one run
     assert storage_order(t.shape, t.stride()[:-1] + (0,)) is None  # broadcast: overlapping
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, kwargs", [("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+                                          ("SGD", dict(lr=0.05, momentum=0.9))])
+def test_channels_last_on_cuda_equals_torch(name, kwargs):
+    # the cuda backend addresses the tensors by pointer: a channels_last span as one flat run
+    if not torch.cuda.is_available():
+        pytest.skip("needs torch with a real CUDA GPU")
+    data = DATA.cuda()
+    ours_model, theirs_model = make_model().cuda(), make_model().cuda()
+    ours = getattr(ot, name)(ours_model.parameters(), **kwargs)
+    theirs = getattr(torch.optim, name)(theirs_model.parameters(), **kwargs)
+    for _ in range(STEPS):
+        for model, opt in ((ours_model, ours), (theirs_model, theirs)):
+            opt.zero_grad()
+            (model(data) ** 2).mean().backward()
+            opt.step()
+    for p, q in zip(ours_model.parameters(), theirs_model.parameters()):
+        assert p.stride() == q.stride()
+        torch.testing.assert_close(p, q, **TOL)
