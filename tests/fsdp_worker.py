@@ -85,6 +85,30 @@ def q_of(ours, theirs, p):
     return dict(zip(map(id, ours.parameters()), theirs.parameters()))[id(p)]
 
 
+def check_other_elementwise_optimizers(mesh):
+    # every elementwise definition steps shards the same way: a few against torch on the same sharding
+    for name, kwargs in (("SGD", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+                         ("RMSprop", dict(lr=1e-2, centered=True)), ("Adagrad", dict(lr=0.05))):
+        ours, theirs = sharded(make_model(), mesh), sharded(make_model(), mesh)
+        opts = getattr(ot, name)(ours.parameters(), backend="cpu", **kwargs), \
+            getattr(torch.optim, name)(theirs.parameters(), **kwargs)
+        for step in range(STEPS):
+            for m, o in zip((ours, theirs), opts):
+                train(m, o, 1, step)
+        close(full(ours), full(theirs), dict(rtol=1e-5, atol=1e-7))
+    # bfloat16 FSDP2 parameters over float32 masters: the masters are DTensors too
+    model = sharded(make_model().to(torch.bfloat16), mesh)
+    opt = ot.AdamW(model.parameters(), lr=1e-2, master_weights="float32", backend="cpu")
+    for step in range(2):
+        opt.zero_grad()
+        (model(batch(step).to(torch.bfloat16)) ** 2).float().mean().backward()
+        opt.step()
+    for p in model.parameters():
+        master = opt.state[p]["master"]
+        assert isinstance(master, DTensor) and master.dtype == torch.float32 and master.placements == p.placements
+        torch.testing.assert_close(master.to_local().to(torch.bfloat16), p.to_local(), rtol=0, atol=0)
+
+
 def check_bfloat16_state(mesh):
     model = sharded(make_model(), mesh=mesh)
     plain = make_model()
@@ -234,6 +258,7 @@ def main():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     check_adamw_equals_torch(mesh)
     check_bfloat16_state(mesh)
+    check_other_elementwise_optimizers(mesh)
     check_checkpoint_round_trip_and_reshard(mesh, checkdir)
     check_refusals(mesh)
     check_replicated_lamb(mesh)
