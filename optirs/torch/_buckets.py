@@ -187,9 +187,7 @@ class Bucket:
 
     def matches(self, params: List[torch.Tensor]) -> bool:
         """Whether ``params`` are laid out as when this bucket was made (shapes and strides)."""
-        if self.dist or self.permuted:
-            return [(tuple(t.shape), t.stride()) for t in map(local, params)] == self.signature
-        return self.layout.shapes == [tuple(p.shape) for p in params]
+        return [(tuple(t.shape), t.stride()) for t in map(local, params)] == self.signature
 
     def adapt(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         """The gradients as the kernels address them (local shards, dims in memory order)."""
@@ -271,6 +269,7 @@ class Bucket:
         Every entry is checked before the engine holds anything; ``opt.state`` is only read."""
         arrays = self._allocate(*self._buffer_spec())
         views = self.tensor_views()
+        stepped = self.stepped_views() if self.permuted else views
         signed = {s.name: s.signed for s in self.definition.slots}
         for i, (entry, wanted) in enumerate(zip(entries, views)):
             if not entry:
@@ -286,7 +285,7 @@ class Bucket:
                     v.copy_(entry[k].detach())
                 consumed = set(wanted)
             else:
-                consumed = self._convert(i, entry, wanted, signed, what)
+                consumed = self._convert(i, entry, wanted, stepped[i], signed, what)
             self.extras[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in entry.items() if k != "step" and k not in consumed}
         self.steps.fill_(float(step))
@@ -304,15 +303,16 @@ class Bucket:
                     "int8 state saved from a parameter of the same memory layout: its scales belong to blocks of the "
                     "saved memory order (load the checkpoint into the model before changing its memory format)")
 
-    def _convert(self, i: int, entry: Dict[str, Any], wanted: Dict[str, torch.Tensor], signed: Dict[str, bool],
-                 what: str) -> set:
-        """Tensor ``i``'s state from ``entry`` in another format (or dtype) than the buffers keep."""
+    def _convert(self, i: int, entry: Dict[str, Any], wanted: Dict[str, torch.Tensor],
+                 stepped: Dict[str, torch.Tensor], signed: Dict[str, bool], what: str) -> set:
+        """Tensor ``i``'s state from ``entry`` in another format (or dtype) than the buffers keep
+        (``wanted``: its views shaped as the parameter; ``stepped``: as the kernels address them)."""
         p, order = self.stepped[i].detach(), self.orders[i]
         local_shape = local(self.params[i]).shape
         if order is not None:  # everything in the kernels' order (int8 blocks are runs of memory)
             entry = {k: (v.permute(order) if isinstance(v, torch.Tensor) and v.shape == local_shape else v)
                      for k, v in entry.items()}
-            wanted = self.stepped_views()[i]
+            wanted = stepped
         source = {k: (host_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in entry.items() if k != "step"}
         words = host_numpy(p.view(torch.uint16) if p.dtype in _BITS else p)
         if self.fs is not None:
