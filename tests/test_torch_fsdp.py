@@ -55,3 +55,21 @@ def test_fsdp2_two_ranks_on_gloo(tmp_path):
                        enumerate(zip(procs, outputs)))
     assert all(p.returncode == 0 for p in procs), report
     assert (tmp_path / "done").read_text() == "ok", report
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_one_gpu_equals_torch(tmp_path):
+    """benchmarks/bench_fsdp2.py --smoke on CUDA (nccl, one rank): optirs.torch.AdamW's parameters
+    after 3 FSDP2 steps equal torch's fused AdamW's to float32 rounding."""
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs torch with a real CUDA GPU and nccl")
+    out = tmp_path / "fsdp2.json"
+    env = dict(os.environ, MASTER_PORT=str(free_port()),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fsdp2.py"), "--smoke", "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["max_abs_diff_after_3_steps"] < 1e-5, result
