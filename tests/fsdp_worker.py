@@ -151,7 +151,7 @@ def check_checkpoint_round_trip_and_reshard(mesh, checkdir):
 def check_refusals(mesh):
     model = sharded(make_model(), mesh=mesh)
     train_grads = lambda: (model(batch(0)) ** 2).mean().backward()  # noqa: E731
-    for cls, kwargs, match in ((ot.Lamb, {}, "lamb's per-tensor reductions"),
+    for cls, kwargs, match in ((ot.Lamb, {"bias_correction": False}, "bias_correction=False"),
                                (ot.Adafactor, {"lr": 1e-2}, "adafactor's per-tensor reductions")):
         opt = cls(model.parameters(), backend="cpu", **kwargs)
         train_grads()
@@ -194,6 +194,24 @@ def check_refusals(mesh):
         assert "DTensor" in str(exc)
     else:
         raise AssertionError("CPUOffload took DTensor parameters")
+
+
+def check_lamb_norms_over_the_mesh(mesh):
+    # LAMB on FSDP2 (norms of the shards summed over the mesh) equals LAMB on the whole model
+    for kwargs in (dict(lr=1e-2), dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.05, max_trust_ratio=5.0)):
+        model, plain = sharded(make_model(), mesh), make_model()
+        ours, ref = ot.Lamb(model.parameters(), backend="cpu", **kwargs), ot.Lamb(plain.parameters(), backend="cpu",
+                                                                                  **kwargs)
+        for step in range(STEPS):
+            train(model, ours, 1, step)
+            train(plain, ref, 1, step)
+        close(full(model), full(plain), dict(rtol=1e-5, atol=1e-6))
+        for p, q in zip(model.parameters(), plain.parameters()):
+            st = ours.state[p]
+            assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].placements == p.placements
+            torch.testing.assert_close(st["exp_avg_sq"].full_tensor(), ref.state[q]["exp_avg_sq"], rtol=1e-5,
+                                       atol=1e-9)
+            assert float(st["step"]) == STEPS
 
 
 def check_replicated_lamb(mesh):
@@ -262,6 +280,7 @@ def main():
     check_checkpoint_round_trip_and_reshard(mesh, checkdir)
     check_refusals(mesh)
     check_replicated_lamb(mesh)
+    check_lamb_norms_over_the_mesh(mesh)
     check_muon_gathers_each_matrix(mesh)
     check_ddp()
     dist.barrier()

@@ -8,9 +8,10 @@ tensor and shown in ``opt.state`` as DTensors with the parameter's mesh and plac
 own optimizers keep the same), so ``torch.distributed.checkpoint`` saves and reshards it.
 
 What a shard alone cannot compute is refused with the reason (:func:`refusal`): a ``Partial``
-placement (a sum not yet reduced), per-tensor reductions (LAMB's norms, Adafactor's factors and
+placement (a sum not yet reduced), per-tensor reductions inside a kernel (Adafactor's factors and
 RMS) on a sharded tensor, and per-block compact state (int8 scales belong to blocks of the local
-shard, which a reshard would cut).
+shard, which a reshard would cut). LAMB reduces its norms over the mesh instead
+(:mod:`optirs.torch._mesh_lamb`).
 """
 
 from __future__ import annotations
