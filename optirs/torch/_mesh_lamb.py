@@ -20,13 +20,14 @@ DTensors, :class:`optirs.torch.Lamb` steps as optax composes LAMB
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from optirs.core.errors import UnsupportedOperationError
 from optirs.core.reference import lamb_trust_ratio
 from optirs.torch._dtensor import Shard, is_dtensor, local, sharded
+from optirs.torch._scratch import hand_over, scratch_for
 
 
 def holds_shards(opt: Any) -> bool:
@@ -76,11 +77,7 @@ class MeshLamb:
         held = self.inner.get(gi)
         if held is not None and held[1] == key:
             return held[0]
-        for p in group["params"]:
-            z = self.scratch.get(id(p))
-            if z is None or z.shape != p.shape or z.dtype != p.dtype or z.stride() != p.stride():
-                self.scratch[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
-        adam = self.adam_class([self.scratch[id(p)] for p in group["params"]], lr=1.0, weight_decay=0.0,
+        adam = self.adam_class([scratch_for(self.scratch, p) for p in group["params"]], lr=1.0, weight_decay=0.0,
                      backend=opt._backend_name, backend_options=opt._backend_options, **formats)
         self.inner[gi] = (adam, key)
         return adam
@@ -113,12 +110,7 @@ class MeshLamb:
                 if p.grad is None:
                     z.grad = None
                     continue
-                entry = opt.state.get(p)
-                if entry is not adam.state.get(z):
-                    if entry:
-                        adam.state[z] = entry
-                    else:
-                        adam.state.pop(z, None)
+                hand_over(opt.state, adam.state, p, z)
                 local(z).zero_()
                 z.grad = p.grad
             try:

@@ -41,6 +41,7 @@ import torch
 
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.torch._dtensor import is_dtensor, local
+from optirs.torch._scratch import hand_over, scratch_for
 from optirs.torch._state import TrackedState
 from optirs.torch.optimizers import SGD
 
@@ -156,7 +157,7 @@ class Muon(torch.optim.Optimizer):
         if held is not None and held[2] == key:
             return held[0], held[1]
         formats = {k: group.get(k, self.defaults[k]) for k in _FORMAT_KEYS}  # (absent from torch's checkpoints)
-        scratch = [self._scratch_of(p) for p in group["params"]]
+        scratch = [scratch_for(self._scratch, p) for p in group["params"]]
         momentum = SGD(scratch, lr=1.0, momentum=group["momentum"], dampening=group["momentum"],
                        backend=self._backend, backend_options=self._backend_options, **formats)
         # the update: one group per adjusted-lr ratio (its scalars are per launch)
@@ -167,12 +168,6 @@ class Muon(torch.optim.Optimizer):
         update = SGD(groups, lr=0.0, maximize=True, backend=self._backend, backend_options=self._backend_options)
         self._inner[gi] = (momentum, update, key)  # type: ignore[assignment]
         return momentum, update
-
-    def _scratch_of(self, p: torch.Tensor) -> torch.Tensor:
-        z = self._scratch.get(id(p))
-        if z is None or z.shape != p.shape or z.dtype != p.dtype or z.stride() != p.stride():
-            z = self._scratch[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format).detach()
-        return z
 
     def _alias_of(self, p: torch.Tensor) -> torch.Tensor:
         a = self._alias.get(id(p))
@@ -203,9 +198,7 @@ class Muon(torch.optim.Optimizer):
                 if g is None:
                     z.grad = None
                     continue
-                entry = self.state.get(p)
-                if not entry or entry is not momentum_opt.state.get(z):  # new, loaded or set by hand: adopted
-                    momentum_opt.state[z] = entry if entry else self._fresh_entry(p)
+                hand_over(self.state, momentum_opt.state, p, z, self._fresh_entry)
                 if g.shape != p.shape:
                     raise ShapeMismatchError(f"param_groups[{gi}]['params'][{j}] has shape {tuple(p.shape)} but its "
                                              f"gradient {tuple(g.shape)}, expected the same")
