@@ -28,8 +28,9 @@ optirs.torch._dtensor); NS needs the whole matrix, so each parameter's ``-U`` is
 (``full_tensor()``: an all-gather per parameter, as Moonlight's distributed Muon does), every rank
 orthogonalises it and keeps its own shard of the result.
 
-A step is two optirs transactions: a step refused by the momentum step's checks changes nothing;
-the update steps the same tensors with gradients made here, whose checks it passes.
+Each group's step is two optirs transactions: a group refused by the momentum step's checks is
+left as it was (groups before it have stepped, as with torch); the update steps the same tensors
+with gradients made here, whose checks it passes.
 """
 
 from __future__ import annotations
