@@ -132,8 +132,13 @@ def _capability_matrix(backends, registry, optimizers, capabilities, step_capabi
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from optirs import __version__
+
+        print(f"optirs {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: optirs {" + ",".join(SUBCOMMANDS) + "} [options]\n")
+        print("usage: optirs [--version] {" + ",".join(SUBCOMMANDS) + "} [options]\n")
         for name, (_, help_text) in SUBCOMMANDS.items():
             print(f"  {name:<10} {help_text}")
         return 0 if argv else 2
