@@ -23,8 +23,10 @@ from typing import Iterator, Optional, Tuple
 # the region costs once a core is shared (docs/benchmarks.md, "cpu: small steps on a busy machine").
 SERIAL_BELOW = 1 << 17
 
-# How long a reading of the free cores is used before /proc/stat is read again.
+# How long a reading of the free cores is used before /proc/stat is read again; the first one is
+# made once FIRST_S has passed since the backend opened (until then a step runs on one thread).
 INTERVAL_S = 0.25
+FIRST_S = 0.05
 
 # /proc/stat's per-CPU fields counted as busy: user, nice, system, irq, softirq, steal.
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
@@ -56,31 +58,39 @@ class FreeCores:
         except (AttributeError, OSError):
             self.cpus = frozenset(range(os.cpu_count() or 1))
         self.cores = len(self.cpus)
-        self.free = self.cores
         try:
             self._tick = 1.0 / os.sysconf("SC_CLK_TCK")
         except (ValueError, OSError, AttributeError):
             self._tick = 0.01
-        self._last: Optional[Tuple[float, int, float]] = None
         self._lock = threading.Lock()
+        self._last: Optional[Tuple[float, int, float]] = None
+        self._wait = FIRST_S
+        self.free = 1  # unknown yet: the cautious count
+        self._read(time.monotonic())
+        if self._last is None:  # no /proc/stat: every core
+            self.free = self.cores
 
     def __call__(self) -> int:
         now = time.monotonic()
         last = self._last
-        if last is not None and now - last[0] < INTERVAL_S:
+        if last is None or now - last[0] < self._wait:
             return self.free
         with self._lock:
-            busy = _cpu_busy_ticks(self.cpus)
-            if busy is None:
-                return self.free
-            times = os.times()
-            own = times.user + times.system
-            last = self._last
-            if last is not None and now > last[0]:
-                others = ((busy - last[1]) * self._tick - (own - last[2])) / (now - last[0])
-                self.free = max(1, min(self.cores, self.cores - round(max(0.0, others))))
-            self._last = (now, busy, own)
+            self._read(now)
         return self.free
+
+    def _read(self, now: float) -> None:
+        busy = _cpu_busy_ticks(self.cpus)
+        if busy is None:
+            return
+        times = os.times()
+        own = times.user + times.system
+        last = self._last
+        if last is not None and now > last[0]:
+            others = ((busy - last[1]) * self._tick - (own - last[2])) / (now - last[0])
+            self.free = max(1, min(self.cores, self.cores - round(max(0.0, others))))
+            self._wait = INTERVAL_S
+        self._last = (now, busy, own)
 
 
 class StepThreads:
