@@ -555,14 +555,15 @@ IMPL_SHORT = {"torch fused": "torch-fused", "torch foreach": "torch-4each"}
 def print_report(report: Report, console: Any) -> None:
     """One table per backend and case (their sizes and copy bandwidth in the title), each within 80
     columns; a check's detail and a row's error are listed under the tables, never cut."""
-    from rich import box
     from rich.table import Table
+
+    from optirs.tools.cli import table_box
 
     console.print(f"optirs bench, {report.date}; " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
                   markup=False, highlight=False)
     for b, d in report.devices.items():
         console.print(f"  {b}: {d}", markup=False, highlight=False)
-    style = box.HEAVY_HEAD if console.is_terminal else box.ASCII2  # plain characters in a pipe or a log
+    style = table_box(console)
     notes: List[str] = []
     for key in dict.fromkeys(f"{r.backend}/{r.case}" for r in report.rows):
         rows = [r for r in report.rows if f"{r.backend}/{r.case}" == key]
@@ -693,7 +694,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     profile = resolve_sizing(args, statuses, names)
     from rich.console import Console
 
-    console = Console(width=None if sys.stdout.isatty() else 80)
+    from optirs.tools.cli import plain_console
+
+    console = plain_console()
     progress = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
     report = Report(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     platform.node(), _versions(), settings={"profile": profile})
