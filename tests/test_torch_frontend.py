@@ -23,7 +23,8 @@ torch = pytest.importorskip("torch")
 import optirs  # noqa: E402
 import optirs.torch as ot  # noqa: E402
 from optirs.core import reference  # noqa: E402
-from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError  # noqa: E402
+from optirs.core.errors import (BackendUnavailableError, InvalidParameterError, ShapeMismatchError,  # noqa: E402
+                                 UnsupportedOperationError)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 50
@@ -582,8 +583,8 @@ def test_params_without_grad_are_skipped_like_torch():
 
 
 @pytest.mark.parametrize("kwargs,error", [
-    ({"differentiable": True}, UnsupportedOperationError), ({"foreach": True}, UnsupportedOperationError),
-    ({"fused": False}, UnsupportedOperationError),
+    ({"differentiable": True}, UnsupportedOperationError), ({"foreach": True, "fused": True}, InvalidParameterError),
+    ({"fused": "yes"}, InvalidParameterError), ({"backend": "nosuch"}, BackendUnavailableError),
     ({"lr": -1.0}, InvalidParameterError), ({"betas": (1.2, 0.9)}, InvalidParameterError),
     ({"betas": (0.9,)}, InvalidParameterError), ({"eps": float("nan")}, InvalidParameterError),
     ({"backend": ""}, InvalidParameterError),

@@ -145,6 +145,18 @@ def check_flags(group: Dict[str, Any], capturable_ok: bool = False) -> None:
         )
 
 
+def check_implementation_hints(foreach: Any, fused: Any) -> None:
+    """torch's ``foreach`` and ``fused`` choose among torch's implementations; optirs has one (a
+    fused launch per bucket), which answers every choice, so any value torch accepts is accepted
+    and the combinations torch refuses are refused."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidParameterError(f"{name}={value!r}, expected None, True or False")
+    if foreach and fused:
+        raise InvalidParameterError("foreach=True and fused=True, expected at most one of them True "
+                                    "(torch refuses both together)")
+
+
 def _immutable(value: Any) -> bool:
     """Whether a hyperparameter's value cannot change without being replaced."""
     if isinstance(value, tuple):
@@ -275,18 +287,12 @@ class OptirsOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: Dict[str, Any], *, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None):
-        if foreach not in (None, False):
-            raise UnsupportedOperationError(
-                f"foreach={foreach!r}, expected None or False: optirs always runs one fused launch per "
-                "(group, device, dtype)"
-            )
-        if fused not in (None, True):
-            raise UnsupportedOperationError(
-                f"fused={fused!r}, expected None or True: optirs always runs one fused launch (there is no "
-                "unfused path to choose)"
-            )
+        check_implementation_hints(foreach, fused)
         if not isinstance(backend, str) or not backend:
             raise InvalidParameterError(f"backend={backend!r}, expected a backend name or 'auto'")
+        from optirs.plugin.registry import REGISTRY
+
+        REGISTRY.check_backend_name(backend)  # a misspelt name fails here, not at the first step
         if backend_options is not None and not isinstance(backend_options, dict):
             raise InvalidParameterError(f"backend_options={backend_options!r}, expected a dict or None")
         self._backend_name = backend

@@ -1,8 +1,10 @@
 """optirs.torch's optimizers: torch.optim's constructors over optirs' definitions.
 
 Each class takes torch 2.13's arguments (names, defaults, keyword-only parts) plus
-``backend="auto"`` and ``backend_options``. What optirs cannot honour raises instead of being
-ignored: ``differentiable=True``, ``foreach=True``, ``fused=False``, sparse gradients, and
+``backend="auto"`` and ``backend_options`` (a name checked at construction). ``foreach`` and
+``fused`` only choose among torch's implementations: optirs answers every choice with its one
+fused launch (both True is refused, as torch refuses it). What optirs cannot honour raises instead
+of being ignored: ``differentiable=True``, sparse gradients, and
 ``capturable=True`` where it cannot hold (tensors on a backend without the ``capturable``
 capability, such as CPU tensors, as torch; Lamb and Adafactor, whose steps are not elementwise).
 ``capturable=True`` keeps the step count on the device and reads a tensor lr there (CUDA graphs). Every optimizer but Adafactor also takes the step-format keywords
