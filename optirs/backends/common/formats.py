@@ -259,7 +259,8 @@ def decode_state(raw, kind):
     """A float32 (``kind`` STATE_F32: its bits) or bfloat16 state word -> float32."""
     if kind == STATE_F32:
         return bits_f32(raw)
-    return _bf16_decode(raw)
+    # np.uint32: loops that hold float32 state type this branch with a float ``raw`` too
+    return _bf16_decode(np.uint32(raw))
 
 
 @_jit
