@@ -357,7 +357,9 @@ ASGD = OptimizerDefinition(
 RPROP = OptimizerDefinition(
     name="rprop", class_name="GpuRprop", params_type=P.RpropParams, kernel="rprop",
     scalars=scalars.rprop_scalars, reference=reference.rprop,
-    slots=(StateSlot("prev"), StateSlot("step_size", initial=lambda hp: hp.lr, signed=False)),
+    # step_size starts at the first step's lr inside the step (so a later lr, which Rprop ignores as
+    # torch does, never changes the state's description)
+    slots=(StateSlot("prev"), StateSlot("step_size", signed=False)),
     summary="Rprop (Riedmiller & Braun), as torch.optim.Rprop: sign-based steps with per-element step sizes.",
     algorithm="""
         f = etaplus (g * prev > 0), etaminus (< 0), 1 (= 0)

@@ -345,10 +345,12 @@ class AsgdScalars(NamedTuple):
 
 
 class RpropScalars(NamedTuple):
+    lr: np.float32  # the step sizes' start (torch fills them with the lr of the first step)
     etaminus: np.float32
     etaplus: np.float32
     step_size_min: np.float32
     step_size_max: np.float32
+    first_step: bool
     grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
 
 
@@ -437,7 +439,7 @@ def asgd_scalars(hp: AsgdParams, step: int, grad_factor: float = 1.0) -> AsgdSca
 
 
 def rprop_scalars(hp: RpropParams, step: int, grad_factor: float = 1.0) -> RpropScalars:
-    values = (hp.etaminus, hp.etaplus, hp.step_size_min, hp.step_size_max, grad_factor)
+    values = (hp.lr, hp.etaminus, hp.etaplus, hp.step_size_min, hp.step_size_max, float(step == 1), grad_factor)
     return _finite_record(RpropScalars, values, hp, step)
 
 

@@ -16,5 +16,7 @@ except ImportError as exc:  # pragma: no cover - torch is optional
 from optirs.torch._frontend import OptirsOptimizer
 from optirs.torch.optimizers import SGD, Adafactor, Adagrad, Adam, AdamW, Lamb, Lion, RMSprop
 from optirs.torch.offload import CPUOffload
+from optirs.torch.classic import ASGD, LBFGS, Adadelta, Adamax, NAdam, RAdam, Rprop
 
-__all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion", "CPUOffload"]
+__all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion", "CPUOffload",
+            "NAdam", "RAdam", "Adamax", "Adadelta", "ASGD", "Rprop", "LBFGS"]

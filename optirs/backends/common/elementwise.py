@@ -338,6 +338,8 @@ def asgd_element(p, g, ax, unused1, unused2, sc):
 @njit(cache=True, error_model="numpy")
 def rprop_element(p, g, prev, step_size, unused, sc):
     g = g * sc.grad_factor
+    if sc.first_step:
+        step_size = sc.lr
     s = g * prev
     if s > 0:
         f = sc.etaplus

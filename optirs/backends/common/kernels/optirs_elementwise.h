@@ -375,7 +375,7 @@ void FN(rprop_update)(T *p, T g, T *prev, T *step_size, const rprop_scalars *sc)
     const T s = g * *prev;
     const T f = select(select(select(s, (T)(1.0f), s == (T)(0.0f)), (T)(sc->etaminus), s < (T)(0.0f)),
                        (T)(sc->etaplus), s > (T)(0.0f));
-    T st = *step_size * f;
+    T st = (sc->first_step ? (T)(sc->lr) : *step_size) * f;
     st = select(st, (T)(sc->step_size_min), st < (T)(sc->step_size_min));
     st = select(st, (T)(sc->step_size_max), st > (T)(sc->step_size_max));
     g = select(g, (T)(0.0f), f == (T)(sc->etaminus));

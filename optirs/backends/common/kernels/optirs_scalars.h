@@ -93,7 +93,9 @@ typedef struct {
 } asgd_scalars;
 
 typedef struct {
+    float lr;                    /* the step sizes' start (first step) */
     float etaminus, etaplus, step_size_min, step_size_max;
+    int first_step;
     float grad_factor;           /* every gradient element is multiplied by it first */
 } rprop_scalars;
 
