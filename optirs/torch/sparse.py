@@ -57,8 +57,9 @@ class SparseAdam(torch.optim.Optimizer):
         return SparseAdamConfig(lr=lr, beta1=float(betas[0]), beta2=float(betas[1]), eps=group["eps"],
                                 backend=backend)
 
-    def _seed(self, device: torch.device, config: SparseAdamConfig) -> _SeedSparseAdam:
-        """The seed API's optimizer for ``device`` (its backend opened once), with ``config``."""
+    def _seed(self, device: torch.device) -> _SeedSparseAdam:
+        """The seed API's optimizer for ``device`` (its backend opened once); every group's step sets
+        its config."""
         options = self._backend_options
         key = (device.type, device.index)
         seed = self._seeds.get(key)
@@ -67,8 +68,6 @@ class SparseAdam(torch.optim.Optimizer):
             seed = _SeedSparseAdam(SparseAdamConfig(backend=name, **options))
             seed.backend  # opened here: a backend without the sparse capability is refused before any change
             self._seeds[key] = seed
-        seed.config = replace(config, backend=seed.config.backend, device=seed.config.device,
-                              platform=seed.config.platform)
         return seed
 
     @staticmethod
@@ -100,16 +99,18 @@ class SparseAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work: List[Tuple[_SeedSparseAdam, List[Any], List[Any], List[Any], List[torch.Tensor]]] = []
+        work: List[Tuple[_SeedSparseAdam, SparseAdamConfig, List[Any], List[Any], List[Any], List[Any]]] = []
         for gi, group in enumerate(self.param_groups):
-            config = self._config(group, "auto")
+            group_config = self._config(group, "auto")
             by_device: Dict[Tuple[str, Any], List[int]] = {}
             params = group["params"]
             for j, p in enumerate(params):
                 if p.grad is not None:
                     by_device.setdefault((p.device.type, p.device.index), []).append(j)
             for (_, _), js in by_device.items():
-                seed = self._seed(params[js[0]].device, config)
+                seed = self._seed(params[js[0]].device)
+                config = replace(group_config, backend=seed.config.backend, device=seed.config.device,
+                                 platform=seed.config.platform)
                 arrays, grads, tables, stepped = [], [], [], []
                 for j in js:
                     p = params[j]
@@ -132,9 +133,9 @@ class SparseAdam(torch.optim.Optimizer):
                     grads.append(CooGradient(self._array(g._indices()[0]), self._array(values.contiguous())))
                     tables.append(SparseAdamTable(rows, dim, step, self._array(m.view(-1)), self._array(v.view(-1))))
                     stepped.append((p, m, v))
-                work.append((seed, arrays, grads, tables, stepped))
-        for seed, arrays, grads, tables, stepped in work:
-            seed.tables = tables
+                work.append((seed, config, arrays, grads, tables, stepped))
+        for seed, config, arrays, grads, tables, stepped in work:
+            seed.config, seed.tables = config, tables
             seed.step(arrays, grads)
             for (p, m, v), table in zip(stepped, tables):
                 self.state[p] = {"step": table.step, "exp_avg": m, "exp_avg_sq": v}
