@@ -267,9 +267,17 @@ class AdafactorParams(_Params):
 # ---------------------------------------------------------------- the rest of torch.optim's elementwise optimizers
 
 
-def _beta(name: str, value: Any) -> None:
-    """A decay rate as torch checks it: 0 <= value < 1."""
-    _unit_interval(name, value)
+def _adam_like(hp: Any) -> None:
+    """torch's checks of the Adam family (NAdam, RAdam, Adamax): lr, eps, weight_decay >= 0, 0 <= betas < 1."""
+    _at_least("lr", hp.lr, 0.0)
+    _unit_interval("beta1", hp.beta1)
+    _unit_interval("beta2", hp.beta2)
+    _at_least("eps", hp.eps, 0.0)
+    _at_least("weight_decay", hp.weight_decay, 0.0)
+
+
+def _step_one(hp: Any) -> None:
+    _derived(f"lr / (1 - beta1) = {hp.lr!r} / (1 - {hp.beta1!r})", hp.lr / (1.0 - hp.beta1), "the step size at step 1")
 
 
 @dataclass(frozen=True)
@@ -287,11 +295,7 @@ class NadamParams(_Params):
     decoupled_weight_decay: bool = False
 
     def __post_init__(self) -> None:
-        _at_least("lr", self.lr, 0.0)
-        _beta("beta1", self.beta1)
-        _beta("beta2", self.beta2)
-        _at_least("eps", self.eps, 0.0)
-        _at_least("weight_decay", self.weight_decay, 0.0)
+        _adam_like(self)
         _at_least("momentum_decay", self.momentum_decay, 0.0)
         _flag("decoupled_weight_decay", self.decoupled_weight_decay)
         _decay_product(self)
@@ -310,14 +314,9 @@ class RadamParams(_Params):
     decoupled_weight_decay: bool = False
 
     def __post_init__(self) -> None:
-        _at_least("lr", self.lr, 0.0)
-        _beta("beta1", self.beta1)
-        _beta("beta2", self.beta2)
-        _at_least("eps", self.eps, 0.0)
-        _at_least("weight_decay", self.weight_decay, 0.0)
+        _adam_like(self)
         _flag("decoupled_weight_decay", self.decoupled_weight_decay)
-        _derived(f"lr / (1 - beta1) = {self.lr!r} / (1 - {self.beta1!r})", self.lr / (1.0 - self.beta1),
-                 "the step size at step 1")
+        _step_one(self)
         _decay_product(self)
 
 
@@ -332,13 +331,8 @@ class AdamaxParams(_Params):
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
-        _at_least("lr", self.lr, 0.0)
-        _beta("beta1", self.beta1)
-        _beta("beta2", self.beta2)
-        _at_least("eps", self.eps, 0.0)
-        _at_least("weight_decay", self.weight_decay, 0.0)
-        _derived(f"lr / (1 - beta1) = {self.lr!r} / (1 - {self.beta1!r})", self.lr / (1.0 - self.beta1),
-                 "the step size at step 1")
+        _adam_like(self)
+        _step_one(self)
 
 
 @dataclass(frozen=True)

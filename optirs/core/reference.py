@@ -609,15 +609,17 @@ def asgd(params, grads, state, hp: AsgdParams, step: int) -> StepResult:
 
 def rprop(params, grads, state, hp: RpropParams, step: int) -> StepResult:
     """Rprop (torch's ``_single_tensor_rprop``): where g * prev > 0 the step size grows by etaplus, < 0
-    shrinks by etaminus (and that element does not move, its prev becomes 0), clamped; p -= sign(g) step."""
+    shrinks by etaminus (and that element does not move, its prev becomes 0), clamped; p -= sign(g) step.
+    The step sizes start at the lr of step 1 (torch fills them with it when it makes the state)."""
     if not (state and state[0]):
-        state = [{"prev": np.zeros(np.shape(p)), "step_size": np.full(np.shape(p), float(hp.lr))} for p in params]
+        state = _zeros_like_all(params, ["prev", "step_size"])
     new_p, new_s = [], []
     for p, g, s in zip(_f64(params), _f64(grads), state):
+        start = np.full(np.shape(p), float(hp.lr)) if step == 1 else s["step_size"]
         with np.errstate(invalid="ignore"):
             sign = np.sign(g * s["prev"])
             factor = np.where(sign > 0, hp.etaplus, np.where(sign < 0, hp.etaminus, np.where(sign == 0, 1.0, sign)))
-            step_size = np.clip(s["step_size"] * factor, hp.step_size_min, hp.step_size_max)
+            step_size = np.clip(start * factor, hp.step_size_min, hp.step_size_max)
         g = np.where(factor == hp.etaminus, 0.0, g)
         new_p.append(p - np.sign(g) * step_size)
         new_s.append({"prev": g, "step_size": step_size})

@@ -267,13 +267,18 @@ def _l2_or_decoupled(p, g, sc):
     return p, g
 
 
+@njit(cache=True, error_model="numpy")
+def _moments(g, m, v, sc):
+    """Adam's two moments (NAdam, RAdam): beta1 m + (1 - beta1) g and beta2 v + (1 - beta2) g^2."""
+    return sc.beta1 * m + sc.one_minus_beta1 * g, sc.beta2 * v + sc.one_minus_beta2 * g * g
+
+
 @element_step("nadam")
 @njit(cache=True, error_model="numpy")
 def nadam_element(p, g, m, v, unused, sc):
     g = g * sc.grad_factor
     p, g = _l2_or_decoupled(p, g, sc)
-    m = sc.beta1 * m + sc.one_minus_beta1 * g
-    v = sc.beta2 * v + sc.one_minus_beta2 * g * g
+    m, v = _moments(g, m, v, sc)
     denom = math.sqrt(v / sc.bias_correction2) + sc.eps
     p = p + sc.grad_coef * (g / denom)
     p = p + sc.avg_coef * (m / denom)
@@ -285,8 +290,7 @@ def nadam_element(p, g, m, v, unused, sc):
 def radam_element(p, g, m, v, unused, sc):
     g = g * sc.grad_factor
     p, g = _l2_or_decoupled(p, g, sc)
-    m = sc.beta1 * m + sc.one_minus_beta1 * g
-    v = sc.beta2 * v + sc.one_minus_beta2 * g * g
+    m, v = _moments(g, m, v, sc)
     update = m / sc.bias_correction1 * sc.lr
     if sc.rectified:
         update = update * (sc.bias_correction2_sqrt / (math.sqrt(v) + sc.eps)) * sc.rect

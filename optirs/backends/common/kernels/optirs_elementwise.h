@@ -253,16 +253,6 @@ void FN(nadam_update)(T *p, T g, T *m, T *v, const nadam_scalars *sc)
     *v = vv;
 }
 
-/* s0: exp_avg, s1: exp_avg_sq */
-void FN(nadam_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
-                    __global T *s2, size_t i, size_t j, const nadam_scalars *sc)
-{
-    T pp = p[i], m = s0[j], v = s1[j];
-    FN(nadam_update)(&pp, g[i], &m, &v, sc);
-    p[i] = pp;
-    s0[j] = m;
-    s1[j] = v;
-}
 
 void FN(radam_update)(T *p, T g, T *m, T *v, const radam_scalars *sc)
 {
@@ -279,16 +269,6 @@ void FN(radam_update)(T *p, T g, T *m, T *v, const radam_scalars *sc)
     *v = vv;
 }
 
-/* s0: exp_avg, s1: exp_avg_sq */
-void FN(radam_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
-                    __global T *s2, size_t i, size_t j, const radam_scalars *sc)
-{
-    T pp = p[i], m = s0[j], v = s1[j];
-    FN(radam_update)(&pp, g[i], &m, &v, sc);
-    p[i] = pp;
-    s0[j] = m;
-    s1[j] = v;
-}
 
 /* torch.maximum: a NaN on either side is the result (fmax would drop it). */
 void FN(adamax_update)(T *p, T g, T *m, T *u, const adamax_scalars *sc)
@@ -306,16 +286,6 @@ void FN(adamax_update)(T *p, T g, T *m, T *u, const adamax_scalars *sc)
     *u = uu;
 }
 
-/* s0: exp_avg, s1: exp_inf */
-void FN(adamax_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
-                     __global T *s2, size_t i, size_t j, const adamax_scalars *sc)
-{
-    T pp = p[i], m = s0[j], u = s1[j];
-    FN(adamax_update)(&pp, g[i], &m, &u, sc);
-    p[i] = pp;
-    s0[j] = m;
-    s1[j] = u;
-}
 
 void FN(adadelta_update)(T *p, T g, T *square_avg, T *acc_delta, const adadelta_scalars *sc)
 {
@@ -330,16 +300,6 @@ void FN(adadelta_update)(T *p, T g, T *square_avg, T *acc_delta, const adadelta_
     *p = pp - sc->lr * delta;
 }
 
-/* s0: square_avg, s1: acc_delta */
-void FN(adadelta_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
-                       __global T *s2, size_t i, size_t j, const adadelta_scalars *sc)
-{
-    T pp = p[i], sq = s0[j], acc = s1[j];
-    FN(adadelta_update)(&pp, g[i], &sq, &acc, sc);
-    p[i] = pp;
-    s0[j] = sq;
-    s1[j] = acc;
-}
 
 void FN(asgd_update)(T *p, T g, T *ax, const asgd_scalars *sc)
 {
@@ -384,15 +344,24 @@ void FN(rprop_update)(T *p, T g, T *prev, T *step_size, const rprop_scalars *sc)
     *step_size = st;
 }
 
-/* s0: prev, s1: step_size */
-void FN(rprop_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
-                    __global T *s2, size_t i, size_t j, const rprop_scalars *sc)
-{
-    T pp = p[i], prev = s0[j], st = s1[j];
-    FN(rprop_update)(&pp, g[i], &prev, &st, sc);
-    p[i] = pp;
-    s0[j] = prev;
-    s1[j] = st;
-}
 
+/* The element functions of the two-slot families: s0 and s1 are the definition's two slots
+ * (nadam, radam: exp_avg, exp_avg_sq; adamax: exp_avg, exp_inf; adadelta: square_avg, acc_delta;
+ * rprop: prev, step_size). */
+#define TWO_SLOT_ELEM(OPT)                                                                       \
+    void FN(OPT##_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,      \
+                        __global T *s2, size_t i, size_t j, const OPT##_scalars *sc)             \
+    {                                                                                            \
+        T pp = p[i], a = s0[j], b = s1[j];                                                       \
+        FN(OPT##_update)(&pp, g[i], &a, &b, sc);                                                 \
+        p[i] = pp;                                                                               \
+        s0[j] = a;                                                                               \
+        s1[j] = b;                                                                               \
+    }
+TWO_SLOT_ELEM(nadam)
+TWO_SLOT_ELEM(radam)
+TWO_SLOT_ELEM(adamax)
+TWO_SLOT_ELEM(adadelta)
+TWO_SLOT_ELEM(rprop)
+#undef TWO_SLOT_ELEM
 #undef DECAY_L2_OR_DECOUPLED
