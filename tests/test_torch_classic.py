@@ -171,6 +171,23 @@ def test_asgd_eta_lags_the_schedule_as_torch():
             assert float(ours.state[q][k]) == pytest.approx(float(ref.state[p][k]), rel=1e-6), k
 
 
+def test_nadam_mu_product_follows_a_beta1_schedule():
+    """OneCycleLR cycles beta1 every step: torch multiplies each step's own mu into mu_product, and
+    so does optirs (the product is carried in the state, not recomputed from the current beta1)."""
+    ref_model, our_model = make_model(), make_model()
+    ref = torch.optim.NAdam(ref_model.parameters(), lr=1e-2)
+    ours = ot.NAdam(our_model.parameters(), lr=1e-2, backend="cpu")
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=12) for o in (ref, ours)]
+    for _ in range(12):
+        for model, opt, sched in zip((ref_model, our_model), (ref, ours), scheds):
+            backward(model)
+            opt.step()
+            sched.step()
+    for p, q in zip(ref_model.parameters(), our_model.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), **TOL)
+        assert float(ours.state[q]["mu_product"]) == float(ref.state[p]["mu_product"])
+
+
 def test_bfloat16_state_steps_near_torch():
     """The compact formats run for the new optimizers through optirs.torch (bfloat16 moments here):
     the trajectory stays within bfloat16 rounding of torch's float32 one."""

@@ -291,7 +291,8 @@ NADAM = OptimizerDefinition(
         p = p - lr (1 - mu_t) / (1 - P_t) * g / d - lr mu_{t+1} / (1 - P_t mu_{t+1}) * m / d""",
     examples=(P.NadamParams(), P.NadamParams(lr=1e-2, weight_decay=0.1),
               P.NadamParams(weight_decay=0.05, decoupled_weight_decay=True),
-              P.NadamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6, momentum_decay=0.01)),
+              P.NadamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6, momentum_decay=0.01),
+              P.NadamParams(lr=1e-2, mu_product=0.25)),
 )
 
 RADAM = OptimizerDefinition(

@@ -284,7 +284,12 @@ def _step_one(hp: Any) -> None:
 class NadamParams(_Params):
     """NAdam as ``torch.optim.NAdam``: Nesterov momentum through the mu schedule
     ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))``; ``weight_decay`` is L2, or decoupled
-    (``p *= 1 - lr * weight_decay``) with ``decoupled_weight_decay``."""
+    (``p *= 1 - lr * weight_decay``) with ``decoupled_weight_decay``.
+
+    ``mu_product``: the product of the mu's of the steps before this one where the caller keeps it
+    as state (torch does: a schedule of beta1 changes each factor as it comes); None computes it
+    from this beta1 and momentum_decay.
+    """
 
     lr: float = 2e-3
     beta1: float = 0.9
@@ -293,11 +298,14 @@ class NadamParams(_Params):
     weight_decay: float = 0.0
     momentum_decay: float = 4e-3
     decoupled_weight_decay: bool = False
+    mu_product: Optional[float] = None
 
     def __post_init__(self) -> None:
         _adam_like(self)
         _at_least("momentum_decay", self.momentum_decay, 0.0)
         _flag("decoupled_weight_decay", self.decoupled_weight_decay)
+        if self.mu_product is not None:
+            _at_least("mu_product", self.mu_product, 0.0)
         _decay_product(self)
 
 

@@ -527,7 +527,7 @@ def nadam(params, grads, state, hp: NadamParams, step: int) -> StepResult:
     gradient weighted by (1 - mu_t) / (1 - prod mu_{<=t}), the momentum by mu_{t+1} / (1 - prod mu_{<=t+1})."""
     state = state if state and state[0] else _zeros_like_all(params, ["exp_avg", "exp_avg_sq"])
     mus = [hp.beta1 * (1.0 - 0.5 * 0.96 ** (k * hp.momentum_decay)) for k in range(1, step + 2)]
-    mu_product = float(np.prod(mus[:step]))
+    mu_product = float(np.prod(mus[:step])) if hp.mu_product is None else hp.mu_product * mus[step - 1]
     mu, mu_next = mus[step - 1], mus[step]
     bc2 = 1.0 - hp.beta2**step
     new_p, new_s = [], []

@@ -365,7 +365,10 @@ _MU_PRODUCTS: Dict[Tuple[float, float], Tuple[int, np.float32]] = {}
 
 
 def nadam_mu_product(hp: NadamParams, step: int) -> float:
-    """prod_{k<=step} mu_k as torch keeps it: a float32 0-dim tensor multiplied by float32(mu_k) each step."""
+    """prod_{k<=step} mu_k as torch keeps it: a float32 0-dim tensor multiplied by float32(mu_k) each step
+    (``hp.mu_product``, where given, is the product of the steps before ``step``)."""
+    if hp.mu_product is not None:
+        return float(f32(f32(hp.mu_product) * f32(nadam_mu(hp, step))))
     key = (float(hp.beta1), float(hp.momentum_decay))
     t, value = _MU_PRODUCTS.get(key, (0, f32(1.0)))
     if t > step:

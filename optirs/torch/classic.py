@@ -21,7 +21,16 @@ from optirs.torch.optimizers import _common, _formats
 
 
 class _HostScalars(OptirsOptimizer):
-    """Base of the optimizers whose scalars only the host computes (no ``capturable``)."""
+    """Base of the optimizers whose scalars only the host computes (no ``capturable``).
+
+    ``_carried``: the 0-dim state torch carries from step to step that the next step uses (NAdam's
+    ``mu_product``, ASGD's ``eta``), each also a field of the hyperparameters of that name: a
+    group's step takes it from the state of its first parameter that has it (the group's tensors
+    step together, so they hold the same value unless some had no gradient at some step), so a
+    torch checkpoint's value and a schedule's effect on it are torch's.
+    """
+
+    _carried: tuple = ()
 
     def _check_group(self, group: Dict[str, Any], where: str = "the param group"):
         if group.get("capturable", False):
@@ -30,6 +39,18 @@ class _HostScalars(OptirsOptimizer):
                 "the host (capturable steps keep the count and lr on the device: Adam, AdamW, SGD, RMSprop, Adagrad "
                 "and Lion have them)")
         return super()._check_group(group, where)
+
+    def _hyper(self, gi: int, group: Dict[str, Any]):
+        hyper = super()._hyper(gi, group)
+        if not self._carried:
+            return hyper
+        state = self.state
+        for p in group["params"]:
+            entry = state.get(p)
+            if entry and all(entry.get(k) is not None for k in self._carried):
+                held = {k: float(entry[k]) for k in self._carried}
+                return hyper._replace(hp=replace(hyper.hp, **held))
+        return hyper
 
 
 def _defaults(locals_: Dict[str, Any], *names: str) -> Dict[str, Any]:
@@ -42,7 +63,10 @@ def _defaults(locals_: Dict[str, Any], *names: str) -> Dict[str, Any]:
 
 class NAdam(_HostScalars):
     """torch.optim.NAdam (momentum_decay's mu schedule; ``decoupled_weight_decay``) on optirs' kernel.
-    ``state[p]["mu_product"]`` is torch's float32 product of the mu's so far."""
+    ``state[p]["mu_product"]`` is torch's float32 product of the mu's so far (carried: a schedule of
+    beta1 multiplies each step's own mu in, as with torch)."""
+
+    _carried = ("mu_product",)
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
                  decoupled_weight_decay=False, *, foreach: Optional[bool] = None, maximize: bool = False,
@@ -117,11 +141,11 @@ class Adadelta(_HostScalars):
 class ASGD(_HostScalars):
     """torch.optim.ASGD on optirs' kernel: ``state[p]`` holds torch's ``eta``, ``mu`` and ``ax``.
 
-    As torch, a step uses the ``eta`` its state holds, computed at the end of the previous step
-    from that step's lr (so a scheduler's new lr takes effect one step later, as with torch). A
-    group's step reads the ``eta`` of its first parameter that has one: the group's tensors step
-    together, so they hold the same one (unless some of them had no gradient at some step).
+    As torch, a step uses the ``eta`` its state holds (carried), computed at the end of the previous
+    step from that step's lr, so a scheduler's new lr takes effect one step later, as with torch.
     """
+
+    _carried = ("eta",)
 
     def __init__(self, params, lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0,
                  foreach: Optional[bool] = None, maximize: bool = False, differentiable: bool = False,
@@ -135,16 +159,6 @@ class ASGD(_HostScalars):
     def _hyperparameters(self, group):
         return "asgd", P.AsgdParams(lr=self._scalar(group, "lr"), lambd=group["lambd"], alpha=group["alpha"],
                                     t0=group["t0"], weight_decay=group["weight_decay"])
-
-    def _hyper(self, gi: int, group: Dict[str, Any]):
-        hyper = super()._hyper(gi, group)
-        state = self.state
-        for p in group["params"]:
-            entry = state.get(p)
-            eta = entry.get("eta") if entry else None
-            if eta is not None:
-                return hyper._replace(hp=replace(hyper.hp, eta=float(eta)))
-        return hyper
 
 
 class Rprop(_HostScalars):
