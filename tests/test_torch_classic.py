@@ -310,3 +310,40 @@ def test_sparse_adam_refuses_dense_gradients_and_changes_nothing():
     with pytest.raises(InvalidParameterError, match="beta1"):
         ot.SparseAdam(emb.parameters(), betas=(1.0, 0.9), backend="cpu")
     np.testing.assert_array_equal(emb.weight.detach().numpy(), before.numpy())
+
+
+# ---------------------------------------------------------------- the H200: torch CUDA tensors
+
+
+def _torch_cuda_or_skip():
+    import os
+
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs torch with a real CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kwargs,second", CASES[::2] + [("SparseAdam", dict(lr=1e-2), dict(lr=5e-2))],
+                         ids=IDS[::2] + ["SparseAdam"])
+def test_cuda_tensors_match_torch(name, kwargs, second):
+    """CUDA tensors stepped in place on the cuda backend, beside torch.optim on the same GPU."""
+    _torch_cuda_or_skip()
+    if name == "SparseAdam":
+        ref_model, our_model = (torch.nn.Embedding(1000, 64, sparse=True).cuda() for _ in range(2))
+        our_model.load_state_dict(ref_model.state_dict())
+        make = lambda m: m.parameters()  # noqa: E731
+        loss = lambda m: (m(torch.arange(0, 1000, 7, device="cuda")) ** 2).sum()  # noqa: E731
+    else:
+        ref_model, our_model = make_model().cuda(), make_model().cuda()
+        make = lambda m: groups(m, **second)  # noqa: E731
+        x, y = DATA[0].cuda(), DATA[1].cuda()
+        loss = lambda m: _maximize_sign(kwargs) * torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    ref = getattr(torch.optim, name)(make(ref_model), **kwargs)
+    ours = getattr(ot, name)(make(our_model), **kwargs)
+    for _ in range(STEPS):
+        for model, opt in ((ref_model, ref), (our_model, ours)):
+            opt.zero_grad()
+            loss(model).backward()
+            opt.step()
+    for p, q in zip(ref_model.parameters(), our_model.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), **TOL)

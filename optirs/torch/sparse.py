@@ -130,7 +130,10 @@ class SparseAdam(torch.optim.Optimizer):
                                 f"the parameter {tuple(p.shape)} on {p.device}")
                     step = int(state.get("step", 0))
                     arrays.append(self._array(p.detach().view(rows, dim)))
-                    grads.append(CooGradient(self._array(g._indices()[0]), self._array(values.contiguous())))
+                    # the row indices on the host: the seed API orders them there (torch's coalesce
+                    # has already summed duplicates on the device)
+                    indices = g._indices()[0].cpu().numpy()
+                    grads.append(CooGradient(indices, self._array(values.contiguous())))
                     tables.append(SparseAdamTable(rows, dim, step, self._array(m.view(-1)), self._array(v.view(-1))))
                     stepped.append((p, m, v))
                 work.append((seed, config, arrays, grads, tables, stepped))
