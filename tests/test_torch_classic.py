@@ -154,37 +154,37 @@ def test_state_dict_loads_both_ways(name, kwargs, second):
 def test_asgd_eta_lags_the_schedule_as_torch():
     """torch's ASGD steps with the eta its state holds (the previous step's lr): a schedule that
     changes lr every step shows it, and state['eta'] / ['mu'] are torch's."""
-    ref_model, our_model = make_model(), make_model()
-    ref = torch.optim.ASGD(ref_model.parameters(), lr=0.1, lambd=0.05, t0=3)
-    ours = ot.ASGD(our_model.parameters(), lr=0.1, lambd=0.05, t0=3, backend="cpu")
     lam = lambda t: 1.0 / (1 + t)  # noqa: E731
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in (ref, ours)]
-    for _ in range(6):
+    pairs = _scheduled_pair("ASGD", dict(lr=0.1, lambd=0.05, t0=3),
+                            lambda o: torch.optim.lr_scheduler.LambdaLR(o, lam), 6)
+    for (p, ref), (q, ours) in pairs:
+        for k in ("eta", "mu", "step"):
+            assert float(ours.state[q][k]) == pytest.approx(float(ref.state[p][k]), rel=1e-6), k
+
+
+def _scheduled_pair(name, kwargs, make_scheduler, steps):
+    """torch.optim.<name> and optirs.torch.<name> trained in lockstep under a scheduler; the params
+    compared to TOL; returns ((torch's param, torch's optimizer), (optirs' param, its optimizer)) pairs."""
+    ref_model, our_model = make_model(), make_model()
+    ref = getattr(torch.optim, name)(ref_model.parameters(), **kwargs)
+    ours = getattr(ot, name)(our_model.parameters(), backend="cpu", **kwargs)
+    scheds = [make_scheduler(o) for o in (ref, ours)]
+    for _ in range(steps):
         for model, opt, sched in zip((ref_model, our_model), (ref, ours), scheds):
             backward(model)
             opt.step()
             sched.step()
     for p, q in zip(ref_model.parameters(), our_model.parameters()):
         torch.testing.assert_close(q.detach(), p.detach(), **TOL)
-    for p, q in zip(ref_model.parameters(), our_model.parameters()):
-        for k in ("eta", "mu", "step"):
-            assert float(ours.state[q][k]) == pytest.approx(float(ref.state[p][k]), rel=1e-6), k
+    return [((p, ref), (q, ours)) for p, q in zip(ref_model.parameters(), our_model.parameters())]
 
 
 def test_nadam_mu_product_follows_a_beta1_schedule():
     """OneCycleLR cycles beta1 every step: torch multiplies each step's own mu into mu_product, and
     so does optirs (the product is carried in the state, not recomputed from the current beta1)."""
-    ref_model, our_model = make_model(), make_model()
-    ref = torch.optim.NAdam(ref_model.parameters(), lr=1e-2)
-    ours = ot.NAdam(our_model.parameters(), lr=1e-2, backend="cpu")
-    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=12) for o in (ref, ours)]
-    for _ in range(12):
-        for model, opt, sched in zip((ref_model, our_model), (ref, ours), scheds):
-            backward(model)
-            opt.step()
-            sched.step()
-    for p, q in zip(ref_model.parameters(), our_model.parameters()):
-        torch.testing.assert_close(q.detach(), p.detach(), **TOL)
+    pairs = _scheduled_pair("NAdam", dict(lr=1e-2),
+                            lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=5e-2, total_steps=12), 12)
+    for (p, ref), (q, ours) in pairs:
         assert float(ours.state[q]["mu_product"]) == float(ref.state[p]["mu_product"])
 
 

@@ -522,6 +522,11 @@ def _l2_or_decoupled(p, g, hp, decoupled: bool):
     return p, g + hp.weight_decay * p
 
 
+def _moments(g, s, hp):
+    """Adam's two moments (NAdam, RAdam): beta1 m + (1 - beta1) g and beta2 v + (1 - beta2) g^2."""
+    return hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g, hp.beta2 * s["exp_avg_sq"] + (1.0 - hp.beta2) * g * g
+
+
 def nadam(params, grads, state, hp: NadamParams, step: int) -> StepResult:
     """NAdam (torch's ``_single_tensor_nadam``): mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)), the
     gradient weighted by (1 - mu_t) / (1 - prod mu_{<=t}), the momentum by mu_{t+1} / (1 - prod mu_{<=t+1})."""
@@ -533,8 +538,7 @@ def nadam(params, grads, state, hp: NadamParams, step: int) -> StepResult:
     new_p, new_s = [], []
     for p, g, s in zip(_f64(params), _f64(grads), state):
         p, g = _l2_or_decoupled(p, g, hp, hp.decoupled_weight_decay)
-        m = hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g
-        v = hp.beta2 * s["exp_avg_sq"] + (1.0 - hp.beta2) * g * g
+        m, v = _moments(g, s, hp)
         denom = np.sqrt(v / bc2) + hp.eps
         p = p - hp.lr * (1.0 - mu) / (1.0 - mu_product) * g / denom
         p = p - hp.lr * mu_next / (1.0 - mu_product * mu_next) * m / denom
@@ -553,8 +557,7 @@ def radam(params, grads, state, hp: RadamParams, step: int) -> StepResult:
     new_p, new_s = [], []
     for p, g, s in zip(_f64(params), _f64(grads), state):
         p, g = _l2_or_decoupled(p, g, hp, hp.decoupled_weight_decay)
-        m = hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g
-        v = hp.beta2 * s["exp_avg_sq"] + (1.0 - hp.beta2) * g * g
+        m, v = _moments(g, s, hp)
         update = m / bc1 * hp.lr
         if rho_t > 5.0:
             rect = np.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
