@@ -44,6 +44,12 @@ PTX_CASES = [("adamw", _fmt("bfloat16", m, "int8")) for m in (None, "float32", "
     ("rmsprop", _fmt("bfloat16", "remainder8", "int8")),
     ("adagrad", _fmt("bfloat16", "float32", "bfloat16")),
     ("lion", _fmt("bfloat16", "remainder8", "int8")),
+    ("nadam", _fmt("bfloat16", "float32", "int8")),
+    ("radam", _fmt("bfloat16", "remainder16", "bfloat16")),
+    ("adamax", _fmt("bfloat16", None, "int8")),
+    ("adadelta", _fmt("float32", None, "bfloat16")),
+    ("asgd", _fmt("bfloat16", "remainder8", "int8")),
+    ("rprop", _fmt("bfloat16", "float32", "bfloat16")),
 ]
 
 

@@ -176,7 +176,9 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
 
     ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
             "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad,
-            "adafactor": getattr(torch.optim, "Adafactor", None)}.get(name)
+            "adafactor": getattr(torch.optim, "Adafactor", None), "nadam": torch.optim.NAdam,
+            "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax, "adadelta": torch.optim.Adadelta,
+            "asgd": torch.optim.ASGD, "rprop": torch.optim.Rprop}.get(name)
     if ctor is None:
         return None, "torch.optim has no " + name
     kwargs = {
@@ -187,6 +189,15 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
         "adagrad": lambda: dict(lr=hp.lr, eps=hp.eps),
         "adafactor": lambda: dict(lr=hp.lr, beta2_decay=hp.beta2_decay, eps=hp.eps, d=hp.d,
                                   weight_decay=hp.weight_decay, maximize=hp.maximize),
+        "nadam": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay,
+                              momentum_decay=hp.momentum_decay, decoupled_weight_decay=hp.decoupled_weight_decay),
+        "radam": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay,
+                              decoupled_weight_decay=hp.decoupled_weight_decay),
+        "adamax": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay),
+        "adadelta": lambda: dict(lr=hp.lr, rho=hp.rho, eps=hp.eps, weight_decay=hp.weight_decay),
+        "asgd": lambda: dict(lr=hp.lr, lambd=hp.lambd, alpha=hp.alpha, t0=hp.t0, weight_decay=hp.weight_decay),
+        "rprop": lambda: dict(lr=hp.lr, etas=(hp.etaminus, hp.etaplus),
+                              step_sizes=(hp.step_size_min, hp.step_size_max)),
     }[name]()
     for mode in ("fused", "foreach"):
         try:

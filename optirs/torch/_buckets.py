@@ -173,6 +173,12 @@ class Bucket:
         self.formats: Dict[torch.dtype, Optional[StepFormat]] = {}
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=self.device if device_steps else "cpu")
         self.steps_host = self.steps.numpy() if not device_steps else None  # the host count's view
+        # the 0-dim values torch keeps beside the step (definition.tensor_state: NAdam's mu_product,
+        # ASGD's eta and mu): one float32 row per name, on the host as torch keeps them
+        self.tensor_state_names = tuple(definition.tensor_state(definition.default_params(), 0)) \
+            if definition.tensor_state is not None else ()
+        self.tensor_state = torch.zeros((len(self.tensor_state_names), len(params)), dtype=torch.float32)
+        self.hp_used: Any = None  # the hyperparameters of the last prepared step (its tensor_state)
         self.extras: List[Dict[str, Any]] = [{} for _ in params]
         self.entries: Optional[List[Dict[str, Any]]] = None  # opt.state's entries, once installed
         self._checks: tuple = ((), (), ())
@@ -288,8 +294,24 @@ class Bucket:
                 consumed = self._convert(i, entry, wanted, stepped[i], signed, what)
             self.extras[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in entry.items() if k != "step" and k not in consumed}
+        self._adopt_tensor_state(entries, step)
         self.steps.fill_(float(step))
         self.engine.adopt(self.layout, self.slots, self.storage, arrays, step)
+
+    def _adopt_tensor_state(self, entries: List[Optional[Dict[str, Any]]], step: int) -> None:
+        """The tensor_state values the entries hold (else the definition's at ``step`` with default
+        hyperparameters, until the next step writes them)."""
+        if not self.tensor_state_names:
+            return
+        defaults = self.definition.tensor_state(self.definition.default_params(), step)
+        for k, name in enumerate(self.tensor_state_names):
+            for i, entry in enumerate(entries):
+                value = (entry or {}).get(name)
+                if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+                    value = float(value.item())
+                elif not isinstance(value, float):
+                    value = defaults[name]
+                self.tensor_state[k, i] = value
 
     def _check_codes(self, i: int, entry: Dict[str, Any], what: str) -> None:
         """int8 codes are read in blocks of their own memory order: a checkpoint's must have the parameter's."""
@@ -331,11 +353,15 @@ class Bucket:
         step_views = list(self.steps.unbind(0)) if self.has_step else None
         owner = state if isinstance(state, TrackedState) else None
         entries = []
-        for i, p in enumerate(self.params):
+        named = [(name, list(self.tensor_state[k].unbind(0))) for k, name in enumerate(self.tensor_state_names)]
+        for i, (p, view) in enumerate(zip(self.params, views)):
             entry = TrackedEntry(owner, self.extras[i])
             if step_views is not None:
                 entry["step"] = step_views[i]
-            entry.update(views[i] if not is_dtensor(p) else {k: shown(v, p) for k, v in views[i].items()})
+            for name, values in named:
+                view[name] = values[i]
+            entry.update(view if not is_dtensor(p) else
+                         {k: (v if k in self.tensor_state_names else shown(v, p)) for k, v in view.items()})
             state[p] = entry
             entries.append(entry)
         self.entries = entries
@@ -412,6 +438,7 @@ class Bucket:
         """The engine's prepared step over ``grads`` (nothing the engine holds changes)."""
         garrays = self.grad_arrays(grads)
         fmt = self.step_format(grads[0].dtype)
+        self.hp_used = hp
         last = self.last
         if last is not None and device is None and found_inf is None and last.fmt is fmt:
             again = self.engine.prepare_again(last, self.param_arrays, garrays, hp, factor)
@@ -435,6 +462,10 @@ class Bucket:
         prepared.grads = None
         if prepared.applied and self.has_step and not self.device_steps:
             self.steps_host[...] = self.engine.step_count  # (a numpy view: a torch fill_ costs more)
+        if prepared.applied and self.tensor_state_names:
+            values = self.definition.tensor_state(self.hp_used, self.engine.step_count)
+            for k, name in enumerate(self.tensor_state_names):
+                self.tensor_state[k].fill_(values[name])
 
 
 __all__ = ["Bucket", "STATE_DTYPE", "dtype_name", "kernel_arrays", "step_value"]
