@@ -10,7 +10,8 @@ Cases (the full sizes, each times the size scale):
 
 Sized for the machine: the full sizes (and 10 steps x 7 batches) when a measured device is not
 the host's processor (a GPU), else a CPU run at 1/64 of them (4M flat, 2M model, 16K small; 3
-steps x 5 batches) that takes about a minute and well under 2 GB; ``--full`` forces the full
+steps x 5 batches, fewer where a measurement would take over 2 s, as a peer's steps can on a
+busy machine) that takes about a minute and well under 2 GB; ``--full`` forces the full
 run, ``--size-scale`` / ``--reps`` / ``--repeats`` / ``--warmup`` set each part. By default a
 backend whose device is the host's processor is measured only where ``backend="auto"`` would
 rank it first among those (the cpu backend rather than OpenCL on PoCL); ``--backends`` names any.
@@ -301,10 +302,21 @@ def _versions() -> Dict[str, str]:
 # ------------------------------------------------------------------ measuring
 
 
+# The CPU profile's cap on one measurement: a peer that collapses on a busy machine (torch's
+# OpenMP steps took seconds each here) is timed over fewer steps, not for minutes.
+CPU_BUDGET_S = 2.0
+BUDGET_S: Optional[float] = None  # set by main for the CPU profile
+
+
 def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warmup: int, wall: bool = False) -> float:
     for _ in range(max(1, warmup)):  # at least one: buffers a first step allocates are not timed
+        t0 = time.perf_counter()
         fn()
-    kind.sync()
+        kind.sync()
+        last = time.perf_counter() - t0
+    if BUDGET_S is not None and last * reps * repeats > BUDGET_S:
+        reps = max(1, int(BUDGET_S / (last * max(3, repeats // 2))))
+        repeats = max(3, min(repeats, int(BUDGET_S / (last * reps))))
     timer = kind.wall_ms if wall else kind.time_ms
     times = [timer(fn, reps) for _ in range(repeats)]
     value = statistics.median(times)
@@ -573,14 +585,13 @@ def print_report(report: Report, console: Any) -> None:
         table = Table(title=title, box=style, title_justify="left")
         for col in ("optimizer", "impl", "step\nms", "kernel\nms", "GB/s", "of\ncopy", "vs\ntorch", "check"):
             table.add_column(col, justify="left" if col in ("optimizer", "impl", "check") else "right",
-                             no_wrap=True)
+                             overflow="fold")
         for r in rows:
             check = (r.check or "").split(" ")[0] or ("error" if r.note else "")
             if r.note or check == "FAILED":
                 notes.append(f"{r.backend} {r.case} {r.optimizer} {r.impl}: {r.note or r.check}")
-            table.add_row(r.optimizer, IMPL_SHORT.get(r.impl, r.impl), _f(r.ms, 3), _f(r.kernel_ms, 3),
-                          _f(r.gbps, 0), _pct(r.copy_fraction),
-                          f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-", check)
+            table.add_row(r.optimizer, IMPL_SHORT.get(r.impl, r.impl), _ms(r.ms), _ms(r.kernel_ms),
+                          _f(r.gbps, 0), _pct(r.copy_fraction), _times(r.speedup_vs_torch), check)
         console.print(table)
     for line in notes:
         console.print(line, markup=False, highlight=False)
@@ -591,6 +602,15 @@ def print_report(report: Report, console: Any) -> None:
     if report.interrupted:
         console.print("interrupted (Ctrl-C): the cases above are those finished before it", markup=False,
                       highlight=False)
+
+
+def _ms(v: Optional[float]) -> str:
+    """Four significant digits (6 characters at most below 10 s): a column stays narrow."""
+    return "-" if v is None or v != v else f"{v:.4g}" if v < 1e4 else f"{v:.0f}"
+
+
+def _times(v: Optional[float]) -> str:
+    return "-" if not v else f"{v:.2f}x" if v < 10 else f"{v:.1f}x" if v < 100 else f"{v:.0f}x"
 
 
 def _tensors(n: int) -> str:
@@ -692,6 +712,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("optirs bench: no backend is available here (optirs info says why)", file=sys.stderr)
             return 2
     profile = resolve_sizing(args, statuses, names)
+    global BUDGET_S
+    BUDGET_S = CPU_BUDGET_S if profile == "cpu" else None
     from rich.console import Console
 
     from optirs.tools.cli import plain_console
@@ -699,7 +721,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     console = plain_console()
     progress = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
     report = Report(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                    platform.node(), _versions(), settings={"profile": profile})
+                    platform.node(), _versions(), settings={"profile": profile, "budget_s": BUDGET_S})
     progress.print(f"optirs bench: {', '.join(names)}; {profile} sizes (scale {args.size_scale:g}), "
                    f"{args.reps} steps x {args.repeats} batches" + "".join(f"\n  left out: {n}" for n in notes),
                    markup=False, highlight=False)
