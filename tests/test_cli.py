@@ -65,7 +65,7 @@ def test_bench_refuses_a_named_backend_that_is_not_available(capsys):
 def test_bench_sizes_for_the_machine():
     statuses = {s.name: s for s in optirs.list_backends()}
     args = argparse.Namespace(size_scale=None, reps=None, repeats=None, warmup=None, full=False)
-    assert bench.resolve_sizing(args, statuses, ["cpu"]) == "cpu"
+    assert bench.resolve_sizing(args, statuses, ["cpu"]) == "host"
     assert (args.size_scale, args.reps, args.repeats, args.warmup) == (bench.CPU_SCALE, 3, 5, 1)
     # every case shrinks with the scale, small included
     assert sum(bench.case_sizes("small", bench.CPU_SCALE)) < sum(bench.case_sizes("small", 1.0)) / 16

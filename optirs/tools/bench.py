@@ -305,7 +305,7 @@ def _versions() -> Dict[str, str]:
 # The CPU profile's cap on one measurement: a peer that collapses on a busy machine (torch's
 # OpenMP steps took seconds each here) is timed over fewer steps, not for minutes.
 CPU_BUDGET_S = 2.0
-BUDGET_S: Optional[float] = None  # set by main for the CPU profile
+BUDGET_S: Optional[float] = None  # set by main for the host profile (every device a CPU)
 
 
 def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warmup: int, wall: bool = False) -> float:
@@ -414,8 +414,8 @@ def resolve_sizing(args: argparse.Namespace, statuses: Dict[str, Any], names: Se
     """Fill the size scale, reps, repeats and warm-up the user left unset (module docstring);
     returns the profile's name."""
     host_only = bool(names) and all(_on_host(statuses[n]) for n in names if n in statuses)
-    profile = "cpu" if host_only and not args.full else "full"
-    defaults = {"cpu": (CPU_SCALE, 3, 5, 1), "full": (1.0, 10, 7, 3)}[profile]
+    profile = "host" if host_only and not args.full else "full"
+    defaults = {"host": (CPU_SCALE, 3, 5, 1), "full": (1.0, 10, 7, 3)}[profile]
     for key, value in zip(("size_scale", "reps", "repeats", "warmup"), defaults):
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -713,7 +713,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     profile = resolve_sizing(args, statuses, names)
     global BUDGET_S
-    BUDGET_S = CPU_BUDGET_S if profile == "cpu" else None
+    BUDGET_S = CPU_BUDGET_S if profile == "host" else None
     from rich.console import Console
 
     from optirs.tools.cli import plain_console
