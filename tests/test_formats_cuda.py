@@ -66,9 +66,8 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     sc = d.scalars(d.examples[0], 3)
     table = types.int64[:, ::1]
     sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
-           types.UniTuple(types.int64, 9),
-           types.int64, types.int64, types.int64, types.int64, typeof(sc))
-    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots))
+           types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
+    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), (1 << len(d.slots)) - 1)
     ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
     assert ".target sm_90" in ptx
     assert "ld.global.v4.u32" in ptx and "st.global.v4.u32" in ptx  # 8 x 16-bit (or 4 x 32-bit) per access
@@ -92,9 +91,9 @@ def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
     sc = d.scalars(d.examples[0], 3)
     table = types.int64[:, ::1]
     sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
-           types.UniTuple(types.int64, 9), types.int64, types.float64[:, ::1], types.int64, types.int64,
+           types.UniTuple(types.int64, 9), types.float64[:, ::1], types.int64, types.int64,
            types.int64, types.int64, types.int64, typeof(sc))
-    kernel = fk.make_step_kernel("lamb", fmt.codes, tuple(s.signed for s in d.slots), mode)
+    kernel = fk.make_step_kernel("lamb", fmt.codes, tuple(s.signed for s in d.slots), 3, mode)
     ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
     assert ".target sm_90" in ptx and "ld.global.v4.u32" in ptx
     assert ".local" not in ptx, "a lane's 8 elements spilled to local memory"

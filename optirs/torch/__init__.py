@@ -16,5 +16,7 @@ except ImportError as exc:  # pragma: no cover - torch is optional
 from optirs.torch._frontend import OptirsOptimizer
 from optirs.torch.optimizers import SGD, Adafactor, Adagrad, Adam, AdamW, Lamb, Lion, RMSprop
 from optirs.torch.offload import CPUOffload
+from optirs.torch.muon import Muon
 
 __all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion", "CPUOffload"]
+__all__ += ["Muon"]

@@ -5,9 +5,9 @@ counter-based random bits, bfloat16 rounding (nearest even and stochastic), floa
 remainder16 / remainder8 master splits, int8 map quantization, and the uniform format element
 step (decode the master and the gradient, the family's ``element_update``, encode the master).
 Every function is ``@njit``: the cpu loops call them, numba-cuda compiles them as device
-functions (as :mod:`optirs.backends.common.elementwise`). Integer arithmetic is on uint64
-holding 32-bit values, masked back to 32 bits after each multiply (numba widens uint32
-arithmetic, and mixing unsigned with signed integers would give float64).
+functions (as :mod:`optirs.backends.common.elementwise`). Bit arithmetic is 32-bit, through the
+intrinsics of :mod:`optirs.backends.common.bits32`: numba widens uint32 arithmetic to 64 bits,
+which a GPU emulates with two to four instructions per operation.
 
 The codes the functions branch on (``fc``, an :class:`optirs.core.formats.FormatCodes`) are the
 same for every element of a launch. State slots are decoded and encoded by the loops around the
@@ -22,6 +22,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from optirs.backends.common import half
+from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32, xor32
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
 from optirs.core.compile_cache import prepare_kernel_compilation
@@ -32,13 +33,15 @@ prepare_kernel_compilation()  # before the first decorator: numba picks the cach
 
 _jit = njit(cache=True, error_model="numpy")
 
-_U = np.uint64
-_MASK32 = np.uint64(0xFFFFFFFF)
-_MASK16 = np.uint64(0xFFFF)
-_C1 = np.uint64(0x85EBCA6B)
-_C2 = np.uint64(0xC2B2AE35)
-_GOLDEN = np.uint64(0x9E3779B1)
-_S8, _S13, _S16 = np.uint64(8), np.uint64(13), np.uint64(16)
+_Z = np.uint32(0)
+_EXP = np.uint32(0x7F800000)  # float32 exponent bits: inf when the mantissa is 0
+_ABS = np.uint32(0x7FFFFFFF)
+_QNAN = np.uint32(0x7FC00000)
+_BF16_QNAN = np.uint32(0x7FC0)
+_BF16_QNAN_NEG = np.uint32(0xFFC0)
+_E5 = np.uint32(0x1F)
+_BK_FIRST = np.uint32(_BK_LO - 1)  # the bucket table's clamp of |y|'s top 16 bits
+_BK_LAST = np.uint32(_BK_HI + 1)
 
 
 # ---------------------------------------------------------------- bit casts
@@ -75,7 +78,6 @@ def bits_f32(u):
     return _bits_f32(np.uint32(u))
 
 
-_bf16_encode = _jit(half.bf16_encode)
 _f16_encode = _jit(half.f16_encode)
 _F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
 
@@ -84,16 +86,15 @@ _F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
 def _f16_decode(h):
     """float16 bits -> float32, as :func:`optirs.backends.common.half.f16_decode` (NaN -> the quiet NaN
     with h's sign), from bit operations: no scale table, whose lane-divergent reads the GPU serialises."""
-    h = _U(h) & _MASK16
-    sign = (h & _U(0x8000)) << _S16
-    e = (h >> _U(10)) & _U(0x1F)
-    m = h & _U(0x3FF)
-    if e == _U(0x1F):
-        return bits_f32(sign | (_U(0x7F800000) if m == _U(0) else _U(0x7FC00000)))
-    if e == _U(0):
+    sign = shl32(and32(h, 0x8000), 16)
+    e = and32(shr32(h, 10), 0x1F)
+    m = and32(h, 0x3FF)
+    if e == _E5:
+        return bits_f32(or32(sign, _EXP if m == _Z else _QNAN))
+    if e == _Z:
         v = np.float32(m) * _F16_SUB
-        return -v if sign != _U(0) else v
-    return bits_f32(sign | ((e + _U(112)) << _U(23)) | (m << _U(13)))
+        return -v if sign != _Z else v
+    return bits_f32(or32(or32(sign, shl32(add32(e, 112), 23)), shl32(m, 13)))
 
 
 @_jit
@@ -102,9 +103,9 @@ def _bf16_decode(h):
     NaN with h's sign): the bits shifted up, which is the exact value for every other input. Bit
     operations only: the scale-table form's lane-divergent reads are serialised on a GPU (the
     old kernels' ld.const)."""
-    u = (_U(h) & _MASK16) << _S16
-    if (u & _U(0x7FFFFFFF)) > _U(0x7F800000):
-        u = (u & _U(0x80000000)) | _U(0x7FC00000)
+    u = shl32(h, 16)
+    if and32(u, _ABS) > _EXP:
+        u = or32(and32(u, 0x80000000), _QNAN)
     return bits_f32(u)
 
 
@@ -113,26 +114,25 @@ def _bf16_decode(h):
 
 @_jit
 def fmix32(h):
-    """MurmurHash3's 32-bit finalizer (``h`` a uint64 holding 32 bits; returns the same)."""
-    h = _U(h) & _MASK32
-    h ^= h >> _S16
-    h = (h * _C1) & _MASK32
-    h ^= h >> _S13
-    h = (h * _C2) & _MASK32
-    h ^= h >> _S16
-    return h
+    """MurmurHash3's 32-bit finalizer of the low 32 bits of ``h`` (a uint32)."""
+    h = u32(h)
+    h = xor32(h, shr32(h, 16))
+    h = mul32(h, 0x85EBCA6B)
+    h = xor32(h, shr32(h, 13))
+    h = mul32(h, 0xC2B2AE35)
+    return xor32(h, shr32(h, 16))
 
 
 @_jit
 def stream_key(seed, step, stream):
     """``fmix32(seed ^ fmix32(step * 4 + stream))``: the key of one random stream of one step."""
-    return fmix32((_U(seed) & _MASK32) ^ fmix32(_U(step) * _U(4) + _U(stream)))
+    return fmix32(xor32(seed, fmix32(add32(mul32(step, 4), stream))))
 
 
 @_jit
 def rand32(key, i):
     """``fmix32(key ^ (i * 0x9E3779B1))`` for element ``i`` (its flat layout index, low 32 bits)."""
-    return fmix32(_U(key) ^ ((_U(i) * _GOLDEN) & _MASK32))
+    return fmix32(xor32(key, mul32(i, 0x9E3779B1)))
 
 
 # ---------------------------------------------------------------- 16-bit encodings
@@ -142,8 +142,8 @@ def rand32(key, i):
 def decode16(h, kind):
     """bfloat16 (``kind`` BF16) or float16 bits -> float32."""
     if kind == BF16:
-        return _bf16_decode(_U(h))
-    return _f16_decode(_U(h))
+        return _bf16_decode(h)
+    return _f16_decode(h)
 
 
 @_jit
@@ -156,24 +156,29 @@ def decode_value(raw, kind):
 
 @_jit
 def bf16_nearest(x):
-    """float32 -> bfloat16 bits, nearest even, NaN -> quiet NaN (ml_dtypes' cast)."""
-    return np.uint32(_bf16_encode(_U(f32_bits(x))))
+    """float32 -> bfloat16 bits, nearest even, NaN -> quiet NaN (ml_dtypes' cast; the rounding of
+    :func:`optirs.backends.common.half.bf16_encode` in 32-bit operations). A finite ``u`` plus the
+    rounding increment stays below 2**32."""
+    u = f32_bits(x)
+    if and32(u, _ABS) > _EXP:
+        return _BF16_QNAN_NEG if shr32(u, 31) != _Z else _BF16_QNAN
+    return shr32(add32(add32(u, 0x7FFF), and32(shr32(u, 16), 1)), 16)
 
 
 @_jit
 def f16_nearest(x):
     """float32 -> float16 bits, nearest even (numpy's cast)."""
-    return np.uint32(_f16_encode(_U(f32_bits(x))))
+    return np.uint32(_f16_encode(np.uint64(f32_bits(x))))
 
 
 @_jit
 def bf16_stochastic(x, r):
     """float32 -> bfloat16 bits, rounded up with probability ``low16 / 65536`` (``r`` the random word);
     inf and NaN round to nearest."""
-    u = _U(f32_bits(x))
-    if (u & _U(0x7F800000)) == _U(0x7F800000):
+    u = f32_bits(x)
+    if and32(u, _EXP) == _EXP:
         return bf16_nearest(x)
-    return np.uint32(((u + (_U(r) & _MASK16)) & _MASK32) >> _S16)
+    return shr32(add32(u, and32(r, 0xFFFF)), 16)
 
 
 # ---------------------------------------------------------------- remainder masters
@@ -182,51 +187,39 @@ def bf16_stochastic(x, r):
 @_jit
 def remainder16_split(x):
     """The exact float32 master ``x`` -> (bfloat16 bits ``hi``, int16 remainder as int32)."""
-    u = _U(f32_bits(x))
-    hi = u >> _S16
-    lo = u & _MASK16
-    if lo >= _U(0x8000):
-        hi = hi + _U(1)
-    return np.uint32(hi & _MASK16), np.int32(np.int64(lo) - (65536 if lo >= _U(0x8000) else 0))
+    u = f32_bits(x)
+    lo = and32(u, 0xFFFF)
+    # a remainder of 0x8000 or more is negative: the high half rounds up by one
+    return and32(add32(shr32(u, 16), shr32(lo, 15)), 0xFFFF), np.int32(np.int16(lo))
 
 
 @_jit
 def remainder16_join(hi, rem):
     """bfloat16 bits ``hi`` and an int16 remainder -> the exact float32 master."""
-    h = _U(hi) & _MASK16
-    if rem < 0:
-        h = (h - _U(1)) & _MASK16
-    return bits_f32((h << _S16) | (_U(np.int64(rem) & 0xFFFF)))
+    return bits_f32(or32(shl32(sub32(hi, shr32(rem, 31)), 16), and32(rem, 0xFFFF)))
 
 
 @_jit
 def round24(x):
     """float32 -> float32 with its low 8 bits zero, nearest even on them (non-finite stays)."""
-    u = _U(f32_bits(x))
-    if (u & _U(0x7F800000)) == _U(0x7F800000):
+    u = f32_bits(x)
+    if and32(u, _EXP) == _EXP:
         return x
-    u24 = ((u + _U(0x7F) + ((u >> _S8) & _U(1))) & _MASK32) >> _S8
-    return bits_f32(u24 << _S8)
+    return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
 
 
 @_jit
 def remainder8_split(x):
     """A float32 master with zero low 8 bits (``round24``'s result) -> (bfloat16 bits, int8 remainder as int32)."""
-    u24 = _U(f32_bits(x)) >> _S8
-    hi = u24 >> _S8
-    lo = u24 & _U(0xFF)
-    if lo >= _U(0x80):
-        hi = hi + _U(1)
-    return np.uint32(hi & _MASK16), np.int32(np.int64(lo) - (256 if lo >= _U(0x80) else 0))
+    u24 = shr32(f32_bits(x), 8)
+    lo = and32(u24, 0xFF)
+    return and32(add32(shr32(u24, 8), shr32(lo, 7)), 0xFFFF), np.int32(np.int8(lo))
 
 
 @_jit
 def remainder8_join(hi, rem):
     """bfloat16 bits ``hi`` and an int8 remainder -> the 24-bit float32 master."""
-    h = _U(hi) & _MASK16
-    if rem < 0:
-        h = (h - _U(1)) & _MASK16
-    return bits_f32(((h << _S8) | _U(np.int64(rem) & 0xFF)) << _S8)
+    return bits_f32(shl32(or32(shl32(sub32(hi, shr32(rem, 31)), 8), and32(rem, 0xFF)), 8))
 
 
 # ---------------------------------------------------------------- int8 blocks
@@ -238,11 +231,10 @@ def quantize(x, scale, mid, table):
     (0 where scale is 0). ``mid``: the map's 255 float32 midpoints padded with +inf, ``table`` its
     bucket table (:mod:`optirs.backends.common.int8_buckets`): one lookup and one compare, no branch."""
     y = x / scale if scale != 0 else np.float32(0)
-    u = _U(f32_bits(y))
-    a = (u >> _S16) & _U(0x7FFF)
-    a = min(max(a, _U(_BK_LO - 1)), _U(_BK_HI + 1)) - _U(_BK_LO - 1)
-    c = np.int64(table[np.int64(a + (u >> _U(31)) * _U(_BK_WIDTH))])
-    code = c + np.int64(mid[c] < y)
+    u = f32_bits(y)
+    a = min(max(and32(shr32(u, 16), 0x7FFF), _BK_FIRST), _BK_LAST)
+    c = np.int32(table[add32(sub32(a, _BK_FIRST), mul32(shr32(u, 31), _BK_WIDTH))])
+    code = c + np.int32(mid[c] < y)
     return np.uint8(code if y == y else 0)
 
 
@@ -267,7 +259,7 @@ def decode_state(raw, kind):
     """A float32 (``kind`` STATE_F32: its bits) or bfloat16 state word -> float32."""
     if kind == STATE_F32:
         return bits_f32(raw)
-    return _bf16_decode(_U(raw))
+    return _bf16_decode(raw)
 
 
 @_jit
@@ -313,10 +305,10 @@ def store_master(x, fc, key, i):
         return f32_bits(x), np.uint32(0)
     if fc.master == MASTER_R16:
         hi, rem = remainder16_split(x)
-        return hi, np.uint32(np.int64(rem) & 0xFFFFFFFF)
+        return hi, u32(rem)
     if fc.master == MASTER_R8:
         hi, rem = remainder8_split(round24(x))
-        return hi, np.uint32(np.int64(rem) & 0xFFFFFFFF)
+        return hi, u32(rem)
     if fc.param == BF16:
         if fc.master == MASTER_NONE and fc.stochastic:
             h = bf16_stochastic(x, rand32(key, i))
