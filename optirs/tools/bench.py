@@ -558,8 +558,8 @@ def run(args: argparse.Namespace, console: Any, report: Report, statuses: Dict[s
                         report.rows.append(Row(bname, "optirs", name, case, total, len(sizes), float("nan"),
                                                check=check, note=f"{type(exc).__name__}: {exc}"))
                     progress.advance()
-                progress.finish(f"{bname} {case}: {len(optimizers)} optimizers, {_count(total)} elements "
-                                f"in {_tensors(len(sizes))}")
+                count = f"{len(optimizers)} optimizer" + ("" if len(optimizers) == 1 else "s")
+                progress.finish(f"{bname} {case}: {count}, {_count(total)} elements in {_tensors(len(sizes))}")
                 del params, grads, hosts_p, hosts_g
     return report
 
