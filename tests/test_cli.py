@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import types
 from pathlib import Path
 
 import pytest
@@ -62,16 +63,20 @@ def test_bench_refuses_a_named_backend_that_is_not_available(capsys):
     assert f"not available here: {down[0]}" in capsys.readouterr().err
 
 
-def test_bench_sizes_for_the_machine():
-    statuses = {s.name: s for s in optirs.list_backends()}
+def test_bench_sizes_each_backend_for_its_device():
+    cpu = next(s for s in optirs.list_backends() if s.name == "cpu")
+    gpu = types.SimpleNamespace(devices=[types.SimpleNamespace(kind="gpu")])
     args = argparse.Namespace(size_scale=None, reps=None, repeats=None, warmup=None, full=False)
-    assert bench.resolve_sizing(args, statuses, ["cpu"]) == "cpu"
-    assert (args.size_scale, args.reps, args.repeats, args.warmup) == (bench.CPU_SCALE, 3, 5, 1)
+    host = bench.sizing_for(args, cpu)
+    assert (host.profile, host.size_scale, host.reps, host.repeats, host.warmup) == ("host", bench.CPU_SCALE, 3, 5, 1)
+    assert host.budget_s == bench.CPU_BUDGET_S
+    full = bench.sizing_for(args, gpu)
+    assert (full.profile, full.size_scale, full.reps, full.budget_s) == ("full", 1.0, 10, None)
     # every case shrinks with the scale, small included
     assert sum(bench.case_sizes("small", bench.CPU_SCALE)) < sum(bench.case_sizes("small", 1.0)) / 16
-    args.full, args.size_scale, args.reps = True, None, 2
-    assert bench.resolve_sizing(args, statuses, ["cpu"]) == "full"
-    assert (args.size_scale, args.reps, args.repeats) == (1.0, 2, 5)  # what the user set stays
+    args.full, args.reps = True, 2
+    forced = bench.sizing_for(args, cpu)
+    assert (forced.profile, forced.size_scale, forced.reps, forced.repeats) == ("full", 1.0, 2, 7)  # the user's reps
 
 
 def test_bench_in_a_pipe_is_plain_80_column_text_with_a_line_per_case():

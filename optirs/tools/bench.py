@@ -8,9 +8,10 @@ Cases (the full sizes, each times the size scale):
 * ``small``: 1M parameters in 50 tensors (same recipe, seed 1): the wall time of a whole step,
   host included, where launch and Python overheads dominate.
 
-Sized for the machine: the full sizes (and 10 steps x 7 batches) when a measured device is not
-the host's processor (a GPU), else a CPU run at 1/64 of them (4M flat, 2M model, 16K small; 3
-steps x 5 batches) that takes about a minute and well under 2 GB; ``--full`` forces the full
+Sized for the machine, per backend: the full sizes (and 10 steps x 7 batches) for a backend whose
+device is not the host's processor (a GPU), else a CPU run at 1/64 of them (4M flat, 2M model, 16K small; 3
+steps x 5 batches, fewer where a measurement would take over 2 s, as a peer's steps can on a
+busy machine) that takes about a minute and well under 2 GB; ``--full`` forces the full
 run, ``--size-scale`` / ``--reps`` / ``--repeats`` / ``--warmup`` set each part. By default a
 backend whose device is the host's processor is measured only where ``backend="auto"`` would
 rank it first among those (the cpu backend rather than OpenCL on PoCL); ``--backends`` names any.
@@ -312,10 +313,21 @@ def _versions() -> Dict[str, str]:
 # ------------------------------------------------------------------ measuring
 
 
+# The CPU profile's cap on one measurement: a peer that collapses on a busy machine (torch's
+# OpenMP steps took seconds each here) is timed over fewer steps, not for minutes.
+CPU_BUDGET_S = 2.0
+BUDGET_S: Optional[float] = None  # the backend being measured: its Sizing's budget_s
+
+
 def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warmup: int, wall: bool = False) -> float:
     for _ in range(max(1, warmup)):  # at least one: buffers a first step allocates are not timed
+        t0 = time.perf_counter()
         fn()
-    kind.sync()
+        kind.sync()
+        last = time.perf_counter() - t0
+    if BUDGET_S is not None and last * reps * repeats > BUDGET_S:
+        reps = max(1, int(BUDGET_S / (last * max(3, repeats // 2))))
+        repeats = max(3, min(repeats, int(BUDGET_S / (last * reps))))
     timer = kind.wall_ms if wall else kind.time_ms
     times = [timer(fn, reps) for _ in range(repeats)]
     value = statistics.median(times)
@@ -409,16 +421,28 @@ def _on_host(status: Any) -> bool:
     return any(d.kind in HOST_DEVICE_KINDS for d in status.devices[:1])
 
 
-def resolve_sizing(args: argparse.Namespace, statuses: Dict[str, Any], names: Sequence[str]) -> str:
-    """Fill the size scale, reps, repeats and warm-up the user left unset (module docstring);
-    returns the profile's name."""
-    host_only = bool(names) and all(_on_host(statuses[n]) for n in names if n in statuses)
-    profile = "cpu" if host_only and not args.full else "full"
-    defaults = {"cpu": (CPU_SCALE, 3, 5, 1), "full": (1.0, 10, 7, 3)}[profile]
-    for key, value in zip(("size_scale", "reps", "repeats", "warmup"), defaults):
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return profile
+@dataclass
+class Sizing:
+    """How one backend is measured: the profile (``host`` where its device is the host's processor
+    and ``--full`` was not given, else ``full``) with what the user set in its place."""
+
+    profile: str
+    size_scale: float
+    reps: int
+    repeats: int
+    warmup: int
+    budget_s: Optional[float]
+
+
+PROFILES = {"host": (CPU_SCALE, 3, 5, 1, CPU_BUDGET_S), "full": (1.0, 10, 7, 3, None)}
+
+
+def sizing_for(args: argparse.Namespace, status: Any) -> Sizing:
+    profile = "host" if _on_host(status) and not args.full else "full"
+    defaults = PROFILES[profile]
+    chosen = [getattr(args, key) if getattr(args, key) is not None else value
+              for key, value in zip(("size_scale", "reps", "repeats", "warmup"), defaults)]
+    return Sizing(profile, *chosen, defaults[4])
 
 
 class CaseProgress:
@@ -471,9 +495,8 @@ def run(args: argparse.Namespace, console: Any, report: Report, statuses: Dict[s
 
     hps = default_hyperparameters()
     optimizers = args.optimizers or list(OPTIMIZER_NAMES)
-    report.settings.update({"size_scale": args.size_scale, "reps": args.reps, "repeats": args.repeats,
-                            "warmup": args.warmup, "cases": args.cases, "optimizers": optimizers,
-                            "backends": list(names)})
+    report.settings.update({"cases": args.cases, "optimizers": optimizers, "backends": list(names),
+                            "sizing": {}})
     torch = None
     if not args.no_torch:
         try:
@@ -483,6 +506,10 @@ def run(args: argparse.Namespace, console: Any, report: Report, statuses: Dict[s
 
     with CaseProgress(progress_console, len(names) * len(args.cases)) as progress:
         for bname in names:
+            global BUDGET_S
+            sz = sizing_for(args, statuses[bname])
+            BUDGET_S = sz.budget_s
+            report.settings["sizing"][bname] = asdict(sz)
             backend = optirs.get_backend(bname)
             kind = make_kind(backend)
             # numpy's loops are a peer only where the backend computes on the host's own processor.
@@ -493,12 +520,12 @@ def run(args: argparse.Namespace, console: Any, report: Report, statuses: Dict[s
             tdev = kind.torch_device() if torch is not None else None
             for case in args.cases:
                 progress.start(f"{bname} {case}", len(optimizers))
-                sizes = case_sizes(case, args.size_scale)
+                sizes = case_sizes(case, sz.size_scale)
                 total = sum(sizes)
                 wall = case == "small"
-                reps = max(3, args.reps if not wall else args.reps * 10)
+                reps = max(3, sz.reps if not wall else sz.reps * 10)
                 key = f"{bname}/{case}"
-                report.copy_gbps[key], report.copy_method[key] = measure_copy(kind, total, reps, args.repeats)
+                report.copy_gbps[key], report.copy_method[key] = measure_copy(kind, total, reps, sz.repeats)
                 copy = report.copy_gbps[key]
                 hosts_p = [_random(n, 11 + i) for i, n in enumerate(sizes)]
                 hosts_g = [_random(n, 1000 + i) * np.float32(0.01) for i, n in enumerate(sizes)]
@@ -514,7 +541,7 @@ def run(args: argparse.Namespace, console: Any, report: Report, statuses: Dict[s
                             p.grad = torch.from_numpy(h).to(tdev)
                         topt, mode = torch_optimizer(name, tp, hps[name], tdev)
                         if topt is not None:
-                            torch_ms = _median_ms(kind, topt.step, reps, args.repeats, args.warmup, wall=wall)
+                            torch_ms = _median_ms(kind, topt.step, reps, sz.repeats, sz.warmup, wall=wall)
                             report.rows.append(_row(bname, f"torch {mode}", name, case, sizes, torch_ms, torch_ms,
                                                     None, copy, ""))
                         del tp, topt
@@ -530,20 +557,20 @@ def run(args: argparse.Namespace, console: Any, report: Report, statuses: Dict[s
                             for p, g, st in zip(nps, hosts_g, states):
                                 fn(p, g, st, counter[0])
 
-                        ms = _median_ms(kind, np_step, reps, args.repeats, args.warmup, wall=True)
+                        ms = _median_ms(kind, np_step, reps, sz.repeats, sz.warmup, wall=True)
                         report.rows.append(_row(bname, "numpy", name, case, sizes, ms, ms, torch_ms, copy, ""))
                         del nps, states
                     try:
                         api_ms, hook_ms = bench_optirs(backend, kind, name, hps[name], params, grads, sizes, reps,
-                                                       args.repeats, args.warmup, wall)
+                                                       sz.repeats, sz.warmup, wall)
                         report.rows.append(_row(bname, "optirs", name, case, sizes, api_ms, hook_ms, torch_ms,
                                                 copy, check))
                     except Exception as exc:  # report and carry on with the other cases
                         report.rows.append(Row(bname, "optirs", name, case, total, len(sizes), float("nan"),
                                                check=check, note=f"{type(exc).__name__}: {exc}"))
                     progress.advance()
-                progress.finish(f"{bname} {case}: {len(optimizers)} optimizers, {_count(total)} elements "
-                                f"in {_tensors(len(sizes))}")
+                count = f"{len(optimizers)} optimizer" + ("" if len(optimizers) == 1 else "s")
+                progress.finish(f"{bname} {case}: {count}, {_count(total)} elements in {_tensors(len(sizes))}")
                 del params, grads, hosts_p, hosts_g
     return report
 
@@ -584,14 +611,13 @@ def print_report(report: Report, console: Any) -> None:
         table = Table(title=title, box=style, title_justify="left")
         for col in ("optimizer", "impl", "step\nms", "kernel\nms", "GB/s", "of\ncopy", "vs\ntorch", "check"):
             table.add_column(col, justify="left" if col in ("optimizer", "impl", "check") else "right",
-                             no_wrap=True)
+                             overflow="fold")
         for r in rows:
             check = (r.check or "").split(" ")[0] or ("error" if r.note else "")
             if r.note or check == "FAILED":
                 notes.append(f"{r.backend} {r.case} {r.optimizer} {r.impl}: {r.note or r.check}")
-            table.add_row(r.optimizer, IMPL_SHORT.get(r.impl, r.impl), _f(r.ms, 3), _f(r.kernel_ms, 3),
-                          _f(r.gbps, 0), _pct(r.copy_fraction),
-                          f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-", check)
+            table.add_row(r.optimizer, IMPL_SHORT.get(r.impl, r.impl), _ms(r.ms), _ms(r.kernel_ms),
+                          _f(r.gbps, 0), _pct(r.copy_fraction), _times(r.speedup_vs_torch), check)
         console.print(table)
     for line in notes:
         console.print(line, markup=False, highlight=False)
@@ -602,6 +628,15 @@ def print_report(report: Report, console: Any) -> None:
     if report.interrupted:
         console.print("interrupted (Ctrl-C): the cases above are those finished before it", markup=False,
                       highlight=False)
+
+
+def _ms(v: Optional[float]) -> str:
+    """Four significant digits (6 characters at most below 10 s): a column stays narrow."""
+    return "-" if v is None or v != v else f"{v:.4g}" if v < 1e4 else f"{v:.0f}"
+
+
+def _times(v: Optional[float]) -> str:
+    return "-" if not v else f"{v:.2f}x" if v < 10 else f"{v:.1f}x" if v < 100 else f"{v:.0f}x"
 
 
 def _tensors(n: int) -> str:
@@ -702,7 +737,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not names:
             print("optirs bench: no backend is available here (optirs info says why)", file=sys.stderr)
             return 2
-    profile = resolve_sizing(args, statuses, names)
     from rich.console import Console
 
     from optirs.tools.cli import plain_console
@@ -710,10 +744,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     console = plain_console()
     progress = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
     report = Report(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                    platform.node(), _versions(), settings={"profile": profile})
-    progress.print(f"optirs bench: {', '.join(names)}; {profile} sizes (scale {args.size_scale:g}), "
-                   f"{args.reps} steps x {args.repeats} batches" + "".join(f"\n  left out: {n}" for n in notes),
-                   markup=False, highlight=False)
+                    platform.node(), _versions())
+    sizings = {n: sizing_for(args, statuses[n]) for n in names}
+    progress.print("optirs bench: " + "; ".join(f"{n} at {z.profile} sizes (scale {z.size_scale:g}, {z.reps} steps x "
+                                                f"{z.repeats} batches)" for n, z in sizings.items())
+                   + "".join(f"\n  left out: {n}" for n in notes), markup=False, highlight=False)
     try:
         run(args, console, report, statuses, names, progress)
     except KeyboardInterrupt:

@@ -18,9 +18,10 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Optional, Tuple
 
-# Elements below which a step runs serially: an Adam step of 2^17 float32 elements takes about
-# 0.35 ms on one core of the 2-core EPYC development host, where a second thread saves less than
-# the region costs once a core is shared (docs/benchmarks.md, "cpu: small steps on a busy machine").
+# Elements below which a step runs serially. Measured on the 2-core EPYC development host with
+# other work on its cores (AdamW's step hook, 8 tensors): one thread against two, 0.03 against
+# 0.09 ms at 2^14 elements, 0.11 against 0.53 ms at 2^16, 0.24 against 0.26 ms at 2^17; above it
+# the free-core count decides (docs/benchmarks.md, "cpu: small steps on a busy machine").
 SERIAL_BELOW = 1 << 17
 
 # How long a reading of the free cores is used before /proc/stat is read again; the first one is
