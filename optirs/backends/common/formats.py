@@ -7,7 +7,8 @@ step (decode the master and the gradient, the family's ``element_update``, encod
 Every function is ``@njit``: the cpu loops call them, numba-cuda compiles them as device
 functions (as :mod:`optirs.backends.common.elementwise`). Integer arithmetic is on uint64
 holding 32-bit values, masked back to 32 bits after each multiply (numba widens uint32
-arithmetic, and mixing unsigned with signed integers would give float64).
+arithmetic, and mixing unsigned with signed integers would give float64); the random bits'
+multiplies are LLVM IR on 32-bit integers (vector lanes of 32 bits on the cpu).
 
 The codes the functions branch on (``fc``, an :class:`optirs.core.formats.FormatCodes`) are the
 same for every element of a launch. State slots are decoded and encoded by the loops around the
@@ -35,10 +36,7 @@ _jit = njit(cache=True, error_model="numpy")
 _U = np.uint64
 _MASK32 = np.uint64(0xFFFFFFFF)
 _MASK16 = np.uint64(0xFFFF)
-_C1 = np.uint64(0x85EBCA6B)
-_C2 = np.uint64(0xC2B2AE35)
-_GOLDEN = np.uint64(0x9E3779B1)
-_S8, _S13, _S16 = np.uint64(8), np.uint64(13), np.uint64(16)
+_S8, _S16 = np.uint64(8), np.uint64(16)
 
 
 # ---------------------------------------------------------------- bit casts
@@ -75,7 +73,6 @@ def bits_f32(u):
     return _bits_f32(np.uint32(u))
 
 
-_bf16_encode = _jit(half.bf16_encode)
 _f16_encode = _jit(half.f16_encode)
 _F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
 
@@ -96,31 +93,126 @@ def _f16_decode(h):
     return bits_f32(sign | ((e + _U(112)) << _U(23)) | (m << _U(13)))
 
 
+# bfloat16 in 32-bit LLVM IR: numba's integer arithmetic is 64-bit, and its vector loops then
+# carry 64-bit lanes (half as many per register, compares and selects emulated on x86 before
+# AVX-512); these compute the same bits as half.bf16_decode / bf16_encode on 32-bit integers.
+
+
+def _c32(value):
+    return ir.Constant(ir.IntType(32), value)
+
+
+def _low32(builder, value):
+    """An integer LLVM value as i32 (its low 32 bits)."""
+    width = value.type.width
+    if width > 32:
+        return builder.trunc(value, ir.IntType(32))
+    return builder.zext(value, ir.IntType(32)) if width < 32 else value
+
+
+def _bf16_nearest_ir(builder, u):
+    """float32 bits ``u`` (i32) -> bfloat16 bits (i32), nearest even, NaN -> quiet NaN with u's sign."""
+    nan = builder.icmp_unsigned(">", builder.and_(u, _c32(0x7FFFFFFF)), _c32(0x7F800000))
+    quiet = builder.or_(builder.lshr(builder.and_(u, _c32(0x80000000)), _c32(16)), _c32(0x7FC0))
+    lsb = builder.and_(builder.lshr(u, _c32(16)), _c32(1))
+    near = builder.lshr(builder.add(builder.add(u, _c32(0x7FFF)), lsb), _c32(16))  # below 2**32 when not NaN
+    return builder.select(nan, quiet, near)
+
+
+@intrinsic
+def _bf16_decode_i32(typingctx, h):
+    """bfloat16 bits (low 16 of an integer) -> float32; NaN -> the quiet NaN with h's sign."""
+    if not isinstance(h, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        u = builder.shl(builder.and_(_low32(builder, args[0]), _c32(0xFFFF)), _c32(16))
+        nan = builder.icmp_unsigned(">", builder.and_(u, _c32(0x7FFFFFFF)), _c32(0x7F800000))
+        quiet = builder.or_(builder.and_(u, _c32(0x80000000)), _c32(0x7FC00000))
+        return builder.bitcast(builder.select(nan, quiet, u), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def _bf16_nearest_i32(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _bf16_nearest_ir(builder, builder.bitcast(args[0], ir.IntType(32)))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bf16_stochastic_i32(typingctx, x, r):
+    if x != types.float32 or not isinstance(r, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        u = builder.bitcast(args[0], ir.IntType(32))
+        special = builder.icmp_unsigned("==", builder.and_(u, _c32(0x7F800000)), _c32(0x7F800000))
+        up = builder.lshr(builder.add(u, builder.and_(_low32(builder, args[1]), _c32(0xFFFF))), _c32(16))
+        return builder.select(special, _bf16_nearest_ir(builder, u), up)
+
+    return types.uint32(types.float32, r), codegen
+
+
 @_jit
 def _bf16_decode(h):
     """bfloat16 bits -> float32, as :func:`optirs.backends.common.half.bf16_decode` (NaN -> the quiet
     NaN with h's sign): the bits shifted up, which is the exact value for every other input. Bit
     operations only: the scale-table form's lane-divergent reads are serialised on a GPU (the
     old kernels' ld.const)."""
-    u = (_U(h) & _MASK16) << _S16
-    if (u & _U(0x7FFFFFFF)) > _U(0x7F800000):
-        u = (u & _U(0x80000000)) | _U(0x7FC00000)
-    return bits_f32(u)
+    return _bf16_decode_i32(h)
 
 
 # ---------------------------------------------------------------- random bits
 
 
+def _fmix32_ir(builder, h):
+    """MurmurHash3's finalizer on an LLVM i32 value, in 32-bit operations."""
+    i32 = ir.IntType(32)
+    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
+    h = builder.mul(h, ir.Constant(i32, 0x85EBCA6B))
+    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 13)))
+    h = builder.mul(h, ir.Constant(i32, 0xC2B2AE35))
+    return builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
+
+
+@intrinsic
+def _fmix32_u32(typingctx, h):
+    # in 32-bit lanes: numba's own integer arithmetic is 64-bit, whose vector multiplies x86
+    # before AVX-512 emulates with three 32-bit ones (the same low 32 bits either way)
+    if h != types.uint64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = builder.trunc(args[0], ir.IntType(32))
+        return builder.zext(_fmix32_ir(builder, x), ir.IntType(64))
+
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic
+def _rand32_u32(typingctx, key, i):
+    if key != types.uint64 or i != types.uint64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        k, x = builder.trunc(args[0], i32), builder.trunc(args[1], i32)
+        x = builder.xor(k, builder.mul(x, ir.Constant(i32, 0x9E3779B1)))
+        return builder.zext(_fmix32_ir(builder, x), ir.IntType(64))
+
+    return types.uint64(types.uint64, types.uint64), codegen
+
+
 @_jit
 def fmix32(h):
     """MurmurHash3's 32-bit finalizer (``h`` a uint64 holding 32 bits; returns the same)."""
-    h = _U(h) & _MASK32
-    h ^= h >> _S16
-    h = (h * _C1) & _MASK32
-    h ^= h >> _S13
-    h = (h * _C2) & _MASK32
-    h ^= h >> _S16
-    return h
+    return _fmix32_u32(_U(h))
 
 
 @_jit
@@ -132,7 +224,7 @@ def stream_key(seed, step, stream):
 @_jit
 def rand32(key, i):
     """``fmix32(key ^ (i * 0x9E3779B1))`` for element ``i`` (its flat layout index, low 32 bits)."""
-    return fmix32(_U(key) ^ ((_U(i) * _GOLDEN) & _MASK32))
+    return _rand32_u32(_U(key), _U(i))
 
 
 # ---------------------------------------------------------------- 16-bit encodings
@@ -157,7 +249,7 @@ def decode_value(raw, kind):
 @_jit
 def bf16_nearest(x):
     """float32 -> bfloat16 bits, nearest even, NaN -> quiet NaN (ml_dtypes' cast)."""
-    return np.uint32(_bf16_encode(_U(f32_bits(x))))
+    return _bf16_nearest_i32(np.float32(x))
 
 
 @_jit
@@ -170,10 +262,7 @@ def f16_nearest(x):
 def bf16_stochastic(x, r):
     """float32 -> bfloat16 bits, rounded up with probability ``low16 / 65536`` (``r`` the random word);
     inf and NaN round to nearest."""
-    u = _U(f32_bits(x))
-    if (u & _U(0x7F800000)) == _U(0x7F800000):
-        return bf16_nearest(x)
-    return np.uint32(((u + (_U(r) & _MASK16)) & _MASK32) >> _S16)
+    return _bf16_stochastic_i32(np.float32(x), _U(r))
 
 
 # ---------------------------------------------------------------- remainder masters
@@ -236,14 +325,36 @@ def remainder8_join(hi, rem):
 def quantize(x, scale, mid, table):
     """The code of float32 ``x`` in a block of ``scale``: the number of ``mid[k] < x / scale``
     (0 where scale is 0). ``mid``: the map's 255 float32 midpoints padded with +inf, ``table`` its
-    bucket table (:mod:`optirs.backends.common.int8_buckets`): one lookup and one compare, no branch."""
-    y = x / scale if scale != 0 else np.float32(0)
+    bucket table (:mod:`optirs.backends.common.int8_buckets`): one lookup and one compare, no branch.
+    Its three steps are functions of their own so that a cpu loop can run the arithmetic ones
+    vectorized, apart from the lookups."""
+    y = quantize_scaled(x, scale)
+    return quantize_code(y, _U(table[quantize_bucket(y)]), mid)
+
+
+@_jit
+def quantize_scaled(x, scale):
+    """``x / scale`` in float32, 0 where scale is 0: the value :func:`quantize` codes."""
+    return x / scale if scale != 0 else np.float32(0)
+
+
+@_jit
+def quantize_bucket(y):
+    """The bucket table index of the scaled value ``y`` (uint64). A NaN takes the bucket of its
+    magnitude with the sign set, whose table entry is 0 (no midpoint lies below -inf), so that
+    :func:`quantize_code` needs no test of its own for it."""
     u = _U(f32_bits(y))
     a = (u >> _S16) & _U(0x7FFF)
     a = min(max(a, _U(_BK_LO - 1)), _U(_BK_HI + 1)) - _U(_BK_LO - 1)
-    c = np.int64(table[np.int64(a + (u >> _U(31)) * _U(_BK_WIDTH))])
-    code = c + np.int64(mid[c] < y)
-    return np.uint8(code if y == y else 0)
+    negative = _U(1) if y != y else u >> _U(31)
+    return a + negative * _U(_BK_WIDTH)
+
+
+@_jit
+def quantize_code(y, c, mid):
+    """The code of the scaled value ``y`` whose bucket (:func:`quantize_bucket`) has table entry ``c``
+    (uint64): ``c`` plus one where the bucket's midpoint lies below ``y`` (a NaN compares false: code 0)."""
+    return np.uint8(c + _U(mid[c] < y))
 
 
 @_jit
