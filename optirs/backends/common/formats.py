@@ -324,6 +324,25 @@ def remainder8_join(hi, rem):
 # ---------------------------------------------------------------- int8 blocks
 
 
+@intrinsic
+def _bucket_i32(typingctx, y):
+    """:func:`quantize_bucket` in 32-bit IR (32-bit vector lanes on the cpu)."""
+    if y != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        u = builder.bitcast(args[0], ir.IntType(32))
+        a = builder.and_(builder.lshr(u, _c32(16)), _c32(0x7FFF))
+        lo, hi = _c32(_BK_LO - 1), _c32(_BK_HI + 1)
+        a = builder.select(builder.icmp_unsigned("<", a, lo), lo, a)
+        a = builder.sub(builder.select(builder.icmp_unsigned(">", a, hi), hi, a), lo)
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
+        negative = builder.select(nan, _c32(1), builder.lshr(u, _c32(31)))
+        return builder.zext(builder.add(a, builder.mul(negative, _c32(_BK_WIDTH))), ir.IntType(64))
+
+    return types.uint64(types.float32), codegen
+
+
 @_jit
 def quantize(x, scale, mid, table):
     """The code of float32 ``x`` in a block of ``scale``: the number of ``mid[k] < x / scale``
@@ -346,11 +365,7 @@ def quantize_bucket(y):
     """The bucket table index of the scaled value ``y`` (uint64). A NaN takes the bucket of its
     magnitude with the sign set, whose table entry is 0 (no midpoint lies below -inf), so that
     :func:`quantize_code` needs no test of its own for it."""
-    u = _U(f32_bits(y))
-    a = (u >> _S16) & _U(0x7FFF)
-    a = min(max(a, _U(_BK_LO - 1)), _U(_BK_HI + 1)) - _U(_BK_LO - 1)
-    negative = _U(1) if y != y else u >> _U(31)
-    return a + negative * _U(_BK_WIDTH)
+    return _bucket_i32(np.float32(y))
 
 
 @_jit

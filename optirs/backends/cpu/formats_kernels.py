@@ -48,13 +48,14 @@ def _load_codes(w, scales, small, q, blk, so, o, n, buf):
 @_jit
 def _decode_block(w, q, s, o, n, buf):
     """``n`` int8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf``."""
+    wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
     for i in range(n):
-        buf[i] = q[w[o + i]] * s
+        buf[i] = q[wb[i]] * s
 
 
 @_jit
 def _store_codes_or_small(w, scales, small, mid, tbl, blk, so, o, n, buf, ix):
-    """The inverse of :func:`_load_codes` (``ix``: uint64 scratch of a block)."""
+    """The inverse of :func:`_load_codes` (``ix``: uint32 scratch of a block)."""
     if so >= 0:
         for i in range(n):
             small[so + i] = buf[i]
@@ -144,15 +145,16 @@ def _store_codes(w, scales, mid, tbl, blk, o, n, buf, ix):
 
     The scaling and bucket arithmetic run in a loop of their own (vectorized), the two table
     lookups in another (unsigned indices: no negative-index wraparound); ``buf`` is overwritten with
-    the scaled values, ``ix`` (uint64 scratch) with the buckets."""
+    the scaled values, ``ix`` (uint32 scratch) with the buckets."""
     m = _block_absmax(buf, n)
     scales[blk] = m
     for i in range(n):
         y = quantize_scaled(buf[i], m)
         buf[i] = y
         ix[i] = quantize_bucket(y)
+    wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
     for i in range(n):
-        w[o + i] = quantize_code(buf[i], np.uint64(tbl[ix[i]]), mid)
+        wb[i] = quantize_code(buf[i], np.uint64(tbl[ix[i]]), mid)
 
 
 @_jit
@@ -235,7 +237,7 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
     a0 = np.zeros(BLOCK, np.float32)
     a1 = np.zeros(BLOCK, np.float32)
     a2 = np.zeros(BLOCK, np.float32)
-    ix = np.zeros(BLOCK, np.uint64)
+    ix = np.zeros(BLOCK, np.uint32)
     for b in range(s, e, BLOCK):
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
@@ -353,7 +355,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
         off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
         a0 = np.zeros(BLOCK, np.float32)
         a1 = np.zeros(BLOCK, np.float32)
-        ix = np.zeros(BLOCK, np.uint64)
+        ix = np.zeros(BLOCK, np.uint32)
         lr_t = sc.lr * ratio[t]
         for b in range(s, e, BLOCK):
             n = min(BLOCK, e - b)
