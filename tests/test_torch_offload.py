@@ -173,13 +173,19 @@ def test_accumulation_count_wrong_either_way_is_still_correct():
         assert_same(ref_model, our_model)
 
 
-def test_step_in_backward_refuses_an_extra_backward():
-    model = make_model()
+def armed_offload(model):
+    """A step_in_backward offload after two rounds (the first is plain; it arms the hooks)."""
     opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
-    for t in range(2):  # the first round is plain; it arms the hooks
+    for t in range(2):
         opt.zero_grad()
         loss_of(model, t).backward()
         opt.step()
+    return opt
+
+
+def test_step_in_backward_refuses_an_extra_backward():
+    model = make_model()
+    opt = armed_offload(model)
     opt.zero_grad()
     loss_of(model, 5).backward()
     with pytest.raises(UnsupportedOperationError, match="already started"):
@@ -223,11 +229,7 @@ def test_step_in_backward_orders_the_workers_before_the_next_line(busy_cpu, monk
     for r in range(16):
         slow[0] = False
         model = make_model()
-        opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
-        for t in range(2):  # the first round is plain; it arms the hooks
-            opt.zero_grad()
-            loss_of(model, t).backward()
-            opt.step()
+        opt = armed_offload(model)
         slow[0] = r % 2 == 0
         opt.zero_grad()
         loss_of(model, 5).backward()
