@@ -88,7 +88,6 @@ class Problem:
         import optirs
         from optirs.core import formats as F
         from optirs.core import reference as R
-        from optirs.core.definitions import DEFINITIONS
         from optirs.core.layout import TensorLayout
 
         self.label, pdt, gdt, master, sdt, sr = spec
@@ -104,7 +103,6 @@ class Problem:
         self.staged = self.b.stage(self.b.ctx, self.params, self.grads, self.fmt)
         self.slots = len(self.fs.slot_names)
         self.seed, self.k = seed, 0
-        del DEFINITIONS
 
     def step(self) -> None:
         from optirs.plugin.hookspecs import StepControls, StepRequest
