@@ -8,7 +8,8 @@ GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, t
 ``--smoke``. AdamW lr 1e-3, weight decay 0.1 on every tensor.
 
 For each row: ms per step (back-to-back steps after warm-up, synchronized at the ends; the
-median of batches), the format's own bytes per parameter (each array read and written once, the
+median of batches), the kernels' own time per step on CUDA (torch's profiler: the device time
+without the host's part), the format's own bytes per parameter (each array read and written once, the
 gradient read), GB/s, its ratio to the copy bandwidth measured in the same run (torch ``copy_`` on
 CUDA, numpy ``copyto`` on the host, a buffer copy on OpenCL), its speed relative to the fastest
 peer (best peer ms / ms: above 1 is faster), and the state bytes per parameter as allocated
@@ -95,6 +96,25 @@ def timed(sync: Callable[[], None], fn: Callable[[], None], steps: int, batches:
     return statistics.median(times)
 
 
+def kernel_ms(torch: Any, sync: Callable[[], None], fn: Callable[[], None], steps: int) -> Optional[float]:
+    """The device time of one call's kernels (and copies), from torch's profiler over ``steps`` calls:
+    the kernel alone, without the host's part. None where the profiler cannot tell (no CUDA)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            sync()
+        cuda = torch.autograd.DeviceType.CUDA
+        total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda)
+        return total / 1e3 / steps if total > 0 else None
+    except Exception as exc:  # an old profiler or no CUPTI: the end-to-end time still stands
+        print(f"# kernel time not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
 def nbytes(value: Any) -> int:
     """Bytes of a state entry: tensors, numpy / device arrays, nested dicts and lists; scalars count 0."""
     if isinstance(value, dict):
@@ -166,8 +186,10 @@ class TorchDevice(Device):
                        master_weights=master if pdt != "float32" else None, state_dtype=state_dtype,
                        stochastic_rounding=sr, seed=1234, backend=self.backend)
         ms = timed(self.sync, opt.step, steps, batches)
+        kms = kernel_ms(torch, self.sync, opt.step, steps) if self.device == "cuda" else None
         n = sum(p.numel() for p in params)
-        return {"label": f"optirs {label}", "ms": ms, "bytes_per_param": format_bytes(pdt, master, state_dtype),
+        return {"label": f"optirs {label}", "ms": ms, "kernel_ms": kms,
+                "bytes_per_param": format_bytes(pdt, master, state_dtype),
                 "state_bytes_per_param": nbytes(opt.state_dict()["state"]) / n}
 
 
@@ -262,10 +284,11 @@ def peer_row(dev: TorchDevice, shapes, label: str, make: Callable, dtype: Any, b
     try:
         opt = make(params)
         ms = timed(dev.sync, opt.step, steps, batches)
+        kms = kernel_ms(dev.torch, dev.sync, opt.step, steps)
     except Exception as exc:  # a peer that imports but cannot run here: say why, keep the run
         return {"label": label, "peer": True, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
     n = sum(p.numel() for p in params)
-    return {"label": label, "peer": True, "ms": ms, "bytes_per_param": bytes_pp,
+    return {"label": label, "peer": True, "ms": ms, "kernel_ms": kms, "bytes_per_param": bytes_pp,
             "state_bytes_per_param": nbytes([dict(s) for s in opt.state.values()]) / n}
 
 
@@ -307,6 +330,8 @@ def finish_rows(rows: List[Dict[str, Any]], n: int, copy: float) -> Optional[flo
             continue
         r["gb_per_s"] = r["bytes_per_param"] * n / (r["ms"] * 1e-3) / 1e9
         r["of_copy"] = r["gb_per_s"] / copy
+        if r.get("kernel_ms"):
+            r["kernel_of_copy"] = r["bytes_per_param"] * n / (r["kernel_ms"] * 1e-3) / 1e9 / copy
         r["vs_best_peer"] = best / r["ms"] if best else None
     return best
 
@@ -317,15 +342,18 @@ def print_table(rows: List[Dict[str, Any]], title: str) -> None:
         from rich.table import Table
     except ImportError:
         Console = None
-    headers = ["implementation", "ms", "B/param", "GB/s", "of copy", "vs best peer", "state B/p"]
+    headers = ["implementation", "ms", "kernel ms", "B/param", "GB/s", "of copy", "kernel of copy", "vs best peer",
+               "state B/p"]
 
     def cells(r):
         if "ms" not in r:
-            return [r["label"], "error: " + r["error"], "", "", "", "", ""]
+            return [r["label"], "error: " + r["error"]] + [""] * (len(headers) - 2)
         vs = f"{r['vs_best_peer']:.2f}x" if r.get("vs_best_peer") else "-"
         gbs = f"{r['gb_per_s']:.0f}" if r["gb_per_s"] >= 100 else f"{r['gb_per_s']:.2f}"
-        return [r["label"], f"{r['ms']:.3f}", f"{r['bytes_per_param']:.2f}", gbs,
-                f"{r['of_copy']:.1%}", vs, f"{r['state_bytes_per_param']:.2f}"]
+        kms = f"{r['kernel_ms']:.3f}" if r.get("kernel_ms") else "-"
+        kcopy = f"{r['kernel_of_copy']:.1%}" if r.get("kernel_of_copy") else "-"
+        return [r["label"], f"{r['ms']:.3f}", kms, f"{r['bytes_per_param']:.2f}", gbs,
+                f"{r['of_copy']:.1%}", kcopy, vs, f"{r['state_bytes_per_param']:.2f}"]
 
     if Console is not None:
         table = Table(title=title)
@@ -333,7 +361,7 @@ def print_table(rows: List[Dict[str, Any]], title: str) -> None:
             table.add_column(h, justify="left" if i == 0 else "right")
         for r in rows:
             table.add_row(*cells(r))
-        Console(width=160).print(table)
+        Console(width=190).print(table)
         return
     print(title)
     print(f"{headers[0]:58s} " + " ".join(f"{h:>12s}" for h in headers[1:]))

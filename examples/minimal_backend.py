@@ -7,6 +7,8 @@ Run it to register the backend under the name "tiny" and train with it:
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 import optirs
@@ -76,7 +78,8 @@ class TinyBackend:
             p -= sc.lr * g
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     optirs.register_plugin(TinyBackend(), "tiny")
     rng = np.random.default_rng(0)
     params = [rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal(5).astype(np.float32)]

@@ -1,15 +1,19 @@
 """The seed example: Adam on 1,024 parameters, state moved to the device, one step, moved back.
 
-Run: python examples/quickstart.py [backend]   (default: auto, the fastest kind of device found; `optirs info` says which)
+    python examples/quickstart.py [backend]
 """
 
-import sys
+import argparse
 
 import numpy as np
 
 from optirs import AdamParams, GpuAdam, GpuOptimizerConfig
 
-backend = sys.argv[1] if len(sys.argv) > 1 else "auto"
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("backend", nargs="?", default="auto",
+                help="cpu, cuda, opencl or a plugin's name (default: auto, the fastest kind of device found; "
+                     "`optirs info` says which)")
+backend = ap.parse_args().backend
 optimizer = GpuAdam(AdamParams(lr=1e-3), config=GpuOptimizerConfig(backend=backend))
 optimizer.move_to_gpu()
 

@@ -110,13 +110,14 @@ def test_every_kernel_compiles_to_ptx_for_sm90(monkeypatch):
         ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
         assert ".target sm_90" in ptx
         compiled[name] = ptx
-    for name in ("adam", "sgd", "rmsprop", "adagrad", "lamb_moments", "lamb_apply"):
+    more = ("nadam", "radam", "adamax", "adadelta", "asgd", "rprop")  # the rest of torch.optim's elementwise ones
+    for name in ("adam", "sgd", "rmsprop", "adagrad", "lamb_moments", "lamb_apply") + more:
         # 16-byte vector loads and stores: what takes a memory-bound step to copy bandwidth
         assert "ld.global.v4.f32" in compiled[name] and "st.global.v4.f32" in compiled[name], name
-    for name in ("adam", "sgd", "rmsprop", "adagrad"):
+    for name in ("adam", "sgd", "rmsprop", "adagrad") + more:
         # float32 kernels keep float32 arithmetic (no silent float64 promotion)
         assert ".f64" not in compiled[name], name
-    for name in ("adam", "rmsprop", "adagrad"):
+    for name in ("adam", "rmsprop", "adagrad", "nadam", "radam", "adadelta"):
         # IEEE division and square root, not the approximate instructions
         assert "div.rn.f32" in compiled[name] and "sqrt.rn.f32" in compiled[name], name
         assert "div.approx" not in compiled[name] and "sqrt.approx" not in compiled[name], name

@@ -11,6 +11,7 @@ import pytest
 
 import optirs
 from optirs import AdamParams, GpuOptimizerConfig, LionParams, Precision, SgdParams
+from optirs.core import params as P
 from optirs.core import reference as R
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
@@ -52,6 +53,14 @@ CASES = [
     ("adamw", AdamParams(lr=1e-2, amsgrad=True), BF16, BF16, Precision(master_weights="remainder8", state_dtype="int8")),
     ("adam", AdamParams(lr=1e-2), np.float32, np.float32, Precision(state_dtype="int8")),
     ("adamw", AdamParams(lr=1e-2), BF16, BF16, Precision(stochastic_rounding=True, seed=7)),
+    # the rest of torch.optim's elementwise optimizers run every format through the same kernels
+    ("nadam", P.NadamParams(lr=1e-2, weight_decay=0.1), BF16, BF16, Precision(master_weights="float32", state_dtype="int8")),
+    ("radam", P.RadamParams(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), BF16, BF16,
+     Precision(master_weights="remainder16", state_dtype="bfloat16")),
+    ("adamax", P.AdamaxParams(lr=1e-2), BF16, BF16, Precision(state_dtype="int8")),
+    ("adadelta", P.AdadeltaParams(), np.float32, np.float32, Precision(state_dtype="bfloat16", seed=5)),
+    ("asgd", P.AsgdParams(lr=1e-2, t0=1.0), BF16, BF16, Precision(master_weights="remainder8", state_dtype="int8")),
+    ("rprop", P.RpropParams(lr=1e-2), BF16, np.float32, Precision(master_weights="float32", state_dtype="bfloat16")),
     ("sgd", SgdParams(lr=0.1, momentum=0.9), np.float16, np.float16, Precision(master_weights="float32")),
     ("lion", LionParams(lr=1e-3), BF16, BF16, Precision(state_dtype="bfloat16", seed=3)),
 ]

@@ -44,6 +44,12 @@ PTX_CASES = [("adamw", _fmt("bfloat16", m, "int8")) for m in (None, "float32", "
     ("rmsprop", _fmt("bfloat16", "remainder8", "int8")),
     ("adagrad", _fmt("bfloat16", "float32", "bfloat16")),
     ("lion", _fmt("bfloat16", "remainder8", "int8")),
+    ("nadam", _fmt("bfloat16", "float32", "int8")),
+    ("radam", _fmt("bfloat16", "remainder16", "bfloat16")),
+    ("adamax", _fmt("bfloat16", None, "int8")),
+    ("adadelta", _fmt("float32", None, "bfloat16")),
+    ("asgd", _fmt("bfloat16", "remainder8", "int8")),
+    ("rprop", _fmt("bfloat16", "float32", "bfloat16")),
 ]
 
 
@@ -66,9 +72,8 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     sc = d.scalars(d.examples[0], 3)
     table = types.int64[:, ::1]
     sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
-           types.UniTuple(types.int64, 9),
-           types.int64, types.int64, types.int64, types.int64, typeof(sc))
-    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots))
+           types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
+    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), (1 << len(d.slots)) - 1)
     ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
     assert ".target sm_90" in ptx
     assert "ld.global.v4.u32" in ptx and "st.global.v4.u32" in ptx  # 8 x 16-bit (or 4 x 32-bit) per access
@@ -92,9 +97,9 @@ def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
     sc = d.scalars(d.examples[0], 3)
     table = types.int64[:, ::1]
     sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
-           types.UniTuple(types.int64, 9), types.int64, types.float64[:, ::1], types.int64, types.int64,
+           types.UniTuple(types.int64, 9), types.float64[:, ::1], types.int64, types.int64,
            types.int64, types.int64, types.int64, typeof(sc))
-    kernel = fk.make_step_kernel("lamb", fmt.codes, tuple(s.signed for s in d.slots), mode)
+    kernel = fk.make_step_kernel("lamb", fmt.codes, tuple(s.signed for s in d.slots), 3, mode)
     ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
     assert ".target sm_90" in ptx and "ld.global.v4.u32" in ptx
     assert ".local" not in ptx, "a lane's 8 elements spilled to local memory"

@@ -42,29 +42,30 @@ def test_optirs_info_command():
 
 
 def _matrix_rows(text):
-    """The capability matrix of ``optirs info``'s output: header cells and row name -> cells, each
-    cell's folded lines joined again."""
+    """The capability matrix of ``optirs info``'s output (box-drawing glyphs in a terminal, plain
+    ASCII in a pipe): header cells and row name -> cells, each cell's folded lines joined again."""
     lines = text.split("Capability matrix", 1)[1].splitlines()
-    rows, header, body = {}, None, False
+    rows, header, rules = {}, None, 0
     for line in lines:
-        if line.startswith("┡"):
-            body = True
-        elif line.startswith("└"):
-            break
-        elif line.startswith(("┃", "│")):
-            cells = [c.strip() for c in line[1:-1].split("┃" if line.startswith("┃") else "│")]
-            if not body:
+        if line.startswith(("┏", "┡", "+", "├", "└")):
+            rules += 1  # top, under the header, between sections, bottom
+        elif line.startswith(("┃", "│", "|")):
+            sep = "┃" if line.startswith("┃") else "│" if line.startswith("│") else "|"
+            cells = [c.strip() for c in line[1:-1].split(sep)]
+            if rules < 2:
                 header = cells if header is None else [f"{a} {b}".strip() for a, b in zip(header, cells)]
             elif cells[0]:
                 rows[cells[0]] = current = cells
             else:
                 current[:] = [f"{a} {b}".strip() for a, b in zip(current, cells)]
+        elif rules >= 2:
+            break
     return header, rows
 
 
 def test_optirs_info_matrix_is_readable_in_a_pipe(fresh_registry, monkeypatch, capsys):
-    """Piped (80 columns), every cell is whole (folded, never cut to "..."), and the matrix says per
-    backend which optimizers its step runs, in which formats, and its capabilities."""
+    """Piped (80 columns, plain ASCII), every cell is whole (folded, never cut to "..."), and the
+    matrix says per backend which optimizers its step runs, in which formats, and its capabilities."""
     pytest.importorskip("rich")
     from conftest import THIRD_PARTY_BACKEND, register_third_party_backend
     from optirs.tools import cli
@@ -73,7 +74,8 @@ def test_optirs_info_matrix_is_readable_in_a_pipe(fresh_registry, monkeypatch, c
     monkeypatch.setenv("COLUMNS", "80")
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "\u2026" not in out and "..." not in out
+    assert "\u2026" not in out and "..." not in out and "+---" in out  # plain ASCII rules
+    assert max(map(len, out.splitlines())) <= 80
     header, rows = _matrix_rows(out)
     names = [b.name for b in optirs.list_backends()]
     assert header == ["optimizer / capability"] + names

@@ -23,7 +23,8 @@ torch = pytest.importorskip("torch")
 import optirs  # noqa: E402
 import optirs.torch as ot  # noqa: E402
 from optirs.core import reference  # noqa: E402
-from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError  # noqa: E402
+from optirs.core.errors import (BackendUnavailableError, InvalidParameterError, ShapeMismatchError,  # noqa: E402
+                                 UnsupportedOperationError)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 50
@@ -582,8 +583,8 @@ def test_params_without_grad_are_skipped_like_torch():
 
 
 @pytest.mark.parametrize("kwargs,error", [
-    ({"differentiable": True}, UnsupportedOperationError), ({"foreach": True}, UnsupportedOperationError),
-    ({"fused": False}, UnsupportedOperationError),
+    ({"differentiable": True}, UnsupportedOperationError), ({"foreach": True, "fused": True}, InvalidParameterError),
+    ({"fused": "yes"}, InvalidParameterError), ({"backend": "nosuch"}, BackendUnavailableError),
     ({"lr": -1.0}, InvalidParameterError), ({"betas": (1.2, 0.9)}, InvalidParameterError),
     ({"betas": (0.9,)}, InvalidParameterError), ({"eps": float("nan")}, InvalidParameterError),
     ({"backend": ""}, InvalidParameterError),
@@ -615,10 +616,10 @@ def test_bad_group_or_tensors_change_nothing():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(UnsupportedOperationError, match="sparse"):
         sopt.step()
-    nc = torch.nn.Parameter(torch.zeros(4, 4).t())
+    nc = torch.nn.Parameter(torch.zeros(4, 8)[:, :4])  # not dense: gaps between its rows
     nopt = ot.Adam([nc], backend="cpu")
-    nc.grad = torch.ones(4, 4).t()
-    with pytest.raises(ShapeMismatchError, match="contiguous"):
+    nc.grad = torch.ones(4, 8)[:, :4]
+    with pytest.raises(ShapeMismatchError, match="dense"):
         nopt.step()
 
 

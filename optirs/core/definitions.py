@@ -30,7 +30,7 @@ from optirs.core.layout import TensorLayout
 
 # Kernel families whose step is elementwise: the generic one-launch kernels of every backend run
 # them from the per-element math alone. Other families need reductions of their own.
-POINTWISE_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion")
+POINTWISE_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion", "nadam", "radam", "adamax", "adadelta", "asgd", "rprop")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,9 @@ class OptimizerDefinition:
         Adafactor's factored moments).
     :param traffic: bytes a step moves per element with ``benchmark`` (default: read p, g and
         every slot, write p and every slot, 4 bytes each), the numerator of bandwidth figures.
+    :param tensor_state: ``(hyperparameters, step) -> {name: value}``: the 0-dim values torch keeps in
+        each tensor's state after step ``step`` besides ``step`` (NAdam's ``mu_product``, ASGD's
+        ``eta`` and ``mu``), float32; optirs.torch's state_dict carries them as torch does.
     """
 
     name: str
@@ -105,6 +108,7 @@ class OptimizerDefinition:
     benchmark: Any = None
     traffic: Optional[int] = None
     state_layout: Callable[[TensorLayout, Tuple[str, ...]], Any] = ElementwiseState
+    tensor_state: Optional[Callable[[Any, int], Dict[str, float]]] = None
 
     @property
     def hook(self) -> str:
@@ -273,9 +277,103 @@ ADAFACTOR = OptimizerDefinition(
               P.AdafactorParams(beta2_decay=-0.5, eps=(1e-30, 1e-3), d=2.0, maximize=True)),
 )
 
+NADAM = OptimizerDefinition(
+    name="nadam", class_name="GpuNadam", params_type=P.NadamParams, kernel="nadam",
+    scalars=scalars.nadam_scalars, reference=reference.nadam,
+    slots=(StateSlot("exp_avg"), StateSlot("exp_avg_sq", signed=False)),
+    tensor_state=lambda hp, step: {"mu_product": scalars.nadam_mu_product(hp, step)},
+    summary="NAdam (Dozat 2016), as torch.optim.NAdam (momentum_decay's mu schedule, L2 or decoupled decay).",
+    algorithm="""
+        p = p * (1 - lr * weight_decay) (decoupled), else g = g + weight_decay * p
+        mu_t = beta1 * (1 - 0.5 * 0.96^(t * momentum_decay));  P_t = mu_1 * ... * mu_t
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+        d = sqrt(v / (1 - beta2^t)) + eps
+        p = p - lr (1 - mu_t) / (1 - P_t) * g / d - lr mu_{t+1} / (1 - P_t mu_{t+1}) * m / d""",
+    examples=(P.NadamParams(), P.NadamParams(lr=1e-2, weight_decay=0.1),
+              P.NadamParams(weight_decay=0.05, decoupled_weight_decay=True),
+              P.NadamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6, momentum_decay=0.01),
+              P.NadamParams(lr=1e-2, mu_product=0.25)),
+)
+
+RADAM = OptimizerDefinition(
+    name="radam", class_name="GpuRadam", params_type=P.RadamParams, kernel="radam",
+    scalars=scalars.radam_scalars, reference=reference.radam,
+    slots=(StateSlot("exp_avg"), StateSlot("exp_avg_sq", signed=False)),
+    summary="RAdam (Liu et al. 2020), as torch.optim.RAdam (variance rectification, L2 or decoupled decay).",
+    algorithm="""
+        p = p * (1 - lr * weight_decay) (decoupled), else g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g^2
+        rho_inf = 2 / (1 - beta2) - 1;  rho_t = rho_inf - 2 t beta2^t / (1 - beta2^t)
+        p = p - lr m / (1 - beta1^t) * r_t sqrt(1 - beta2^t) / (sqrt(v) + eps)   (rho_t > 5)
+        p = p - lr m / (1 - beta1^t)                                            (otherwise)
+        r_t = sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t))""",
+    examples=(P.RadamParams(), P.RadamParams(lr=1e-2, weight_decay=0.1),
+              P.RadamParams(weight_decay=0.05, decoupled_weight_decay=True),
+              P.RadamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6)),
+)
+
+ADAMAX = OptimizerDefinition(
+    name="adamax", class_name="GpuAdamax", params_type=P.AdamaxParams, kernel="adamax",
+    scalars=scalars.adamax_scalars, reference=reference.adamax,
+    slots=(StateSlot("exp_avg"), StateSlot("exp_inf", signed=False)),
+    summary="Adamax (Kingma & Ba), as torch.optim.Adamax: Adam with an infinity norm.",
+    algorithm="""
+        g = g + weight_decay * p
+        m = beta1 * m + (1 - beta1) * g;  u = max(beta2 * u, |g| + eps)
+        p = p - lr / (1 - beta1^t) * m / u""",
+    examples=(P.AdamaxParams(), P.AdamaxParams(lr=1e-2, weight_decay=0.1),
+              P.AdamaxParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6)),
+)
+
+ADADELTA = OptimizerDefinition(
+    name="adadelta", class_name="GpuAdadelta", params_type=P.AdadeltaParams, kernel="adadelta",
+    scalars=scalars.adadelta_scalars, reference=reference.adadelta,
+    slots=(StateSlot("square_avg", signed=False), StateSlot("acc_delta", signed=False)),
+    summary="Adadelta (Zeiler 2012), as torch.optim.Adadelta (lr scales the delta).",
+    algorithm="""
+        g = g + weight_decay * p
+        s = rho * s + (1 - rho) * g^2
+        d = sqrt(a + eps) / sqrt(s + eps) * g;  a = rho * a + (1 - rho) * d^2
+        p = p - lr * d""",
+    examples=(P.AdadeltaParams(), P.AdadeltaParams(lr=0.5, weight_decay=0.1),
+              P.AdadeltaParams(rho=0.5, eps=1e-4)),
+)
+
+ASGD = OptimizerDefinition(
+    name="asgd", class_name="GpuAsgd", params_type=P.AsgdParams, kernel="asgd",
+    scalars=scalars.asgd_scalars, reference=reference.asgd,
+    slots=(StateSlot("ax"),),
+    tensor_state=lambda hp, step: {"eta": scalars.asgd_eta(hp, hp.lr, step), "mu": scalars.asgd_mu(hp, step)},
+    summary="Averaged SGD (Polyak & Juditsky), as torch.optim.ASGD (eta, mu and the average ax as torch keeps them).",
+    algorithm="""
+        g = g + weight_decay * p
+        p = p * (1 - lambd * eta) - eta * g
+        ax = ax + mu * (p - ax)  (mu != 1), else ax = p
+        eta = lr / (1 + lambd * lr * t)^alpha;  mu = 1 / max(1, t - t0)   (for step t + 1)""",
+    benchmark=P.AsgdParams(lr=1e-2, t0=0.0),
+    examples=(P.AsgdParams(), P.AsgdParams(lr=0.05, weight_decay=0.1), P.AsgdParams(lambd=0.01, alpha=0.5, t0=5.0),
+              P.AsgdParams(lr=0.02, t0=0.0, eta=0.01)),
+)
+
+RPROP = OptimizerDefinition(
+    name="rprop", class_name="GpuRprop", params_type=P.RpropParams, kernel="rprop",
+    scalars=scalars.rprop_scalars, reference=reference.rprop,
+    # step_size starts at the first step's lr inside the step (so a later lr, which Rprop ignores as
+    # torch does, never changes the state's description)
+    slots=(StateSlot("prev"), StateSlot("step_size", signed=False)),
+    summary="Rprop (Riedmiller & Braun), as torch.optim.Rprop: sign-based steps with per-element step sizes.",
+    algorithm="""
+        f = etaplus (g * prev > 0), etaminus (< 0), 1 (= 0)
+        step_size = clamp(step_size * f, step_size_min, step_size_max)   (starts at lr)
+        g = 0 where f = etaminus;  p = p - sign(g) * step_size;  prev = g""",
+    examples=(P.RpropParams(), P.RpropParams(lr=0.05, etaminus=0.3, etaplus=1.5),
+              P.RpropParams(lr=0.01, step_size_min=1e-3, step_size_max=0.02)),
+)
+
 # Every optimizer, in the order listings show them.
 DEFINITIONS: Dict[str, OptimizerDefinition] = {
-    d.name: d for d in (ADAM, ADAMW, SGD, RMSPROP, ADAGRAD, LAMB, LION, ADAFACTOR)}
+    d.name: d for d in (ADAM, ADAMW, SGD, RMSPROP, ADAGRAD, LAMB, LION, ADAFACTOR, NADAM, RADAM, ADAMAX, ADADELTA,
+                        ASGD, RPROP)}
 
 
 def definition(name: str) -> OptimizerDefinition:

@@ -23,7 +23,8 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")
 MASTER_WEIGHTS = (None, "float32", "remainder16", "remainder8")
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 # Kernel families the formats capability runs: the pointwise ones and LAMB's two passes.
-FORMAT_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion", "lamb")
+FORMAT_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion", "lamb", "nadam", "radam", "adamax", "adadelta", "asgd",
+                   "rprop")
 
 BLOCK = 256  # elements per int8 block (one CUDA warp x 8 elements; see docs/formats.md)
 MIN_INT8_SIZE = 4096  # tensors smaller than this keep float32 state, as bitsandbytes' min_8bit_size

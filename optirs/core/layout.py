@@ -8,7 +8,7 @@ naming its tensor and range, so one parallel loop or one grid covers every tenso
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -48,3 +48,28 @@ class TensorLayout:
             stop = np.minimum(start + chunk, self.sizes[tensor])
             self._chunks[chunk] = (tensor, start.astype(np.int64), stop.astype(np.int64))
         return self._chunks[chunk]
+
+
+def storage_order(shape: Sequence[int], strides: Sequence[int]) -> Optional[Tuple[int, ...]]:
+    """The order of dims, outermost first, in which a strided tensor's elements lie in memory when
+    they fill one span without gaps or overlaps (row-major: ``(0, 1, ..., n-1)``; channels_last
+    NCHW: ``(0, 2, 3, 1)``), or None when they do not (a slice, an expanded or overlapping view).
+
+    An elementwise step over such a tensor can address its span as one flat run of elements, in
+    any order, provided every tensor it reads with it has the same strides. Dims of size 1 keep
+    their place (their stride is arbitrary)."""
+    shape, strides = tuple(int(s) for s in shape), tuple(int(s) for s in strides)
+    n = len(shape)
+    if any(s == 0 for s in shape):
+        return tuple(range(n))  # nothing to address
+    moving = sorted((d for d in range(n) if shape[d] > 1), key=lambda d: (-strides[d], d))
+    expected = 1
+    for d in reversed(moving):
+        if strides[d] != expected:
+            return None
+        expected *= shape[d]
+    # the size-1 dims keep their positions; the others take the remaining places in memory order
+    order, it = [], iter(moving)
+    for d in range(n):
+        order.append(d if shape[d] == 1 else next(it))
+    return tuple(order)

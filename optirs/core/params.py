@@ -262,3 +262,151 @@ class AdafactorParams(_Params):
         _at_least("weight_decay", self.weight_decay, 0.0)
         _flag("maximize", self.maximize)
         _decay_product(self)
+
+
+# ---------------------------------------------------------------- the rest of torch.optim's elementwise optimizers
+
+
+def _adam_like(hp: Any) -> None:
+    """torch's checks of the Adam family (NAdam, RAdam, Adamax): lr, eps, weight_decay >= 0, 0 <= betas < 1."""
+    _at_least("lr", hp.lr, 0.0)
+    _unit_interval("beta1", hp.beta1)
+    _unit_interval("beta2", hp.beta2)
+    _at_least("eps", hp.eps, 0.0)
+    _at_least("weight_decay", hp.weight_decay, 0.0)
+
+
+def _step_one(hp: Any) -> None:
+    _derived(f"lr / (1 - beta1) = {hp.lr!r} / (1 - {hp.beta1!r})", hp.lr / (1.0 - hp.beta1), "the step size at step 1")
+
+
+@dataclass(frozen=True)
+class NadamParams(_Params):
+    """NAdam as ``torch.optim.NAdam``: Nesterov momentum through the mu schedule
+    ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))``; ``weight_decay`` is L2, or decoupled
+    (``p *= 1 - lr * weight_decay``) with ``decoupled_weight_decay``.
+
+    ``mu_product``: the product of the mu's of the steps before this one where the caller keeps it
+    as state (torch does: a schedule of beta1 changes each factor as it comes); None computes it
+    from this beta1 and momentum_decay.
+    """
+
+    lr: float = 2e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum_decay: float = 4e-3
+    decoupled_weight_decay: bool = False
+    mu_product: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _adam_like(self)
+        _at_least("momentum_decay", self.momentum_decay, 0.0)
+        _flag("decoupled_weight_decay", self.decoupled_weight_decay)
+        if self.mu_product is not None:
+            _at_least("mu_product", self.mu_product, 0.0)
+        _decay_product(self)
+
+
+@dataclass(frozen=True)
+class RadamParams(_Params):
+    """RAdam as ``torch.optim.RAdam``: Adam with the variance rectification of Liu et al. (plain
+    momentum SGD while the rectification is undefined, rho_t <= 5)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+
+    def __post_init__(self) -> None:
+        _adam_like(self)
+        _flag("decoupled_weight_decay", self.decoupled_weight_decay)
+        _step_one(self)
+        _decay_product(self)
+
+
+@dataclass(frozen=True)
+class AdamaxParams(_Params):
+    """Adamax as ``torch.optim.Adamax``: Adam with the infinity norm ``u = max(beta2 * u, |g| + eps)``."""
+
+    lr: float = 2e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _adam_like(self)
+        _step_one(self)
+
+
+@dataclass(frozen=True)
+class AdadeltaParams(_Params):
+    """Adadelta as ``torch.optim.Adadelta`` (``lr`` scales the delta; 1.0 is the paper's)."""
+
+    lr: float = 1.0
+    rho: float = 0.9
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _closed_unit_interval("rho", self.rho)
+        _at_least("eps", self.eps, 0.0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+
+
+@dataclass(frozen=True)
+class AsgdParams(_Params):
+    """ASGD as ``torch.optim.ASGD``: SGD with the step size ``eta_t = lr / (1 + lambd * lr * (t - 1)) ** alpha``
+    and decay ``p *= 1 - lambd * eta_t``, averaging the iterates into ``ax`` from step ``t0`` on.
+
+    ``eta``: the step size of this step where the caller keeps it as state (torch computes it at the
+    end of each step from that step's lr, so under a schedule a step uses the previous step's lr:
+    optirs.torch passes the ``eta`` its state holds); None computes it from ``lr`` and the step.
+    """
+
+    lr: float = 1e-2
+    lambd: float = 1e-4
+    alpha: float = 0.75
+    t0: float = 1e6
+    weight_decay: float = 0.0
+    eta: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        _at_least("lambd", self.lambd, 0.0)
+        _real("alpha", self.alpha)
+        _real("t0", self.t0)
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        if self.eta is not None:
+            _at_least("eta", self.eta, 0.0)
+        _derived(f"lambd * lr = {self.lambd!r} * {self.lr!r}", self.lambd * self.lr, "the decay 1 - lambd * eta")
+
+
+@dataclass(frozen=True)
+class RpropParams(_Params):
+    """Rprop as ``torch.optim.Rprop``: per-element step sizes (starting at ``lr``) grown by ``etaplus``
+    where the gradient kept its sign, shrunk by ``etaminus`` where it flipped (that step then
+    skipped), clamped to ``[step_size_min, step_size_max]``; the parameter moves by the sign."""
+
+    lr: float = 1e-2
+    etaminus: float = 0.5
+    etaplus: float = 1.2
+    step_size_min: float = 1e-6
+    step_size_max: float = 50.0
+
+    def __post_init__(self) -> None:
+        _at_least("lr", self.lr, 0.0)
+        if not 0.0 < _real("etaminus", self.etaminus) < 1.0 or not 1.0 < _real("etaplus", self.etaplus):
+            raise InvalidParameterError(f"etas=({self.etaminus!r}, {self.etaplus!r}), expected 0 < etaminus < 1 < etaplus")
+        _at_least("step_size_min", self.step_size_min, 0.0)
+        if _real("step_size_max", self.step_size_max) < self.step_size_min:
+            raise InvalidParameterError(f"step_sizes=({self.step_size_min!r}, {self.step_size_max!r}), expected "
+                                        "step_size_min <= step_size_max")
+
+
+__all__ += ["NadamParams", "RadamParams", "AdamaxParams", "AdadeltaParams", "AsgdParams", "RpropParams"]

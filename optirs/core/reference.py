@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 
 from optirs.core.formats import BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints
-from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
-                                SgdParams)
+from optirs.core.params import (AdadeltaParams, AdafactorParams, AdagradParams, AdamaxParams, AdamParams, AsgdParams,
+                                LambParams, LionParams, NadamParams, RadamParams, RmspropParams, RpropParams, SgdParams)
 
 State = Dict[str, np.ndarray]
 StepResult = Tuple[List[np.ndarray], List[State]]
@@ -509,6 +509,127 @@ def fresh_buffers(fs: FormatState, definition, hp) -> Dict[str, np.ndarray]:
     return {k: np.full(n, fills[k], dtype=dtypes[k]) for k, n in fs.buffer_sizes().items()}
 
 
+# ---------------------------------------------------------------- the rest of torch.optim's elementwise optimizers
+# As torch.optim 2.x's single-tensor steps (the function names in comments are torch's).
+
+
+def _l2_or_decoupled(p, g, hp, decoupled: bool):
+    """torch's two weight decays: ``p *= 1 - lr * wd`` (decoupled) or ``g += wd * p`` (L2); none at wd 0."""
+    if hp.weight_decay == 0:
+        return p, g
+    if decoupled:
+        return p * (1.0 - hp.lr * hp.weight_decay), g
+    return p, g + hp.weight_decay * p
+
+
+def _moments(g, s, hp):
+    """Adam's two moments (NAdam, RAdam): beta1 m + (1 - beta1) g and beta2 v + (1 - beta2) g^2."""
+    return hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g, hp.beta2 * s["exp_avg_sq"] + (1.0 - hp.beta2) * g * g
+
+
+def nadam(params, grads, state, hp: NadamParams, step: int) -> StepResult:
+    """NAdam (torch's ``_single_tensor_nadam``): mu_t = beta1 (1 - 0.5 * 0.96^(t momentum_decay)), the
+    gradient weighted by (1 - mu_t) / (1 - prod mu_{<=t}), the momentum by mu_{t+1} / (1 - prod mu_{<=t+1})."""
+    state = state if state and state[0] else _zeros_like_all(params, ["exp_avg", "exp_avg_sq"])
+    mus = [hp.beta1 * (1.0 - 0.5 * 0.96 ** (k * hp.momentum_decay)) for k in range(1, step + 2)]
+    mu_product = float(np.prod(mus[:step])) if hp.mu_product is None else hp.mu_product * mus[step - 1]
+    mu, mu_next = mus[step - 1], mus[step]
+    bc2 = 1.0 - hp.beta2**step
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        p, g = _l2_or_decoupled(p, g, hp, hp.decoupled_weight_decay)
+        m, v = _moments(g, s, hp)
+        denom = np.sqrt(v / bc2) + hp.eps
+        p = p - hp.lr * (1.0 - mu) / (1.0 - mu_product) * g / denom
+        p = p - hp.lr * mu_next / (1.0 - mu_product * mu_next) * m / denom
+        new_p.append(p)
+        new_s.append({"exp_avg": m, "exp_avg_sq": v})
+    return new_p, new_s
+
+
+def radam(params, grads, state, hp: RadamParams, step: int) -> StepResult:
+    """RAdam (torch's ``_single_tensor_radam``): the rectified adaptive step where rho_t > 5, else
+    the bias-corrected momentum step ``p -= lr * m / (1 - beta1^t)``."""
+    state = state if state and state[0] else _zeros_like_all(params, ["exp_avg", "exp_avg_sq"])
+    bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step
+    rho_inf = 2.0 / (1.0 - hp.beta2) - 1.0
+    rho_t = rho_inf - 2.0 * step * hp.beta2**step / bc2
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        p, g = _l2_or_decoupled(p, g, hp, hp.decoupled_weight_decay)
+        m, v = _moments(g, s, hp)
+        update = m / bc1 * hp.lr
+        if rho_t > 5.0:
+            rect = np.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+            update = update * (np.sqrt(bc2) / (np.sqrt(v) + hp.eps)) * rect
+        new_p.append(p - update)
+        new_s.append({"exp_avg": m, "exp_avg_sq": v})
+    return new_p, new_s
+
+
+def adamax(params, grads, state, hp: AdamaxParams, step: int) -> StepResult:
+    """Adamax (torch's ``_single_tensor_adamax``): u = max(beta2 u, |g| + eps), p -= lr / (1 - beta1^t) m / u."""
+    state = state if state and state[0] else _zeros_like_all(params, ["exp_avg", "exp_inf"])
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        p, g = _l2_or_decoupled(p, g, hp, False)
+        m = hp.beta1 * s["exp_avg"] + (1.0 - hp.beta1) * g
+        u = np.maximum(hp.beta2 * s["exp_inf"], np.abs(g) + hp.eps)
+        new_p.append(p - hp.lr / (1.0 - hp.beta1**step) * m / u)
+        new_s.append({"exp_avg": m, "exp_inf": u})
+    return new_p, new_s
+
+
+def adadelta(params, grads, state, hp: AdadeltaParams, step: int) -> StepResult:
+    """Adadelta (torch's ``_single_tensor_adadelta``): delta = sqrt(a + eps) / sqrt(s + eps) g."""
+    state = state if state and state[0] else _zeros_like_all(params, ["square_avg", "acc_delta"])
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        p, g = _l2_or_decoupled(p, g, hp, False)
+        sq = hp.rho * s["square_avg"] + (1.0 - hp.rho) * g * g
+        delta = np.sqrt(s["acc_delta"] + hp.eps) / np.sqrt(sq + hp.eps) * g
+        acc = hp.rho * s["acc_delta"] + (1.0 - hp.rho) * delta * delta
+        new_p.append(p - hp.lr * delta)
+        new_s.append({"square_avg": sq, "acc_delta": acc})
+    return new_p, new_s
+
+
+def asgd(params, grads, state, hp: AsgdParams, step: int) -> StepResult:
+    """ASGD (torch's ``_single_tensor_asgd``): p = p (1 - lambd eta) - eta g with the eta of the end of
+    the previous step (``hp.eta`` where given), then ax averages the iterates with the previous step's mu."""
+    state = state if state and state[0] else _zeros_like_all(params, ["ax"])
+    prev = step - 1
+    eta = hp.lr / (1.0 + hp.lambd * hp.lr * prev) ** hp.alpha if hp.eta is None else hp.eta
+    mu = 1.0 if prev == 0 else 1.0 / max(1.0, prev - hp.t0)
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        p, g = _l2_or_decoupled(p, g, hp, False)
+        p = p * (1.0 - hp.lambd * eta) - eta * g
+        new_p.append(p)
+        new_s.append({"ax": s["ax"] + (p - s["ax"]) * mu if mu != 1.0 else p.copy()})
+    return new_p, new_s
+
+
+def rprop(params, grads, state, hp: RpropParams, step: int) -> StepResult:
+    """Rprop (torch's ``_single_tensor_rprop``): where g * prev > 0 the step size grows by etaplus, < 0
+    shrinks by etaminus (and that element does not move, its prev becomes 0), clamped; p -= sign(g) step.
+    The step sizes start at the lr of step 1 (torch fills them with it when it makes the state)."""
+    if not (state and state[0]):
+        state = _zeros_like_all(params, ["prev", "step_size"])
+    new_p, new_s = [], []
+    for p, g, s in zip(_f64(params), _f64(grads), state):
+        start = np.full(np.shape(p), float(hp.lr)) if step == 1 else s["step_size"]
+        with np.errstate(invalid="ignore"):
+            sign = np.sign(g * s["prev"])
+            factor = np.where(sign > 0, hp.etaplus, np.where(sign < 0, hp.etaminus, np.where(sign == 0, 1.0, sign)))
+            step_size = np.clip(start * factor, hp.step_size_min, hp.step_size_max)
+        g = np.where(factor == hp.etaminus, 0.0, g)
+        new_p.append(p - np.sign(g) * step_size)
+        new_s.append({"prev": g, "step_size": step_size})
+    return new_p, new_s
+
+
 # Each optimizer's float64 step, by name (run() looks steps up here).
 STEPS: Dict[str, Callable[..., StepResult]] = {f.__name__: f for f in (adam, adamw, sgd, rmsprop, adagrad, lamb, lion,
-                                                                        adafactor)}
+                                                                        adafactor, nadam, radam, adamax, adadelta, asgd,
+                                                                        rprop)}

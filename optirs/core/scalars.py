@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, NamedTuple, Tuple
 import numpy as np
 
 from optirs.core.errors import InvalidParameterError
-from optirs.core.params import (AdafactorParams, AdagradParams, AdamParams, LambParams, LionParams, RmspropParams,
-                                SgdParams)
+from optirs.core.params import (AdadeltaParams, AdafactorParams, AdagradParams, AdamaxParams, AdamParams, AsgdParams,
+                                LambParams, LionParams, NadamParams, RadamParams, RmspropParams, RpropParams, SgdParams)
 
 f32 = np.float32
 
@@ -257,10 +257,14 @@ def adafactor_scalars(hp: AdafactorParams, step: int, grad_factor: float = 1.0) 
     ), hp, step)
 
 
+def _bool_positions(cls: type) -> Tuple[int, ...]:
+    return tuple(i for i, name in enumerate(cls._fields)
+                 if getattr(cls.__annotations__[name], "__forward_arg__", cls.__annotations__[name]) in (bool, "bool"))
+
+
 # The positions of each record's bool fields (the rest are float32), for _record.
 _BOOL_FIELDS: Dict[type, Tuple[int, ...]] = {
-    cls: tuple(i for i, name in enumerate(cls._fields)
-               if getattr(cls.__annotations__[name], "__forward_arg__", cls.__annotations__[name]) in (bool, "bool"))
+    cls: _bool_positions(cls)
     for cls in (AdamScalars, SgdScalars, RmspropScalars, AdagradScalars, LambScalars, LionScalars, AdafactorScalars)}
 
 # The pointwise kernel families' formulas (adamw shares adam's record and formula; decoupled is a constant).
@@ -272,3 +276,175 @@ FORMULAS: Dict[str, ScalarFormula] = {
     "adagrad": ScalarFormula(AdagradScalars, adagrad_constants, adagrad_values),
     "lion": ScalarFormula(LionScalars, lion_constants, lion_values),
 }
+
+
+# ---------------------------------------------------------------- the rest of torch.optim's elementwise optimizers
+# Their records are computed on the host only (no device-side formula: capturable steps are not
+# offered for them): NAdam's mu product and ASGD's eta are carried from step to step as torch
+# carries them, which a formula of (constants, lr, step) alone would not reproduce.
+
+
+class NadamScalars(NamedTuple):
+    beta1: np.float32
+    beta2: np.float32
+    one_minus_beta1: np.float32
+    one_minus_beta2: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    bias_correction2: np.float32  # 1 - beta2**t
+    grad_coef: np.float32  # -lr * (1 - mu_t) / (1 - prod_{k<=t} mu_k)
+    avg_coef: np.float32  # -lr * mu_{t+1} / (1 - prod_{k<=t+1} mu_k)
+    decay_factor: np.float32  # 1 - lr * weight_decay (decoupled)
+    decoupled: bool
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
+
+
+class RadamScalars(NamedTuple):
+    beta1: np.float32
+    beta2: np.float32
+    one_minus_beta1: np.float32
+    one_minus_beta2: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    lr: np.float32
+    bias_correction1: np.float32  # 1 - beta1**t
+    bias_correction2_sqrt: np.float32  # sqrt(1 - beta2**t)
+    rect: np.float32  # the variance rectification term (when rectified)
+    decay_factor: np.float32  # 1 - lr * weight_decay (decoupled)
+    rectified: bool  # rho_t > 5: the adaptive step; otherwise the momentum step alone
+    decoupled: bool
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
+
+
+class AdamaxScalars(NamedTuple):
+    beta1: np.float32
+    one_minus_beta1: np.float32
+    beta2: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    clr: np.float32  # lr / (1 - beta1**t)
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
+
+
+class AdadeltaScalars(NamedTuple):
+    lr: np.float32
+    rho: np.float32
+    one_minus_rho: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
+
+
+class AsgdScalars(NamedTuple):
+    eta: np.float32  # this step's step size
+    decay_factor: np.float32  # 1 - lambd * eta
+    weight_decay: np.float32
+    mu: np.float32  # the averaging weight of this step
+    averaging: bool  # mu != 1 (else ax = p)
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
+
+
+class RpropScalars(NamedTuple):
+    lr: np.float32  # the step sizes' start (torch fills them with the lr of the first step)
+    etaminus: np.float32
+    etaplus: np.float32
+    step_size_min: np.float32
+    step_size_max: np.float32
+    first_step: bool
+    grad_factor: np.float32 = f32(1.0)  # multiplies every gradient element first (maximize, unscale)
+
+
+def nadam_mu(hp: NadamParams, step: int) -> float:
+    """torch.optim.NAdam's momentum coefficient mu_t (float64)."""
+    return hp.beta1 * (1.0 - 0.5 * 0.96 ** (step * hp.momentum_decay))
+
+
+# (beta1, momentum_decay) -> (t, prod_{k<=t} mu_k as torch's float32 state keeps it): a step continues
+# the product of the step before it instead of multiplying t factors again.
+_MU_PRODUCTS: Dict[Tuple[float, float], Tuple[int, np.float32]] = {}
+
+
+def nadam_mu_product(hp: NadamParams, step: int) -> float:
+    """prod_{k<=step} mu_k as torch keeps it: a float32 0-dim tensor multiplied by float32(mu_k) each step
+    (``hp.mu_product``, where given, is the product of the steps before ``step``)."""
+    if hp.mu_product is not None:
+        return float(f32(f32(hp.mu_product) * f32(nadam_mu(hp, step))))
+    key = (float(hp.beta1), float(hp.momentum_decay))
+    t, value = _MU_PRODUCTS.get(key, (0, f32(1.0)))
+    if t > step:
+        t, value = 0, f32(1.0)
+    while t < step:
+        t += 1
+        value = f32(value * f32(nadam_mu(hp, t)))
+    if len(_MU_PRODUCTS) > 64:  # a sweep over many hyperparameters: keep the cache small
+        _MU_PRODUCTS.clear()
+    _MU_PRODUCTS[key] = (t, value)
+    return float(value)
+
+
+def nadam_scalars(hp: NadamParams, step: int, grad_factor: float = 1.0) -> NadamScalars:
+    mu, mu_next = nadam_mu(hp, step), nadam_mu(hp, step + 1)
+    mu_product = nadam_mu_product(hp, step)
+    mu_product_next = mu_product * mu_next  # as torch: the held float32 product times a float64 mu
+    lr = float(hp.lr)
+    values = (hp.beta1, hp.beta2, 1.0 - hp.beta1, 1.0 - hp.beta2, hp.eps, hp.weight_decay, 1.0 - hp.beta2**step,
+              -lr * (1.0 - mu) / (1.0 - mu_product), -lr * mu_next / (1.0 - mu_product_next),
+              1.0 - lr * hp.weight_decay, float(bool(hp.decoupled_weight_decay)), grad_factor)
+    return _finite_record(NadamScalars, values, hp, step)
+
+
+def radam_rectification(hp: RadamParams, step: int) -> Tuple[bool, float]:
+    """(whether rho_t > 5, the rectification term r_t then) as torch.optim.RAdam computes them."""
+    rho_inf = 2.0 / (1.0 - hp.beta2) - 1.0
+    bc2 = 1.0 - hp.beta2**step
+    rho_t = rho_inf - 2.0 * step * hp.beta2**step / bc2
+    if not rho_t > 5.0:
+        return False, 0.0
+    return True, math.sqrt((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t))
+
+
+def radam_scalars(hp: RadamParams, step: int, grad_factor: float = 1.0) -> RadamScalars:
+    rectified, rect = radam_rectification(hp, step)
+    values = (hp.beta1, hp.beta2, 1.0 - hp.beta1, 1.0 - hp.beta2, hp.eps, hp.weight_decay, hp.lr,
+              1.0 - hp.beta1**step, math.sqrt(1.0 - hp.beta2**step), rect, 1.0 - hp.lr * hp.weight_decay,
+              float(rectified), float(bool(hp.decoupled_weight_decay)), grad_factor)
+    return _finite_record(RadamScalars, values, hp, step)
+
+
+def adamax_scalars(hp: AdamaxParams, step: int, grad_factor: float = 1.0) -> AdamaxScalars:
+    values = (hp.beta1, 1.0 - hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.lr / (1.0 - hp.beta1**step),
+              grad_factor)
+    return _finite_record(AdamaxScalars, values, hp, step)
+
+
+def adadelta_scalars(hp: AdadeltaParams, step: int, grad_factor: float = 1.0) -> AdadeltaScalars:
+    return _finite_record(AdadeltaScalars, (hp.lr, hp.rho, 1.0 - hp.rho, hp.eps, hp.weight_decay, grad_factor),
+                          hp, step)
+
+
+def asgd_eta(hp: AsgdParams, lr: float, step: int) -> float:
+    """The step size torch stores at the end of step ``step`` (lr of that step), used by the next: float32."""
+    return float(f32(lr / ((1.0 + hp.lambd * lr * step) ** hp.alpha)))
+
+
+def asgd_mu(hp: AsgdParams, step: int) -> float:
+    """The averaging weight torch stores at the end of step ``step`` (1 before the first): float32."""
+    return 1.0 if step == 0 else float(f32(1.0 / max(1.0, step - hp.t0)))
+
+
+def asgd_scalars(hp: AsgdParams, step: int, grad_factor: float = 1.0) -> AsgdScalars:
+    # torch's step t uses the eta and mu its state holds, both computed at the end of step t - 1
+    # (eta from that step's lr; the first from the lr of the first step)
+    eta = asgd_eta(hp, hp.lr, step - 1) if hp.eta is None else float(f32(hp.eta))
+    mu = asgd_mu(hp, step - 1)
+    values = (eta, 1.0 - hp.lambd * eta, hp.weight_decay, mu, float(mu != 1.0), grad_factor)
+    return _finite_record(AsgdScalars, values, hp, step)
+
+
+def rprop_scalars(hp: RpropParams, step: int, grad_factor: float = 1.0) -> RpropScalars:
+    values = (hp.lr, hp.etaminus, hp.etaplus, hp.step_size_min, hp.step_size_max, float(step == 1), grad_factor)
+    return _finite_record(RpropScalars, values, hp, step)
+
+
+_BOOL_FIELDS.update({cls: _bool_positions(cls) for cls in (NadamScalars, RadamScalars, AdamaxScalars, AdadeltaScalars,
+                                                          AsgdScalars, RpropScalars)})

@@ -286,6 +286,10 @@ class GpuOptimizer:
             pm, gm = describe(p, f"params[{i}]"), describe(g, f"grads[{i}]")
             if bits_as is not None:
                 pm, gm = as_16bit(pm, bits_as), as_16bit(gm, bits_as)
+            for m, label in ((pm, "params"), (gm, "grads")):
+                if not m.dtype.isnative:  # a byte-swapped float32 still names itself float32
+                    raise ShapeMismatchError(f"{label}[{i}] has dtype {m.dtype.str} (non-native byte order), expected "
+                                             "native byte order")
             if dtype_name(pm.dtype) not in self.param_dtypes:
                 raise ShapeMismatchError(
                     f"params[{i}] has dtype {pm.dtype}, expected one of {list(self.param_dtypes)}"

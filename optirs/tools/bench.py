@@ -1,6 +1,6 @@
 """``optirs bench``: every optimizer on every available backend, beside torch.optim, as fractions of copy bandwidth.
 
-Cases (sizes times ``--size-scale`` except ``small``):
+Cases (the full sizes, each times the size scale):
 
 * ``flat``: one 256M-element float32 tensor;
 * ``model``: 300 tensors of lognormal sizes (seed 0) summing to about 134M parameters, each size
@@ -8,16 +8,25 @@ Cases (sizes times ``--size-scale`` except ``small``):
 * ``small``: 1M parameters in 50 tensors (same recipe, seed 1): the wall time of a whole step,
   host included, where launch and Python overheads dominate.
 
+Sized for the machine: the full sizes (and 10 steps x 7 batches) when a measured device is not
+the host's processor (a GPU), else a CPU run at 1/64 of them (4M flat, 2M model, 16K small; 3
+steps x 5 batches) that takes about a minute and well under 2 GB; ``--full`` forces the full
+run, ``--size-scale`` / ``--reps`` / ``--repeats`` / ``--warmup`` set each part. By default a
+backend whose device is the host's processor is measured only where ``backend="auto"`` would
+rank it first among those (the cpu backend rather than OpenCL on PoCL); ``--backends`` names any.
+
 Per case and optimizer it reports the step time (median over batches of back-to-back steps through
 the public API, ``step_gpu``), the kernel time (the backend's step hook alone, no validation),
 the effective bandwidth (bytes the optimizer must move / kernel time), the fraction of the
-device's copy bandwidth measured in the same run, and the speedup over torch.optim (fused where
+device's copy bandwidth measured in the same run at the case's own size, and the speedup over torch.optim (fused where
 torch has it for that optimizer and device, else foreach) on the same device. Before timing,
 every optimizer is checked against :mod:`optirs.core.reference` on a small model.
 
 Device arrays come from each backend's own kind: numba device arrays (cuda), pyopencl arrays on
 the backend's queue (opencl), numpy (cpu). Timing uses CUDA events on the CUDA device, and
-synchronize + perf_counter elsewhere; arrays are random (never zeros) and warm-up steps run first.
+synchronize + perf_counter elsewhere; arrays are random (never zeros), every buffer (state
+included) exists before the timed steps, and warm-up steps run first. Not in a terminal, one line
+per case goes to stderr as it finishes; Ctrl-C prints the results so far and exits 130.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ MODEL_TENSORS = 300
 SMALL_TOTAL = 1_000_000
 SMALL_TENSORS = 50
 CASES = ("flat", "model", "small")
+CPU_SCALE = 1 / 64  # the default size scale where every measured device is the host's processor
 # DeviceInfo.kind values of devices that are the host's processor (the numpy peer runs there too).
 HOST_DEVICE_KINDS = frozenset({"cpu"})
 
@@ -73,7 +83,7 @@ def case_sizes(case: str, scale: float) -> List[int]:
     if case == "model":
         return lognormal_sizes(max(MODEL_TENSORS * 64, int(MODEL_TOTAL * scale)), MODEL_TENSORS, seed=0)
     if case == "small":
-        return lognormal_sizes(SMALL_TOTAL, SMALL_TENSORS, seed=1)
+        return lognormal_sizes(max(SMALL_TENSORS * 64, int(SMALL_TOTAL * scale)), SMALL_TENSORS, seed=1)
     raise ValueError(case)
 
 
@@ -166,7 +176,9 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
 
     ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
             "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad,
-            "adafactor": getattr(torch.optim, "Adafactor", None)}.get(name)
+            "adafactor": getattr(torch.optim, "Adafactor", None), "nadam": torch.optim.NAdam,
+            "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax, "adadelta": torch.optim.Adadelta,
+            "asgd": torch.optim.ASGD, "rprop": torch.optim.Rprop}.get(name)
     if ctor is None:
         return None, "torch.optim has no " + name
     kwargs = {
@@ -177,6 +189,15 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
         "adagrad": lambda: dict(lr=hp.lr, eps=hp.eps),
         "adafactor": lambda: dict(lr=hp.lr, beta2_decay=hp.beta2_decay, eps=hp.eps, d=hp.d,
                                   weight_decay=hp.weight_decay, maximize=hp.maximize),
+        "nadam": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay,
+                              momentum_decay=hp.momentum_decay, decoupled_weight_decay=hp.decoupled_weight_decay),
+        "radam": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay,
+                              decoupled_weight_decay=hp.decoupled_weight_decay),
+        "adamax": lambda: dict(lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay),
+        "adadelta": lambda: dict(lr=hp.lr, rho=hp.rho, eps=hp.eps, weight_decay=hp.weight_decay),
+        "asgd": lambda: dict(lr=hp.lr, lambd=hp.lambd, alpha=hp.alpha, t0=hp.t0, weight_decay=hp.weight_decay),
+        "rprop": lambda: dict(lr=hp.lr, etas=(hp.etaminus, hp.etaplus),
+                              step_sizes=(hp.step_size_min, hp.step_size_max)),
     }[name]()
     for mode in ("fused", "foreach"):
         try:
@@ -189,37 +210,49 @@ def torch_optimizer(name: str, params: List[Any], hp: Any, device: str):
 
 
 def numpy_step(name: str, hp: Any):
-    """A float32 in-place numpy step (the CPU peer); None where not written."""
+    """(make_state(p) -> state, step(p, g, state, t)): a float32 in-place numpy step (the CPU peer),
+    its state and scratch allocated by ``make_state`` before any timed step; None where not written."""
     f32 = np.float32
     if name in ("adam", "adamw"):
+        def make(p):
+            return {"m": np.zeros_like(p), "v": np.zeros_like(p), "t": np.empty_like(p)}
+
         def step(p, g, st, t):
-            m, v, tmp = st.setdefault("m", np.zeros_like(p)), st.setdefault("v", np.zeros_like(p)), st.setdefault("t", np.empty_like(p))
+            m, v, tmp = st["m"], st["v"], st["t"]
             if name == "adamw":
                 p *= f32(1 - hp.lr * hp.weight_decay)
             m *= f32(hp.beta1); np.multiply(g, f32(1 - hp.beta1), out=tmp); m += tmp
             v *= f32(hp.beta2); np.multiply(g, g, out=tmp); tmp *= f32(1 - hp.beta2); v += tmp
             np.sqrt(v, out=tmp); tmp /= f32(np.sqrt(1 - hp.beta2**t)); tmp += f32(hp.eps)
             np.divide(m, tmp, out=tmp); tmp *= f32(hp.lr / (1 - hp.beta1**t)); p -= tmp
-        return step
+        return make, step
     if name == "sgd":
+        def make(p):
+            return {"b": np.empty_like(p), "t": np.empty_like(p)}
+
         def step(p, g, st, t):
-            b = st.setdefault("b", g.copy())
+            b, tmp = st["b"], st["t"]
             if t > 1:
                 b *= f32(hp.momentum); b += g
-            tmp = st.setdefault("t", np.empty_like(p)); np.multiply(b, f32(hp.lr), out=tmp); p -= tmp
-        return step
-    if name == "adagrad":
-        def step(p, g, st, t):
-            s, tmp = st.setdefault("s", np.zeros_like(p)), st.setdefault("t", np.empty_like(p))
-            np.multiply(g, g, out=tmp); s += tmp; np.sqrt(s, out=tmp); tmp += f32(hp.eps)
-            np.divide(g, tmp, out=tmp); tmp *= f32(hp.lr); p -= tmp
-        return step
-    if name == "rmsprop":
-        def step(p, g, st, t):
-            s, tmp = st.setdefault("s", np.zeros_like(p)), st.setdefault("t", np.empty_like(p))
-            s *= f32(hp.alpha); np.multiply(g, g, out=tmp); tmp *= f32(1 - hp.alpha); s += tmp
-            np.sqrt(s, out=tmp); tmp += f32(hp.eps); np.divide(g, tmp, out=tmp); tmp *= f32(hp.lr); p -= tmp
-        return step
+            else:
+                np.copyto(b, g)  # torch's first momentum buffer is the gradient
+            np.multiply(b, f32(hp.lr), out=tmp); p -= tmp
+        return make, step
+    if name in ("adagrad", "rmsprop"):
+        def make(p):
+            return {"s": np.zeros_like(p), "t": np.empty_like(p)}
+
+        if name == "adagrad":
+            def step(p, g, st, t):
+                s, tmp = st["s"], st["t"]
+                np.multiply(g, g, out=tmp); s += tmp; np.sqrt(s, out=tmp); tmp += f32(hp.eps)
+                np.divide(g, tmp, out=tmp); tmp *= f32(hp.lr); p -= tmp
+        else:
+            def step(p, g, st, t):
+                s, tmp = st["s"], st["t"]
+                s *= f32(hp.alpha); np.multiply(g, g, out=tmp); tmp *= f32(1 - hp.alpha); s += tmp
+                np.sqrt(s, out=tmp); tmp += f32(hp.eps); np.divide(g, tmp, out=tmp); tmp *= f32(hp.lr); p -= tmp
+        return make, step
     return None
 
 
@@ -249,11 +282,12 @@ class Report:
     host: str
     versions: Dict[str, str]
     devices: Dict[str, str] = field(default_factory=dict)
-    copy_gbps: Dict[str, float] = field(default_factory=dict)
+    copy_gbps: Dict[str, float] = field(default_factory=dict)  # "backend/case": measured at the case's size
     copy_method: Dict[str, str] = field(default_factory=dict)
     checks: Dict[str, str] = field(default_factory=dict)
     rows: List[Row] = field(default_factory=list)
     settings: Dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False  # Ctrl-C: the rows are those measured before it
 
 
 def _versions() -> Dict[str, str]:
@@ -279,7 +313,7 @@ def _versions() -> Dict[str, str]:
 
 
 def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warmup: int, wall: bool = False) -> float:
-    for _ in range(warmup):
+    for _ in range(max(1, warmup)):  # at least one: buffers a first step allocates are not timed
         fn()
     kind.sync()
     timer = kind.wall_ms if wall else kind.time_ms
@@ -355,18 +389,91 @@ def bench_optirs(backend: Any, kind: Kind, name: str, hp: Any, params: List[Any]
     return api_ms, hook_ms
 
 
-def run(args: argparse.Namespace, console: Any) -> Report:
+def default_backends(statuses: Dict[str, Any]) -> Tuple[List[str], List[str]]:
+    """(backends measured by default, notes on those left out): every available backend whose
+    device is not the host's processor, and of those whose device is, the one ``backend="auto"``
+    ranks first (two backends on the same cores measure the cores twice)."""
+    from optirs.plugin.registry import choose_auto
+
+    available = [n for n in SUPPORTED_BACKENDS if n in statuses and statuses[n].available]
+    available += [n for n, st in statuses.items() if st.available and n not in available]
+    on_host = [n for n in available if _on_host(statuses[n])]
+    ranked = [n for n in choose_auto().ranking if n in on_host] + on_host
+    keep = set(available) - set(on_host) | set(ranked[:1])
+    notes = [f"{n}: its device is this host's processor, measured by {ranked[0]} (--backends {n} times it)"
+             for n in on_host if n not in keep]
+    return [n for n in available if n in keep], notes
+
+
+def _on_host(status: Any) -> bool:
+    return any(d.kind in HOST_DEVICE_KINDS for d in status.devices[:1])
+
+
+def resolve_sizing(args: argparse.Namespace, statuses: Dict[str, Any], names: Sequence[str]) -> str:
+    """Fill the size scale, reps, repeats and warm-up the user left unset (module docstring);
+    returns the profile's name."""
+    host_only = bool(names) and all(_on_host(statuses[n]) for n in names if n in statuses)
+    profile = "cpu" if host_only and not args.full else "full"
+    defaults = {"cpu": (CPU_SCALE, 3, 5, 1), "full": (1.0, 10, 7, 3)}[profile]
+    for key, value in zip(("size_scale", "reps", "repeats", "warmup"), defaults):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return profile
+
+
+class CaseProgress:
+    """A line per finished case on stderr when it is not a terminal (logs, CI, a pipe); a live
+    bar per backend in a terminal, its finished cases left printed above it."""
+
+    def __init__(self, console: Any, total_cases: int):
+        self.console, self.total, self.done = console, total_cases, 0
+        self.bar = None
+        if console.is_terminal:
+            from rich.progress import Progress
+
+            self.bar = Progress(console=console, transient=True)
+
+    def __enter__(self) -> "CaseProgress":
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def start(self, label: str, steps: int) -> None:
+        self.t0 = time.perf_counter()
+        if self.bar is not None:
+            self.task = self.bar.add_task(label, total=steps)
+
+    def step(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=label)
+
+    def advance(self) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def finish(self, text: str) -> None:
+        self.done += 1
+        line = f"[{self.done}/{self.total}] {text} ({time.perf_counter() - self.t0:.1f} s)"
+        if self.bar is not None:
+            self.bar.remove_task(self.task)
+        self.console.print(line, markup=False, highlight=False)
+
+
+def run(args: argparse.Namespace, console: Any, report: Report, statuses: Dict[str, Any], names: Sequence[str],
+        progress_console: Any) -> Report:
+    """Measure into ``report`` (filled as it goes, so a Ctrl-C leaves the cases finished so far)."""
     import optirs
     from optirs.plugin.hookspecs import OPTIMIZER_NAMES
 
-    report = Report(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                    platform.node(), _versions())
     hps = default_hyperparameters()
     optimizers = args.optimizers or list(OPTIMIZER_NAMES)
-    report.settings = {"size_scale": args.size_scale, "reps": args.reps, "repeats": args.repeats,
-                       "warmup": args.warmup, "cases": args.cases, "optimizers": optimizers}
-    statuses = {s.name: s for s in optirs.list_backends()}
-    names = args.backends or [n for n in SUPPORTED_BACKENDS if n in statuses]
+    report.settings.update({"size_scale": args.size_scale, "reps": args.reps, "repeats": args.repeats,
+                            "warmup": args.warmup, "cases": args.cases, "optimizers": optimizers,
+                            "backends": list(names)})
     torch = None
     if not args.no_torch:
         try:
@@ -374,37 +481,31 @@ def run(args: argparse.Namespace, console: Any) -> Report:
         except ImportError:
             torch = None
 
-    from rich.progress import Progress
-
-    with Progress(console=console, transient=True) as progress:
+    with CaseProgress(progress_console, len(names) * len(args.cases)) as progress:
         for bname in names:
-            status = statuses.get(bname)
-            if status is None or not status.available:
-                console.print(f"[yellow]skipping backend {bname}: {status.reason if status else 'not installed'}[/]")
-                continue
             backend = optirs.get_backend(bname)
             kind = make_kind(backend)
             # numpy's loops are a peer only where the backend computes on the host's own processor.
-            on_host = any(d.kind in HOST_DEVICE_KINDS for d in backend.devices[:1])
+            on_host = _on_host(statuses[bname])
             report.devices[bname] = kind.describe()
-            flat_n = case_sizes("flat", args.size_scale)[0]
-            gbps, method = measure_copy(kind, flat_n, args.reps, args.repeats)
-            report.copy_gbps[bname], report.copy_method[bname] = gbps, method
             for name in optimizers:
                 report.checks[f"{bname}/{name}"] = check_against_reference(bname, kind, name, hps[name])
             tdev = kind.torch_device() if torch is not None else None
-            task = progress.add_task(f"{bname}", total=len(args.cases) * len(optimizers))
             for case in args.cases:
+                progress.start(f"{bname} {case}", len(optimizers))
                 sizes = case_sizes(case, args.size_scale)
                 total = sum(sizes)
                 wall = case == "small"
+                reps = max(3, args.reps if not wall else args.reps * 10)
+                key = f"{bname}/{case}"
+                report.copy_gbps[key], report.copy_method[key] = measure_copy(kind, total, reps, args.repeats)
+                copy = report.copy_gbps[key]
                 hosts_p = [_random(n, 11 + i) for i, n in enumerate(sizes)]
                 hosts_g = [_random(n, 1000 + i) * np.float32(0.01) for i, n in enumerate(sizes)]
                 params = [kind.make(h) for h in hosts_p]
                 grads = [kind.make(h) for h in hosts_g]
-                reps = max(3, args.reps if not wall else args.reps * 10)
                 for name in optimizers:
-                    progress.update(task, description=f"{bname} {case} {name}")
+                    progress.step(f"{bname} {case} {name}")
                     check = report.checks[f"{bname}/{name}"]
                     torch_ms = None
                     if tdev is not None and name != "lamb":
@@ -414,34 +515,35 @@ def run(args: argparse.Namespace, console: Any) -> Report:
                         topt, mode = torch_optimizer(name, tp, hps[name], tdev)
                         if topt is not None:
                             torch_ms = _median_ms(kind, topt.step, reps, args.repeats, args.warmup, wall=wall)
-                            report.rows.append(_row(bname, f"torch {mode}", name, case, sizes, torch_ms, torch_ms, None,
-                                                    report.copy_gbps[bname], ""))
+                            report.rows.append(_row(bname, f"torch {mode}", name, case, sizes, torch_ms, torch_ms,
+                                                    None, copy, ""))
                         del tp, topt
-                    if on_host and not args.no_numpy:
-                        fn = numpy_step(name, hps[name])
-                        if fn is not None:
-                            nps = [h.copy() for h in hosts_p]
-                            states = [dict() for _ in nps]
-                            counter = [0]
+                    peer = numpy_step(name, hps[name]) if on_host and not args.no_numpy else None
+                    if peer is not None:
+                        make_state, fn = peer
+                        nps = [h.copy() for h in hosts_p]
+                        states = [make_state(p) for p in nps]
+                        counter = [0]
 
-                            def np_step():
-                                counter[0] += 1
-                                for p, g, st in zip(nps, hosts_g, states):
-                                    fn(p, g, st, counter[0])
+                        def np_step():
+                            counter[0] += 1
+                            for p, g, st in zip(nps, hosts_g, states):
+                                fn(p, g, st, counter[0])
 
-                            ms = _median_ms(kind, np_step, reps, args.repeats, args.warmup, wall=True)
-                            report.rows.append(_row(bname, "numpy", name, case, sizes, ms, ms, torch_ms,
-                                                    report.copy_gbps[bname], ""))
-                            del nps, states
+                        ms = _median_ms(kind, np_step, reps, args.repeats, args.warmup, wall=True)
+                        report.rows.append(_row(bname, "numpy", name, case, sizes, ms, ms, torch_ms, copy, ""))
+                        del nps, states
                     try:
                         api_ms, hook_ms = bench_optirs(backend, kind, name, hps[name], params, grads, sizes, reps,
                                                        args.repeats, args.warmup, wall)
                         report.rows.append(_row(bname, "optirs", name, case, sizes, api_ms, hook_ms, torch_ms,
-                                                report.copy_gbps[bname], check))
+                                                copy, check))
                     except Exception as exc:  # report and carry on with the other cases
                         report.rows.append(Row(bname, "optirs", name, case, total, len(sizes), float("nan"),
                                                check=check, note=f"{type(exc).__name__}: {exc}"))
-                    progress.advance(task)
+                    progress.advance()
+                progress.finish(f"{bname} {case}: {len(optimizers)} optimizers, {_count(total)} elements "
+                                f"in {_tensors(len(sizes))}")
                 del params, grads, hosts_p, hosts_g
     return report
 
@@ -457,23 +559,57 @@ def _row(backend: str, impl: str, name: str, case: str, sizes: Sequence[int], ms
 # ------------------------------------------------------------------ output
 
 
+# Column headers kept short so a table fits 80 columns: a pipe has no wider terminal to use.
+IMPL_SHORT = {"torch fused": "torch-fused", "torch foreach": "torch-4each"}
+
+
 def print_report(report: Report, console: Any) -> None:
+    """One table per backend and case (their sizes and copy bandwidth in the title), each within 80
+    columns; a check's detail and a row's error are listed under the tables, never cut."""
     from rich.table import Table
 
-    console.print(f"optirs bench, {report.date}; " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
+    from optirs.tools.cli import table_box
+
+    console.print(f"optirs bench, {report.date}; " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
+                  markup=False, highlight=False)
     for b, d in report.devices.items():
-        console.print(f"  {b}: {d}; copy bandwidth {report.copy_gbps[b]:.1f} GB/s ({report.copy_method[b]})")
-    table = Table(title="optimizer step: ms per step, effective GB/s (bytes the optimizer must move / kernel time)")
-    for col in ("backend", "case", "optimizer", "impl", "elements/tensors", "step ms", "kernel ms", "GB/s",
-                "of copy", "vs torch", "check"):
-        table.add_column(col, justify="right" if col not in ("backend", "case", "optimizer", "impl", "check") else "left")
-    for r in report.rows:
-        table.add_row(r.backend, r.case, r.optimizer, r.impl, f"{r.elements / 1e6:.1f}M/{r.tensors}", _f(r.ms, 3),
-                      _f(r.kernel_ms, 3), _f(r.gbps, 0), _pct(r.copy_fraction),
-                      f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-", r.check or r.note)
-    console.print(table)
-    console.print("step ms: a whole step through step_gpu (small case: wall time, host included); kernel ms: the "
-                  "backend's step hook alone (optirs) or the same step (peers); vs torch: torch step ms / step ms.")
+        console.print(f"  {b}: {d}", markup=False, highlight=False)
+    style = table_box(console)
+    notes: List[str] = []
+    for key in dict.fromkeys(f"{r.backend}/{r.case}" for r in report.rows):
+        rows = [r for r in report.rows if f"{r.backend}/{r.case}" == key]
+        first = rows[0]
+        title = (f"{first.backend}, {first.case}: {_count(first.elements)} elements in {_tensors(first.tensors)}; "
+                 f"copy {report.copy_gbps.get(key, 0):.1f} GB/s")
+        table = Table(title=title, box=style, title_justify="left")
+        for col in ("optimizer", "impl", "step\nms", "kernel\nms", "GB/s", "of\ncopy", "vs\ntorch", "check"):
+            table.add_column(col, justify="left" if col in ("optimizer", "impl", "check") else "right",
+                             no_wrap=True)
+        for r in rows:
+            check = (r.check or "").split(" ")[0] or ("error" if r.note else "")
+            if r.note or check == "FAILED":
+                notes.append(f"{r.backend} {r.case} {r.optimizer} {r.impl}: {r.note or r.check}")
+            table.add_row(r.optimizer, IMPL_SHORT.get(r.impl, r.impl), _f(r.ms, 3), _f(r.kernel_ms, 3),
+                          _f(r.gbps, 0), _pct(r.copy_fraction),
+                          f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-", check)
+        console.print(table)
+    for line in notes:
+        console.print(line, markup=False, highlight=False)
+    console.print("step ms: a whole step through step_gpu (small case: wall time, host included); kernel ms: "
+                  "the backend's step hook alone (optirs) or the same step (peers); GB/s: bytes the optimizer "
+                  "must move / kernel ms; of copy: of the copy bandwidth at the case's size; vs torch: torch "
+                  "step ms / step ms; torch-4each: torch's foreach implementation.", markup=False, highlight=False)
+    if report.interrupted:
+        console.print("interrupted (Ctrl-C): the cases above are those finished before it", markup=False,
+                      highlight=False)
+
+
+def _tensors(n: int) -> str:
+    return f"{n} tensor" + ("" if n == 1 else "s")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K" if n >= 1e3 else str(n)
 
 
 def _f(v: Optional[float], digits: int) -> str:
@@ -511,17 +647,29 @@ def write_plot(report: Report, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _names(text: str) -> List[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from optirs.plugin.hookspecs import OPTIMIZER_NAMES
 
-    parser = argparse.ArgumentParser(prog="optirs bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", type=lambda s: s.split(","), default=None, help="comma-separated (default: all available)")
-    parser.add_argument("--optimizers", type=lambda s: s.split(","), default=None, help=f"comma-separated from {','.join(OPTIMIZER_NAMES)}")
-    parser.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help="comma-separated from flat,model,small")
-    parser.add_argument("--size-scale", type=float, default=1.0, help="scale flat and model sizes (e.g. 0.0625: 16M flat)")
-    parser.add_argument("--reps", type=int, default=10, help="back-to-back steps per timed batch (x10 for small)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed batches; the median is reported")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser = argparse.ArgumentParser(prog="optirs bench", description=__doc__.split("\n")[0],
+                                     epilog="Sized for the machine: see the module docstring (optirs/tools/bench.py) "
+                                            "and docs/benchmarks.md.")
+    parser.add_argument("--backends", type=_names, default=None,
+                        help="comma-separated backend names (default: each available device once)")
+    parser.add_argument("--optimizers", type=_names, default=None, help=f"comma-separated from {','.join(OPTIMIZER_NAMES)}")
+    parser.add_argument("--cases", type=_names, default=list(CASES), help="comma-separated from flat,model,small")
+    parser.add_argument("--full", action="store_true",
+                        help="the full sizes (256M flat, 134M model, 1M small) even on a CPU")
+    parser.add_argument("--size-scale", type=float, default=None,
+                        help=f"scale every case's size (default 1, or {CPU_SCALE:g} when every device is a CPU)")
+    parser.add_argument("--reps", type=int, default=None, help="back-to-back steps per timed batch, x10 for small "
+                        "(default 10; 3 on a CPU)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed batches; the median is reported "
+                        "(default 7; 5 on a CPU)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 on a CPU)")
     parser.add_argument("--no-torch", action="store_true", help="do not time torch.optim")
     parser.add_argument("--no-numpy", action="store_true", help="do not time the numpy peer (cpu)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -530,21 +678,56 @@ def main(argv: Optional[List[str]] = None) -> int:
     for value, allowed, what in ((args.optimizers or [], OPTIMIZER_NAMES, "optimizer"), (args.cases, CASES, "case")):
         bad = [v for v in value if v not in allowed]
         if bad:
-            parser.error(f"unknown {what} {bad}; expected some of {list(allowed)}")
-    if not args.size_scale > 0 or args.reps < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--size-scale must be > 0, --reps and --repeats >= 1, --warmup >= 0")
+            parser.error(f"unknown {what} {', '.join(map(repr, bad))}; known: {', '.join(allowed)}")
+    for key in ("size_scale", "reps", "repeats", "warmup"):
+        value = getattr(args, key)
+        if value is not None and not (value > 0 or (key == "warmup" and value == 0)):
+            parser.error(f"--{key.replace('_', '-')} {value}, expected a number > 0" + (" (or 0)" if key == "warmup" else ""))
+    import optirs
+    from optirs.plugin.registry import REGISTRY
+
+    known = REGISTRY.backend_names()
+    bad = [b for b in args.backends or [] if b not in known]
+    if bad:
+        parser.error(f"unknown backend {', '.join(map(repr, bad))}; known: {', '.join(sorted(known))}")
+    statuses = {s.name: s for s in optirs.list_backends()}
+    if args.backends:
+        names, notes = list(dict.fromkeys(args.backends)), []
+        missing = [f"{b} ({statuses[b].reason})" for b in names if not statuses[b].available]
+        if missing:
+            print(f"optirs bench: not available here: {'; '.join(missing)}", file=sys.stderr)
+            return 2
+    else:
+        names, notes = default_backends(statuses)
+        if not names:
+            print("optirs bench: no backend is available here (optirs info says why)", file=sys.stderr)
+            return 2
+    profile = resolve_sizing(args, statuses, names)
     from rich.console import Console
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    report = run(args, console)
+    from optirs.tools.cli import plain_console
+
+    console = plain_console()
+    progress = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+    report = Report(datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    platform.node(), _versions(), settings={"profile": profile})
+    progress.print(f"optirs bench: {', '.join(names)}; {profile} sizes (scale {args.size_scale:g}), "
+                   f"{args.reps} steps x {args.repeats} batches" + "".join(f"\n  left out: {n}" for n in notes),
+                   markup=False, highlight=False)
+    try:
+        run(args, console, report, statuses, names, progress)
+    except KeyboardInterrupt:
+        report.interrupted = True
     print_report(report, console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(report), f, indent=1, default=float)
-        console.print(f"wrote {args.json}")
-    if args.plot:
+        console.print(f"wrote {args.json}", markup=False, highlight=False)
+    if args.plot and report.rows:
         write_plot(report, args.plot)
-        console.print(f"wrote {args.plot}")
+        console.print(f"wrote {args.plot}", markup=False, highlight=False)
+    if report.interrupted:
+        return 130
     failed = [k for k, v in report.checks.items() if v.startswith("FAILED")]
     return 1 if failed else 0
 

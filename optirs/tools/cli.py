@@ -19,6 +19,24 @@ SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
 }
 
 
+def table_box(console):
+    """The box a table is drawn with: rich's heavy head in a terminal, plain ASCII (``+-|``) in a
+    pipe or a log, where a reader's font, ``grep`` or an e-mail may not have box-drawing glyphs."""
+    from rich import box
+
+    return box.HEAVY_HEAD if console.is_terminal else box.ASCII2
+
+
+def plain_console():
+    """A console for a command's output: the terminal's width in one, 80 columns in a pipe."""
+    import os
+
+    from rich.console import Console
+
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=None if sys.stdout.isatty() else int(columns) if columns.isdigit() else 80)
+
+
 def _fmt_bytes(n: Optional[int]) -> str:
     if not n:
         return "-"
@@ -36,14 +54,13 @@ def info_main(argv: List[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="optirs info", description=SUBCOMMANDS["info"][1])
     parser.parse_args(argv)
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = plain_console()
     console.print(f"optirs {optirs.__version__}; probe order for backend='auto': {', '.join(optirs.SUPPORTED_BACKENDS)}")
     backends = optirs.list_backends()
     # Long words (device names, paths, versions) fold instead of ending in "...": a pipe has 80 columns.
-    table = Table(title="Backends")
+    table = Table(title="Backends", box=table_box(console))
     for col in ("backend", "status", "devices"):
         table.add_column(col, overflow="fold")
     for b in backends:
@@ -58,8 +75,9 @@ def info_main(argv: List[str]) -> int:
     from optirs.plugin.registry import choose_auto
 
     console.print(str(choose_auto()), markup=False, highlight=False)
-    console.print(_capability_matrix(backends, REGISTRY, OPTIMIZER_NAMES, tuple(CAPABILITIES), STEP_CAPABILITIES))
-    plugins = Table(title="Plugins")
+    console.print(_capability_matrix(backends, REGISTRY, OPTIMIZER_NAMES, tuple(CAPABILITIES), STEP_CAPABILITIES,
+                                     table_box(console)))
+    plugins = Table(title="Plugins", box=table_box(console))
     for col in ("plugin", "kind", "source", "summary / error"):
         plugins.add_column(col, overflow="fold")
     for p in optirs.list_plugins():
@@ -80,7 +98,7 @@ def _compile_cache_report(console) -> None:
 
     location = cache_location()
     modules = cached_kernels()
-    table = Table(title="Compiled kernel cache (numba; `optirs warmup` fills it)",
+    table = Table(title="Compiled kernel cache (numba; `optirs warmup` fills it)", box=table_box(console),
                   caption="entries: compiled signatures; functions: cached functions (stale files included)")
     for col, justify in (("module", "left"), ("entries", "right"), ("functions", "right"), ("size", "right"),
                          ("newest", "left")):
@@ -104,12 +122,13 @@ def _compile_cache_report(console) -> None:
         console.print(line, markup=False, highlight=False)
 
 
-def _capability_matrix(backends, registry, optimizers, capabilities, step_capabilities):
+def _capability_matrix(backends, registry, optimizers, capabilities, step_capabilities, style=None):
     """One column per backend (there are few; optimizers and capabilities are many): per optimizer
     what its optirs_step runs (optirs_step_support), then every capability the backend offers."""
     from rich.table import Table
 
     matrix = Table(title="Capability matrix (optirs_step_support and the hooks each backend implements)",
+                   **({"box": style} if style is not None else {}),
                    caption_justify="left",
                    caption="float32: the optimizer steps; formats: also in step formats (16-bit parameters, "
                            "compact state); capturable: also with device-side scalars (CUDA graphs)")
@@ -132,8 +151,13 @@ def _capability_matrix(backends, registry, optimizers, capabilities, step_capabi
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from optirs import __version__
+
+        print(f"optirs {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: optirs {" + ",".join(SUBCOMMANDS) + "} [options]\n")
+        print("usage: optirs [--version] {" + ",".join(SUBCOMMANDS) + "} [options]\n")
         for name, (_, help_text) in SUBCOMMANDS.items():
             print(f"  {name:<10} {help_text}")
         return 0 if argv else 2

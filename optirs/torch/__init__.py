@@ -16,5 +16,9 @@ except ImportError as exc:  # pragma: no cover - torch is optional
 from optirs.torch._frontend import OptirsOptimizer
 from optirs.torch.optimizers import SGD, Adafactor, Adagrad, Adam, AdamW, Lamb, Lion, RMSprop
 from optirs.torch.offload import CPUOffload
+from optirs.torch.muon import Muon
+from optirs.torch.classic import ASGD, LBFGS, Adadelta, Adamax, NAdam, RAdam, Rprop
+from optirs.torch.sparse import SparseAdam
 
-__all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion", "CPUOffload"]
+__all__ = ["OptirsOptimizer", "Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adafactor", "Lamb", "Lion", "CPUOffload",
+           "NAdam", "RAdam", "Adamax", "Adadelta", "ASGD", "Rprop", "LBFGS", "SparseAdam", "Muon"]

@@ -30,11 +30,12 @@ import torch
 from optirs.core.definitions import OptimizerDefinition
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import StepFormat
-from optirs.core.layout import TensorLayout
+from optirs.core.layout import TensorLayout, storage_order
 from optirs.optim import formats as fm
 from optirs.optim.engine import PreparedStep, StepEngine
 from optirs.optim.state_convert import MASTER_KEYS, TensorTarget, convert_entry, target_of
 from optirs.plugin.hookspecs import AddressedArrays, DeviceStepInputs
+from optirs.torch._dtensor import held, is_dtensor, local, shown
 from optirs.torch._state import TrackedEntry, TrackedState
 
 STATE_DTYPE = torch.float32
@@ -153,7 +154,18 @@ class Bucket:
         self.device = params[0].device
         self.on_cpu = self.device.type == "cpu"
         self.device_steps, self.detach_grads = device_steps, detach_grads
-        self.layout = TensorLayout([tuple(p.shape) for p in params])
+        # What the kernels address: each parameter's local tensor (a DTensor's shard), its dims in
+        # memory order (a channels_last tensor as the row-major NHWC view of its memory), so that
+        # the layout's flat runs are the tensors' spans. The front end checked that they are dense
+        # and that each gradient has its parameter's strides.
+        self.dist = any(map(is_dtensor, params))
+        locals_ = list(map(local, params)) if self.dist else params
+        self.orders = [storage_order(t.shape, t.stride()) if not t.is_contiguous() else None for t in locals_]
+        self.permuted = any(o is not None for o in self.orders)
+        self.inverse = [None if o is None else tuple(sorted(range(len(o)), key=o.__getitem__)) for o in self.orders]
+        self.signature = [(tuple(t.shape), t.stride()) for t in locals_]
+        self.layout = TensorLayout([tuple(t.shape) if o is None else tuple(t.shape[d] for d in o)
+                                    for t, o in zip(locals_, self.orders)])
         self.fs = fm.format_state(definition, self.layout, storage, slots) if storage is not None else None
         self.engine = StepEngine(definition, backend, allocate=self._allocate)
         self.flat: Optional[Dict[str, torch.Tensor]] = None
@@ -161,6 +173,12 @@ class Bucket:
         self.formats: Dict[torch.dtype, Optional[StepFormat]] = {}
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=self.device if device_steps else "cpu")
         self.steps_host = self.steps.numpy() if not device_steps else None  # the host count's view
+        # the 0-dim values torch keeps beside the step (definition.tensor_state: NAdam's mu_product,
+        # ASGD's eta and mu): one float32 row per name, on the host as torch keeps them
+        self.tensor_state_names = tuple(definition.tensor_state(definition.default_params(), 0)) \
+            if definition.tensor_state is not None else ()
+        self.tensor_state = torch.zeros((len(self.tensor_state_names), len(params)), dtype=torch.float32)
+        self.hp_used: Any = None  # the hyperparameters of the last prepared step (its tensor_state)
         self.extras: List[Dict[str, Any]] = [{} for _ in params]
         self.entries: Optional[List[Dict[str, Any]]] = None  # opt.state's entries, once installed
         self._checks: tuple = ((), (), ())
@@ -172,6 +190,18 @@ class Bucket:
             fields = definition.scalars_type._fields
             self.record = torch.zeros(len(fields), dtype=torch.float32, device=self.device)  # written on the device
             self.type_record: Any = None  # a record of the family: its type only (the hook reads the device one)
+
+    def matches(self, params: List[torch.Tensor]) -> bool:
+        """Whether ``params`` are laid out as when this bucket was made (shapes and strides)."""
+        return [(tuple(t.shape), t.stride()) for t in map(local, params)] == self.signature
+
+    def adapt(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The gradients as the kernels address them (local shards, dims in memory order)."""
+        if self.dist:
+            grads = list(map(local, grads))
+        if self.permuted:
+            grads = [g if o is None else g.permute(o) for g, o in zip(grads, self.orders)]
+        return grads
 
     def __repr__(self) -> str:
         return f"<optirs.torch bucket of {len(self.params)} tensors on {self.device}: {self.engine!r}>"
@@ -215,14 +245,27 @@ class Bucket:
         sizes = self.definition.state_layout(self.layout, tuple(self.slots)).buffer_sizes()
         return sizes, {k: np.dtype(np.float32) for k in sizes}, {k: float(self.slots[k]) for k in sizes}
 
-    def tensor_views(self) -> List[Dict[str, torch.Tensor]]:
-        """Per tensor: state key -> a view of its part of the flat buffers."""
+    def stepped_views(self) -> List[Dict[str, torch.Tensor]]:
+        """Per tensor: state key -> a view of its part of the flat buffers, as the kernels address it."""
         flat = self.flat
         if self.fs is not None:
             return _format_views(self.fs, flat)
         state_layout = self.definition.state_layout(self.layout, tuple(self.slots))
         per_slot = {k: _slot_views(state_layout, k, v) for k, v in flat.items()}
         return [{k: views[i] for k, views in per_slot.items() if views[i] is not None} for i in range(len(self.params))]
+
+    def tensor_views(self) -> List[Dict[str, torch.Tensor]]:
+        """Per tensor: state key -> a view of its part of the flat buffers, shaped as its local
+        parameter (state shaped like a permuted parameter has the parameter's strides, as torch's
+        ``zeros_like(p, memory_format=torch.preserve_format)`` state)."""
+        views = self.stepped_views()
+        if self.permuted:
+            for entry, t, inverse in zip(views, self.stepped, self.inverse):
+                if inverse is not None:
+                    for k, v in entry.items():
+                        if v.shape == t.shape:
+                            entry[k] = v.permute(inverse)
+        return views
 
     # ------------------------------------------------------------ state held in opt.state
 
@@ -232,11 +275,15 @@ class Bucket:
         Every entry is checked before the engine holds anything; ``opt.state`` is only read."""
         arrays = self._allocate(*self._buffer_spec())
         views = self.tensor_views()
+        stepped = self.stepped_views() if self.permuted else views
         signed = {s.name: s.signed for s in self.definition.slots}
         for i, (entry, wanted) in enumerate(zip(entries, views)):
             if not entry:
                 continue
+            if self.dist and is_dtensor(self.params[i]):
+                entry = {k: held(v, self.params[i]) for k, v in entry.items()}
             what = f"the state of {self.names[i]}"
+            self._check_codes(i, entry, what)
             if all(isinstance(entry.get(k), torch.Tensor) and entry[k].dtype == v.dtype and entry[k].shape == v.shape
                    for k, v in wanted.items()) and not any(entry.get(k) is not None for k in MASTER_KEYS
                                                           if k not in wanted):
@@ -244,17 +291,51 @@ class Bucket:
                     v.copy_(entry[k].detach())
                 consumed = set(wanted)
             else:
-                consumed = self._convert(i, entry, wanted, signed, what)
+                consumed = self._convert(i, entry, wanted, stepped[i], signed, what)
             self.extras[i] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in entry.items() if k != "step" and k not in consumed}
+        self._adopt_tensor_state(entries, step)
         self.steps.fill_(float(step))
         self.engine.adopt(self.layout, self.slots, self.storage, arrays, step)
 
-    def _convert(self, i: int, entry: Dict[str, Any], wanted: Dict[str, torch.Tensor], signed: Dict[str, bool],
-                 what: str) -> set:
-        """Tensor ``i``'s state from ``entry`` in another format (or dtype) than the buffers keep."""
+    def _adopt_tensor_state(self, entries: List[Optional[Dict[str, Any]]], step: int) -> None:
+        """The tensor_state values the entries hold (else the definition's at ``step`` with default
+        hyperparameters, until the next step writes them)."""
+        if not self.tensor_state_names:
+            return
+        defaults = self.definition.tensor_state(self.definition.default_params(), step)
+        for k, name in enumerate(self.tensor_state_names):
+            for i, entry in enumerate(entries):
+                value = (entry or {}).get(name)
+                if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+                    value = float(value.item())
+                elif not isinstance(value, float):
+                    value = defaults[name]
+                self.tensor_state[k, i] = value
+
+    def _check_codes(self, i: int, entry: Dict[str, Any], what: str) -> None:
+        """int8 codes are read in blocks of their own memory order: a checkpoint's must have the parameter's."""
+        t = local(self.params[i])
+        order = self.orders[i] or tuple(range(t.dim()))
+        for k, v in entry.items():
+            if k.endswith(".codes") and isinstance(v, torch.Tensor) and v.shape == t.shape and v.dim() > 1 \
+                    and storage_order(v.shape, v.stride()) != order:
+                raise UnsupportedOperationError(
+                    f"{what} has {k} with strides {v.stride()}, but the parameter has strides {t.stride()}; expected "
+                    "int8 state saved from a parameter of the same memory layout: its scales belong to blocks of the "
+                    "saved memory order (load the checkpoint into the model before changing its memory format)")
+
+    def _convert(self, i: int, entry: Dict[str, Any], wanted: Dict[str, torch.Tensor],
+                 stepped: Dict[str, torch.Tensor], signed: Dict[str, bool], what: str) -> set:
+        """Tensor ``i``'s state from ``entry`` in another format (or dtype) than the buffers keep
+        (``wanted``: its views shaped as the parameter; ``stepped``: as the kernels address them)."""
+        p, order = self.stepped[i].detach(), self.orders[i]
+        local_shape = local(self.params[i]).shape
+        if order is not None:  # everything in the kernels' order (int8 blocks are runs of memory)
+            entry = {k: (v.permute(order) if isinstance(v, torch.Tensor) and v.shape == local_shape else v)
+                     for k, v in entry.items()}
+            wanted = stepped
         source = {k: (host_numpy(v) if isinstance(v, torch.Tensor) else v) for k, v in entry.items() if k != "step"}
-        p = self.params[i].detach()
         words = host_numpy(p.view(torch.uint16) if p.dtype in _BITS else p)
         if self.fs is not None:
             target = target_of(self.fs, i, words)
@@ -272,16 +353,20 @@ class Bucket:
         step_views = list(self.steps.unbind(0)) if self.has_step else None
         owner = state if isinstance(state, TrackedState) else None
         entries = []
-        for i, p in enumerate(self.params):
+        named = [(name, list(self.tensor_state[k].unbind(0))) for k, name in enumerate(self.tensor_state_names)]
+        for i, (p, view) in enumerate(zip(self.params, views)):
             entry = TrackedEntry(owner, self.extras[i])
             if step_views is not None:
                 entry["step"] = step_views[i]
-            entry.update(views[i])
+            for name, values in named:
+                view[name] = values[i]
+            entry.update(view if not is_dtensor(p) else
+                         {k: (v if k in self.tensor_state_names else shown(v, p)) for k, v in view.items()})
             state[p] = entry
             entries.append(entry)
         self.entries = entries
         # (entry, key, value) of everything opt.state must still hold, flattened for a C-speed check
-        triples = [(e, k, v) for e, view in zip(entries, views) for k, v in view.items()]
+        triples = [(e, k, e[k]) for e, view in zip(entries, views) for k in view]
         if step_views is not None:
             triples += [(e, "step", s) for e, s in zip(entries, step_views)]
         self._checks = ([t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples])
@@ -309,8 +394,10 @@ class Bucket:
     def refresh_params(self) -> None:
         """The kernels' arrays over the parameters' current memory (on a device, with the addresses
         just read: the backend reads nothing again per step)."""
-        ptrs = tuple(map(_DATA_PTR, self.params))  # (read first: a stale pair only re-reads them)
-        arrays = kernel_arrays(self.params, self.on_cpu, True)
+        ts = list(map(local, self.params)) if self.dist else self.params
+        ptrs = tuple(map(_DATA_PTR, ts))  # (read first: a stale pair only re-reads them)
+        self.stepped = [t if o is None else t.permute(o) for t, o in zip(ts, self.orders)]
+        arrays = kernel_arrays(self.stepped, self.on_cpu, True)
         self.param_arrays = arrays if self.on_cpu else AddressedArrays(arrays, ptrs)
         self.param_ptrs = ptrs
 
@@ -320,6 +407,8 @@ class Bucket:
         step's when the addresses did not move (the backend's caches of a step's launch hit by
         identity), and no gradient kept after the step (``zero_grad()`` frees them, as with torch).
         On the CPU: numpy views, the same list as the last step's for the same tensors."""
+        if self.dist or self.permuted:
+            grads = self.adapt(grads)
         ptrs = tuple(map(_DATA_PTR, grads))
         if not self.on_cpu:
             if ptrs == self._gptrs:
@@ -349,6 +438,7 @@ class Bucket:
         """The engine's prepared step over ``grads`` (nothing the engine holds changes)."""
         garrays = self.grad_arrays(grads)
         fmt = self.step_format(grads[0].dtype)
+        self.hp_used = hp
         last = self.last
         if last is not None and device is None and found_inf is None and last.fmt is fmt:
             again = self.engine.prepare_again(last, self.param_arrays, garrays, hp, factor)
@@ -372,6 +462,10 @@ class Bucket:
         prepared.grads = None
         if prepared.applied and self.has_step and not self.device_steps:
             self.steps_host[...] = self.engine.step_count  # (a numpy view: a torch fill_ costs more)
+        if prepared.applied and self.tensor_state_names:
+            values = self.definition.tensor_state(self.hp_used, self.engine.step_count)
+            for k, name in enumerate(self.tensor_state_names):
+                self.tensor_state[k].fill_(values[name])
 
 
 __all__ = ["Bucket", "STATE_DTYPE", "dtype_name", "kernel_arrays", "step_value"]

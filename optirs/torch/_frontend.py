@@ -37,13 +37,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 import torch
 
-from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
+from optirs.core.definitions import DEFINITIONS, ElementwiseState, OptimizerDefinition
 from optirs.core.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.interrupts import deferred_interrupts
+from optirs.core.layout import storage_order
 from optirs.core.scalars import FORMULAS
 from optirs.optim.engine import PreparedStep, run_steps
 from optirs.plugin.hookspecs import DeviceStepInputs
 from optirs.torch._buckets import STATE_DTYPE, Bucket, step_value
+from optirs.torch._dtensor import is_dtensor, local, local_ptr, refusal
 from optirs.torch._guards import TensorCheck
 from optirs.torch._state import TrackedState, plain
 from optirs.torch._stepcall import observed_step
@@ -143,6 +145,18 @@ def check_flags(group: Dict[str, Any], capturable_ok: bool = False) -> None:
         )
 
 
+def check_implementation_hints(foreach: Any, fused: Any) -> None:
+    """torch's ``foreach`` and ``fused`` choose among torch's implementations; optirs has one (a
+    fused launch per bucket), which answers every choice, so any value torch accepts is accepted
+    and the combinations torch refuses are refused."""
+    for name, value in (("foreach", foreach), ("fused", fused)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidParameterError(f"{name}={value!r}, expected None, True or False")
+    if foreach and fused:
+        raise InvalidParameterError("foreach=True and fused=True, expected at most one of them True "
+                                    "(torch refuses both together)")
+
+
 def _immutable(value: Any) -> bool:
     """Whether a hyperparameter's value cannot change without being replaced."""
     if isinstance(value, tuple):
@@ -180,7 +194,7 @@ class _GroupPlan:
     ``launches``: (bucket, the selection of the bucket's gradients among the present ones).
     """
 
-    __slots__ = ("params", "n", "key", "mask", "pick", "present", "check", "ptrs", "launches", "amp_pending")
+    __slots__ = ("params", "n", "key", "mask", "pick", "present", "check", "ptr", "ptrs", "launches", "amp_pending")
 
     def __init__(self, params: List[torch.Tensor], key: tuple, mask: tuple, present: List[int],
                  grads: List[torch.Tensor], launches: List[Tuple[Bucket, Any]], amp_pending: bool):
@@ -188,7 +202,8 @@ class _GroupPlan:
         self.pick = None if len(present) == len(params) else _picker(present)
         self.present = [params[j] for j in present]
         self.check = TensorCheck(self.present + [grads[j] for j in present])
-        self.ptrs = tuple(map(_DATA_PTR, self.present))
+        self.ptr = local_ptr if any(b.dist for b, _ in launches) else _DATA_PTR
+        self.ptrs = tuple(map(self.ptr, self.present))
         self.launches, self.amp_pending = launches, amp_pending
 
     def current(self, params: List[torch.Tensor], grads: List[Any], key: tuple, state: Any) -> Optional[List[Any]]:
@@ -205,7 +220,7 @@ class _GroupPlan:
             if tuple(map(_IS, grads, repeat(None))) != self.mask:
                 return None
             present = self.pick(grads)
-        if not self.check(self.present + present) or tuple(map(_DATA_PTR, self.present)) != self.ptrs:
+        if not self.check(self.present + present) or tuple(map(self.ptr, self.present)) != self.ptrs:
             return None
         for bucket, _ in self.launches:
             if not bucket.intact(state):
@@ -272,18 +287,12 @@ class OptirsOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: Dict[str, Any], *, backend: str = "auto",
                  backend_options: Optional[Dict[str, Any]] = None, foreach: Optional[bool] = None,
                  fused: Optional[bool] = None):
-        if foreach not in (None, False):
-            raise UnsupportedOperationError(
-                f"foreach={foreach!r}, expected None or False: optirs always runs one fused launch per "
-                "(group, device, dtype)"
-            )
-        if fused not in (None, True):
-            raise UnsupportedOperationError(
-                f"fused={fused!r}, expected None or True: optirs always runs one fused launch (there is no "
-                "unfused path to choose)"
-            )
+        check_implementation_hints(foreach, fused)
         if not isinstance(backend, str) or not backend:
             raise InvalidParameterError(f"backend={backend!r}, expected a backend name or 'auto'")
+        from optirs.plugin.registry import REGISTRY
+
+        REGISTRY.check_backend_name(backend)  # a misspelt name fails here, not at the first step
         if backend_options is not None and not isinstance(backend_options, dict):
             raise InvalidParameterError(f"backend_options={backend_options!r}, expected a dict or None")
         self._backend_name = backend
@@ -534,9 +543,39 @@ class OptirsOptimizer(torch.optim.Optimizer):
             return ShapeMismatchError(
                 f"{where} has shape {tuple(p.shape)} on {p.device}, but its gradient {tuple(g.shape)} on {g.device}; "
                 "expected the same (a gradient of another shape would be read out of bounds)")
-        if not p.is_contiguous() or not g.is_contiguous():
-            return ShapeMismatchError(f"{where} or its gradient is not contiguous (strides {p.stride()} and "
-                                      f"{g.stride()}), expected contiguous tensors")
+        return None
+
+    @staticmethod
+    def _layout_error(gi: int, j: int, p: torch.Tensor, g: torch.Tensor, definition: OptimizerDefinition,
+                      storage: Any) -> Optional[Exception]:
+        """The error of a parameter / gradient whose memory the step cannot address, or None: a
+        DTensor pair it cannot step locally (:func:`optirs.torch._dtensor.refusal`); tensors that are
+        not dense and non-overlapping, or whose strides differ (any dense layout is stepped in
+        place, as one run of memory: channels_last included)."""
+        where = f"param_groups[{gi}]['params'][{j}]"
+        if is_dtensor(p) or is_dtensor(g):
+            error = refusal(p, g, where, None if definition.pointwise else f"{definition.name}'s per-tensor reductions",
+                            storage is not None and storage.state_dtype == "int8")
+            if error is not None:
+                return error
+            p, g = local(p), local(g)
+        if p.is_contiguous() and g.is_contiguous():
+            return None
+        order = storage_order(p.shape, p.stride())
+        if order is None:
+            return ShapeMismatchError(
+                f"{where} has strides {p.stride()} for shape {tuple(p.shape)}, expected a dense, non-overlapping "
+                "tensor (any order of dims: contiguous, channels_last, a transpose), whose elements fill one run "
+                "of memory")
+        if any(n > 1 and a != b for n, a, b in zip(p.shape, p.stride(), g.stride())):
+            return ShapeMismatchError(
+                f"{where} has strides {p.stride()} but its gradient {g.stride()}, expected the same strides (an "
+                "elementwise step pairs their elements by position in memory)")
+        if definition.state_layout is not ElementwiseState:
+            return UnsupportedOperationError(
+                f"{where} has strides {p.stride()} for shape {tuple(p.shape)} (not row-major), expected a contiguous "
+                f"tensor for {definition.name}: its state is factored over the last two dims, which this layout "
+                "does not keep together in memory")
         return None
 
     def _plan_group(self, gi: int, group: Dict[str, Any], params: List[torch.Tensor], grads: List[Any],
@@ -565,6 +604,10 @@ class OptirsOptimizer(torch.optim.Optimizer):
                     f"{sorted(map(str, gdtypes))}, expected one dtype (the parameters' or float32) for all of them: "
                     "one launch reads one gradient dtype")
             storage = self._storage(precision, dtype, definition)
+            for j in members:
+                error = self._layout_error(gi, j, params[j], grads[j], definition, storage)
+                if error is not None:
+                    raise error
             if capturable and storage is not None:
                 raise UnsupportedOperationError(
                     f"capturable=True on {dtype} parameters, expected float32 ones: capturable steps run float32 "
@@ -586,7 +629,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
                 ps = [params[j] for j in js]
                 bucket = reusable.get(tuple(map(id, ps)))
                 if bucket is None or not (
-                        bucket.layout.shapes == [tuple(p.shape) for p in ps]
+                        bucket.matches(ps)
                         and bucket.definition is definition and bucket.slots == slots and bucket.storage == storage
                         and bucket.seed == precision.seed and (bucket.device_steps or not want_device)
                         and bucket.detach_grads == detach and bucket.intact(self.state)):
@@ -596,7 +639,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
                     entries = [self.state.get(p) for p in ps]
                     if any(entries):
                         bucket.adopt(entries, step)
-                elif bucket.param_ptrs != tuple(map(_DATA_PTR, ps)):
+                elif bucket.param_ptrs != tuple(map(local_ptr if bucket.dist else _DATA_PTR, ps)):
                     bucket.refresh_params()  # the same tensors over other memory (p.data = ...)
                 amp_pending |= device_amp and not bucket.device_steps
                 pick = None if len(js) == len(present) else _picker([position[j] for j in js])

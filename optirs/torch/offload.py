@@ -54,6 +54,7 @@ from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import resolve_format
 from optirs.plugin import hookspecs
 from optirs.plugin.hookspecs import Staged
+from optirs.torch._dtensor import is_dtensor
 from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp
 from optirs.torch._state import plain
 from optirs.torch._stepcall import observed_step
@@ -569,6 +570,13 @@ class CPUOffload(torch.optim.Optimizer):
                     f"param_groups[{gi}]['params'][{j}] is {p.dtype}, expected one of {list(OFFLOAD_DTYPES)}")
             if p.is_sparse:
                 raise UnsupportedOperationError(f"param_groups[{gi}]['params'][{j}] is sparse, expected a dense tensor")
+            if is_dtensor(p):
+                raise UnsupportedOperationError(
+                    f"param_groups[{gi}]['params'][{j}] is a DTensor (FSDP2, tensor parallel), expected plain tensors: "
+                    "CPUOffload's chunks hold host copies of plain tensors and its state_dict plain state, not the "
+                    "DTensor state a distributed checkpoint reshards. Under FSDP2 offload with its own "
+                    "fully_shard(..., offload_policy=CPUOffloadPolicy()) (CPU DTensor parameters and gradients) "
+                    "and step them with an optirs.torch optimizer on the cpu backend")
         if not params:
             return []
         device = params[0].device

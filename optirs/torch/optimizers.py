@@ -1,8 +1,10 @@
 """optirs.torch's optimizers: torch.optim's constructors over optirs' definitions.
 
 Each class takes torch 2.13's arguments (names, defaults, keyword-only parts) plus
-``backend="auto"`` and ``backend_options``. What optirs cannot honour raises instead of being
-ignored: ``differentiable=True``, ``foreach=True``, ``fused=False``, sparse gradients, and
+``backend="auto"`` and ``backend_options`` (a name checked at construction). ``foreach`` and
+``fused`` only choose among torch's implementations: optirs answers every choice with its one
+fused launch (both True is refused, as torch refuses it). What optirs cannot honour raises instead
+of being ignored: ``differentiable=True``, sparse gradients, and
 ``capturable=True`` where it cannot hold (tensors on a backend without the ``capturable``
 capability, such as CPU tensors, as torch; Lamb and Adafactor, whose steps are not elementwise).
 ``capturable=True`` keeps the step count on the device and reads a tensor lr there (CUDA graphs). Every optimizer but Adafactor also takes the step-format keywords
@@ -15,9 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+import torch
+
 from optirs.core import params as P
 from optirs.core.errors import InvalidParameterError
-from optirs.torch._frontend import OptirsOptimizer
+from optirs.torch._frontend import OptirsOptimizer, closure_and_amp
+from optirs.torch._mesh_lamb import MeshLamb, holds_shards
+from optirs.torch._stepcall import observed_step
 
 
 def _formats(master_weights, state_dtype, stochastic_rounding, seed) -> Dict[str, Any]:
@@ -162,6 +168,20 @@ class Lamb(OptirsOptimizer):
                         foreach=foreach, fused=fused, capturable=capturable)  # capturable=True: refused (norms)
         defaults.update(_formats(master_weights, state_dtype, stochastic_rounding, seed))
         super().__init__(params, defaults, **_common(foreach, fused, backend, backend_options))
+
+    @observed_step
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        """The fused LAMB step; with sharded DTensor parameters (FSDP2) the same update with its
+        norms reduced over the mesh (optirs.torch._mesh_lamb)."""
+        if not holds_shards(self):  # (the base step itself: the hooks ran once, around this one)
+            return OptirsOptimizer.step.__wrapped__(self, closure, grad_scale=grad_scale, found_inf=found_inf)
+        loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
+        mesh = self.__dict__.get("_mesh_lamb")
+        if mesh is None:
+            mesh = self.__dict__["_mesh_lamb"] = MeshLamb(AdamW)
+        with torch.no_grad():
+            mesh.step(self, grad_scale, found_inf)
+        return loss
 
     def _hyperparameters(self, group):
         beta1, beta2 = self._pair(group)

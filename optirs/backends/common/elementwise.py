@@ -253,6 +253,122 @@ def lion_element(p, g, m, unused1, unused2, sc):
     return p, m, unused1, unused2
 
 
+# The rest of torch.optim's elementwise optimizers, as its single-tensor steps (term order kept so
+# a float32 element rounds as torch's where torch does not fuse).
+
+
+@njit(cache=True, error_model="numpy")
+def _l2_or_decoupled(p, g, sc):
+    """torch's two weight decays (NAdam, RAdam): p * (1 - lr * wd) or g + wd * p; none at wd 0."""
+    if sc.decoupled:
+        p = p * sc.decay_factor
+    elif sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
+    return p, g
+
+
+@njit(cache=True, error_model="numpy")
+def _moments(g, m, v, sc):
+    """Adam's two moments (NAdam, RAdam): beta1 m + (1 - beta1) g and beta2 v + (1 - beta2) g^2."""
+    return sc.beta1 * m + sc.one_minus_beta1 * g, sc.beta2 * v + sc.one_minus_beta2 * g * g
+
+
+@element_step("nadam")
+@njit(cache=True, error_model="numpy")
+def nadam_element(p, g, m, v, unused, sc):
+    g = g * sc.grad_factor
+    p, g = _l2_or_decoupled(p, g, sc)
+    m, v = _moments(g, m, v, sc)
+    denom = math.sqrt(v / sc.bias_correction2) + sc.eps
+    p = p + sc.grad_coef * (g / denom)
+    p = p + sc.avg_coef * (m / denom)
+    return p, m, v, unused
+
+
+@element_step("radam")
+@njit(cache=True, error_model="numpy")
+def radam_element(p, g, m, v, unused, sc):
+    g = g * sc.grad_factor
+    p, g = _l2_or_decoupled(p, g, sc)
+    m, v = _moments(g, m, v, sc)
+    update = m / sc.bias_correction1 * sc.lr
+    if sc.rectified:
+        update = update * (sc.bias_correction2_sqrt / (math.sqrt(v) + sc.eps)) * sc.rect
+    return p - update, m, v, unused
+
+
+@element_step("adamax")
+@njit(cache=True, error_model="numpy")
+def adamax_element(p, g, m, u, unused, sc):
+    g = g * sc.grad_factor
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
+    m = sc.beta1 * m + sc.one_minus_beta1 * g
+    u = sc.beta2 * u
+    a = abs(g) + sc.eps
+    if a > u or a != a:  # torch.maximum: a NaN on either side is the result
+        u = a
+    return p - sc.clr * (m / u), m, u, unused
+
+
+@element_step("adadelta")
+@njit(cache=True, error_model="numpy")
+def adadelta_element(p, g, square_avg, acc_delta, unused, sc):
+    g = g * sc.grad_factor
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
+    square_avg = sc.rho * square_avg + sc.one_minus_rho * g * g
+    delta = math.sqrt(acc_delta + sc.eps) / math.sqrt(square_avg + sc.eps) * g
+    acc_delta = sc.rho * acc_delta + sc.one_minus_rho * delta * delta
+    return p - sc.lr * delta, square_avg, acc_delta, unused
+
+
+@element_step("asgd")
+@njit(cache=True, error_model="numpy")
+def asgd_element(p, g, ax, unused1, unused2, sc):
+    g = g * sc.grad_factor
+    if sc.weight_decay != 0:
+        g = g + sc.weight_decay * p
+    p = p * sc.decay_factor
+    p = p - sc.eta * g
+    if sc.averaging:
+        ax = ax + (p - ax) * sc.mu
+    else:
+        ax = p
+    return p, ax, unused1, unused2
+
+
+@element_step("rprop")
+@njit(cache=True, error_model="numpy")
+def rprop_element(p, g, prev, step_size, unused, sc):
+    g = g * sc.grad_factor
+    if sc.first_step:
+        step_size = sc.lr
+    s = g * prev
+    if s > 0:
+        f = sc.etaplus
+    elif s < 0:
+        f = sc.etaminus
+    elif s == 0:
+        f = float32(1.0)
+    else:
+        f = s  # NaN, as torch's sign
+    step_size = step_size * f
+    if step_size < sc.step_size_min:  # torch's clamp_: NaN stays NaN
+        step_size = sc.step_size_min
+    if step_size > sc.step_size_max:
+        step_size = sc.step_size_max
+    if f == sc.etaminus:  # the sign flipped: this element does not move, and forgets its gradient
+        g = float32(0.0)
+    if g > 0:
+        p = p - step_size
+    elif g < 0:
+        p = p + step_size
+    else:
+        p = p - g * step_size  # g is 0 (p stays) or NaN
+    return p, g, step_size, unused
+
+
 def _by_scalars_type():
     return {d.scalars_type: ELEMENT_STEPS[d.kernel] for d in DEFINITIONS.values() if d.kernel in ELEMENT_STEPS}
 

@@ -5,10 +5,9 @@ counter-based random bits, bfloat16 rounding (nearest even and stochastic), floa
 remainder16 / remainder8 master splits, int8 map quantization, and the uniform format element
 step (decode the master and the gradient, the family's ``element_update``, encode the master).
 Every function is ``@njit``: the cpu loops call them, numba-cuda compiles them as device
-functions (as :mod:`optirs.backends.common.elementwise`). Integer arithmetic is on uint64
-holding 32-bit values, masked back to 32 bits after each multiply (numba widens uint32
-arithmetic, and mixing unsigned with signed integers would give float64); the random bits'
-multiplies are LLVM IR on 32-bit integers (vector lanes of 32 bits on the cpu).
+functions (as :mod:`optirs.backends.common.elementwise`). Bit arithmetic is 32-bit, through the
+intrinsics of :mod:`optirs.backends.common.bits32`: numba widens uint32 arithmetic to 64 bits,
+which a GPU emulates with two to four instructions per operation.
 
 The codes the functions branch on (``fc``, an :class:`optirs.core.formats.FormatCodes`) are the
 same for every element of a launch. State slots are decoded and encoded by the loops around the
@@ -23,6 +22,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from optirs.backends.common import half
+from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32, xor32
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
 from optirs.core.compile_cache import prepare_kernel_compilation
@@ -31,15 +31,21 @@ from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
-# Not cached on disk: a loop compiled in a later process would link a cached function as object
-# code, which LLVM cannot inline, so the loop calls it per element and does not vectorize (2-4x
-# slower, measured). The loops that call these are cached, with them inlined.
+# Not cached on disk: numba links a function loaded from its cache into a new caller as object
+# code, which LLVM cannot inline, so a loop compiled in a later process would call these per
+# element and not vectorize (2-4x slower, measured on the cpu). The loops that call them are
+# cached, with them inlined.
 _jit = njit(cache=False, error_model="numpy")
 
-_U = np.uint64
-_MASK32 = np.uint64(0xFFFFFFFF)
-_MASK16 = np.uint64(0xFFFF)
-_S8, _S16 = np.uint64(8), np.uint64(16)
+_Z = np.uint32(0)
+_EXP = np.uint32(0x7F800000)  # float32 exponent bits: inf when the mantissa is 0
+_ABS = np.uint32(0x7FFFFFFF)
+_QNAN = np.uint32(0x7FC00000)
+_BF16_QNAN = np.uint32(0x7FC0)
+_BF16_QNAN_NEG = np.uint32(0xFFC0)
+_E5 = np.uint32(0x1F)
+_BK_FIRST = np.uint32(_BK_LO - 1)  # the bucket table's clamp of |y|'s top 16 bits
+_BK_LAST = np.uint32(_BK_HI + 1)
 
 
 # ---------------------------------------------------------------- bit casts
@@ -84,82 +90,15 @@ _F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
 def _f16_decode(h):
     """float16 bits -> float32, as :func:`optirs.backends.common.half.f16_decode` (NaN -> the quiet NaN
     with h's sign), from bit operations: no scale table, whose lane-divergent reads the GPU serialises."""
-    h = _U(h) & _MASK16
-    sign = (h & _U(0x8000)) << _S16
-    e = (h >> _U(10)) & _U(0x1F)
-    m = h & _U(0x3FF)
-    if e == _U(0x1F):
-        return bits_f32(sign | (_U(0x7F800000) if m == _U(0) else _U(0x7FC00000)))
-    if e == _U(0):
+    sign = shl32(and32(h, 0x8000), 16)
+    e = and32(shr32(h, 10), 0x1F)
+    m = and32(h, 0x3FF)
+    if e == _E5:
+        return bits_f32(or32(sign, _EXP if m == _Z else _QNAN))
+    if e == _Z:
         v = np.float32(m) * _F16_SUB
-        return -v if sign != _U(0) else v
-    return bits_f32(sign | ((e + _U(112)) << _U(23)) | (m << _U(13)))
-
-
-# bfloat16 in 32-bit LLVM IR: numba's integer arithmetic is 64-bit, and its vector loops then
-# carry 64-bit lanes (half as many per register, compares and selects emulated on x86 before
-# AVX-512); these compute the same bits as half.bf16_decode / bf16_encode on 32-bit integers.
-
-
-def _c32(value):
-    return ir.Constant(ir.IntType(32), value)
-
-
-def _low32(builder, value):
-    """An integer LLVM value as i32 (its low 32 bits)."""
-    width = value.type.width
-    if width > 32:
-        return builder.trunc(value, ir.IntType(32))
-    return builder.zext(value, ir.IntType(32)) if width < 32 else value
-
-
-def _bf16_nearest_ir(builder, u):
-    """float32 bits ``u`` (i32) -> bfloat16 bits (i32), nearest even, NaN -> quiet NaN with u's sign."""
-    nan = builder.icmp_unsigned(">", builder.and_(u, _c32(0x7FFFFFFF)), _c32(0x7F800000))
-    quiet = builder.or_(builder.lshr(builder.and_(u, _c32(0x80000000)), _c32(16)), _c32(0x7FC0))
-    lsb = builder.and_(builder.lshr(u, _c32(16)), _c32(1))
-    near = builder.lshr(builder.add(builder.add(u, _c32(0x7FFF)), lsb), _c32(16))  # below 2**32 when not NaN
-    return builder.select(nan, quiet, near)
-
-
-@intrinsic
-def _bf16_decode_i32(typingctx, h):
-    """bfloat16 bits (low 16 of an integer) -> float32; NaN -> the quiet NaN with h's sign."""
-    if not isinstance(h, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        u = builder.shl(builder.and_(_low32(builder, args[0]), _c32(0xFFFF)), _c32(16))
-        nan = builder.icmp_unsigned(">", builder.and_(u, _c32(0x7FFFFFFF)), _c32(0x7F800000))
-        quiet = builder.or_(builder.and_(u, _c32(0x80000000)), _c32(0x7FC00000))
-        return builder.bitcast(builder.select(nan, quiet, u), ir.FloatType())
-
-    return types.float32(h), codegen
-
-
-@intrinsic
-def _bf16_nearest_i32(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _bf16_nearest_ir(builder, builder.bitcast(args[0], ir.IntType(32)))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _bf16_stochastic_i32(typingctx, x, r):
-    if x != types.float32 or not isinstance(r, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        u = builder.bitcast(args[0], ir.IntType(32))
-        special = builder.icmp_unsigned("==", builder.and_(u, _c32(0x7F800000)), _c32(0x7F800000))
-        up = builder.lshr(builder.add(u, builder.and_(_low32(builder, args[1]), _c32(0xFFFF))), _c32(16))
-        return builder.select(special, _bf16_nearest_ir(builder, u), up)
-
-    return types.uint32(types.float32, r), codegen
+        return -v if sign != _Z else v
+    return bits_f32(or32(or32(sign, shl32(add32(e, 112), 23)), shl32(m, 13)))
 
 
 @_jit
@@ -168,66 +107,36 @@ def _bf16_decode(h):
     NaN with h's sign): the bits shifted up, which is the exact value for every other input. Bit
     operations only: the scale-table form's lane-divergent reads are serialised on a GPU (the
     old kernels' ld.const)."""
-    return _bf16_decode_i32(h)
+    u = shl32(h, 16)
+    if and32(u, _ABS) > _EXP:
+        u = or32(and32(u, 0x80000000), _QNAN)
+    return bits_f32(u)
 
 
 # ---------------------------------------------------------------- random bits
 
 
-def _fmix32_ir(builder, h):
-    """MurmurHash3's finalizer on an LLVM i32 value, in 32-bit operations."""
-    i32 = ir.IntType(32)
-    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
-    h = builder.mul(h, ir.Constant(i32, 0x85EBCA6B))
-    h = builder.xor(h, builder.lshr(h, ir.Constant(i32, 13)))
-    h = builder.mul(h, ir.Constant(i32, 0xC2B2AE35))
-    return builder.xor(h, builder.lshr(h, ir.Constant(i32, 16)))
-
-
-@intrinsic
-def _fmix32_u32(typingctx, h):
-    # in 32-bit lanes: numba's own integer arithmetic is 64-bit, whose vector multiplies x86
-    # before AVX-512 emulates with three 32-bit ones (the same low 32 bits either way)
-    if h != types.uint64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        x = builder.trunc(args[0], ir.IntType(32))
-        return builder.zext(_fmix32_ir(builder, x), ir.IntType(64))
-
-    return types.uint64(types.uint64), codegen
-
-
-@intrinsic
-def _rand32_u32(typingctx, key, i):
-    if key != types.uint64 or i != types.uint64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        k, x = builder.trunc(args[0], i32), builder.trunc(args[1], i32)
-        x = builder.xor(k, builder.mul(x, ir.Constant(i32, 0x9E3779B1)))
-        return builder.zext(_fmix32_ir(builder, x), ir.IntType(64))
-
-    return types.uint64(types.uint64, types.uint64), codegen
-
-
 @_jit
 def fmix32(h):
-    """MurmurHash3's 32-bit finalizer (``h`` a uint64 holding 32 bits; returns the same)."""
-    return _fmix32_u32(_U(h))
+    """MurmurHash3's 32-bit finalizer of the low 32 bits of ``h`` (a uint32)."""
+    h = u32(h)
+    h = xor32(h, shr32(h, 16))
+    h = mul32(h, 0x85EBCA6B)
+    h = xor32(h, shr32(h, 13))
+    h = mul32(h, 0xC2B2AE35)
+    return xor32(h, shr32(h, 16))
 
 
 @_jit
 def stream_key(seed, step, stream):
     """``fmix32(seed ^ fmix32(step * 4 + stream))``: the key of one random stream of one step."""
-    return fmix32((_U(seed) & _MASK32) ^ fmix32(_U(step) * _U(4) + _U(stream)))
+    return fmix32(xor32(seed, fmix32(add32(mul32(step, 4), stream))))
 
 
 @_jit
 def rand32(key, i):
     """``fmix32(key ^ (i * 0x9E3779B1))`` for element ``i`` (its flat layout index, low 32 bits)."""
-    return _rand32_u32(_U(key), _U(i))
+    return fmix32(xor32(key, mul32(i, 0x9E3779B1)))
 
 
 # ---------------------------------------------------------------- 16-bit encodings
@@ -237,8 +146,8 @@ def rand32(key, i):
 def decode16(h, kind):
     """bfloat16 (``kind`` BF16) or float16 bits -> float32."""
     if kind == BF16:
-        return _bf16_decode(_U(h))
-    return _f16_decode(_U(h))
+        return _bf16_decode(h)
+    return _f16_decode(h)
 
 
 @_jit
@@ -251,21 +160,29 @@ def decode_value(raw, kind):
 
 @_jit
 def bf16_nearest(x):
-    """float32 -> bfloat16 bits, nearest even, NaN -> quiet NaN (ml_dtypes' cast)."""
-    return _bf16_nearest_i32(np.float32(x))
+    """float32 -> bfloat16 bits, nearest even, NaN -> quiet NaN (ml_dtypes' cast; the rounding of
+    :func:`optirs.backends.common.half.bf16_encode` in 32-bit operations). A finite ``u`` plus the
+    rounding increment stays below 2**32."""
+    u = f32_bits(x)
+    if and32(u, _ABS) > _EXP:
+        return _BF16_QNAN_NEG if shr32(u, 31) != _Z else _BF16_QNAN
+    return shr32(add32(add32(u, 0x7FFF), and32(shr32(u, 16), 1)), 16)
 
 
 @_jit
 def f16_nearest(x):
     """float32 -> float16 bits, nearest even (numpy's cast)."""
-    return np.uint32(_f16_encode(_U(f32_bits(x))))
+    return np.uint32(_f16_encode(np.uint64(f32_bits(x))))
 
 
 @_jit
 def bf16_stochastic(x, r):
     """float32 -> bfloat16 bits, rounded up with probability ``low16 / 65536`` (``r`` the random word);
     inf and NaN round to nearest."""
-    return _bf16_stochastic_i32(np.float32(x), _U(r))
+    u = f32_bits(x)
+    if and32(u, _EXP) == _EXP:
+        return bf16_nearest(x)
+    return shr32(add32(u, and32(r, 0xFFFF)), 16)
 
 
 # ---------------------------------------------------------------- remainder masters
@@ -274,73 +191,42 @@ def bf16_stochastic(x, r):
 @_jit
 def remainder16_split(x):
     """The exact float32 master ``x`` -> (bfloat16 bits ``hi``, int16 remainder as int32)."""
-    u = _U(f32_bits(x))
-    hi = u >> _S16
-    lo = u & _MASK16
-    if lo >= _U(0x8000):
-        hi = hi + _U(1)
-    return np.uint32(hi & _MASK16), np.int32(np.int64(lo) - (65536 if lo >= _U(0x8000) else 0))
+    u = f32_bits(x)
+    lo = and32(u, 0xFFFF)
+    # a remainder of 0x8000 or more is negative: the high half rounds up by one
+    return and32(add32(shr32(u, 16), shr32(lo, 15)), 0xFFFF), np.int32(np.int16(lo))
 
 
 @_jit
 def remainder16_join(hi, rem):
     """bfloat16 bits ``hi`` and an int16 remainder -> the exact float32 master."""
-    h = _U(hi) & _MASK16
-    if rem < 0:
-        h = (h - _U(1)) & _MASK16
-    return bits_f32((h << _S16) | (_U(np.int64(rem) & 0xFFFF)))
+    return bits_f32(or32(shl32(sub32(hi, shr32(rem, 31)), 16), and32(rem, 0xFFFF)))
 
 
 @_jit
 def round24(x):
     """float32 -> float32 with its low 8 bits zero, nearest even on them (non-finite stays)."""
-    u = _U(f32_bits(x))
-    if (u & _U(0x7F800000)) == _U(0x7F800000):
+    u = f32_bits(x)
+    if and32(u, _EXP) == _EXP:
         return x
-    u24 = ((u + _U(0x7F) + ((u >> _S8) & _U(1))) & _MASK32) >> _S8
-    return bits_f32(u24 << _S8)
+    return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
 
 
 @_jit
 def remainder8_split(x):
     """A float32 master with zero low 8 bits (``round24``'s result) -> (bfloat16 bits, int8 remainder as int32)."""
-    u24 = _U(f32_bits(x)) >> _S8
-    hi = u24 >> _S8
-    lo = u24 & _U(0xFF)
-    if lo >= _U(0x80):
-        hi = hi + _U(1)
-    return np.uint32(hi & _MASK16), np.int32(np.int64(lo) - (256 if lo >= _U(0x80) else 0))
+    u24 = shr32(f32_bits(x), 8)
+    lo = and32(u24, 0xFF)
+    return and32(add32(shr32(u24, 8), shr32(lo, 7)), 0xFFFF), np.int32(np.int8(lo))
 
 
 @_jit
 def remainder8_join(hi, rem):
     """bfloat16 bits ``hi`` and an int8 remainder -> the 24-bit float32 master."""
-    h = _U(hi) & _MASK16
-    if rem < 0:
-        h = (h - _U(1)) & _MASK16
-    return bits_f32(((h << _S8) | _U(np.int64(rem) & 0xFF)) << _S8)
+    return bits_f32(shl32(or32(shl32(sub32(hi, shr32(rem, 31)), 8), and32(rem, 0xFF)), 8))
 
 
 # ---------------------------------------------------------------- int8 blocks
-
-
-@intrinsic
-def _bucket_i32(typingctx, y):
-    """:func:`quantize_bucket` in 32-bit IR (32-bit vector lanes on the cpu)."""
-    if y != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        u = builder.bitcast(args[0], ir.IntType(32))
-        a = builder.and_(builder.lshr(u, _c32(16)), _c32(0x7FFF))
-        lo, hi = _c32(_BK_LO - 1), _c32(_BK_HI + 1)
-        a = builder.select(builder.icmp_unsigned("<", a, lo), lo, a)
-        a = builder.sub(builder.select(builder.icmp_unsigned(">", a, hi), hi, a), lo)
-        nan = builder.fcmp_unordered("uno", args[0], args[0])
-        negative = builder.select(nan, _c32(1), builder.lshr(u, _c32(31)))
-        return builder.zext(builder.add(a, builder.mul(negative, _c32(_BK_WIDTH))), ir.IntType(64))
-
-    return types.uint64(types.float32), codegen
 
 
 @_jit
@@ -351,7 +237,7 @@ def quantize(x, scale, mid, table):
     Its three steps are functions of their own so that a cpu loop can run the arithmetic ones
     vectorized, apart from the lookups."""
     y = quantize_scaled(x, scale)
-    return quantize_code(y, _U(table[quantize_bucket(y)]), mid)
+    return quantize_code(y, table[quantize_bucket(y)], mid)
 
 
 @_jit
@@ -362,17 +248,21 @@ def quantize_scaled(x, scale):
 
 @_jit
 def quantize_bucket(y):
-    """The bucket table index of the scaled value ``y`` (uint64). A NaN takes the bucket of its
+    """The bucket table index of the scaled value ``y`` (uint32). A NaN takes the bucket of its
     magnitude with the sign set, whose table entry is 0 (no midpoint lies below -inf), so that
     :func:`quantize_code` needs no test of its own for it."""
-    return _bucket_i32(np.float32(y))
+    u = f32_bits(y)
+    a = min(max(and32(shr32(u, 16), 0x7FFF), _BK_FIRST), _BK_LAST)
+    negative = np.uint32(1) if y != y else shr32(u, 31)
+    return add32(sub32(a, _BK_FIRST), mul32(negative, _BK_WIDTH))
 
 
 @_jit
 def quantize_code(y, c, mid):
-    """The code of the scaled value ``y`` whose bucket (:func:`quantize_bucket`) has table entry ``c``
-    (uint64): ``c`` plus one where the bucket's midpoint lies below ``y`` (a NaN compares false: code 0)."""
-    return np.uint8(c + _U(mid[c] < y))
+    """The code of the scaled value ``y`` whose bucket (:func:`quantize_bucket`) has table entry ``c``:
+    ``c`` plus one where the bucket's midpoint lies below ``y`` (a NaN compares false: code 0)."""
+    c = u32(c)  # unsigned: no negative-index wraparound
+    return np.uint8(add32(c, np.uint32(1) if mid[c] < y else _Z))
 
 
 @_jit
@@ -396,7 +286,8 @@ def decode_state(raw, kind):
     """A float32 (``kind`` STATE_F32: its bits) or bfloat16 state word -> float32."""
     if kind == STATE_F32:
         return bits_f32(raw)
-    return _bf16_decode(_U(raw))
+    # np.uint32: loops that hold float32 state type this branch with a float ``raw`` too
+    return _bf16_decode(np.uint32(raw))
 
 
 @_jit
@@ -442,10 +333,10 @@ def store_master(x, fc, key, i):
         return f32_bits(x), np.uint32(0)
     if fc.master == MASTER_R16:
         hi, rem = remainder16_split(x)
-        return hi, np.uint32(np.int64(rem) & 0xFFFFFFFF)
+        return hi, u32(rem)
     if fc.master == MASTER_R8:
         hi, rem = remainder8_split(round24(x))
-        return hi, np.uint32(np.int64(rem) & 0xFFFFFFFF)
+        return hi, u32(rem)
     if fc.param == BF16:
         if fc.master == MASTER_NONE and fc.stochastic:
             h = bf16_stochastic(x, rand32(key, i))

@@ -39,7 +39,10 @@ class CpuContext:
     CACHED = {"params": 4, "grads": 4}
 
     def __init__(self, kernels: Any):
+        from optirs.backends.cpu.threads import StepThreads
+
         self.kernels = kernels
+        self.threads = StepThreads()  # each step's thread count (serial when small, the free cores else)
         self.lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
         # The same for the word views the formats capability stages (optirs.backends.cpu.formats).
         self.format_lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}

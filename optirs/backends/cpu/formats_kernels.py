@@ -154,7 +154,7 @@ def _store_codes(w, scales, mid, tbl, blk, o, n, buf, ix):
         ix[i] = quantize_bucket(y)
     wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
     for i in range(n):
-        wb[i] = quantize_code(buf[i], np.uint64(tbl[ix[i]]), mid)
+        wb[i] = quantize_code(buf[i], tbl[ix[i]], mid)
 
 
 @_jit

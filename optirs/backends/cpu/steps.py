@@ -14,7 +14,7 @@ import numpy as np
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
 from optirs.core.formats import FORMAT_FAMILIES
 from optirs.backends.common.steps import StepDispatch
-from optirs.plugin.hookspecs import StepRequest, StepSupport
+from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
 
 # Elements per chunk: large enough to amortise the loop's bookkeeping, small enough to balance
 # a model of uneven tensors over the threads.
@@ -46,6 +46,11 @@ class CpuSteps(StepDispatch):
 
     NAME = "cpu"
     SUPPORT = SUPPORT
+
+    @hookimpl
+    def optirs_step(self, ctx, request: StepRequest) -> None:
+        with ctx.threads.running(request.layout.total):  # optirs.backends.cpu.threads
+            super().optirs_step(ctx, request)
 
     def _pointwise(self, ctx, request: StepRequest) -> None:
         buffers, used = slot_buffers(request.definition, request.state)

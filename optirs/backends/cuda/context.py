@@ -271,12 +271,15 @@ class Compiled:
         except Exception:  # pragma: no cover - fall back to numba's launch path
             self.handle = None
 
-    def launch_size(self, ctx: "CudaContext", elements: int) -> Tuple[int, int]:
-        """(grid, block) before capping the grid to the number of chunks."""
+    def launch_size(self, ctx: "CudaContext", elements: int, resident_block: int = 0) -> Tuple[int, int]:
+        """(grid, block) before capping the grid to the number of chunks. ``resident_block``: blocks
+        of that size, as many as stay resident on the device, each looping over chunks (instead of
+        the occupancy plugin's largest block and one block per chunk)."""
         if ctx.simulator:
             return SIM_GRID, SIM_BLOCK
         config = None
-        forced = int(os.environ.get("OPTIRS_CUDA_BLOCK", "0") or 0)  # tuning: resident grid of this block size
+        # OPTIRS_CUDA_BLOCK (tuning): a resident grid of this block size for every kernel
+        forced = int(os.environ.get("OPTIRS_CUDA_BLOCK", "0") or 0) or resident_block
         if not forced:
             try:
                 from optirs.plugin.registry import REGISTRY

@@ -46,7 +46,8 @@ class CudaDevice:
         except Exception as exc:
             if any(m in str(exc).lower() for m in _NUMPY_MISMATCH):  # numba.cuda's driver module did not import
                 return ProbeResult(False, import_failure_reason(exc))
-            return ProbeResult(False, "no CUDA GPU: " + " ".join(str(exc).split()))
+            # numba's driver-init message ends in " :" (an empty detail): the line ends at its last word
+            return ProbeResult(False, "no CUDA GPU: " + " ".join(str(exc).split()).rstrip(" :"))
         if not count:
             return ProbeResult(False, "no CUDA GPU: the driver reports 0 devices")
         devices = []

@@ -20,6 +20,7 @@ table). A 16-bit array may come as
 from __future__ import annotations
 
 import operator
+import os
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Dict, List, Sequence, Tuple
@@ -34,6 +35,7 @@ _HALF = ("bfloat16", "float16")
 _TORCH_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
                  "torch.int16": "bits16", "torch.uint16": "bits16"}
 _KEEP = 2  # staging buffers kept per context (the latest models)
+RESIDENT_BLOCK = 128  # threads per block of the formats kernels (see _resident_block; H200: 128 < 256 < 512)
 _IS = operator.is_
 
 
@@ -112,21 +114,22 @@ class CudaFormats:
         if layout.total == 0:
             return
         ctx.resolve_stream(params[0] if params else None)
-        name, head, fixed, tensors, fc, signed = _setup(ctx, family, state, layout, format_state, fmt)
+        name, head, fixed, tensors, fc, signed, used = _setup(ctx, family, state, layout, format_state, fmt)
         found = flag_address(found_inf)
         fk = _kernels()
         ptrs = self._pointers(ctx, params, grads, layout)
         if family == "lamb":
-            self._formats_lamb(ctx, fk, name, head, layout, fc, signed, ptrs, tensors, fixed, found, seed, step, scalars,
-                               fmt)
+            self._formats_lamb(ctx, fk, name, head, layout, fc, signed, used, ptrs, tensors, fixed, found, seed, step,
+                               scalars, fmt)
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
-        planned = plan(ctx, f"formats_step_{name}", lambda: fk.make_step_kernel(family, fc, signed), head, args, layout)
+        planned = plan(ctx, f"formats_step_{name}", lambda: fk.make_step_kernel(family, fc, signed, used), head, args,
+                       layout)
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
     @staticmethod
-    def _formats_lamb(ctx, fk, name, head, layout, fc, signed, ptrs, tensors, fixed, found, seed, step, scalars,
+    def _formats_lamb(ctx, fk, name, head, layout, fc, signed, used, ptrs, tensors, fixed, found, seed, step, scalars,
                       fmt) -> None:
         """LAMB's launches: the gradients' sum of squares (with max_grad_norm), pass 1 (per-tensor sums
         of p^2 and u^2, nothing else written), pass 2 (trust ratios; parameters, masters, moments).
@@ -149,7 +152,7 @@ class CudaFormats:
             run(ctx, planned, (chunks, ptrs, nchunks), gargs, 2)
         args = fixed + (acc, ntensors, found, int(seed) & 0xFFFFFFFF, int(step), q, scalars)
         for mode in ("lamb_norms", "lamb_apply"):
-            planned = plan(ctx, f"formats_{mode}_{name}", lambda: fk.make_step_kernel("lamb", fc, signed, mode), head,
+            planned = plan(ctx, f"formats_{mode}_{name}", lambda: fk.make_step_kernel("lamb", fc, signed, used, mode), head,
                            args, layout)
             chunks, nchunks = ctx.chunk_table(layout, planned[1])
             run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 4)
@@ -265,9 +268,11 @@ def _setup(ctx: Any, family: str, state: Dict[str, Any], layout: Any, format_sta
     maddr = _address(state, master) if master is not None else 0
     maps, tables = _maps(ctx)
     table = types.int64[:, ::1]
-    name = f"{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}"
-    setup = (name, (table, table, table, types.int64), (maps, tables, maddr, tuple(slots), used),
-             _tensor_table(ctx, layout, format_state), fc, signed)
+    # the slots in use are compiled in: an unused slot (Adam's max_exp_avg_sq without amsgrad) costs
+    # neither registers nor instructions
+    name = f"{family}_{'_'.join(map(str, fc))}_{''.join('s' if x else 'u' for x in signed)}_{used}"
+    setup = (name, (table, table, table, types.int64), (maps, tables, maddr, tuple(slots)),
+             _tensor_table(ctx, layout, format_state), fc, signed, used)
     layout.cache[key] = (state, format_state, setup)
     return setup
 
@@ -341,11 +346,20 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
         if pyfunc is None:
             pyfunc = ctx._formats_pyfuncs[name] = factory()
         compiled = ctx.compiled(name, pyfunc, head_types + tuple(numba.typeof(a) for a in args))
-        grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8)
+        grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8, resident_block=_resident_block())
         chunk = ctx.kernels.chunk_elements(block)
         nchunks = len(layout.chunks(chunk)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
+
+
+def _resident_block() -> int:
+    """The formats kernels' block size, in a grid of as many blocks as stay resident (each block loops
+    over chunks). One block per chunk of the occupancy plugin's largest block left one block per SM
+    for these register-heavy kernels: every block's start (its chunk's tables, the int8 maps into
+    shared memory) and its last warps' tail went unhidden. ``OPTIRS_CUDA_FORMATS_BLOCK`` (tuning):
+    another size; 0 for the plugin's launch."""
+    return int(os.environ.get("OPTIRS_CUDA_FORMATS_BLOCK", str(RESIDENT_BLOCK)) or 0)
 
 
 def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:

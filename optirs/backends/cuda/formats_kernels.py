@@ -28,6 +28,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, uint8, uint32
 
+from optirs.backends.common.bits32 import and32, or32, shl32, shr32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, dequantize, encode_state,
                                            format_element, lamb_format_element, quantize, store_master, stream_key)
@@ -218,11 +219,21 @@ def st8_32(addr, vec, cnt, w):
 
 
 @_device
+def _pack16(lo, hi):
+    return or32(and32(lo, 0xFFFF), shl32(hi, 16))
+
+
+@_device
+def _pack8(a, b, c, d):
+    return or32(or32(and32(a, 0xFF), shl32(and32(b, 0xFF), 8)), or32(shl32(and32(c, 0xFF), 16), shl32(d, 24)))
+
+
+@_device
 def ld8_16(addr, vec, cnt, out):
     if vec and cnt == LANE:
         w0, w1, w2, w3 = ld_u32x4(addr)
-        out[0], out[1], out[2], out[3] = w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16
-        out[4], out[5], out[6], out[7] = w2 & 0xFFFF, w2 >> 16, w3 & 0xFFFF, w3 >> 16
+        out[0], out[1], out[2], out[3] = and32(w0, 0xFFFF), shr32(w0, 16), and32(w1, 0xFFFF), shr32(w1, 16)
+        out[4], out[5], out[6], out[7] = and32(w2, 0xFFFF), shr32(w2, 16), and32(w3, 0xFFFF), shr32(w3, 16)
     else:
         for j in range(LANE):
             out[j] = ld_u16(addr + 2 * j) if j < cnt else 0
@@ -231,8 +242,7 @@ def ld8_16(addr, vec, cnt, out):
 @_device
 def st8_16(addr, vec, cnt, w):
     if vec and cnt == LANE:
-        st_u32x4(addr, (w[0] & 0xFFFF) | (w[1] << 16), (w[2] & 0xFFFF) | (w[3] << 16),
-                 (w[4] & 0xFFFF) | (w[5] << 16), (w[6] & 0xFFFF) | (w[7] << 16))
+        st_u32x4(addr, _pack16(w[0], w[1]), _pack16(w[2], w[3]), _pack16(w[4], w[5]), _pack16(w[6], w[7]))
     else:
         for j in range(LANE):
             if j < cnt:
@@ -243,8 +253,8 @@ def st8_16(addr, vec, cnt, w):
 def ld8_8(addr, vec, cnt, out):
     if vec and cnt == LANE:
         a, b = ld_u32x2(addr)
-        out[0], out[1], out[2], out[3] = a & 0xFF, (a >> 8) & 0xFF, (a >> 16) & 0xFF, a >> 24
-        out[4], out[5], out[6], out[7] = b & 0xFF, (b >> 8) & 0xFF, (b >> 16) & 0xFF, b >> 24
+        out[0], out[1], out[2], out[3] = and32(a, 0xFF), and32(shr32(a, 8), 0xFF), and32(shr32(a, 16), 0xFF), shr32(a, 24)
+        out[4], out[5], out[6], out[7] = and32(b, 0xFF), and32(shr32(b, 8), 0xFF), and32(shr32(b, 16), 0xFF), shr32(b, 24)
     else:
         for j in range(LANE):
             out[j] = ld_u8(addr + j) if j < cnt else 0
@@ -253,8 +263,7 @@ def ld8_8(addr, vec, cnt, out):
 @_device
 def st8_8(addr, vec, cnt, w):
     if vec and cnt == LANE:
-        st_u32x2(addr, (w[0] & 0xFF) | ((w[1] & 0xFF) << 8) | ((w[2] & 0xFF) << 16) | ((w[3] & 0xFF) << 24),
-                 (w[4] & 0xFF) | ((w[5] & 0xFF) << 8) | ((w[6] & 0xFF) << 16) | ((w[7] & 0xFF) << 24))
+        st_u32x2(addr, _pack8(w[0], w[1], w[2], w[3]), _pack8(w[4], w[5], w[6], w[7]))
     else:
         for j in range(LANE):
             if j < cnt:
@@ -268,23 +277,24 @@ def st8_8(addr, vec, cnt, w):
 def _remainder(w, master):
     """A remainder word as the signed int32 the shared code takes (int16 or int8, two's complement)."""
     if master == MASTER_R16:
-        return np.int32(w) - np.int32(65536) if w >= 0x8000 else np.int32(w)
-    return np.int32(w) - np.int32(256) if w >= 0x80 else np.int32(w)
+        return np.int32(np.int16(w))
+    return np.int32(np.int8(w))
 
 
-def make_step_kernel(family: str, fc, signed, mode: str = "step"):
+def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
-    constants); ``signed[k]``: state slot k takes the signed map (int8).
+    constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
+    slot k exists (compiled in as well: an unused slot takes no registers).
 
-    Arguments: ``(chunks, ptrs, tensors, nchunks, maps, tables, master, slots, used, found, seed, step,
+    Arguments: ``(chunks, ptrs, tensors, nchunks, maps, tables, master, slots, found, seed, step,
     sc)``: the chunk, pointer and formats tensor tables; ``maps`` float32[4, 256] (signed q, signed
     mid, unsigned q, unsigned mid, each mid padded with +inf), ``tables`` uint8[2, TABLE_SIZE] their
     bucket tables (signed, unsigned; :mod:`optirs.backends.common.int8_buckets`); ``master`` the master buffer's address
     (0: none); ``slots`` the 9 addresses (values or codes of slots 0-2, their scales, their small
-    state); bit k of ``used``: slot k exists; ``found`` the found_inf word's address (0: none).
+    state); ``found`` the found_inf word's address (0: none).
 
     ``mode`` "lamb_norms" / "lamb_apply": LAMB's two passes (family "lamb", slots exp_avg and
-    exp_avg_sq), with ``acc, ntensors`` after ``used`` and the parity ``q`` after ``step``:
+    exp_avg_sq), with ``acc, ntensors`` after ``slots`` and the parity ``q`` after ``step``:
     ``acc`` float64[2, 2 * ntensors + 1] holds per tensor the sums of p^2 (row q, column t) and
     u^2 (column ntensors + t) and the gradients' sum of squares (column 2 * ntensors, from
     :func:`make_lamb_grad_kernel`). The norms pass writes nothing else; the apply pass takes the
@@ -302,8 +312,9 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
     ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1}[state]
     int8 = state == STATE_INT8
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
+    u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
 
-    def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, acc, ntensors, found, seed, step, q,
+    def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, acc, ntensors, found, seed, step, q,
              sc):
         if apply:
             j = cuda.grid(1)
@@ -338,9 +349,6 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
                 tb_u[i] = tables[1, i]
                 i += nthreads
             cuda.syncthreads()
-        u0 = (used & 1) != 0
-        u1 = (used & 2) != 0
-        u2 = (used & 4) != 0
         keyp = stream_key(seed, step, 0)
         key0 = stream_key(seed, step, 1)
         key1 = stream_key(seed, step, 2)
@@ -433,7 +441,7 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
                             mraw = np.uint32(0)
                         elif msize != 4:
                             mraw = _remainder(mraw, master)
-                        ij = np.uint32((e + j) & 0xFFFFFFFF)
+                        ij = u32(e + j)
                         if lamb:
                             xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fc)
                             if apply:
@@ -498,8 +506,8 @@ def make_step_kernel(family: str, fc, signed, mode: str = "step"):
     if lamb:
         kernel = body
     else:
-        def kernel(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, found, seed, step, sc):
-            body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, used, _NO_ACC, 0, found, seed, step, 0, sc)
+        def kernel(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, found, seed, step, sc):
+            body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, _NO_ACC, 0, found, seed, step, 0, sc)
 
     body.__name__ = body.__qualname__ = f"formats_{mode}_{family}"
     if not lamb:
@@ -549,9 +557,9 @@ def _store_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, key, e, mid, tab
         st8_8(addr, vec, cnt, w)
     elif sz == 2:
         for j in range(LANE):
-            w[j] = encode_state(x[j], STATE_BF16, key, np.uint32((e + j) & 0xFFFFFFFF))
+            w[j] = encode_state(x[j], STATE_BF16, key, u32(e + j))
         st8_16(addr, vec, cnt, w)
     else:
         for j in range(LANE):
-            w[j] = encode_state(x[j], STATE_F32, key, np.uint32((e + j) & 0xFFFFFFFF))
+            w[j] = encode_state(x[j], STATE_F32, key, u32(e + j))
         st8_32(addr, vec, cnt, w)

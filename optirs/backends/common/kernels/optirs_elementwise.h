@@ -227,3 +227,141 @@ T FN(adafactor_apply)(T p, T u, float step, const adafactor_scalars *sc)
 {
     return p * sc->decay_factor - step * u;
 }
+
+/* ---------------------------------------------------------------- the rest of torch.optim's elementwise
+ * optimizers (NAdam, RAdam, Adamax, Adadelta, ASGD, Rprop), term by term as elementwise.py. Per-element
+ * choices are select()s so the same text runs on float, float4 and float8. */
+
+/* torch's two weight decays (NAdam, RAdam): p * (1 - lr * wd) or g + wd * p; none at wd 0. */
+#define DECAY_L2_OR_DECOUPLED(pp, g, sc)                                                         \
+    if ((sc)->decoupled)                                                                         \
+        pp = pp * (sc)->decay_factor;                                                            \
+    else if ((sc)->weight_decay != 0.0f)                                                         \
+        g = g + (sc)->weight_decay * pp;
+
+void FN(nadam_update)(T *p, T g, T *m, T *v, const nadam_scalars *sc)
+{
+    g = g * sc->grad_factor;
+    T pp = *p;
+    DECAY_L2_OR_DECOUPLED(pp, g, sc)
+    const T mm = sc->beta1 * *m + sc->one_minus_beta1 * g;
+    const T vv = sc->beta2 * *v + sc->one_minus_beta2 * g * g;
+    const T denom = sqrt(vv / sc->bias_correction2) + sc->eps;
+    pp = pp + sc->grad_coef * (g / denom);
+    *p = pp + sc->avg_coef * (mm / denom);
+    *m = mm;
+    *v = vv;
+}
+
+
+void FN(radam_update)(T *p, T g, T *m, T *v, const radam_scalars *sc)
+{
+    g = g * sc->grad_factor;
+    T pp = *p;
+    DECAY_L2_OR_DECOUPLED(pp, g, sc)
+    const T mm = sc->beta1 * *m + sc->one_minus_beta1 * g;
+    const T vv = sc->beta2 * *v + sc->one_minus_beta2 * g * g;
+    T update = mm / sc->bias_correction1 * sc->lr;
+    if (sc->rectified)
+        update = update * (sc->bias_correction2_sqrt / (sqrt(vv) + sc->eps)) * sc->rect;
+    *p = pp - update;
+    *m = mm;
+    *v = vv;
+}
+
+
+/* torch.maximum: a NaN on either side is the result (fmax would drop it). */
+void FN(adamax_update)(T *p, T g, T *m, T *u, const adamax_scalars *sc)
+{
+    g = g * sc->grad_factor;
+    const T pp = *p;
+    if (sc->weight_decay != 0.0f)
+        g = g + sc->weight_decay * pp;
+    const T mm = sc->beta1 * *m + sc->one_minus_beta1 * g;
+    const T ub = sc->beta2 * *u;
+    const T a = fabs(g) + sc->eps;
+    const T uu = select(ub, a, isgreater(a, ub) | isnan(a));
+    *p = pp - sc->clr * (mm / uu);
+    *m = mm;
+    *u = uu;
+}
+
+
+void FN(adadelta_update)(T *p, T g, T *square_avg, T *acc_delta, const adadelta_scalars *sc)
+{
+    g = g * sc->grad_factor;
+    const T pp = *p;
+    if (sc->weight_decay != 0.0f)
+        g = g + sc->weight_decay * pp;
+    const T sq = sc->rho * *square_avg + sc->one_minus_rho * g * g;
+    const T delta = sqrt(*acc_delta + sc->eps) / sqrt(sq + sc->eps) * g;
+    *acc_delta = sc->rho * *acc_delta + sc->one_minus_rho * delta * delta;
+    *square_avg = sq;
+    *p = pp - sc->lr * delta;
+}
+
+
+void FN(asgd_update)(T *p, T g, T *ax, const asgd_scalars *sc)
+{
+    g = g * sc->grad_factor;
+    T pp = *p;
+    if (sc->weight_decay != 0.0f)
+        g = g + sc->weight_decay * pp;
+    pp = pp * sc->decay_factor;
+    pp = pp - sc->eta * g;
+    if (sc->averaging)
+        *ax = *ax + (pp - *ax) * sc->mu;
+    else
+        *ax = pp;
+    *p = pp;
+}
+
+/* s0: ax */
+void FN(asgd_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,
+                   __global T *s2, size_t i, size_t j, const asgd_scalars *sc)
+{
+    T pp = p[i], ax = s0[j];
+    FN(asgd_update)(&pp, g[i], &ax, sc);
+    p[i] = pp;
+    s0[j] = ax;
+}
+
+/* The factor is etaplus / etaminus / 1 by the sign of g * prev (NaN where that is NaN, as torch's
+ * sign); the clamp keeps NaN; where the sign flipped the element does not move and prev becomes 0. */
+void FN(rprop_update)(T *p, T g, T *prev, T *step_size, const rprop_scalars *sc)
+{
+    g = g * sc->grad_factor;
+    const T pp = *p;
+    const T s = g * *prev;
+    const T f = select(select(select(s, (T)(1.0f), s == (T)(0.0f)), (T)(sc->etaminus), s < (T)(0.0f)),
+                       (T)(sc->etaplus), s > (T)(0.0f));
+    T st = (sc->first_step ? (T)(sc->lr) : *step_size) * f;
+    st = select(st, (T)(sc->step_size_min), st < (T)(sc->step_size_min));
+    st = select(st, (T)(sc->step_size_max), st > (T)(sc->step_size_max));
+    g = select(g, (T)(0.0f), f == (T)(sc->etaminus));
+    *p = select(select(pp - g * st, pp + st, g < (T)(0.0f)), pp - st, g > (T)(0.0f));
+    *prev = g;
+    *step_size = st;
+}
+
+
+/* The element functions of the two-slot families: s0 and s1 are the definition's two slots
+ * (nadam, radam: exp_avg, exp_avg_sq; adamax: exp_avg, exp_inf; adadelta: square_avg, acc_delta;
+ * rprop: prev, step_size). */
+#define TWO_SLOT_ELEM(OPT)                                                                       \
+    void FN(OPT##_elem)(__global T *p, __global const T *g, __global T *s0, __global T *s1,      \
+                        __global T *s2, size_t i, size_t j, const OPT##_scalars *sc)             \
+    {                                                                                            \
+        T pp = p[i], a = s0[j], b = s1[j];                                                       \
+        FN(OPT##_update)(&pp, g[i], &a, &b, sc);                                                 \
+        p[i] = pp;                                                                               \
+        s0[j] = a;                                                                               \
+        s1[j] = b;                                                                               \
+    }
+TWO_SLOT_ELEM(nadam)
+TWO_SLOT_ELEM(radam)
+TWO_SLOT_ELEM(adamax)
+TWO_SLOT_ELEM(adadelta)
+TWO_SLOT_ELEM(rprop)
+#undef TWO_SLOT_ELEM
+#undef DECAY_L2_OR_DECOUPLED

@@ -45,6 +45,12 @@ void sgd_element_v8(T *p, T g, T *s0, T *s1, T *s2, const sgd_scalars *sc) { sgd
 void rmsprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rmsprop_scalars *sc) { rmsprop_update_v8(p, g, s0, s1, s2, sc); }
 void adagrad_element_v8(T *p, T g, T *s0, T *s1, T *s2, const adagrad_scalars *sc) { adagrad_update_v8(p, g, s0, sc); }
 void lion_element_v8(T *p, T g, T *s0, T *s1, T *s2, const lion_scalars *sc) { lion_update_v8(p, g, s0, sc); }
+void nadam_element_v8(T *p, T g, T *s0, T *s1, T *s2, const nadam_scalars *sc) { nadam_update_v8(p, g, s0, s1, sc); }
+void radam_element_v8(T *p, T g, T *s0, T *s1, T *s2, const radam_scalars *sc) { radam_update_v8(p, g, s0, s1, sc); }
+void adamax_element_v8(T *p, T g, T *s0, T *s1, T *s2, const adamax_scalars *sc) { adamax_update_v8(p, g, s0, s1, sc); }
+void adadelta_element_v8(T *p, T g, T *s0, T *s1, T *s2, const adadelta_scalars *sc) { adadelta_update_v8(p, g, s0, s1, sc); }
+void asgd_element_v8(T *p, T g, T *s0, T *s1, T *s2, const asgd_scalars *sc) { asgd_update_v8(p, g, s0, sc); }
+void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) { rprop_update_v8(p, g, s0, s1, sc); }
 #undef T
 #undef SUFFIX
 

@@ -57,4 +57,46 @@ typedef struct {
     float grad_factor;           /* every gradient element is multiplied by it first */
 } adafactor_scalars;
 
+/* NAdam, RAdam, Adamax, Adadelta, ASGD, Rprop (optirs.core.scalars; host-computed records). */
+typedef struct {
+    float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+    float bias_correction2;      /* 1 - beta2^t */
+    float grad_coef, avg_coef;   /* -lr (1 - mu_t) / (1 - P_t), -lr mu_{t+1} / (1 - P_{t+1}) */
+    float decay_factor;          /* 1 - lr * weight_decay (decoupled) */
+    int decoupled;
+    float grad_factor;           /* every gradient element is multiplied by it first */
+} nadam_scalars;
+
+typedef struct {
+    float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, lr;
+    float bias_correction1, bias_correction2_sqrt, rect;
+    float decay_factor;          /* 1 - lr * weight_decay (decoupled) */
+    int rectified, decoupled;
+    float grad_factor;           /* every gradient element is multiplied by it first */
+} radam_scalars;
+
+typedef struct {
+    float beta1, one_minus_beta1, beta2, eps, weight_decay;
+    float clr;                   /* lr / (1 - beta1^t) */
+    float grad_factor;           /* every gradient element is multiplied by it first */
+} adamax_scalars;
+
+typedef struct {
+    float lr, rho, one_minus_rho, eps, weight_decay;
+    float grad_factor;           /* every gradient element is multiplied by it first */
+} adadelta_scalars;
+
+typedef struct {
+    float eta, decay_factor, weight_decay, mu;
+    int averaging;               /* mu != 1 (else ax = p) */
+    float grad_factor;           /* every gradient element is multiplied by it first */
+} asgd_scalars;
+
+typedef struct {
+    float lr;                    /* the step sizes' start (first step) */
+    float etaminus, etaplus, step_size_min, step_size_max;
+    int first_step;
+    float grad_factor;           /* every gradient element is multiplied by it first */
+} rprop_scalars;
+
 #endif

@@ -1,0 +1,128 @@
+"""32-bit unsigned integer operations for numba code on every backend.
+
+numba types ``uint32 op uint32`` as uint64, so bit manipulation written with numpy scalars runs
+in 64 bits. A GPU has no 64-bit integer unit: each 64-bit and, xor, shift or add is two
+instructions and a multiply three or four, which made the format kernels issue-bound (about half
+of their instructions were 64-bit). These intrinsics take any integers, truncate them to their
+low 32 bits and emit the 32-bit LLVM instruction, so the result is a ``uint32`` with the same
+value as the masked 64-bit arithmetic: ``mul32(a, b) == (a * b) & 0xFFFFFFFF``. Shift counts
+must be below 32 (as in C). On the CPU the same narrowing doubles the lanes a vector holds.
+
+The public names are ``@njit`` functions around the intrinsics, so that they can also be called
+from Python (numba's CUDA simulator runs kernels as Python); compiled callers inline them.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = ["u32", "and32", "or32", "xor32", "add32", "sub32", "mul32", "shr32", "shl32"]
+
+_I32 = ir.IntType(32)
+
+
+def _low32(builder, value, ty):
+    """An integer argument of numba type ``ty`` as an LLVM i32 (its low 32 bits)."""
+    width = ty.bitwidth
+    if width == 32:
+        return value
+    if width > 32:
+        return builder.trunc(value, _I32)
+    return builder.sext(value, _I32) if ty.signed else builder.zext(value, _I32)
+
+
+def _integers(*tys) -> bool:
+    return all(isinstance(t, types.Integer) for t in tys)
+
+
+@intrinsic
+def _u32(typingctx, a):
+    """The low 32 bits of integer ``a`` as a uint32."""
+    if not _integers(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _low32(builder, args[0], sig.args[0])
+
+    return types.uint32(a), codegen
+
+
+def _binary(op: str):
+    def typer(typingctx, a, b):
+        if not _integers(a, b):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x = _low32(builder, args[0], sig.args[0])
+            y = _low32(builder, args[1], sig.args[1])
+            return getattr(builder, op)(x, y)
+
+        return types.uint32(a, b), codegen
+
+    typer.__name__ = op
+    return typer
+
+
+_and = intrinsic(_binary("and_"))
+_or = intrinsic(_binary("or_"))
+_xor = intrinsic(_binary("xor"))
+_add = intrinsic(_binary("add"))
+_sub = intrinsic(_binary("sub"))
+_mul = intrinsic(_binary("mul"))
+_shr = intrinsic(_binary("lshr"))
+_shl = intrinsic(_binary("shl"))
+
+_jit = njit(cache=True, inline="always")
+
+
+@_jit
+def u32(a):
+    """The low 32 bits of integer ``a``."""
+    return _u32(a)
+
+
+@_jit
+def and32(a, b):
+    return _and(a, b)
+
+
+@_jit
+def or32(a, b):
+    return _or(a, b)
+
+
+@_jit
+def xor32(a, b):
+    return _xor(a, b)
+
+
+@_jit
+def add32(a, b):
+    """``(a + b) mod 2**32``."""
+    return _add(a, b)
+
+
+@_jit
+def sub32(a, b):
+    """``(a - b) mod 2**32``."""
+    return _sub(a, b)
+
+
+@_jit
+def mul32(a, b):
+    """``(a * b) mod 2**32``."""
+    return _mul(a, b)
+
+
+@_jit
+def shr32(a, k):
+    """The low 32 bits of ``a`` shifted right (logical) by ``k`` < 32."""
+    return _shr(a, k)
+
+
+@_jit
+def shl32(a, k):
+    """The low 32 bits of ``a`` shifted left by ``k`` < 32, modulo 2**32."""
+    return _shl(a, k)
