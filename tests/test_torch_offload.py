@@ -14,6 +14,8 @@ import _thread
 import copy
 import io
 import pickle
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -171,17 +173,71 @@ def test_accumulation_count_wrong_either_way_is_still_correct():
         assert_same(ref_model, our_model)
 
 
-def test_step_in_backward_refuses_an_extra_backward():
-    model = make_model()
+def armed_offload(model):
+    """A step_in_backward offload after two rounds (the first is plain; it arms the hooks)."""
     opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
-    for t in range(2):  # the first round is plain; it arms the hooks
+    for t in range(2):
         opt.zero_grad()
         loss_of(model, t).backward()
         opt.step()
+    return opt
+
+
+def test_step_in_backward_refuses_an_extra_backward():
+    model = make_model()
+    opt = armed_offload(model)
     opt.zero_grad()
     loss_of(model, 5).backward()
     with pytest.raises(UnsupportedOperationError, match="already started"):
         loss_of(model, 6).backward()
+
+
+@pytest.fixture
+def busy_cpu():
+    """Two threads multiplying matrices (numpy releases the GIL): the workers compete for the cores."""
+    np = pytest.importorskip("numpy")
+    stop = threading.Event()
+
+    def burn():
+        x = np.full((192, 192), 0.5)
+        while not stop.is_set():
+            x @ x
+
+    threads = [threading.Thread(target=burn, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    yield
+    stop.set()
+    for t in threads:
+        t.join()
+
+
+def test_step_in_backward_orders_the_workers_before_the_next_line(busy_cpu, monkeypatch):
+    """Whatever the workers' timing (slowed down here in every other round, on a busy CPU), a
+    chunk step started in backward has written its parameters when backward returns: an extra
+    forward and backward meet the optimizer's own refusal, never torch's in-place RuntimeError
+    (the saved parameters moved under it), and the forward saw the stepped parameters only."""
+    run_chunk = offload_mod.CPUOffload._run_chunk
+    slow = [False]
+
+    def slowed(self, *args, **kwargs):
+        if slow[0]:
+            time.sleep(0.02)  # the main thread is by then well into the next forward
+        return run_chunk(self, *args, **kwargs)
+
+    monkeypatch.setattr(offload_mod.CPUOffload, "_run_chunk", slowed)
+    for r in range(16):
+        slow[0] = False
+        model = make_model()
+        opt = armed_offload(model)
+        slow[0] = r % 2 == 0
+        opt.zero_grad()
+        loss_of(model, 5).backward()
+        stepped = [p.detach().clone() for p in model.parameters()]
+        assert opt._started(), "no chunk started in backward"
+        with pytest.raises(UnsupportedOperationError, match="already started"):
+            loss_of(model, 6).backward()
+        assert all(torch.equal(a, b) for a, b in zip(stepped, model.parameters())), f"round {r}"
 
 
 def test_gradients_changed_after_backward_are_copied_again():

@@ -40,7 +40,7 @@ import inspect
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -425,6 +425,19 @@ class _Chunk:
         self.counts: Optional[Tuple[Any, ...]] = None  # CPUOffload._counts just before this round's step
 
 
+
+def _settle_at_end_of_backward(future: Future) -> None:
+    """Make the backward running now return only after ``future`` (a chunk step it started) is done.
+
+    The chunk's worker writes the new parameters (on CUDA, queues their copy), which moves their
+    version counters. Were it still running when backward returns, it would race whatever the
+    caller does next: a forward saving those parameters for another backward (which torch then
+    refuses with its in-place RuntimeError, before this optimizer's hooks could refuse the extra
+    backward themselves), or that forward reading half-written parameters. Waiting here orders
+    the writes before the caller's next line on every run; the usual step() after backward would
+    wait for them anyway. The callback never raises: step() reports the chunk's failure."""
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: wait([future]))
+
 class CPUOffload(torch.optim.Optimizer):
     """An optirs.torch optimizer whose fp32 masters and state live in host memory.
 
@@ -678,6 +691,7 @@ class CPUOffload(torch.optim.Optimizer):
                     and self._groups_valid()):
                 chunk.future = self._pool.submit(self._job, chunk, list(range(len(chunk.params))), None, None,
                                                  self._abort)
+                _settle_at_end_of_backward(chunk.future)
 
     def _groups_valid(self) -> bool:
         """Whether every group passes step()'s checks (once per round): a chunk starts in backward

@@ -21,11 +21,16 @@ from numba import njit, prange
 from optirs.backends.common.elementwise import lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, encode_state, format_element,
-                                            lamb_format_element, quantize, store_master, stream_key)
+                                            lamb_format_element, quantize_bucket, quantize_code, quantize_scaled,
+                                            store_master, stream_key)
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
 
-_jit = njit(cache=True, error_model="numpy")
+# Only the parallel entry points are cached on disk. A function loaded from numba's cache is
+# linked into a new caller as object code, which LLVM cannot inline: a loop compiled in a later
+# process would call each element's helpers and not vectorize (2-4x slower, measured). The
+# helpers and the per-variant loops they make up compile with their entry point, inlined.
+_jit = njit(cache=False, error_model="numpy")
 _pjit = njit(parallel=True, cache=True, error_model="numpy")
 
 
@@ -37,19 +42,25 @@ def _load_codes(w, scales, small, q, blk, so, o, n, buf):
         for i in range(n):
             buf[i] = small[so + i]
     else:
-        s = scales[blk]
-        for i in range(n):
-            buf[i] = q[w[o + i]] * s
+        _decode_block(w, q, scales[blk], o, n, buf)
 
 
 @_jit
-def _store_codes_or_small(w, scales, small, mid, tbl, blk, so, o, n, buf):
-    """The inverse of :func:`_load_codes`."""
+def _decode_block(w, q, s, o, n, buf):
+    """``n`` int8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf``."""
+    wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
+    for i in range(n):
+        buf[i] = q[wb[i]] * s
+
+
+@_jit
+def _store_codes_or_small(w, scales, small, mid, tbl, blk, so, o, n, buf, ix):
+    """The inverse of :func:`_load_codes` (``ix``: uint32 scratch of a block)."""
     if so >= 0:
         for i in range(n):
             small[so + i] = buf[i]
     else:
-        _store_codes(w, scales, mid, tbl, blk, o, n, buf)
+        _store_codes(w, scales, mid, tbl, blk, o, n, buf, ix)
 
 
 @_jit
@@ -87,19 +98,63 @@ def _word_out(v, i, kind, usedk, x, key, idx):
 
 
 @_jit
-def _store_codes(w, scales, mid, tbl, blk, o, n, buf):
-    """An int8 block's new values: the scale is their absmax, then each one's code."""
-    # 8 running maxima (one vector register): max with NaN propagation is associative, so the
-    # block's scale is the same as one running maximum's, without its serial dependency
-    acc = np.zeros(8, np.float32)
-    for i in range(n):
-        acc[i & 7] = absmax_update(acc[i & 7], buf[i])
-    m = np.float32(0)
-    for j in range(8):
-        m = absmax_update(m, acc[j])
+def _block_absmax(buf, n):
+    """The absmax of ``buf[:n]`` as 8 running maxima (lane ``i & 7``) folded in lane order.
+
+    Eight scalars, not an array: the vectorizer makes them one register. The order is fixed
+    (a NaN does not stick in ``absmax_update``), so the scale is the same on every machine."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(0)
+    n8 = n - n % 8
+    for j in range(0, n8, 8):
+        m0 = absmax_update(m0, buf[j])
+        m1 = absmax_update(m1, buf[j + 1])
+        m2 = absmax_update(m2, buf[j + 2])
+        m3 = absmax_update(m3, buf[j + 3])
+        m4 = absmax_update(m4, buf[j + 4])
+        m5 = absmax_update(m5, buf[j + 5])
+        m6 = absmax_update(m6, buf[j + 6])
+        m7 = absmax_update(m7, buf[j + 7])
+    r = n - n8  # a short last block: lanes 0 .. r-1 take one more value each
+    if r > 0:
+        m0 = absmax_update(m0, buf[n8])
+    if r > 1:
+        m1 = absmax_update(m1, buf[n8 + 1])
+    if r > 2:
+        m2 = absmax_update(m2, buf[n8 + 2])
+    if r > 3:
+        m3 = absmax_update(m3, buf[n8 + 3])
+    if r > 4:
+        m4 = absmax_update(m4, buf[n8 + 4])
+    if r > 5:
+        m5 = absmax_update(m5, buf[n8 + 5])
+    if r > 6:
+        m6 = absmax_update(m6, buf[n8 + 6])
+    m = absmax_update(np.float32(0), m0)
+    m = absmax_update(m, m1)
+    m = absmax_update(m, m2)
+    m = absmax_update(m, m3)
+    m = absmax_update(m, m4)
+    m = absmax_update(m, m5)
+    m = absmax_update(m, m6)
+    return absmax_update(m, m7)
+
+
+@_jit
+def _store_codes(w, scales, mid, tbl, blk, o, n, buf, ix):
+    """An int8 block's new values: the scale is their absmax, then each one's code.
+
+    The scaling and bucket arithmetic run in a loop of their own (vectorized), the two table
+    lookups in another (unsigned indices: no negative-index wraparound); ``buf`` is overwritten with
+    the scaled values, ``ix`` (uint32 scratch) with the buckets."""
+    m = _block_absmax(buf, n)
     scales[blk] = m
     for i in range(n):
-        w[o + i] = quantize(buf[i], m, mid, tbl)
+        y = quantize_scaled(buf[i], m)
+        buf[i] = y
+        ix[i] = quantize_bucket(y)
+    wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
+    for i in range(n):
+        wb[i] = quantize_code(buf[i], tbl[ix[i]], mid)
 
 
 @_jit
@@ -114,7 +169,7 @@ def _master_word(mbuf, idx, has_master):
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
 U0 = U1 = U2 = HAS_MASTER = INT8 = False
 SKIND = STATE_F32
-RUN_WORDS = RUN_CODES = CHUNK = LOAD_MOMENTS = None
+RUN_WORDS = CHUNK = LOAD_MOMENTS = None
 
 _POINTWISE: dict = {}
 
@@ -135,7 +190,6 @@ def _make_pointwise(fc, used):
                      SKIND=STATE_F32 if int8 else fc.state)  # a small int8 tensor's state is float32 values
     label = "_".join(map(str, tuple(fc))) + f"_u{used}"
     constants["RUN_WORDS"] = _jit(variant(_run_words, label, constants))
-    constants["RUN_CODES"] = _jit(variant(_run_codes, label, constants))
     # the chunk is its own (serial) function: numba's parfor lowering of a body this size
     # optimizes it far worse (measured 2-10x) than the ordinary pipeline does
     constants["CHUNK"] = _jit(variant(_chunk, label, constants))
@@ -158,22 +212,6 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k0, k1, k2, o):
         _word_out(v2, i, SKIND, U2, x2, k2, idx)
 
 
-def _run_codes(p, g, mb, v0, v1, v2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o):
-    # one int8 block, every array sliced to it (one index for all, as _run_words)
-    for i in range(p.shape[0]):
-        x0 = q0[v0[i]] * s0 if U0 else np.float32(0)
-        x1 = q1[v1[i]] * s1 if U1 else np.float32(0)
-        x2 = q2[v2[i]] * s2 if U2 else np.float32(0)
-        pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, HAS_MASTER), np.uint32(g[i]),
-                                            x0, x1, x2, sc, FC, keyp, o + i)
-        p[i] = pw
-        if HAS_MASTER:
-            mb[i] = mw
-        a0[i] = x0
-        a1[i] = x1
-        a2[i] = x2
-
-
 def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, off, blk0, so,
            s, e, sc, keyp, k0, k1, k2):
     if not INT8 or so >= 0:
@@ -193,26 +231,32 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             v2 = w2[o : o + n] if U2 else w2
         RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k0, k1, k2, o)
         return
-    # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch
+    # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch.
+    # Each block in three loops: the codes decoded (table lookups), the element loop over the
+    # float32 scratch (the same vectorized loop as float32 state), the new codes (_store_codes)
     a0 = np.zeros(BLOCK, np.float32)
     a1 = np.zeros(BLOCK, np.float32)
     a2 = np.zeros(BLOCK, np.float32)
+    ix = np.zeros(BLOCK, np.uint32)
     for b in range(s, e, BLOCK):
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
         o = off + b
-        s0 = c0[blk] if U0 else np.float32(0)
-        s1 = c1[blk] if U1 else np.float32(0)
-        s2 = c2[blk] if U2 else np.float32(0)
-        mb = mbuf[o : o + n] if HAS_MASTER else mbuf
-        RUN_CODES(p[b : b + n], g[b : b + n], mb, w0[o : o + n] if U0 else w0, w1[o : o + n] if U1 else w1,
-                  w2[o : o + n] if U2 else w2, q0, q1, q2, s0, s1, s2, a0, a1, a2, sc, keyp, o)
         if U0:
-            _store_codes(w0, c0, d0, t0, blk, o, n, a0)
+            _decode_block(w0, q0, c0[blk], o, n, a0)
         if U1:
-            _store_codes(w1, c1, d1, t1, blk, o, n, a1)
+            _decode_block(w1, q1, c1[blk], o, n, a1)
         if U2:
-            _store_codes(w2, c2, d2, t2, blk, o, n, a2)
+            _decode_block(w2, q2, c2[blk], o, n, a2)
+        mb = mbuf[o : o + n] if HAS_MASTER else mbuf
+        RUN_WORDS(p[b : b + n], g[b : b + n], mb, a0[:n] if U0 else a0, a1[:n] if U1 else a1, a2[:n] if U2 else a2,
+                  sc, keyp, k0, k1, k2, o)
+        if U0:
+            _store_codes(w0, c0, d0, t0, blk, o, n, a0, ix)
+        if U1:
+            _store_codes(w1, c1, d1, t1, blk, o, n, a1, ix)
+        if U2:
+            _store_codes(w2, c2, d2, t2, blk, o, n, a2, ix)
 
 
 def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,
@@ -311,6 +355,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
         off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
         a0 = np.zeros(BLOCK, np.float32)
         a1 = np.zeros(BLOCK, np.float32)
+        ix = np.zeros(BLOCK, np.uint32)
         lr_t = sc.lr * ratio[t]
         for b in range(s, e, BLOCK):
             n = min(BLOCK, e - b)
@@ -328,11 +373,11 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
                     mbuf[idx] = mw
                 a0[i], a1[i] = mn, vn
             if INT8:
-                _store_codes_or_small(w0, c0, m0, d0, t0, blk, sob, o, n, a0)
+                _store_codes_or_small(w0, c0, m0, d0, t0, blk, sob, o, n, a0, ix)
             else:
                 _store_words(w0, FC.state, o, n, a0, k0)
             if INT8:
-                _store_codes_or_small(w1, c1, m1, d1, t1, blk, sob, o, n, a1)
+                _store_codes_or_small(w1, c1, m1, d1, t1, blk, sob, o, n, a1, ix)
             else:
                 _store_words(w1, FC.state, o, n, a1, k1)
 

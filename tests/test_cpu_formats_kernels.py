@@ -1,0 +1,85 @@
+"""The cpu backend's int8 block loops (optirs.backends.cpu.formats_kernels) against numpy.
+
+The block's new values are coded in separate loops (absmax in eight running maxima, the scaling
+and bucket arithmetic, the two table lookups): the scale and every code must be exactly what the
+contract's sequential definition gives (docs/formats.md), NaN, inf, zeros and short blocks
+included. The reference here is plain numpy: the eight lanes folded in order with the contract's
+``max(m, |x|)`` (a NaN compares false), and :func:`quantize_table` on ``x / scale``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints, quantize_table
+from optirs.core.formats import dynamic_map
+
+
+def _absmax_update(m, x):
+    a = np.float32(abs(x))
+    return a if not (a <= m) else m
+
+
+def _reference_scale(values):
+    """The contract's block scale: lane i % 8 folds its values in order, then the lanes in order."""
+    lanes = [np.float32(0)] * 8
+    for i, x in enumerate(values):
+        lanes[i % 8] = _absmax_update(lanes[i % 8], x)
+    m = np.float32(0)
+    for lane in lanes:
+        m = _absmax_update(m, lane)
+    return m
+
+
+def _block(rng, n, specials):
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 2)).astype(np.float32)
+    if specials and n > 2:
+        where = rng.choice(n, size=min(n, 6), replace=False)
+        x[where] = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40], np.float32)[: where.size]
+    return x
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from numba import njit
+
+    import optirs.backends.cpu.formats_kernels as K
+
+    @njit
+    def store(w, scales, mid, tbl, blk, o, n, buf, ix):
+        K._store_codes(w, scales, mid, tbl, blk, o, n, buf, ix)
+
+    @njit
+    def decode(w, q, s, o, n, buf):
+        K._decode_block(w, q, s, o, n, buf)
+
+    return store, decode
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("specials", [False, True])
+def test_store_codes_is_the_sequential_definition(kernels, signed, specials):
+    store, decode = kernels
+    rng = np.random.default_rng(11 + signed + 2 * specials)
+    mid, tbl, q = padded_midpoints(signed), bucket_table(signed), dynamic_map(signed)
+    for n in (256, 255, 200, 9, 8, 7, 1):
+        for _ in range(6):
+            x = _block(rng, n, specials)
+            if not signed:
+                x = np.abs(x)
+            o, blk = 5, 2  # a block at an offset inside the arrays
+            w = np.full(o + n + 3, 77, np.uint8)
+            scales = np.full(4, -1.0, np.float32)
+            store(w, scales, mid, tbl, blk, o, n, x.copy(), np.zeros(256, np.uint32))
+            scale = _reference_scale(x)
+            assert scales[blk].tobytes() == scale.tobytes(), (n, scales[blk], scale)
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                y = x / scale if scale != 0 else np.zeros_like(x)
+            assert np.array_equal(w[o : o + n], quantize_table(y, mid, tbl)), n
+            assert np.all(w[:o] == 77) and np.all(w[o + n :] == 77)  # nothing outside the block
+            got = np.zeros(n, np.float32)
+            decode(w, q, scales[blk], o, n, got)
+            with np.errstate(invalid="ignore", over="ignore"):
+                want = q[w[o : o + n]] * scales[blk]  # a NaN or inf scale decodes to NaN / inf
+            assert np.array_equal(got, want, equal_nan=True)
