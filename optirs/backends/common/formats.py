@@ -273,9 +273,10 @@ def dequantize(code, scale, q):
 
 @_jit
 def absmax_update(m, x):
-    """max(m, |x|), NaN-propagating: a NaN in a block makes its scale NaN (docs/formats.md)."""
+    """max(m, |x|), NaN-propagating: once ``m`` or ``|x|`` is NaN the result is NaN, so a NaN anywhere
+    in a block makes its scale NaN (docs/formats.md), whatever comes after it in its lane."""
     a = abs(x)
-    return a if not (a <= m) else m
+    return a if not (a <= m) and m == m else m
 
 
 # ---------------------------------------------------------------- state words

@@ -101,8 +101,8 @@ def _word_out(v, i, kind, usedk, x, key, idx):
 def _block_absmax(buf, n):
     """The absmax of ``buf[:n]`` as 8 running maxima (lane ``i & 7``) folded in lane order.
 
-    Eight scalars, not an array: the vectorizer makes them one register. The order is fixed
-    (a NaN does not stick in ``absmax_update``), so the scale is the same on every machine."""
+    Eight scalars, not an array: the vectorizer makes them one register. ``absmax_update``
+    propagates NaN, so the result is the block's max |x| (NaN when any value is NaN) in any order."""
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(0)
     n8 = n - n % 8
     for j in range(0, n8, 8):
