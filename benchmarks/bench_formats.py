@@ -96,25 +96,6 @@ def timed(sync: Callable[[], None], fn: Callable[[], None], steps: int, batches:
     return statistics.median(times)
 
 
-def kernel_ms(torch: Any, sync: Callable[[], None], fn: Callable[[], None], steps: int) -> Optional[float]:
-    """The device time of one call's kernels (and copies), from torch's profiler over ``steps`` calls:
-    the kernel alone, without the host's part. None where the profiler cannot tell (no CUDA)."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            sync()
-        cuda = torch.autograd.DeviceType.CUDA
-        total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda)
-        return total / 1e3 / steps if total > 0 else None
-    except Exception as exc:  # an old profiler or no CUPTI: the end-to-end time still stands
-        print(f"# kernel time not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return None
-
-
 def nbytes(value: Any) -> int:
     """Bytes of a state entry: tensors, numpy / device arrays, nested dicts and lists; scalars count 0."""
     if isinstance(value, dict):
@@ -168,6 +149,27 @@ class TorchDevice(Device):
         ms = timed(self.sync, lambda: dst.copy_(src), steps, batches)
         return 2 * 4 * n / (ms * 1e-3) / 1e9
 
+    def kernel_ms(self, fn: Callable[[], None], steps: int) -> Optional[float]:
+        """The device time of one call's kernels (and copies), from torch's profiler over ``steps``
+        calls: the kernel alone, without the host's part. None on the host, or where the profiler
+        cannot tell."""
+        if self.device != "cuda":
+            return None
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    fn()
+                self.sync()
+            cuda = self.torch.autograd.DeviceType.CUDA
+            total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == cuda)
+            return total / 1e3 / steps if total > 0 else None
+        except Exception as exc:  # an old profiler or no CUPTI: the end-to-end time still stands
+            print(f"# kernel time not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return None
+
     def tensors(self, shapes, dtype) -> List[Any]:
         torch = self.torch
         params = [torch.nn.Parameter(torch.randn(s, device=self.device).to(dtype) * 0.02) for s in shapes]
@@ -186,7 +188,7 @@ class TorchDevice(Device):
                        master_weights=master if pdt != "float32" else None, state_dtype=state_dtype,
                        stochastic_rounding=sr, seed=1234, backend=self.backend)
         ms = timed(self.sync, opt.step, steps, batches)
-        kms = kernel_ms(torch, self.sync, opt.step, steps) if self.device == "cuda" else None
+        kms = self.kernel_ms(opt.step, steps)
         n = sum(p.numel() for p in params)
         return {"label": f"optirs {label}", "ms": ms, "kernel_ms": kms,
                 "bytes_per_param": format_bytes(pdt, master, state_dtype),
@@ -284,7 +286,7 @@ def peer_row(dev: TorchDevice, shapes, label: str, make: Callable, dtype: Any, b
     try:
         opt = make(params)
         ms = timed(dev.sync, opt.step, steps, batches)
-        kms = kernel_ms(dev.torch, dev.sync, opt.step, steps)
+        kms = dev.kernel_ms(opt.step, steps)
     except Exception as exc:  # a peer that imports but cannot run here: say why, keep the run
         return {"label": label, "peer": True, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
     n = sum(p.numel() for p in params)
