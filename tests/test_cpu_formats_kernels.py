@@ -1,6 +1,6 @@
 """The cpu backend's int8 block loops (optirs.backends.cpu.formats_kernels) against numpy.
 
-The block's new values are coded in separate loops (absmax in eight running maxima, the scaling
+The block's new values are coded in separate loops (absmax as an integer maximum, the scaling
 and bucket arithmetic, the two table lookups): the scale and every code must be exactly what the
 contract gives (docs/formats.md), NaN, inf, zeros and short blocks included. The reference here
 is plain numpy: the scale is ``max |x|`` over the block (NaN when any value is NaN: numpy's max
@@ -73,3 +73,20 @@ def test_store_codes_is_the_sequential_definition(kernels, signed, specials):
             with np.errstate(invalid="ignore", over="ignore"):
                 want = q[w[o : o + n]] * scales[blk]  # a NaN or inf scale decodes to NaN / inf
             assert np.array_equal(got, want, equal_nan=True)
+
+
+def test_a_block_with_nans_keeps_the_nan_of_its_first_lane(kernels):
+    """Which NaN a block's scale holds: that of the first of the 8 lanes (element i in lane i % 8)
+    holding one, its first NaN, sign cleared; the bits these loops have always stored."""
+    store, _ = kernels
+    mid, tbl = padded_midpoints(True), bucket_table(True)
+    rng = np.random.default_rng(5)
+    for n, where in ((256, (3, 11, 200)), (256, (8, 1)), (13, (12, 4)), (256, (255,))):
+        x = rng.standard_normal(n).astype(np.float32)
+        payloads = np.uint32([0xFFC00001, 0x7FC00002, 0x7FA00003])[: len(where)]
+        x[list(where)] = payloads.view(np.float32)
+        lanes = [i for i in range(n) if np.isnan(x[i])]
+        first = min(lanes, key=lambda i: (i % 8, i))
+        scales = np.zeros(1, np.float32)
+        store(np.zeros(n, np.uint8), scales, mid, tbl, 0, 0, n, x.copy(), np.zeros(256, np.uint32))
+        assert scales.view(np.uint32)[0] == x.view(np.uint32)[first] & 0x7FFFFFFF, (n, where)

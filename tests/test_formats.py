@@ -266,6 +266,47 @@ def test_numba_encodings_match_the_reference(nb, rng):
     assert np.array_equal(out[11].view(np.float32)[finite], x.astype(BF16).astype(np.float32)[finite])
 
 
+@pytest.fixture(scope="module")
+def nb16():
+    from numba import njit
+
+    from optirs.backends.common import formats as E
+
+    @njit  # not cached: a cached copy would outlive edits of the encodings it tests
+    def f16_both(x, h, enc, dec):
+        for i in range(x.shape[0]):
+            enc[i] = E.f16_nearest(x[i])
+        for i in range(h.shape[0]):
+            dec[i] = E.decode16(np.uint32(h[i]), 2)
+
+    return f16_both
+
+
+def test_numba_float16_at_every_rounding_boundary(nb16):
+    """float16 bits decoded (every pattern) and encoded at every rounding decision: each float16
+    value, the midpoints to its neighbour (ties to even) and the float32 values either side of them,
+    subnormals, the overflow edge, inf and NaN, against numpy's casts."""
+    h = np.arange(1 << 16, dtype=np.uint32)
+    finite16 = h[(h & 0x7C00) != 0x7C00]
+    lo = finite16.astype(np.uint16).view(np.float16).astype(np.float64)
+    nxt = (finite16 + 1).astype(np.uint16).view(np.float16).astype(np.float64)  # inf past the largest
+    top = np.isinf(nxt)
+    nxt[top] = 65520.0 * np.sign(lo[top])  # the largest float16's upper rounding edge
+    mid = ((lo + nxt) / 2).astype(np.float32)  # exact in float32: float16 midpoints need 12 bits
+    x = np.concatenate([lo.astype(np.float32), mid, np.nextafter(mid, np.float32(np.inf)),
+                        np.nextafter(mid, np.float32(-np.inf)), np.float32([np.inf, -np.inf, np.nan, -np.nan])])
+    x = np.concatenate([x, np.uint32([0x7F800001, 0xFFBFFFFF, 0x7FA00000, 0x00000001, 0x807FFFFF]).view(np.float32)])
+    enc = np.zeros(x.size, np.uint16)
+    dec = np.zeros(h.size, np.float32)
+    nb16(x, h, enc, dec)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(enc, x.astype(np.float16).view(np.uint16))
+    ref = h.astype(np.uint16).view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(dec.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
+    assert np.array_equal(dec.view(np.uint32)[nan], ((h[nan] & 0x8000) << 16) | 0x7FC00000)  # the quiet NaN
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_reference_encodings_follow_the_contract(rng):
     x = _special_floats(rng)

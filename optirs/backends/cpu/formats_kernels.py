@@ -18,11 +18,12 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from optirs.backends.common.bits32 import and32
 from optirs.backends.common.elementwise import lamb_grad_scale
 from optirs.backends.common.variants import variant
-from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, encode_state, format_element,
-                                            lamb_format_element, quantize_bucket, quantize_code, quantize_scaled,
-                                            store_master, stream_key)
+from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, encode_state, f32_bits,
+                                            format_element, lamb_format_element, quantize_bucket, quantize_code,
+                                            quantize_scaled, store_master, stream_key)
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
 
@@ -99,10 +100,27 @@ def _word_out(v, i, kind, usedk, x, key, idx):
 
 @_jit
 def _block_absmax(buf, n):
+    """The absmax of ``buf[:n]``, as :func:`_block_absmax_lanes` returns it.
+
+    The magnitudes' bit patterns order as the values do, so their integer maximum is the absmax:
+    one vectorized integer reduction, where the float comparisons ran scalar. A NaN orders above
+    inf, and then :func:`_block_absmax_lanes` is asked which NaN the block's scale is."""
+    top = np.uint32(0)
+    for i in range(n):
+        top = max(top, and32(f32_bits(buf[i]), 0x7FFFFFFF))
+    if top > np.uint32(0x7F800000):
+        return _block_absmax_lanes(buf, n)
+    return bits_f32(top)
+
+
+@_jit
+def _block_absmax_lanes(buf, n):
     """The absmax of ``buf[:n]`` as 8 running maxima (lane ``i & 7``) folded in lane order.
 
-    Eight scalars, not an array: the vectorizer makes them one register. ``absmax_update``
-    propagates NaN, so the result is the block's max |x| (NaN when any value is NaN) in any order."""
+    ``absmax_update`` propagates NaN, so the result is the block's max |x| (NaN when any value is
+    NaN: the first NaN of the first lane holding one, the scale's bits since these loops began).
+    Runs scalar (the float compare-and-select chains do not vectorize): only blocks with a NaN come
+    here."""
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(0)
     n8 = n - n % 8
     for j in range(0, n8, 8):
