@@ -35,11 +35,12 @@ prepare_kernel_compilation()  # before the first decorator: numba picks the cach
 # element and not vectorize (2-4x slower, measured on the cpu). The loops that call them are
 # cached, with them inlined.
 _jit = njit(cache=False, error_model="numpy")
-# The functions that branch on the format codes are inlined into their callers by numba itself:
-# the codes are constants of each loop, so the branches then fold away. Left to LLVM, whose inliner
-# judges a function by its size with every branch still in it, format_element of float16
-# parameters stayed a call per element and its loop ran scalar (26 ns a value, measured).
-_dispatch = njit(cache=False, error_model="numpy", inline="always")
+# The element steps are inlined into their loops by numba itself: the format codes are constants
+# of each loop, and once the step is in it the branches on them fold away (LLVM then inlines the
+# helpers they call). Left to LLVM, whose inliner judges a function by its size with every branch
+# still in it, format_element of float16 parameters stayed a call per element and its loop ran
+# scalar (26 ns a value, measured).
+_inline = njit(cache=False, error_model="numpy", inline="always")
 
 _Z = np.uint32(0)
 _EXP = np.uint32(0x7F800000)  # float32 exponent bits: inf when the mantissa is 0
@@ -326,7 +327,7 @@ def encode_state(x, kind, key, i):
 # ---------------------------------------------------------------- masters and the element step
 
 
-@_dispatch
+@_jit
 def load_master(praw, mraw, fc):
     """The float32 master of one element.
 
@@ -349,7 +350,7 @@ def load_master(praw, mraw, fc):
     return decode16(praw, fc.param)
 
 
-@_dispatch
+@_jit
 def store_master(x, fc, key, i):
     """The new float32 master ``x`` -> (parameter word, master word), as :func:`load_master` reads them.
 
@@ -374,7 +375,7 @@ def store_master(x, fc, key, i):
     return h, np.uint32(0)
 
 
-@_dispatch
+@_inline
 def format_element(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
     """One element of a pointwise family in a format: decode, ``element_update``, encode the master.
 
@@ -388,7 +389,7 @@ def format_element(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
     return pw, mw, s0, s1, s2
 
 
-@_dispatch
+@_inline
 def lamb_format_element(praw, mraw, graw, m, v, grad_scale, sc, fc):
     """LAMB's per-element work in a format: (master p, new m, new v, direction u), all float32.
 
