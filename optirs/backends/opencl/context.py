@@ -396,12 +396,14 @@ class _Tables(NamedTuple):
     total_chunks: int
 
 
-def _layout_tables(ctx: OpenclContext, layout: Any) -> _Tables:
+def _layout_tables(ctx: OpenclContext, layout: Any, chunk: int = CHUNK) -> _Tables:
+    """The chunk tables of ``layout`` in chunks of ``chunk`` elements, on the device once."""
     cache = layout.cache.setdefault(("opencl", id(ctx)), {})
-    tables = cache.get("tables")
+    name = "tables" if chunk == CHUNK else ("tables", chunk)
+    tables = cache.get(name)
     if tables is None:
         cl = ctx.cl
-        tensor, start, _ = layout.chunks(CHUNK)
+        tensor, start, _ = layout.chunks(chunk)
         counts = np.bincount(tensor, minlength=len(layout)).astype(np.int64) if len(tensor) else np.zeros(len(layout), np.int64)
         first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
@@ -411,7 +413,7 @@ def _layout_tables(ctx: OpenclContext, layout: Any) -> _Tables:
 
         tables = _Tables(up(tensor.astype(np.int32)), up(start.astype(np.int64)), up(first[:-1].astype(np.int32)),
                          up(counts.astype(np.int32)), first, int(len(tensor)))
-        cache["tables"] = tables
+        cache[name] = tables
     return tables
 
 
