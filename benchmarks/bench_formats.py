@@ -9,7 +9,8 @@ GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, t
 
 For each row: ms per step (back-to-back steps after warm-up, synchronized at the ends; the
 median of batches), the kernels' own time per step on CUDA (torch's profiler: the device time
-without the host's part), the format's own bytes per parameter (each array read and written once, the
+without the host's part) and on OpenCL (the steps queued behind a user event, then run back to
+back: the device's time without the host's), the format's own bytes per parameter (each array read and written once, the
 gradient read), GB/s, its ratio to the copy bandwidth measured in the same run (torch ``copy_`` on
 CUDA, numpy ``copyto`` on the host, a buffer copy on OpenCL), its speed relative to the fastest
 peer (best peer ms / ms: above 1 is faster), and the state bytes per parameter as allocated
@@ -218,6 +219,45 @@ class OpenclDevice(Device):
         ms = timed(self.sync, lambda: cl.enqueue_copy(self.ctx.queue, dst.data, src.data), steps, batches)
         return 2 * 4 * n / (ms * 1e-3) / 1e9
 
+    def kernel_ms(self, fn: Callable[[], None], steps: int, batches: int) -> Optional[float]:
+        """The device's time per call with the host out of the way: the queue waits on a user
+        event while ``steps`` calls are queued, then runs them back to back (the median of
+        ``batches``). None when a call waited on the queue itself (a watchdog then opens it)."""
+        import threading
+
+        import pyopencl as cl
+
+        q, lock = self.ctx.queue, threading.Lock()
+        times = []
+        for _ in range(batches):
+            q.finish()
+            gate = cl.UserEvent(self.ctx.context)
+            opened = []
+
+            def release() -> None:
+                with lock:
+                    if not opened:
+                        opened.append(time.perf_counter())
+                        gate.set_status(cl.command_execution_status.COMPLETE)
+
+            cl.enqueue_barrier(q, wait_for=[gate])
+            watchdog = threading.Timer(30.0, release)  # a call that waits on the queue would wait forever
+            watchdog.start()
+            try:
+                for _ in range(steps):
+                    fn()
+            finally:
+                late = bool(opened)
+                release()
+                q.finish()
+                end = time.perf_counter()
+                watchdog.cancel()
+            if late:
+                print("# kernel time not measured: a step waited on the queue", file=sys.stderr)
+                return None
+            times.append((end - opened[0]) * 1e3 / steps)
+        return statistics.median(times)
+
     def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
         import ml_dtypes
         import numpy as np
@@ -236,8 +276,10 @@ class OpenclDevice(Device):
                               stochastic_rounding=sr, seed=1234)
         opt = GpuAdamW(hp, GpuOptimizerConfig("opencl"), precision=precision)
         ms = timed(self.sync, lambda: opt.step_gpu(params, grads), steps, batches)
+        kms = self.kernel_ms(lambda: opt.step_gpu(params, grads), steps, batches)
         n = sum(int(p.size) for p in params)
-        return {"label": f"optirs {label}", "ms": ms, "bytes_per_param": format_bytes(pdt, master, state_dtype),
+        return {"label": f"optirs {label}", "ms": ms, "kernel_ms": kms,
+                "bytes_per_param": format_bytes(pdt, master, state_dtype),
                 "state_bytes_per_param": nbytes(opt.state_dict()["state"]) / n}
 
 
