@@ -580,3 +580,55 @@ def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
             if k.endswith(".codes"):  # small tensors' range is unused
                 live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])
             assert np.array_equal(v[live].view(np.uint8), sb[k][live].view(np.uint8)), k
+
+
+_SHAPE_ENV = ("OPTIRS_OPENCL_FORMATS_WG", "OPTIRS_OPENCL_FORMATS_CHUNK", "OPTIRS_OPENCL_FORMATS_RESIDENT")
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_launch_shape_changes_no_bit(ocl, name, monkeypatch):
+    """Work-group, chunk and grid sizes change only which work-group does what: every word is the
+    same, also after a step that found_inf skipped (each launch, skipped or not, moves the chunk
+    counter by what the host expects, or the next step would miss or repeat chunks)."""
+    fmt = FORMATS[4]  # bfloat16 + remainder8 + int8 state: the int8 blocks' reduction over work-items
+    shapes = [(5000,), (7,)] * 10 + [(4099,), (33,), (4096,)]  # more buffers than a launch takes
+    ctx = ocl.ctx
+
+    def run(env, skip):
+        for k in _SHAPE_ENV:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        model = _Model(ocl, name, CASES[name], fmt, shapes=shapes, seed=5)
+        params = _device_copies(ctx, model.params)
+        found = cla.to_device(ctx.queue, np.array([1], np.int32))
+        for k in range(3):
+            grads = _device_copies(ctx, model.grads())
+            if k == 1 and not skip:
+                model.t += 1  # the step numbers of the run that skips
+                continue
+            model.step(grads, params=params, found_inf=found if k == 1 else None)
+        return [p.get().view(np.uint8) for p in params], {k: v.view(np.uint8) for k, v in model.host_state().items()}
+
+    want_p, want_s = run({}, skip=False)
+    for env in ({}, {"OPTIRS_OPENCL_FORMATS_WG": "32", "OPTIRS_OPENCL_FORMATS_CHUNK": "512",
+                     "OPTIRS_OPENCL_FORMATS_RESIDENT": "32"}):
+        got_p, got_s = run(env, skip=True)
+        for a, b in zip(want_p, got_p):
+            assert np.array_equal(a, b), env
+        for k, v in want_s.items():
+            assert np.array_equal(v, got_s[k]), (env, k)
+
+
+@pytest.mark.parametrize("var,value", [("OPTIRS_OPENCL_FORMATS_WG", "100"), ("OPTIRS_OPENCL_FORMATS_CHUNK", "300"),
+                                       ("OPTIRS_OPENCL_FORMATS_RESIDENT", "many")])
+def test_bad_launch_shape_settings_are_refused(ocl, var, value, monkeypatch):
+    model = _Model(ocl, "adamw", CASES["adamw"], FORMATS[4])
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    monkeypatch.setenv(var, value)
+    with pytest.raises(optirs.InvalidParameterError, match=f"{var}={value!r}"):
+        model.step(model.grads())
+    for a, b in zip(before_p, model.params):
+        assert np.array_equal(a, b)
+    for k, v in model.host_state().items():
+        assert np.array_equal(v, before_s[k]), k

@@ -41,8 +41,9 @@ FAMILY_SLOTS = {d.kernel: d.slot_names() for d in DEFINITIONS.values()}
 OFFSETS = np.dtype([(n, "<i8") for n in ("m", "s0", "s1", "s2", "c0", "c1", "c2", "l0", "l1", "l2", "skip")])
 STEP = np.dtype([("seed", "<u4"), ("step", "<u4")])
 _HALF = ("bfloat16", "float16")
-# Elements per chunk of the pointwise kernels and the gradient check: a multiple of 256 (an int8
-# block) and of 8 x the work-group; small, so that a launch's last chunks end close together.
+# Elements per chunk of the pointwise kernels and the gradient check (OPTIRS_OPENCL_FORMATS_CHUNK):
+# a multiple of 256 (an int8 block) and of 8 x the work-group; small, so that a launch's last
+# chunks end close together.
 FMT_CHUNK = 2048
 # Work-items per work-group of those kernels (OPTIRS_OPENCL_FORMATS_WG): small groups of these
 # register-heavy kernels keep more of them resident (the CUDA formats kernels' 128-thread blocks).
@@ -83,6 +84,18 @@ def work_group(ctx: Any) -> int:
         return min(WORK_GROUP, allowed[-1])
     if not text.isdigit() or int(text) not in allowed:
         raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_WG={text!r}, expected one of {allowed}")
+    return int(text)
+
+
+def chunk_elements(wg: int) -> int:
+    """Elements per chunk of the pointwise kernels: ``OPTIRS_OPENCL_FORMATS_CHUNK`` or 2048."""
+    text = os.environ.get("OPTIRS_OPENCL_FORMATS_CHUNK", "").strip()
+    if not text:
+        return max(FMT_CHUNK, 8 * wg)
+    step = max(256, 8 * wg)
+    if not text.isdigit() or int(text) < step or int(text) % step or int(text) > 1 << 24:
+        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_CHUNK={text!r}, expected a multiple of {step} "
+                                    f"(an int8 block and 8 x the work-group of {wg}) up to {1 << 24}")
     return int(text)
 
 
@@ -137,9 +150,13 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
     from optirs.backends.opencl.context import CHUNK, build_program
 
     lamb = family == "lamb"
-    wg, chunk = (ctx.work_group, CHUNK) if lamb else (work_group(ctx), FMT_CHUNK)
+    if lamb:
+        wg, chunk = ctx.work_group, CHUNK
+    else:
+        wg = work_group(ctx)
+        chunk = chunk_elements(wg)
     cache = _cache(ctx)
-    key = ("program", fmt.codes, family, used, signed, wg)
+    key = ("program", fmt.codes, family, used, signed, wg, chunk)
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -151,7 +168,7 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
                     f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}"]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
-                f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}")
+                f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}")
         program = build_program(ctx.context, ctx.device, format_source(family), options, name)
         kernels = {}
         for kname, arg_types in _arg_types(ctx, family).items():
