@@ -494,20 +494,27 @@ def _device_copies(ctx, arrays, shared_from=None):
     return out
 
 
+def _many_shapes(ocl):
+    """More tensors than one launch takes buffers (the slots, each kind): two launch groups."""
+    from optirs.backends.opencl.formats import slot_count
+
+    return [(5000,), (7,)] * (slot_count(ocl.ctx) // 2 + 1) + [(4099,), (33,), (4096,)]
+
+
 @pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[4], FORMATS[7]],
                          ids=["bf16-sr-bf16state", "bf16-r8-int8", "f32-int8"])
 def test_device_arrays_in_many_buffers_match_the_packed_step(ocl, fmt):
     """pyopencl arrays stepped in place (more distinct buffers than one launch takes, so two chunk
     groups, and views of a shared buffer at unaligned offsets) give the numpy-staged step's bits."""
-    shapes = [(5000,), (7,)] * 10 + [(4099,), (33,), (4096,)]
+    shapes = _many_shapes(ocl)
     packed = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
     device = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
-    dev_params = _device_copies(ocl.ctx, device.params, shared_from=18)
+    dev_params = _device_copies(ocl.ctx, device.params, shared_from=len(shapes) - 5)
     for _ in range(2):
         grads = packed.grads()
         device.grads()  # keep the generators in step
         packed.step(grads)
-        device.step(_device_copies(ocl.ctx, grads, shared_from=20), params=dev_params)
+        device.step(_device_copies(ocl.ctx, grads, shared_from=len(shapes) - 3), params=dev_params)
         for a, b in zip(packed.params, dev_params):
             assert np.array_equal(a.reshape(-1).view(np.uint8), b.get().view(np.uint8))
         for k, v in packed.host_state().items():
@@ -591,7 +598,7 @@ def test_launch_shape_changes_no_bit(ocl, name, monkeypatch):
     same, also after a step that found_inf skipped (each launch, skipped or not, moves the chunk
     counter by what the host expects, or the next step would miss or repeat chunks)."""
     fmt = FORMATS[4]  # bfloat16 + remainder8 + int8 state: the int8 blocks' reduction over work-items
-    shapes = [(5000,), (7,)] * 10 + [(4099,), (33,), (4096,)]  # more buffers than a launch takes
+    shapes = _many_shapes(ocl)
     ctx = ocl.ctx
 
     def run(env, skip):

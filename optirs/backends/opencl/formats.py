@@ -57,14 +57,42 @@ RESIDENT = 2048
 # ---------------------------------------------------------------- programs
 
 
-def format_source(family: Optional[str]) -> str:
-    """The program text: optirs_formats.cl, then the format step kernel of ``family`` when it is an
-    elementwise family (LAMB's passes and the gradient check are in optirs_formats.cl)."""
-    text = program_source(KERNEL_FILE)
+def slot_macros(slots: int) -> str:
+    """FMT_SLOTS, FMT_SLOT_PARAMS(X, TY) (the arguments X0..X<slots-1>) and FMT_PICK(s, X) (slot
+    s's buffer, a balanced tree of conditionals: work-item 0 evaluates it once per chunk)."""
+
+    def tree(lo: int, hi: int) -> str:
+        if hi - lo == 1:
+            return f"X##{lo}"
+        mid = (lo + hi) // 2
+        return f"((s) < {mid} ? {tree(lo, mid)} : {tree(mid, hi)})"
+
+    params = ", ".join(f"__global TY *X##{k}" for k in range(slots))
+    return (f"#define FMT_SLOTS {slots}\n#define FMT_SLOT_PARAMS(X, TY) {params}\n"
+            f"#define FMT_PICK(s, X) {tree(0, slots)}\n")
+
+
+def format_source(family: Optional[str], slots: int = SLOTS) -> str:
+    """The program text: the slot macros, optirs_formats.cl, then the format step kernel of
+    ``family`` when it is an elementwise family (LAMB's passes and the gradient check are in
+    optirs_formats.cl)."""
+    text = slot_macros(slots) + program_source(KERNEL_FILE)
     if family is None or family == "lamb":
         return text
     step = expand_includes(f'#include "{STEP_TEMPLATE}"')
     return f"{text}\n#define OPT {family}\n{step}\n#undef OPT"
+
+
+def slot_count(ctx: Any) -> int:
+    """Buffers of each kind one launch takes: the most of 128, 64, 32 and 16 whose pointers fit the
+    device's kernel argument space with room for the other arguments (16 x slots + 512 bytes;
+    4352 bytes on NVIDIA's driver: 128, PoCL's 1024: 32). Fewer launches, fewer launch tails."""
+    cache = _cache(ctx)
+    hit = cache.get("slots")
+    if hit is None:
+        room = int(ctx.device.max_parameter_size)
+        hit = cache["slots"] = next((n for n in (128, 64, 32) if 16 * n + 512 <= room), SLOTS)
+    return hit
 
 
 def format_defines(fmt: StepFormat) -> List[str]:
@@ -116,6 +144,7 @@ class _Program(NamedTuple):
     kernels: Dict[str, Any]  # name -> Kernel with its argument types set
     wg: int  # work-items per work-group
     chunk: int  # elements per chunk of the tables it runs over
+    slots: int  # buffers of each kind per launch
 
 
 def _cache(ctx: Any) -> Dict[Any, Any]:
@@ -126,9 +155,9 @@ def _cache(ctx: Any) -> Dict[Any, Any]:
     return hit
 
 
-def _arg_types(ctx: Any, family: Optional[str]) -> Dict[str, list]:
+def _arg_types(ctx: Any, family: Optional[str], nslots: int) -> Dict[str, list]:
     """The argument types the host passes to each kernel of the program of ``family``."""
-    slots = [None] * (2 * SLOTS)
+    slots = [None] * (2 * nslots)
     state = [None] * 11 + [OFFSETS]  # M, S0-2, C0-2, L0-2, maps; the offsets record
     table = [None, None, None, np.uint32, np.uint32, None, np.uint32]  # tables, chunk range, counter
     out = {"fmt_check": slots + table + [None]}
@@ -155,8 +184,9 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
     else:
         wg = work_group(ctx)
         chunk = chunk_elements(wg)
+    slots = slot_count(ctx)
     cache = _cache(ctx)
-    key = ("program", fmt.codes, family, used, signed, wg, chunk)
+    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots)
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -168,10 +198,10 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
                     f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}"]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
-                f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}")
-        program = build_program(ctx.context, ctx.device, format_source(family), options, name)
+                f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
+        program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
         kernels = {}
-        for kname, arg_types in _arg_types(ctx, family).items():
+        for kname, arg_types in _arg_types(ctx, family, slots).items():
             kernel = ctx.cl.Kernel(program, kname)
             if kernel.num_args != len(arg_types):
                 raise GpuOptimError(f"OpenCL kernel {kname} takes {kernel.num_args} arguments, the host passes "
@@ -181,7 +211,7 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         if "structs" not in cache:
             _check_structs(ctx, ctx.cl.Kernel(program, "fmt_struct_sizes"))
             cache["structs"] = True
-        hit = cache[key] = _Program(kernels, wg, chunk)
+        hit = cache[key] = _Program(kernels, wg, chunk, slots)
     return hit
 
 
@@ -337,15 +367,15 @@ class _Plan:
     """The tensor table and launch groups for one list of arrays (cached while the same objects come)."""
 
     def __init__(self, ctx: Any, params: List[Any], grads: List[Any], layout: Any, table: Optional[np.ndarray],
-                 s_offs: Tuple[int, ...], tables: Any):
+                 key: Tuple[Any, ...], tables: Any, slots: int):
         from optirs.backends.opencl.context import SlotGrouper
 
         self.refs = [weakref.ref(a) for a in params] + [weakref.ref(a) for a in grads]
-        self.key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs)
-        self.tables = tables
+        self.key, self.tables, self.slots = key, tables, slots
+        s_offs = key[1]
         ntens = len(layout)
         tens = np.zeros((ntens, 8), np.int64)
-        grouper = SlotGrouper(tables)
+        grouper = SlotGrouper(tables, slots)
         s_off, l_off = s_offs[:3] + s_offs[6:], s_offs[3:6]  # values/codes and master; small float32 state
         for t in range(ntens):
             n = int(layout.sizes[t])
@@ -375,23 +405,23 @@ class _Plan:
         tables, most = self.tables, resident_groups(ctx, prog.wg)
         for g in self.groups:
             nchunks = g.chunk_end - g.chunk_begin
-            head = [*g.buffers(ctx, params, grads), *state, self.tens, tables.chunk_tensor, tables.chunk_start,
+            head = [*g.buffers(ctx, params, grads, self.slots), *state, self.tens, tables.chunk_tensor, tables.chunk_start,
                     g.chunk_begin, nchunks]
             _enqueue(ctx, prog, name, head, nchunks, tail, most)
 
 
 def _plan(ctx: Any, name: str, params, grads, layout, table: Optional[np.ndarray], s_offs: Tuple[int, ...],
-          chunk: int) -> _Plan:
+          prog: _Program) -> _Plan:
     """The cached plan ``name`` ("step", "check", "lamb") of this layout for these arrays, over
-    chunks of ``chunk`` elements."""
+    ``prog``'s chunks and slots."""
     from optirs.backends.opencl.context import _layout_tables
 
-    tables = _layout_tables(ctx, layout, chunk)
+    tables = _layout_tables(ctx, layout, prog.chunk)
     cache = layout.cache.setdefault(("opencl-formats", id(ctx)), {})
     plan = cache.get(name)
-    key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs)
+    key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs, prog.chunk, prog.slots)
     if plan is None or not plan.matches(params, grads, key):
-        plan = cache[name] = _Plan(ctx, params, grads, layout, table, s_offs, tables)
+        plan = cache[name] = _Plan(ctx, params, grads, layout, table, key, tables, prog.slots)
     return plan
 
 
@@ -482,7 +512,7 @@ class OpenclFormats:
         with ctx.lock:
             try:
                 plan = _plan(ctx, "lamb" if family == "lamb" else "step", params, grads, layout,
-                             format_state.tensor_table(), s_offs, prog.chunk)
+                             format_state.tensor_table(), s_offs, prog)
                 if family == "lamb":
                     _lamb(ctx, prog, plan, layout, params, grads, bufs, offs, skip, st, rec, scalars)
                     return
@@ -500,7 +530,7 @@ class OpenclFormats:
         with ctx.lock:
             try:
                 # the check reads gradients only: the parameter slots hold the gradients' buffers
-                plan = _plan(ctx, "check", grads, grads, layout, None, (0,) * 7, prog.chunk)
+                plan = _plan(ctx, "check", grads, grads, layout, None, (0,) * 7, prog)
                 plan.launch(ctx, prog, "fmt_check", grads, grads, [], [flag.base_data])
             except cl.Error as exc:
                 raise ctx.translate(exc, f"checking {layout.total} gradients") from exc

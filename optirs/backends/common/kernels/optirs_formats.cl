@@ -11,7 +11,7 @@
  *   OPTIRS_FMT_SIGNED  bit k: state slot k takes the signed int8 map
  *   OPTIRS_FMT_LAMB    1: the program holds LAMB's passes
  * so a launch has no per-element branch on the format or the slots. A model is one launch (per
- * OPTIRS_SLOTS distinct buffers, as the float32 chunked step) of a resident grid: each work-group
+ * FMT_SLOTS distinct buffers of each kind) of a resident grid: each work-group
  * takes chunks of OPTIRS_CHUNK elements of one tensor from a counter until none are left (a
  * work-group that starts late finds none: the grid may exceed what stays resident), each
  * work-item eight consecutive elements per round (one 16-byte load of 16-bit parameters; vector
@@ -48,8 +48,16 @@
 #define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
 
 #include "optirs_scalars.h"
-#include "optirs_slots.h"
 #include "optirs_formats.h"
+/* The host defines FMT_SLOTS buffer slots of each kind (as many as the device's kernel argument
+ * space holds): FMT_SLOT_PARAMS(X, TY), the arguments X0..; FMT_PICK(s, X), slot s's buffer.
+ * Without them, the float32 chunked step's OPTIRS_SLOTS. */
+#ifndef FMT_SLOTS
+#include "optirs_slots.h"
+#define FMT_SLOTS OPTIRS_SLOTS
+#define FMT_SLOT_PARAMS SLOT_PARAMS_OF
+#define FMT_PICK PICK
+#endif
 
 #define T float8
 #define SUFFIX v8
@@ -183,18 +191,32 @@ typedef struct {
 
 /* ---------------------------------------------------------------- dealing chunks */
 
-/* The work-group's next chunk of the launch (nchunks: none left), the same in every work-item.
- * Chunks are dealt in order from the counter tickets[0]: each take advances it by one and every
+/* The chunk work-item 0 takes for the work-group (nchunks: none left), its tensor and that
+ * tensor's parameter and gradient buffers, picked from the slots once for the work-group. */
+typedef struct {
+    uint taken;
+    int t;
+    __global PST *p;
+    __global const GST *g;
+} fmt_deal;
+
+/* Chunks are dealt in order from the counter tickets[0]: each take advances it by one and every
  * work-group's last take finds none, so a launch advances it by nchunks + its number of
  * work-groups and the host knows the next launch's first ticket without reading it back. */
-uint fmt_next_chunk(__global volatile uint *tickets, uint ticket_base, uint nchunks, __local uint *deal)
-{
-    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */
-    if (get_local_id(0) == 0)
-        *deal = min(atomic_inc(tickets) - ticket_base, nchunks);
+#define FMT_DEAL(P, G)                                                                           \
+    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */               \
+    if (lid == 0) {                                                                              \
+        const uint taken = min(atomic_inc(tickets) - ticket_base, nchunks);                      \
+        deal_.taken = taken;                                                                     \
+        if (taken < nchunks) {                                                                   \
+            const int t = chunk_tensor[chunk_base + taken];                                      \
+            const long flags = tens[t].s6;                                                       \
+            deal_.t = t;                                                                         \
+            deal_.p = FMT_PICK((int)(flags & 0xFF), P);                                          \
+            deal_.g = FMT_PICK((int)((flags >> 8) & 0xFF), G);                                   \
+        }                                                                                        \
+    }                                                                                            \
     barrier(CLK_LOCAL_MEM_FENCE);
-    return *deal;
-}
 
 /* A launch that writes nothing (found_inf) advances the counter as much as a full one. */
 void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
@@ -207,19 +229,18 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
  * parameter and gradient pointers p and g at the tensor's start, its layout offset lay and the
  * chunk's elements [start, stop) of the tensor. */
 #define FMT_CHUNKS_BEGIN(P, G)                                                                   \
-    __local uint deal_;                                                                          \
+    __local fmt_deal deal_;                                                                      \
     const int lid = (int)get_local_id(0);                                                        \
     for (;;) {                                                                                   \
-        const uint taken_ = fmt_next_chunk(tickets, ticket_base, nchunks, &deal_);               \
-        if (taken_ >= nchunks)                                                                   \
+        FMT_DEAL(P, G)                                                                           \
+        if (deal_.taken >= nchunks)                                                              \
             break;                                                                               \
-        const uint c = chunk_base + taken_;                                                      \
-        const int t = chunk_tensor[c];                                                           \
+        const uint c = chunk_base + deal_.taken;                                                 \
+        const int t = deal_.t;                                                                   \
         const long8 row = tens[t];                                                               \
-        const int pslot = (int)(row.s6 & 0xFF), gslot = (int)((row.s6 >> 8) & 0xFF);             \
         const int aligned = (int)((row.s6 >> 16) & 1);                                           \
-        __global PST *p = PICK(pslot, P) + row.s0;                                               \
-        __global const GST *g = PICK(gslot, G) + row.s1;                                         \
+        __global PST *p = deal_.p + row.s0;                                                      \
+        __global const GST *g = deal_.g + row.s1;                                                \
         const long lay = row.s2;                                                                 \
         const long start = chunk_start[c];                                                       \
         const long stop = min(start + (long)OPTIRS_CHUNK, row.s3);
@@ -447,7 +468,7 @@ uint8 fmt_index8(long lay, long k)
 
 /* flag[0] = 1 when any gradient is not finite (reads only the gradients). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_check(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
+void fmt_check(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
 {
     int bad = 0;
     FMT_CHUNKS_BEGIN(P, G)
@@ -478,7 +499,7 @@ float8 fmt_valid(float8 x, int nv)
 /* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c (part 2 is the float32
  * step's lamb_grad_scale). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_grad_sumsq(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
+void fmt_lamb_grad_sumsq(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
 {
     __local acc_t red[OPTIRS_WG];
     FMT_CHUNKS_BEGIN(P, G)
@@ -506,7 +527,7 @@ float8 fmt_lamb_element(__global const PST *p, __global const MST *m, __global c
 
 /* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+void fmt_lamb_norms(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
                     const lamb_scalars sc)
 {
@@ -538,7 +559,7 @@ void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BU
 
 /* Pass 2: p -= lr * ratio * u, and the new moments stored in the state's format. */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+void fmt_lamb_apply(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global const float *ratio,
                     __global const int *skip, const fmt_step st, const lamb_scalars sc)
 {
