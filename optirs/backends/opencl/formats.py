@@ -405,8 +405,8 @@ class _Plan:
         tables, most = self.tables, resident_groups(ctx, prog.wg)
         for g in self.groups:
             nchunks = g.chunk_end - g.chunk_begin
-            head = [*g.buffers(ctx, params, grads, self.slots), *state, self.tens, tables.chunk_tensor, tables.chunk_start,
-                    g.chunk_begin, nchunks]
+            head = [*g.buffers(ctx, params, grads, self.slots), *state, self.tens, tables.chunk_tensor,
+                    tables.chunk_start, g.chunk_begin, nchunks]
             _enqueue(ctx, prog, name, head, nchunks, tail, most)
 
 

@@ -410,11 +410,12 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
             scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int w = 16; w > 0; w >>= 1) {
-        if ((lid & 31) < w)
+        if ((lid & 31) < w) {
 #pragma unroll
             for (int j = 0; j < 3; ++j)
                 if (FMT_USED(j))
                     scratch[j * OPTIRS_WG + lid] = FMT_ABSMAX(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
+        }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     float scale[3];
