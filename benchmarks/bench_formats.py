@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -204,7 +205,7 @@ class OpenclDevice(Device):
 
         self.b = optirs.get_backend("opencl")
         self.ctx = self.b.ctx
-        self.name = self.ctx.device.name.strip()
+        self.name = f"{self.ctx.device.name.strip()} ({self.ctx.device.max_compute_units} compute units)"
 
     def sync(self) -> None:
         self.ctx.queue.finish()
@@ -436,8 +437,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     n = sum(int(__import__("math").prod(s)) for s in shapes)
     copy_n = (1 << 20) if args.smoke else (256 << 20) if gpu else 4 * n  # host: 2x the bf16+f32 format's bytes
     copy = dev.copy_gb_per_s(copy_n, steps, batches)
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPTIRS_")}  # tuning variables
     title = (f"AdamW step formats, {args.backend} backend on {dev.name}: {len(shapes)} tensors, {n} parameters; "
-             f"copy {copy:.1f} GB/s")
+             f"copy {copy:.1f} GB/s" + "".join(f"; {k}={v}" for k, v in settings.items()))
     print(f"# {title}", flush=True)
     rows: List[Dict[str, Any]] = []
     words = [w.strip() for w in args.only.split(";")] if args.only else None
@@ -464,7 +466,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "device": dev.name, "params": n, "tensors": len(shapes),
-                       "copy_gb_per_s": copy, "best_peer_ms": best, "rows": rows}, f, indent=1)
+                       "copy_gb_per_s": copy, "best_peer_ms": best, "settings": settings, "rows": rows}, f, indent=1)
     return 0
 
 
