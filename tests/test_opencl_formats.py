@@ -639,3 +639,19 @@ def test_bad_launch_shape_settings_are_refused(ocl, var, value, monkeypatch):
         assert np.array_equal(a, b)
     for k, v in model.host_state().items():
         assert np.array_equal(v, before_s[k]), k
+
+
+@pytest.mark.parametrize("slots", [16, 128])
+def test_every_slot_count_builds_with_the_host_arguments(ocl, slots):
+    """The slot macros the host generates for another device's argument space (NVIDIA's driver:
+    128 of each kind) build, and the kernel takes the arguments the host passes."""
+    from optirs.backends.opencl import formats as OF
+    from optirs.backends.opencl.context import build_program
+
+    ctx, fmt = ocl.ctx, FORMATS[4]
+    options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
+    options += ["-DOPTIRS_WG=128", "-DOPTIRS_CHUNK=2048", *OF.format_defines(fmt), "-DOPTIRS_FMT_USED=3",
+                "-DOPTIRS_FMT_SIGNED=1", "-DOPTIRS_FMT_LAMB=0"]
+    program = build_program(ctx.context, ctx.device, OF.format_source("adam", slots), options, f"slots{slots}")
+    for name, types in OF._arg_types(ctx, "adam", slots).items():
+        assert cl.Kernel(program, name).num_args == len(types) == 2 * slots + (22 if name == "adam_fmt" else 8), name
