@@ -502,7 +502,11 @@ class CudaContext:
 
     # ------------------------------------------------ kernels
 
-    def compiled(self, name: str, pyfunc: Any, argtypes: tuple) -> Compiled:
+    def compiled(self, name: str, pyfunc: Any, argtypes: tuple, max_registers: int = 0) -> Compiled:
+        """``pyfunc`` compiled for ``argtypes`` (or loaded from the disk cache), once per context;
+        ``max_registers``: a cap on the registers per thread (0: the compiler's choice)."""
+        if max_registers and not self.simulator:
+            name = f"{name}_r{max_registers}"  # another binary: its own cache entry
         key = (name, argtypes)
         hit = self._compiled.get(key)
         if hit is None:
@@ -511,7 +515,8 @@ class CudaContext:
                 if self.simulator:
                     dispatcher = self.cuda.jit(pyfunc)
                 else:
-                    dispatcher = self.cuda.jit(pyfunc, fastmath=False)
+                    extra = {"max_registers": max_registers} if max_registers else {}
+                    dispatcher = self.cuda.jit(pyfunc, fastmath=False, **extra)
                     enable_kernel_cache(dispatcher, name)
                 self._dispatchers[name] = dispatcher
             hit = self._compiled[key] = Compiled(self, name, dispatcher, argtypes)
