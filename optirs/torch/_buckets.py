@@ -456,6 +456,17 @@ class Bucket:
         self.last = prepared if device is None and found_inf is None else None
         return prepared
 
+    def rehearse(self, hp: Any, grads: List[torch.Tensor], factor: float) -> None:
+        """Prepare a next step like the last one and drop it (nothing is launched; the engine holds
+        nothing new): a warm-up of the repeat step's path."""
+        last = self.last
+        if last is None or self.device_steps or self.engine.state is None or last.fmt is not self.step_format(
+                grads[0].dtype):
+            return
+        again = self.engine.prepare_again(last, self.param_arrays, self.grad_arrays(grads), hp, factor)
+        if again is not None:
+            again.grads = None
+
     def finish(self, prepared: PreparedStep) -> None:
         """After the transaction: the step tensors follow a host count; the step, kept as the model
         of the next, lets go of its gradients (nothing holds them past the step)."""
