@@ -148,6 +148,63 @@ def check_checkpoint_round_trip_and_reshard(mesh, checkdir):
         close(full(other), expected, dict(rtol=1e-6, atol=1e-7))
 
 
+def int8_model(seed=0):
+    torch.manual_seed(seed)
+    # int8 state needs tensors of 4096+ elements: a (16, 512) weight (rows of 2 blocks), a (256, 16)
+    # one (blocks across rows: Shard(0) chunks of 2048 elements, whole blocks; each rank's shard has
+    # fewer than 4096 elements, yet int8 as the whole tensor), two small biases (float32 state)
+    return torch.nn.Sequential(torch.nn.Linear(512, 16), torch.nn.Tanh(), torch.nn.Linear(16, 256))
+
+
+def int8_train(model, opt, steps, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(200 + step))
+        (model(x) ** 2).mean().backward()
+        opt.step()
+
+
+def check_int8_state(mesh, checkdir):
+    # int8 AdamW on FSDP2: the running state int8 DTensors placed as the parameters, the shards'
+    # trajectory that of int8 AdamW on the whole model, a DCP checkpoint resumed exactly into the
+    # same sharding and into another (the first weight's dim 1)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, state_dtype="int8", backend="cpu")
+    model, plain = sharded(int8_model(), mesh), int8_model()
+    opt, ref = ot.AdamW(model.parameters(), **kwargs), ot.AdamW(plain.parameters(), **kwargs)
+    int8_train(model, opt, 3)
+    int8_train(plain, ref, 3)
+    close(full(model), full(plain), dict(rtol=0, atol=0))
+    for p, q in zip(model.parameters(), plain.parameters()):
+        st, rt = opt.state[p], ref.state[q]
+        assert set(st) == set(rt), (sorted(st), sorted(rt))
+        for key, value in st.items():
+            if key == "step":
+                continue
+            assert isinstance(value, DTensor) and value.placements == p.placements, key
+            whole = value.full_tensor()
+            assert whole.dtype == rt[key].dtype, key
+            torch.testing.assert_close(whole.reshape(rt[key].shape), rt[key], rtol=0, atol=0)
+        if p.numel() >= 4096:
+            codes = st["exp_avg.codes"]
+            assert codes.dtype == torch.uint8 and codes.to_local().shape == p.to_local().shape
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkdir / "int8"))
+    int8_train(model, opt, 3, 3)
+    expected = full(model)
+    for placement in (None, lambda p: Shard(1) if p.shape == (16, 512) else Shard(0)):
+        other = int8_model(seed=1)
+        fully_shard(other, mesh=mesh, **({} if placement is None else {"shard_placement_fn": placement}))
+        other_opt = ot.AdamW(other.parameters(), **kwargs)
+        msd, osd = get_state_dict(other, other_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(checkdir / "int8"))
+        set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        int8_train(other, other_opt, 3, 3)
+        close(full(other), expected, dict(rtol=0, atol=0))
+        assert other_opt.state[next(other.parameters())]["exp_avg.codes"].placements == \
+            next(other.parameters()).placements
+
+
 def check_refusals(mesh):
     model = sharded(make_model(), mesh=mesh)
     train_grads = lambda: (model(batch(0)) ** 2).mean().backward()  # noqa: E731
@@ -278,6 +335,7 @@ def main():
     check_bfloat16_state(mesh)
     check_other_elementwise_optimizers(mesh)
     check_checkpoint_round_trip_and_reshard(mesh, checkdir)
+    check_int8_state(mesh, checkdir)
     check_refusals(mesh)
     check_replicated_lamb(mesh)
     check_lamb_norms_over_the_mesh(mesh)
