@@ -203,6 +203,20 @@ def check_int8_state(mesh, checkdir):
         close(full(other), expected, dict(rtol=0, atol=0))
         assert other_opt.state[next(other.parameters())]["exp_avg.codes"].placements == \
             next(other.parameters()).placements
+    # into one rank (a mesh of rank 0 alone): the whole tensors' blocks, resumed exactly
+    from torch.distributed.device_mesh import DeviceMesh
+
+    solo = DeviceMesh("cpu", torch.tensor([0]))
+    if dist.get_rank() == 0:
+        other = sharded(int8_model(seed=1), solo)
+        other_opt = ot.AdamW(other.parameters(), **kwargs)
+        msd, osd = get_state_dict(other, other_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(checkdir / "int8"), process_group=solo.get_group())
+        set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        int8_train(other, other_opt, 3, 3)
+        close(full(other), expected, dict(rtol=0, atol=0))
+    dist.barrier()
 
 
 def check_refusals(mesh):
@@ -221,14 +235,19 @@ def check_refusals(mesh):
             raise AssertionError(f"{cls.__name__} stepped sharded parameters")
         assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())) and not opt.state
         opt.zero_grad()
-    big = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 80), mesh, [Shard(0)]))
-    big.grad = distribute_tensor(torch.ones(64, 80), mesh, [Shard(0)])
-    try:
-        ot.AdamW([big], state_dtype="int8", backend="cpu").step()
-    except UnsupportedOperationError as exc:
-        assert "int8" in str(exc)
-    else:
-        raise AssertionError("int8 state stepped on a sharded parameter")
+    # int8 shards that would cut 256-element blocks: rows of 100 in chunks of 24 rows (2400
+    # elements), and a dim-1 shard inside the blocks of a (256, 16) tensor
+    for shape, placement in (((48, 100), Shard(0)), ((256, 16), Shard(1))):
+        big = torch.nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, [placement]))
+        big.grad = distribute_tensor(torch.ones(shape), mesh, [placement])
+        opt = ot.AdamW([big], state_dtype="int8", backend="cpu")
+        try:
+            opt.step()
+        except UnsupportedOperationError as exc:
+            assert "int8 state" in str(exc) and "cut no 256-element block" in str(exc), exc
+        else:
+            raise AssertionError(f"int8 state stepped on a {shape} parameter placed {placement}")
+        assert not opt.state and not big.to_local().any()
     p = torch.nn.Parameter(DTensor.from_local(torch.zeros(4), mesh, [Shard(0)]))
     p.grad = DTensor.from_local(torch.ones(8), mesh, [Partial()])  # (a whole (8,) tensor per rank, to sum)
     try:
