@@ -17,9 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import optirs.torch as ot
+from optirs.torch._mesh_adafactor import factor_placements
 from optirs.core.errors import UnsupportedOperationError
 
 STEPS = 4
@@ -219,21 +220,74 @@ def check_int8_state(mesh, checkdir):
     dist.barrier()
 
 
+def check_adafactor_over_the_mesh(mesh, checkdir):
+    # Adafactor on FSDP2 (row and column sums of g^2 and the RMS reduced over the mesh) against
+    # optirs's and torch's Adafactor on the whole model; the factors as DTensors (Replicate over the
+    # mesh dims that shard the dim they sum over); a DCP checkpoint resumed into the same sharding
+    # (exactly) and into a dim-1 one (the sums reduced in another order: float64 sums rounded once)
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    model, plain, theirs = sharded(make_model(), mesh), make_model(), make_model()
+    opts = (ot.Adafactor(model.parameters(), backend="cpu", **kwargs),
+            ot.Adafactor(plain.parameters(), backend="cpu", **kwargs), torch.optim.Adafactor(theirs.parameters(), **kwargs))
+    for step in range(3):
+        for m, o in zip((model, plain, theirs), opts):
+            train(m, o, 1, step)
+    close(full(model), full(plain), dict(rtol=1e-6, atol=1e-7))
+    close(full(model), full(theirs), dict(rtol=1e-5, atol=1e-6))
+    for p, q in zip(model.parameters(), plain.parameters()):
+        st, rt = opts[0].state[p], opts[1].state[q]
+        assert set(st) == set(rt) and float(st["step"]) == 3, (sorted(st), sorted(rt))
+        for key in set(st) - {"step"}:
+            wanted = (Replicate(),) if key == "col_var" else p.placements
+            assert isinstance(st[key], DTensor) and st[key].placements == wanted, (key, st[key])
+            torch.testing.assert_close(st[key].full_tensor(), rt[key], rtol=1e-6, atol=1e-12)
+    msd, osd = get_state_dict(model, opts[0])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkdir / "adafactor"))
+    train(model, opts[0], 3, 3)
+    expected = full(model)
+    for placement, tol in ((None, dict(rtol=0, atol=0)), (lambda p: Shard(1) if p.dim() == 2 else Shard(0),
+                                                            dict(rtol=1e-6, atol=1e-7))):
+        other = make_model(seed=1)
+        fully_shard(other, mesh=mesh, **({} if placement is None else {"shard_placement_fn": placement}))
+        other_opt = ot.Adafactor(other.parameters(), backend="cpu", **kwargs)
+        msd, osd = get_state_dict(other, other_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(checkdir / "adafactor"))
+        set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train(other, other_opt, 3, 3)
+        close(full(other), expected, tol)
+        w = next(other.parameters())
+        assert other_opt.state[w]["row_var"].placements == factor_placements(w, -1)
+    # a 3-dim tensor sharded on each dim (a batch dim, the rows, the columns), maximize included
+    torch.manual_seed(5)
+    w = torch.randn(2, 6, 5)
+    for dim in range(3):
+        p = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(dim)]))
+        q = torch.nn.Parameter(w.clone())
+        ours, ref = (ot.Adafactor([t], lr=1e-2, maximize=True, backend="cpu") for t in (p, q))
+        for step in range(3):
+            g = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(step))
+            p.grad, q.grad = distribute_tensor(g.clone(), mesh, [Shard(dim)]), g.clone()
+            ours.step()
+            ref.step()
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
 def check_refusals(mesh):
     model = sharded(make_model(), mesh=mesh)
-    train_grads = lambda: (model(batch(0)) ** 2).mean().backward()  # noqa: E731
-    for cls, kwargs, match in ((ot.Lamb, {"bias_correction": False}, "bias_correction=False"),
-                               (ot.Adafactor, {"lr": 1e-2}, "adafactor's per-tensor reductions")):
-        opt = cls(model.parameters(), backend="cpu", **kwargs)
-        train_grads()
-        before = [p.to_local().clone() for p in model.parameters()]
+    low = sharded(make_model().to(torch.bfloat16), mesh)  # (Adafactor's mesh step runs float32)
+    for cls, kwargs, net, match in ((ot.Lamb, {"bias_correction": False}, model, "bias_correction=False"),
+                                    (ot.Adafactor, {"lr": 1e-2}, low, "expected float32 parameters")):
+        opt = cls(net.parameters(), backend="cpu", **kwargs)
+        (net(batch(0).to(next(net.parameters()).dtype)) ** 2).float().mean().backward()
+        before = [p.to_local().clone() for p in net.parameters()]
         try:
             opt.step()
         except UnsupportedOperationError as exc:
             assert match in str(exc), exc
         else:
             raise AssertionError(f"{cls.__name__} stepped sharded parameters")
-        assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())) and not opt.state
+        assert all(torch.equal(a, p.to_local()) for a, p in zip(before, net.parameters())) and not opt.state
         opt.zero_grad()
     # int8 shards that would cut 256-element blocks: rows of 100 in chunks of 24 rows (2400
     # elements), and a dim-1 shard inside the blocks of a (256, 16) tensor
@@ -355,6 +409,7 @@ def main():
     check_other_elementwise_optimizers(mesh)
     check_checkpoint_round_trip_and_reshard(mesh, checkdir)
     check_int8_state(mesh, checkdir)
+    check_adafactor_over_the_mesh(mesh, checkdir)
     check_refusals(mesh)
     check_replicated_lamb(mesh)
     check_lamb_norms_over_the_mesh(mesh)
