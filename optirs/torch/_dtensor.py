@@ -63,7 +63,7 @@ def sharded(t: torch.Tensor) -> bool:
 def refusal(p: torch.Tensor, g: Any, where: str, per_tensor: Optional[str], blocks: bool) -> Optional[Exception]:
     """The error of a parameter / gradient pair of which at least one is a DTensor that the step cannot
     take, or None. ``per_tensor``: what of the optimizer needs the whole tensor (None: it is
-    elementwise); ``blocks``: its state is kept in blocks of the local shard (int8)."""
+    elementwise); ``blocks``: its state is kept in int8 blocks, which no shard boundary may cut."""
     if not is_dtensor(p) or not is_dtensor(g):
         return UnsupportedOperationError(
             f"{where} is a {type(p).__name__} with a {type(g).__name__} gradient, expected both DTensors (with the "
