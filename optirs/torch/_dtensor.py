@@ -122,11 +122,12 @@ def _cut_blocks(p: torch.Tensor, where: str) -> Optional[Exception]:
             reason = f"its Shard({m}) chunks of {chunk} elements are not whole blocks"
     if reason is None:
         return None
+    lead = (f"a Shard of a dim before {m} (each index of dims 0..{m - 1} owns {math.prod(shape[m:])} elements, "
+            "whole blocks), or " if m else "")
     return UnsupportedOperationError(
         f"{where} is a DTensor of shape {shape} placed {placements} with int8 state, but {reason}; expected "
-        f"shards that cut no 256-element block: Shard of a dim before {m} (each index of dims ..{m - 1} owns "
-        f"{math.prod(shape[m:])} elements), or one Shard({m}) whose chunks hold whole blocks, so that each "
-        "rank's blocks and scales are the whole tensor's and a checkpoint reshards them exactly "
+        f"shards that cut no 256-element block: {lead}one Shard({m}) whose chunks hold whole blocks, so that "
+        "each rank's blocks and scales are the whole tensor's and a checkpoint reshards them exactly "
         "(state_dtype='bfloat16' for this tensor's param group shards any way)")
 
 
