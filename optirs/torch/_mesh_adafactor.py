@@ -30,6 +30,7 @@ import torch
 
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
 from optirs.core.interrupts import deferred_interrupts
+from optirs.core.reference import adafactor_state_shapes
 from optirs.core.scalars import adafactor_scalars
 from optirs.torch._buckets import step_value
 from optirs.torch._dtensor import DTensor, Replicate, Shard, is_dtensor, local, refusal
@@ -51,12 +52,11 @@ def factor_placements(p: torch.Tensor, reduced: int) -> tuple:
 
 
 def state_layout(p: torch.Tensor) -> Dict[str, Tuple[tuple, Optional[tuple]]]:
-    """key -> (the global shape of its state, its placements or None for a plain ``p``)."""
-    shape = tuple(p.shape)
-    if len(shape) >= 2:
-        return {"row_var": (shape[:-1] + (1,), factor_placements(p, -1) if is_dtensor(p) else None),
-                "col_var": (shape[:-2] + (1,) + shape[-1:], factor_placements(p, -2) if is_dtensor(p) else None)}
-    return {"variance": (shape, tuple(p.placements) if is_dtensor(p) else None)}
+    """key -> (the global shape of its state, as torch keeps it; its placements, None for a plain ``p``)."""
+    reduced = {"row_var": -1, "col_var": -2}
+    return {k: (shape, None if not is_dtensor(p) else
+                factor_placements(p, reduced[k]) if k in reduced else tuple(p.placements))
+            for k, shape in adafactor_state_shapes(p.shape).items()}
 
 
 def _all_sum(items: List[Tuple[torch.Tensor, Any, List[int]]]) -> None:
@@ -94,15 +94,10 @@ def _held_state(opt: Any, p: torch.Tensor, where: str) -> Tuple[Dict[str, torch.
     redistributed), whether ``opt.state[p]`` must be (re)installed after the step, and its step."""
     entry = opt.state.get(p)
     layout = state_layout(p)
-    if not entry:
+    if not entry:  # (a factor's local shape is that of the local tensor's factor: the dim it sums is whole)
         lp = local(p)
-        fresh = {}
-        for k, (shape, placements) in layout.items():
-            dims = len(shape)
-            here = tuple(1 if (dims >= 2 and ((k == "row_var" and d == dims - 1) or (k == "col_var" and d == dims - 2)))
-                         else lp.shape[d] for d in range(dims))
-            fresh[k] = torch.zeros(here, dtype=torch.float32, device=lp.device)
-        return fresh, True, 0
+        return {k: torch.zeros(shape, dtype=torch.float32, device=lp.device)
+                for k, shape in adafactor_state_shapes(lp.shape).items()}, True, 0
     missing = [k for k in ("step", *layout) if k not in entry]
     if missing:
         raise InvalidParameterError(f"the state of {where} has keys {sorted(entry)}, expected {sorted(['step', *layout])} "
