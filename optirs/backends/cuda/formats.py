@@ -387,7 +387,12 @@ def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
                                                   for a in stable)
         prepared = launches.get(key)
         if prepared is None:
-            prepared = launches[key] = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
+            # another table of the last launch's pointer tables (a new address set): prepared with it
+            prepared = last[2].sibling(stable) if last is not None and last[1] is compiled else None
+            if prepared is None:
+                prepared = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
+                ctx.prepare_siblings(prepared, stable + dyn + (sc,))
+            launches[key] = prepared
             while len(launches) > 16:
                 launches.popitem(last=False)
         else:
