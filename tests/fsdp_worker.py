@@ -228,7 +228,8 @@ def check_adafactor_over_the_mesh(mesh, checkdir):
     kwargs = dict(lr=1e-2, weight_decay=0.1)
     model, plain, theirs = sharded(make_model(), mesh), make_model(), make_model()
     opts = (ot.Adafactor(model.parameters(), backend="cpu", **kwargs),
-            ot.Adafactor(plain.parameters(), backend="cpu", **kwargs), torch.optim.Adafactor(theirs.parameters(), **kwargs))
+            ot.Adafactor(plain.parameters(), backend="cpu", **kwargs),
+            torch.optim.Adafactor(theirs.parameters(), **kwargs))
     for step in range(3):
         for m, o in zip((model, plain, theirs), opts):
             train(m, o, 1, step)

@@ -100,8 +100,8 @@ def _held_state(opt: Any, p: torch.Tensor, where: str) -> Tuple[Dict[str, torch.
                 for k, shape in adafactor_state_shapes(lp.shape).items()}, True, 0
     missing = [k for k in ("step", *layout) if k not in entry]
     if missing:
-        raise InvalidParameterError(f"the state of {where} has keys {sorted(entry)}, expected {sorted(['step', *layout])} "
-                                    "(torch.optim.Adafactor's)")
+        raise InvalidParameterError(f"the state of {where} has keys {sorted(entry)}, expected "
+                                    f"{sorted(['step', *layout])} (torch.optim.Adafactor's)")
     step = step_value(entry["step"], f"the state of {where}")
     out, install = {}, False
     for k, (shape, placements) in layout.items():
