@@ -3,10 +3,11 @@
 The ranks run tests/fsdp_worker.py (every check in one group, tiny models): AdamW's trajectory
 equals torch.optim.AdamW's on the same sharding and torch's on the whole model, its state is
 DTensors placed as the parameters, bfloat16 state, a distributed checkpoint saved and loaded into
-the same sharding and into another (dim 1) resumes exactly, LAMB with its norms reduced over the
-mesh equals LAMB on the whole model, Muon gathers each matrix, DDP keeps the ranks in sync, and
-what a shard cannot step (Adafactor's factors on sharded tensors, int8 blocks, Partial placements,
-CPUOffload) is refused with the step changing nothing.
+the same sharding and into another (dim 1) resumes exactly, int8 state equals the unsharded run
+bit for bit and resumes exactly into another sharding and into one rank, Adafactor and LAMB with
+their sums reduced over the mesh equal them on the whole model, Muon gathers each matrix, DDP
+keeps the ranks in sync, and what a shard cannot step (int8 shards cutting blocks, Adafactor on
+bfloat16 shards, Partial placements, CPUOffload) is refused with the step changing nothing.
 """
 
 from __future__ import annotations
