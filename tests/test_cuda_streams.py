@@ -1,11 +1,11 @@
-"""torch's current CUDA stream and the CUDA-graph capture guard (issue 12, backend side).
+"""torch's current CUDA stream and the CUDA-graph capture guard (backend side).
 
 * CPU (no GPU, no simulator): the prepared cuLaunchKernel path with a fake launcher records
   the hStream argument; the stream rule (pinned, torch's current stream, else 0) and the capture
   guard with fake driver answers.
 * Simulator (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``): numba's fallback launch gets the
   context's stream, a step under a (faked) capture raises and changes nothing.
-* GPU (``-m gpu`` on the H200): the race of issue 12 (``g.fill_`` on a side stream, then a
+* GPU (``-m gpu`` on the H200): the side-stream race (``g.fill_`` on a side stream, then a
   step) and a real ``torch.cuda.graph`` capture.
 """
 
@@ -537,7 +537,7 @@ def _torch_cuda_or_skip():
 
 @pytest.mark.gpu
 def test_step_is_ordered_after_work_on_torchs_current_stream(rng):
-    """Issue 12's race: the step must see g.fill_(1.0) queued on a side stream just before it."""
+    """The side-stream race: the step must see g.fill_(1.0) queued on a side stream just before it."""
     torch = _torch_cuda_or_skip()
     hp = optirs.AdamParams(lr=1e-2, weight_decay=0.1)
     n = 1 << 22
