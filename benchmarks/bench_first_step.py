@@ -2,9 +2,11 @@
 
 numba compiles optirs's kernels on their first use and caches them on disk (docs/compile_cache.md),
 so the first ``opt.step()`` of a process either compiles (cold cache) or loads (warm cache). For each
-case this runs a FRESH Python subprocess twice with the same ``NUMBA_CACHE_DIR``: run 1 starts from
-an empty cache directory (a new temporary one per case unless ``--cache-dir`` is given) and fills
-it, run 2 shows what every later run pays. Each subprocess times:
+case this runs FRESH Python subprocesses with the same ``NUMBA_CACHE_DIR``: run 1 starts from an
+empty cache directory (a new temporary one per case unless ``--cache-dir`` is given) and fills it,
+runs 2 and later (``--warm-runs``, default 3) show what every later run pays; a second step is one
+sample per process, so the warm figures are also given as the median over the warm runs. Each
+subprocess times:
 
 * ``import optirs.torch`` (torch imported before, and timed apart), then ``import torch._dynamo``
   (what torch.optim's constructor loads first, whichever optimizer is made first: timed apart);
@@ -156,6 +158,15 @@ def ratios(r: Dict[str, Any]) -> Dict[str, float]:
             "first_over_steady": o["first_s"] / o["steady_s"]}
 
 
+def warm_median(runs: List[Dict[str, Any]]) -> Dict[str, float]:
+    """The medians over warm runs of the first step beyond torch's, the second and steady steps and
+    their ratio (each run's own ratio)."""
+    return {"first_minus_torch_first_s": statistics.median(r["ratios"]["first_minus_torch_first_s"] for r in runs),
+            "second_s": statistics.median(r["optirs"]["second_s"] for r in runs),
+            "steady_s": statistics.median(r["optirs"]["steady_s"] for r in runs),
+            "second_over_steady": statistics.median(r["ratios"]["second_over_steady"] for r in runs)}
+
+
 def line(case: str, run: int, r: Dict[str, Any]) -> str:
     o, t, q = r["optirs"], r["torch"], r["ratios"]
     compiled = sum(k["seconds"] for k in r["compiled"])
@@ -177,11 +188,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--cache-dir", help="NUMBA_CACHE_DIR of the subprocesses (default: a new temporary directory "
                                         "per case, so that run 1 is cold; removed afterwards)")
     ap.add_argument("--steps", type=int, default=10, help="steps after the second whose median is the steady step")
+    ap.add_argument("--warm-runs", type=int, default=3, help="fresh processes after the cold one (default 3)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", choices=tuple(CASES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps={args.steps}, expected at least 1")
+    if args.warm_runs < 1:
+        ap.error(f"--warm-runs={args.warm_runs}, expected at least 1")
     if args.child:
         print(RESULT_PREFIX + json.dumps(child(args.child, args.device, args.steps)), flush=True)
         return 0
@@ -201,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="optirs-first-step-")
         try:
             runs = []
-            for run in (1, 2):
+            for run in range(1, 2 + args.warm_runs):
                 r = run_child(case, args.device, args.steps, cache_dir)
                 r["ratios"] = ratios(r)
                 runs.append(r)
@@ -212,7 +226,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         finally:
             if not args.cache_dir:
                 shutil.rmtree(cache_dir, ignore_errors=True)
-        results["cases"][case] = {"cold": runs[0], "warm": runs[1]}
+        median = warm_median(runs[1:])
+        print(f"{case:13s} warm, median of {len(runs) - 1} runs: first - torch first "
+              f"{median['first_minus_torch_first_s']:+7.3f} s, second {median['second_s'] * 1e3:6.2f} ms, steady "
+              f"{median['steady_s'] * 1e3:6.2f} ms, second / steady {median['second_over_steady']:5.2f}x", flush=True)
+        results["cases"][case] = {"cold": runs[0], "warm": runs[1], "warm_runs": runs[1:], "warm_median": median}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

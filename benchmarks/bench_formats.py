@@ -1,4 +1,4 @@
-"""AdamW in every step format beside the peers, in one run, on one backend (issue 13).
+"""AdamW in every step format beside the peers, in one run, on one backend.
 
 Through the public API only: ``optirs.torch.AdamW(..., master_weights=, state_dtype=,
 stochastic_rounding=, backend=)`` on torch tensors (``--backend cuda``: CUDA tensors; ``cpu``:
