@@ -628,7 +628,8 @@ def test_launch_shape_changes_no_bit(ocl, name, monkeypatch):
 
 
 @pytest.mark.parametrize("var,value", [("OPTIRS_OPENCL_FORMATS_WG", "100"), ("OPTIRS_OPENCL_FORMATS_CHUNK", "300"),
-                                       ("OPTIRS_OPENCL_FORMATS_RESIDENT", "many")])
+                                       ("OPTIRS_OPENCL_FORMATS_RESIDENT", "many"),
+                                       ("OPTIRS_OPENCL_FORMATS_MAXREG", "-1")])
 def test_bad_launch_shape_settings_are_refused(ocl, var, value, monkeypatch):
     model = _Model(ocl, "adamw", CASES["adamw"], FORMATS[4])
     before_p, before_s = [p.copy() for p in model.params], model.host_state()

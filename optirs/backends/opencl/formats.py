@@ -48,6 +48,9 @@ FMT_CHUNK = 2048
 # Work-items per work-group of those kernels (OPTIRS_OPENCL_FORMATS_WG): small groups of these
 # register-heavy kernels keep more of them resident (the CUDA formats kernels' 128-thread blocks).
 WORK_GROUP = 128
+# Registers per work-item of the int8-state kernels where the driver takes a cap
+# (OPTIRS_OPENCL_FORMATS_MAXREG): the CUDA formats kernels' measured choice (docs/benchmarks.md).
+INT8_MAX_REGISTERS = 64
 # Work-items per compute unit the grid holds (OPTIRS_OPENCL_FORMATS_RESIDENT): 2048 is what an
 # NVIDIA SM keeps at most; a work-group that does not fit starts late, finds no chunk left and ends.
 RESIDENT = 2048
@@ -127,6 +130,22 @@ def chunk_elements(wg: int) -> int:
     return int(text)
 
 
+def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
+    """A register cap for the kernels of ``fmt``, where the device takes one (NVIDIA's
+    ``cl_nv_compiler_options``): the int8-state kernels at 64, as the CUDA ones (fewer registers,
+    more resident work-groups to hide their local-memory map lookups); the others keep the
+    compiler's choice. ``OPTIRS_OPENCL_FORMATS_MAXREG``: a cap for every formats kernel, 0 for none."""
+    cache = _cache(ctx)
+    nv = cache.get("nv_options")
+    if nv is None:
+        nv = cache["nv_options"] = "cl_nv_compiler_options" in ctx.device.extensions.split()
+    text = os.environ.get("OPTIRS_OPENCL_FORMATS_MAXREG", "").strip()
+    if text and not text.isdigit():
+        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_MAXREG={text!r}, expected a register count (0: no cap)")
+    cap = int(text) if text else INT8_MAX_REGISTERS if fmt.state_dtype == "int8" else 0
+    return [f"-cl-nv-maxrregcount={cap}"] if nv and cap else []
+
+
 def resident_groups(ctx: Any, wg: int) -> int:
     """The most work-groups of ``wg`` work-items a launch has: ``OPTIRS_OPENCL_FORMATS_RESIDENT``
     (2048) work-items per compute unit, at least one work-group per unit."""
@@ -185,8 +204,9 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         wg = work_group(ctx)
         chunk = chunk_elements(wg)
     slots = slot_count(ctx)
+    registers = register_options(ctx, fmt)
     cache = _cache(ctx)
-    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots)
+    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers))
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -196,7 +216,7 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             return hit
         options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
         options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
-                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}"]
+                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
                 f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
         program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
