@@ -656,3 +656,19 @@ def test_every_slot_count_builds_with_the_host_arguments(ocl, slots):
     program = build_program(ctx.context, ctx.device, OF.format_source("adam", slots), options, f"slots{slots}")
     for name, types in OF._arg_types(ctx, "adam", slots).items():
         assert cl.Kernel(program, name).num_args == len(types) == 2 * slots + (22 if name == "adam_fmt" else 8), name
+
+
+def test_a_refused_register_cap_builds_without_one(ocl, monkeypatch):
+    """A driver that lists cl_nv_compiler_options but refuses -cl-nv-maxrregcount (PoCL refuses
+    it) gets the kernels without a cap, a warning, and a step that still matches the reference."""
+    from optirs.backends.opencl import formats as OF
+
+    monkeypatch.setitem(OF._cache(ocl.ctx), "nv_options", True)
+    monkeypatch.setenv("OPTIRS_OPENCL_FORMATS_MAXREG", "64")
+    model = _Model(ocl, "sgd", CASES["sgd"], FORMATS[4], seed=4)
+    grads = model.grads()
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    with pytest.warns(RuntimeWarning, match="maxrregcount"):
+        model.step(grads)
+    assert OF._cache(ocl.ctx)["nv_options"] is False
+    _close_to_reference(model, before_p, before_s, grads, 11)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import operator
 import os
+import warnings
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -219,7 +220,17 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
                     f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
                 f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
-        program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
+        try:
+            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
+        except GpuOptimError as exc:
+            if not registers:
+                raise
+            # a driver that lists the extension but refuses the option: no cap from now on
+            warnings.warn(f"the OpenCL driver refused {registers}: the formats kernels are built without a "
+                          f"register cap ({str(exc).splitlines()[-1][:200]})", RuntimeWarning, stacklevel=2)
+            cache["nv_options"] = False
+            options = [o for o in options if o not in registers]
+            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
         kernels = {}
         for kname, arg_types in _arg_types(ctx, family, slots).items():
             kernel = ctx.cl.Kernel(program, kname)
