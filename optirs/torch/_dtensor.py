@@ -88,6 +88,17 @@ def shown(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False)
 
 
+def hosted(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """:func:`shown` for a ``view`` that stays where it is whatever the mesh's device: CPUOffload's
+    host state of a parameter on a CUDA mesh (``DTensor.from_local`` would copy it to the mesh's
+    device; FSDP2's own CPU offload makes its host DTensors the same way)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    whole = tuple(view.shape) != tuple(p._local_tensor.shape)  # (state of another shape: replicated p only)
+    meta = TensorMeta(view.shape if whole else p.shape, view.stride() if whole else p.stride(), view.dtype)
+    return DTensor(view, DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=meta), requires_grad=False)
+
+
 def held(value: Any, p: torch.Tensor) -> Any:
     """A state value of DTensor ``p`` as a local tensor laid out as ``p``'s shard: a DTensor placed as
     ``p`` is, its local tensor; placed otherwise, redistributed first (a collective: every rank adopts
@@ -99,4 +110,4 @@ def held(value: Any, p: torch.Tensor) -> Any:
     return value._local_tensor
 
 
-__all__ = ["is_dtensor", "local", "local_ptr", "sharded", "refusal", "shown", "held"]
+__all__ = ["is_dtensor", "local", "local_ptr", "sharded", "refusal", "shown", "hosted", "held"]

@@ -1,0 +1,337 @@
+"""optirs.torch.CPUOffload under FSDP2 (``fully_shard``): spawned gloo groups on the CPU.
+
+This file is also the ranks' program (``python tests/test_torch_offload_fsdp.py MODE CHECKDIR`` with
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set). Two ranks check that CPUOffload over an
+optirs.torch AdamW steps each rank's local shards bit for bit as the same AdamW without offload
+on the same sharding (float32 and bfloat16 state, the steps started in backward too), that its
+state is DTensors placed as the parameters, that a distributed checkpoint resumes exactly when
+loaded into the same sharding, a dim-1 sharding and the optimizer without offload, that
+Replicate parameters take a per-tensor optimizer (LAMB), and that what a shard cannot step is
+refused with the step changing nothing. Then one rank loads the two ranks' checkpoint (2 -> 1
+reshard) and resumes to the same parameters. On CPU the "transfers" are host copies; the hooks,
+chunks, workers and state bookkeeping are the offload's own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+pytest.importorskip("torch.distributed.fsdp")
+from torch.distributed import fsdp  # noqa: E402
+
+if not hasattr(fsdp, "fully_shard"):
+    pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+# ---------------------------------------------------------------- the pytest side
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(mode: str, world: int, checkdir: Path) -> None:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, mode, str(checkdir)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{out[-6000:]}" for r, (p, out) in
+                       enumerate(zip(procs, outputs)))
+    assert all(p.returncode == 0 for p in procs), report
+    assert (checkdir / f"{mode}-done").read_text() == "ok", report
+
+
+def test_cpu_offload_under_fsdp2_two_ranks_then_resharded_to_one(tmp_path):
+    _spawn("two", 2, tmp_path)
+    _spawn("one", 1, tmp_path)  # the two ranks' checkpoint on one rank
+
+
+# ---------------------------------------------------------------- the ranks
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    # 16 and 3 rows: an even and an uneven shard over 2 ranks (rank 1 holds 1 of the 3)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)  # the same batch on every rank
+    return torch.randn(5, 6, generator=g)
+
+
+def train(model, opt, steps, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        (model(batch(step)) ** 2).mean().backward()
+        opt.step()
+
+
+def offload(params, **kwargs):
+    import optirs.torch as ot
+
+    # tiny chunks: the model's four tensors fall into several, so both workers work
+    return ot.CPUOffload(ot.AdamW, params, bucket_elements=40, workers=2, lr=1e-2, weight_decay=0.1, **kwargs)
+
+
+def plain(params, **kwargs):
+    import optirs.torch as ot
+
+    return ot.AdamW(params, backend="cpu", lr=1e-2, weight_decay=0.1, **kwargs)
+
+
+def full(model):
+    return [p.full_tensor() for p in model.parameters()]
+
+
+def full_state(model, opt):
+    """The parameters and every state tensor, gathered whole (what a checkpoint holds)."""
+    out = full(model)
+    for p in model.parameters():
+        st = opt.state[p]
+        out += [st[k].full_tensor() for k in sorted(st) if k != "step"] + [st["step"].clone()]
+    return out
+
+
+def mirrored(ours, model, other, **kwargs):
+    """The same AdamW without offload over ``other``'s copies of the offload's chunks, one group
+    each, in the chunks' order: the same layouts, so the same kernel draws the same stochastic
+    rounding bits for bfloat16 state (they depend on an element's index in its layout)."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    params = list(other.parameters())
+    return plain([{"params": [params[index[id(p)]] for p in c.params]} for c in ours._chunks], **kwargs)
+
+
+def assert_equal(a, b, what):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}: tensor {i} differs by {(x.float() - y.float()).abs().max()}"
+
+
+def assert_dtensor_state(opt, model, dtype=torch.float32):
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        st = opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = st[key]
+            assert isinstance(v, DTensor) and v.placements == p.placements and v.device_mesh == p.device_mesh, key
+            assert v.shape == p.shape and v.to_local().shape == p.to_local().shape and v.dtype == dtype, key
+            assert v.to_local().device.type == "cpu"
+        assert not isinstance(st["step"], DTensor)
+
+
+def check_equals_the_same_optimizer_without_offload(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for fmt, extra in (({}, {}), ({"state_dtype": "bfloat16"}, {}), ({}, {"step_in_backward": True})):
+        ours, theirs = make_model(), make_model()
+        fully_shard(ours, mesh=mesh)
+        fully_shard(theirs, mesh=mesh)
+        mine = offload(ours.parameters(), **fmt, **extra)
+        opts = mine, (mirrored(mine, ours, theirs, **fmt) if fmt else plain(theirs.parameters()))
+        assert len(mine._chunks) > 1
+        for step in range(STEPS):
+            for m, o in zip((ours, theirs), opts):
+                train(m, o, 1, step)
+            assert_equal([p.to_local() for p in ours.parameters()], [q.to_local() for q in theirs.parameters()],
+                         f"{fmt} {extra} step {step}")
+        if extra:
+            assert opts[0]._armed  # the later rounds' steps started in backward
+        assert_dtensor_state(opts[0], ours, torch.bfloat16 if fmt else torch.float32)
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            a, b = opts[0].state[p], opts[1].state[q]
+            assert set(a) == set(b)
+            for key in a:
+                if key != "step":
+                    assert torch.equal(a[key].to_local(), b[key].to_local()), key
+            assert float(a["step"]) == float(b["step"]) == STEPS
+        # the host state really is the offload's: its chunks' inner optimizers hold these bytes
+        p = next(ours.parameters())
+        c, k = opts[0]._where[p]
+        assert opts[0].state[p]["exp_avg"].to_local().data_ptr() == c.inner.state[c.host[k]]["exp_avg"].data_ptr()
+
+
+def check_checkpoints(mesh, checkdir):
+    """3 steps, a distributed checkpoint, 3 more; a model and optimizer loaded from the checkpoint
+    (the same sharding, dim 1 instead of dim 0, the optimizer without offload) hold the saved
+    state exactly and resume to the same bits (bfloat16 state: in another layout, to its rounding;
+    its stochastic rounding draws by the element's index in the layout)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    for name, fmt in (("f32", {}), ("bf16", {"state_dtype": "bfloat16"})):
+        model = make_model()
+        fully_shard(model, mesh=mesh)
+        opt = offload(model.parameters(), **fmt)
+        train(model, opt, 3)
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkdir / f"ckpt-{name}"))
+        saved = full_state(model, opt)
+        train(model, opt, 3, 3)
+        expected = full(model)
+        if dist.get_rank() == 0:
+            torch.save({"saved": saved, "expected": expected}, checkdir / f"expected-{name}.pt")
+        dim1 = {"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else Shard(0)}
+        for how, shard, make_opt in (("same", {}, offload), ("dim 1", dim1, offload), ("no offload", {}, plain)):
+            other = make_model(seed=1)
+            fully_shard(other, mesh=mesh, **shard)
+            other_opt = make_opt(other.parameters(), **fmt)
+            msd, osd = get_state_dict(other, other_opt)  # (the state made by a first step of zeros, lr 0)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(checkdir / f"ckpt-{name}"))
+            set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            if make_opt is offload:
+                assert_dtensor_state(other_opt, other, torch.bfloat16 if fmt else torch.float32)
+            assert_equal(full_state(other, other_opt), saved, f"{name} checkpoint loaded ({how})")
+            train(other, other_opt, 3, 3)
+            resumed(full(other), expected, exact=not fmt or how == "same", what=f"{name} checkpoint resumed ({how})")
+
+
+def resumed(got, expected, exact, what):
+    if exact:
+        assert_equal(got, expected, what)
+    else:  # bfloat16 moments rounded with other bits: 3 steps of lr 1e-2 within a few ulps of bfloat16
+        for x, y in zip(got, expected):
+            torch.testing.assert_close(x, y, rtol=0, atol=2e-4, msg=what)
+
+
+def check_replicated_parameters_take_per_tensor_optimizers(mesh):
+    # Replicate: each rank's local tensor is the whole tensor, so LAMB's norms are its own
+    import optirs.torch as ot
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch.manual_seed(3)
+    w = torch.randn(8, 5)
+    p = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Replicate()]))
+    ref = torch.nn.Parameter(w.clone())
+    ours = ot.CPUOffload(ot.Lamb, [p], lr=1e-2)
+    theirs = ot.Lamb([ref], lr=1e-2, backend="cpu")
+    for step in range(3):
+        g = torch.randn(8, 5, generator=torch.Generator().manual_seed(step))
+        p.grad = distribute_tensor(g.clone(), mesh, [Replicate()])
+        ref.grad = g.clone()
+        ours.step()
+        theirs.step()
+        assert torch.equal(p.to_local(), ref.detach()), step
+    st = ours.state[p]
+    assert st["exp_avg"].placements == (Replicate(),) and torch.equal(st["exp_avg"].to_local(),
+                                                                      theirs.state[ref]["exp_avg"])
+
+
+def check_refusals(mesh):
+    import optirs.torch as ot
+    from optirs.core.errors import UnsupportedOperationError
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    model = make_model()
+    fully_shard(model, mesh=mesh)
+
+    def refused(make, match):
+        try:
+            make()
+        except UnsupportedOperationError as exc:
+            assert match in str(exc), exc
+            return
+        raise AssertionError(f"not refused: {match}")
+
+    # what needs the whole tensor, or int8 blocks that a reshard would cut, on sharded parameters
+    refused(lambda: ot.CPUOffload(ot.Adafactor, model.parameters(), lr=1e-2), "adafactor's per-tensor reductions")
+    refused(lambda: ot.CPUOffload(ot.Lamb, model.parameters(), lr=1e-2), "lamb's per-tensor reductions")
+    refused(lambda: ot.CPUOffload(ot.Lamb, model.parameters(), lr=1e-2, max_grad_norm=1.0),
+            "lamb's per-tensor reductions")
+    refused(lambda: ot.CPUOffload(ot.AdamW, model.parameters(), state_dtype="int8"), "int8")
+    bad = torch.nn.Parameter(torch.distributed.tensor.DTensor.from_local(torch.zeros(4), mesh, [Partial()]))
+    refused(lambda: ot.CPUOffload(ot.SGD, [bad], lr=0.1), "Partial")
+    # the format changed to int8 after construction: refused at step(), nothing stepped
+    opt = offload(model.parameters())
+    train(model, opt, 1)
+    before = [p.to_local().clone() for p in model.parameters()]
+    state = {k: v.to_local().clone() for k, v in opt.state[next(model.parameters())].items() if k != "step"}
+    opt.param_groups[0]["state_dtype"] = "int8"
+    (model(batch(1)) ** 2).mean().backward()
+    refused(opt.step, "int8")
+    opt.param_groups[0]["state_dtype"] = "float32"
+    # a gradient placed otherwise than its parameter: refused at step(), nothing stepped
+    w = next(model.parameters())
+    w.grad = w.grad.redistribute(mesh, [Replicate()])
+    refused(opt.step, "same mesh and placements")
+    assert_equal(before, [p.to_local() for p in model.parameters()], "a refused step changed a parameter")
+    after = opt.state[w]
+    assert all(torch.equal(v, after[k].to_local()) for k, v in state.items()) and float(after["step"]) == 1
+    # ... and the same optimizer steps on once the gradient is placed as the parameter
+    w.grad = w.grad.redistribute(mesh, [Shard(0)])
+    opt.step()
+    assert float(opt.state[w]["step"]) == 2
+
+
+def check_two_ranks(checkdir):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    check_equals_the_same_optimizer_without_offload(mesh)
+    check_checkpoints(mesh, checkdir)
+    check_replicated_parameters_take_per_tensor_optimizers(mesh)
+    check_refusals(mesh)
+
+
+def check_one_rank(checkdir):
+    """The two ranks' checkpoints on one rank (every shard gathered into one), resumed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    for name, fmt in (("f32", {}), ("bf16", {"state_dtype": "bfloat16"})):
+        model = make_model(seed=1)
+        fully_shard(model, mesh=mesh)
+        opt = offload(model.parameters(), **fmt)
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(checkdir / f"ckpt-{name}"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert_dtensor_state(opt, model, torch.bfloat16 if fmt else torch.float32)
+        ref = torch.load(checkdir / f"expected-{name}.pt")
+        assert_equal(full_state(model, opt), ref["saved"], f"{name} checkpoint loaded on one rank")
+        train(model, opt, 3, 3)
+        resumed(full(model), ref["expected"], exact=not fmt, what=f"{name} resharded 2 -> 1")
+
+
+def main():
+    mode, checkdir = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    (check_two_ranks if mode == "two" else check_one_rank)(checkdir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (checkdir / f"{mode}-done").write_text("ok")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
