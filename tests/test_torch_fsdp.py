@@ -5,8 +5,8 @@ equals torch.optim.AdamW's on the same sharding and torch's on the whole model, 
 DTensors placed as the parameters, bfloat16 state, a distributed checkpoint saved and loaded into
 the same sharding and into another (dim 1) resumes exactly, LAMB with its norms reduced over the
 mesh equals LAMB on the whole model, Muon gathers each matrix, DDP keeps the ranks in sync, and
-what a shard cannot step (Adafactor's factors on sharded tensors, int8 blocks, Partial placements,
-CPUOffload) is refused with the step changing nothing.
+what a shard cannot step (Adafactor's factors on sharded tensors, int8 blocks, Partial placements)
+is refused with the step changing nothing. CPUOffload under FSDP2: tests/test_torch_offload_fsdp.py.
 """
 
 from __future__ import annotations

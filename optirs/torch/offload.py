@@ -29,6 +29,12 @@ completes its gradients (the ``accumulation_steps``-th backward since the last s
 overlapping the CPU step with the rest of the backward; the gradients must then be final when
 autograd writes them.
 
+DTensor parameters (FSDP2's ``fully_shard``, tensor parallel) are offloaded shard by shard: the
+host copies are each rank's local shards, the hooks copy the gradients' local shards (FSDP2 calls
+the hooks of its sharded parameters after its reduce-scatter), the new values are copied into the
+local tensors, and ``opt.state`` / ``state_dict`` show the state as DTensors over the host
+buffers, placed as the parameters, for torch.distributed.checkpoint (docs/offload.md, "FSDP2").
+
 A step is all or nothing where it can be: everything is checked before anything is stepped, a
 chunk whose step fails holds back the chunks not yet started, and the error says what was
 stepped (docs/offload.md, "Interrupted steps").
@@ -449,7 +455,8 @@ class CPUOffload(torch.optim.Optimizer):
 
     Args:
         optimizer_class: an optirs.torch optimizer class (``AdamW``, ``SGD``, ...) or its name.
-        params: the model's parameters or param groups (float32, bfloat16 or float16, one device).
+        params: the model's parameters or param groups (float32, bfloat16 or float16, one device;
+            plain tensors or DTensors with Shard / Replicate placements).
         workers: worker threads running chunk steps and transfers (default 2: the host passes run one
             at a time, each on every core; a second worker waits for copies and queues transfers
             meanwhile).
