@@ -39,11 +39,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_fsdp2_two_ranks_on_gloo(tmp_path):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+def spawn(program: Path, args: list, world: int) -> str:
+    """Run ``python program *args`` as ``world`` ranks of a gloo / nccl group on this host; assert
+    that every rank exits 0 (the report: each rank's last output). Returns the report."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(program), *map(str, args)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outputs = []
     try:
         for p in procs:
@@ -55,6 +58,11 @@ def test_fsdp2_two_ranks_on_gloo(tmp_path):
     report = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{out[-6000:]}" for r, (p, out) in
                        enumerate(zip(procs, outputs)))
     assert all(p.returncode == 0 for p in procs), report
+    return report
+
+
+def test_fsdp2_two_ranks_on_gloo(tmp_path):
+    report = spawn(WORKER, [tmp_path], 2)
     assert (tmp_path / "done").read_text() == "ok", report
 
 

@@ -17,52 +17,21 @@ offload's own.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_torch_fsdp import dist, spawn, torch  # (its module-level skips: no gloo, no FSDP2)
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available() or not dist.is_gloo_available():
-    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
-pytest.importorskip("torch.distributed.fsdp")
-from torch.distributed import fsdp  # noqa: E402
+from fsdp_worker import batch, train
 
-if not hasattr(fsdp, "fully_shard"):
-    pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)", allow_module_level=True)
-
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 
 
 # ---------------------------------------------------------------- the pytest side
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(mode: str, world: int, checkdir: Path) -> None:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, mode, str(checkdir)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    report = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{out[-6000:]}" for r, (p, out) in
-                       enumerate(zip(procs, outputs)))
-    assert all(p.returncode == 0 for p in procs), report
+    report = spawn(Path(__file__), [mode, checkdir], world)
     assert (checkdir / f"{mode}-done").read_text() == "ok", report
 
 
@@ -88,18 +57,6 @@ def make_model(seed=0):
     # empty one (rank 1 holds none of the last layer)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3), torch.nn.Tanh(),
                                torch.nn.Linear(3, 1))
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(100 + step)  # the same batch on every rank
-    return torch.randn(5, 6, generator=g)
-
-
-def train(model, opt, steps, first=0):
-    for step in range(first, first + steps):
-        opt.zero_grad()
-        (model(batch(step)) ** 2).mean().backward()
-        opt.step()
 
 
 def offload(params, **kwargs):
@@ -359,9 +316,9 @@ def check_replicated_parameters_take_per_tensor_optimizers(mesh):
 
 def check_refusals(mesh):
     import optirs.torch as ot
-    from optirs.core.errors import UnsupportedOperationError
+    from optirs.core.errors import ShapeMismatchError, UnsupportedOperationError
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     model = make_model()
     fully_shard(model, mesh=mesh)
@@ -402,6 +359,17 @@ def check_refusals(mesh):
     w.grad = w.grad.redistribute(mesh, [Shard(0)])
     opt.step()
     assert float(opt.state[w]["step"]) == 2
+    # a checkpoint whose state of a sharded parameter is a whole plain tensor: refused, nothing loaded
+    sd = opt.state_dict()
+    kept = opt.state[w]["exp_avg"].to_local().clone()
+    bad = {**sd, "state": {**sd["state"], 0: {**sd["state"][0], "exp_avg": sd["state"][0]["exp_avg"].full_tensor()}}}
+    try:
+        opt.load_state_dict(bad)
+    except ShapeMismatchError as exc:
+        assert "state[0]['exp_avg']" in str(exc) and "shard" in str(exc), exc
+    else:
+        raise AssertionError("a whole tensor loaded as a shard's state")
+    assert torch.equal(opt.state[w]["exp_avg"].to_local(), kept) and float(opt.state[w]["step"]) == 2
 
 
 def check_two_ranks(checkdir):

@@ -1241,8 +1241,8 @@ class CPUOffload(torch.optim.Optimizer):
             for key, v in entry.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shard:
                     raise ShapeMismatchError(
-                        f"state[{i}][{key!r}] is a {type(v).__name__} of shape {tuple(v.shape)} for a DTensor parameter "
-                        f"sharded {tuple(p.placements)} (this rank's shard {shard}), expected a DTensor placed on the "
+                        f"state[{i}][{key!r}] is a {type(v).__name__} of shape {tuple(v.shape)} for a DTensor "
+                        f"parameter sharded {tuple(p.placements)} (this rank's shard {shard}), expected a DTensor on the "
                         "parameter's mesh (torch.distributed.checkpoint's state dicts are) or a tensor of the "
                         "shard's shape")
         return entry
