@@ -312,6 +312,23 @@ def check_replicated_parameters_take_per_tensor_optimizers(mesh):
     st = ours.state[p]
     assert st["exp_avg"].placements == (Replicate(),) and torch.equal(st["exp_avg"].to_local(),
                                                                       theirs.state[ref]["exp_avg"])
+    # int8 state of a Replicate parameter: as the same AdamW without offload on the same DTensor,
+    # its scales shown on the block grid as that optimizer shows them
+    a, b = (torch.nn.Parameter(distribute_tensor(torch.randn(64, 80, generator=torch.Generator().manual_seed(5)),
+                                                 mesh, [Replicate()])) for _ in range(2))
+    opts = offload([a], state_dtype="int8"), plain([b], state_dtype="int8")
+    for step in range(3):
+        g = torch.randn(64, 80, generator=torch.Generator().manual_seed(10 + step))
+        for q, o in zip((a, b), opts):
+            q.grad = distribute_tensor(g.clone(), mesh, [Replicate()])
+            o.step()
+        assert torch.equal(a.to_local(), b.to_local()), step
+    sa, sb = opts[0].state_dict()["state"][0], opts[1].state_dict()["state"][0]
+    assert set(sa) == set(sb) and sa["exp_avg.codes"].dtype == torch.uint8
+    for key in sa:
+        if key != "step":
+            assert sa[key].shape == sb[key].shape and sa[key].placements == sb[key].placements, key
+            assert torch.equal(sa[key].to_local(), sb[key].to_local()), key
 
 
 def check_refusals(mesh):

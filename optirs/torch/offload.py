@@ -628,8 +628,8 @@ class CPUOffload(torch.optim.Optimizer):
     def _check_dtensors(self, gi: int, group: Dict[str, Any]) -> None:
         """Refuse the group's DTensor parameters that its optimizer and format cannot step shard by
         shard on the host: placements other than Shard / Replicate; on sharded ones, what needs the
-        whole tensor (the inner optimizers step each rank's shards alone, without the mesh) and
-        int8 state (its blocks are cut by a reshard)."""
+        whole tensor and int8 state (the inner optimizers step each rank's shard as a plain tensor:
+        without the mesh, and without the whole tensor's int8 block grid and small-tensor rule)."""
         dtensors = [(j, p) for j, p in enumerate(group["params"]) if is_dtensor(p)]
         if not dtensors:
             return
@@ -640,9 +640,17 @@ class CPUOffload(torch.optim.Optimizer):
             per_tensor = f"{definition.name}'s per-tensor reductions (offloaded, each rank steps its shards alone)"
         elif getattr(hp, "max_grad_norm", None) is not None:
             per_tensor = "clipping over the whole group (max_grad_norm)"
-        blocks = self._formats and self._probe.group_precision(group).state_dtype == "int8"
+        int8 = self._formats and self._probe.group_precision(group).state_dtype == "int8"
         for j, p in dtensors:
-            error = refusal(p, p, f"param_groups[{gi}]['params'][{j}]", per_tensor, blocks)
+            where = f"param_groups[{gi}]['params'][{j}]"
+            error = refusal(p, p, where, per_tensor, False)
+            if error is None and int8 and sharded(p):
+                error = UnsupportedOperationError(
+                    f"{where} is a DTensor sharded {tuple(p.placements)} with int8 state under CPUOffload, expected "
+                    "state_dtype 'float32' or 'bfloat16' for its param group: the offload's inner optimizers step "
+                    "each rank's shard as a plain host tensor, whose int8 blocks and float32 small-tensor rule "
+                    "follow the shard, not the whole tensor's block grid, so its checkpoint would not reshard "
+                    "(optirs.torch optimizers without offload keep int8 state under FSDP2)")
             if error is not None:
                 raise error
 
@@ -1207,7 +1215,7 @@ class CPUOffload(torch.optim.Optimizer):
             return made[1]
         whole = not sharded(p)
         shard = tuple(local(p).shape)
-        shown = {key: hosted(v, p) if key != "step" and isinstance(v, torch.Tensor) and (
+        shown = {key: hosted(v, p, key) if key != "step" and isinstance(v, torch.Tensor) and (
             whole or tuple(v.shape) == shard) else v for key, v in values}
         self._dt_shown[p] = (values, shown)
         return shown
@@ -1235,7 +1243,7 @@ class CPUOffload(torch.optim.Optimizer):
         """A saved entry of DTensor ``p`` as its host copy takes it: each DTensor value's local tensor
         laid out as ``p``'s shard (redistributed first if placed otherwise: a collective, which
         every rank runs for the same tensors in the same order)."""
-        entry = {key: held(v, p) for key, v in entry.items()}
+        entry = {key: held(v, p, key) for key, v in entry.items()}
         if sharded(p):
             shard = tuple(local(p).shape)
             for key, v in entry.items():
