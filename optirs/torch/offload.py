@@ -1250,9 +1250,9 @@ class CPUOffload(torch.optim.Optimizer):
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shard:
                     raise ShapeMismatchError(
                         f"state[{i}][{key!r}] is a {type(v).__name__} of shape {tuple(v.shape)} for a DTensor "
-                        f"parameter sharded {tuple(p.placements)} (this rank's shard {shard}), expected a DTensor on the "
-                        "parameter's mesh (torch.distributed.checkpoint's state dicts are) or a tensor of the "
-                        "shard's shape")
+                        f"parameter sharded {tuple(p.placements)} (this rank's shard {shard}), expected a DTensor "
+                        "on the parameter's mesh (torch.distributed.checkpoint's state dicts are) or a tensor of "
+                        "the shard's shape")
         return entry
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
