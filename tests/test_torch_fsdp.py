@@ -7,7 +7,8 @@ the same sharding and into another (dim 1) resumes exactly, int8 state equals th
 bit for bit and resumes exactly into another sharding and into one rank, Adafactor and LAMB with
 their sums reduced over the mesh equal them on the whole model, Muon gathers each matrix, DDP
 keeps the ranks in sync, and what a shard cannot step (int8 shards cutting blocks, Adafactor on
-bfloat16 shards, Partial placements, CPUOffload) is refused with the step changing nothing.
+bfloat16 shards, Partial placements) is refused with the step changing nothing. CPUOffload under
+FSDP2: tests/test_torch_offload_fsdp.py.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_fsdp2_two_ranks_on_gloo(tmp_path):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+def spawn(program: Path, args: list, world: int) -> str:
+    """Run ``python program *args`` as ``world`` ranks of a gloo / nccl group on this host; assert
+    that every rank exits 0 (the report: each rank's last output). Returns the report."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(program), *map(str, args)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outputs = []
     try:
         for p in procs:
@@ -56,6 +60,11 @@ def test_fsdp2_two_ranks_on_gloo(tmp_path):
     report = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{out[-6000:]}" for r, (p, out) in
                        enumerate(zip(procs, outputs)))
     assert all(p.returncode == 0 for p in procs), report
+    return report
+
+
+def test_fsdp2_two_ranks_on_gloo(tmp_path):
+    report = spawn(WORKER, [tmp_path], 2)
     assert (tmp_path / "done").read_text() == "ok", report
 
 

@@ -131,23 +131,41 @@ def _cut_blocks(p: torch.Tensor, where: str) -> Optional[Exception]:
         "(state_dtype='bfloat16' for this tensor's param group shards any way)")
 
 
-def shown(view: torch.Tensor, p: torch.Tensor, key: str = "") -> torch.Tensor:
-    """What ``opt.state[p][key]`` holds for a local state ``view`` of DTensor ``p``: a DTensor over the
-    same memory with ``p``'s mesh and placements (the global shape and strides of ``p`` where the view
-    is shaped like its local tensor; int8 scales on ``p``'s block grid; state of another shape exists
-    only for replicated ``p``)."""
+def _placed(view: torch.Tensor, p: torch.Tensor, key: str) -> Tuple[torch.Tensor, Any, Any]:
+    """(the local tensor, the global shape, the global strides) that ``opt.state[p][key]`` is shown
+    with for a local state ``view`` of DTensor ``p``: ``p``'s where the view is shaped like its local
+    tensor; int8 scales on ``p``'s block grid; (view, None, None) for state of another shape, which
+    exists only for replicated ``p`` (the view is then the whole tensor)."""
     if key.endswith(".scales"):
         whole, here = tuple(p.shape), tuple(p._local_tensor.shape)
         m = block_grid(whole)
         grid = here[:m] + (-(-math.prod(here[m:]) // BLOCK),)  # (the local tensor's row-major blocks)
         shape = scales_shape(whole)
         stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-        return DTensor.from_local(view.view(grid), p.device_mesh, p.placements, run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+        return view.view(grid), torch.Size(shape), stride
     if tuple(view.shape) == tuple(p._local_tensor.shape):
-        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
-    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False)
+        return view, p.shape, p.stride()
+    return view, None, None
+
+
+def shown(view: torch.Tensor, p: torch.Tensor, key: str = "") -> torch.Tensor:
+    """What ``opt.state[p][key]`` holds for a local state ``view`` of DTensor ``p``: a DTensor over the
+    same memory with ``p``'s mesh and placements (:func:`_placed` says its shape and strides)."""
+    view, shape, stride = _placed(view, p, key)
+    if shape is None:
+        return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False)
+    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+
+
+def hosted(view: torch.Tensor, p: torch.Tensor, key: str = "") -> torch.Tensor:
+    """:func:`shown` for a ``view`` that stays where it is whatever the mesh's device: CPUOffload's
+    host state of a parameter on a CUDA mesh (``DTensor.from_local`` would copy it to the mesh's
+    device; FSDP2's own CPU offload makes its host DTensors the same way)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    view, shape, stride = _placed(view, p, key)
+    meta = TensorMeta(view.shape, view.stride(), view.dtype) if shape is None else TensorMeta(shape, stride, view.dtype)
+    return DTensor(view, DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=meta), requires_grad=False)
 
 
 def held(value: Any, p: torch.Tensor, key: str = "") -> Any:
@@ -163,4 +181,5 @@ def held(value: Any, p: torch.Tensor, key: str = "") -> Any:
     return out.reshape(-1) if key.endswith(".scales") and tuple(value.shape) == scales_shape(tuple(p.shape)) else out
 
 
-__all__ = ["block_grid", "held", "is_dtensor", "local", "local_ptr", "refusal", "scales_shape", "sharded", "shown"]
+__all__ = ["block_grid", "held", "hosted", "is_dtensor", "local", "local_ptr", "refusal", "scales_shape",
+           "sharded", "shown"]
