@@ -447,26 +447,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     def wanted(label: str) -> bool:
         return words is None or any(w in label for w in words)
 
+    def done(row: Dict[str, Any]) -> None:
+        """Print the row as it finishes and rewrite the JSON: a run cut short keeps every row so far."""
+        rows.append(row)
+        kernel = f", kernel {row['kernel_ms']:.3f} ms" if row.get("kernel_ms") else ""
+        print(f"#   {row['label']}: {row.get('ms', row.get('error'))}{kernel}", flush=True)
+        best = finish_rows(rows, n, copy)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"backend": args.backend, "device": dev.name, "params": n, "tensors": len(shapes),
+                           "copy_gb_per_s": copy, "best_peer_ms": best, "settings": settings, "rows": rows}, f,
+                          indent=1)
+
     for spec in FORMATS:
         if not wanted(spec[0]):
             continue
         try:
-            rows.append(dev.optirs_row(shapes, spec, steps, batches))
+            row = dev.optirs_row(shapes, spec, steps, batches)
         except Exception as exc:
-            rows.append({"label": f"optirs {spec[0]}", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
-        print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
+            row = {"label": f"optirs {spec[0]}", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+        done(row)
     if peer_dev is not None and not args.no_peers:
         for label, make, dtype, bytes_pp in peers(peer_dev.torch):
-            if not wanted(label):
-                continue
-            rows.append(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
-            print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
-    best = finish_rows(rows, n, copy)
+            if wanted(label):
+                done(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
+    finish_rows(rows, n, copy)
     print_table(rows, title)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "device": dev.name, "params": n, "tensors": len(shapes),
-                       "copy_gb_per_s": copy, "best_peer_ms": best, "settings": settings, "rows": rows}, f, indent=1)
     return 0
 
 
