@@ -1,4 +1,4 @@
-"""Convergence of the step formats (issue 13): a next-character model on the standard library's
+"""Convergence of the step formats: a next-character model on the standard library's
 source, or a small convnet on scikit-learn's digits.
 
 fp32 AdamW (torch.optim.AdamW) against optirs.torch.AdamW in each format: bfloat16 parameters

@@ -1,4 +1,4 @@
-"""The CPU benchmark (issue 2): each optimizer on 16M float32 parameters, the CPU backend beside numpy
+"""The CPU benchmark: each optimizer on 16M float32 parameters, the CPU backend beside numpy
 and torch's fused CPU optimizers, as fractions of the machine's measured memory bandwidth.
 
     python benchmarks/bench_cpu.py --json cpu.json

@@ -2,9 +2,11 @@
 
 numba compiles optirs's kernels on their first use and caches them on disk (docs/compile_cache.md),
 so the first ``opt.step()`` of a process either compiles (cold cache) or loads (warm cache). For each
-case this runs a FRESH Python subprocess twice with the same ``NUMBA_CACHE_DIR``: run 1 starts from
-an empty cache directory (a new temporary one per case unless ``--cache-dir`` is given) and fills
-it, run 2 shows what every later run pays. Each subprocess times:
+case this runs FRESH Python subprocesses with the same ``NUMBA_CACHE_DIR``: run 1 starts from an
+empty cache directory (a new temporary one per case unless ``--cache-dir`` is given) and fills it,
+runs 2 and later (``--warm-runs``, default 3) show what every later run pays; a second step is one
+sample per process, so the warm figures are also given as the median over the warm runs. Each
+subprocess times:
 
 * ``import optirs.torch`` (torch imported before, and timed apart), then ``import torch._dynamo``
   (what torch.optim's constructor loads first, whichever optimizer is made first: timed apart);
@@ -13,7 +15,7 @@ it, run 2 shows what every later run pays. Each subprocess times:
 * optirs.torch.AdamW's first, second and steady ``opt.step()`` (steady: the median of ``--steps``
   more);
 * torch.optim.AdamW (``fused=True`` on cuda, ``foreach=True`` on cpu) on a copy of the model, in the
-  same process after optirs: its first and steady step. optirs runs first, so a lazy initialisation
+  same process after optirs: its first, second and steady step. optirs runs first, so a lazy initialisation
   the two share (torch's) lands on optirs's figure, never on torch's.
 
 Model: Linear(512, 1024), ReLU, Linear(1024, 512), with biases (1,050,112 parameters), an MSE loss
@@ -107,14 +109,14 @@ def child(case: str, device: str, steps: int) -> Dict[str, Any]:
     s = time.perf_counter()
     peer = torch.optim.AdamW(peer_model.parameters(), lr=LR, weight_decay=DECAY, **peer_kwargs)
     peer_construct = time.perf_counter() - s
-    peer_times = timed_steps(peer_model, peer, 1 + steps)
+    peer_times = timed_steps(peer_model, peer, 2 + steps)
     return {
         "import_torch_s": t1 - t0, "import_optirs_torch_s": t2 - t1, "import_torch_dynamo_s": import_dynamo,
         "parameters": sum(p.numel() for p in model.parameters()),
         "optirs": {"construct_s": optirs_construct, "first_s": optirs_times[0], "second_s": optirs_times[1],
                    "steady_s": statistics.median(optirs_times[2:])},
         "torch": {"kind": next(iter(peer_kwargs)), "construct_s": peer_construct, "first_s": peer_times[0],
-                  "steady_s": statistics.median(peer_times[1:])},
+                  "second_s": peer_times[1], "steady_s": statistics.median(peer_times[2:])},
         "compiled": [{"kernel": r.name, "seconds": r.seconds} for r in compiled],
         "cache": cache_location().where,
     }
@@ -156,6 +158,16 @@ def ratios(r: Dict[str, Any]) -> Dict[str, float]:
             "first_over_steady": o["first_s"] / o["steady_s"]}
 
 
+def warm_median(runs: List[Dict[str, Any]]) -> Dict[str, float]:
+    """The medians over warm runs of the first step beyond torch's, the second and steady steps and
+    their ratio (each run's own ratio)."""
+    return {"first_minus_torch_first_s": statistics.median(r["ratios"]["first_minus_torch_first_s"] for r in runs),
+            "second_s": statistics.median(r["optirs"]["second_s"] for r in runs),
+            "steady_s": statistics.median(r["optirs"]["steady_s"] for r in runs),
+            "second_over_steady": statistics.median(r["ratios"]["second_over_steady"] for r in runs),
+            "torch_second_over_steady": statistics.median(r["torch"]["second_s"] / r["torch"]["steady_s"] for r in runs)}
+
+
 def line(case: str, run: int, r: Dict[str, Any]) -> str:
     o, t, q = r["optirs"], r["torch"], r["ratios"]
     compiled = sum(k["seconds"] for k in r["compiled"])
@@ -163,7 +175,8 @@ def line(case: str, run: int, r: Dict[str, Any]) -> str:
             f"{r['import_optirs_torch_s']:6.2f} s | construct optirs {o['construct_s']:6.3f} s, torch "
             f"{t['construct_s']:6.3f} s | optirs first {o['first_s']:7.3f} s, second "
             f"{o['second_s'] * 1e3:8.2f} ms, steady {o['steady_s'] * 1e3:7.2f} ms | torch {t['kind']} first "
-            f"{t['first_s'] * 1e3:7.2f} ms, steady {t['steady_s'] * 1e3:7.2f} ms | first - torch first "
+            f"{t['first_s'] * 1e3:7.2f} ms, second {t['second_s'] * 1e3:6.2f} ms, steady {t['steady_s'] * 1e3:7.2f} ms | "
+            f"first - torch first "
             f"{q['first_minus_torch_first_s']:+7.3f} s, construct + first - torch's {q['ready_minus_torch_ready_s']:+7.3f} s, "
             f"second / steady {q['second_over_steady']:5.2f}x | "
             f"{len(r['compiled'])} kernels compiled ({compiled:.1f} s)")
@@ -177,11 +190,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--cache-dir", help="NUMBA_CACHE_DIR of the subprocesses (default: a new temporary directory "
                                         "per case, so that run 1 is cold; removed afterwards)")
     ap.add_argument("--steps", type=int, default=10, help="steps after the second whose median is the steady step")
+    ap.add_argument("--warm-runs", type=int, default=3, help="fresh processes after the cold one (default 3)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", choices=tuple(CASES), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps={args.steps}, expected at least 1")
+    if args.warm_runs < 1:
+        ap.error(f"--warm-runs={args.warm_runs}, expected at least 1")
     if args.child:
         print(RESULT_PREFIX + json.dumps(child(args.child, args.device, args.steps)), flush=True)
         return 0
@@ -201,7 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="optirs-first-step-")
         try:
             runs = []
-            for run in (1, 2):
+            for run in range(1, 2 + args.warm_runs):
                 r = run_child(case, args.device, args.steps, cache_dir)
                 r["ratios"] = ratios(r)
                 runs.append(r)
@@ -212,7 +228,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         finally:
             if not args.cache_dir:
                 shutil.rmtree(cache_dir, ignore_errors=True)
-        results["cases"][case] = {"cold": runs[0], "warm": runs[1]}
+        median = warm_median(runs[1:])
+        print(f"{case:13s} warm, median of {len(runs) - 1} runs: first - torch first "
+              f"{median['first_minus_torch_first_s']:+7.3f} s, second {median['second_s'] * 1e3:6.2f} ms, steady "
+              f"{median['steady_s'] * 1e3:6.2f} ms, second / steady {median['second_over_steady']:5.2f}x (torch's "
+              f"{median['torch_second_over_steady']:5.2f}x)", flush=True)
+        results["cases"][case] = {"cold": runs[0], "warm": runs[1], "warm_runs": runs[1:], "warm_median": median}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -1,4 +1,4 @@
-"""AdamW in every step format beside the peers, in one run, on one backend (issue 13).
+"""AdamW in every step format beside the peers, in one run, on one backend.
 
 Through the public API only: ``optirs.torch.AdamW(..., master_weights=, state_dtype=,
 stochastic_rounding=, backend=)`` on torch tensors (``--backend cuda``: CUDA tensors; ``cpu``:
@@ -9,7 +9,8 @@ GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, t
 
 For each row: ms per step (back-to-back steps after warm-up, synchronized at the ends; the
 median of batches), the kernels' own time per step on CUDA (torch's profiler: the device time
-without the host's part), the format's own bytes per parameter (each array read and written once, the
+without the host's part) and on OpenCL (the steps queued behind a user event, then run back to
+back: the device's time without the host's), the format's own bytes per parameter (each array read and written once, the
 gradient read), GB/s, its ratio to the copy bandwidth measured in the same run (torch ``copy_`` on
 CUDA, numpy ``copyto`` on the host, a buffer copy on OpenCL), its speed relative to the fastest
 peer (best peer ms / ms: above 1 is faster), and the state bytes per parameter as allocated
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -203,7 +205,7 @@ class OpenclDevice(Device):
 
         self.b = optirs.get_backend("opencl")
         self.ctx = self.b.ctx
-        self.name = self.ctx.device.name.strip()
+        self.name = f"{self.ctx.device.name.strip()} ({self.ctx.device.max_compute_units} compute units)"
 
     def sync(self) -> None:
         self.ctx.queue.finish()
@@ -217,6 +219,45 @@ class OpenclDevice(Device):
         dst = cla.empty_like(src)
         ms = timed(self.sync, lambda: cl.enqueue_copy(self.ctx.queue, dst.data, src.data), steps, batches)
         return 2 * 4 * n / (ms * 1e-3) / 1e9
+
+    def kernel_ms(self, fn: Callable[[], None], steps: int, batches: int) -> Optional[float]:
+        """The device's time per call with the host out of the way: the queue waits on a user
+        event while ``steps`` calls are queued, then runs them back to back (the median of
+        ``batches``). None when a call waited on the queue itself (a watchdog then opens it)."""
+        import threading
+
+        import pyopencl as cl
+
+        q, lock = self.ctx.queue, threading.Lock()
+        times = []
+        for _ in range(batches):
+            q.finish()
+            gate = cl.UserEvent(self.ctx.context)
+            opened = []
+
+            def release() -> None:
+                with lock:
+                    if not opened:
+                        opened.append(time.perf_counter())
+                        gate.set_status(cl.command_execution_status.COMPLETE)
+
+            cl.enqueue_barrier(q, wait_for=[gate])
+            watchdog = threading.Timer(30.0, release)  # a call that waits on the queue would wait forever
+            watchdog.start()
+            try:
+                for _ in range(steps):
+                    fn()
+            finally:
+                late = bool(opened)
+                release()
+                q.finish()
+                end = time.perf_counter()
+                watchdog.cancel()
+            if late:
+                print("# kernel time not measured: a step waited on the queue", file=sys.stderr)
+                return None
+            times.append((end - opened[0]) * 1e3 / steps)
+        return statistics.median(times)
 
     def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
         import ml_dtypes
@@ -236,8 +277,10 @@ class OpenclDevice(Device):
                               stochastic_rounding=sr, seed=1234)
         opt = GpuAdamW(hp, GpuOptimizerConfig("opencl"), precision=precision)
         ms = timed(self.sync, lambda: opt.step_gpu(params, grads), steps, batches)
+        kms = self.kernel_ms(lambda: opt.step_gpu(params, grads), steps, batches)
         n = sum(int(p.size) for p in params)
-        return {"label": f"optirs {label}", "ms": ms, "bytes_per_param": format_bytes(pdt, master, state_dtype),
+        return {"label": f"optirs {label}", "ms": ms, "kernel_ms": kms,
+                "bytes_per_param": format_bytes(pdt, master, state_dtype),
                 "state_bytes_per_param": nbytes(opt.state_dict()["state"]) / n}
 
 
@@ -394,8 +437,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     n = sum(int(__import__("math").prod(s)) for s in shapes)
     copy_n = (1 << 20) if args.smoke else (256 << 20) if gpu else 4 * n  # host: 2x the bf16+f32 format's bytes
     copy = dev.copy_gb_per_s(copy_n, steps, batches)
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPTIRS_")}  # tuning variables
     title = (f"AdamW step formats, {args.backend} backend on {dev.name}: {len(shapes)} tensors, {n} parameters; "
-             f"copy {copy:.1f} GB/s")
+             f"copy {copy:.1f} GB/s" + "".join(f"; {k}={v}" for k, v in settings.items()))
     print(f"# {title}", flush=True)
     rows: List[Dict[str, Any]] = []
     words = [w.strip() for w in args.only.split(";")] if args.only else None
@@ -403,26 +447,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     def wanted(label: str) -> bool:
         return words is None or any(w in label for w in words)
 
+    def done(row: Dict[str, Any]) -> None:
+        """Print the row as it finishes and rewrite the JSON: a run cut short keeps every row so far."""
+        rows.append(row)
+        kernel = f", kernel {row['kernel_ms']:.3f} ms" if row.get("kernel_ms") else ""
+        print(f"#   {row['label']}: {row.get('ms', row.get('error'))}{kernel}", flush=True)
+        best = finish_rows(rows, n, copy)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"backend": args.backend, "device": dev.name, "params": n, "tensors": len(shapes),
+                           "copy_gb_per_s": copy, "best_peer_ms": best, "settings": settings, "rows": rows}, f,
+                          indent=1)
+
     for spec in FORMATS:
         if not wanted(spec[0]):
             continue
         try:
-            rows.append(dev.optirs_row(shapes, spec, steps, batches))
+            row = dev.optirs_row(shapes, spec, steps, batches)
         except Exception as exc:
-            rows.append({"label": f"optirs {spec[0]}", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"})
-        print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
+            row = {"label": f"optirs {spec[0]}", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+        done(row)
     if peer_dev is not None and not args.no_peers:
         for label, make, dtype, bytes_pp in peers(peer_dev.torch):
-            if not wanted(label):
-                continue
-            rows.append(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
-            print(f"#   {rows[-1]['label']}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
-    best = finish_rows(rows, n, copy)
+            if wanted(label):
+                done(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
+    finish_rows(rows, n, copy)
     print_table(rows, title)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "device": dev.name, "params": n, "tensors": len(shapes),
-                       "copy_gb_per_s": copy, "best_peer_ms": best, "rows": rows}, f, indent=1)
     return 0
 
 

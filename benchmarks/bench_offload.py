@@ -1,4 +1,4 @@
-"""The CPU-offloaded optimizer on the H200 (issue 14): optirs.torch.CPUOffload beside no offload
+"""The CPU-offloaded optimizer on the H200: optirs.torch.CPUOffload beside no offload
 and beside torchao's CPUOffloadOptimizer, on one GPT-2 training step, in one run.
 
 Rows (fresh model per row, same seed and batches; fp32 parameters, bf16 autocast):

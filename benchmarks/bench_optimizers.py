@@ -1,4 +1,4 @@
-"""The full benchmark (issue 3): every optimizer on every available backend beside torch.optim.
+"""The full benchmark: every optimizer on every available backend beside torch.optim.
 
     python benchmarks/bench_optimizers.py --json results.json --plot results.png
 

@@ -1,4 +1,4 @@
-"""optirs on torch CUDA tensors against torch.optim.AdamW(fused=True), on the H200 (issue 12).
+"""optirs on torch CUDA tensors against torch.optim.AdamW(fused=True), on the H200.
 
 In one run:
 

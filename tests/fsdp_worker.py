@@ -17,9 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import optirs.torch as ot
+from optirs.torch._mesh_adafactor import factor_placements
 from optirs.core.errors import UnsupportedOperationError
 
 STEPS = 4
@@ -148,30 +149,160 @@ def check_checkpoint_round_trip_and_reshard(mesh, checkdir):
         close(full(other), expected, dict(rtol=1e-6, atol=1e-7))
 
 
+def int8_model(seed=0):
+    torch.manual_seed(seed)
+    # int8 state needs tensors of 4096+ elements: a (16, 512) weight (rows of 2 blocks), a (256, 16)
+    # one (blocks across rows: Shard(0) chunks of 2048 elements, whole blocks; each rank's shard has
+    # fewer than 4096 elements, yet int8 as the whole tensor), two small biases (float32 state)
+    return torch.nn.Sequential(torch.nn.Linear(512, 16), torch.nn.Tanh(), torch.nn.Linear(16, 256))
+
+
+def int8_train(model, opt, steps, first=0):
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        x = torch.randn(4, 512, generator=torch.Generator().manual_seed(200 + step))
+        (model(x) ** 2).mean().backward()
+        opt.step()
+
+
+def check_int8_state(mesh, checkdir):
+    # int8 AdamW on FSDP2: the running state int8 DTensors placed as the parameters, the shards'
+    # trajectory that of int8 AdamW on the whole model, a DCP checkpoint resumed exactly into the
+    # same sharding and into another (the first weight's dim 1)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, state_dtype="int8", backend="cpu")
+    model, plain = sharded(int8_model(), mesh), int8_model()
+    opt, ref = ot.AdamW(model.parameters(), **kwargs), ot.AdamW(plain.parameters(), **kwargs)
+    int8_train(model, opt, 3)
+    int8_train(plain, ref, 3)
+    close(full(model), full(plain), dict(rtol=0, atol=0))
+    for p, q in zip(model.parameters(), plain.parameters()):
+        st, rt = opt.state[p], ref.state[q]
+        assert set(st) == set(rt), (sorted(st), sorted(rt))
+        for key, value in st.items():
+            if key == "step":
+                continue
+            assert isinstance(value, DTensor) and value.placements == p.placements, key
+            whole = value.full_tensor()
+            assert whole.dtype == rt[key].dtype, key
+            torch.testing.assert_close(whole.reshape(rt[key].shape), rt[key], rtol=0, atol=0)
+        if p.numel() >= 4096:
+            codes = st["exp_avg.codes"]
+            assert codes.dtype == torch.uint8 and codes.to_local().shape == p.to_local().shape
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkdir / "int8"))
+    int8_train(model, opt, 3, 3)
+    expected = full(model)
+    for placement in (None, lambda p: Shard(1) if p.shape == (16, 512) else Shard(0)):
+        other = int8_model(seed=1)
+        fully_shard(other, mesh=mesh, **({} if placement is None else {"shard_placement_fn": placement}))
+        other_opt = ot.AdamW(other.parameters(), **kwargs)
+        msd, osd = get_state_dict(other, other_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(checkdir / "int8"))
+        set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        int8_train(other, other_opt, 3, 3)
+        close(full(other), expected, dict(rtol=0, atol=0))
+        assert other_opt.state[next(other.parameters())]["exp_avg.codes"].placements == \
+            next(other.parameters()).placements
+    # into one rank (a mesh of rank 0 alone): the whole tensors' blocks, resumed exactly
+    from torch.distributed.device_mesh import DeviceMesh
+
+    solo = DeviceMesh("cpu", torch.tensor([0]))
+    if dist.get_rank() == 0:
+        other = sharded(int8_model(seed=1), solo)
+        other_opt = ot.AdamW(other.parameters(), **kwargs)
+        msd, osd = get_state_dict(other, other_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(checkdir / "int8"), process_group=solo.get_group())
+        set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        int8_train(other, other_opt, 3, 3)
+        close(full(other), expected, dict(rtol=0, atol=0))
+    dist.barrier()
+
+
+def check_adafactor_over_the_mesh(mesh, checkdir):
+    # Adafactor on FSDP2 (row and column sums of g^2 and the RMS reduced over the mesh) against
+    # optirs's and torch's Adafactor on the whole model; the factors as DTensors (Replicate over the
+    # mesh dims that shard the dim they sum over); a DCP checkpoint resumed into the same sharding
+    # (exactly) and into a dim-1 one (the sums reduced in another order: float64 sums rounded once)
+    kwargs = dict(lr=1e-2, weight_decay=0.1)
+    model, plain, theirs = sharded(make_model(), mesh), make_model(), make_model()
+    opts = (ot.Adafactor(model.parameters(), backend="cpu", **kwargs),
+            ot.Adafactor(plain.parameters(), backend="cpu", **kwargs),
+            torch.optim.Adafactor(theirs.parameters(), **kwargs))
+    for step in range(3):
+        for m, o in zip((model, plain, theirs), opts):
+            train(m, o, 1, step)
+    close(full(model), full(plain), dict(rtol=1e-6, atol=1e-7))
+    close(full(model), full(theirs), dict(rtol=1e-5, atol=1e-6))
+    for p, q in zip(model.parameters(), plain.parameters()):
+        st, rt = opts[0].state[p], opts[1].state[q]
+        assert set(st) == set(rt) and float(st["step"]) == 3, (sorted(st), sorted(rt))
+        for key in set(st) - {"step"}:
+            wanted = (Replicate(),) if key == "col_var" else p.placements
+            assert isinstance(st[key], DTensor) and st[key].placements == wanted, (key, st[key])
+            torch.testing.assert_close(st[key].full_tensor(), rt[key], rtol=1e-6, atol=1e-12)
+    msd, osd = get_state_dict(model, opts[0])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(checkdir / "adafactor"))
+    train(model, opts[0], 3, 3)
+    expected = full(model)
+    for placement, tol in ((None, dict(rtol=0, atol=0)), (lambda p: Shard(1) if p.dim() == 2 else Shard(0),
+                                                            dict(rtol=1e-6, atol=1e-7))):
+        other = make_model(seed=1)
+        fully_shard(other, mesh=mesh, **({} if placement is None else {"shard_placement_fn": placement}))
+        other_opt = ot.Adafactor(other.parameters(), backend="cpu", **kwargs)
+        msd, osd = get_state_dict(other, other_opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(checkdir / "adafactor"))
+        set_state_dict(other, other_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train(other, other_opt, 3, 3)
+        close(full(other), expected, tol)
+        w = next(other.parameters())
+        assert other_opt.state[w]["row_var"].placements == factor_placements(w, -1)
+    # a 3-dim tensor sharded on each dim (a batch dim, the rows, the columns), maximize included
+    torch.manual_seed(5)
+    w = torch.randn(2, 6, 5)
+    for dim in range(3):
+        p = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(dim)]))
+        q = torch.nn.Parameter(w.clone())
+        ours, ref = (ot.Adafactor([t], lr=1e-2, maximize=True, backend="cpu") for t in (p, q))
+        for step in range(3):
+            g = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(step))
+            p.grad, q.grad = distribute_tensor(g.clone(), mesh, [Shard(dim)]), g.clone()
+            ours.step()
+            ref.step()
+        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
 def check_refusals(mesh):
     model = sharded(make_model(), mesh=mesh)
-    train_grads = lambda: (model(batch(0)) ** 2).mean().backward()  # noqa: E731
-    for cls, kwargs, match in ((ot.Lamb, {"bias_correction": False}, "bias_correction=False"),
-                               (ot.Adafactor, {"lr": 1e-2}, "adafactor's per-tensor reductions")):
-        opt = cls(model.parameters(), backend="cpu", **kwargs)
-        train_grads()
-        before = [p.to_local().clone() for p in model.parameters()]
+    low = sharded(make_model().to(torch.bfloat16), mesh)  # (Adafactor's mesh step runs float32)
+    for cls, kwargs, net, match in ((ot.Lamb, {"bias_correction": False}, model, "bias_correction=False"),
+                                    (ot.Adafactor, {"lr": 1e-2}, low, "expected float32 parameters")):
+        opt = cls(net.parameters(), backend="cpu", **kwargs)
+        (net(batch(0).to(next(net.parameters()).dtype)) ** 2).float().mean().backward()
+        before = [p.to_local().clone() for p in net.parameters()]
         try:
             opt.step()
         except UnsupportedOperationError as exc:
             assert match in str(exc), exc
         else:
             raise AssertionError(f"{cls.__name__} stepped sharded parameters")
-        assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())) and not opt.state
+        assert all(torch.equal(a, p.to_local()) for a, p in zip(before, net.parameters())) and not opt.state
         opt.zero_grad()
-    big = torch.nn.Parameter(distribute_tensor(torch.zeros(64, 80), mesh, [Shard(0)]))
-    big.grad = distribute_tensor(torch.ones(64, 80), mesh, [Shard(0)])
-    try:
-        ot.AdamW([big], state_dtype="int8", backend="cpu").step()
-    except UnsupportedOperationError as exc:
-        assert "int8" in str(exc)
-    else:
-        raise AssertionError("int8 state stepped on a sharded parameter")
+    # int8 shards that would cut 256-element blocks: rows of 100 in chunks of 24 rows (2400
+    # elements), and a dim-1 shard inside the blocks of a (256, 16) tensor
+    for shape, placement in (((48, 100), Shard(0)), ((256, 16), Shard(1))):
+        big = torch.nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, [placement]))
+        big.grad = distribute_tensor(torch.ones(shape), mesh, [placement])
+        opt = ot.AdamW([big], state_dtype="int8", backend="cpu")
+        try:
+            opt.step()
+        except UnsupportedOperationError as exc:
+            assert "int8 state" in str(exc) and "cut no 256-element block" in str(exc), exc
+        else:
+            raise AssertionError(f"int8 state stepped on a {shape} parameter placed {placement}")
+        assert not opt.state and not big.to_local().any()
     p = torch.nn.Parameter(DTensor.from_local(torch.zeros(4), mesh, [Shard(0)]))
     p.grad = DTensor.from_local(torch.ones(8), mesh, [Partial()])  # (a whole (8,) tensor per rank, to sum)
     try:
@@ -188,12 +319,6 @@ def check_refusals(mesh):
         assert "Partial" in str(exc), exc
     else:
         raise AssertionError("a Partial parameter was stepped")
-    try:
-        ot.CPUOffload(ot.AdamW, model.parameters())
-    except UnsupportedOperationError as exc:
-        assert "DTensor" in str(exc)
-    else:
-        raise AssertionError("CPUOffload took DTensor parameters")
 
 
 def check_lamb_norms_over_the_mesh(mesh):
@@ -278,6 +403,8 @@ def main():
     check_bfloat16_state(mesh)
     check_other_elementwise_optimizers(mesh)
     check_checkpoint_round_trip_and_reshard(mesh, checkdir)
+    check_int8_state(mesh, checkdir)
+    check_adafactor_over_the_mesh(mesh, checkdir)
     check_refusals(mesh)
     check_replicated_lamb(mesh)
     check_lamb_norms_over_the_mesh(mesh)

@@ -1,4 +1,4 @@
-"""The short CPU version of benchmarks/bench_convergence.py (issue 13): each format's final
+"""The short CPU version of benchmarks/bench_convergence.py: each format's final
 validation loss on the character task within 1% (the issue's target) of fp32 torch.optim.AdamW
 on the same weights and batches.
 

@@ -1,11 +1,11 @@
-"""torch's current CUDA stream and the CUDA-graph capture guard (issue 12, backend side).
+"""torch's current CUDA stream and the CUDA-graph capture guard (backend side).
 
 * CPU (no GPU, no simulator): the prepared cuLaunchKernel path with a fake launcher records
   the hStream argument; the stream rule (pinned, torch's current stream, else 0) and the capture
   guard with fake driver answers.
 * Simulator (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda``): numba's fallback launch gets the
   context's stream, a step under a (faked) capture raises and changes nothing.
-* GPU (``-m gpu`` on the H200): the race of issue 12 (``g.fill_`` on a side stream, then a
+* GPU (``-m gpu`` on the H200): the side-stream race (``g.fill_`` on a side stream, then a
   step) and a real ``torch.cuda.graph`` capture.
 """
 
@@ -73,6 +73,7 @@ def _fake_context(capture_status=0):
     ctx.launcher = pytypes.SimpleNamespace(fn=recorder, capture_status=lambda h: capture_status)
     ctx.cuda = pytypes.SimpleNamespace(external_stream=lambda h: pytypes.SimpleNamespace(handle=h))
     ctx._launches, ctx._launch_shapes, ctx._numba_streams = OrderedDict(), OrderedDict(), {}
+    ctx._table_siblings, ctx._last_launch = {}, {}
     ctx.pinned, ctx.stream, ctx.nstream = None, 0, 0
     compiled = pytypes.SimpleNamespace(name="fake_step", handle=ctypes.c_void_p(0x1000), kernel=_FakeKernel(),
                                        dispatcher=None)
@@ -161,6 +162,41 @@ def test_a_new_table_of_the_same_shape_patches_only_its_address():
     ctx.launch(compiled, (_DeviceTable(0xC000, 7), 3, _scalars(0.25)), 4, 256)  # another shape: marshalled whole
     assert kernel.marshalled[3:] == ["array", "i64", "scalars"]
     assert seen[-1] == ([7, 0xC000, 3], [0.25, 0.5])
+
+
+def test_a_pointer_tables_siblings_are_prepared_with_its_first_launch():
+    """The first launch on one table of a PointerTables prepares the launch on each other table, so
+    that a step meeting a new address set (the second) marshals nothing: only the table's address
+    differs, and each sibling launches with its own address and the step's scalars."""
+    import weakref
+
+    ctx, _, compiled = _fake_context()
+    compiled.kernel = kernel = _TableKernel()
+    seen = []
+
+    def launch(*call):
+        ptrs = call[9]
+        ints = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_int64)).contents.value for i in range(3)]
+        floats = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_float)).contents.value for i in (3, 4)]
+        seen.append((ints, floats))
+        return 0
+
+    ctx.launcher.fn = launch
+    holder = type("Tables", (), {})()  # weakref-able, as PointerTables is
+    holder.devices = [_DeviceTable(0xA000 + 0x100 * k, 6) for k in range(3)]
+    for t in holder.devices:
+        ctx._table_siblings[id(t)] = weakref.ref(holder)
+    a, b, c = holder.devices
+    ctx.launch(compiled, (a, 3, _scalars(0.5)), 4, 256)
+    assert kernel.marshalled == ["array", "i64", "scalars"]  # marshalled once; the siblings are copies
+    ctx.launch(compiled, (c, 3, _scalars(0.25)), 4, 256)
+    ctx.launch(compiled, (b, 3, _scalars(1.0)), 4, 256)
+    ctx.launch(compiled, (c, 3, _scalars(2.0)), 4, 256)
+    assert len(kernel.marshalled) == 3
+    assert seen == [([6, 0xA000, 3], [0.5, 1.0]), ([6, 0xA200, 3], [0.25, 0.5]), ([6, 0xA100, 3], [1.0, 2.0]),
+                    ([6, 0xA200, 3], [2.0, 4.0])]
+    ctx.launch(compiled, (c, 4, _scalars(2.0)), 4, 256)  # another count: not a sibling, a new launch
+    assert seen[-1] == ([6, 0xA200, 4], [2.0, 4.0])
 
 
 def test_stream_objects_and_bad_streams():
@@ -279,6 +315,8 @@ def _spy_launches(ctx, monkeypatch):
         monkeypatch.setattr(compiled, "dispatcher", _DispatcherSpy(compiled.dispatcher, seen))
     for prepared in ctx._launches.values():  # numba's fallback path (no raw launcher)
         monkeypatch.setattr(prepared, "fn", None)
+        for sibling in (prepared.family or {}).values():  # the same launch on a pointer table's siblings
+            monkeypatch.setattr(sibling, "fn", None)
     return seen
 
 
@@ -499,7 +537,7 @@ def _torch_cuda_or_skip():
 
 @pytest.mark.gpu
 def test_step_is_ordered_after_work_on_torchs_current_stream(rng):
-    """Issue 12's race: the step must see g.fill_(1.0) queued on a side stream just before it."""
+    """The side-stream race: the step must see g.fill_(1.0) queued on a side stream just before it."""
     torch = _torch_cuda_or_skip()
     hp = optirs.AdamParams(lr=1e-2, weight_decay=0.1)
     n = 1 << 22

@@ -1,4 +1,4 @@
-"""Wrong answers at the edges (issue 11): infinite weights without weight decay, LAMB's norms of
+"""Wrong answers at the edges: infinite weights without weight decay, LAMB's norms of
 large or non-finite values, and skipping a step on non-finite gradients (``found_inf``).
 
 Every case runs on every backend (the ``backend`` fixture: cpu, opencl, the cuda simulator) and is

@@ -1,4 +1,4 @@
-"""Step formats (issue 13, docs/formats.md): the records, the 8-bit map, the shared encodings and
+"""Step formats (docs/formats.md): the records, the 8-bit map, the shared encodings and
 every format x family on every backend with the ``formats`` capability, against the float64
 reference of the format (optirs.core.reference)."""
 

@@ -1,4 +1,4 @@
-"""The seed API's ``precision=`` option (issue 13, docs/formats.md): formats stepped through the
+"""The seed API's ``precision=`` option (docs/formats.md): formats stepped through the
 optimizer classes, against the float64 reference of the format (optirs.core.reference),
 the transaction (nothing changed on error), checkpoints of the compact state (bit-exact resume,
 their size) and backends without the ``formats`` capability."""

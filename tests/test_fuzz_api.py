@@ -1,4 +1,4 @@
-"""A property-based fuzz of the public API (issue 11: keep the promise under bad input).
+"""A property-based fuzz of the public API (keep the promise under bad input).
 
 Random models (shapes, 0-d, empty), arrays (dtypes, non-contiguous views, Fortran order,
 read-only, wrong kinds), hyperparameters (out of range, inf, nan, huge ints, wrong types) and
@@ -32,7 +32,7 @@ from optirs.core.simulator import cuda_simulator_enabled  # noqa: E402
 from optirs.optim.optimizers import OPTIMIZERS, GpuOptimizerConfig  # noqa: E402
 
 NAMES = sorted(OPTIMIZERS)
-# Checks of cases other helpers fix (issue 11); set True after merging their work.
+# Checks of cases fixed elsewhere; set True once they hold.
 # Overlapping parameters are rejected (the memory-identity check), and a parameter made read-only
 # after a step is rejected on the repeat call (the validation cache re-checks it): both fuzzed.
 OVERLAP_CHECKED = True

@@ -1,4 +1,4 @@
-"""Fresh installs and ``backend="auto"`` (issue 11).
+"""Fresh installs and ``backend="auto"``.
 
 * The ``cuda`` extra caps numpy below the first release numba-cuda cannot import with, and the
   cuda probe says why numba.cuda does not import (the error, the likely cause, the fix).

@@ -1,7 +1,7 @@
 """optirs.torch inside the trainers people use: the Hugging Face Trainer (both ways of passing an
-optimizer, checkpoint and resume) and Lightning (``configure_optimizers``, gradient clipping),
-each against the same run with ``torch.optim.AdamW`` (docs/integrations.md). Tiny randomly
-initialised models, CPU, no downloads."""
+optimizer, checkpoint and resume), Lightning (``configure_optimizers``, gradient clipping) and
+accelerate (``prepare``, gradient accumulation, its clipping), each against the same run with
+``torch.optim.AdamW`` (docs/integrations.md). Tiny randomly initialised models, CPU, no downloads."""
 
 from __future__ import annotations
 
@@ -110,5 +110,49 @@ def test_lightning_with_optirs_equals_torch():
     ref = _lightning_train(torch.optim.AdamW)
     got = _lightning_train(ot.AdamW)
     assert any(not torch.equal(r, p) for r, p in zip(ref, _Regression(torch.optim.AdamW).parameters()))  # it trained
+    for r, g in zip(ref, got):
+        assert torch.allclose(g, r, rtol=0, atol=2e-3 * LR), (g - r).abs().max()
+
+
+def _accelerate_train(optimizer_cls):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = optimizer_cls(model.parameters(), lr=LR, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(64, 8, generator=g)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True)),
+                                             batch_size=8)
+        model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+        steps = 0
+        for xb, yb in loader:
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 0.5)
+                    steps += 1
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+        return steps, [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_accelerate_with_optirs_equals_torch():
+    """accelerate's prepare (its optimizer and scheduler wrappers), gradient accumulation over 2
+    micro-batches and its clip_grad_norm_, against the same loop with torch.optim.AdamW."""
+    steps, ref = _accelerate_train(torch.optim.AdamW)
+    got_steps, got = _accelerate_train(ot.AdamW)
+    assert steps == got_steps == 4
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).parameters()
+    assert any(not torch.equal(r, p) for r, p in zip(ref, init))  # it trained
     for r, g in zip(ref, got):
         assert torch.allclose(g, r, rtol=0, atol=2e-3 * LR), (g - r).abs().max()

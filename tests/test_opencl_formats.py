@@ -494,20 +494,27 @@ def _device_copies(ctx, arrays, shared_from=None):
     return out
 
 
+def _many_shapes(ocl):
+    """More tensors than one launch takes buffers (the slots, each kind): two launch groups."""
+    from optirs.backends.opencl.formats import slot_count
+
+    return [(5000,), (7,)] * (slot_count(ocl.ctx) // 2 + 1) + [(4099,), (33,), (4096,)]
+
+
 @pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[4], FORMATS[7]],
                          ids=["bf16-sr-bf16state", "bf16-r8-int8", "f32-int8"])
 def test_device_arrays_in_many_buffers_match_the_packed_step(ocl, fmt):
     """pyopencl arrays stepped in place (more distinct buffers than one launch takes, so two chunk
     groups, and views of a shared buffer at unaligned offsets) give the numpy-staged step's bits."""
-    shapes = [(5000,), (7,)] * 10 + [(4099,), (33,), (4096,)]
+    shapes = _many_shapes(ocl)
     packed = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
     device = _Model(ocl, "adamw", CASES["adamw"], fmt, shapes=shapes, seed=3)
-    dev_params = _device_copies(ocl.ctx, device.params, shared_from=18)
+    dev_params = _device_copies(ocl.ctx, device.params, shared_from=len(shapes) - 5)
     for _ in range(2):
         grads = packed.grads()
         device.grads()  # keep the generators in step
         packed.step(grads)
-        device.step(_device_copies(ocl.ctx, grads, shared_from=20), params=dev_params)
+        device.step(_device_copies(ocl.ctx, grads, shared_from=len(shapes) - 3), params=dev_params)
         for a, b in zip(packed.params, dev_params):
             assert np.array_equal(a.reshape(-1).view(np.uint8), b.get().view(np.uint8))
         for k, v in packed.host_state().items():
@@ -580,3 +587,88 @@ def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
             if k.endswith(".codes"):  # small tensors' range is unused
                 live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])
             assert np.array_equal(v[live].view(np.uint8), sb[k][live].view(np.uint8)), k
+
+
+_SHAPE_ENV = ("OPTIRS_OPENCL_FORMATS_WG", "OPTIRS_OPENCL_FORMATS_CHUNK", "OPTIRS_OPENCL_FORMATS_RESIDENT")
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_launch_shape_changes_no_bit(ocl, name, monkeypatch):
+    """Work-group, chunk and grid sizes change only which work-group does what: every word is the
+    same, also after a step that found_inf skipped (each launch, skipped or not, moves the chunk
+    counter by what the host expects, or the next step would miss or repeat chunks)."""
+    fmt = FORMATS[4]  # bfloat16 + remainder8 + int8 state: the int8 blocks' reduction over work-items
+    shapes = _many_shapes(ocl)
+    ctx = ocl.ctx
+
+    def run(env, skip):
+        for k in _SHAPE_ENV:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        model = _Model(ocl, name, CASES[name], fmt, shapes=shapes, seed=5)
+        params = _device_copies(ctx, model.params)
+        found = cla.to_device(ctx.queue, np.array([1], np.int32))
+        for k in range(3):
+            grads = _device_copies(ctx, model.grads())
+            if k == 1 and not skip:
+                model.t += 1  # the step numbers of the run that skips
+                continue
+            model.step(grads, params=params, found_inf=found if k == 1 else None)
+        return [p.get().view(np.uint8) for p in params], {k: v.view(np.uint8) for k, v in model.host_state().items()}
+
+    want_p, want_s = run({}, skip=False)
+    for env in ({}, {"OPTIRS_OPENCL_FORMATS_WG": "32", "OPTIRS_OPENCL_FORMATS_CHUNK": "512",
+                     "OPTIRS_OPENCL_FORMATS_RESIDENT": "32"}):
+        got_p, got_s = run(env, skip=True)
+        for a, b in zip(want_p, got_p):
+            assert np.array_equal(a, b), env
+        for k, v in want_s.items():
+            assert np.array_equal(v, got_s[k]), (env, k)
+
+
+@pytest.mark.parametrize("var,value", [("OPTIRS_OPENCL_FORMATS_WG", "100"), ("OPTIRS_OPENCL_FORMATS_CHUNK", "300"),
+                                       ("OPTIRS_OPENCL_FORMATS_RESIDENT", "many"),
+                                       ("OPTIRS_OPENCL_FORMATS_MAXREG", "-1")])
+def test_bad_launch_shape_settings_are_refused(ocl, var, value, monkeypatch):
+    model = _Model(ocl, "adamw", CASES["adamw"], FORMATS[4])
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    monkeypatch.setenv(var, value)
+    with pytest.raises(optirs.InvalidParameterError, match=f"{var}={value!r}"):
+        model.step(model.grads())
+    for a, b in zip(before_p, model.params):
+        assert np.array_equal(a, b)
+    for k, v in model.host_state().items():
+        assert np.array_equal(v, before_s[k]), k
+
+
+@pytest.mark.parametrize("slots", [16, 128])
+def test_every_slot_count_builds_with_the_host_arguments(ocl, slots):
+    """The slot macros the host generates for another device's argument space (NVIDIA's driver:
+    128 of each kind) build, and the kernel takes the arguments the host passes."""
+    from optirs.backends.opencl import formats as OF
+    from optirs.backends.opencl.context import build_program
+
+    ctx, fmt = ocl.ctx, FORMATS[4]
+    options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
+    options += ["-DOPTIRS_WG=128", "-DOPTIRS_CHUNK=2048", *OF.format_defines(fmt), "-DOPTIRS_FMT_USED=3",
+                "-DOPTIRS_FMT_SIGNED=1", "-DOPTIRS_FMT_LAMB=0"]
+    program = build_program(ctx.context, ctx.device, OF.format_source("adam", slots), options, f"slots{slots}")
+    for name, types in OF._arg_types(ctx, "adam", slots).items():
+        assert cl.Kernel(program, name).num_args == len(types) == 2 * slots + (22 if name == "adam_fmt" else 8), name
+
+
+def test_a_refused_register_cap_builds_without_one(ocl, monkeypatch):
+    """A driver that lists cl_nv_compiler_options but refuses -cl-nv-maxrregcount (PoCL refuses
+    it) gets the kernels without a cap, a warning, and a step that still matches the reference."""
+    from optirs.backends.opencl import formats as OF
+
+    monkeypatch.setitem(OF._cache(ocl.ctx), "nv_options", True)
+    monkeypatch.setenv("OPTIRS_OPENCL_FORMATS_MAXREG", "64")
+    model = _Model(ocl, "sgd", CASES["sgd"], FORMATS[4], seed=4)
+    grads = model.grads()
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    with pytest.warns(RuntimeWarning, match="maxrregcount"):
+        model.step(grads)
+    assert OF._cache(ocl.ctx)["nv_options"] is False
+    _close_to_reference(model, before_p, before_s, grads, 11)

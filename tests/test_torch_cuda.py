@@ -1,4 +1,4 @@
-"""optirs.torch's capturable steps and the GradScaler's device path (issue 12).
+"""optirs.torch's capturable steps and the GradScaler's device path.
 
 * Simulator (``NUMBA_ENABLE_CUDASIM=1 pytest -m cuda tests/test_torch_cuda.py``): torch has no
   CUDA here, so the optimizers run on torch CPU tensors through a backend that is the cpu backend

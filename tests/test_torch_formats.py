@@ -1,4 +1,4 @@
-"""optirs.torch's step-format keywords (issue 13, docs/formats.md) against torch.optim.
+"""optirs.torch's step-format keywords (docs/formats.md) against torch.optim.
 
 References: torch.optim.AdamW in float32 on the values the format defines. ``master_weights=None``
 on bfloat16 parameters is "update in float32, round to nearest even into bfloat16": torch's AdamW

@@ -238,7 +238,8 @@ class FormatState:
         self.slot_names = tuple(s.name for s in self.slots)
         self.int8 = fmt.state_dtype == "int8"
         sizes = layout.sizes
-        small = sizes < MIN_INT8_SIZE if self.int8 else np.zeros(len(sizes), dtype=bool)
+        # (a shard is small when its whole tensor is: the same state keys under every sharding)
+        small = layout.whole_sizes < MIN_INT8_SIZE if self.int8 else np.zeros(len(sizes), dtype=bool)
         blocks = np.where(small, 0, (sizes + BLOCK - 1) // BLOCK) if self.int8 else np.zeros(len(sizes), np.int64)
         small_sizes = np.where(small, sizes, 0)
         table = np.full((len(sizes), 3), -1, dtype=np.int64)
@@ -325,7 +326,8 @@ class FormatState:
         return self._table
 
     def is_small(self, t: int) -> bool:
-        """Whether tensor ``t`` keeps float32 state under int8 (fewer than MIN_INT8_SIZE elements)."""
+        """Whether tensor ``t`` keeps float32 state under int8 (fewer than MIN_INT8_SIZE elements in its
+        whole tensor: ``layout.whole_sizes``)."""
         return bool(self._small[t])
 
     # -- per-tensor views (checkpoints)

@@ -16,9 +16,12 @@ import numpy as np
 class TensorLayout:
     """The shapes of a model's tensors and their offsets into the flat state buffers."""
 
-    def __init__(self, shapes: Sequence[Tuple[int, ...]]):
+    def __init__(self, shapes: Sequence[Tuple[int, ...]], whole_sizes: Optional[Sequence[int]] = None):
         self.shapes: List[Tuple[int, ...]] = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in self.shapes], dtype=np.int64)
+        # the elements of the whole tensor each entry is a part of (a DTensor's shard: its global
+        # tensor): what decides a state format's per-tensor choices, so every sharding agrees
+        self.whole_sizes = self.sizes if whole_sizes is None else np.array(whole_sizes, dtype=np.int64)
         self.offsets = np.zeros(len(self.shapes), dtype=np.int64)
         if len(self.shapes) > 1:
             np.cumsum(self.sizes[:-1], out=self.offsets[1:])

@@ -165,7 +165,8 @@ class Bucket:
         self.inverse = [None if o is None else tuple(sorted(range(len(o)), key=o.__getitem__)) for o in self.orders]
         self.signature = [(tuple(t.shape), t.stride()) for t in locals_]
         self.layout = TensorLayout([tuple(t.shape) if o is None else tuple(t.shape[d] for d in o)
-                                    for t, o in zip(locals_, self.orders)])
+                                    for t, o in zip(locals_, self.orders)],
+                                   [p.numel() for p in params] if self.dist else None)  # (a shard's whole tensor)
         self.fs = fm.format_state(definition, self.layout, storage, slots) if storage is not None else None
         self.engine = StepEngine(definition, backend, allocate=self._allocate)
         self.flat: Optional[Dict[str, torch.Tensor]] = None
@@ -281,7 +282,7 @@ class Bucket:
             if not entry:
                 continue
             if self.dist and is_dtensor(self.params[i]):
-                entry = {k: held(v, self.params[i]) for k, v in entry.items()}
+                entry = {k: held(v, self.params[i], k) for k, v in entry.items()}
             what = f"the state of {self.names[i]}"
             self._check_codes(i, entry, what)
             if all(isinstance(entry.get(k), torch.Tensor) and entry[k].dtype == v.dtype and entry[k].shape == v.shape
@@ -361,7 +362,7 @@ class Bucket:
             for name, values in named:
                 view[name] = values[i]
             entry.update(view if not is_dtensor(p) else
-                         {k: (v if k in self.tensor_state_names else shown(v, p)) for k, v in view.items()})
+                         {k: (v if k in self.tensor_state_names else shown(v, p, k)) for k, v in view.items()})
             state[p] = entry
             entries.append(entry)
         self.entries = entries
@@ -455,6 +456,17 @@ class Bucket:
                                        device=device, seed=self.seed, layout=self.layout)
         self.last = prepared if device is None and found_inf is None else None
         return prepared
+
+    def rehearse(self, hp: Any, grads: List[torch.Tensor], factor: float) -> None:
+        """Prepare a next step like the last one and drop it (nothing is launched; the engine holds
+        nothing new): a warm-up of the repeat step's path."""
+        last = self.last
+        if last is None or self.device_steps or self.engine.state is None or last.fmt is not self.step_format(
+                grads[0].dtype):
+            return
+        again = self.engine.prepare_again(last, self.param_arrays, self.grad_arrays(grads), hp, factor)
+        if again is not None:
+            again.grads = None
 
     def finish(self, prepared: PreparedStep) -> None:
         """After the transaction: the step tensors follow a host count; the step, kept as the model

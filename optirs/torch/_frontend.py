@@ -722,7 +722,8 @@ class OptirsOptimizer(torch.optim.Optimizer):
         state = self.state
         if type(state) is not TrackedState:
             state = self.state = TrackedState(state)
-        for gi, (_, _, plan, _, fresh) in enumerate(work):
+        installed = []
+        for gi, (group, hyper, plan, _, fresh) in enumerate(work):
             if not fresh:
                 continue
             complete = True
@@ -734,8 +735,19 @@ class OptirsOptimizer(torch.optim.Optimizer):
                         complete = False
             if complete:
                 self._plans[gi] = plan
+                installed.append((group, hyper, plan))
             else:
                 self._plans.pop(gi, None)
+        # The next step's check and preparation, made once now and dropped (the first look at every
+        # entry, and the first run of that code, which CPython specializes on its next run): the
+        # second step then costs what a later one does, and the first may take its time.
+        for group, hyper, plan in installed:
+            params = group["params"]
+            present = plan.current(params, list(map(_GRAD, params)), hyper.key, state)
+            if present is not None:
+                factor = self._grad_factor(group, None)
+                for bucket, pick in plan.launches:
+                    bucket.rehearse(hyper.hp, present if pick is None else pick(present), factor)
 
     @staticmethod
     def _on_device(t: Any, device: torch.device, what: str) -> torch.Tensor:

@@ -29,6 +29,12 @@ completes its gradients (the ``accumulation_steps``-th backward since the last s
 overlapping the CPU step with the rest of the backward; the gradients must then be final when
 autograd writes them.
 
+DTensor parameters (FSDP2's ``fully_shard``, tensor parallel) are offloaded shard by shard: the
+host copies are each rank's local shards, the hooks copy the gradients' local shards (FSDP2 calls
+the hooks of its sharded parameters after its reduce-scatter), the new values are copied into the
+local tensors, and ``opt.state`` / ``state_dict`` show the state as DTensors over the host
+buffers, placed as the parameters, for torch.distributed.checkpoint (docs/offload.md, "FSDP2").
+
 A step is all or nothing where it can be: everything is checked before anything is stepped, a
 chunk whose step fails holds back the chunks not yet started, and the error says what was
 stepped (docs/offload.md, "Interrupted steps").
@@ -54,7 +60,7 @@ from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import resolve_format
 from optirs.plugin import hookspecs
 from optirs.plugin.hookspecs import Staged
-from optirs.torch._dtensor import is_dtensor
+from optirs.torch._dtensor import held, hosted, is_dtensor, local, refusal, sharded
 from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp
 from optirs.torch._state import plain
 from optirs.torch._stepcall import observed_step
@@ -263,8 +269,9 @@ def _fingerprint(g: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Views of ``flat`` shaped as the tensors the parameters' steps address (a DTensor's local shard)."""
     out, offset = [], 0
-    for p in params:
+    for p in map(local, params):
         n = p.numel()
         out.append(flat[offset : offset + n].view(p.shape))
         offset += n
@@ -349,7 +356,7 @@ class _Chunk:
     def __init__(self, index: int, gi: int, params: List[torch.Tensor], positions: List[int], pin: bool, mode: str):
         self.index, self.gi, self.params, self.positions = index, gi, params, positions
         self.dtype, self.mode = params[0].dtype, mode
-        total = sum(p.numel() for p in params)
+        total = sum(local(p).numel() for p in params)  # a DTensor's host copy is this rank's shard
         where = f"param_groups[{gi}] ({len(params)} tensors, {total} elements)"
         # Pinned is what a transfer touches: the gradient buffer copied into and the parameter
         # copies copied back (DIRECT, FUSED), or only the 16-bit staging buffer (WIDEN).
@@ -386,7 +393,7 @@ class _Chunk:
 
     def resync(self, k: int) -> None:
         """Read tensor k's host copy again from its parameter if the parameter was written since."""
-        p = self.params[k]
+        p = local(self.params[k])  # (a DTensor's local tensor: FSDP2 may give it new memory)
         if (p._version, p.data_ptr()) == self.marks[k]:
             return
         with torch.no_grad():
@@ -400,6 +407,11 @@ class _Chunk:
                         entry["master"].copy_(p.detach())
                     if "master_remainder" in entry:
                         entry["master_remainder"].zero_()  # master == the parameter
+        self.mark(k)
+
+    def mark(self, k: int) -> None:
+        """Tensor k's host copy matches its parameter now."""
+        p = local(self.params[k])
         self.marks[k] = (p._version, p.data_ptr())
 
     def step_bytes(self, present: List[int]) -> int:
@@ -443,7 +455,8 @@ class CPUOffload(torch.optim.Optimizer):
 
     Args:
         optimizer_class: an optirs.torch optimizer class (``AdamW``, ``SGD``, ...) or its name.
-        params: the model's parameters or param groups (float32, bfloat16 or float16, one device).
+        params: the model's parameters or param groups (float32, bfloat16 or float16, one device;
+            plain tensors or DTensors with Shard / Replicate placements).
         workers: worker threads running chunk steps and transfers (default 2: the host passes run one
             at a time, each on every core; a second worker waits for copies and queues transfers
             meanwhile).
@@ -486,6 +499,8 @@ class CPUOffload(torch.optim.Optimizer):
         self._armed = False  # step_in_backward: after one plain round showed the loop allows it
         self._chunks: List[_Chunk] = []
         self._where: Dict[torch.Tensor, Tuple[_Chunk, int]] = {}
+        # a DTensor parameter's opt.state entry (_shown): the live values it was made of, and it
+        self._dt_shown: Dict[torch.Tensor, Tuple[List[Tuple[str, Any]], Dict[str, Any]]] = {}
         self._handles: List[Any] = []
         self._device: Optional[torch.device] = None
         self._lock = threading.RLock()  # the round's bookkeeping (hooks run on autograd's threads)
@@ -552,6 +567,7 @@ class CPUOffload(torch.optim.Optimizer):
                         f"param_groups[{gi}]'s step format changed since it was added (its {dtype} tensors are held "
                         f"as {mode!r}, the format now needs {need!r}), expected the format chosen at construction "
                         "(make a new CPUOffload and load the state into it)")
+            self._check_dtensors(gi, group)
             if getattr(hp, "max_grad_norm", None) is not None and sum(c.gi == gi for c in self._chunks) > 1:
                 raise UnsupportedOperationError(
                     f"param_groups[{gi}] now clips over the whole group (max_grad_norm), but it was split into "
@@ -570,13 +586,7 @@ class CPUOffload(torch.optim.Optimizer):
                     f"param_groups[{gi}]['params'][{j}] is {p.dtype}, expected one of {list(OFFLOAD_DTYPES)}")
             if p.is_sparse:
                 raise UnsupportedOperationError(f"param_groups[{gi}]['params'][{j}] is sparse, expected a dense tensor")
-            if is_dtensor(p):
-                raise UnsupportedOperationError(
-                    f"param_groups[{gi}]['params'][{j}] is a DTensor (FSDP2, tensor parallel), expected plain tensors: "
-                    "CPUOffload's chunks hold host copies of plain tensors and its state_dict plain state, not the "
-                    "DTensor state a distributed checkpoint reshards. Under FSDP2 offload with its own "
-                    "fully_shard(..., offload_policy=CPUOffloadPolicy()) (CPU DTensor parameters and gradients) "
-                    "and step them with an optirs.torch optimizer on the cpu backend")
+        self._check_dtensors(gi, group)
         if not params:
             return []
         device = params[0].device
@@ -614,6 +624,35 @@ class CPUOffload(torch.optim.Optimizer):
         self._device = device
         self._check = _gradient_check(device, self.step_in_backward)
         return chunks
+
+    def _check_dtensors(self, gi: int, group: Dict[str, Any]) -> None:
+        """Refuse the group's DTensor parameters that its optimizer and format cannot step shard by
+        shard on the host: placements other than Shard / Replicate; on sharded ones, what needs the
+        whole tensor and int8 state (the inner optimizers step each rank's shard as a plain tensor:
+        without the mesh, and without the whole tensor's int8 block grid and small-tensor rule)."""
+        dtensors = [(j, p) for j, p in enumerate(group["params"]) if is_dtensor(p)]
+        if not dtensors:
+            return
+        name, hp = self._probe.group_hyperparameters(group)
+        definition = DEFINITIONS[name]
+        per_tensor = None
+        if not definition.pointwise:
+            per_tensor = f"{definition.name}'s per-tensor reductions (offloaded, each rank steps its shards alone)"
+        elif getattr(hp, "max_grad_norm", None) is not None:
+            per_tensor = "clipping over the whole group (max_grad_norm)"
+        int8 = self._formats and self._probe.group_precision(group).state_dtype == "int8"
+        for j, p in dtensors:
+            where = f"param_groups[{gi}]['params'][{j}]"
+            error = refusal(p, p, where, per_tensor, False)
+            if error is None and int8 and sharded(p):
+                error = UnsupportedOperationError(
+                    f"{where} is a DTensor sharded {tuple(p.placements)} with int8 state under CPUOffload, expected "
+                    "state_dtype 'float32' or 'bfloat16' for its param group: the offload's inner optimizers step "
+                    "each rank's shard as a plain host tensor, whose int8 blocks and float32 small-tensor rule "
+                    "follow the shard, not the whole tensor's block grid, so its checkpoint would not reshard "
+                    "(optirs.torch optimizers without offload keep int8 state under FSDP2)")
+            if error is not None:
+                raise error
 
     def _mode(self, gi: int, group: Dict[str, Any], dtype: torch.dtype) -> str:
         """How a chunk of ``dtype`` tensors of this group is held (DIRECT, FUSED or WIDEN); checks
@@ -708,6 +747,10 @@ class CPUOffload(torch.optim.Optimizer):
     def _check_gradient(chunk: _Chunk, k: int, p: torch.Tensor, g: torch.Tensor) -> None:
         if g.is_sparse:
             raise _sparse_gradient(chunk.gi, chunk.positions[k])
+        if is_dtensor(p) or is_dtensor(g):  # (what the group's optimizer needs was checked with the group)
+            error = refusal(p, g, f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}]", None, False)
+            if error is not None:
+                raise error
         if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
             raise ShapeMismatchError(
                 f"param_groups[{chunk.gi}]['params'][{chunk.positions[k]}] is {tuple(p.shape)} {p.dtype} "
@@ -717,8 +760,9 @@ class CPUOffload(torch.optim.Optimizer):
     def _send(self, chunk: _Chunk, k: int, p: torch.Tensor, fingerprint: bool = False) -> None:
         """Start copying p's gradient into its host buffer (on CUDA: on the side stream, after the
         current one); ``fingerprint``: record the gradient's fingerprint for step() to compare."""
-        g = p.grad
-        self._check_gradient(chunk, k, p, g)
+        grad = p.grad
+        self._check_gradient(chunk, k, p, grad)
+        g = local(grad)  # a DTensor's: this rank's shard, what its host copy pairs with
         chunk.resync(k)
         landing = chunk.landing[k]
         timing = self.timing
@@ -751,7 +795,7 @@ class CPUOffload(torch.optim.Optimizer):
             event = None
         if timing is not None:
             timing.add("d2h_bytes", g.numel() * g.element_size())
-        chunk.sent[k] = (weakref.ref(g), g._version)
+        chunk.sent[k] = (weakref.ref(grad), g._version)
         chunk.events[k] = event
 
     # ------------------------------------------------------------ one chunk's step (a worker)
@@ -837,7 +881,7 @@ class CPUOffload(torch.optim.Optimizer):
                             start, end = timing.events("h2d_s")
                             start.record(h2d)
                         for k in present:
-                            chunk.params[k].copy_(chunk.outbound[k], non_blocking=True)
+                            local(chunk.params[k]).copy_(chunk.outbound[k], non_blocking=True)
                         if timing is not None:
                             end.record(h2d)
                         event = _event()
@@ -846,11 +890,11 @@ class CPUOffload(torch.optim.Optimizer):
                 else:
                     t0 = clock()
                     for k in present:
-                        chunk.params[k].copy_(chunk.outbound[k])
+                        local(chunk.params[k]).copy_(chunk.outbound[k])
                     if timing is not None:
                         timing.add("h2d_s", clock() - t0)
                 for k in present:
-                    chunk.marks[k] = (chunk.params[k]._version, chunk.params[k].data_ptr())
+                    chunk.mark(k)
                 chunk.progress = 2
         return True
 
@@ -1075,7 +1119,7 @@ class CPUOffload(torch.optim.Optimizer):
                 self._check_gradient(c, k, p, g)
                 present.append(k)
                 sent = c.sent[k]
-                if unscaled or sent is None or sent[0]() is not g or sent[1] != g._version:
+                if unscaled or sent is None or sent[0]() is not g or sent[1] != local(g)._version:
                     stale.append(k)
                     if sent is not None and not unscaled:
                         changed.append((c, k))
@@ -1099,7 +1143,7 @@ class CPUOffload(torch.optim.Optimizer):
         t0 = time.perf_counter()
         now = self._fp_now
         for c, k in pairs:
-            _fingerprint(c.params[k].grad, now[c.row + k])
+            _fingerprint(local(c.params[k].grad), now[c.row + k])
         differ = torch.ne(self._fp_sent, now).any(1)
         host = self._fp_differ
         if self._streams is not None:
@@ -1141,16 +1185,40 @@ class CPUOffload(torch.optim.Optimizer):
     # ------------------------------------------------------------ torch.optim's state
 
     def _refresh_state(self) -> None:
-        """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers);
-        an entry whose step count is 0 (made for a first step that failed) is not state yet."""
+        """Point ``self.state[p]`` at the inner optimizers' live entries (views of host buffers; of a
+        DTensor ``p``, as DTensors: :meth:`_shown`); an entry whose step count is 0 (made for a first
+        step that failed) is not state yet."""
         for c in self._chunks:
             state = c.inner.state
             for p, m in zip(c.params, c.host):
                 entry = state.get(m)
-                if entry and self.state.get(p) is not entry:
+                if not entry:
+                    continue
+                entry = self._shown(p, entry)
+                if self.state.get(p) is not entry:
                     step = entry.get("step", 1)
                     if float(step.item() if isinstance(step, torch.Tensor) else step) != 0:
                         self.state[p] = entry
+
+    def _shown(self, p: torch.Tensor, entry: Dict[str, Any]) -> Dict[str, Any]:
+        """What ``opt.state[p]`` holds for the inner optimizer's live ``entry``: the entry itself, or
+        for a DTensor ``p`` a dict of the same values whose state tensors are DTensors over the
+        same host memory, placed as ``p`` (what torch.distributed.checkpoint saves and reshards;
+        the step count stays a plain tensor, as torch keeps it). Made again only when the live
+        entry holds other tensors."""
+        if not is_dtensor(p):
+            return entry
+        made = self._dt_shown.get(p)
+        values = list(entry.items())
+        if made is not None and len(made[0]) == len(values) and all(
+                a == c and b is d for (a, b), (c, d) in zip(made[0], values)):
+            return made[1]
+        whole = not sharded(p)
+        shard = tuple(local(p).shape)
+        shown = {key: hosted(v, p, key) if key != "step" and isinstance(v, torch.Tensor) and (
+            whole or tuple(v.shape) == shard) else v for key, v in values}
+        self._dt_shown[p] = (values, shown)
+        return shown
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's format, as the wrapped optimizer's with the same step format: 16-bit parameters
@@ -1164,9 +1232,28 @@ class CPUOffload(torch.optim.Optimizer):
             for p in group["params"]:
                 where = self._where.get(p)
                 if where is not None and where[0].mode == WIDEN:
-                    sd["state"][index] = {**sd["state"].get(index, {}), MASTER_KEY: where[0].host[where[1]]}
+                    master = where[0].host[where[1]]
+                    sd["state"][index] = {**sd["state"].get(index, {}),
+                                          MASTER_KEY: hosted(master, p) if is_dtensor(p) else master}
                 index += 1
         return sd
+
+    @staticmethod
+    def _local_entry(i: Any, entry: Dict[str, Any], p: torch.Tensor) -> Dict[str, Any]:
+        """A saved entry of DTensor ``p`` as its host copy takes it: each DTensor value's local tensor
+        laid out as ``p``'s shard (redistributed first if placed otherwise: a collective, which
+        every rank runs for the same tensors in the same order)."""
+        entry = {key: held(v, p, key) for key, v in entry.items()}
+        if sharded(p):
+            shard = tuple(local(p).shape)
+            for key, v in entry.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shard:
+                    raise ShapeMismatchError(
+                        f"state[{i}][{key!r}] is a {type(v).__name__} of shape {tuple(v.shape)} for a DTensor "
+                        f"parameter sharded {tuple(p.placements)} (this rank's shard {shard}), expected a DTensor "
+                        "on the parameter's mesh (torch.distributed.checkpoint's state dicts are) or a tensor of "
+                        "the shard's shape")
+        return entry
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict.get("state", {})
@@ -1179,44 +1266,51 @@ class CPUOffload(torch.optim.Optimizer):
         masters: List[Tuple[_Chunk, int, torch.Tensor]] = []
         locals_: List[Dict[int, Any]] = []
         for c in self._chunks:
-            local = {}
+            entries = {}
             for k, p in enumerate(c.params):
                 entry = dict(saved.get(index.get(p), {}))
+                if is_dtensor(p):
+                    entry = self._local_entry(index.get(p), entry, p)
                 # WIDEN chunks hold the master themselves; FUSED ones leave it to the inner optimizer
                 master = entry.pop(MASTER_KEY, None) if c.mode == WIDEN else None
                 if master is not None:
-                    if tuple(master.shape) != tuple(p.shape):
+                    if tuple(master.shape) != tuple(c.host[k].shape):
                         raise ShapeMismatchError(
                             f"state[{index[p]}][{MASTER_KEY!r}] has shape {tuple(master.shape)}, "
-                            f"expected {tuple(p.shape)}")
+                            f"expected {tuple(c.host[k].shape)}")
                     masters.append((c, k, master))
                 if entry:
-                    local[k] = entry
-            locals_.append(local)
+                    entries[k] = entry
+            locals_.append(entries)
         super().load_state_dict({**state_dict, "state": {}})
+        for c in self._chunks:
+            # the host copies are read again from the parameters at the next step: a checkpoint
+            # loaded in place (torch.distributed.checkpoint writes the parameters' memory) moves
+            # no version counter; a loaded master stands (marked below)
+            c.marks = [(-1, -1)] * len(c.params)
         for c, k, master in masters:
             with torch.no_grad():
                 c.host[k].copy_(master)
-            p = c.params[k]
-            c.marks[k] = (p._version, p.data_ptr())
-        for c, local in zip(self._chunks, locals_):
+            c.mark(k)
+        for c, entries in zip(self._chunks, locals_):
             hyper = {k: v for k, v in self.param_groups[c.gi].items() if k not in _GROUP_ONLY}
-            c.inner.load_state_dict({"state": local, "param_groups": [{**hyper, "params": list(range(len(c.params)))}]})
-            for k, entry in local.items():
+            c.inner.load_state_dict({"state": entries,
+                                     "param_groups": [{**hyper, "params": list(range(len(c.params)))}]})
+            for k, entry in entries.items():
                 live = c.inner.state[c.host[k]]
                 for key, value in entry.items():
                     # torch casts every state tensor of a float32 parameter to float32; compact
                     # state (uint8 codes, bfloat16 moments) is kept in its own dtype, on the host
-                    held = live.get(key)
+                    kept = live.get(key)
                     if key == "step" or not isinstance(value, torch.Tensor):
                         continue
-                    if held is None or value.dtype != held.dtype:
+                    if kept is None or value.dtype != kept.dtype:
                         live[key] = value.detach().to(device="cpu", copy=True)
                 if c.mode == FUSED and ("master" in entry or "master_remainder" in entry):
-                    p = c.params[k]  # the loaded master stands; the host copy is the parameter
+                    # the loaded master stands; the host copy is the parameter
                     with torch.no_grad():
-                        c.host[k].copy_(p.detach())
-                    c.marks[k] = (p._version, p.data_ptr())
+                        c.host[k].copy_(local(c.params[k]).detach())
+                    c.mark(k)
         with self._lock:
             for c in self._chunks:
                 c.reset_round()

@@ -22,6 +22,7 @@ import torch
 from optirs.core import params as P
 from optirs.core.errors import InvalidParameterError
 from optirs.torch._frontend import OptirsOptimizer, closure_and_amp
+from optirs.torch._mesh_adafactor import mesh_adafactor_step
 from optirs.torch._mesh_lamb import MeshLamb, holds_shards
 from optirs.torch._stepcall import observed_step
 
@@ -34,6 +35,17 @@ def _formats(master_weights, state_dtype, stochastic_rounding, seed) -> Dict[str
 
 def _common(foreach, fused, backend, backend_options) -> Dict[str, Any]:
     return {"foreach": foreach, "fused": fused, "backend": backend, "backend_options": backend_options}
+
+
+def _step_on_mesh(opt: OptirsOptimizer, closure, grad_scale, found_inf, mesh_step) -> Any:
+    """The base step, or, with sharded DTensor parameters, ``mesh_step(opt, grad_scale, found_inf)``:
+    the optimizer's per-tensor sums reduced over the mesh (optirs.torch._mesh_*)."""
+    if not holds_shards(opt):  # (the base step itself: the hooks ran once, around this one)
+        return OptirsOptimizer.step.__wrapped__(opt, closure, grad_scale=grad_scale, found_inf=found_inf)
+    loss, grad_scale, found_inf = closure_and_amp(opt, closure, grad_scale, found_inf)
+    with torch.no_grad():
+        mesh_step(opt, grad_scale, found_inf)
+    return loss
 
 
 class Adam(OptirsOptimizer):
@@ -148,6 +160,12 @@ class Adafactor(OptirsOptimizer):
                         maximize=maximize)
         super().__init__(params, defaults, **_common(foreach, None, backend, backend_options))
 
+    @observed_step
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        """The fused Adafactor step; with sharded DTensor parameters (FSDP2) the same step with its
+        sums reduced over the mesh (optirs.torch._mesh_adafactor)."""
+        return _step_on_mesh(self, closure, grad_scale, found_inf, mesh_adafactor_step)
+
     def _hyperparameters(self, group):
         return "adafactor", P.AdafactorParams(lr=self._scalar(group, "lr"), beta2_decay=group["beta2_decay"],
                                               eps=group["eps"], d=group["d"], weight_decay=group["weight_decay"],
@@ -173,15 +191,13 @@ class Lamb(OptirsOptimizer):
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
         """The fused LAMB step; with sharded DTensor parameters (FSDP2) the same update with its
         norms reduced over the mesh (optirs.torch._mesh_lamb)."""
-        if not holds_shards(self):  # (the base step itself: the hooks ran once, around this one)
-            return OptirsOptimizer.step.__wrapped__(self, closure, grad_scale=grad_scale, found_inf=found_inf)
-        loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
+        return _step_on_mesh(self, closure, grad_scale, found_inf, Lamb._mesh_step)
+
+    def _mesh_step(self, grad_scale, found_inf) -> None:
         mesh = self.__dict__.get("_mesh_lamb")
         if mesh is None:
             mesh = self.__dict__["_mesh_lamb"] = MeshLamb(AdamW)
-        with torch.no_grad():
-            mesh.step(self, grad_scale, found_inf)
-        return loss
+        mesh.step(self, grad_scale, found_inf)
 
     def _hyperparameters(self, group):
         beta1, beta2 = self._pair(group)

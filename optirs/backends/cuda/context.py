@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import weakref
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -65,6 +66,20 @@ def _array_signature(obj: Any) -> tuple:
     return (type(obj), getattr(obj, "dtype", None), tuple(shape), tuple(getattr(obj, "strides", ()) or ()))
 
 
+def _launch_key(head: tuple, args: tuple) -> tuple:
+    """A launch's cache key: the kernel and grid, then each argument's value (numbers) or identity."""
+    return head + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a) for a in args[:-1])
+
+
+def _raw_handle(handle: Any) -> Optional[int]:
+    """The integer of a driver handle as numba keeps it (a ctypes pointer or a cuda-python object)."""
+    value = getattr(handle, "value", handle)
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 def device_address(obj: Any) -> Optional[int]:
     """Address of a device array, or None when ``obj`` is not one."""
     getter = _GETTERS.get(type(obj))
@@ -96,7 +111,7 @@ class _Launcher:
             self.fn, self.lib = fn, lib
         except (OSError, AttributeError):  # pragma: no cover - numba's own launch is the fallback
             self.fn = None
-        self.htod = None  # resolved here, not on the first new pointer table (a step's path)
+        self.htod = self.record = None  # resolved here, not on the first new pointer table (a step's path)
         try:
             if self.lib is not None:
                 htod = self.lib.cuMemcpyHtoDAsync_v2
@@ -105,6 +120,11 @@ class _Launcher:
                 self.htod = htod
         except AttributeError:  # pragma: no cover - a driver without the v2 entry point
             self.htod = None
+        if self.lib is not None:
+            record = self.lib.cuEventRecord
+            record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            record.restype = ctypes.c_int
+            self.record = record
 
     def function(self, handle: int) -> ctypes.c_void_p:
         """The CUfunction of numba's handle (a CUkernel from cuLibraryLoad; returned as is otherwise)."""
@@ -133,15 +153,29 @@ class _Launcher:
             return 1
         return int(out.value) if err == 0 else -1
 
-    def copy_to_device_async(self, device_address: int, host: np.ndarray, stream: int) -> bool:
+    def record_event(self, event: Any, stream: int, nstream: Any) -> None:
+        """cuEventRecord of a numba event on a raw stream: one ctypes call, where numba's
+        ``record`` (its stream wrapper, its API-call checks) costs tens of microseconds."""
+        handle = _raw_handle(getattr(event, "handle", None))
+        if self.record is None or handle is None:
+            event.record(nstream)
+            return
+        err = self.record(handle, stream or None)
+        if err:
+            raise GpuOptimError(f"cuEventRecord failed with CUresult {err}")
+
+    def copy_to_device_async(self, device_address: int, host: np.ndarray, stream: int,
+                             host_address: int = 0) -> bool:
         """``cuMemcpyHtoDAsync`` of a pinned host array on a raw stream (False: not available here).
+        ``host_address``: the array's address when the caller keeps it (numpy's ``.ctypes`` costs
+        tens of microseconds).
 
         numba's copy on the legacy default stream is a synchronous cuMemcpyHtoD, which waits for
         every kernel queued before it: a step must not."""
         fn = self.htod
         if fn is None:
             return False
-        err = fn(device_address, host.ctypes.data, host.nbytes, stream or None)
+        err = fn(device_address, host_address or host.ctypes.data, host.nbytes, stream or None)
         if err:
             raise GpuOptimError(f"cuMemcpyHtoDAsync of {host.nbytes} bytes failed with CUresult {err}")
         return True
@@ -169,6 +203,8 @@ class PreparedLaunch:
         raw = os.environ.get("OPTIRS_CUDA_RAW_LAUNCH", "1") != "0"  # 0: numba's launch (for comparison)
         self.fn = ctx.launcher.fn if (raw and compiled.handle is not None and not ctx.simulator) else None
         self.sc = args[-1]
+        self.family: Optional[Dict[int, "PreparedLaunch"]] = None  # id(a sibling pointer table) -> its launch
+        self.table_at = -1  # the argument that is a pointer table, with a family
         self.spans: List[Tuple[int, int]] = []  # each argument's run of flat values
         self.address_at: Dict[int, int] = {}  # argument -> the flat value that is its device address
         if self.fn is None:
@@ -197,6 +233,21 @@ class PreparedLaunch:
         self.sc_args = cargs[len(cargs) - self.nsc:]
         self.pointers = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
 
+    def sibling(self, head: tuple) -> Optional["PreparedLaunch"]:
+        """The prepared launch of this family whose arguments begin with ``head``: the same arguments
+        but another pointer table of the same :class:`PointerTables` (None when there is none).
+        Numbers compare by value, arrays by identity (as the launch caches key them)."""
+        family = self.family
+        if family is None or len(head) <= self.table_at:
+            return None
+        found = family.get(id(head[self.table_at]))
+        if found is None:
+            return None
+        for a, b in zip(head, found.args):
+            if a is not b and not (isinstance(a, (int, np.integer, tuple)) and a == b):
+                return None
+        return found
+
     def rebound(self, args: tuple) -> "PreparedLaunch":
         """A launch of the same kernel and shapes on ``args``, re-marshalling only the arguments that
         are other objects (a new pointer table: a new address set of the same tensors). Copies every
@@ -204,6 +255,7 @@ class PreparedLaunch:
         twin = object.__new__(PreparedLaunch)
         twin.compiled, twin.args, twin.grid, twin.block, twin.fn = self.compiled, args, self.grid, self.block, self.fn
         twin.sc, twin.spans, twin.address_at = args[-1], self.spans, self.address_at
+        twin.family, twin.table_at = None, -1
         if twin.fn is None:
             return twin
         cargs = [type(c)(c.value) for c in self.cargs]
@@ -327,8 +379,10 @@ class CudaContext:
         self._compiled: Dict[Tuple[str, Any], Compiled] = {}
         self._launches: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()
         self._launch_shapes: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()  # the latest per shapes
+        self._last_launch: Dict[tuple, PreparedLaunch] = {}  # the latest prepared per kernel, grid and block
         self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
         self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._table_siblings: Dict[int, Any] = {}  # id(device pointer table) -> weakref to its PointerTables
         # Indirection for tests that simulate a failing allocation.
         self.device_array = cuda.device_array
         # The stream every launch and copy goes on (see the module docstring, "Streams"):
@@ -448,7 +502,11 @@ class CudaContext:
 
     # ------------------------------------------------ kernels
 
-    def compiled(self, name: str, pyfunc: Any, argtypes: tuple) -> Compiled:
+    def compiled(self, name: str, pyfunc: Any, argtypes: tuple, max_registers: int = 0) -> Compiled:
+        """``pyfunc`` compiled for ``argtypes`` (or loaded from the disk cache), once per context;
+        ``max_registers``: a cap on the registers per thread (0: the compiler's choice)."""
+        if max_registers and not self.simulator:
+            name = f"{name}_r{max_registers}"  # another binary: its own cache entry
         key = (name, argtypes)
         hit = self._compiled.get(key)
         if hit is None:
@@ -457,7 +515,8 @@ class CudaContext:
                 if self.simulator:
                     dispatcher = self.cuda.jit(pyfunc)
                 else:
-                    dispatcher = self.cuda.jit(pyfunc, fastmath=False)
+                    extra = {"max_registers": max_registers} if max_registers else {}
+                    dispatcher = self.cuda.jit(pyfunc, fastmath=False, **extra)
                     enable_kernel_cache(dispatcher, name)
                 self._dispatchers[name] = dispatcher
             hit = self._compiled[key] = Compiled(self, name, dispatcher, argtypes)
@@ -486,23 +545,52 @@ class CudaContext:
         """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place).
         Returns the prepared launch (a caller may launch it again while its arguments hold)."""
         head = (id(compiled), grid, block)
-        key = head + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a) for a in args[:-1])
+        key = _launch_key(head, args)
         prepared = self._launches.get(key)
         if prepared is None:
-            # The same kernel on arrays of the same shapes (another pointer table) re-marshals only those
-            shapes = head + tuple(a if isinstance(a, (int, np.integer, tuple)) else _array_signature(a)
-                                  for a in args[:-1])
-            twin = self._launch_shapes.get(shapes)
-            prepared = twin.rebound(args) if twin is not None else PreparedLaunch(self, compiled, args, grid, block)
-            self._launches[key] = self._launch_shapes[shapes] = prepared
+            # A launch prepared with the last one of this kernel on another table of its pointer tables
+            last = self._last_launch.get(head)
+            prepared = last.sibling(args[:-1]) if last is not None else None
+            if prepared is None:
+                # The same kernel on arrays of the same shapes (another pointer table) re-marshals only those
+                shapes = head + tuple(a if isinstance(a, (int, np.integer, tuple)) else _array_signature(a)
+                                      for a in args[:-1])
+                twin = self._launch_shapes.get(shapes)
+                if twin is not None:
+                    prepared = twin.sibling(args[:-1]) or twin.rebound(args)
+                else:
+                    prepared = PreparedLaunch(self, compiled, args, grid, block)
+                    self.prepare_siblings(prepared, args)
+                self._launch_shapes[shapes] = prepared
+                if len(self._launch_shapes) > 4 * _LRU:
+                    self._launch_shapes.popitem(last=False)
+            self._launches[key] = self._last_launch[head] = prepared
             if len(self._launches) > 4 * _LRU:
                 self._launches.popitem(last=False)
-            if len(self._launch_shapes) > 4 * _LRU:
-                self._launch_shapes.popitem(last=False)
+            if len(self._last_launch) > 4 * _LRU:
+                self._last_launch.pop(next(iter(self._last_launch)))
         else:
             self._launches.move_to_end(key)
         prepared(args[-1], self.stream, self.nstream)
         return prepared
+
+    def prepare_siblings(self, prepared: "PreparedLaunch", args: tuple) -> None:
+        """Prepare the same launch on each other table of a pointer-table argument's
+        :class:`PointerTables` (with the first launch of a kernel, which may take its time): the step
+        that meets a new address set (the second, as a rule: torch's allocator hands the second
+        backward other blocks) then only rewrites a table, and marshals no launch."""
+        for i, arg in enumerate(args[:-1]):
+            ref = self._table_siblings.get(id(arg))
+            tables = ref() if ref is not None else None
+            if tables is None or not any(t is arg for t in tables.devices):
+                continue
+            family = {id(arg): prepared}
+            for other in tables.devices:
+                if other is not arg:
+                    family[id(other)] = prepared.rebound(args[:i] + (other,) + args[i + 1:])
+            for launch in family.values():
+                launch.family, launch.table_at = family, i
+            return
 
     # ------------------------------------------------ tables
 
@@ -597,7 +685,7 @@ class PointerTables:
     def __init__(self, ctx: "CudaContext", ntensors: int):
         self.ctx, self.ntensors = ctx, max(1, ntensors)
         self.by_key: "OrderedDict[tuple, list]" = OrderedDict()
-        self.slots: List[list] = []  # [device table, pinned host table, its copy's event, stream handle]
+        self.slots: List[list] = []  # [device table, pinned host table, its copy's event, stream handle, index]
         self.last: tuple = (None, None, None)  # the last address pair asked for and its table
 
     def _allocate(self) -> None:
@@ -611,6 +699,14 @@ class PointerTables:
         devices = ctx.empty(_LRU * 2 * self.ntensors, np.int64).reshape(shape)
         self.hosts = [hosts[k] for k in range(_LRU)]
         self.devices = [devices[k] for k in range(_LRU)]
+        self.host_addresses = [h.__array_interface__["data"][0] for h in self.hosts]
+        self.device_addresses = [device_address(d) for d in self.devices]
+        siblings = ctx._table_siblings
+        if len(siblings) > 64 * _LRU:  # forget the tables of layouts that are gone
+            for key in [k for k, ref in siblings.items() if ref() is None]:
+                del siblings[key]
+        for table in self.devices:
+            siblings[id(table)] = weakref.ref(self)
         # events too: with a raw launcher, each pinned buffer's last copy is tracked by one (recorded
         # once now, so that numba binds its event calls here and not on a step's first new table)
         self.events = [ctx.cuda.event(timing=False) if ctx.launcher is not None else None for _ in range(_LRU)]
@@ -633,13 +729,13 @@ class PointerTables:
             if not self.slots:
                 self._allocate()
             k = len(self.slots)
-            slot = [self.devices[k], self.hosts[k], self.events[k], ctx.stream]
+            slot = [self.devices[k], self.hosts[k], self.events[k], ctx.stream, k]
             self.slots.append(slot)
             written = False
         else:
             _, slot = self.by_key.popitem(last=False)
             written = True
-        device, host, event, stream = slot
+        device, host, event, stream, k = slot
         if written and event is not None:
             event.synchronize()  # the pinned buffer's last copy has been read (long done, as a rule)
         if stream != ctx.stream:
@@ -648,10 +744,11 @@ class PointerTables:
             host[: len(paddr), 0] = paddr
             host[: len(gaddr), 1] = gaddr
         launcher = ctx.launcher
-        if launcher is None or not launcher.copy_to_device_async(device_address(device), host, ctx.stream):
+        if launcher is None or not launcher.copy_to_device_async(self.device_addresses[k], host, ctx.stream,
+                                                                  self.host_addresses[k]):
             device.copy_to_device(host, stream=ctx.nstream)
         if event is not None:
-            event.record(ctx.nstream)
+            launcher.record_event(event, ctx.stream, ctx.nstream)
         slot[3] = ctx.stream
         self.by_key[key] = slot
         self.last = (paddr, gaddr, device)

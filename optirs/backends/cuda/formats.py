@@ -124,7 +124,7 @@ class CudaFormats:
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
         planned = plan(ctx, f"formats_step_{name}", lambda: fk.make_step_kernel(family, fc, signed, used), head, args,
-                       layout)
+                       layout, _max_registers(fmt))
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
@@ -153,7 +153,7 @@ class CudaFormats:
         args = fixed + (acc, ntensors, found, int(seed) & 0xFFFFFFFF, int(step), q, scalars)
         for mode in ("lamb_norms", "lamb_apply"):
             planned = plan(ctx, f"formats_{mode}_{name}", lambda: fk.make_step_kernel("lamb", fc, signed, used, mode), head,
-                           args, layout)
+                           args, layout, _max_registers(fmt))
             chunks, nchunks = ctx.chunk_table(layout, planned[1])
             run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 4)
 
@@ -333,10 +333,11 @@ def _kernels():
     return formats_kernels
 
 
-def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any):
+def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any, max_registers: int = 0):
     """(compiled kernel, chunk elements, grid, block) of ``factory()``'s kernel on ``layout``:
-    compiled once per context and signature (``head_types`` and the types of ``args``), sized
-    once per layout (8 elements per thread), never more blocks than chunks."""
+    compiled once per context and signature (``head_types`` and the types of ``args``; at most
+    ``max_registers`` per thread when non-zero), sized once per layout (8 elements per thread),
+    never more blocks than chunks."""
     import numba
 
     key = ("cuda.formats.plan", name)
@@ -345,12 +346,31 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
         pyfunc = ctx.__dict__.setdefault("_formats_pyfuncs", {}).get(name)
         if pyfunc is None:
             pyfunc = ctx._formats_pyfuncs[name] = factory()
-        compiled = ctx.compiled(name, pyfunc, head_types + tuple(numba.typeof(a) for a in args))
+        compiled = ctx.compiled(name, pyfunc, head_types + tuple(numba.typeof(a) for a in args),
+                                max_registers=max_registers)
         grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8, resident_block=_resident_block())
         chunk = ctx.kernels.chunk_elements(block)
         nchunks = len(layout.chunks(chunk)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
+
+
+INT8_MAX_REGISTERS = 64
+
+
+def _max_registers(fmt: Any) -> int:
+    """A cap on a formats step kernel's registers per thread (0: the compiler's choice).
+
+    int8 state: 64. The compiler gives those kernels 92-94 registers, which leaves 5 resident
+    128-thread blocks per SM (31% occupancy) for a latency-bound loop (the maps' lookups, the
+    block's absmax); capped at 64, 8 blocks fit. Measured on the H200 (GPT-2 124M): remainder8 +
+    int8 1.41 -> 1.17 ms, float32 + int8 0.98 -> 0.94 ms; 48 spilled (1.27 ms) and 40 more so; the
+    16-bit formats gained nothing (bf16 + float32 masters lost 2% at 64), so they keep the compiler's
+    choice. ``OPTIRS_CUDA_FORMATS_MAXREG`` (tuning): a cap for every formats kernel, 0 for none."""
+    forced = os.environ.get("OPTIRS_CUDA_FORMATS_MAXREG")
+    if forced is not None and forced.strip():
+        return int(forced)
+    return INT8_MAX_REGISTERS if fmt is not None and fmt.state_dtype == "int8" else 0
 
 
 def _resident_block() -> int:
@@ -387,7 +407,12 @@ def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
                                                   for a in stable)
         prepared = launches.get(key)
         if prepared is None:
-            prepared = launches[key] = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
+            # another table of the last launch's pointer tables (a new address set): prepared with it
+            prepared = last[2].sibling(stable) if last is not None and last[1] is compiled else None
+            if prepared is None:
+                prepared = PreparedLaunch(ctx, compiled, stable + dyn + (sc,), grid, block)
+                ctx.prepare_siblings(prepared, stable + dyn + (sc,))
+            launches[key] = prepared
             while len(launches) > 16:
                 launches.popitem(last=False)
         else:

@@ -396,12 +396,14 @@ class _Tables(NamedTuple):
     total_chunks: int
 
 
-def _layout_tables(ctx: OpenclContext, layout: Any) -> _Tables:
+def _layout_tables(ctx: OpenclContext, layout: Any, chunk: int = CHUNK) -> _Tables:
+    """The chunk tables of ``layout`` in chunks of ``chunk`` elements, on the device once."""
     cache = layout.cache.setdefault(("opencl", id(ctx)), {})
-    tables = cache.get("tables")
+    name = "tables" if chunk == CHUNK else ("tables", chunk)
+    tables = cache.get(name)
     if tables is None:
         cl = ctx.cl
-        tensor, start, _ = layout.chunks(CHUNK)
+        tensor, start, _ = layout.chunks(chunk)
         counts = np.bincount(tensor, minlength=len(layout)).astype(np.int64) if len(tensor) else np.zeros(len(layout), np.int64)
         first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
@@ -411,7 +413,7 @@ def _layout_tables(ctx: OpenclContext, layout: Any) -> _Tables:
 
         tables = _Tables(up(tensor.astype(np.int32)), up(start.astype(np.int64)), up(first[:-1].astype(np.int32)),
                          up(counts.astype(np.int32)), first, int(len(tensor)))
-        cache["tables"] = tables
+        cache[name] = tables
     return tables
 
 
@@ -423,11 +425,11 @@ class _Group(NamedTuple):
     p_holders: Tuple[int, ...]
     g_holders: Tuple[int, ...]
 
-    def buffers(self, ctx: "OpenclContext", params: List[Any], grads: List[Any]) -> List[Any]:
+    def buffers(self, ctx: "OpenclContext", params: List[Any], grads: List[Any], slots: int = SLOTS) -> List[Any]:
         # Buffers are looked up on the caller's arrays at launch, so a cached plan holds no device memory.
         pad = [ctx.dummy]
-        return ([params[i].base_data for i in self.p_holders] + pad * (SLOTS - len(self.p_holders))
-                + [grads[i].base_data for i in self.g_holders] + pad * (SLOTS - len(self.g_holders)))
+        return ([params[i].base_data for i in self.p_holders] + pad * (slots - len(self.p_holders))
+                + [grads[i].base_data for i in self.g_holders] + pad * (slots - len(self.g_holders)))
 
 
 class _Plan:
@@ -472,13 +474,14 @@ def _plan(ctx: OpenclContext, params: List[Any], grads: List[Any], layout: Any, 
 
 
 class SlotGrouper:
-    """Splits a model into launch groups of at most SLOTS distinct parameter and gradient buffers.
+    """Splits a model into launch groups of at most ``slots`` (SLOTS) distinct parameter and
+    gradient buffers.
 
     Tensors are added in order; ``add`` returns the tensor's (parameter slot, gradient slot) in its
     group and ``finish`` the groups (chunk ranges from the layout's chunk table)."""
 
-    def __init__(self, tables: "_Tables"):
-        self.tables, self.groups = tables, []
+    def __init__(self, tables: "_Tables", slots: int = SLOTS):
+        self.tables, self.groups, self.slots = tables, [], slots
         self._t0, self._pslots, self._gslots, self._pholders, self._gholders = 0, {}, {}, [], []
 
     def _close(self, t1: int) -> None:
@@ -488,8 +491,8 @@ class SlotGrouper:
 
     def add(self, t: int, pkey: int, gkey: int, pholder: int, gholder: int) -> Tuple[int, int]:
         """Tensor ``t`` reads the parameter buffer ``pkey`` (held by tensor ``pholder``) and the gradient buffer ``gkey``."""
-        if (pkey not in self._pslots and len(self._pslots) == SLOTS) or \
-                (gkey not in self._gslots and len(self._gslots) == SLOTS):
+        if (pkey not in self._pslots and len(self._pslots) == self.slots) or \
+                (gkey not in self._gslots and len(self._gslots) == self.slots):
             self._close(t)
             self._t0, self._pslots, self._gslots, self._pholders, self._gholders = t, {}, {}, [], []
         if pkey not in self._pslots:

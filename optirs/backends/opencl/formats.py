@@ -2,15 +2,24 @@
 
 The kernels are ``optirs/backends/common/kernels/optirs_formats.cl`` (+ ``optirs_formats.h``, the
 contract's encodings, and ``optirs_formats_step.h``, one kernel per elementwise family), built
-once per context and format: the format's codes are compile-time defines, so a launch has no
-branch on the format. A step is one chunked launch per group of at most ``SLOTS`` distinct
-parameter and gradient buffers, as the float32 step: numpy inputs are packed into one buffer
-(one launch for the model), pyopencl arrays are stepped in place. LAMB is its two passes (plus
-two for global gradient clipping), reusing the float32 step's trust-ratio kernels.
+once per context, format, family and set of state slots: the format's codes and the slots in use
+are compile-time defines, so a launch has no branch on either and an absent slot costs nothing.
+A step is one launch per group of at most ``SLOTS`` distinct parameter and gradient buffers, as
+the float32 step: numpy inputs are packed into one buffer (one launch for the model), pyopencl
+arrays are stepped in place. Each launch is a resident grid: as many work-groups as the compute
+units keep at once, each taking chunks from a counter until none are left (the CUDA formats
+kernels' shape; one work-group per chunk left every work-group's start and tail unhidden). LAMB
+is its two passes (plus two for global gradient clipping), reusing the float32 step's trust-ratio
+kernels, over the float32 step's chunks and work-group size so that its norms are summed in the
+same order.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+import os
+import warnings
 import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -18,6 +27,7 @@ import numpy as np
 
 from optirs.backends.common.int8_buckets import bucket_table
 from optirs.backends.common.opencl_source import expand_includes, program_source
+from optirs.backends.opencl.context import SLOTS
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import (FORMAT_FAMILIES, FormatState, StepFormat, dtype_name, dynamic_map,
@@ -30,20 +40,63 @@ STEP_TEMPLATE = "optirs_formats_step.h"
 FAMILY_SLOTS = {d.kernel: d.slot_names() for d in DEFINITIONS.values()}
 # fmt_offsets and fmt_step of optirs_formats.cl, passed by value.
 OFFSETS = np.dtype([(n, "<i8") for n in ("m", "s0", "s1", "s2", "c0", "c1", "c2", "l0", "l1", "l2", "skip")])
-STEP = np.dtype([("seed", "<u4"), ("step", "<u4"), ("used", "<i4"), ("signed_mask", "<i4")])
+STEP = np.dtype([("seed", "<u4"), ("step", "<u4")])
 _HALF = ("bfloat16", "float16")
+# Elements per chunk of the pointwise kernels and the gradient check (OPTIRS_OPENCL_FORMATS_CHUNK):
+# a multiple of 256 (an int8 block) and of 8 x the work-group; small, so that a launch's last
+# chunks end close together.
+FMT_CHUNK = 2048
+# Work-items per work-group of those kernels (OPTIRS_OPENCL_FORMATS_WG): small groups of these
+# register-heavy kernels keep more of them resident (the CUDA formats kernels' 128-thread blocks).
+WORK_GROUP = 128
+# Registers per work-item of the int8-state kernels where the driver takes a cap
+# (OPTIRS_OPENCL_FORMATS_MAXREG): the CUDA formats kernels' measured choice (docs/benchmarks.md).
+INT8_MAX_REGISTERS = 64
+# Work-items per compute unit the grid holds (OPTIRS_OPENCL_FORMATS_RESIDENT): 2048 is what an
+# NVIDIA SM keeps at most; a work-group that does not fit starts late, finds no chunk left and ends.
+RESIDENT = 2048
 
-# OpenCL context wrapper -> its format programs, maps and zero flag; dies with the context.
-_built: "weakref.WeakKeyDictionary[Any, Dict[Any, Any]]" = weakref.WeakKeyDictionary()
 
 
 # ---------------------------------------------------------------- programs
 
 
-def format_source(families: Sequence[str]) -> str:
-    """The program text: optirs_formats.cl, then one format step kernel per elementwise family."""
+def slot_macros(slots: int) -> str:
+    """FMT_SLOTS, FMT_SLOT_PARAMS(X, TY) (the arguments X0..X<slots-1>) and FMT_PICK(s, X) (slot
+    s's buffer, a balanced tree of conditionals: work-item 0 evaluates it once per chunk)."""
+
+    def tree(lo: int, hi: int) -> str:
+        if hi - lo == 1:
+            return f"X##{lo}"
+        mid = (lo + hi) // 2
+        return f"((s) < {mid} ? {tree(lo, mid)} : {tree(mid, hi)})"
+
+    params = ", ".join(f"__global TY *X##{k}" for k in range(slots))
+    return (f"#define FMT_SLOTS {slots}\n#define FMT_SLOT_PARAMS(X, TY) {params}\n"
+            f"#define FMT_PICK(s, X) {tree(0, slots)}\n")
+
+
+def format_source(family: Optional[str], slots: int = SLOTS) -> str:
+    """The program text: the slot macros, optirs_formats.cl, then the format step kernel of
+    ``family`` when it is an elementwise family (LAMB's passes and the gradient check are in
+    optirs_formats.cl)."""
+    text = slot_macros(slots) + program_source(KERNEL_FILE)
+    if family is None or family == "lamb":
+        return text
     step = expand_includes(f'#include "{STEP_TEMPLATE}"')
-    return "\n".join([program_source(KERNEL_FILE)] + [f"#define OPT {f}\n{step}\n#undef OPT" for f in families])
+    return f"{text}\n#define OPT {family}\n{step}\n#undef OPT"
+
+
+def slot_count(ctx: Any) -> int:
+    """Buffers of each kind one launch takes: the most of 128, 64, 32 and 16 whose pointers fit the
+    device's kernel argument space with room for the other arguments (16 x slots + 512 bytes;
+    4352 bytes on NVIDIA's driver: 128, PoCL's 1024: 32). Fewer launches, fewer launch tails."""
+    cache = _cache(ctx)
+    hit = cache.get("slots")
+    if hit is None:
+        room = int(ctx.device.max_parameter_size)
+        hit = cache["slots"] = next((n for n in (128, 64, 32) if 16 * n + 512 <= room), SLOTS)
+    return hit
 
 
 def format_defines(fmt: StepFormat) -> List[str]:
@@ -52,23 +105,109 @@ def format_defines(fmt: StepFormat) -> List[str]:
             f"-DOPTIRS_FMT_STATE={c.state}", f"-DOPTIRS_FMT_SR={int(c.stochastic)}"]
 
 
+def work_group(ctx: Any) -> int:
+    """The pointwise kernels' work-group size: ``OPTIRS_OPENCL_FORMATS_WG`` or 128, within the device's."""
+    text = os.environ.get("OPTIRS_OPENCL_FORMATS_WG", "").strip()
+    allowed = [w for w in (32, 64, 128, 256) if w <= ctx.work_group]
+    if not allowed:
+        raise UnsupportedOperationError(f"the opencl formats kernels need work-groups of 32 work-items, the device "
+                                        f"{ctx.device.name.strip()!r} allows {ctx.work_group}")
+    if not text:
+        return min(WORK_GROUP, allowed[-1])
+    if not text.isdigit() or int(text) not in allowed:
+        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_WG={text!r}, expected one of {allowed}")
+    return int(text)
+
+
+def chunk_elements(wg: int) -> int:
+    """Elements per chunk of the pointwise kernels: ``OPTIRS_OPENCL_FORMATS_CHUNK`` or 2048."""
+    text = os.environ.get("OPTIRS_OPENCL_FORMATS_CHUNK", "").strip()
+    if not text:
+        return max(FMT_CHUNK, 8 * wg)
+    step = max(256, 8 * wg)
+    if not text.isdigit() or int(text) < step or int(text) % step or int(text) > 1 << 24:
+        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_CHUNK={text!r}, expected a multiple of {step} "
+                                    f"(an int8 block and 8 x the work-group of {wg}) up to {1 << 24}")
+    return int(text)
+
+
+def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
+    """A register cap for the kernels of ``fmt``, where the device takes one (NVIDIA's
+    ``cl_nv_compiler_options``): the int8-state kernels at 64, as the CUDA ones (fewer registers,
+    more resident work-groups to hide their local-memory map lookups); the others keep the
+    compiler's choice. ``OPTIRS_OPENCL_FORMATS_MAXREG``: a cap for every formats kernel, 0 for none."""
+    cache = _cache(ctx)
+    nv = cache.get("nv_options")
+    if nv is None:
+        nv = cache["nv_options"] = "cl_nv_compiler_options" in ctx.device.extensions.split()
+    text = os.environ.get("OPTIRS_OPENCL_FORMATS_MAXREG", "").strip()
+    if text and not text.isdigit():
+        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_MAXREG={text!r}, expected a register count (0: no cap)")
+    cap = int(text) if text else INT8_MAX_REGISTERS if fmt.state_dtype == "int8" else 0
+    return [f"-cl-nv-maxrregcount={cap}"] if nv and cap else []
+
+
+def resident_groups(ctx: Any, wg: int) -> int:
+    """The most work-groups of ``wg`` work-items a launch has: ``OPTIRS_OPENCL_FORMATS_RESIDENT``
+    (2048) work-items per compute unit, at least one work-group per unit."""
+    cache = _cache(ctx)
+    units = cache.get("units")
+    if units is None:
+        units = cache["units"] = max(1, int(ctx.device.max_compute_units))
+    text = os.environ.get("OPTIRS_OPENCL_FORMATS_RESIDENT", "").strip()
+    if text and (not text.isdigit() or int(text) < 1):
+        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_RESIDENT={text!r}, expected a number of work-items >= 1")
+    return max(1, (int(text) if text else RESIDENT) // wg) * units
+
+
 class _Program(NamedTuple):
-    kernels: Dict[str, Any]
+    kernels: Dict[str, Any]  # name -> Kernel with its argument types set
+    wg: int  # work-items per work-group
+    chunk: int  # elements per chunk of the tables it runs over
+    slots: int  # buffers of each kind per launch
 
 
 def _cache(ctx: Any) -> Dict[Any, Any]:
-    hit = _built.get(ctx)
+    """The context's format programs, maps, flags and counter (an attribute: dies with the context)."""
+    hit = ctx.__dict__.get("_formats_cache")
     if hit is None:
-        hit = _built[ctx] = {}
+        hit = ctx.__dict__["_formats_cache"] = {}
     return hit
 
 
-def _program(ctx: Any, fmt: StepFormat) -> _Program:
-    """The kernels of ``fmt``'s program, built once per context and format codes."""
-    from optirs.backends.opencl.context import ELEMENTWISE, build_program
+def _arg_types(ctx: Any, family: Optional[str], nslots: int) -> Dict[str, list]:
+    """The argument types the host passes to each kernel of the program of ``family``."""
+    slots = [None] * (2 * nslots)
+    state = [None] * 11 + [OFFSETS]  # M, S0-2, C0-2, L0-2, maps; the offsets record
+    table = [None, None, None, np.uint32, np.uint32, None, np.uint32]  # tables, chunk range, counter
+    out = {"fmt_check": slots + table + [None]}
+    if family == "lamb":
+        lamb = ctx.records["lamb"]
+        out.update(fmt_lamb_grad_sumsq=slots + table + [None],
+                   fmt_lamb_norms=slots + state + table + [None, np.int32, None, STEP, lamb],
+                   fmt_lamb_apply=slots + state + table + [None, np.int32, None, None, STEP, lamb])
+    elif family is not None:
+        out[f"{family}_fmt"] = slots + state + table + [None, STEP, ctx.records[family]]
+    return out
 
+
+def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int = 0, signed: int = 0) -> _Program:
+    """The program of ``fmt`` for ``family`` (None: the gradient check alone) and its state slots in
+    use (bit k of ``used``; of ``signed``: slot k takes the signed int8 map), built once per
+    context. The defines are the build options, so pyopencl's binary cache (keyed by source and
+    options) serves a later process."""
+    from optirs.backends.opencl.context import CHUNK, build_program
+
+    lamb = family == "lamb"
+    if lamb:
+        wg, chunk = ctx.work_group, CHUNK
+    else:
+        wg = work_group(ctx)
+        chunk = chunk_elements(wg)
+    slots = slot_count(ctx)
+    registers = register_options(ctx, fmt)
     cache = _cache(ctx)
-    key = ("program", fmt.codes)
+    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers))
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -76,31 +215,34 @@ def _program(ctx: Any, fmt: StepFormat) -> _Program:
         hit = cache.get(key)
         if hit is not None:
             return hit
-        options = [o for o in ctx.build_options] + format_defines(fmt)
-        program = build_program(ctx.context, ctx.device, format_source(ELEMENTWISE), options,
-                                f"formats.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}{'-sr' if fmt.stochastic else ''}")
-        u32, i32 = np.uint32, np.int32
-        off, st = OFFSETS, STEP
-        slots = [None] * 32
-        buffers = [None] * 11 + [off]  # M, S0-2, C0-2, L0-2, maps, offsets
-        table = [None, None, None, u32]
-        types: Dict[str, list] = {"fmt_struct_sizes": [None], "fmt_check": slots + table + [None],
-                                  "fmt_lamb_grad_sumsq": slots + table + [None]}
-        for fam in ELEMENTWISE:
-            types[f"{fam}_fmt"] = slots + buffers + table + [None, st, ctx.records[fam]]
-        lamb = ctx.records["lamb"]
-        types["fmt_lamb_norms"] = slots + buffers + table + [None, i32, None, st, lamb]
-        types["fmt_lamb_apply"] = slots + buffers + table + [None, i32, None, None, st, lamb]
+        options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
+        options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
+                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers]
+        name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
+                f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
+        try:
+            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
+        except GpuOptimError as exc:
+            if not registers:
+                raise
+            # a driver that lists the extension but refuses the option: no cap from now on
+            warnings.warn(f"the OpenCL driver refused {registers}: the formats kernels are built without a "
+                          f"register cap ({str(exc).splitlines()[-1][:200]})", RuntimeWarning, stacklevel=2)
+            cache["nv_options"] = False
+            options = [o for o in options if o not in registers]
+            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
         kernels = {}
-        for name, arg_types in types.items():
-            kernel = ctx.cl.Kernel(program, name)
+        for kname, arg_types in _arg_types(ctx, family, slots).items():
+            kernel = ctx.cl.Kernel(program, kname)
             if kernel.num_args != len(arg_types):
-                raise GpuOptimError(f"OpenCL kernel {name} takes {kernel.num_args} arguments, the host passes "
+                raise GpuOptimError(f"OpenCL kernel {kname} takes {kernel.num_args} arguments, the host passes "
                                     f"{len(arg_types)}: optirs_formats.cl and opencl/formats.py disagree")
             kernel.set_arg_types(arg_types)
-            kernels[name] = kernel
-        _check_structs(ctx, kernels["fmt_struct_sizes"])
-        hit = cache[key] = _Program(kernels)
+            kernels[kname] = kernel
+        if "structs" not in cache:
+            _check_structs(ctx, ctx.cl.Kernel(program, "fmt_struct_sizes"))
+            cache["structs"] = True
+        hit = cache[key] = _Program(kernels, wg, chunk, slots)
     return hit
 
 
@@ -108,7 +250,8 @@ def _check_structs(ctx: Any, kernel: Any) -> None:
     cl = ctx.cl
     out = np.zeros(3, np.int32)
     buf = cl.Buffer(ctx.context, cl.mem_flags.WRITE_ONLY, out.nbytes)
-    kernel(ctx.queue, (1,), None, buf)
+    kernel.set_arg(0, buf)
+    cl.enqueue_nd_range_kernel(ctx.queue, kernel, (1,), None)
     cl.enqueue_copy(ctx.queue, out, buf)
     want = (OFFSETS.itemsize, STEP.itemsize, ctx.acc_bytes)
     if tuple(int(x) for x in out) != want:
@@ -143,6 +286,37 @@ def _zero_flag(ctx: Any) -> Any:
     return buf
 
 
+class _Tickets:
+    """The counter the launches deal chunks from (tickets[0] on the device) and the value it will
+    hold once the queued launches have run: a launch takes ``nchunks + work-groups`` tickets
+    (every work-group's last take finds no chunk; a skipped launch adds as many), so the host
+    knows each launch's first ticket without reading the counter back."""
+
+    def __init__(self, ctx: Any):
+        cl = ctx.cl
+        self.buffer = cl.Buffer(ctx.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                                hostbuf=np.zeros(1, np.uint32))
+        self.next = 0
+
+
+def _tickets(ctx: Any) -> _Tickets:
+    cache = _cache(ctx)
+    hit = cache.get("tickets")
+    if hit is None:
+        hit = cache["tickets"] = _Tickets(ctx)
+    return hit
+
+
+def _enqueue(ctx: Any, prog: _Program, name: str, head: Sequence[Any], nchunks: int, tail: Sequence[Any],
+             most: int) -> None:
+    """Launch ``name`` over ``nchunks`` chunks in at most ``most`` work-groups: ``head`` (the
+    arguments before the counter's), then ``tickets, ticket_base``, then ``tail``."""
+    tickets = _tickets(ctx)
+    groups = max(1, min(nchunks, most))
+    prog.kernels[name](ctx.queue, (groups * prog.wg,), (prog.wg,), *head, tickets.buffer, tickets.next, *tail)
+    tickets.next = (tickets.next + nchunks + groups) & 0xFFFFFFFF
+
+
 # ---------------------------------------------------------------- staging
 
 
@@ -157,10 +331,20 @@ def _host_bits(a: np.ndarray, dtype: str, what: str) -> np.ndarray:
     raise InvalidParameterError(f"{what} has dtype {a.dtype}, expected {dtype} (or its uint16 bits)")
 
 
-def _device_dtype_ok(a: Any, dtype: str) -> bool:
-    if dtype == "float32":
-        return a.dtype == np.float32
-    return a.dtype.itemsize == 2 and (a.dtype == np.uint16 or dtype_name(a.dtype) == dtype)
+_DTYPE_OK: Dict[Tuple[Any, str], bool] = {}
+
+
+def _dtype_ok(dt: Any, dtype: str) -> bool:
+    """Whether a device array of numpy dtype ``dt`` holds ``dtype`` (memoized)."""
+    key = (dt, dtype)
+    ok = _DTYPE_OK.get(key)
+    if ok is None:
+        if dtype == "float32":
+            ok = dt == np.float32
+        else:
+            ok = dt.itemsize == 2 and (dt == np.uint16 or dtype_name(dt) == dtype)
+        _DTYPE_OK[key] = ok = bool(ok)
+    return ok
 
 
 class _Packed(list):
@@ -214,14 +398,15 @@ class _Plan:
     """The tensor table and launch groups for one list of arrays (cached while the same objects come)."""
 
     def __init__(self, ctx: Any, params: List[Any], grads: List[Any], layout: Any, table: Optional[np.ndarray],
-                 s_offs: Tuple[int, ...], tables: Any):
+                 key: Tuple[Any, ...], tables: Any, slots: int):
         from optirs.backends.opencl.context import SlotGrouper
 
         self.refs = [weakref.ref(a) for a in params] + [weakref.ref(a) for a in grads]
-        self.key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs)
+        self.key, self.tables, self.slots = key, tables, slots
+        s_offs = key[1]
         ntens = len(layout)
         tens = np.zeros((ntens, 8), np.int64)
-        grouper = SlotGrouper(tables)
+        grouper = SlotGrouper(tables, slots)
         s_off, l_off = s_offs[:3] + s_offs[6:], s_offs[3:6]  # values/codes and master; small float32 state
         for t in range(ntens):
             n = int(layout.sizes[t])
@@ -243,21 +428,32 @@ class _Plan:
         refs = self.refs
         if self.key != key or len(refs) != len(params) + len(grads):
             return False
-        return all(r() is a for r, a in zip(refs, list(params) + list(grads)))
+        return all(map(operator.is_, [r() for r in refs], itertools.chain(params, grads)))
+
+    def launch(self, ctx: Any, prog: _Program, name: str, params: List[Any], grads: List[Any],
+               state: Sequence[Any], tail: Sequence[Any]) -> None:
+        """``name`` over every launch group: its slot buffers, ``state``, the tables, then ``tail``."""
+        tables, most = self.tables, resident_groups(ctx, prog.wg)
+        for g in self.groups:
+            nchunks = g.chunk_end - g.chunk_begin
+            head = [*g.buffers(ctx, params, grads, self.slots), *state, self.tens, tables.chunk_tensor,
+                    tables.chunk_start, g.chunk_begin, nchunks]
+            _enqueue(ctx, prog, name, head, nchunks, tail, most)
 
 
-def _plan(ctx: Any, name: str, params, grads, layout, table: Optional[np.ndarray],
-          s_offs: Tuple[int, ...]) -> Tuple[_Plan, Any]:
-    """The cached plan ``name`` ("step", "check") of this layout for these arrays."""
+def _plan(ctx: Any, name: str, params, grads, layout, table: Optional[np.ndarray], s_offs: Tuple[int, ...],
+          prog: _Program) -> _Plan:
+    """The cached plan ``name`` ("step", "check", "lamb") of this layout for these arrays, over
+    ``prog``'s chunks and slots."""
     from optirs.backends.opencl.context import _layout_tables
 
-    tables = _layout_tables(ctx, layout)
+    tables = _layout_tables(ctx, layout, prog.chunk)
     cache = layout.cache.setdefault(("opencl-formats", id(ctx)), {})
     plan = cache.get(name)
-    key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs)
+    key = (table is not None and bool((table[:, 1] >= 0).any()), s_offs, prog.chunk, prog.slots)
     if plan is None or not plan.matches(params, grads, key):
-        plan = cache[name] = _Plan(ctx, params, grads, layout, table, s_offs, tables)
-    return plan, tables
+        plan = cache[name] = _Plan(ctx, params, grads, layout, table, key, tables, prog.slots)
+    return plan
 
 
 # ---------------------------------------------------------------- the step's buffers
@@ -316,8 +512,14 @@ class OpenclFormats:
                 raise InvalidParameterError("grads mix numpy and device arrays, expected numpy arrays like params")
             return _stage_numpy(ctx, params, grads, fmt)
         for what, arrays, dtype in (("params", params, fmt.param_dtype), ("grads", grads, fmt.grad_dtype)):
+            try:  # the distinct dtypes first: a step checks every array
+                ok = all(_dtype_ok(dt, dtype) for dt in {a.dtype for a in arrays})
+            except AttributeError:
+                ok = False
+            if ok:
+                continue
             for i, a in enumerate(arrays):
-                if not isinstance(a, np.ndarray) and hasattr(a, "dtype") and not _device_dtype_ok(a, dtype):
+                if not isinstance(a, np.ndarray) and hasattr(a, "dtype") and not _dtype_ok(a.dtype, dtype):
                     raise InvalidParameterError(f"{what}[{i}] has dtype {a.dtype}, expected {dtype}"
                                                 + (" (or its uint16 bits)" if dtype in _HALF else ""))
         return OpenclDevice._stage(self, ctx, params, grads)  # in place, with the float32 step's checks
@@ -333,23 +535,19 @@ class OpenclFormats:
         n = layout.total
         if n == 0:
             return
-        prog = _program(ctx, fmt)
         bufs, offs, used, signed_mask, skip, s_offs = _state_args(ctx, family, state, format_state, found_inf)
-        st = np.array((int(seed) & 0xFFFFFFFF, int(step) & 0xFFFFFFFF, used, signed_mask), STEP)
+        prog = _program(ctx, fmt, family, used, signed_mask)
+        st = np.array((int(seed) & 0xFFFFFFFF, int(step) & 0xFFFFFFFF), STEP)
         rec = np.array(tuple(scalars), ctx.records[family])
-        cl, q, wg = ctx.cl, ctx.queue, ctx.work_group
+        cl = ctx.cl
         with ctx.lock:
             try:
-                plan, tables = _plan(ctx, "step", params, grads, layout, format_state.tensor_table(), s_offs)
-                chunk = (plan.tens, tables.chunk_tensor, tables.chunk_start)
-                launches = [(((g.chunk_end - g.chunk_begin) * wg,), g.buffers(ctx, params, grads), g.chunk_begin)
-                            for g in plan.groups]
+                plan = _plan(ctx, "lamb" if family == "lamb" else "step", params, grads, layout,
+                             format_state.tensor_table(), s_offs, prog)
                 if family == "lamb":
-                    _lamb(ctx, prog, layout, tables, launches, bufs, offs, chunk, skip, st, rec, scalars)
+                    _lamb(ctx, prog, plan, layout, params, grads, bufs, offs, skip, st, rec, scalars)
                     return
-                kernel = prog.kernels[f"{family}_fmt"]
-                for gsize, pg, c0 in launches:
-                    kernel(q, gsize, (wg,), *pg, *bufs, offs, *chunk, c0, skip, st, rec)
+                plan.launch(ctx, prog, f"{family}_fmt", params, grads, [*bufs, offs], [skip, st, rec])
             except cl.Error as exc:
                 raise ctx.translate(exc, f"running the {family} format step over {n} elements") from exc
 
@@ -359,33 +557,29 @@ class OpenclFormats:
         if flag.offset:
             raise InvalidParameterError("flag is a view at a non-zero offset, expected a 1-element int32 array")
         prog = _program(ctx, fmt)
-        cl, q, wg = ctx.cl, ctx.queue, ctx.work_group
+        cl = ctx.cl
         with ctx.lock:
             try:
                 # the check reads gradients only: the parameter slots hold the gradients' buffers
-                plan, tables = _plan(ctx, "check", grads, grads, layout, None, (0,) * 7)
-                for g in plan.groups:
-                    prog.kernels["fmt_check"](q, ((g.chunk_end - g.chunk_begin) * wg,), (wg,),
-                                              *g.buffers(ctx, grads, grads), plan.tens, tables.chunk_tensor,
-                                              tables.chunk_start, g.chunk_begin, flag.base_data)
+                plan = _plan(ctx, "check", grads, grads, layout, None, (0,) * 7, prog)
+                plan.launch(ctx, prog, "fmt_check", grads, grads, [], [flag.base_data])
             except cl.Error as exc:
                 raise ctx.translate(exc, f"checking {layout.total} gradients") from exc
 
 
-def _lamb(ctx, prog, layout, tables, launches, bufs, offs, chunk, skip, st, rec, scalars) -> None:
+def _lamb(ctx, prog, plan, layout, params, grads, bufs, offs, skip, st, rec, scalars) -> None:
     from optirs.backends.opencl.context import _lamb_scratch
 
-    q, wg, k, kf = ctx.queue, ctx.work_group, ctx.kernels, prog.kernels
+    q, wg, k = ctx.queue, ctx.work_group, ctx.kernels
+    tables = plan.tables
     partial_g, partial_pu, scale, ratio = _lamb_scratch(ctx, layout, tables)
     clip = np.int32(scalars.max_grad_norm > 0)
+    state = [*bufs, offs]
     if clip:
-        for gsize, pg, c0 in launches:
-            kf["fmt_lamb_grad_sumsq"](q, gsize, (wg,), *pg, *chunk, c0, partial_g)
+        plan.launch(ctx, prog, "fmt_lamb_grad_sumsq", params, grads, [], [partial_g])
         k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm,
-                                scalars.grad_factor, scale)
-    for gsize, pg, c0 in launches:
-        kf["fmt_lamb_norms"](q, gsize, (wg,), *pg, *bufs, offs, *chunk, c0, scale, clip, partial_pu, st, rec)
+                             scalars.grad_factor, scale)
+    plan.launch(ctx, prog, "fmt_lamb_norms", params, grads, state, [scale, clip, partial_pu, st, rec])
     k["lamb_trust_ratios"](q, (len(layout) * wg,), (wg,), partial_pu, tables.first_chunk, tables.nchunks,
                            scalars.max_trust_ratio, ratio)
-    for gsize, pg, c0 in launches:
-        kf["fmt_lamb_apply"](q, gsize, (wg,), *pg, *bufs, offs, *chunk, c0, scale, clip, ratio, skip, st, rec)
+    plan.launch(ctx, prog, "fmt_lamb_apply", params, grads, state, [scale, clip, ratio, skip, st, rec])

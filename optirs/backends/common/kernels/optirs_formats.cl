@@ -1,25 +1,32 @@
 /* The step formats' kernels (docs/formats.md; host: optirs/backends/opencl/formats.py).
  *
- * One program per format, specialised at build time by the host's defines:
+ * One program per format, family and set of state slots, specialised at build time by the host's
+ * defines:
  *   OPTIRS_FMT_PARAM   parameter storage: 0 float32, 1 bfloat16, 2 float16 (16-bit as ushort bits)
  *   OPTIRS_FMT_GRAD    gradient storage, the same codes
  *   OPTIRS_FMT_MASTER  0 none, 1 float32, 2 remainder16 (short), 3 remainder8 (char)
  *   OPTIRS_FMT_STATE   0 float32, 1 bfloat16 (ushort bits, stochastic rounding), 2 int8 blocks
  *   OPTIRS_FMT_SR      1: bfloat16 parameters without masters round stochastically
- * so a launch has no per-element branch on the format. A model is one launch (per OPTIRS_SLOTS
- * distinct buffers, as the float32 chunked step): one work-group per chunk of OPTIRS_CHUNK elements
- * of one tensor, each work-item eight consecutive elements per round (one 16-byte load of 16-bit
- * parameters; vector pointer loads where the tensor's offsets are 8-element aligned, vload8
- * otherwise, element by element at a tensor's ragged end).
+ *   OPTIRS_FMT_USED    bit k: state slot k is stored (an absent slot costs no code or registers)
+ *   OPTIRS_FMT_SIGNED  bit k: state slot k takes the signed int8 map
+ *   OPTIRS_FMT_LAMB    1: the program holds LAMB's passes
+ * so a launch has no per-element branch on the format or the slots. A model is one launch (per
+ * FMT_SLOTS distinct buffers of each kind) of a resident grid: each work-group
+ * takes chunks of OPTIRS_CHUNK elements of one tensor from a counter until none are left (a
+ * work-group that starts late finds none: the grid may exceed what stays resident), each
+ * work-item eight consecutive elements per round (one 16-byte load of 16-bit parameters; vector
+ * pointer loads where the tensor's offsets are 8-element aligned, vload8 otherwise, element by
+ * element at a tensor's ragged end).
  *
  * int8 state: a block of 256 elements is 32 consecutive work-items (a chunk starts on a block
  * boundary: OPTIRS_CHUNK is a multiple of 256), its absmax reduced in registers over the 8 lanes,
  * then in local memory over the 32 work-items; the maps are copied to local memory once per
  * work-group (the binary search's addresses differ per lane, which __constant memory serialises).
- * Every barrier is in code the whole work-group runs (round loops have a uniform trip count).
+ * Every barrier is in code the whole work-group runs (chunk and round loops have uniform trip
+ * counts).
  *
- * The host appends, for every elementwise family F, `#define OPT F` + optirs_formats_step.h (the
- * kernel F_fmt), and the struct-size check.
+ * The host appends `#define OPT F` + optirs_formats_step.h (the kernel F_fmt) for the program's
+ * elementwise family F.
  */
 #pragma OPENCL FP_CONTRACT OFF /* no a*b+c -> fma contraction: same rounding as the numba backends */
 
@@ -28,10 +35,29 @@
 #error "the format kernels need OPTIRS_WG a multiple of 32 and OPTIRS_CHUNK a multiple of 8 * OPTIRS_WG"
 #endif
 #define FMT_ROUND (8 * OPTIRS_WG)
+#ifndef OPTIRS_FMT_USED
+#define OPTIRS_FMT_USED 0
+#endif
+#ifndef OPTIRS_FMT_SIGNED
+#define OPTIRS_FMT_SIGNED 0
+#endif
+#ifndef OPTIRS_FMT_LAMB
+#define OPTIRS_FMT_LAMB 0
+#endif
+#define FMT_USED(k) ((OPTIRS_FMT_USED >> (k)) & 1)
+#define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
 
 #include "optirs_scalars.h"
-#include "optirs_slots.h"
 #include "optirs_formats.h"
+/* The host defines FMT_SLOTS buffer slots of each kind (as many as the device's kernel argument
+ * space holds): FMT_SLOT_PARAMS(X, TY), the arguments X0..; FMT_PICK(s, X), slot s's buffer.
+ * Without them, the float32 chunked step's OPTIRS_SLOTS. */
+#ifndef FMT_SLOTS
+#include "optirs_slots.h"
+#define FMT_SLOTS OPTIRS_SLOTS
+#define FMT_SLOT_PARAMS SLOT_PARAMS_OF
+#define FMT_PICK PICK
+#endif
 
 #define T float8
 #define SUFFIX v8
@@ -136,11 +162,9 @@ typedef struct {
     long m, s0, s1, s2, c0, c1, c2, l0, l1, l2, skip;
 } fmt_offsets;
 
-/* seed, step: the random bits' key inputs; used: bit k set when slot k is stored; signed_mask:
- * bit k set when slot k takes the signed int8 map. */
+/* seed, step: the random bits' key inputs. */
 typedef struct {
     uint seed, step;
-    int used, signed_mask;
 } fmt_step;
 
 /* Tensor table row (long8): x param offset, y grad offset (elements, in their slot's buffer),
@@ -148,7 +172,8 @@ typedef struct {
  * block (-1: none), s5 offset in the small-tensor float32 state (-1: int8 blocks), s6 flags:
  * param slot | grad slot << 8 | 8-element aligned << 16. */
 #define FMT_TABLE_PARAMS                                                                         \
-    __global const long8 *tens, __global const int *chunk_tensor, __global const long *chunk_start, uint chunk_base
+    __global const long8 *tens, __global const int *chunk_tensor, __global const long *chunk_start,         \
+    uint chunk_base, uint nchunks, __global volatile uint *tickets, uint ticket_base
 
 #define FMT_BUFFER_PARAMS                                                                        \
     __global MST *M, __global SST *S0, __global SST *S1, __global SST *S2, __global float *C0,   \
@@ -160,39 +185,90 @@ typedef struct {
     __global SST *s[3];       /* values or codes, at the tensor's first element */
     __global float *scale[3]; /* int8: the tensor's first block's scale */
     __global float *small[3]; /* int8 small tensors: their float32 state */
-    int used, is_small, aligned;
+    int is_small, aligned;
     uint key[3];
-    int sign[3];
 } fmt_slots;
 
-/* ---------------------------------------------------------------- the chunk prologue */
+/* ---------------------------------------------------------------- dealing chunks */
 
-#define FMT_PROLOGUE(P, G)                                                                       \
-    const uint c = chunk_base + get_group_id(0);                                                 \
-    const int t = chunk_tensor[c];                                                               \
-    const long8 row = tens[t];                                                                   \
-    const int pslot = (int)(row.s6 & 0xFF), gslot = (int)((row.s6 >> 8) & 0xFF);                 \
-    const int aligned = (int)((row.s6 >> 16) & 1);                                               \
-    __global PST *p = PICK(pslot, P) + row.s0;                                                   \
-    __global const GST *g = PICK(gslot, G) + row.s1;                                             \
-    const long lay = row.s2;                                                                     \
-    const long start = chunk_start[c];                                                           \
-    const long stop = min(start + (long)OPTIRS_CHUNK, row.s3);                                   \
-    const int lid = (int)get_local_id(0);
+/* The chunk work-item 0 takes for the work-group (nchunks: none left), its tensor and that
+ * tensor's parameter and gradient buffers, picked from the slots once for the work-group. */
+typedef struct {
+    uint taken;
+    int t;
+    __global PST *p;
+    __global const GST *g;
+} fmt_deal;
 
-/* The writing kernels' start: skip on found_inf (uniform: every work-item returns), the maps in
- * local memory, the chunk, the master pointer m, the state slots sl and the random key. */
-#define FMT_WRITER_PROLOGUE(P, G)                                                                \
-    if (skip[off.skip])                                                                          \
+/* Chunks are dealt in order from the counter tickets[0]: each take advances it by one and every
+ * work-group's last take finds none, so a launch advances it by nchunks + its number of
+ * work-groups and the host knows the next launch's first ticket without reading it back. */
+#define FMT_DEAL(P, G)                                                                           \
+    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */               \
+    if (lid == 0) {                                                                              \
+        const uint taken = min(atomic_inc(tickets) - ticket_base, nchunks);                      \
+        deal_.taken = taken;                                                                     \
+        if (taken < nchunks) {                                                                   \
+            const int t = chunk_tensor[chunk_base + taken];                                      \
+            const long flags = tens[t].s6;                                                       \
+            deal_.t = t;                                                                         \
+            deal_.p = FMT_PICK((int)(flags & 0xFF), P);                                          \
+            deal_.g = FMT_PICK((int)((flags >> 8) & 0xFF), G);                                   \
+        }                                                                                        \
+    }                                                                                            \
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+/* A launch that writes nothing (found_inf) advances the counter as much as a full one. */
+void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
+{
+    if (get_group_id(0) == 0 && get_local_id(0) == 0)
+        atomic_add(tickets, nchunks + (uint)get_num_groups(0));
+}
+
+/* The loop over the chunks the work-group takes: chunk c of tensor t (its table row), the
+ * parameter and gradient pointers p and g at the tensor's start, its layout offset lay and the
+ * chunk's elements [start, stop) of the tensor. */
+#define FMT_CHUNKS_BEGIN(P, G)                                                                   \
+    __local fmt_deal deal_;                                                                      \
+    const int lid = (int)get_local_id(0);                                                        \
+    for (;;) {                                                                                   \
+        FMT_DEAL(P, G)                                                                           \
+        if (deal_.taken >= nchunks)                                                              \
+            break;                                                                               \
+        const uint c = chunk_base + deal_.taken;                                                 \
+        const int t = deal_.t;                                                                   \
+        const long8 row = tens[t];                                                               \
+        const int aligned = (int)((row.s6 >> 16) & 1);                                           \
+        __global PST *p = deal_.p + row.s0;                                                      \
+        __global const GST *g = deal_.g + row.s1;                                                \
+        const long lay = row.s2;                                                                 \
+        const long start = chunk_start[c];                                                       \
+        const long stop = min(start + (long)OPTIRS_CHUNK, row.s3);
+#define FMT_CHUNKS_END }
+
+/* The writing kernels' start: found_inf skips the launch (uniform: every work-item returns), the
+ * int8 maps' local memory, the random key of the parameters' stream. */
+#define FMT_WRITER_START                                                                         \
+    if (skip[off.skip]) {                                                                        \
+        fmt_skip_tickets(tickets, nchunks);                                                      \
         return;                                                                                  \
+    }                                                                                            \
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
     __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];                       \
     __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];                            \
-    fmt_load_maps(maps, lmaps, ltables);                                                         \
-    FMT_PROLOGUE(P, G)                                                                           \
+    int maps_ready = 0;                                                                          \
+    const uint key = optirs_rand_key(st.seed, st.step, 0u);
+
+/* A chunk's start in the kernels that read the state: the maps in local memory (at the
+ * work-group's first chunk: a late work-group that finds no chunk loads nothing), the master
+ * pointer m and the state slots sl. */
+#define FMT_STATE_CHUNK                                                                          \
+    if (!maps_ready) {                                                                           \
+        fmt_load_maps(maps, lmaps, ltables);                                                     \
+        maps_ready = 1;                                                                          \
+    }                                                                                            \
     __global MST *m = M + off.m + lay;                                                           \
-    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st); \
-    const uint key = optirs_rand_key(st.seed, st.step, 0u); /* the parameters' stream */
+    const fmt_slots sl = fmt_slots_of(row.s4, row.s5, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
 
 /* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], and their
  * bucket tables [signed, unsigned] (stored after the maps as floats, kept here as bytes). */
@@ -207,7 +283,8 @@ void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uch
 #endif
 }
 
-fmt_slots fmt_slots_of(long8 row, long lay, int aligned, __global SST *S0, __global SST *S1, __global SST *S2,
+/* block: the tensor's first int8 block, small: its small-tensor state offset (the table row's s4, s5). */
+fmt_slots fmt_slots_of(long block, long small, long lay, int aligned, __global SST *S0, __global SST *S1, __global SST *S2,
                        __global float *C0, __global float *C1, __global float *C2, __global float *L0,
                        __global float *L1, __global float *L2, const fmt_offsets off, fmt_step st)
 {
@@ -215,19 +292,17 @@ fmt_slots fmt_slots_of(long8 row, long lay, int aligned, __global SST *S0, __glo
     sl.s[0] = S0 + off.s0 + lay;
     sl.s[1] = S1 + off.s1 + lay;
     sl.s[2] = S2 + off.s2 + lay;
-    sl.scale[0] = C0 + off.c0 + row.s4;
-    sl.scale[1] = C1 + off.c1 + row.s4;
-    sl.scale[2] = C2 + off.c2 + row.s4;
-    sl.small[0] = L0 + off.l0 + row.s5;
-    sl.small[1] = L1 + off.l1 + row.s5;
-    sl.small[2] = L2 + off.l2 + row.s5;
-    sl.used = st.used;
-    sl.is_small = OPTIRS_FMT_STATE == 2 && row.s5 >= 0;
+    sl.scale[0] = C0 + off.c0 + block;
+    sl.scale[1] = C1 + off.c1 + block;
+    sl.scale[2] = C2 + off.c2 + block;
+    sl.small[0] = L0 + off.l0 + small;
+    sl.small[1] = L1 + off.l1 + small;
+    sl.small[2] = L2 + off.l2 + small;
+    sl.is_small = OPTIRS_FMT_STATE == 2 && small >= 0;
     sl.aligned = aligned;
-    for (int k = 0; k < 3; ++k) {
-        sl.key[k] = optirs_rand_key(st.seed, st.step, 1u + (uint)k);
-        sl.sign[k] = (st.signed_mask >> k) & 1;
-    }
+#pragma unroll
+    for (int k = 0; k < 3; ++k)
+        sl.key[k] = FMT_USED(k) ? optirs_rand_key(st.seed, st.step, 1u + (uint)k) : 0u;
     return sl;
 }
 
@@ -287,9 +362,10 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
 /* Elements k.. of the tensor (k a multiple of 8), nv of them valid. */
 void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local const float *lmaps)
 {
+#pragma unroll
     for (int j = 0; j < 3; ++j) {
         s[j] = (float8)0.0f;
-        if (!((sl->used >> j) & 1) || nv <= 0)
+        if (!FMT_USED(j) || nv <= 0)
             continue;
 #if OPTIRS_FMT_STATE == 0
         s[j] = load8_float(sl->s[j] + k, nv, sl->aligned);
@@ -300,7 +376,7 @@ void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local con
             s[j] = load8_float(sl->small[j] + k, nv, sl->aligned);
         else
             s[j] = optirs_dequantize8(load8_uchar(sl->s[j] + k, nv, sl->aligned), sl->scale[j][k >> 8],
-                                      lmaps + (sl->sign[j] ? 0 : 512));
+                                      lmaps + (FMT_SIGNED(j) ? 0 : 512));
 #endif
     }
 }
@@ -328,24 +404,31 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
 {
 #if OPTIRS_FMT_STATE == 2
     const int lid = get_local_id(0);
+#pragma unroll
     for (int j = 0; j < 3; ++j)
-        scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0.0f;
+        if (FMT_USED(j))
+            scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int w = 16; w > 0; w >>= 1) {
-        if ((lid & 31) < w)
+        if ((lid & 31) < w) {
+#pragma unroll
             for (int j = 0; j < 3; ++j)
-                scratch[j * OPTIRS_WG + lid] = FMT_ABSMAX(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
+                if (FMT_USED(j))
+                    scratch[j * OPTIRS_WG + lid] = FMT_ABSMAX(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
+        }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     float scale[3];
+#pragma unroll
     for (int j = 0; j < 3; ++j)
-        scale[j] = scratch[j * OPTIRS_WG + (lid & ~31)];
+        scale[j] = FMT_USED(j) ? scratch[j * OPTIRS_WG + (lid & ~31)] : 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE); /* scratch is reused by the next round */
 #endif
     if (nv <= 0)
         return;
+#pragma unroll
     for (int j = 0; j < 3; ++j) {
-        if (!((sl->used >> j) & 1))
+        if (!FMT_USED(j))
             continue;
 #if OPTIRS_FMT_STATE == 0
         store8_float(s[j], sl->s[j] + k, nv, sl->aligned);
@@ -357,9 +440,9 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
         if (sl->is_small) {
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
         } else {
-            __local const float *q = lmaps + (sl->sign[j] ? 0 : 512);
+            __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
             const uchar8 code = optirs_quantize8(s[j], scale[j], q + 256,
-                                                 ltables + (sl->sign[j] ? 0 : OPTIRS_QT_SIZE));
+                                                 ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
             store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
@@ -386,19 +469,21 @@ uint8 fmt_index8(long lay, long k)
 
 /* flag[0] = 1 when any gradient is not finite (reads only the gradients). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_check(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
+void fmt_check(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
 {
-    FMT_PROLOGUE(P, G)
     int bad = 0;
-    FMT_ROUND_BEGIN
-        if (nv > 0)
-            bad |= any(!isfinite(G_LOAD(g + k, nv, aligned)));
-    FMT_ROUND_END
+    FMT_CHUNKS_BEGIN(P, G)
+        FMT_ROUND_BEGIN
+            if (nv > 0)
+                bad |= any(!isfinite(G_LOAD(g + k, nv, aligned)));
+        FMT_ROUND_END
+        (void)p; (void)lay;
+    FMT_CHUNKS_END
     if (bad)
         flag[0] = 1; /* every writer stores the same value */
-    (void)p; (void)lay;
 }
 
+#if OPTIRS_FMT_LAMB
 /* ---------------------------------------------------------------- LAMB (two passes) */
 
 acc_t fmt_sum_squares8(float8 x)
@@ -415,19 +500,20 @@ float8 fmt_valid(float8 x, int nv)
 /* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c (part 2 is the float32
  * step's lamb_grad_scale). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_grad_sumsq(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
+void fmt_lamb_grad_sumsq(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
 {
     __local acc_t red[OPTIRS_WG];
-    FMT_PROLOGUE(P, G)
-    acc_t s = 0;
-    FMT_ROUND_BEGIN
-        if (nv > 0)
-            s += fmt_sum_squares8(fmt_valid(G_LOAD(g + k, nv, aligned), nv));
-    FMT_ROUND_END
-    s = group_sum(s, red);
-    if (lid == 0)
-        partial[c] = s;
-    (void)p; (void)lay;
+    FMT_CHUNKS_BEGIN(P, G)
+        acc_t s = 0;
+        FMT_ROUND_BEGIN
+            if (nv > 0)
+                s += fmt_sum_squares8(fmt_valid(G_LOAD(g + k, nv, aligned), nv));
+        FMT_ROUND_END
+        s = group_sum(s, red);
+        if (lid == 0)
+            partial[c] = s;
+        (void)p; (void)lay;
+    FMT_CHUNKS_END
 }
 
 /* LAMB's element work, the same in both passes: the master p, the new moments s[0], s[1] and the
@@ -442,58 +528,62 @@ float8 fmt_lamb_element(__global const PST *p, __global const MST *m, __global c
 
 /* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_norms(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+void fmt_lamb_norms(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
                     const lamb_scalars sc)
 {
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
     __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];
     __local acc_t red[OPTIRS_WG];
-    fmt_load_maps(maps, lmaps, ltables);
-    FMT_PROLOGUE(P, G)
-    __global MST *m = M + off.m + lay;
-    const fmt_slots sl = fmt_slots_of(row, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    int maps_ready = 0;
     const float scale = clip ? grad_scale[0] : sc.grad_factor;  /* the clip factor carries grad_factor */
-    acc_t sp = 0, su = 0;
-    FMT_ROUND_BEGIN
-        if (nv > 0) {
-            float8 s[3], pp;
-            fmt_load_states(&sl, k, nv, s, lmaps);
-            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
-            sp += fmt_sum_squares8(fmt_valid(pp, nv));
-            su += fmt_sum_squares8(fmt_valid(u, nv));
+    FMT_CHUNKS_BEGIN(P, G)
+        FMT_STATE_CHUNK
+        acc_t sp = 0, su = 0;
+        FMT_ROUND_BEGIN
+            if (nv > 0) {
+                float8 s[3], pp;
+                fmt_load_states(&sl, k, nv, s, lmaps);
+                const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
+                sp += fmt_sum_squares8(fmt_valid(pp, nv));
+                su += fmt_sum_squares8(fmt_valid(u, nv));
+            }
+        FMT_ROUND_END
+        sp = group_sum(sp, red);
+        su = group_sum(su, red);
+        if (lid == 0) {
+            partial[2 * (size_t)c] = sp;
+            partial[2 * (size_t)c + 1] = su;
         }
-    FMT_ROUND_END
-    sp = group_sum(sp, red);
-    su = group_sum(su, red);
-    if (lid == 0) {
-        partial[2 * (size_t)c] = sp;
-        partial[2 * (size_t)c + 1] = su;
-    }
+    FMT_CHUNKS_END
 }
 
 /* Pass 2: p -= lr * ratio * u, and the new moments stored in the state's format. */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_apply(SLOT_PARAMS_OF(P, PST), SLOT_PARAMS_OF(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+void fmt_lamb_apply(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global const float *ratio,
                     __global const int *skip, const fmt_step st, const lamb_scalars sc)
 {
-    FMT_WRITER_PROLOGUE(P, G)
+    FMT_WRITER_START
     const float scale = clip ? grad_scale[0] : sc.grad_factor;
-    const float step = sc.lr * ratio[t];
-    FMT_ROUND_BEGIN
-        float8 s[3];
-        const uint8 idx = fmt_index8(lay, k);
-        fmt_load_states(&sl, k, nv, s, lmaps);
-        if (nv > 0) {
-            float8 pp;
-            const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
-            fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
-        }
-        fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
-    FMT_ROUND_END
+    FMT_CHUNKS_BEGIN(P, G)
+        FMT_STATE_CHUNK
+        const float step = sc.lr * ratio[t];
+        FMT_ROUND_BEGIN
+            float8 s[3];
+            const uint8 idx = fmt_index8(lay, k);
+            fmt_load_states(&sl, k, nv, s, lmaps);
+            if (nv > 0) {
+                float8 pp;
+                const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
+                fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
+            }
+            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
+        FMT_ROUND_END
+    FMT_CHUNKS_END
     (void)scratch;
 }
+#endif
 
 /* Lets the host check its numpy records against the structs. */
 __kernel void fmt_struct_sizes(__global int *out)
