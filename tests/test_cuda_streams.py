@@ -136,12 +136,14 @@ class _TableKernel:
             kernelargs.append(ctypes.c_int64(int(val)))
 
 
-def test_a_new_table_of_the_same_shape_patches_only_its_address():
+def _decoding_context():
+    """A fake context of a (table, count, scalars) kernel whose launcher decodes the argument block
+    as the driver reads it, at the call: (ctx, kernel, compiled, [(ints, floats) per launch])."""
     ctx, _, compiled = _fake_context()
     compiled.kernel = kernel = _TableKernel()
     seen = []
 
-    def launch(*call):  # decode the argument block as the driver reads it, at the call
+    def launch(*call):
         ptrs = call[9]
         ints = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_int64)).contents.value for i in range(3)]
         floats = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_float)).contents.value for i in (3, 4)]
@@ -149,6 +151,11 @@ def test_a_new_table_of_the_same_shape_patches_only_its_address():
         return 0
 
     ctx.launcher.fn = launch
+    return ctx, kernel, compiled, seen
+
+
+def test_a_new_table_of_the_same_shape_patches_only_its_address():
+    ctx, kernel, compiled, seen = _decoding_context()
     a, b = _DeviceTable(0xA000, 6), _DeviceTable(0xB000, 6)
     ctx.launch(compiled, (a, 3, _scalars(0.5)), 4, 256)
     assert kernel.marshalled == ["array", "i64", "scalars"]
@@ -170,18 +177,7 @@ def test_a_pointer_tables_siblings_are_prepared_with_its_first_launch():
     differs, and each sibling launches with its own address and the step's scalars."""
     import weakref
 
-    ctx, _, compiled = _fake_context()
-    compiled.kernel = kernel = _TableKernel()
-    seen = []
-
-    def launch(*call):
-        ptrs = call[9]
-        ints = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_int64)).contents.value for i in range(3)]
-        floats = [ctypes.cast(ptrs[i], ctypes.POINTER(ctypes.c_float)).contents.value for i in (3, 4)]
-        seen.append((ints, floats))
-        return 0
-
-    ctx.launcher.fn = launch
+    ctx, kernel, compiled, seen = _decoding_context()
     holder = type("Tables", (), {})()  # weakref-able, as PointerTables is
     holder.devices = [_DeviceTable(0xA000 + 0x100 * k, 6) for k in range(3)]
     for t in holder.devices:
