@@ -720,3 +720,23 @@ def test_bucket_table_refuses_a_map_too_dense_for_it():
         build_table(mid)
     with pytest.raises(InvalidParameterError, match="255 ascending"):
         build_table(mid[:10])
+
+
+def test_the_gpu_formats_register_cap(monkeypatch):
+    """int8 state capped at 64 registers, other formats uncapped; the variable overrides both and a
+    value that is not a count is refused naming it."""
+    from optirs.backends.common.register_cap import INT8_MAX_REGISTERS, formats_register_cap
+    from optirs.core.formats import StepFormat
+
+    int8, bf16 = StepFormat(state_dtype="int8"), StepFormat(param_dtype="bfloat16", master="float32")
+    monkeypatch.delenv("OPTIRS_X_MAXREG", raising=False)
+    assert (formats_register_cap(int8, "OPTIRS_X_MAXREG"), formats_register_cap(bf16, "OPTIRS_X_MAXREG")) == (
+        INT8_MAX_REGISTERS, 0)
+    monkeypatch.setenv("OPTIRS_X_MAXREG", "48")
+    assert formats_register_cap(bf16, "OPTIRS_X_MAXREG") == 48
+    monkeypatch.setenv("OPTIRS_X_MAXREG", "0")
+    assert formats_register_cap(int8, "OPTIRS_X_MAXREG") == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("OPTIRS_X_MAXREG", bad)
+        with pytest.raises(InvalidParameterError, match=f"OPTIRS_X_MAXREG={bad!r}"):
+            formats_register_cap(int8, "OPTIRS_X_MAXREG")

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from optirs.backends.common.register_cap import formats_register_cap
 from optirs.core.arrays import describe
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.plugin.hookspecs import Staged
@@ -355,22 +356,10 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
     return plan
 
 
-INT8_MAX_REGISTERS = 64
-
-
 def _max_registers(fmt: Any) -> int:
-    """A cap on a formats step kernel's registers per thread (0: the compiler's choice).
-
-    int8 state: 64. The compiler gives those kernels 92-94 registers, which leaves 5 resident
-    128-thread blocks per SM (31% occupancy) for a latency-bound loop (the maps' lookups, the
-    block's absmax); capped at 64, 8 blocks fit. Measured on the H200 (GPT-2 124M): remainder8 +
-    int8 1.41 -> 1.17 ms, float32 + int8 0.98 -> 0.94 ms; 48 spilled (1.27 ms) and 40 more so; the
-    16-bit formats gained nothing (bf16 + float32 masters lost 2% at 64), so they keep the compiler's
-    choice. ``OPTIRS_CUDA_FORMATS_MAXREG`` (tuning): a cap for every formats kernel, 0 for none."""
-    forced = os.environ.get("OPTIRS_CUDA_FORMATS_MAXREG")
-    if forced is not None and forced.strip():
-        return int(forced)
-    return INT8_MAX_REGISTERS if fmt is not None and fmt.state_dtype == "int8" else 0
+    """The formats kernels' register cap (optirs.backends.common.register_cap);
+    ``OPTIRS_CUDA_FORMATS_MAXREG`` (tuning): a cap for every formats kernel, 0 for none."""
+    return formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG")
 
 
 def _resident_block() -> int:

@@ -27,6 +27,7 @@ import numpy as np
 
 from optirs.backends.common.int8_buckets import bucket_table
 from optirs.backends.common.opencl_source import expand_includes, program_source
+from optirs.backends.common.register_cap import formats_register_cap
 from optirs.backends.opencl.context import SLOTS
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
@@ -49,9 +50,6 @@ FMT_CHUNK = 2048
 # Work-items per work-group of those kernels (OPTIRS_OPENCL_FORMATS_WG): small groups of these
 # register-heavy kernels keep more of them resident (the CUDA formats kernels' 128-thread blocks).
 WORK_GROUP = 128
-# Registers per work-item of the int8-state kernels where the driver takes a cap
-# (OPTIRS_OPENCL_FORMATS_MAXREG): the CUDA formats kernels' measured choice (docs/benchmarks.md).
-INT8_MAX_REGISTERS = 64
 # Work-items per compute unit the grid holds (OPTIRS_OPENCL_FORMATS_RESIDENT): 2048 is what an
 # NVIDIA SM keeps at most; a work-group that does not fit starts late, finds no chunk left and ends.
 RESIDENT = 2048
@@ -140,10 +138,7 @@ def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
     nv = cache.get("nv_options")
     if nv is None:
         nv = cache["nv_options"] = "cl_nv_compiler_options" in ctx.device.extensions.split()
-    text = os.environ.get("OPTIRS_OPENCL_FORMATS_MAXREG", "").strip()
-    if text and not text.isdigit():
-        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_MAXREG={text!r}, expected a register count (0: no cap)")
-    cap = int(text) if text else INT8_MAX_REGISTERS if fmt.state_dtype == "int8" else 0
+    cap = formats_register_cap(fmt, "OPTIRS_OPENCL_FORMATS_MAXREG")
     return [f"-cl-nv-maxrregcount={cap}"] if nv and cap else []
 
 

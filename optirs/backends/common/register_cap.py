@@ -1,0 +1,31 @@
+"""The formats kernels' register cap: one rule for the GPU backends (cuda, and OpenCL where the
+driver takes a cap).
+
+int8 state: at most 64 registers per thread. The compiler gives those kernels 92-94 registers on
+the H200, which leaves 5 resident 128-thread blocks per SM (31% occupancy) for a latency-bound
+loop (the maps' lookups, the block's absmax); capped at 64, 8 blocks fit. Measured there (GPT-2
+124M, end to end): remainder8 + int8 1.41 -> 1.17 ms, float32 + int8 0.98 -> 0.94 ms; 48 spilled
+(1.27 ms) and 40 more so. The 16-bit formats gained nothing (bf16 + float32 masters lost 2% at
+64), so they keep the compiler's choice (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from optirs.core.errors import InvalidParameterError
+
+INT8_MAX_REGISTERS = 64
+
+
+def formats_register_cap(fmt: Any, variable: str) -> int:
+    """Registers per thread for the formats kernels of ``fmt`` (0: the compiler's choice): the
+    environment variable ``variable`` (tuning: a cap for every formats kernel, 0 for none), else
+    :data:`INT8_MAX_REGISTERS` for int8 state and 0 otherwise."""
+    text = os.environ.get(variable, "").strip()
+    if text:
+        if not text.isdigit():
+            raise InvalidParameterError(f"{variable}={text!r}, expected a register count (0: no cap)")
+        return int(text)
+    return INT8_MAX_REGISTERS if fmt is not None and fmt.state_dtype == "int8" else 0
