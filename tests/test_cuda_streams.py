@@ -73,7 +73,7 @@ def _fake_context(capture_status=0):
     ctx.launcher = pytypes.SimpleNamespace(fn=recorder, capture_status=lambda h: capture_status)
     ctx.cuda = pytypes.SimpleNamespace(external_stream=lambda h: pytypes.SimpleNamespace(handle=h))
     ctx._launches, ctx._launch_shapes, ctx._numba_streams = OrderedDict(), OrderedDict(), {}
-    ctx._table_siblings, ctx._last_launch = {}, {}
+    ctx._table_siblings = {}
     ctx.pinned, ctx.stream, ctx.nstream = None, 0, 0
     compiled = pytypes.SimpleNamespace(name="fake_step", handle=ctypes.c_void_p(0x1000), kernel=_FakeKernel(),
                                        dispatcher=None)

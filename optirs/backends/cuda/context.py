@@ -66,9 +66,10 @@ def _array_signature(obj: Any) -> tuple:
     return (type(obj), getattr(obj, "dtype", None), tuple(shape), tuple(getattr(obj, "strides", ()) or ()))
 
 
-def _launch_key(head: tuple, args: tuple) -> tuple:
-    """A launch's cache key: the kernel and grid, then each argument's value (numbers) or identity."""
-    return head + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a) for a in args[:-1])
+def argument_key(args: tuple) -> tuple:
+    """Launch arguments as the launch caches key them: numbers and tuples of numbers (addresses) by
+    value, so that a tuple made anew each step finds its launch; arrays by identity."""
+    return tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a) for a in args)
 
 
 def _raw_handle(handle: Any) -> Optional[int]:
@@ -233,19 +234,16 @@ class PreparedLaunch:
         self.sc_args = cargs[len(cargs) - self.nsc:]
         self.pointers = (ctypes.c_void_p * len(cargs))(*[ctypes.addressof(c) for c in cargs])
 
-    def sibling(self, head: tuple) -> Optional["PreparedLaunch"]:
-        """The prepared launch of this family whose arguments begin with ``head``: the same arguments
-        but another pointer table of the same :class:`PointerTables` (None when there is none).
-        Numbers compare by value, arrays by identity (as the launch caches key them)."""
+    def sibling(self, leading: tuple) -> Optional["PreparedLaunch"]:
+        """The prepared launch of this family whose arguments begin with ``leading``: the same
+        arguments but another pointer table of the same :class:`PointerTables` (None when there is
+        none), compared as the launch caches key them (:func:`argument_key`)."""
         family = self.family
-        if family is None or len(head) <= self.table_at:
+        if family is None or len(leading) <= self.table_at:
             return None
-        found = family.get(id(head[self.table_at]))
-        if found is None:
+        found = family.get(id(leading[self.table_at]))
+        if found is None or argument_key(leading) != argument_key(found.args[: len(leading)]):
             return None
-        for a, b in zip(head, found.args):
-            if a is not b and not (isinstance(a, (int, np.integer, tuple)) and a == b):
-                return None
         return found
 
     def rebound(self, args: tuple) -> "PreparedLaunch":
@@ -379,7 +377,6 @@ class CudaContext:
         self._compiled: Dict[Tuple[str, Any], Compiled] = {}
         self._launches: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()
         self._launch_shapes: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()  # the latest per shapes
-        self._last_launch: Dict[tuple, PreparedLaunch] = {}  # the latest prepared per kernel, grid and block
         self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
         self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
         self._table_siblings: Dict[int, Any] = {}  # id(device pointer table) -> weakref to its PointerTables
@@ -545,30 +542,24 @@ class CudaContext:
         """Launch a planned kernel; ``args[-1]`` is the per-step scalars record (rewritten in place).
         Returns the prepared launch (a caller may launch it again while its arguments hold)."""
         head = (id(compiled), grid, block)
-        key = _launch_key(head, args)
+        key = head + argument_key(args[:-1])
         prepared = self._launches.get(key)
         if prepared is None:
-            # A launch prepared with the last one of this kernel on another table of its pointer tables
-            last = self._last_launch.get(head)
-            prepared = last.sibling(args[:-1]) if last is not None else None
-            if prepared is None:
-                # The same kernel on arrays of the same shapes (another pointer table) re-marshals only those
-                shapes = head + tuple(a if isinstance(a, (int, np.integer, tuple)) else _array_signature(a)
-                                      for a in args[:-1])
-                twin = self._launch_shapes.get(shapes)
-                if twin is not None:
-                    prepared = twin.sibling(args[:-1]) or twin.rebound(args)
-                else:
-                    prepared = PreparedLaunch(self, compiled, args, grid, block)
-                    self.prepare_siblings(prepared, args)
-                self._launch_shapes[shapes] = prepared
-                if len(self._launch_shapes) > 4 * _LRU:
-                    self._launch_shapes.popitem(last=False)
-            self._launches[key] = self._last_launch[head] = prepared
+            # The same kernel on arrays of the same shapes (another pointer table): a launch prepared
+            # with the first one on another table of its pointer tables, or re-marshalling only those
+            shapes = head + tuple(a if isinstance(a, (int, np.integer, tuple)) else _array_signature(a)
+                                  for a in args[:-1])
+            twin = self._launch_shapes.get(shapes)
+            if twin is not None:
+                prepared = twin.sibling(args[:-1]) or twin.rebound(args)
+            else:
+                prepared = PreparedLaunch(self, compiled, args, grid, block)
+                self.prepare_siblings(prepared, args)
+            self._launches[key] = self._launch_shapes[shapes] = prepared
             if len(self._launches) > 4 * _LRU:
                 self._launches.popitem(last=False)
-            if len(self._last_launch) > 4 * _LRU:
-                self._last_launch.pop(next(iter(self._last_launch)))
+            if len(self._launch_shapes) > 4 * _LRU:
+                self._launch_shapes.popitem(last=False)
         else:
             self._launches.move_to_end(key)
         prepared(args[-1], self.stream, self.nstream)

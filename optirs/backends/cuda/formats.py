@@ -378,7 +378,7 @@ def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
     and the ``ndyn`` integers before it may change every step (the step count, the address of the
     caller's found_inf flag): they are rewritten in the prepared argument block, not keyed.
     """
-    from optirs.backends.cuda.context import PreparedLaunch
+    from optirs.backends.cuda.context import PreparedLaunch, argument_key
 
     compiled, _, grid, block = plan
     stable = head + args[: len(args) - 1 - ndyn]
@@ -390,10 +390,7 @@ def run(ctx: Any, plan: tuple, head: tuple, args: tuple, ndyn: int) -> None:
         prepared = last[2]
     else:
         launches: "OrderedDict[tuple, Any]" = ctx.__dict__.setdefault("_formats_launches", OrderedDict())
-        # ints and tuples of ints (addresses) by value, arrays by identity: a tuple made anew each
-        # step with the same addresses must find the launch prepared for it
-        key = (id(compiled), grid, block) + tuple(a if isinstance(a, (int, np.integer, tuple)) else id(a)
-                                                  for a in stable)
+        key = (id(compiled), grid, block) + argument_key(stable)
         prepared = launches.get(key)
         if prepared is None:
             # another table of the last launch's pointer tables (a new address set): prepared with it
