@@ -29,7 +29,7 @@ which their own mesh paths reduce instead: :mod:`optirs.torch._mesh_lamb`,
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,6 +58,33 @@ def local_ptr(t: torch.Tensor) -> int:
 def sharded(t: torch.Tensor) -> bool:
     """Whether a DTensor's local tensor is less than the whole tensor."""
     return is_dtensor(t) and not all(isinstance(pl, Replicate) for pl in t.placements)
+
+
+def sharding_dims(p: torch.Tensor, dim: Optional[int] = None) -> List[int]:
+    """The mesh dims of DTensor ``p`` that shard tensor dim ``dim`` (None: any dim; [] for a plain tensor)."""
+    if not is_dtensor(p):
+        return []
+    return [i for i, pl in enumerate(p.placements)
+            if isinstance(pl, Shard) and (dim is None or pl.dim % p.dim() == dim % p.dim())]
+
+
+def sum_over_mesh(items: List[Tuple[torch.Tensor, Any, List[int]]]) -> None:
+    """Sum each tensor in place over its mesh dims: ``items`` of (tensor, mesh, mesh dims), one
+    all-reduce per (mesh, mesh dim) over all the tensors it concerns (every rank passes the same
+    items in the same order)."""
+    import torch.distributed as dist
+
+    by_dim: Dict[Tuple[int, int], List[torch.Tensor]] = {}
+    meshes = {}
+    for t, mesh, dims in items:
+        for d in dims:
+            by_dim.setdefault((id(mesh), d), []).append(t)
+            meshes[id(mesh)] = mesh
+    for (mesh_id, d), ts in by_dim.items():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        dist.all_reduce(flat, group=meshes[mesh_id].get_group(d))
+        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+            t.copy_(part.view(t.shape))
 
 
 def refusal(p: torch.Tensor, g: Any, where: str, per_tensor: Optional[str], blocks: bool) -> Optional[Exception]:
@@ -97,10 +124,16 @@ def block_grid(shape: Tuple[int, ...]) -> int:
     return 0
 
 
-def scales_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    """The shape int8 scales of a tensor of ``shape`` are shown in: ``shape[:m] + (blocks per index,)``."""
-    m = block_grid(shape)
+def scales_shape(shape: Tuple[int, ...], m: Optional[int] = None) -> Tuple[int, ...]:
+    """The shape int8 scales of a tensor of ``shape`` are shown in: ``shape[:m] + (blocks per index,)``
+    (``m``: the block grid's, of ``shape`` itself unless given)."""
+    m = block_grid(shape) if m is None else m
     return tuple(shape[:m]) + (-(-math.prod(shape[m:]) // BLOCK),)
+
+
+def row_major_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 def _cut_blocks(p: torch.Tensor, where: str) -> Optional[Exception]:
@@ -137,12 +170,10 @@ def _placed(view: torch.Tensor, p: torch.Tensor, key: str) -> Tuple[torch.Tensor
     tensor; int8 scales on ``p``'s block grid; (view, None, None) for state of another shape, which
     exists only for replicated ``p`` (the view is then the whole tensor)."""
     if key.endswith(".scales"):
-        whole, here = tuple(p.shape), tuple(p._local_tensor.shape)
-        m = block_grid(whole)
-        grid = here[:m] + (-(-math.prod(here[m:]) // BLOCK),)  # (the local tensor's row-major blocks)
+        whole = tuple(p.shape)
+        grid = scales_shape(tuple(p._local_tensor.shape), block_grid(whole))  # (the local tensor's blocks)
         shape = scales_shape(whole)
-        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-        return view.view(grid), torch.Size(shape), stride
+        return view.view(grid), torch.Size(shape), row_major_strides(shape)
     if tuple(view.shape) == tuple(p._local_tensor.shape):
         return view, p.shape, p.stride()
     return view, None, None
@@ -181,5 +212,5 @@ def held(value: Any, p: torch.Tensor, key: str = "") -> Any:
     return out.reshape(-1) if key.endswith(".scales") and tuple(value.shape) == scales_shape(tuple(p.shape)) else out
 
 
-__all__ = ["block_grid", "held", "hosted", "is_dtensor", "local", "local_ptr", "refusal", "scales_shape",
-           "sharded", "shown"]
+__all__ = ["block_grid", "held", "hosted", "is_dtensor", "local", "local_ptr", "refusal", "row_major_strides",
+           "scales_shape", "sharded", "sharding_dims", "shown", "sum_over_mesh"]

@@ -33,21 +33,14 @@ from optirs.core.interrupts import deferred_interrupts
 from optirs.core.reference import adafactor_state_shapes
 from optirs.core.scalars import adafactor_scalars
 from optirs.torch._buckets import step_value
-from optirs.torch._dtensor import DTensor, Replicate, Shard, is_dtensor, local, refusal
-
-
-def _sharding(p: torch.Tensor, dim: Optional[int] = None) -> List[int]:
-    """The mesh dims of DTensor ``p`` that shard tensor dim ``dim`` (None: any dim)."""
-    if not is_dtensor(p):
-        return []
-    return [i for i, pl in enumerate(p.placements)
-            if isinstance(pl, Shard) and (dim is None or pl.dim % p.dim() == dim % p.dim())]
+from optirs.torch._dtensor import (DTensor, Replicate, is_dtensor, local, refusal, row_major_strides,
+                                   sharding_dims, sum_over_mesh)
 
 
 def factor_placements(p: torch.Tensor, reduced: int) -> tuple:
     """The placements of a factor of ``p`` reduced over tensor dim ``reduced``: ``p``'s, but Replicate
     on the mesh dims sharding that dim."""
-    cut = set(_sharding(p, reduced))
+    cut = set(sharding_dims(p, reduced))
     return tuple(Replicate() if i in cut else pl for i, pl in enumerate(p.placements))
 
 
@@ -57,24 +50,6 @@ def state_layout(p: torch.Tensor) -> Dict[str, Tuple[tuple, Optional[tuple]]]:
     return {k: (shape, None if not is_dtensor(p) else
                 factor_placements(p, reduced[k]) if k in reduced else tuple(p.placements))
             for k, shape in adafactor_state_shapes(p.shape).items()}
-
-
-def _all_sum(items: List[Tuple[torch.Tensor, Any, List[int]]]) -> None:
-    """Sum each tensor in place over its mesh dims: ``items`` of (float64 tensor, mesh, mesh dims),
-    one all-reduce per (mesh, mesh dim) over all the tensors it concerns."""
-    import torch.distributed as dist
-
-    by_dim: Dict[Tuple[int, int], List[torch.Tensor]] = {}
-    meshes = {}
-    for t, mesh, dims in items:
-        for d in dims:
-            by_dim.setdefault((id(mesh), d), []).append(t)
-            meshes[id(mesh)] = mesh
-    for (mesh_id, d), ts in by_dim.items():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.all_reduce(flat, group=meshes[mesh_id].get_group(d))
-        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-            t.copy_(part.view(t.shape))
 
 
 class _Work:
@@ -160,13 +135,13 @@ def mesh_adafactor_step(opt: Any, grad_scale: Any, found_inf: Any) -> None:
         lp = local(w.p).detach()
         sq = w.x * w.x
         w.new["p_sumsq"] = (lp * lp).double().sum()
-        sums.append((w.new["p_sumsq"], mesh_of(w), _sharding(w.p)))
+        sums.append((w.new["p_sumsq"], mesh_of(w), sharding_dims(w.p)))
         if w.p.dim() >= 2:
             w.new["row_sum"] = sq.double().sum(-1, keepdim=True)
             w.new["col_sum"] = sq.double().sum(-2, keepdim=True)
-            sums.append((w.new["row_sum"], mesh_of(w), _sharding(w.p, -1)))
-            sums.append((w.new["col_sum"], mesh_of(w), _sharding(w.p, -2)))
-    _all_sum(sums)
+            sums.append((w.new["row_sum"], mesh_of(w), sharding_dims(w.p, -1)))
+            sums.append((w.new["col_sum"], mesh_of(w), sharding_dims(w.p, -2)))
+    sum_over_mesh(sums)
     sums = []
     for w in works:
         sc, shape = w.sc, w.p.shape
@@ -177,11 +152,11 @@ def mesh_adafactor_step(opt: Any, grad_scale: Any, found_inf: Any) -> None:
             w.new["row_var"] = row + weight * ((w.new["row_sum"] / cols).float() - row)
             w.new["col_var"] = col + weight * ((w.new["col_sum"] / rows).float() - col)
             w.new["row_total"] = w.new["row_var"].double().sum(-2, keepdim=True)
-            sums.append((w.new["row_total"], mesh_of(w), _sharding(w.p, -2)))
+            sums.append((w.new["row_total"], mesh_of(w), sharding_dims(w.p, -2)))
         else:
             var = w.state["variance"]
             w.new["variance"] = var + weight * (w.x * w.x - var)
-    _all_sum(sums)
+    sum_over_mesh(sums)
     sums = []
     for w in works:
         sc = w.sc
@@ -193,8 +168,8 @@ def mesh_adafactor_step(opt: Any, grad_scale: Any, found_inf: Any) -> None:
             v = w.new["variance"]
         w.new["u"] = w.x / v.clamp(min=eps1_sq).sqrt()
         w.new["u_sumsq"] = (w.new["u"] * w.new["u"]).double().sum()
-        sums.append((w.new["u_sumsq"], mesh_of(w), _sharding(w.p)))
-    _all_sum(sums)
+        sums.append((w.new["u_sumsq"], mesh_of(w), sharding_dims(w.p)))
+    sum_over_mesh(sums)
     # the updates, then every write (the parameters, the state, its step and entries)
     for w in works:
         sc, n = w.sc, w.p.numel()
@@ -215,7 +190,7 @@ def mesh_adafactor_step(opt: Any, grad_scale: Any, found_inf: Any) -> None:
                     v = w.state[k]
                     entry[k] = v if placements is None else DTensor.from_local(
                         v, w.p.device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                        stride=tuple(math.prod(shape[d + 1:]) for d in range(len(shape))))
+                        stride=row_major_strides(shape))
                 opt.state[w.p] = entry
             step = entry["step"]
             if isinstance(step, torch.Tensor):

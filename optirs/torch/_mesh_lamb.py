@@ -26,7 +26,7 @@ import torch
 
 from optirs.core.errors import UnsupportedOperationError
 from optirs.core.reference import lamb_trust_ratio
-from optirs.torch._dtensor import Shard, is_dtensor, local, sharded
+from optirs.torch._dtensor import is_dtensor, local, sharded, sharding_dims, sum_over_mesh
 from optirs.torch._scratch import hand_over, scratch_for
 
 
@@ -36,24 +36,9 @@ def holds_shards(opt: Any) -> bool:
 
 def mesh_sums(tensors: List[torch.Tensor], values: torch.Tensor) -> torch.Tensor:
     """``values[i]`` (a per-shard sum of tensor ``i``) summed over the mesh dims tensor ``i`` is
-    sharded on: one all-reduce per (mesh, sharded dims)."""
-    import torch.distributed as dist
-
-    groups: Dict[Tuple[int, Tuple[int, ...]], List[int]] = {}
-    meshes = {}
-    for i, t in enumerate(tensors):
-        if is_dtensor(t):
-            dims = tuple(d for d, pl in enumerate(t.placements) if isinstance(pl, Shard))
-            if dims:
-                groups.setdefault((id(t.device_mesh), dims), []).append(i)
-                meshes[id(t.device_mesh)] = t.device_mesh
+    sharded on."""
     out = values.clone()
-    for (mesh_id, dims), members in groups.items():
-        index = torch.tensor(members, device=values.device)
-        part = out.index_select(0, index)
-        for d in dims:
-            dist.all_reduce(part, group=meshes[mesh_id].get_group(d))
-        out.index_copy_(0, index, part)
+    sum_over_mesh([(out[i:i + 1], t.device_mesh, sharding_dims(t)) for i, t in enumerate(tensors) if is_dtensor(t)])
     return out
 
 
