@@ -54,6 +54,7 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _GRAD = operator.attrgetter("grad")
 _IS = operator.is_
 _DATA_PTR = torch.Tensor.data_ptr
+REHEARSALS = 2  # runs of the next step's preparation at the end of a group's first step (_commit)
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
@@ -738,16 +739,17 @@ class OptirsOptimizer(torch.optim.Optimizer):
                 installed.append((group, hyper, plan))
             else:
                 self._plans.pop(gi, None)
-        # The next step's check and preparation, made once now and dropped (the first look at every
-        # entry, and the first run of that code, which CPython specializes on its next run): the
-        # second step then costs what a later one does, and the first may take its time.
-        for group, hyper, plan in installed:
-            params = group["params"]
-            present = plan.current(params, list(map(_GRAD, params)), hyper.key, state)
-            if present is not None:
-                factor = self._grad_factor(group, None)
-                for bucket, pick in plan.launches:
-                    bucket.rehearse(hyper.hp, present if pick is None else pick(present), factor)
+        # The next step's check and preparation, made now and dropped, twice (the first look at every
+        # entry; the first runs of that code, which CPython specializes after its first run): the
+        # second step then costs about what a later one does, and the first may take its time.
+        for _ in range(REHEARSALS):
+            for group, hyper, plan in installed:
+                params = group["params"]
+                present = plan.current(params, list(map(_GRAD, params)), hyper.key, state)
+                if present is not None:
+                    factor = self._grad_factor(group, None)
+                    for bucket, pick in plan.launches:
+                        bucket.rehearse(hyper.hp, present if pick is None else pick(present), factor)
 
     @staticmethod
     def _on_device(t: Any, device: torch.device, what: str) -> torch.Tensor:

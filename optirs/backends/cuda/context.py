@@ -154,10 +154,12 @@ class _Launcher:
             return 1
         return int(out.value) if err == 0 else -1
 
-    def record_event(self, event: Any, stream: int, nstream: Any) -> None:
+    def record_event(self, event: Any, stream: int, nstream: Any, handle: Optional[int] = None) -> None:
         """cuEventRecord of a numba event on a raw stream: one ctypes call, where numba's
-        ``record`` (its stream wrapper, its API-call checks) costs tens of microseconds."""
-        handle = _raw_handle(getattr(event, "handle", None))
+        ``record`` (its stream wrapper, its API-call checks) costs tens of microseconds.
+        ``handle``: the event's raw handle when the caller keeps it."""
+        if handle is None:
+            handle = _raw_handle(getattr(event, "handle", None))
         if self.record is None or handle is None:
             event.record(nstream)
             return
@@ -701,6 +703,13 @@ class PointerTables:
         # events too: with a raw launcher, each pinned buffer's last copy is tracked by one (recorded
         # once now, so that numba binds its event calls here and not on a step's first new table)
         self.events = [ctx.cuda.event(timing=False) if ctx.launcher is not None else None for _ in range(_LRU)]
+        self.event_handles = [None if e is None else _raw_handle(getattr(e, "handle", None)) for e in self.events]
+        # Every table written once now, in one copy: the second step, the first to meet a new address
+        # set as a rule, then makes no table's first copy (which cost the driver tens of microseconds)
+        hosts[...] = 0
+        launcher = ctx.launcher
+        if launcher is None or not launcher.copy_to_device_async(self.device_addresses[0], hosts, ctx.stream):
+            devices.copy_to_device(hosts, stream=ctx.nstream)
         for event in self.events:
             if event is not None:
                 event.record(ctx.nstream)
@@ -739,7 +748,7 @@ class PointerTables:
                                                                   self.host_addresses[k]):
             device.copy_to_device(host, stream=ctx.nstream)
         if event is not None:
-            launcher.record_event(event, ctx.stream, ctx.nstream)
+            launcher.record_event(event, ctx.stream, ctx.nstream, self.event_handles[k])
         slot[3] = ctx.stream
         self.by_key[key] = slot
         self.last = (paddr, gaddr, device)

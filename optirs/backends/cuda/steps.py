@@ -68,9 +68,18 @@ class CudaSteps(StepDispatch):
         # The same pointer table, state, flag and optimizer as the last step of this layout: its
         # prepared launch, with this step's scalars (the arguments are addresses that did not move).
         last = layout.cache.get("cuda.pointwise.last")
-        if last is not None and last[0] is ptrs and last[1] is state and last[2] is found_inf and last[3] is definition:
-            last[4](scalars, ctx.stream, ctx.nstream)
-            return
+        if last is not None and last[1] is state and last[2] is found_inf and last[3] is definition:
+            prepared = last[4]
+            if last[0] is not ptrs:
+                # another table of the same pointer tables (a new address set): the launch prepared
+                # on it with the last one, whose other arguments are these
+                family = prepared.family
+                prepared = family.get(id(ptrs)) if family is not None else None
+                if prepared is not None:
+                    layout.cache["cuda.pointwise.last"] = (ptrs, state, found_inf, definition, prepared)
+            if prepared is not None:
+                prepared(scalars, ctx.stream, ctx.nstream)
+                return
         flag = flag_address(found_inf)
         family = definition.kernel
         compiled, chunk, grid, block = ctx.plan(family, ctx.kernels.STEP_FUNCTIONS[family], "step", scalars, layout)
