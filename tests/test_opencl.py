@@ -169,8 +169,8 @@ def test_misaligned_view_takes_the_scalar_kernel(ctx, rng, launches):
 
 def test_many_buffers_are_grouped_by_slots(ctx, rng, launches):
     """Separate buffers take one launch per ``ctx.slots`` of them (what the device's argument space
-    holds: 32 on PoCL, 128 on NVIDIA's driver, where 16 a launch took 3 and 9 launches for these);
-    views of one buffer (with gaps) take one."""
+    holds: 32 on PoCL, 128 on NVIDIA's driver): these slots + 8 buffers take 2 launches, where 16
+    buffers a launch took 3 on PoCL and 9 on NVIDIA's driver. Views of one buffer (with gaps) take one."""
     assert ctx.slots == ocl.slot_count(ctx.device) > 16
     shapes = [(3 + i % 20,) for i in range(ctx.slots + 8)]
     params, grads = problem(rng, shapes, steps=2)
