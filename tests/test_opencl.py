@@ -168,8 +168,11 @@ def test_misaligned_view_takes_the_scalar_kernel(ctx, rng, launches):
 
 
 def test_many_buffers_are_grouped_by_slots(ctx, rng, launches):
-    """20 separate buffers take ceil(20 / SLOTS) launches; 20 views of one buffer (with gaps) take one."""
-    shapes = [(3 + i,) for i in range(20)]
+    """Separate buffers take one launch per ``ctx.slots`` of them (what the device's argument space
+    holds: 32 on PoCL, 128 on NVIDIA's driver): these slots + 8 buffers take 2 launches, where 16
+    buffers a launch took 3 on PoCL and 9 on NVIDIA's driver. Views of one buffer (with gaps) take one."""
+    assert ctx.slots == ocl.slot_count(ctx.device) > 16
+    shapes = [(3 + i % 20,) for i in range(ctx.slots + 8)]
     params, grads = problem(rng, shapes, steps=2)
     expected, _ = reference.run("sgd", params, grads, CASES["sgd"])
     separate = [cla.to_device(ctx.queue, p) for p in params]
@@ -177,7 +180,7 @@ def test_many_buffers_are_grouped_by_slots(ctx, rng, launches):
     for gs in grads:
         del launches[:]
         opt.step_gpu(separate, [cla.to_device(ctx.queue, g) for g in gs])
-        assert [k for k, _, _ in launches] == ["sgd_chunks"] * -(-20 // ocl.SLOTS)
+        assert [k for k, _, _ in launches] == ["sgd_chunks"] * 2
     assert_close([d.get() for d in separate], expected)
 
     def gapped(arrays):  # each tensor followed by one unused element: not at the layout's offsets
@@ -199,6 +202,57 @@ def test_many_buffers_are_grouped_by_slots(ctx, rng, launches):
     for a in params:  # the gaps are untouched
         assert got[o + a.size] == np.float32(7)
         o += a.size + 1
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_a_small_grid_changes_no_bit(ctx, name, rng, launches, monkeypatch):
+    """A grid of one work-group per compute unit (OPTIRS_OPENCL_RESIDENT: one work-group's
+    work-items): on PoCL's 2 units each work-group takes several of the 7 chunks from the counter,
+    and every launch after it starts at the ticket the host expects. The same bits as the default
+    grid, LAMB's norms included (summed per chunk, whichever work-group takes it)."""
+    params, grads = problem(rng, steps=2)
+
+    def run():
+        dev = [cla.to_device(ctx.queue, p) for p in params]
+        opt = OPTIMIZERS[name](CASES[name], CFG)
+        for gs in grads:
+            opt.step_gpu(dev, [cla.to_device(ctx.queue, g) for g in gs])
+        return [d.get() for d in dev]
+
+    want = run()
+    monkeypatch.setenv("OPTIRS_OPENCL_RESIDENT", str(ctx.work_group))
+    del launches[:]
+    got = run()
+    chunked = [items for k, _, items in launches if k.endswith(("_chunks", "_sumsq", "_moments", "_apply"))]
+    assert chunked and set(chunked) == {min(7, ctx.compute_units) * ctx.work_group}
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setenv("OPTIRS_OPENCL_RESIDENT", "many")
+    with pytest.raises(InvalidParameterError, match="OPTIRS_OPENCL_RESIDENT='many'"):
+        run()
+
+
+def test_slot_counts_fit_the_argument_space(ctx):
+    """The slots a device gets leave room for every other argument of every chunked kernel, float32
+    and formats, on NVIDIA's driver (4352 bytes: 128 slots) and PoCL (1024: 32)."""
+    from optirs.backends.opencl import formats as OF
+    from optirs.backends.opencl.slots import argument_bytes, slots_for
+
+    for room, slots in ((4352, 128), (1024, 32), (1023, 16)):
+        assert slots_for(room) == slots
+        kernels = dict(ocl.context.kernel_arg_types(ctx.records, slots))
+        for family in (None, "adam", "radam", "lamb"):
+            kernels.update(OF._arg_types(ctx, family, slots))
+        need = {name: argument_bytes(types) for name, types in kernels.items()}
+        assert max(need.values()) <= room, (room, max(need.items(), key=lambda kv: kv[1]))
+
+
+def test_the_nvidia_slot_count_builds_with_the_host_arguments(ctx):
+    """The float32 program with the 128 slots of NVIDIA's driver builds, and every kernel takes
+    the arguments the host passes."""
+    program = ocl.build_program(ctx.context, ctx.device, ocl.kernel_source(128), ctx.build_options, "slots128")
+    for name, types in ocl.context.kernel_arg_types(ctx.records, 128).items():
+        assert cl.Kernel(program, name).num_args == len(types), name
 
 
 def test_launch_plan_follows_the_arrays_passed(ctx, rng):
@@ -306,7 +360,7 @@ def test_build_options_keep_exact_math(ctx):
     assert not any("fast-relaxed" in o or "mad-enable" in o or "unsafe" in o for o in opts)
     rounded = bool(ctx.device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
     assert ("-cl-fp32-correctly-rounded-divide-sqrt" in opts) == rounded
-    assert "#pragma OPENCL FP_CONTRACT OFF" in ocl.kernel_source()
+    assert "#pragma OPENCL FP_CONTRACT OFF" in ocl.kernel_source(ctx.slots)
 
 
 def test_struct_records_match_the_scalars():

@@ -496,9 +496,7 @@ def _device_copies(ctx, arrays, shared_from=None):
 
 def _many_shapes(ocl):
     """More tensors than one launch takes buffers (the slots, each kind): two launch groups."""
-    from optirs.backends.opencl.formats import slot_count
-
-    return [(5000,), (7,)] * (slot_count(ocl.ctx) // 2 + 1) + [(4099,), (33,), (4096,)]
+    return [(5000,), (7,)] * (ocl.ctx.slots // 2 + 1) + [(4099,), (33,), (4096,)]
 
 
 @pytest.mark.parametrize("fmt", [FORMATS[1], FORMATS[4], FORMATS[7]],

@@ -11,9 +11,11 @@ How a step is launched (see docs/opencl.md for the costs):
   same offsets as the state), stepped by one float4 launch and read back in ``Staged.finish``.
 - ``pyopencl.array.Array`` inputs are stepped in place. When they are views of one allocation
   at the layout's offsets (a flat parameter buffer) it is the same single float4 launch.
-  Otherwise OpenCL 1.2 has no pointer tables: a chunked kernel takes ``SLOTS`` parameter and
-  ``SLOTS`` gradient buffers as arguments, so a model is one launch per ``SLOTS`` distinct
-  buffers (views of a shared buffer count once), with no copies.
+  Otherwise OpenCL 1.2 has no pointer tables: a chunked kernel takes ``ctx.slots`` parameter and
+  ``ctx.slots`` gradient buffers as arguments (as many as the device's argument space holds: 128
+  on NVIDIA's driver, 32 on PoCL; ``slots.py``), so a model is one launch per ``ctx.slots``
+  distinct buffers (views of a shared buffer count once), with no copies. Each launch is a
+  resident grid dealing chunks from a counter on the device.
 - LAMB runs as chunked passes (moments with per-chunk norm partials, per-tensor trust ratios,
   apply; two more with global gradient clipping), each pass one launch per group as above.
 
@@ -23,8 +25,8 @@ pyopencl is imported only when the backend is probed or opened.
 from __future__ import annotations
 
 from optirs.backends.opencl.adafactor import OpenclAdafactor
-from optirs.backends.opencl.context import (CHUNK, ELEMENTWISE, KERNEL_FILE, RECORDS, SLOTS, WORK_GROUP, OpenclContext,
-                                            SlotGrouper, build_options, build_program, describe_device, kernel_source,
+from optirs.backends.opencl.context import (CHUNK, ELEMENTWISE, KERNEL_FILE, RECORDS, WORK_GROUP, OpenclContext,
+                                            build_options, build_program, describe_device, kernel_source,
                                             record_dtype, select_device)
 from optirs.backends.opencl.device import OpenclDevice
 from optirs.backends.opencl.fake_quant import OpenclFakeQuant
@@ -33,12 +35,13 @@ from optirs.backends.opencl.fusion import OpenclFusion
 from optirs.backends.opencl.measure import OpenclMeasure
 from optirs.backends.opencl.mixed_precision import OpenclMixedPrecision
 from optirs.backends.opencl.replica_reduce import OpenclReplicaReduce
+from optirs.backends.opencl.slots import SlotGrouper, slot_count
 from optirs.backends.opencl.sparse import OpenclSparse
 from optirs.backends.opencl.steps import OpenclSteps
 
-__all__ = ["CHUNK", "ELEMENTWISE", "KERNEL_FILE", "RECORDS", "SLOTS", "WORK_GROUP", "OpenclBackend", "OpenclContext",
+__all__ = ["CHUNK", "ELEMENTWISE", "KERNEL_FILE", "RECORDS", "WORK_GROUP", "OpenclBackend", "OpenclContext",
            "SlotGrouper", "build_options", "build_program", "describe_device", "kernel_source", "plugin", "record_dtype",
-           "select_device"]
+           "select_device", "slot_count"]
 
 
 class OpenclBackend(OpenclDevice, OpenclSteps, OpenclReplicaReduce, OpenclFakeQuant, OpenclMixedPrecision, OpenclSparse, OpenclFusion, OpenclAdafactor, OpenclMeasure,

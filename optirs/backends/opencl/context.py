@@ -16,6 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from optirs.backends.common.opencl_source import program_source
+from optirs.backends.opencl.slots import Group, SlotGrouper, Tickets, check_argument_space, slot_count, slot_macros
 from optirs.core.compile_cache import timed_build
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import DeviceMemoryError, GpuOptimError
@@ -24,8 +25,6 @@ from optirs.plugin.hookspecs import DeviceInfo
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
 # tensor's alignment); the chunk table of a 256M-element model is 32K rows.
 CHUNK = 8192
-# Buffers of each kind (parameters, gradients) one chunked launch takes as arguments.
-SLOTS = 16
 # Work-group size asked for (lowered to the device's limit, kept a power of two for reductions).
 WORK_GROUP = 256
 KERNEL_FILE = "optirs_steps.cl"
@@ -41,12 +40,13 @@ _MISSING = object()
 # ---------------------------------------------------------------- sources and records
 
 
-def kernel_source() -> str:
-    """The program text: optirs_steps.cl with its headers inlined, then the kernels of every
-    elementwise family and the struct-size check, generated from the definitions."""
+def kernel_source(slots: int) -> str:
+    """The program text for ``slots`` buffers of each kind per chunked launch: the slot macros,
+    optirs_steps.cl with its headers inlined, then the kernels of every elementwise family and the
+    struct-size check, generated from the definitions."""
     sizes = "\n".join(f"    out[{k}] = (int)sizeof({family}_scalars);" for k, family in enumerate(RECORDS))
     return "\n".join([
-        program_source(KERNEL_FILE),
+        slot_macros(slots) + program_source(KERNEL_FILE),
         *(f"STEP_KERNELS({family})" for family in ELEMENTWISE),
         "/* Lets the host check that its numpy records have the structs' sizes. */",
         "__kernel void optirs_struct_sizes(__global int *out)\n{",
@@ -54,6 +54,25 @@ def kernel_source() -> str:
         f"    out[{len(RECORDS)}] = (int)sizeof(acc_t);",
         "}",
     ])
+
+
+def kernel_arg_types(records: Dict[str, np.dtype], slots: int) -> Dict[str, list]:
+    """The argument types the host passes to each kernel of the program (``None``: a buffer)."""
+    u64, u32, i32, f32 = np.uint64, np.uint32, np.int32, np.float32
+    pg = [None] * (2 * slots)
+    table = [None, None, None, None, u32, u32, None, u32]  # tens, tinfo, chunk table, range, counter
+    types: Dict[str, list] = {"optirs_struct_sizes": [None]}
+    for fam in ELEMENTWISE:
+        rec = records[fam]
+        types[f"{fam}_flat4"] = types[f"{fam}_flat1"] = [None, u64, None, u64, None, None, None, u64, u64, rec]
+        types[f"{fam}_chunks"] = pg + [None, None, None] + table + [rec]
+    lamb = records["lamb"]
+    types["lamb_grad_sumsq"] = pg + table + [None]
+    types["lamb_grad_scale"] = [None, u32, f32, f32, None]
+    types["lamb_moments"] = pg + [None, None] + table + [None, i32, None, lamb]
+    types["lamb_trust_ratios"] = [None, None, None, f32, None]
+    types["lamb_apply"] = pg + [None, None] + table + [None, lamb]
+    return types
 
 
 def record_dtype(record: type) -> np.dtype:
@@ -267,35 +286,26 @@ class OpenclContext:
         props = cl.command_queue_properties.PROFILING_ENABLE if profiling else 0
         self.queue = cl.CommandQueue(self.context, device, properties=props)
         self.work_group = _work_group(device)
+        self.compute_units = max(1, int(device.max_compute_units))
+        self.slots = slot_count(device)  # buffers of each kind per chunked launch
         self.build_options = build_options(device, self.work_group)
-        self.program = build_program(self.context, device, kernel_source(), self.build_options, "kernels")
+        self.program = build_program(self.context, device, kernel_source(self.slots), self.build_options,
+                                     f"kernels.slots{self.slots}")
         self.records = {name: record_dtype(cls) for name, cls in RECORDS.items()}
         self.kernels: Dict[str, Any] = {}
         self._make_kernels()
         self.acc_bytes = self._check_structs()
         self.dummy = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, 16)  # stands in for unused slots
+        self.tickets = Tickets(self)  # the chunked launches deal chunks from it (slots.deal)
         self.lock = threading.Lock()
         self._staging: Dict[Tuple[int, ...], _StagingArea] = {}
 
     # kernels are made once, with their argument types, and reused for every launch
     def _make_kernels(self) -> None:
-        cl = self.cl
-        u64, u32, i32, f32 = np.uint64, np.uint32, np.int32, np.float32
-        slots = [None] * (2 * SLOTS)
-        table = [None, None, None, None, u32]
-        types: Dict[str, list] = {"optirs_struct_sizes": [None]}
-        for fam in ELEMENTWISE:
-            rec = self.records[fam]
-            types[f"{fam}_flat4"] = types[f"{fam}_flat1"] = [None, u64, None, u64, None, None, None, u64, u64, rec]
-            types[f"{fam}_chunks"] = slots + [None, None, None] + table + [rec]
-        lamb = self.records["lamb"]
-        types["lamb_grad_sumsq"] = slots + table + [None]
-        types["lamb_grad_scale"] = [None, u32, f32, f32, None]
-        types["lamb_moments"] = slots + [None, None] + table + [None, i32, None, lamb]
-        types["lamb_trust_ratios"] = [None, None, None, f32, None]
-        types["lamb_apply"] = slots + [None, None] + table + [None, lamb]
+        types = kernel_arg_types(self.records, self.slots)
+        check_argument_space(self.device, types)
         for name, arg_types in types.items():
-            kernel = cl.Kernel(self.program, name)
+            kernel = self.cl.Kernel(self.program, name)
             if kernel.num_args != len(arg_types):
                 raise GpuOptimError(f"OpenCL kernel {name} takes {kernel.num_args} arguments, the host passes "
                                     f"{len(arg_types)}: optirs_steps.cl and opencl.py disagree")
@@ -417,21 +427,6 @@ def _layout_tables(ctx: OpenclContext, layout: Any, chunk: int = CHUNK) -> _Tabl
     return tables
 
 
-class _Group(NamedTuple):
-    """One chunked launch: its chunk range and, per slot, the index of a tensor whose buffer fills it."""
-
-    chunk_begin: int
-    chunk_end: int
-    p_holders: Tuple[int, ...]
-    g_holders: Tuple[int, ...]
-
-    def buffers(self, ctx: "OpenclContext", params: List[Any], grads: List[Any], slots: int = SLOTS) -> List[Any]:
-        # Buffers are looked up on the caller's arrays at launch, so a cached plan holds no device memory.
-        pad = [ctx.dummy]
-        return ([params[i].base_data for i in self.p_holders] + pad * (slots - len(self.p_holders))
-                + [grads[i].base_data for i in self.g_holders] + pad * (slots - len(self.g_holders)))
-
-
 class _Plan:
     """How one step launches for a given list of arrays: the flat range, or chunk groups and tensor tables.
 
@@ -443,7 +438,7 @@ class _Plan:
         self.refs = [weakref.ref(a) for a in params] + [weakref.ref(a) for a in grads]
         self.s_off = s_off
         self.flat: Optional[Tuple[int, int, int, int]] = None
-        self.groups: Optional[List[_Group]] = None
+        self.groups: Optional[List[Group]] = None
         self.tens = self.info = None
 
     def matches(self, params: List[Any], grads: List[Any], s_off: int) -> bool:
@@ -473,48 +468,13 @@ def _plan(ctx: OpenclContext, params: List[Any], grads: List[Any], layout: Any, 
     return plan
 
 
-class SlotGrouper:
-    """Splits a model into launch groups of at most ``slots`` (SLOTS) distinct parameter and
-    gradient buffers.
-
-    Tensors are added in order; ``add`` returns the tensor's (parameter slot, gradient slot) in its
-    group and ``finish`` the groups (chunk ranges from the layout's chunk table)."""
-
-    def __init__(self, tables: "_Tables", slots: int = SLOTS):
-        self.tables, self.groups, self.slots = tables, [], slots
-        self._t0, self._pslots, self._gslots, self._pholders, self._gholders = 0, {}, {}, [], []
-
-    def _close(self, t1: int) -> None:
-        first = self.tables.host_first
-        if first[t1] > first[self._t0]:
-            self.groups.append(_Group(int(first[self._t0]), int(first[t1]), tuple(self._pholders), tuple(self._gholders)))
-
-    def add(self, t: int, pkey: int, gkey: int, pholder: int, gholder: int) -> Tuple[int, int]:
-        """Tensor ``t`` reads the parameter buffer ``pkey`` (held by tensor ``pholder``) and the gradient buffer ``gkey``."""
-        if (pkey not in self._pslots and len(self._pslots) == self.slots) or \
-                (gkey not in self._gslots and len(self._gslots) == self.slots):
-            self._close(t)
-            self._t0, self._pslots, self._gslots, self._pholders, self._gholders = t, {}, {}, [], []
-        if pkey not in self._pslots:
-            self._pslots[pkey] = len(self._pholders)
-            self._pholders.append(pholder)
-        if gkey not in self._gslots:
-            self._gslots[gkey] = len(self._gholders)
-            self._gholders.append(gholder)
-        return self._pslots[pkey], self._gslots[gkey]
-
-    def finish(self, ntens: int) -> List[_Group]:
-        self._close(ntens)
-        return self.groups
-
-
 def _chunk_groups(ctx: OpenclContext, plan: _Plan, params: List[Any], grads: List[Any], layout: Any,
                   tables: _Tables) -> None:
-    """Fill the plan's tensor tables and launch groups of at most SLOTS distinct buffers of each kind."""
+    """Fill the plan's tensor tables and launch groups of at most ``ctx.slots`` distinct buffers of each kind."""
     ntens = len(layout)
     tens = np.zeros((ntens, 4), np.int64)
     info = np.zeros((ntens, 4), np.int32)
-    grouper = SlotGrouper(tables)
+    grouper = SlotGrouper(tables, ctx.slots)
     for t in range(ntens):
         n = int(layout.sizes[t])
         s_off = plan.s_off + int(layout.offsets[t])

@@ -4,14 +4,14 @@ The kernels are ``optirs/backends/common/kernels/optirs_formats.cl`` (+ ``optirs
 contract's encodings, and ``optirs_formats_step.h``, one kernel per elementwise family), built
 once per context, format, family and set of state slots: the format's codes and the slots in use
 are compile-time defines, so a launch has no branch on either and an absent slot costs nothing.
-A step is one launch per group of at most ``SLOTS`` distinct parameter and gradient buffers, as
-the float32 step: numpy inputs are packed into one buffer (one launch for the model), pyopencl
-arrays are stepped in place. Each launch is a resident grid: as many work-groups as the compute
-units keep at once, each taking chunks from a counter until none are left (the CUDA formats
-kernels' shape; one work-group per chunk left every work-group's start and tail unhidden). LAMB
-is its two passes (plus two for global gradient clipping), reusing the float32 step's trust-ratio
-kernels, over the float32 step's chunks and work-group size so that its norms are summed in the
-same order.
+A step is one launch per group of at most ``ctx.slots`` distinct parameter and gradient buffers
+(:mod:`optirs.backends.opencl.slots`), as the float32 step: numpy inputs are packed into one
+buffer (one launch for the model), pyopencl arrays are stepped in place. Each launch is a resident
+grid: as many work-groups as the compute units keep at once, each taking chunks from the
+context's counter until none are left (the CUDA formats kernels' shape; one work-group per chunk
+left every work-group's start and tail unhidden). LAMB is its two passes (plus two for global
+gradient clipping), reusing the float32 step's trust-ratio kernels, over the float32 step's chunks
+and work-group size so that its norms are summed in the same order.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 from optirs.backends.common.int8_buckets import bucket_table
 from optirs.backends.common.opencl_source import expand_includes, program_source
 from optirs.backends.common.register_cap import formats_register_cap
-from optirs.backends.opencl.context import SLOTS
+from optirs.backends.opencl.slots import SlotGrouper, check_argument_space, deal, resident_groups, slot_macros
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import (FORMAT_FAMILIES, FormatState, StepFormat, dtype_name, dynamic_map,
@@ -50,31 +50,15 @@ FMT_CHUNK = 2048
 # Work-items per work-group of those kernels (OPTIRS_OPENCL_FORMATS_WG): small groups of these
 # register-heavy kernels keep more of them resident (the CUDA formats kernels' 128-thread blocks).
 WORK_GROUP = 128
-# Work-items per compute unit the grid holds (OPTIRS_OPENCL_FORMATS_RESIDENT): 2048 is what an
-# NVIDIA SM keeps at most; a work-group that does not fit starts late, finds no chunk left and ends.
-RESIDENT = 2048
+# Work-items per compute unit of the grid (slots.RESIDENT unless set).
+RESIDENT_VARIABLE = "OPTIRS_OPENCL_FORMATS_RESIDENT"
 
 
 
 # ---------------------------------------------------------------- programs
 
 
-def slot_macros(slots: int) -> str:
-    """FMT_SLOTS, FMT_SLOT_PARAMS(X, TY) (the arguments X0..X<slots-1>) and FMT_PICK(s, X) (slot
-    s's buffer, a balanced tree of conditionals: work-item 0 evaluates it once per chunk)."""
-
-    def tree(lo: int, hi: int) -> str:
-        if hi - lo == 1:
-            return f"X##{lo}"
-        mid = (lo + hi) // 2
-        return f"((s) < {mid} ? {tree(lo, mid)} : {tree(mid, hi)})"
-
-    params = ", ".join(f"__global TY *X##{k}" for k in range(slots))
-    return (f"#define FMT_SLOTS {slots}\n#define FMT_SLOT_PARAMS(X, TY) {params}\n"
-            f"#define FMT_PICK(s, X) {tree(0, slots)}\n")
-
-
-def format_source(family: Optional[str], slots: int = SLOTS) -> str:
+def format_source(family: Optional[str], slots: int) -> str:
     """The program text: the slot macros, optirs_formats.cl, then the format step kernel of
     ``family`` when it is an elementwise family (LAMB's passes and the gradient check are in
     optirs_formats.cl)."""
@@ -83,18 +67,6 @@ def format_source(family: Optional[str], slots: int = SLOTS) -> str:
         return text
     step = expand_includes(f'#include "{STEP_TEMPLATE}"')
     return f"{text}\n#define OPT {family}\n{step}\n#undef OPT"
-
-
-def slot_count(ctx: Any) -> int:
-    """Buffers of each kind one launch takes: the most of 128, 64, 32 and 16 whose pointers fit the
-    device's kernel argument space with room for the other arguments (16 x slots + 512 bytes;
-    4352 bytes on NVIDIA's driver: 128, PoCL's 1024: 32). Fewer launches, fewer launch tails."""
-    cache = _cache(ctx)
-    hit = cache.get("slots")
-    if hit is None:
-        room = int(ctx.device.max_parameter_size)
-        hit = cache["slots"] = next((n for n in (128, 64, 32) if 16 * n + 512 <= room), SLOTS)
-    return hit
 
 
 def format_defines(fmt: StepFormat) -> List[str]:
@@ -142,19 +114,6 @@ def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
     return [f"-cl-nv-maxrregcount={cap}"] if nv and cap else []
 
 
-def resident_groups(ctx: Any, wg: int) -> int:
-    """The most work-groups of ``wg`` work-items a launch has: ``OPTIRS_OPENCL_FORMATS_RESIDENT``
-    (2048) work-items per compute unit, at least one work-group per unit."""
-    cache = _cache(ctx)
-    units = cache.get("units")
-    if units is None:
-        units = cache["units"] = max(1, int(ctx.device.max_compute_units))
-    text = os.environ.get("OPTIRS_OPENCL_FORMATS_RESIDENT", "").strip()
-    if text and (not text.isdigit() or int(text) < 1):
-        raise InvalidParameterError(f"OPTIRS_OPENCL_FORMATS_RESIDENT={text!r}, expected a number of work-items >= 1")
-    return max(1, (int(text) if text else RESIDENT) // wg) * units
-
-
 class _Program(NamedTuple):
     kernels: Dict[str, Any]  # name -> Kernel with its argument types set
     wg: int  # work-items per work-group
@@ -199,7 +158,7 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
     else:
         wg = work_group(ctx)
         chunk = chunk_elements(wg)
-    slots = slot_count(ctx)
+    slots = ctx.slots
     registers = register_options(ctx, fmt)
     cache = _cache(ctx)
     key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers))
@@ -226,8 +185,9 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             cache["nv_options"] = False
             options = [o for o in options if o not in registers]
             program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
-        kernels = {}
-        for kname, arg_types in _arg_types(ctx, family, slots).items():
+        kernels, types = {}, _arg_types(ctx, family, slots)
+        check_argument_space(ctx.device, types)
+        for kname, arg_types in types.items():
             kernel = ctx.cl.Kernel(program, kname)
             if kernel.num_args != len(arg_types):
                 raise GpuOptimError(f"OpenCL kernel {kname} takes {kernel.num_args} arguments, the host passes "
@@ -279,37 +239,6 @@ def _zero_flag(ctx: Any) -> Any:
         buf = cache["zero"] = cl.Buffer(ctx.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
                                         hostbuf=np.zeros(4, np.int32))
     return buf
-
-
-class _Tickets:
-    """The counter the launches deal chunks from (tickets[0] on the device) and the value it will
-    hold once the queued launches have run: a launch takes ``nchunks + work-groups`` tickets
-    (every work-group's last take finds no chunk; a skipped launch adds as many), so the host
-    knows each launch's first ticket without reading the counter back."""
-
-    def __init__(self, ctx: Any):
-        cl = ctx.cl
-        self.buffer = cl.Buffer(ctx.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
-                                hostbuf=np.zeros(1, np.uint32))
-        self.next = 0
-
-
-def _tickets(ctx: Any) -> _Tickets:
-    cache = _cache(ctx)
-    hit = cache.get("tickets")
-    if hit is None:
-        hit = cache["tickets"] = _Tickets(ctx)
-    return hit
-
-
-def _enqueue(ctx: Any, prog: _Program, name: str, head: Sequence[Any], nchunks: int, tail: Sequence[Any],
-             most: int) -> None:
-    """Launch ``name`` over ``nchunks`` chunks in at most ``most`` work-groups: ``head`` (the
-    arguments before the counter's), then ``tickets, ticket_base``, then ``tail``."""
-    tickets = _tickets(ctx)
-    groups = max(1, min(nchunks, most))
-    prog.kernels[name](ctx.queue, (groups * prog.wg,), (prog.wg,), *head, tickets.buffer, tickets.next, *tail)
-    tickets.next = (tickets.next + nchunks + groups) & 0xFFFFFFFF
 
 
 # ---------------------------------------------------------------- staging
@@ -394,8 +323,6 @@ class _Plan:
 
     def __init__(self, ctx: Any, params: List[Any], grads: List[Any], layout: Any, table: Optional[np.ndarray],
                  key: Tuple[Any, ...], tables: Any, slots: int):
-        from optirs.backends.opencl.context import SlotGrouper
-
         self.refs = [weakref.ref(a) for a in params] + [weakref.ref(a) for a in grads]
         self.key, self.tables, self.slots = key, tables, slots
         s_offs = key[1]
@@ -428,12 +355,12 @@ class _Plan:
     def launch(self, ctx: Any, prog: _Program, name: str, params: List[Any], grads: List[Any],
                state: Sequence[Any], tail: Sequence[Any]) -> None:
         """``name`` over every launch group: its slot buffers, ``state``, the tables, then ``tail``."""
-        tables, most = self.tables, resident_groups(ctx, prog.wg)
+        tables, most = self.tables, resident_groups(ctx, prog.wg, RESIDENT_VARIABLE)
         for g in self.groups:
             nchunks = g.chunk_end - g.chunk_begin
-            head = [*g.buffers(ctx, params, grads, self.slots), *state, self.tens, tables.chunk_tensor,
+            head = [*g.buffers(ctx, params, grads), *state, self.tens, tables.chunk_tensor,
                     tables.chunk_start, g.chunk_begin, nchunks]
-            _enqueue(ctx, prog, name, head, nchunks, tail, most)
+            deal(ctx, prog.kernels[name], prog.wg, head, nchunks, tail, most)
 
 
 def _plan(ctx: Any, name: str, params, grads, layout, table: Optional[np.ndarray], s_offs: Tuple[int, ...],

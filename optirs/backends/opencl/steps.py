@@ -14,11 +14,15 @@ import numpy as np
 from typing import Any, List, Sequence, Tuple
 
 from optirs.backends.opencl.context import OpenclContext, _lamb_scratch, _layout_tables, _plan
+from optirs.backends.opencl.slots import deal, resident_groups
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import FORMAT_FAMILIES
 from optirs.backends.common.steps import StepDispatch
 from optirs.plugin.hookspecs import StepRequest, StepSupport
+
+# Work-items per compute unit of a chunked launch's grid (slots.RESIDENT unless set).
+RESIDENT_VARIABLE = "OPTIRS_OPENCL_RESIDENT"
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES))
@@ -59,10 +63,12 @@ def _elementwise(ctx: OpenclContext, family: str, params, grads, state_arrays, l
                        *s_bufs, s_off, n, rec)
                 return
             tables = _layout_tables(ctx, layout)
-            kernel = ctx.kernels[family + "_chunks"]
+            kernel, most = ctx.kernels[family + "_chunks"], resident_groups(ctx, wg, RESIDENT_VARIABLE)
             for grp in plan.groups:
-                kernel(ctx.queue, ((grp.chunk_end - grp.chunk_begin) * wg,), (wg,), *grp.buffers(ctx, params, grads),
-                       *s_bufs, plan.tens, plan.info, tables.chunk_tensor, tables.chunk_start, grp.chunk_begin, rec)
+                nchunks = grp.chunk_end - grp.chunk_begin
+                deal(ctx, kernel, wg, [*grp.buffers(ctx, params, grads), *s_bufs, plan.tens, plan.info,
+                                       tables.chunk_tensor, tables.chunk_start, grp.chunk_begin, nchunks],
+                     nchunks, [rec], most)
         except cl.Error as exc:
             raise ctx.translate(exc, f"running the {family} step over {n} elements") from exc
 
@@ -80,20 +86,23 @@ def _lamb(ctx: OpenclContext, params, grads, m, v, layout, scalars) -> None:
             tables = _layout_tables(ctx, layout)
             plan = _plan(ctx, params, grads, layout, s_off, chunked=True)
             partial_g, partial_pu, scale, ratio = _lamb_scratch(ctx, layout, tables)
+            most = resident_groups(ctx, wg, RESIDENT_VARIABLE)
             chunk_args = (plan.tens, plan.info, tables.chunk_tensor, tables.chunk_start)
-            launches = [(((grp.chunk_end - grp.chunk_begin) * wg,), grp.buffers(ctx, params, grads), grp.chunk_begin)
-                        for grp in plan.groups]
+
+            def each_group(name: str, state: Sequence[Any], tail: Sequence[Any]) -> None:
+                for grp in plan.groups:
+                    nchunks = grp.chunk_end - grp.chunk_begin
+                    deal(ctx, k[name], wg, [*grp.buffers(ctx, params, grads), *state, *chunk_args, grp.chunk_begin,
+                                            nchunks], nchunks, tail, most)
+
             if clip:
-                for gsize, bufs, c0 in launches:
-                    k["lamb_grad_sumsq"](q, gsize, (wg,), *bufs, *chunk_args, c0, partial_g)
+                each_group("lamb_grad_sumsq", (), (partial_g,))
                 k["lamb_grad_scale"](q, (wg,), (wg,), partial_g, tables.total_chunks, scalars.max_grad_norm,
                                      scalars.grad_factor, scale)
-            for gsize, bufs, c0 in launches:
-                k["lamb_moments"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, scale, int(clip), partial_pu, rec)
+            each_group("lamb_moments", (mb, vb), (scale, int(clip), partial_pu, rec))
             k["lamb_trust_ratios"](q, (len(layout) * wg,), (wg,), partial_pu, tables.first_chunk, tables.nchunks,
                                    scalars.max_trust_ratio, ratio)
-            for gsize, bufs, c0 in launches:
-                k["lamb_apply"](q, gsize, (wg,), *bufs, mb, vb, *chunk_args, c0, ratio, rec)
+            each_group("lamb_apply", (mb, vb), (ratio, rec))
         except cl.Error as exc:
             raise ctx.translate(exc, f"running the lamb step over {n} elements") from exc
 

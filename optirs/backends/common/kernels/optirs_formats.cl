@@ -11,7 +11,7 @@
  *   OPTIRS_FMT_SIGNED  bit k: state slot k takes the signed int8 map
  *   OPTIRS_FMT_LAMB    1: the program holds LAMB's passes
  * so a launch has no per-element branch on the format or the slots. A model is one launch (per
- * FMT_SLOTS distinct buffers of each kind) of a resident grid: each work-group
+ * OPTIRS_SLOTS distinct buffers of each kind) of a resident grid: each work-group
  * takes chunks of OPTIRS_CHUNK elements of one tensor from a counter until none are left (a
  * work-group that starts late finds none: the grid may exceed what stays resident), each
  * work-item eight consecutive elements per round (one 16-byte load of 16-bit parameters; vector
@@ -49,15 +49,9 @@
 
 #include "optirs_scalars.h"
 #include "optirs_formats.h"
-/* The host defines FMT_SLOTS buffer slots of each kind (as many as the device's kernel argument
- * space holds): FMT_SLOT_PARAMS(X, TY), the arguments X0..; FMT_PICK(s, X), slot s's buffer.
- * Without them, the float32 chunked step's OPTIRS_SLOTS. */
-#ifndef FMT_SLOTS
-#include "optirs_slots.h"
-#define FMT_SLOTS OPTIRS_SLOTS
-#define FMT_SLOT_PARAMS SLOT_PARAMS_OF
-#define FMT_PICK PICK
-#endif
+/* OPTIRS_SLOTS buffer slots of each kind (as many as the device's kernel argument space holds):
+ * SLOT_PARAMS(X, TY), the arguments X0..; PICK(s, X), slot s's buffer; DEAL_CHUNK. */
+#include "optirs_chunks.h"
 
 #define T float8
 #define SUFFIX v8
@@ -171,9 +165,7 @@ typedef struct {
  * z layout offset (the state index and the random bits' counter base), w size, s4 first int8
  * block (-1: none), s5 offset in the small-tensor float32 state (-1: int8 blocks), s6 flags:
  * param slot | grad slot << 8 | 8-element aligned << 16. */
-#define FMT_TABLE_PARAMS                                                                         \
-    __global const long8 *tens, __global const int *chunk_tensor, __global const long *chunk_start,         \
-    uint chunk_base, uint nchunks, __global volatile uint *tickets, uint ticket_base
+#define FMT_TABLE_PARAMS __global const long8 *tens, DEAL_PARAMS
 
 #define FMT_BUFFER_PARAMS                                                                        \
     __global MST *M, __global SST *S0, __global SST *S1, __global SST *S2, __global float *C0,   \
@@ -191,32 +183,13 @@ typedef struct {
 
 /* ---------------------------------------------------------------- dealing chunks */
 
-/* The chunk work-item 0 takes for the work-group (nchunks: none left), its tensor and that
- * tensor's parameter and gradient buffers, picked from the slots once for the work-group. */
+/* The chunk work-item 0 takes for the work-group (DEAL_CHUNK of optirs_chunks.h). */
 typedef struct {
     uint taken;
     int t;
     __global PST *p;
     __global const GST *g;
 } fmt_deal;
-
-/* Chunks are dealt in order from the counter tickets[0]: each take advances it by one and every
- * work-group's last take finds none, so a launch advances it by nchunks + its number of
- * work-groups and the host knows the next launch's first ticket without reading it back. */
-#define FMT_DEAL(P, G)                                                                           \
-    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */               \
-    if (lid == 0) {                                                                              \
-        const uint taken = min(atomic_inc(tickets) - ticket_base, nchunks);                      \
-        deal_.taken = taken;                                                                     \
-        if (taken < nchunks) {                                                                   \
-            const int t = chunk_tensor[chunk_base + taken];                                      \
-            const long flags = tens[t].s6;                                                       \
-            deal_.t = t;                                                                         \
-            deal_.p = FMT_PICK((int)(flags & 0xFF), P);                                          \
-            deal_.g = FMT_PICK((int)((flags >> 8) & 0xFF), G);                                   \
-        }                                                                                        \
-    }                                                                                            \
-    barrier(CLK_LOCAL_MEM_FENCE);
 
 /* A launch that writes nothing (found_inf) advances the counter as much as a full one. */
 void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
@@ -232,7 +205,7 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
     __local fmt_deal deal_;                                                                      \
     const int lid = (int)get_local_id(0);                                                        \
     for (;;) {                                                                                   \
-        FMT_DEAL(P, G)                                                                           \
+        DEAL_CHUNK(deal_, P, G, (int)(tens[t].s6 & 0xFF), (int)((tens[t].s6 >> 8) & 0xFF))    \
         if (deal_.taken >= nchunks)                                                              \
             break;                                                                               \
         const uint c = chunk_base + deal_.taken;                                                 \
@@ -469,7 +442,7 @@ uint8 fmt_index8(long lay, long k)
 
 /* flag[0] = 1 when any gradient is not finite (reads only the gradients). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_check(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
+void fmt_check(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
 {
     int bad = 0;
     FMT_CHUNKS_BEGIN(P, G)
@@ -500,7 +473,7 @@ float8 fmt_valid(float8 x, int nv)
 /* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c (part 2 is the float32
  * step's lamb_grad_scale). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_grad_sumsq(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
+void fmt_lamb_grad_sumsq(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
 {
     __local acc_t red[OPTIRS_WG];
     FMT_CHUNKS_BEGIN(P, G)
@@ -528,7 +501,7 @@ float8 fmt_lamb_element(__global const PST *p, __global const MST *m, __global c
 
 /* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_norms(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
                     const lamb_scalars sc)
 {
@@ -560,7 +533,7 @@ void fmt_lamb_norms(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_
 
 /* Pass 2: p -= lr * ratio * u, and the new moments stored in the state's format. */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void fmt_lamb_apply(FMT_SLOT_PARAMS(P, PST), FMT_SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
+void fmt_lamb_apply(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global const float *ratio,
                     __global const int *skip, const fmt_step st, const lamb_scalars sc)
 {

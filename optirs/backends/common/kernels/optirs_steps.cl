@@ -1,19 +1,22 @@
-/* optirs step kernels in OpenCL C (built once per context by optirs/backends/opencl.py).
+/* optirs step kernels in OpenCL C (built once per context by optirs/backends/opencl/context.py).
  *
  * Three launch shapes share the per-element math of optirs_elementwise.h:
  *   <opt>_flat4   one contiguous range (a single tensor, or a model packed at its layout
  *                 offsets): one work-item per float4, the last work-item does the 0-3 tail.
  *                 Needs every base offset to be a multiple of 4 elements (16-byte aligned).
  *   <opt>_flat1   the same range, one work-item per element (any alignment).
- *   <opt>_chunks  a model of separate buffers: one work-group per chunk of OPTIRS_CHUNK
- *                 elements of one tensor (the apex multi_tensor_apply idea). OpenCL 1.2 has no
- *                 pointer tables, so a launch takes OPTIRS_SLOTS parameter and gradient buffers as
- *                 arguments and the tensor table names each tensor's slots and offsets.
+ *   <opt>_chunks  a model of separate buffers, in chunks of OPTIRS_CHUNK elements of one tensor
+ *                 (the apex multi_tensor_apply idea). OpenCL 1.2 has no pointer tables, so a
+ *                 launch takes OPTIRS_SLOTS parameter and gradient buffers as arguments (as many
+ *                 as the device's argument space holds) and the tensor table names each tensor's
+ *                 slots and offsets. A launch is a resident grid: each work-group takes chunks
+ *                 from a counter until none are left (optirs_chunks.h).
  * LAMB runs as chunked passes: [gradient-norm partials, finish,] moments + per-chunk norm
  * partials, per-tensor trust ratios, apply.
  *
- * The host defines OPTIRS_WG (work-group size, a power of two) and OPTIRS_CHUNK, and appends the
- * elementwise families' kernels and the struct-size check (optirs/backends/opencl).
+ * The host puts the slot macros in front (OPTIRS_SLOTS, SLOT_PARAMS, PICK:
+ * optirs/backends/opencl/slots.py), defines OPTIRS_WG (work-group size, a power of two) and
+ * OPTIRS_CHUNK, and appends the elementwise families' kernels and the struct-size check.
  */
 #pragma OPENCL FP_CONTRACT OFF /* no a*b+c -> fma contraction: same rounding as the numba backends */
 
@@ -34,28 +37,40 @@
 
 /* ---------------------------------------------------------------- buffer slots */
 
-#include "optirs_slots.h"
-#define SLOT_PARAMS(X, Q) SLOT_PARAMS_OF(X, Q float)
+#include "optirs_chunks.h"
 
-/* Chunk c of the model: tensor table row tens[t] = (param offset, grad offset, state offset,
- * size), tinfo[t] = (param slot, grad slot, all offsets 16-byte aligned, unused); the chunk
- * covers [start, stop) of its tensor. Declares p, g, s_off, start, stop, aligned. */
-#define CHUNK_PROLOGUE(P, G)                                                                     \
-    const uint c = chunk_base + get_group_id(0);                                                \
-    const int t = chunk_tensor[c];                                                               \
-    const long4 o = tens[t];                                                                     \
-    const int4 info = tinfo[t];                                                                  \
-    __global float *p = PICK(info.x, P) + o.x;                                                   \
-    __global const float *g = PICK(info.y, G) + o.y;                                             \
-    const long s_off = o.z;                                                                      \
-    const long start = chunk_start[c];                                                           \
-    const long stop = min(start + (long)OPTIRS_CHUNK, o.w);                                      \
-    const int aligned = info.z;                                                                  \
-    const long lid = get_local_id(0);
+/* The chunk work-item 0 takes for the work-group (DEAL_CHUNK). */
+typedef struct {
+    uint taken;
+    int t;
+    __global float *p;
+    __global const float *g;
+} chunk_deal;
 
-#define CHUNK_TABLE_PARAMS                                                                       \
-    __global const long4 *tens, __global const int4 *tinfo, __global const int *chunk_tensor,    \
-    __global const long *chunk_start, uint chunk_base
+/* The loop over the chunks the work-group takes: chunk c of tensor t, whose table rows are
+ * tens[t] = (param offset, grad offset, state offset, size) and tinfo[t] = (param slot, grad
+ * slot, all offsets 16-byte aligned, unused); the chunk covers [start, stop) of the tensor.
+ * Declares c, t, p, g, s_off, start, stop, aligned; lid before the loop. The trip count is the
+ * same for the whole work-group (barriers inside are reached by all). */
+#define CHUNKS_BEGIN(P, G)                                                                       \
+    __local chunk_deal deal_;                                                                    \
+    const long lid = get_local_id(0);                                                            \
+    for (;;) {                                                                                   \
+        DEAL_CHUNK(deal_, P, G, tinfo[t].x, tinfo[t].y)                                          \
+        if (deal_.taken >= nchunks)                                                              \
+            break;                                                                               \
+        const uint c = chunk_base + deal_.taken;                                                 \
+        const int t = deal_.t;                                                                   \
+        const long4 o = tens[t];                                                                 \
+        __global float *p = deal_.p + o.x;                                                       \
+        __global const float *g = deal_.g + o.y;                                                 \
+        const long s_off = o.z;                                                                  \
+        const long start = chunk_start[c];                                                       \
+        const long stop = min(start + (long)OPTIRS_CHUNK, o.w);                                  \
+        const int aligned = tinfo[t].z;
+#define CHUNKS_END }
+
+#define CHUNK_TABLE_PARAMS __global const long4 *tens, __global const int4 *tinfo, DEAL_PARAMS
 
 /* ---------------------------------------------------------------- the elementwise optimizers */
 
@@ -82,24 +97,26 @@ __kernel void OPT##_flat1(__global float *P, ulong p_off, __global const float *
         OPT##_elem_v1(P + p_off, G + g_off, S0 + s_off, S1 + s_off, S2 + s_off, i, i, &sc);      \
 }                                                                                                \
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))                                  \
-void OPT##_chunks(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *S0,                   \
+void OPT##_chunks(SLOT_PARAMS(P, float), SLOT_PARAMS(G, const float), __global float *S0,       \
                   __global float *S1, __global float *S2, CHUNK_TABLE_PARAMS,                    \
                   const OPT##_scalars sc)                                                        \
 {                                                                                                \
-    CHUNK_PROLOGUE(P, G)                                                                         \
-    __global float *s0 = S0 + s_off, *s1 = S1 + s_off, *s2 = S2 + s_off;                         \
-    if (aligned) {                                                                               \
-        const long vstop = stop / 4;                                                             \
-        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG)                                \
-            OPT##_elem_v4((__global float4 *)p, (__global const float4 *)g, (__global float4 *)s0, \
-                          (__global float4 *)s1, (__global float4 *)s2, k, k, &sc);              \
-        if (lid == 0)                                                                            \
-            for (long k = 4 * vstop; k < stop; ++k)                                              \
+    CHUNKS_BEGIN(P, G)                                                                           \
+        __global float *s0 = S0 + s_off, *s1 = S1 + s_off, *s2 = S2 + s_off;                     \
+        if (aligned) {                                                                           \
+            const long vstop = stop / 4;                                                         \
+            for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG)                            \
+                OPT##_elem_v4((__global float4 *)p, (__global const float4 *)g,                  \
+                              (__global float4 *)s0, (__global float4 *)s1,                      \
+                              (__global float4 *)s2, k, k, &sc);                                 \
+            if (lid == 0)                                                                        \
+                for (long k = 4 * vstop; k < stop; ++k)                                          \
+                    OPT##_elem_v1(p, g, s0, s1, s2, k, k, &sc);                                  \
+        } else {                                                                                 \
+            for (long k = start + lid; k < stop; k += OPTIRS_WG)                                 \
                 OPT##_elem_v1(p, g, s0, s1, s2, k, k, &sc);                                      \
-    } else {                                                                                     \
-        for (long k = start + lid; k < stop; k += OPTIRS_WG)                                     \
-            OPT##_elem_v1(p, g, s0, s1, s2, k, k, &sc);                                          \
-    }                                                                                            \
+        }                                                                                        \
+    CHUNKS_END                                                                                   \
 }
 
 /* The host appends STEP_KERNELS(<family>) for every elementwise family of optirs.core.definitions,
@@ -116,26 +133,27 @@ acc_t sum_squares4(float4 x)
 
 /* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c. */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void lamb_grad_sumsq(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), CHUNK_TABLE_PARAMS, __global acc_t *partial)
+void lamb_grad_sumsq(SLOT_PARAMS(P, float), SLOT_PARAMS(G, const float), CHUNK_TABLE_PARAMS, __global acc_t *partial)
 {
     __local acc_t scratch[OPTIRS_WG];
-    CHUNK_PROLOGUE(P, G)
-    acc_t s = 0;
-    if (aligned) {
-        const long vstop = stop / 4;
-        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG)
-            s += sum_squares4(((__global const float4 *)g)[k]);
-        if (lid == 0)
-            for (long k = 4 * vstop; k < stop; ++k)
+    CHUNKS_BEGIN(P, G)
+        acc_t s = 0;
+        if (aligned) {
+            const long vstop = stop / 4;
+            for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG)
+                s += sum_squares4(((__global const float4 *)g)[k]);
+            if (lid == 0)
+                for (long k = 4 * vstop; k < stop; ++k)
+                    s += SQUARE(g[k]);
+        } else {
+            for (long k = start + lid; k < stop; k += OPTIRS_WG)
                 s += SQUARE(g[k]);
-    } else {
-        for (long k = start + lid; k < stop; k += OPTIRS_WG)
-            s += SQUARE(g[k]);
-    }
-    s = group_sum(s, scratch);
-    if (lid == 0)
-        partial[c] = s;
-    (void)p;
+        }
+        s = group_sum(s, scratch);
+        if (lid == 0)
+            partial[c] = s;
+        (void)p;
+    CHUNKS_END
 }
 
 /* Part 2 (one work-group): grad_factor * min(1, max_grad_norm / ||grad_factor * g||) from the partial
@@ -160,29 +178,39 @@ void lamb_grad_scale(__global const acc_t *partial, uint nchunks, float max_grad
 
 /* Pass 1: moments, and per-chunk sums of p^2 and u^2 (partial[2c], partial[2c+1]). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void lamb_moments(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *M, __global float *V,
+void lamb_moments(SLOT_PARAMS(P, float), SLOT_PARAMS(G, const float), __global float *M, __global float *V,
                   CHUNK_TABLE_PARAMS, __global const float *grad_scale, int clip,
                   __global acc_t *partial, const lamb_scalars sc)
 {
     __local acc_t scratch[OPTIRS_WG];
-    CHUNK_PROLOGUE(P, G)
-    __global float *m = M + s_off, *v = V + s_off;
-    const float scale = clip ? grad_scale[0] : sc.grad_factor;
-    acc_t sp = 0, su = 0;
-    if (aligned) {
-        const long vstop = stop / 4;
-        __global float4 *m4 = (__global float4 *)m, *v4 = (__global float4 *)v;
-        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG) {
-            const float4 pp = ((__global const float4 *)p)[k];
-            float4 mm = m4[k], vv = v4[k];
-            lamb_moments_v4(((__global const float4 *)g)[k], &mm, &vv, scale, &sc);
-            m4[k] = mm;
-            v4[k] = vv;
-            sp += sum_squares4(pp);
-            su += sum_squares4(lamb_direction_v4(pp, mm, vv, &sc));
-        }
-        if (lid == 0)
-            for (long k = 4 * vstop; k < stop; ++k) {
+    CHUNKS_BEGIN(P, G)
+        __global float *m = M + s_off, *v = V + s_off;
+        const float scale = clip ? grad_scale[0] : sc.grad_factor;
+        acc_t sp = 0, su = 0;
+        if (aligned) {
+            const long vstop = stop / 4;
+            __global float4 *m4 = (__global float4 *)m, *v4 = (__global float4 *)v;
+            for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG) {
+                const float4 pp = ((__global const float4 *)p)[k];
+                float4 mm = m4[k], vv = v4[k];
+                lamb_moments_v4(((__global const float4 *)g)[k], &mm, &vv, scale, &sc);
+                m4[k] = mm;
+                v4[k] = vv;
+                sp += sum_squares4(pp);
+                su += sum_squares4(lamb_direction_v4(pp, mm, vv, &sc));
+            }
+            if (lid == 0)
+                for (long k = 4 * vstop; k < stop; ++k) {
+                    float mm = m[k], vv = v[k];
+                    lamb_moments_v1(g[k], &mm, &vv, scale, &sc);
+                    m[k] = mm;
+                    v[k] = vv;
+                    const float u = lamb_direction_v1(p[k], mm, vv, &sc);
+                    sp += SQUARE(p[k]);
+                    su += SQUARE(u);
+                }
+        } else {
+            for (long k = start + lid; k < stop; k += OPTIRS_WG) {
                 float mm = m[k], vv = v[k];
                 lamb_moments_v1(g[k], &mm, &vv, scale, &sc);
                 m[k] = mm;
@@ -191,23 +219,14 @@ void lamb_moments(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global float *M, __
                 sp += SQUARE(p[k]);
                 su += SQUARE(u);
             }
-    } else {
-        for (long k = start + lid; k < stop; k += OPTIRS_WG) {
-            float mm = m[k], vv = v[k];
-            lamb_moments_v1(g[k], &mm, &vv, scale, &sc);
-            m[k] = mm;
-            v[k] = vv;
-            const float u = lamb_direction_v1(p[k], mm, vv, &sc);
-            sp += SQUARE(p[k]);
-            su += SQUARE(u);
         }
-    }
-    sp = group_sum(sp, scratch);
-    su = group_sum(su, scratch);
-    if (lid == 0) {
-        partial[2 * (size_t)c] = sp;
-        partial[2 * (size_t)c + 1] = su;
-    }
+        sp = group_sum(sp, scratch);
+        su = group_sum(su, scratch);
+        if (lid == 0) {
+            partial[2 * (size_t)c] = sp;
+            partial[2 * (size_t)c + 1] = su;
+        }
+    CHUNKS_END
 }
 
 /* One work-group per tensor: ||p|| / ||u||, 1 where either is zero, at most max_trust_ratio. */
@@ -235,28 +254,29 @@ void lamb_trust_ratios(__global const acc_t *partial, __global const int *first_
 
 /* Pass 2: p -= lr * ratio * u, with u recomputed from the same float32 inputs (same value). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
-void lamb_apply(SLOT_PARAMS(P, ), SLOT_PARAMS(G, const), __global const float *M, __global const float *V,
+void lamb_apply(SLOT_PARAMS(P, float), SLOT_PARAMS(G, const float), __global const float *M, __global const float *V,
                 CHUNK_TABLE_PARAMS, __global const float *ratio, const lamb_scalars sc)
 {
-    CHUNK_PROLOGUE(P, G)
-    __global const float *m = M + s_off, *v = V + s_off;
-    const float step = sc.lr * ratio[t];
-    if (aligned) {
-        const long vstop = stop / 4;
-        __global float4 *p4 = (__global float4 *)p;
-        for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG) {
-            const float4 pp = p4[k];
-            p4[k] = pp - step * lamb_direction_v4(pp, ((__global const float4 *)m)[k],
-                                                  ((__global const float4 *)v)[k], &sc);
-        }
-        if (lid == 0)
-            for (long k = 4 * vstop; k < stop; ++k)
+    CHUNKS_BEGIN(P, G)
+        __global const float *m = M + s_off, *v = V + s_off;
+        const float step = sc.lr * ratio[t];
+        if (aligned) {
+            const long vstop = stop / 4;
+            __global float4 *p4 = (__global float4 *)p;
+            for (long k = start / 4 + lid; k < vstop; k += OPTIRS_WG) {
+                const float4 pp = p4[k];
+                p4[k] = pp - step * lamb_direction_v4(pp, ((__global const float4 *)m)[k],
+                                                      ((__global const float4 *)v)[k], &sc);
+            }
+            if (lid == 0)
+                for (long k = 4 * vstop; k < stop; ++k)
+                    p[k] = p[k] - step * lamb_direction_v1(p[k], m[k], v[k], &sc);
+        } else {
+            for (long k = start + lid; k < stop; k += OPTIRS_WG)
                 p[k] = p[k] - step * lamb_direction_v1(p[k], m[k], v[k], &sc);
-    } else {
-        for (long k = start + lid; k < stop; k += OPTIRS_WG)
-            p[k] = p[k] - step * lamb_direction_v1(p[k], m[k], v[k], &sc);
-    }
-    (void)g;
+        }
+        (void)g;
+    CHUNKS_END
 }
 
 /* ---------------------------------------------------------------- Adafactor */
