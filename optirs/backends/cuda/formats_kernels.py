@@ -433,34 +433,33 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             q_s if sg1 else q_u)
                 _load_state(u2, quant, sz, sa2 + (sbase + base) * sz, vec, cnt, w2, x2, sc2,
                             q_s if sg2 else q_u)
-                # the element steps
+                # the element steps, on all 8 lanes' words whether they exist or not (the loads gave 0
+                # past the end, and nothing is stored or summed there): no branch per element
                 for j in range(LANE):
-                    if j < cnt:
-                        mraw = mw[j]
-                        if msize == 0:
-                            mraw = np.uint32(0)
-                        elif msize != 4:
-                            mraw = _remainder(mraw, master)
-                        ij = u32(e + j)
-                        if lamb:
-                            xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fc)
-                            if apply:
-                                p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
-                                pw[j] = p_
-                                mw[j] = m_
-                                x0[j] = a
-                                x1[j] = b
-                            else:
-                                sp += float64(xp) * float64(xp)
-                                su += float64(u) * float64(u)
-                        else:
-                            p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fc,
-                                                             keyp, ij)
+                    mraw = mw[j]
+                    if msize == 0:
+                        mraw = np.uint32(0)
+                    elif msize != 4:
+                        mraw = _remainder(mraw, master)
+                    ij = u32(e + j)
+                    if lamb:
+                        xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fc)
+                        if apply:
+                            p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
                             pw[j] = p_
                             mw[j] = m_
                             x0[j] = a
                             x1[j] = b
-                            x2[j] = d
+                        elif j < cnt:
+                            sp += float64(xp) * float64(xp)
+                            su += float64(u) * float64(u)
+                    else:
+                        p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fc, keyp, ij)
+                        pw[j] = p_
+                        mw[j] = m_
+                        x0[j] = a
+                        x1[j] = b
+                        x2[j] = d
                 if not writes:
                     continue
                 # int8: each slot's block scale is the absmax of its new values, over the warp
