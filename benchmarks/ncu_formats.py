@@ -1,7 +1,7 @@
 """One optirs.torch AdamW step per step format, each between cudaProfilerStart/Stop, for Nsight Compute.
 
 Shapes: GPT-2 124M (148 tensors) or GPT-2 1.3B (``GPT2Config(n_embd=2048, n_layer=24)`` shapes,
-1.56G parameters). After the profiled step, 20 back-to-back steps are timed with CUDA events
+1.31G parameters). After the profiled step, 20 back-to-back steps are timed with CUDA events
 (end to end, the host included), so ncu's kernel time and the step's time sit side by side:
 
     ncu --profile-from-start off --clock-control none --csv \\
