@@ -30,7 +30,7 @@ from numba import cuda, float32, float64, uint8, uint32
 
 from optirs.backends.common.bits32 import and32, or32, shl32, shr32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
-from optirs.backends.common.formats import (absmax_update, decode_state, decode_value, dequantize, encode_state,
+from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, dequantize, encode_state,
                                            format_element, lamb_format_element, quantize, store_master, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
@@ -310,6 +310,14 @@ def unpack8(raw, size, out):
 # ------------------------------------------------------------------ the pointwise format step
 
 
+# _widen16: the kernels widen bfloat16 gradients and state words by a shift alone, without the shared
+# decode's NaN quieting (4 instructions of about 130 per element, each). The same bits are stored:
+# every value so widened meets float arithmetic, min / max or comparisons before anything is
+# stored, and on the GPU a NaN result of arithmetic is the canonical NaN whatever the NaN that went
+# in (min and max return the other operand), or it meets an encoder that writes NaN as its own
+# quiet NaN with the sign kept, as the quieting does.
+
+
 @_device
 def _remainder(w, master):
     """A remainder word as the signed int32 the shared code takes (int16 or int8, two's complement)."""
@@ -352,6 +360,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     # go first (-4 to -10% of kernel time on the H200). Float32 state keeps it bound by DRAM, where
     # loading and unpacking each array in turn measured 7% faster (bf16 + float32 masters).
     batch = state != STATE_F32
+    # bfloat16 gradients reach the element step widened here, as float32 bits (_widen16's reason)
+    widen_grad = fc.grad == BF16
+    fce = fc._replace(grad=F32) if widen_grad else fc
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
 
@@ -495,6 +506,8 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 # the element steps, on all 8 lanes' words whether they exist or not (the loads gave 0
                 # past the end, and nothing is stored or summed there): no branch per element
                 for j in range(LANE):
+                    if widen_grad:
+                        gw[j] = shl32(gw[j], 16)  # _widen16's reason
                     mraw = mw[j]
                     if msize == 0:
                         mraw = np.uint32(0)
@@ -502,7 +515,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         mraw = _remainder(mraw, master)
                     ij = u32(e + j)
                     if lamb:
-                        xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fc)
+                        xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fce)
                         if apply:
                             p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
                             pw[j] = p_
@@ -513,7 +526,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             sp += float64(xp) * float64(xp)
                             su += float64(u) * float64(u)
                     else:
-                        p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fc, keyp, ij)
+                        p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fce, keyp, ij)
                         pw[j] = p_
                         mw[j] = m_
                         x0[j] = a
@@ -608,7 +621,7 @@ def _decode_state(usedk, quant, sz, w, x, scale, q):
             x[j] = dequantize(w[j], scale, q)
     elif sz == 2:
         for j in range(LANE):
-            x[j] = decode_state(w[j], STATE_BF16)
+            x[j] = bits_f32(shl32(w[j], 16))  # _widen16's reason
     else:
         for j in range(LANE):
             x[j] = decode_state(w[j], STATE_F32)
