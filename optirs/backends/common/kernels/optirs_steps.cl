@@ -176,6 +176,19 @@ void lamb_grad_scale(__global const acc_t *partial, uint nchunks, float max_grad
     }
 }
 
+/* Pass 1's work on element k: its moments written back, p^2 and u^2 added to the sums. */
+void lamb_moments_at(__global const float *p, __global const float *g, __global float *m, __global float *v, long k,
+                     float scale, const lamb_scalars *sc, acc_t *sp, acc_t *su)
+{
+    float mm = m[k], vv = v[k];
+    lamb_moments_v1(g[k], &mm, &vv, scale, sc);
+    m[k] = mm;
+    v[k] = vv;
+    const float u = lamb_direction_v1(p[k], mm, vv, sc);
+    *sp += SQUARE(p[k]);
+    *su += SQUARE(u);
+}
+
 /* Pass 1: moments, and per-chunk sums of p^2 and u^2 (partial[2c], partial[2c+1]). */
 __kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
 void lamb_moments(SLOT_PARAMS(P, float), SLOT_PARAMS(G, const float), __global float *M, __global float *V,
@@ -200,25 +213,11 @@ void lamb_moments(SLOT_PARAMS(P, float), SLOT_PARAMS(G, const float), __global f
                 su += sum_squares4(lamb_direction_v4(pp, mm, vv, &sc));
             }
             if (lid == 0)
-                for (long k = 4 * vstop; k < stop; ++k) {
-                    float mm = m[k], vv = v[k];
-                    lamb_moments_v1(g[k], &mm, &vv, scale, &sc);
-                    m[k] = mm;
-                    v[k] = vv;
-                    const float u = lamb_direction_v1(p[k], mm, vv, &sc);
-                    sp += SQUARE(p[k]);
-                    su += SQUARE(u);
-                }
+                for (long k = 4 * vstop; k < stop; ++k)
+                    lamb_moments_at(p, g, m, v, k, scale, &sc, &sp, &su);
         } else {
-            for (long k = start + lid; k < stop; k += OPTIRS_WG) {
-                float mm = m[k], vv = v[k];
-                lamb_moments_v1(g[k], &mm, &vv, scale, &sc);
-                m[k] = mm;
-                v[k] = vv;
-                const float u = lamb_direction_v1(p[k], mm, vv, &sc);
-                sp += SQUARE(p[k]);
-                su += SQUARE(u);
-            }
+            for (long k = start + lid; k < stop; k += OPTIRS_WG)
+                lamb_moments_at(p, g, m, v, k, scale, &sc, &sp, &su);
         }
         sp = group_sum(sp, scratch);
         su = group_sum(su, scratch);
