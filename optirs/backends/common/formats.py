@@ -24,6 +24,7 @@ from numba.extending import intrinsic
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32, xor32
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
+from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32)
@@ -92,7 +93,7 @@ _F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
 
 
 @_jit
-def _f16_decode(h):
+def _f16_decode_bits(h):
     """float16 bits -> float32, as :func:`optirs.backends.common.half.f16_decode` (NaN -> the quiet NaN
     with h's sign), from bit operations: no scale table, whose lane-divergent reads the GPU serialises.
     Every case is computed and the result selected, no branch: the cpu loops vectorize it."""
@@ -176,7 +177,7 @@ def bf16_nearest(x):
 
 
 @_jit
-def f16_nearest(x):
+def f16_nearest_bits(x):
     """float32 -> float16 bits, nearest even (numpy's cast; :func:`optirs.backends.common.half.f16_encode`
     in 32-bit operations, a NaN keeping its top payload bits). Every case is computed and the result
     selected, no branch, so that the cpu loops vectorize it (the branchy form ran scalar, 26 ns a
@@ -198,6 +199,12 @@ def f16_nearest(x):
     h = normal if a >= np.uint32(0x38800000) else subnormal
     h = special if a >= _EXP else h
     return or32(sign, h)
+
+
+# The cpu's own conversion instructions where it has them (one per 16 values in the cpu loops), the
+# bit-by-bit forms above on every other target: the same bits (optirs.backends.common.half_native).
+_f16_decode = native_or(_f16_decode_bits, "decode")
+f16_nearest = native_or(f16_nearest_bits, "encode")
 
 
 @_jit
