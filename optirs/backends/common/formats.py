@@ -24,6 +24,7 @@ from numba.extending import intrinsic
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32, xor32
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
+from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32)
@@ -92,7 +93,7 @@ _F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step
 
 
 @_jit
-def _f16_decode(h):
+def _f16_decode_bits(h):
     """float16 bits -> float32, as :func:`optirs.backends.common.half.f16_decode` (NaN -> the quiet NaN
     with h's sign), from bit operations: no scale table, whose lane-divergent reads the GPU serialises.
     Every case is computed and the result selected, no branch: the cpu loops vectorize it."""
@@ -176,7 +177,7 @@ def bf16_nearest(x):
 
 
 @_jit
-def f16_nearest(x):
+def f16_nearest_bits(x):
     """float32 -> float16 bits, nearest even (numpy's cast; :func:`optirs.backends.common.half.f16_encode`
     in 32-bit operations, a NaN keeping its top payload bits). Every case is computed and the result
     selected, no branch, so that the cpu loops vectorize it (the branchy form ran scalar, 26 ns a
@@ -200,11 +201,18 @@ def f16_nearest(x):
     return or32(sign, h)
 
 
+# The cpu's own conversion instructions where it has them (one per 16 values in the cpu loops), the
+# bit-by-bit forms above on every other target: the same bits (optirs.backends.common.half_native).
+_f16_decode = native_or(_f16_decode_bits, "decode")
+f16_nearest = native_or(f16_nearest_bits, "encode")
+
+
 @_jit
 def bf16_stochastic(x, r):
     """float32 -> bfloat16 bits, rounded up with probability ``low16 / 65536`` (``r`` the random word);
-    inf and NaN round to nearest. An infinity's low 16 bits are 0, so adding the random bits leaves
-    it as nearest does: only NaN needs a case of its own (half the instructions on a GPU)."""
+    inf and NaN round to nearest. The sum is inf's nearest too (its low 16 bits are 0, so nothing
+    carries): only a NaN is set apart, as ``bf16_nearest`` does (half the instructions of the
+    nearest rounding on a GPU; the select vectorizes in the cpu loops)."""
     u = f32_bits(x)
     if and32(u, _ABS) > _EXP:
         return _BF16_QNAN_NEG if shr32(u, 31) != _Z else _BF16_QNAN

@@ -18,7 +18,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from optirs.backends.common.bits32 import and32
+from optirs.backends.common.bits32 import add32, and32
 from optirs.backends.common.elementwise import lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, encode_state, f32_bits,
@@ -216,7 +216,9 @@ def _make_pointwise(fc, used):
 
 def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k0, k1, k2, o):
     for i in range(p.shape[0]):
-        idx = o + i
+        # the random bits take the flat index's low 32 bits: computed in 32 bits, the vector loop
+        # carries no 64-bit index lanes to narrow
+        idx = add32(o, i)
         x0 = _word_in(v0, i, SKIND, U0)
         x1 = _word_in(v1, i, SKIND, U1)
         x2 = _word_in(v2, i, SKIND, U2)
