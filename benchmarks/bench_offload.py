@@ -485,7 +485,8 @@ def report(results: Dict[str, Any]) -> None:
         Console = Table = None  # type: ignore[assignment]
     bw, rows, split = results["bandwidth"], results["rows"], results["analysis"]
     gb = lambda b: "" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
-    header = ["row", "params", "step ms", "added ms", "GPU state GB", "GPU alloc delta GB", "host state GB", "peak GPU GB"]
+    header = ["row", "params", "step ms", "added ms", "GPU state GB", "GPU alloc delta GB", "host state GB",
+              "peak GPU GB"]
     lines = []
     for name in results["rows_run"]:
         r = rows.get(name, {"failed": "not run (interrupted)"})
