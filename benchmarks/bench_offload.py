@@ -35,11 +35,11 @@ conversions, transfers, waits (the gradient check in ``step()`` among them) and 
 state tensors that live on the GPU (each storage once); "GPU alloc delta" is
 ``torch.cuda.memory_allocated()`` after the steps (gradients freed) minus before the optimizer.
 
-    python benchmarks/bench_offload.py --steps 3 --warmup 1 --split-steps 1 --json h200-offload.json \
-        --rows torch_fused,torch_fused_bf16,offload,offload_int8,offload_bf16_r8_int8,torchao
-                                        # GPT-2 1.3B, 4x1024, accum 8 (docs/offload.md: about 5 minutes on the H200)
+    python benchmarks/bench_offload.py --steps 3 --warmup 2 --split-steps 1 --chunk-elements 0 \
+        --rows torch_fused,torchao,offload,offload_int8,torch_fused_bf16,offload_bf16_r8_int8 \
+        --json h200-offload.json        # GPT-2 1.3B, 4x1024, accum 8 (docs/offload.md: the rows the goals need)
     python benchmarks/bench_offload.py --layers 2 --accum 2 --micro 1   # a small smoke run on the GPU
-    python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, seconds
+    python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, every row
     python benchmarks/bench_offload.py --chunk-only                     # only the per-chunk CPU work
 
 A row that fails (an exception anywhere in it, after minutes of steps) is a row that says FAILED
