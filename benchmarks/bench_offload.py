@@ -485,8 +485,9 @@ def report(results: Dict[str, Any]) -> None:
         Console = Table = None  # type: ignore[assignment]
     bw, rows, split = results["bandwidth"], results["rows"], results["analysis"]
     gb = lambda b: "" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
-    header = ["row", "params", "step ms", "added ms", "GPU state GB", "GPU alloc delta GB", "host state GB",
-              "peak GPU GB"]
+    header = ["row", "params", "step ms", "added ms", "x torchao", "GPU state GB", "GPU alloc delta GB",
+              "host state GB", "peak GPU GB"]
+    vs_ao = lambda name: split.get(name, {}).get("added_vs_torchao")  # noqa: E731
     lines = []
     for name in results["rows_run"]:
         r = rows.get(name, {"failed": "not run (interrupted)"})
@@ -494,7 +495,7 @@ def report(results: Dict[str, Any]) -> None:
             lines.append([name, param_dtype(name), "FAILED" if "failed" in r else "skipped"] + [""] * (len(header) - 3))
             continue
         lines.append([name, param_dtype(name), f"{r['step_ms']:.1f}", f"{r.get('added_ms', float('nan')):.1f}",
-                      gb(r.get("opt_state_gpu_bytes")), gb(r.get("gpu_alloc_delta_bytes")),
+                      "" if vs_ao(name) is None else f"{vs_ao(name):.2f}", gb(r.get("opt_state_gpu_bytes")), gb(r.get("gpu_alloc_delta_bytes")),
                       gb(r.get("opt_state_host_bytes")), gb(r.get("peak_gpu_bytes"))])
     what = [f"{name}: {row_note(rows.get(name, {'failed': 'not run (interrupted)'}))}" for name in results["rows_run"]]
     pinned = bw.get("pinned_GBps") or {}
