@@ -1,32 +1,45 @@
 """The CPU-offloaded optimizer on the H200: optirs.torch.CPUOffload beside no offload
 and beside torchao's CPUOffloadOptimizer, on one GPT-2 training step, in one run.
 
-Rows (fresh model per row, same seed and batches; fp32 parameters, bf16 autocast):
+Rows (fresh model per row, same seed and batches; bf16 autocast; fp32 parameters unless the row
+says bf16):
 
 * ``none``: forward and backward only (no optimizer step), the floor;
 * ``torch_fused``: ``torch.optim.AdamW(fused=True)`` on the device (the no-offload baseline);
 * ``optirs_torch``: ``optirs.torch.AdamW`` on the device (backend cuda);
+* ``none_bf16`` / ``torch_fused_bf16``: the same on the model in bfloat16 (the floor and the
+  baseline of the bf16 offload rows);
 * ``offload`` / ``offload_int8``: ``optirs.torch.CPUOffload("AdamW", accumulation_steps=accum)``
   with float32 / int8 state (CPU steps in ``step()``);
-* ``offload_sib`` / ``offload_int8_sib``: the same with ``step_in_backward=True`` (CPU steps
-  start during the last backward);
+* ``offload_bf16_f32`` / ``offload_bf16_f32_fused``: bf16 parameters, float32 masters and state
+  on the host, stepped apart (WIDEN, the default) / in the formats step (``fuse_conversions=True``,
+  FUSED);
+* ``offload_bf16_r16`` / ``offload_bf16_r16_int8`` / ``offload_bf16_r8_int8``: bf16 parameters,
+  the host keeping only the master's bits under them (``master_weights="remainder16"`` /
+  ``"remainder8"``), float32 / int8 state: only bf16 gradients and bf16 parameters cross the bus;
+* ``<offload row>_sib``: each offload row with ``step_in_backward=True`` (CPU steps start during
+  the last backward);
 * ``torchao``: ``torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True)`` (its row
   says why when torchao does not import).
+
+A row's added time is over the no-offload row of its parameter dtype (``torch_fused`` or
+``torch_fused_bf16``); every offload row's is also given as a ratio of torchao's (fp32 parameters).
 
 Also measured in the same run: a parallel host copy (torch ``copy_`` of a big pinned tensor,
 ``torch.set_num_threads(os.cpu_count())``), pinned device-to-host / host-to-device copies, and the
 per-chunk CPU work on the host (``--chunk-elements``: bf16 parameters stepped the old way, widen +
-float32 step + narrow, against the fused formats step; float32 and int8 state; numpy's and torch's
-copy of the same bytes beside). The offload rows are run again with
+float32 step + narrow, against the fused formats step with float32 masters and with the remainder
+masters of the rows; float32 and int8 state; numpy's and torch's copy of the same bytes beside). The offload rows are run again with
 :class:`optirs.torch.offload.OffloadTiming` to split the time they add into CPU step,
 conversions, transfers, waits (the gradient check in ``step()`` among them) and what overlapped. "GPU state" is the bytes of the optimizer's
 state tensors that live on the GPU (each storage once); "GPU alloc delta" is
 ``torch.cuda.memory_allocated()`` after the steps (gradients freed) minus before the optimizer.
 
-    python benchmarks/bench_offload.py --steps 3 --warmup 1 --split-steps 1 --json h200-offload.json
-                                        # GPT-2 1.3B, 4x1024, accum 8 (about 4 minutes on the H200)
+    python benchmarks/bench_offload.py --steps 3 --warmup 2 --split-steps 1 --chunk-elements 0 \
+        --rows torch_fused,torchao,offload,offload_int8,torch_fused_bf16,offload_bf16_r8_int8 \
+        --json h200-offload.json        # GPT-2 1.3B, 4x1024, accum 8 (docs/offload.md: the rows the goals need)
     python benchmarks/bench_offload.py --layers 2 --accum 2 --micro 1   # a small smoke run on the GPU
-    python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, seconds
+    python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, every row
     python benchmarks/bench_offload.py --chunk-only                     # only the per-chunk CPU work
 
 A row that fails (an exception anywhere in it, after minutes of steps) is a row that says FAILED
@@ -53,11 +66,37 @@ sys.path.insert(0, str(HERE))  # bench_torch_step's plain-torch GPT-2 (when tran
 sys.path.insert(0, str(HERE.parent))  # this checkout's optirs, not another installed one
 
 LR, DECAY = 1e-4, 0.1
-OFFLOAD_ROWS = {  # row -> (state_dtype, step_in_backward)
-    "offload": ("float32", False), "offload_int8": ("int8", False),
-    "offload_sib": ("float32", True), "offload_int8_sib": ("int8", True),
+# The offload's formats, row -> (parameter dtype, CPUOffload's format keywords). bf16 parameters:
+# float32 masters and state step apart by default (WIDEN) or in the formats step (FUSED); the
+# remainder masters keep on the host only the bits under the GPU's bf16 copy, so only bf16
+# gradients and bf16 parameters cross the bus.
+OFFLOAD_FORMATS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "offload": ("float32", {"state_dtype": "float32"}),
+    "offload_int8": ("float32", {"state_dtype": "int8"}),
+    "offload_bf16_f32": ("bfloat16", {"master_weights": "float32"}),
+    "offload_bf16_f32_fused": ("bfloat16", {"master_weights": "float32", "fuse_conversions": True}),
+    "offload_bf16_r16": ("bfloat16", {"master_weights": "remainder16"}),
+    "offload_bf16_r16_int8": ("bfloat16", {"master_weights": "remainder16", "state_dtype": "int8"}),
+    "offload_bf16_r8_int8": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "int8"}),
 }
-ROWS = ("none", "torch_fused", "optirs_torch", *OFFLOAD_ROWS, "torchao")
+# row -> (parameter dtype, format keywords, step_in_backward): each format at step() and, as
+# "<row>_sib", with its CPU steps started in the last backward
+OFFLOAD_ROWS: Dict[str, Tuple[str, Dict[str, Any], bool]] = {
+    **{row: (dtype, kw, False) for row, (dtype, kw) in OFFLOAD_FORMATS.items()},
+    **{f"{row}_sib": (dtype, kw, True) for row, (dtype, kw) in OFFLOAD_FORMATS.items()},
+}
+# the rows without offload on bf16 parameters: the floor and the baseline of the bf16 offload rows
+BF16_SUFFIX = "_bf16"
+ROWS = ("none", "torch_fused", "optirs_torch", "none_bf16", "torch_fused_bf16", *OFFLOAD_ROWS, "torchao")
+# the added time of a row is over the no-offload step of the same parameter dtype
+BASELINES = {"float32": "torch_fused", "bfloat16": "torch_fused_bf16"}
+
+
+def param_dtype(row: str) -> str:
+    """The dtype of the row's model parameters ("float32" or "bfloat16")."""
+    if row in OFFLOAD_ROWS:
+        return OFFLOAD_ROWS[row][0]
+    return "bfloat16" if row.endswith(BF16_SUFFIX) else "float32"
 
 
 # ------------------------------------------------------------------ the model
@@ -95,9 +134,10 @@ def make_optimizer(row: str, model, device: str, accum: int, bucket: int) -> Tup
     import torch
 
     groups = param_groups(model)
-    if row == "none":
+    kind = row[: -len(BF16_SUFFIX)] if row.endswith(BF16_SUFFIX) else row  # the same optimizer on bf16 parameters
+    if kind == "none":
         return None, "forward + backward only"
-    if row == "torch_fused":
+    if kind == "torch_fused":
         return torch.optim.AdamW(groups, lr=LR, fused=True), "torch.optim.AdamW(fused=True)"
     if row == "optirs_torch":
         import optirs.torch as ot
@@ -107,11 +147,14 @@ def make_optimizer(row: str, model, device: str, accum: int, bucket: int) -> Tup
     if row in OFFLOAD_ROWS:
         import optirs.torch as ot
 
-        state, sib = OFFLOAD_ROWS[row]
-        return (ot.CPUOffload("AdamW", groups, lr=LR, accumulation_steps=accum, step_in_backward=sib,
-                              state_dtype=state, bucket_elements=bucket),
-                f"optirs.torch.CPUOffload('AdamW', state_dtype={state!r}, accumulation_steps={accum}, "
-                f"step_in_backward={sib}, bucket_elements={bucket})")
+        _, formats, sib = OFFLOAD_ROWS[row]
+        opt = ot.CPUOffload("AdamW", groups, lr=LR, accumulation_steps=accum, step_in_backward=sib,
+                            bucket_elements=bucket, **formats)
+        modes = sorted({c.mode for c in getattr(opt, "_chunks", ())})  # direct, widen or fused: how the chunks step
+        given = "".join(f"{k}={v!r}, " for k, v in formats.items())
+        return opt, (f"optirs.torch.CPUOffload('AdamW', {given}accumulation_steps={accum}, "
+                     f"step_in_backward={sib}, bucket_elements={bucket}) on {param_dtype(row)} "
+                     f"parameters, chunks {'/'.join(modes)}")
     if row == "torchao":
         try:
             from torchao.optim import CPUOffloadOptimizer
@@ -150,7 +193,7 @@ def train_step(model, loss_fn, opt, batches, device: str) -> None:
         model.zero_grad(set_to_none=True)
 
 
-def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress,
+def bench_row(row: str, cfg: Dict[str, int], args, device: str, progress,
               out: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One row's measurements, written into ``out`` as they are made (a failure keeps them)."""
     import torch
@@ -158,7 +201,8 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, dtype, progress,
     from optirs.torch.offload import OffloadTiming
 
     out = {} if out is None else out
-    model, loss_fn, source = build_model(cfg, device, dtype)
+    out["param_dtype"] = param_dtype(row)
+    model, loss_fn, source = build_model(cfg, device, getattr(torch, out["param_dtype"]))
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg["vocab"], (args.micro, cfg["seq"]), generator=g).to(device)
                for _ in range(args.accum)]
@@ -243,7 +287,8 @@ def chunk_cpu(n: int, reps: int) -> Dict[str, Any]:
     the fp32 AdamW step on fp32 masters, narrow the masters to the bf16 parameters (three passes).
     ``bf16_fused``: what a FUSED chunk runs now: the formats step over the bf16 host copy with
     float32 masters (one pass reads the bf16 gradient, updates masters and state, writes bf16).
-    ``*_int8``: the same with int8 state; ``fp32``: a DIRECT chunk. Bytes: every array read once,
+    ``bf16_r16``, ``bf16_r8_int8``, ...: the same step with the remainder masters of the
+    offload rows (FUSED chunks too). ``*_int8``: int8 state; ``fp32``: a DIRECT chunk. Bytes: every array read once,
     parameters, masters and state also written (the conversions' passes added for ``before``)."""
     import numpy as np
     import torch
@@ -292,10 +337,15 @@ def chunk_cpu(n: int, reps: int) -> Dict[str, Any]:
     t, med = best(before)
     cases["bf16_before"] = {"ms": 1e3 * t, "median_ms": 1e3 * med, "bytes": touched(opt, m32) + 6 * n + 6 * n}
     ref = p16.clone()
-    for name, kw in (("bf16_fused", {}), ("bf16_fused_int8", {"state_dtype": "int8"})):
+    # the formats step over bf16 copies: float32 masters, then each remainder format of the rows
+    fused = [("bf16_fused", {"master_weights": "float32"}),
+             ("bf16_fused_int8", {"master_weights": "float32", "state_dtype": "int8"})]
+    fused += [(row[len("offload_"):], kw) for row, (dtype, kw) in OFFLOAD_FORMATS.items()
+              if dtype == "bfloat16" and str(kw.get("master_weights")).startswith("remainder")]
+    for name, kw in fused:
         q = p0.clone()
         q.grad = g16
-        o = ot.AdamW([q], lr=1e-3, backend="cpu", master_weights="float32", **kw)
+        o = ot.AdamW([q], lr=1e-3, backend="cpu", **kw)
         t, med = best(o.step)
         cases[name] = {"ms": 1e3 * t, "median_ms": 1e3 * med, "bytes": touched(o, q)}
         if name == "bf16_fused":  # the same steps from the same start: the same bf16 parameters
@@ -366,16 +416,28 @@ def pinned_copy_gbps(nbytes: int, reps: int = 5) -> Dict[str, float]:
 # ------------------------------------------------------------------ the report
 
 
+def added_ms(name: str, rows: Dict[str, Any]) -> Optional[float]:
+    """The row's step time over the no-offload baseline of its parameter dtype (torch_fused or
+    torch_fused_bf16), None until both have a time."""
+    base = rows.get(BASELINES[param_dtype(name)], {})
+    r = rows.get(name, {})
+    if "failed" in r or "failed" in base or "step_ms" not in r or "step_ms" not in base:
+        return None
+    return r["step_ms"] - base["step_ms"]
+
+
 def analyse(results: Dict[str, Any]) -> Dict[str, Any]:
-    """Per offload row: the time it adds over torch_fused, split into what it spent (summed busy
-    times) and what of that overlapped; ratios against torchao and the bandwidths of this run."""
+    """Per offload row: the time it adds over the no-offload baseline of its parameter dtype,
+    split into what it spent (summed busy times) and what of that overlapped; ratios against
+    torchao's added time (float32 parameters, the one figure every row is held to) and the
+    bandwidths of this run."""
     rows, bw = results["rows"], results["bandwidth"]
     ok = {name: r for name, r in rows.items() if "failed" not in r}
-    base = ok.get("torch_fused", {}).get("step_ms")
     out: Dict[str, Any] = {}
     for name, r in ok.items():
-        if "step_ms" in r and base is not None:
-            r["added_ms"] = r["step_ms"] - base
+        added = added_ms(name, rows)
+        if added is not None:
+            r["added_ms"] = added
     ao = ok.get("torchao", {}).get("added_ms")
     for name in OFFLOAD_ROWS:
         r = ok.get(name, {})
@@ -395,6 +457,7 @@ def analyse(results: Dict[str, Any]) -> Dict[str, Any]:
                  "early_chunks": t["early_chunks"],  # chunk steps started before step()
                  "step_bytes_per_param": t["step_bytes"] / r["parameters"],
                  "copied_bytes_per_param": (t["d2h_bytes"] + t["h2d_bytes"]) / r["parameters"]}
+        split["added_over"] = BASELINES[param_dtype(name)]
         if "added_ms" in r:
             busy = ms["cpu_step_s"] + ms["convert_s"] + xfer_ms
             split["overlapped_ms"] = max(0.0, busy - r["added_ms"])
@@ -422,15 +485,17 @@ def report(results: Dict[str, Any]) -> None:
         Console = Table = None  # type: ignore[assignment]
     bw, rows, split = results["bandwidth"], results["rows"], results["analysis"]
     gb = lambda b: "" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
-    header = ["row", "step ms", "added ms", "GPU state GB", "GPU alloc delta GB", "host state GB", "peak GPU GB"]
+    header = ["row", "params", "step ms", "added ms", "x torchao", "GPU state GB", "GPU alloc delta GB",
+              "host state GB", "peak GPU GB"]
+    vs_ao = lambda name: split.get(name, {}).get("added_vs_torchao")  # noqa: E731
     lines = []
     for name in results["rows_run"]:
         r = rows.get(name, {"failed": "not run (interrupted)"})
         if "failed" in r or "skipped" in r:
-            lines.append([name, "FAILED" if "failed" in r else "skipped"] + [""] * (len(header) - 2))
+            lines.append([name, param_dtype(name), "FAILED" if "failed" in r else "skipped"] + [""] * (len(header) - 3))
             continue
-        lines.append([name, f"{r['step_ms']:.1f}", f"{r.get('added_ms', float('nan')):.1f}",
-                      gb(r.get("opt_state_gpu_bytes")), gb(r.get("gpu_alloc_delta_bytes")),
+        lines.append([name, param_dtype(name), f"{r['step_ms']:.1f}", f"{r.get('added_ms', float('nan')):.1f}",
+                      "" if vs_ao(name) is None else f"{vs_ao(name):.2f}", gb(r.get("opt_state_gpu_bytes")), gb(r.get("gpu_alloc_delta_bytes")),
                       gb(r.get("opt_state_host_bytes")), gb(r.get("peak_gpu_bytes"))])
     what = [f"{name}: {row_note(rows.get(name, {'failed': 'not run (interrupted)'}))}" for name in results["rows_run"]]
     pinned = bw.get("pinned_GBps") or {}
@@ -467,12 +532,17 @@ def row_note(r: Dict[str, Any]) -> str:
     return r.get("note", "")
 
 
-def row_line(name: str, r: Dict[str, Any]) -> str:
-    """One row as soon as it is done (the table comes at the end)."""
+def row_line(name: str, r: Dict[str, Any], rows: Optional[Dict[str, Any]] = None) -> str:
+    """One row as soon as it is done (the table comes at the end); its added time where its
+    baseline ran before it (``rows``: the rows so far)."""
     if "failed" in r or "skipped" in r:
         return f"bench_offload: {name} {row_note(r)}"
     gb = lambda b: "n/a" if b is None else f"{b / 1e9:.3f} GB"  # noqa: E731
-    return (f"bench_offload: {name}: {r['step_ms']:.1f} ms/step, state on the host {gb(r.get('opt_state_host_bytes'))}"
+    added = added_ms(name, rows or {name: r})
+    base = BASELINES[param_dtype(name)]
+    return (f"bench_offload: {name}: {r['step_ms']:.1f} ms/step"
+            + (f" ({added:+.1f} ms over {base})" if added is not None and name != base else "")
+            + f", state on the host {gb(r.get('opt_state_host_bytes'))}"
             + (f", on the GPU {gb(r.get('opt_state_gpu_bytes'))}" if "opt_state_gpu_bytes" in r else ""))
 
 
@@ -491,7 +561,7 @@ def release_memory(device: str) -> None:
             torch._C._host_emptyCache()  # torch keeps freed pinned blocks cached
 
 
-def run_rows(rows: List[str], cfg: Dict[str, int], args, device: str, dtype, results: Dict[str, Any],
+def run_rows(rows: List[str], cfg: Dict[str, int], args, device: str, results: Dict[str, Any],
              progress, say) -> bool:
     """Every row in turn into ``results["rows"]``; a row that raises is a row saying FAILED (with
     what it measured before), said at once; the JSON is written after every row. Returns whether
@@ -500,16 +570,16 @@ def run_rows(rows: List[str], cfg: Dict[str, int], args, device: str, dtype, res
         out: Dict[str, Any] = {}
         results["rows"][row] = out
         try:
-            bench_row(row, cfg, args, device, dtype, progress, out)
+            bench_row(row, cfg, args, device, progress, out)
         except KeyboardInterrupt:
             out["failed"] = "interrupted"
-            say(row_line(row, out))
+            say(row_line(row, out, results["rows"]))
             return False
         except Exception as exc:  # noqa: BLE001 - the row's reason; the other rows go on
             out["failed"] = failure(exc)
             out["traceback"] = traceback.format_exc(limit=8)
         release_memory(device)
-        say(row_line(row, out))
+        say(row_line(row, out, results["rows"]))
         write(results, args.json, quiet=True)
     return True
 
@@ -589,7 +659,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line, flush=True)
 
     if Progress is None:
-        finished = run_rows(rows, cfg, args, device, torch.float32, results, lambda r: None, say)
+        finished = run_rows(rows, cfg, args, device, results, lambda r: None, say)
     else:
         with Progress(transient=True) as bar:
             task = bar.add_task("steps", total=total)
@@ -597,7 +667,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             def progress(row: str) -> None:
                 bar.update(task, description=row, advance=1)
 
-            finished = run_rows(rows, cfg, args, device, torch.float32, results, progress, say)
+            finished = run_rows(rows, cfg, args, device, results, progress, say)
     if args.chunk_elements and finished:
         try:
             results["chunk_cpu"] = chunk_cpu(args.chunk_elements, args.chunk_reps)

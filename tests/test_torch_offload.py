@@ -1323,8 +1323,8 @@ def test_a_failing_benchmark_row_is_a_failed_row_and_the_rest_is_kept(tmp_path, 
 
     def failing(row, *args, **kwargs):
         if row == "optirs_torch":
-            if len(args) > 5:  # the row's measurements so far stay in it
-                args[5]["step_ms"] = 1.0
+            if len(args) > 4:  # the row's measurements so far stay in it
+                args[4]["step_ms"] = 1.0
             raise AttributeError("'CPUOffloadOptimizer' object has no attribute 'state'")
         return real(row, *args, **kwargs)
 
@@ -1360,8 +1360,8 @@ def test_the_benchmark_counts_no_state_where_an_optimizer_shows_none():
 def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
     bench = _bench_module()
     out = tmp_path / "offload.json"
-    assert bench.main(["--quick", "--rows", "torch_fused,offload,offload_int8,torchao", "--chunk-elements", "8192",
-                       "--json", str(out)]) == 0
+    assert bench.main(["--quick", "--rows", "torch_fused,offload,offload_int8,torchao,torch_fused_bf16,"
+                       "offload_bf16_r8_int8", "--chunk-elements", "8192", "--json", str(out)]) == 0
     import json
 
     r = json.loads(out.read_text())
@@ -1372,7 +1372,17 @@ def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
     for row in ("offload", "offload_int8"):
         t = r["rows"][row]["timing"]
         assert t["d2h_bytes"] == t["h2d_bytes"] == 4 * off["parameters"]
+    # bf16 parameters on remainder masters: only bf16 gradients and parameters cross, and the added
+    # time is over the bf16 model's own no-offload step
+    bf16 = r["rows"]["offload_bf16_r8_int8"]
+    assert bf16["param_dtype"] == "bfloat16" and "fused" in bf16["note"]
+    assert bf16["timing"]["d2h_bytes"] == bf16["timing"]["h2d_bytes"] == 2 * bf16["parameters"]
+    assert bf16["added_ms"] == bf16["step_ms"] - r["rows"]["torch_fused_bf16"]["step_ms"]
     a = r["analysis"]
+    assert a["offload_bf16_r8_int8"]["added_over"] == "torch_fused_bf16"
+    # a bf16 step reads the gradient (2) and reads and writes the parameter (2 + 2), the int8
+    # remainder (1 + 1) and the moments (2 + 2 with int8 codes) where they are int8: 12 B and up
+    assert 12 <= a["offload_bf16_r8_int8"]["step_bytes_per_param"] < a["offload_int8"]["step_bytes_per_param"]
     assert a["offload"]["cpu_step_GBps"] > 0 and r["bandwidth"]["host_copy_GBps"] > 0
     # the CPU step touches 28 B per parameter with float32 state, about 16 with int8 state (the
     # quick model's small tensors keep float32 state)
@@ -1383,6 +1393,7 @@ def test_the_benchmark_quick_mode_runs_and_counts_the_bytes(tmp_path):
     cases = r["chunk_cpu"]["cases"]
     assert cases["bf16_fused"]["equals_before"] and cases["bf16_before"]["bytes_per_param"] == 40
     assert cases["bf16_fused"]["bytes_per_param"] == 30 and cases["fp32"]["bytes_per_param"] == 28
+    assert cases["bf16_r16"]["bytes_per_param"] == 26 and 12 < cases["bf16_r8_int8"]["bytes_per_param"] < 12.1
 
 
 def test_step_in_backward_starts_the_steps_before_step_is_called():
