@@ -273,19 +273,22 @@ def nb16():
     from optirs.backends.common import formats as E
 
     @njit  # not cached: a cached copy would outlive edits of the encodings it tests
-    def f16_both(x, h, enc, dec):
+    def f16_both(x, h, enc, dec, native):
+        # native: the cpu's conversion instructions where it has them; else the bit-by-bit forms
+        # that every other target (cuda) compiles
         for i in range(x.shape[0]):
-            enc[i] = E.f16_nearest(x[i])
+            enc[i] = E.f16_nearest(x[i]) if native else E.f16_nearest_bits(x[i])
         for i in range(h.shape[0]):
-            dec[i] = E.decode16(np.uint32(h[i]), 2)
+            dec[i] = E.decode16(np.uint32(h[i]), 2) if native else E._f16_decode_bits(np.uint32(h[i]))
 
     return f16_both
 
 
-def test_numba_float16_at_every_rounding_boundary(nb16):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "bits"])
+def test_numba_float16_at_every_rounding_boundary(nb16, native):
     """float16 bits decoded (every pattern) and encoded at every rounding decision: each float16
     value, the midpoints to its neighbour (ties to even) and the float32 values either side of them,
-    subnormals, the overflow edge, inf and NaN, against numpy's casts."""
+    subnormals, the overflow edge, inf and NaN, against numpy's casts; by both forms."""
     h = np.arange(1 << 16, dtype=np.uint32)
     finite16 = h[(h & 0x7C00) != 0x7C00]
     lo = finite16.astype(np.uint16).view(np.float16).astype(np.float64)
@@ -298,7 +301,7 @@ def test_numba_float16_at_every_rounding_boundary(nb16):
     x = np.concatenate([x, np.uint32([0x7F800001, 0xFFBFFFFF, 0x7FA00000, 0x00000001, 0x807FFFFF]).view(np.float32)])
     enc = np.zeros(x.size, np.uint16)
     dec = np.zeros(h.size, np.float32)
-    nb16(x, h, enc, dec)
+    nb16(x, h, enc, dec, native)
     with np.errstate(over="ignore"):
         assert np.array_equal(enc, x.astype(np.float16).view(np.uint16))
     ref = h.astype(np.uint16).view(np.float16).astype(np.float32)

@@ -30,16 +30,26 @@ from optirs.backends.common.bits32 import and32, or32, shl32, shr32, u32
 
 
 def _cpu_converts() -> bool:
-    """Whether this machine's cpu has float <-> half instructions (x86: F16C; arm64 always)."""
-    machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64", "i386", "i686", "x86"):
-        from llvmlite import binding
+    """Whether the cpu numba compiles for has float <-> half instructions (x86: F16C; arm64 always).
 
-        try:
-            return bool(binding.get_host_cpu_features().get("f16c", False))
-        except RuntimeError:  # llvmlite cannot read the features: keep the bit-by-bit form
-            return False
-    return machine in ("aarch64", "arm64")
+    numba compiles for this machine's cpu unless ``NUMBA_CPU_NAME`` names another (a portable
+    cache: ``generic``); then only the features it is given count. Without the instructions LLVM
+    would call a runtime helper that numba's JIT may not link."""
+    from numba.core import config
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return False
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return "+f16c" in (config.CPU_FEATURES or "").split(",")
+    from llvmlite import binding
+
+    try:
+        return bool(binding.get_host_cpu_features().get("f16c", False))
+    except RuntimeError:  # llvmlite cannot read the features: keep the bit-by-bit form
+        return False
 
 
 _NATIVE = _cpu_converts()
