@@ -288,7 +288,8 @@ def chunk_cpu(n: int, reps: int) -> Dict[str, Any]:
     ``bf16_fused``: what a FUSED chunk runs now: the formats step over the bf16 host copy with
     float32 masters (one pass reads the bf16 gradient, updates masters and state, writes bf16).
     ``bf16_r16``, ``bf16_r8_int8``, ...: the same step with the remainder masters of the
-    offload rows (FUSED chunks too). ``*_int8``: int8 state; ``fp32``: a DIRECT chunk. Bytes: every array read once,
+    offload rows (FUSED chunks too). ``*_int8``: int8 state; ``fp32``: a DIRECT chunk; ``torch_fused_fp32``:
+    torch.optim.AdamW(fused=True) on the same chunk (the peer's CPU step). Bytes: every array read once,
     parameters, masters and state also written (the conversions' passes added for ``before``)."""
     import numpy as np
     import torch
@@ -356,6 +357,14 @@ def chunk_cpu(n: int, reps: int) -> Dict[str, Any]:
         o = ot.AdamW([q], lr=1e-3, backend="cpu", **kw)
         t, med = best(o.step)
         cases[name] = {"ms": 1e3 * t, "median_ms": 1e3 * med, "bytes": touched(o, q)}
+    # the peer's CPU step, the same chunk: torchao's CPUOffloadOptimizer steps with torch's fused AdamW
+    # on the host (a copy's destination costs a read for ownership that a step's in-place writes do
+    # not, so the host copy can read below what a step reaches: this is the figure to compare with)
+    q = p0.float()
+    q.grad = g16.float()
+    o = torch.optim.AdamW([q], lr=1e-3, fused=True)
+    t, med = best(o.step)
+    cases["torch_fused_fp32"] = {"ms": 1e3 * t, "median_ms": 1e3 * med, "bytes": touched(o, q)}
     for c in cases.values():
         c["bytes_per_param"] = c["bytes"] / n
         c["GBps"] = c["bytes"] / (c["ms"] / 1e3) / 1e9
