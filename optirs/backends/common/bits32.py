@@ -18,7 +18,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["u32", "and32", "or32", "xor32", "add32", "sub32", "mul32", "shr32", "shl32"]
+__all__ = ["u32", "and32", "or32", "xor32", "add32", "sub32", "mul32", "shr32", "shl32", "f32_bits_cast",
+           "bits_f32_cast"]
 
 _I32 = ir.IntType(32)
 
@@ -63,6 +64,30 @@ def _binary(op: str):
 
     typer.__name__ = op
     return typer
+
+
+@intrinsic
+def f32_bits_cast(typingctx, x):
+    """The bit pattern of float32 ``x`` as a uint32 (an LLVM bitcast: no instruction)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def bits_f32_cast(typingctx, u):
+    """The float32 whose bit pattern is uint32 ``u`` (an LLVM bitcast)."""
+    if u != types.uint32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
 
 
 _and = intrinsic(_binary("and_"))

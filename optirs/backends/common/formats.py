@@ -17,11 +17,10 @@ element step, since an int8 block's scale depends on all of its new values.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32, xor32
+from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits_cast, mul32, or32, shl32, shr32, sub32,
+                                           u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
 from optirs.backends.common.half_native import native_or
@@ -58,35 +57,16 @@ _BK_LAST = np.uint32(_BK_HI + 1)
 # ---------------------------------------------------------------- bit casts
 
 
-@intrinsic
-def _f32_bits(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, u):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
 @_jit
 def f32_bits(x):
     """The float32 bit pattern of ``x`` (as uint32)."""
-    return _f32_bits(np.float32(x))
+    return f32_bits_cast(np.float32(x))
 
 
 @_jit
 def bits_f32(u):
     """The float32 whose bit pattern is the low 32 bits of ``u``."""
-    return _bits_f32(np.uint32(u))
+    return bits_f32_cast(np.uint32(u))
 
 
 _F16_SUB = np.float32(2.0**-24)  # the float16 subnormal step

@@ -26,7 +26,7 @@ from numba import njit, types
 from numba.core.cpu import CPUContext
 from numba.extending import intrinsic
 
-from optirs.backends.common.bits32 import and32, or32, shl32, shr32, u32
+from optirs.backends.common.bits32 import and32, bits_f32_cast, f32_bits_cast, or32, shl32, shr32, u32
 
 
 def _cpu_converts() -> bool:
@@ -56,28 +56,6 @@ _NATIVE = _cpu_converts()
 
 
 @intrinsic
-def _f32_bits(typingctx, x):
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, u):
-    if u != types.uint32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
 def _fptrunc_half(typingctx, x):
     """float32 -> float16 bits (uint32) by ``fptrunc``: IEEE round to nearest even, NaN as the cpu makes it."""
     if x != types.float32:
@@ -103,7 +81,7 @@ def _fpext_half(typingctx, h):
 
 
 def _encode_native(x):
-    u = _f32_bits(x)
+    u = f32_bits_cast(x)
     # numpy's NaN: the top 10 payload bits, never 0 (that would be inf), no quiet bit added
     payload = and32(shr32(u, 13), 0x3FF)
     nan = or32(and32(shr32(u, 16), 0x8000), or32(0x7C00, or32(payload, 1 if payload == 0 else 0)))
@@ -112,7 +90,7 @@ def _encode_native(x):
 
 def _decode_native(h):
     # the contract's NaN: the quiet NaN with h's sign
-    nan = _bits_f32(or32(shl32(and32(h, 0x8000), 16), 0x7FC00000))
+    nan = bits_f32_cast(or32(shl32(and32(h, 0x8000), 16), 0x7FC00000))
     return nan if and32(h, 0x7FFF) > 0x7C00 else _fpext_half(h)
 
 
