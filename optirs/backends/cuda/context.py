@@ -81,6 +81,11 @@ def _raw_handle(handle: Any) -> Optional[int]:
         return None
 
 
+def _event_handle(event: Any) -> Optional[int]:
+    """The raw CUevent of a numba event (None where it cannot be read)."""
+    return _raw_handle(getattr(event, "handle", None))
+
+
 def device_address(obj: Any) -> Optional[int]:
     """Address of a device array, or None when ``obj`` is not one."""
     getter = _GETTERS.get(type(obj))
@@ -159,7 +164,7 @@ class _Launcher:
         ``record`` (its stream wrapper, its API-call checks) costs tens of microseconds.
         ``handle``: the event's raw handle when the caller keeps it."""
         if handle is None:
-            handle = _raw_handle(getattr(event, "handle", None))
+            handle = _event_handle(event)
         if self.record is None or handle is None:
             event.record(nstream)
             return
@@ -703,13 +708,7 @@ class PointerTables:
         # events too: with a raw launcher, each pinned buffer's last copy is tracked by one (recorded
         # once now, so that numba binds its event calls here and not on a step's first new table)
         self.events = [ctx.cuda.event(timing=False) if ctx.launcher is not None else None for _ in range(_LRU)]
-        self.event_handles = [None if e is None else _raw_handle(getattr(e, "handle", None)) for e in self.events]
-        # Every table written once now, in one copy: the second step, the first to meet a new address
-        # set as a rule, then makes no table's first copy (which cost the driver tens of microseconds)
-        hosts[...] = 0
-        launcher = ctx.launcher
-        if launcher is None or not launcher.copy_to_device_async(self.device_addresses[0], hosts, ctx.stream):
-            devices.copy_to_device(hosts, stream=ctx.nstream)
+        self.event_handles = [None if e is None else _event_handle(e) for e in self.events]
         for event in self.events:
             if event is not None:
                 event.record(ctx.nstream)
