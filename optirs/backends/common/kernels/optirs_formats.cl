@@ -522,12 +522,7 @@ void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
                 su += fmt_sum_squares8(fmt_valid(u, nv));
             }
         FMT_ROUND_END
-        sp = group_sum(sp, red);
-        su = group_sum(su, red);
-        if (lid == 0) {
-            partial[2 * (size_t)c] = sp;
-            partial[2 * (size_t)c + 1] = su;
-        }
+        store_norm_partials(sp, su, red, partial, (size_t)c);
     FMT_CHUNKS_END
 }
 

@@ -38,6 +38,18 @@ acc_t group_sum(acc_t x, __local acc_t *scratch)
     return total;
 }
 
+/* LAMB's pass 1 (float32 and formats programs): a chunk's sums of p^2 and u^2 over the work-group,
+ * stored as partial[2c] and partial[2c + 1]. Called by the whole work-group (barriers). */
+void store_norm_partials(acc_t sp, acc_t su, __local acc_t *scratch, __global acc_t *partial, size_t c)
+{
+    sp = group_sum(sp, scratch);
+    su = group_sum(su, scratch);
+    if (get_local_id(0) == 0) {
+        partial[2 * c] = sp;
+        partial[2 * c + 1] = su;
+    }
+}
+
 /* x^2 in the accumulator's type: widened before squaring (as the CPU and CUDA backends), so
  * |x| >= 1.8e19, whose float32 square overflows, still gives a finite norm. */
 #define SQUARE(x) ((acc_t)(x) * (acc_t)(x))

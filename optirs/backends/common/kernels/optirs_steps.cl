@@ -219,12 +219,7 @@ void lamb_moments(SLOT_PARAMS(P, float), SLOT_PARAMS(G, const float), __global f
             for (long k = start + lid; k < stop; k += OPTIRS_WG)
                 lamb_moments_at(p, g, m, v, k, scale, &sc, &sp, &su);
         }
-        sp = group_sum(sp, scratch);
-        su = group_sum(su, scratch);
-        if (lid == 0) {
-            partial[2 * (size_t)c] = sp;
-            partial[2 * (size_t)c + 1] = su;
-        }
+        store_norm_partials(sp, su, scratch, partial, (size_t)c);
     CHUNKS_END
 }
 
