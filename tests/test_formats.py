@@ -693,7 +693,7 @@ def test_bucket_table_quantizer_counts_the_midpoints_exactly(signed):
     searchsorted over the midpoints, at every point where the count can change."""
     from numba import njit
 
-    from optirs.backends.common.formats import quantize
+    from optirs.backends.common.formats import quantize, quantize_factors
     from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints, quantize_table
 
     y = _quantizer_points(signed)
@@ -705,8 +705,9 @@ def test_bucket_table_quantizer_counts_the_midpoints_exactly(signed):
     @njit
     def codes(y, scale, mid, table):
         out = np.empty(y.size, np.uint8)
+        pre, inv = quantize_factors(scale)
         for i in range(y.size):
-            out[i] = quantize(y[i] * scale, scale, mid, table)
+            out[i] = quantize(y[i] * scale, pre, inv, mid, table)
         return out
 
     assert np.array_equal(codes(y, np.float32(1), mid, table), want.astype(np.uint8))

@@ -373,9 +373,22 @@ class FormatState:
         return out
 
 
+def quantize_factors(scales) -> Tuple[np.ndarray, np.ndarray]:
+    """Each block's ``(pre, inv)`` (float32 arrays): its values are coded as ``(x * pre) * inv``
+    (docs/formats.md). ``pre`` is 2**64 for a subnormal scale (exact, and the reciprocal then stays
+    finite), else 1; ``inv`` is the float32 reciprocal of ``scale * pre``, 0 for a zero scale."""
+    s = np.asarray(scales, np.float32)
+    tiny = (s > 0) & (s < np.float32(2.0**-126))
+    pre = np.where(tiny, np.float32(2.0**64), np.float32(1)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where(s == 0, np.float32(0), np.float32(1) / (s * pre)).astype(np.float32)
+    return pre, inv
+
+
 def quantize_host(x: np.ndarray, scale: np.float32, signed: bool) -> np.ndarray:
     """The int8 codes of float32 values ``x`` at one block ``scale`` (numpy; docs/formats.md)."""
     x = np.asarray(x, dtype=np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        y = np.zeros_like(x) if scale == 0 else (x / np.float32(scale)).astype(np.float32)
+    pre, inv = quantize_factors(scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = ((x * pre) * inv).astype(np.float32)
     return np.searchsorted(map_midpoints(signed), y, side="left").astype(np.uint8)

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.formats import BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints
+from optirs.core.formats import BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints, quantize_factors
 from optirs.core.params import (AdadeltaParams, AdafactorParams, AdagradParams, AdamaxParams, AdamParams, AsgdParams,
                                 LambParams, LionParams, NadamParams, RadamParams, RmspropParams, RpropParams, SgdParams)
 
@@ -277,6 +277,17 @@ def rand_bits(key, index: np.ndarray) -> np.ndarray:
     return fmix32(np.uint64(key) ^ ((i * 0x9E3779B1) & 0xFFFFFFFF))
 
 
+def state_stream(k: int) -> int:
+    """State slot ``k``'s random stream: slots 0 and 1 share stream 1 (one word, two halves), slot 2 takes 2."""
+    return 1 + (int(k) >> 1)
+
+
+def slot_bits(word: np.ndarray, k: int) -> np.ndarray:
+    """Slot ``k``'s 16 random bits of its stream's words: the low half for even ``k``, the high half for odd."""
+    w = np.asarray(word, _U32)
+    return (w >> 16) if int(k) & 1 else (w & 0xFFFF)
+
+
 # ---------------------------------------------------------------- encodings (float32 arrays <-> bits)
 
 
@@ -363,9 +374,9 @@ def quantize_blocks(x: np.ndarray, signed: bool) -> Tuple[np.ndarray, np.ndarray
     pad = np.zeros(nblocks * BLOCK, np.float32)
     pad[: x.size] = x
     scales = np.abs(pad.reshape(nblocks, BLOCK)).max(axis=1)  # np.max propagates NaN
-    s = np.repeat(scales, BLOCK)[: x.size]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        y = np.where(s == 0, np.float32(0), x / np.where(s == 0, np.float32(1), s)).astype(np.float32)
+    pre, inv = quantize_factors(scales)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = (x * np.repeat(pre, BLOCK)[: x.size]) * np.repeat(inv, BLOCK)[: x.size]
     codes = np.searchsorted(map_midpoints(signed), y, side="left")
     codes[np.isnan(y)] = 0
     return codes.astype(np.uint8), scales.astype(np.float32)
@@ -491,8 +502,9 @@ def format_step(definition, hp, fs: FormatState, params: Sequence[np.ndarray], g
                 if fmt.state_dtype == "float32":
                     out[s][o : o + n] = v
                 elif fmt.state_dtype == "bfloat16":
-                    key = stream_key(seed, step_number, 1 + kernel_slots.index(s))
-                    out[s][o : o + n] = bf16_stochastic(v, rand_bits(key, index))
+                    k = kernel_slots.index(s)
+                    word = rand_bits(stream_key(seed, step_number, state_stream(k)), index)
+                    out[s][o : o + n] = bf16_stochastic(v, slot_bits(word, k))
                 elif fs.is_small(t):
                     out[f"{s}.small"][row[2] : row[2] + n] = v
                 else:

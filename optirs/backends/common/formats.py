@@ -126,6 +126,19 @@ def rand32(key, i):
     return fmix32(xor32(key, mul32(i, 0x9E3779B1)))
 
 
+@_jit
+def state_stream(k):
+    """The random stream of state slot ``k``: slots 0 and 1 share stream 1, slot 2 takes stream 2."""
+    return 1 + (k >> 1)
+
+
+@_jit
+def slot_bits(r, k):
+    """Slot ``k``'s 16 random bits from its stream's word ``r`` (low half for even ``k``, high half
+    for odd): two slots stochastically rounded by one hash per element."""
+    return shr32(r, 16) if (k & 1) == 1 else and32(r, 0xFFFF)
+
+
 # ---------------------------------------------------------------- 16-bit encodings
 
 
@@ -244,20 +257,37 @@ def remainder8_join(hi, rem):
 
 
 @_jit
-def quantize(x, scale, mid, table):
-    """The code of float32 ``x`` in a block of ``scale``: the number of ``mid[k] < x / scale``
-    (0 where scale is 0). ``mid``: the map's 255 float32 midpoints padded with +inf, ``table`` its
-    bucket table (:mod:`optirs.backends.common.int8_buckets`): one lookup and one compare, no branch.
-    Its three steps are functions of their own so that a cpu loop can run the arithmetic ones
-    vectorized, apart from the lookups."""
-    y = quantize_scaled(x, scale)
+def quantize(x, pre, inv, mid, table):
+    """The code of float32 ``x`` in a block whose :func:`quantize_factors` are ``pre, inv``: the
+    number of ``mid[k] < (x * pre) * inv``. ``mid``: the map's 255 float32 midpoints padded with
+    +inf, ``table`` its bucket table (:mod:`optirs.backends.common.int8_buckets`): one lookup and
+    one compare, no branch. Its three steps are functions of their own so that a cpu loop can run
+    the arithmetic ones vectorized, apart from the lookups."""
+    y = quantize_scaled(x, pre, inv)
     return quantize_code(y, table[quantize_bucket(y)], mid)
 
 
+_TINY_SCALE = np.float32(2.0**-126)  # below: a subnormal scale, whose reciprocal may overflow
+_PRE_TINY = np.float32(2.0**64)
+
+
 @_jit
-def quantize_scaled(x, scale):
-    """``x / scale`` in float32, 0 where scale is 0: the value :func:`quantize` codes."""
-    return x / scale if scale != 0 else np.float32(0)
+def quantize_factors(scale):
+    """A block's ``(pre, inv)``: its values are coded as ``(x * pre) * inv``, one reciprocal per block
+    in place of a division per element (docs/formats.md). ``pre`` is 1, or 2**64 for a subnormal
+    scale (exact: the scale and the block's values are scaled up alike, and the reciprocal stays
+    finite); ``inv`` is 0 for a zero scale (every value of the block is then 0)."""
+    if scale < _TINY_SCALE and scale > 0:
+        return _PRE_TINY, np.float32(1) / (scale * _PRE_TINY)
+    if scale == 0:
+        return np.float32(1), np.float32(0)
+    return np.float32(1), np.float32(1) / scale
+
+
+@_jit
+def quantize_scaled(x, pre, inv):
+    """``(x * pre) * inv`` in float32: the value :func:`quantize` codes (``pre`` 1 leaves ``x`` as it is)."""
+    return (x * pre) * inv
 
 
 @_jit
@@ -306,10 +336,11 @@ def decode_state(raw, kind):
 
 
 @_jit
-def encode_state(x, kind, key, i):
-    """float32 -> a state word: float32 bits, or bfloat16 rounded stochastically with ``key`` at ``i``."""
+def encode_state(x, kind, r):
+    """float32 -> a state word: float32 bits, or bfloat16 rounded stochastically with random bits ``r``
+    (the slot's :func:`slot_bits`; only the low 16 bits count)."""
     if kind == STATE_BF16:
-        return bf16_stochastic(x, rand32(key, i))
+        return bf16_stochastic(x, r)
     return f32_bits(x)
 
 

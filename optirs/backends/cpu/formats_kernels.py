@@ -23,7 +23,8 @@ from optirs.backends.common.elementwise import lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, encode_state, f32_bits,
                                             format_element, lamb_format_element, quantize_bucket, quantize_code,
-                                            quantize_scaled, store_master, stream_key)
+                                            quantize_factors, quantize_scaled, rand32, slot_bits, state_stream,
+                                            store_master, stream_key)
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
 
@@ -72,10 +73,10 @@ def _load_words(w, kind, o, n, buf):
 
 
 @_jit
-def _store_words(w, kind, o, n, buf, key):
-    """Encode ``buf`` back (bfloat16 words round stochastically with ``key``)."""
+def _store_words(w, kind, o, n, buf, key, k):
+    """Encode ``buf`` back as slot ``k`` (bfloat16 words round stochastically with its stream's ``key``)."""
     for i in range(n):
-        _word_out(w, o + i, kind, True, buf[i], key, o + i)
+        _word_out(w, o + i, kind, True, buf[i], _slot_random(kind, key, o + i, k))
 
 
 @_jit
@@ -89,11 +90,19 @@ def _word_in(v, i, kind, usedk):
 
 
 @_jit
-def _word_out(v, i, kind, usedk, x, key, idx):
-    """Store state value ``x`` at ``i``: float32, or bfloat16 rounded stochastically (``key``, ``idx``)."""
+def _slot_random(kind, key, idx, k):
+    """Slot ``k``'s random bits at flat index ``idx`` (bfloat16 state; 0 otherwise, unused)."""
+    if kind == STATE_BF16:
+        return slot_bits(rand32(key, idx), k)
+    return np.uint32(0)
+
+
+@_jit
+def _word_out(v, i, kind, usedk, x, r):
+    """Store state value ``x`` at ``i``: float32, or bfloat16 rounded stochastically with random bits ``r``."""
     if usedk:
         if kind == STATE_BF16:
-            v[i] = encode_state(x, STATE_BF16, key, idx)
+            v[i] = encode_state(x, STATE_BF16, r)
         else:
             v[i] = x
 
@@ -166,8 +175,9 @@ def _store_codes(w, scales, mid, tbl, blk, o, n, buf, ix):
     the scaled values, ``ix`` (uint32 scratch) with the buckets."""
     m = _block_absmax(buf, n)
     scales[blk] = m
+    pre, inv = quantize_factors(m)
     for i in range(n):
-        y = quantize_scaled(buf[i], m)
+        y = quantize_scaled(buf[i], pre, inv)
         buf[i] = y
         ix[i] = quantize_bucket(y)
     wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
@@ -214,7 +224,7 @@ def _make_pointwise(fc, used):
     return _pjit(variant(_pointwise_format, label, constants))
 
 
-def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k0, k1, k2, o):
+def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
     for i in range(p.shape[0]):
         # the random bits take the flat index's low 32 bits: computed in 32 bits, the vector loop
         # carries no 64-bit index lanes to narrow
@@ -227,13 +237,14 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k0, k1, k2, o):
         p[i] = pw
         if HAS_MASTER:
             mb[i] = mw
-        _word_out(v0, i, SKIND, U0, x0, k0, idx)
-        _word_out(v1, i, SKIND, U1, x1, k1, idx)
-        _word_out(v2, i, SKIND, U2, x2, k2, idx)
+        r01 = _slot_random(SKIND, k01, idx, 0) if U0 or U1 else np.uint32(0)  # one hash for slots 0 and 1
+        _word_out(v0, i, SKIND, U0, x0, slot_bits(r01, 0))
+        _word_out(v1, i, SKIND, U1, x1, slot_bits(r01, 1))
+        _word_out(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
 
 
 def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, off, blk0, so,
-           s, e, sc, keyp, k0, k1, k2):
+           s, e, sc, keyp, k01, k2):
     if not INT8 or so >= 0:
         # float32 / bfloat16 words (or a small tensor's float32 state): decoded and encoded in
         # the element loop itself, every array sliced to the chunk so that one index addresses
@@ -249,7 +260,7 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             v0 = w0[o : o + n] if U0 else w0
             v1 = w1[o : o + n] if U1 else w1
             v2 = w2[o : o + n] if U2 else w2
-        RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k0, k1, k2, o)
+        RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o)
         return
     # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch.
     # Each block in three loops: the codes decoded (table lookups), the element loop over the
@@ -270,7 +281,7 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             _decode_block(w2, q2, c2[blk], o, n, a2)
         mb = mbuf[o : o + n] if HAS_MASTER else mbuf
         RUN_WORDS(p[b : b + n], g[b : b + n], mb, a0[:n] if U0 else a0, a1[:n] if U1 else a1, a2[:n] if U2 else a2,
-                  sc, keyp, k0, k1, k2, o)
+                  sc, keyp, k01, k2, o)
         if U0:
             _store_codes(w0, c0, d0, t0, blk, o, n, a0, ix)
         if U1:
@@ -290,11 +301,11 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     padded midpoints ``dk`` and bucket table ``tk``. ``table``: FormatState.tensor_table().
     """
     keyp = stream_key(seed, step, 0)
-    k0, k1, k2 = stream_key(seed, step, 1), stream_key(seed, step, 2), stream_key(seed, step, 3)
+    k01, k2 = stream_key(seed, step, state_stream(0)), stream_key(seed, step, state_stream(2))
     for c in prange(chunk_tensor.shape[0]):
         t = chunk_tensor[c]
         CHUNK(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2,
-              table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k0, k1, k2)
+              table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k01, k2)
 
 
 @_jit
@@ -368,7 +379,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
         p_sq[c], u_sq[c] = ps_c, us_c
     ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     keyp = stream_key(seed, step, 0)
-    k0, k1 = stream_key(seed, step, 1), stream_key(seed, step, 2)
+    k01 = stream_key(seed, step, state_stream(0))
     for c in prange(nchunks):
         t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
         p, g = ps[t], gs[t]
@@ -395,11 +406,11 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
             if INT8:
                 _store_codes_or_small(w0, c0, m0, d0, t0, blk, sob, o, n, a0, ix)
             else:
-                _store_words(w0, FC.state, o, n, a0, k0)
+                _store_words(w0, FC.state, o, n, a0, k01, 0)
             if INT8:
                 _store_codes_or_small(w1, c1, m1, d1, t1, blk, sob, o, n, a1, ix)
             else:
-                _store_words(w1, FC.state, o, n, a1, k1)
+                _store_words(w1, FC.state, o, n, a1, k01, 1)
 
 
 @_pjit

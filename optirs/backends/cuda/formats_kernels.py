@@ -31,7 +31,8 @@ from numba import cuda, float32, float64, uint8, uint32
 from optirs.backends.common.bits32 import and32, or32, shl32, shr32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, dequantize, encode_state,
-                                           format_element, lamb_format_element, quantize, store_master, stream_key)
+                                           f32_bits, format_element, lamb_format_element, quantize, quantize_factors,
+                                           rand32, slot_bits, state_stream, store_master, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8)
@@ -402,9 +403,8 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 i += nthreads
             cuda.syncthreads()
         keyp = stream_key(seed, step, 0)
-        key0 = stream_key(seed, step, 1)
-        key1 = stream_key(seed, step, 2)
-        key2 = stream_key(seed, step, 3)
+        key01 = stream_key(seed, step, state_stream(0))
+        key2 = stream_key(seed, step, state_stream(2))
         grad_scale = float32(0)
         if lamb:
             raw_norm = 0.0
@@ -420,6 +420,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         x0 = cuda.local.array(LANE, float32)
         x1 = cuda.local.array(LANE, float32)
         x2 = cuda.local.array(LANE, float32)
+        r01 = cuda.local.array(LANE, uint32)
         c = cuda.blockIdx.x
         while c < nchunks:
             t = chunks[c, 0]
@@ -549,6 +550,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             st(slots[4] + (block0 + grp) * 4, sc1)
                         if u2:
                             st(slots[5] + (block0 + grp) * 4, sc2)
+                if sz == 2 and (u0 or u1):  # bfloat16 state: one hash gives slots 0 and 1 their random bits
+                    for j in range(LANE):
+                        r01[j] = rand32(key01, u32(e + j))
                 # stores
                 if psize == 2:
                     st8_16(pa + base * 2, vec, cnt, pw)
@@ -560,11 +564,11 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     st8_16(maddr + e * 2, vec, cnt, mw)
                 elif msize == 1:
                     st8_8(maddr + e, vec, cnt, mw)
-                _store_state(u0, quant, sz, sa0 + (sbase + base) * sz, vec, cnt, w0, x0, sc0, key0, e,
+                _store_state(u0, 0, quant, sz, sa0 + (sbase + base) * sz, vec, cnt, w0, x0, sc0, r01, key2, e,
                              mid_s if sg0 else mid_u, tb_s if sg0 else tb_u)
-                _store_state(u1, quant, sz, sa1 + (sbase + base) * sz, vec, cnt, w1, x1, sc1, key1, e,
+                _store_state(u1, 1, quant, sz, sa1 + (sbase + base) * sz, vec, cnt, w1, x1, sc1, r01, key2, e,
                              mid_s if sg1 else mid_u, tb_s if sg1 else tb_u)
-                _store_state(u2, quant, sz, sa2 + (sbase + base) * sz, vec, cnt, w2, x2, sc2, key2, e,
+                _store_state(u2, 2, quant, sz, sa2 + (sbase + base) * sz, vec, cnt, w2, x2, sc2, r01, key2, e,
                              mid_s if sg2 else mid_u, tb_s if sg2 else tb_u)
             if lamb and not apply:  # the chunk's sums (uniform over the block: every thread reaches it)
                 sp = _block_sum(sp)
@@ -628,19 +632,23 @@ def _decode_state(usedk, quant, sz, w, x, scale, q):
 
 
 @_device
-def _store_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, key, e, mid, table):
-    """The lane's 8 new slot values, encoded (int8 codes at ``scale``, stochastic bfloat16, float32)."""
+def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e, mid, table):
+    """Slot ``k``'s 8 new values of the lane, encoded: int8 codes at ``scale``, bfloat16 rounded
+    stochastically (slots 0 and 1 by halves of the words ``r01``, slot 2 by its own stream's
+    ``key2``), or float32."""
     if not usedk:
         return
     if quant:
+        pre, inv = quantize_factors(scale)
         for j in range(LANE):
-            w[j] = quantize(x[j], scale, mid, table)
+            w[j] = quantize(x[j], pre, inv, mid, table)
         st8_8(addr, vec, cnt, w)
     elif sz == 2:
         for j in range(LANE):
-            w[j] = encode_state(x[j], STATE_BF16, key, u32(e + j))
+            r = slot_bits(r01[j], k) if k < 2 else rand32(key2, u32(e + j))
+            w[j] = encode_state(x[j], STATE_BF16, r)
         st8_16(addr, vec, cnt, w)
     else:
         for j in range(LANE):
-            w[j] = encode_state(x[j], STATE_F32, key, u32(e + j))
+            w[j] = f32_bits(x[j])
         st8_32(addr, vec, cnt, w)
