@@ -375,7 +375,8 @@ def chunk_cpu(n: int, reps: int) -> Dict[str, Any]:
 
 
 def chunk_lines(chunk: Dict[str, Any]) -> List[str]:
-    lines = [f"per-chunk CPU work, {chunk['elements']} elements, {chunk['threads']} threads: numpy copy "
+    lines = [f"per-chunk CPU work, {chunk['elements']} elements ({16 * chunk['elements'] / 2**30:.2f} GiB of float32 "
+             f"p, g, m, v), {chunk['threads']} threads: numpy copy "
              f"{chunk['numpy_copy_GBps']:.1f} GB/s (one thread), torch copy {chunk['torch_copy_GBps']:.1f} GB/s"]
     for name, c in chunk["cases"].items():
         extra = f", equals before: {c['equals_before']}" if "equals_before" in c else ""
@@ -622,8 +623,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--copy-mb", type=int, default=2048, help="size of the bandwidth probes")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
     ap.add_argument("--bucket", type=int, default=None, help="CPUOffload's bucket_elements (default: its own)")
-    ap.add_argument("--chunk-elements", type=int, default=1 << 24,
-                    help="size of the per-chunk CPU measurement (0: skip it)")
+    ap.add_argument("--chunk-elements", type=int, default=1 << 27,
+                    help="size of the per-chunk CPU measurement (0: skip it); its float32 arrays should exceed "
+                         "the host's last-level cache many times over, or it measures the cache (the default: 2 GB)")
     ap.add_argument("--chunk-reps", type=int, default=5)
     ap.add_argument("--chunk-only", action="store_true", help="only the per-chunk CPU measurement (no device needed)")
     ap.add_argument("--json", help="write the results here (a bare name goes to benchmarks/results/)")

@@ -715,6 +715,45 @@ def test_bucket_table_quantizer_counts_the_midpoints_exactly(signed):
     assert np.all(codes(y[:64], np.float32(0), mid, table) == zero)  # scale 0: every value is code(0)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_codes_of_a_block_follow_the_reciprocal_contract(signed):
+    """quantize and its finite-block form (the GPU's) against searchsorted of ``(x * pre) * inv``
+    (numpy) for blocks of every kind of scale: normal, subnormal (``pre`` keeps the reciprocal
+    finite), near float32's largest. A subnormal block has the codes of the same block scaled up
+    into normal numbers, as the exact ``pre`` promises."""
+    from numba import njit
+
+    from optirs.backends.common.formats import quantize, quantize_factors, quantize_finite
+    from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints
+
+    @njit
+    def codes(x, scale, mid, table):
+        out = np.empty((2, x.size), np.uint8)
+        pre, inv = quantize_factors(scale)
+        for i in range(x.size):
+            out[0, i] = quantize(x[i], pre, inv, mid, table)
+            out[1, i] = quantize_finite(x[i], pre, inv, mid, table)
+        return out
+
+    y = _quantizer_points(signed)
+    y = y[np.isfinite(y) & (np.abs(y) <= 1)]
+    mid, table = padded_midpoints(signed), bucket_table(signed)
+    by_scale = {}
+    for scale in [np.float32(1), np.float32(3.7e-3), np.float32(3e38), np.float32(1e-39), np.float32(2.0**-140)]:
+        x = np.clip((y.astype(np.float64) * scale).astype(np.float32), -scale, scale)
+        x[0] = scale  # the block's absmax itself
+        pre, inv = F.quantize_factors(scale)
+        with np.errstate(over="ignore"):
+            want = np.searchsorted(F.map_midpoints(signed), (x * pre) * inv, side="left").astype(np.uint8)
+        got = codes(x, scale, mid, table)
+        assert np.array_equal(got[0], want) and np.array_equal(got[1], want), scale
+        assert got[0, 0] == 255  # the absmax codes to 1.0
+        by_scale[float(scale)] = (x, got[0])
+    x, _ = by_scale[float(np.float32(1e-39))]  # a subnormal block, and the same block scaled up exactly
+    up = np.float32(2.0**64)
+    assert np.array_equal(codes(x, np.float32(1e-39), mid, table), codes(x * up, np.float32(1e-39) * up, mid, table))
+
+
 def test_bucket_table_refuses_a_map_too_dense_for_it():
     from optirs.backends.common.int8_buckets import build_table
 

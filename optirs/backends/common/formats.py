@@ -302,6 +302,17 @@ def quantize_bucket(y):
 
 
 @_jit
+def quantize_finite(x, pre, inv, mid, table):
+    """:func:`quantize` for a block of finite scale, whose scaled values are never NaN and at most
+    ``1 + 2**-23`` in magnitude (``|x| <= scale``, ``inv`` its correctly rounded reciprocal): the
+    bucket needs neither the NaN test nor the upper clamp. The same code as :func:`quantize`."""
+    y = quantize_scaled(x, pre, inv)
+    u = f32_bits(y)
+    a = max(and32(shr32(u, 16), 0x7FFF), _BK_FIRST)
+    return quantize_code(y, table[add32(sub32(a, _BK_FIRST), mul32(shr32(u, 31), _BK_WIDTH))], mid)
+
+
+@_jit
 def quantize_code(y, c, mid):
     """The code of the scaled value ``y`` whose bucket (:func:`quantize_bucket`) has table entry ``c``:
     ``c`` plus one where the bucket's midpoint lies below ``y`` (a NaN compares false: code 0)."""
@@ -402,8 +413,13 @@ def format_element(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
     ``s0``-``s2`` are the decoded float32 state values (0 for unused slots) and come back updated
     for the loop to encode. Returns (parameter word, master word, s0, s1, s2) with the words as uint32
     (a remainder word holds the signed remainder's two's complement)."""
-    p = load_master(praw, mraw, fc)
-    g = decode_value(graw, fc.grad)
+    return format_update(load_master(praw, mraw, fc), decode_value(graw, fc.grad), s0, s1, s2, sc, fc, key, i)
+
+
+@_inline
+def format_update(p, g, s0, s1, s2, sc, fc, key, i):
+    """:func:`format_element` from the decoded float32 master ``p`` and gradient ``g`` on (for a
+    kernel that decodes them its own way)."""
     p, s0, s1, s2 = element_update(p, g, s0, s1, s2, sc)
     pw, mw = store_master(p, fc, key, i)
     return pw, mw, s0, s1, s2
@@ -415,7 +431,11 @@ def lamb_format_element(praw, mraw, graw, m, v, grad_scale, sc, fc):
 
     Both passes call it with the same inputs (pass 1 for the norms, pass 2 to apply
     ``p - lr * ratio * u``), so they see the same values; nothing is written in pass 1."""
-    p = load_master(praw, mraw, fc)
-    g = decode_value(graw, fc.grad)
+    return lamb_format_update(load_master(praw, mraw, fc), decode_value(graw, fc.grad), m, v, grad_scale, sc)
+
+
+@_inline
+def lamb_format_update(p, g, m, v, grad_scale, sc):
+    """:func:`lamb_format_element` from the decoded float32 master ``p`` and gradient ``g`` on."""
     m, v = lamb_moments(g, m, v, grad_scale, sc)
     return p, m, v, lamb_direction(p, m, v, sc)

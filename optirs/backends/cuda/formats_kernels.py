@@ -31,8 +31,8 @@ from numba import cuda, float32, float64, uint8, uint32
 from optirs.backends.common.bits32 import and32, or32, shl32, shr32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, dequantize, encode_state,
-                                           f32_bits, format_element, lamb_format_element, quantize, quantize_factors,
-                                           rand32, slot_bits, state_stream, store_master, stream_key)
+                                           f32_bits, format_update, lamb_format_update, load_master, quantize,
+                                           quantize_factors, quantize_finite, rand32, slot_bits, state_stream, store_master, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8)
@@ -44,6 +44,7 @@ from optirs.backends.cuda.kernels import SIMULATOR, _device, ld, ld4, st, st4
 GROUP = 256  # elements per warp and per int8 block
 LANE = 8  # elements per lane
 _FULL = 0xFFFFFFFF
+_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 # Non-finite test on raw bits: every exponent bit set (inf or NaN).
 EXP_MASK = {"float32": 0x7F800000, "bfloat16": 0x7F80, "float16": 0x7C00}
@@ -311,12 +312,13 @@ def unpack8(raw, size, out):
 # ------------------------------------------------------------------ the pointwise format step
 
 
-# _widen16: the kernels widen bfloat16 gradients and state words by a shift alone, without the shared
-# decode's NaN quieting (4 instructions of about 130 per element, each). The same bits are stored:
-# every value so widened meets float arithmetic, min / max or comparisons before anything is
-# stored, and on the GPU a NaN result of arithmetic is the canonical NaN whatever the NaN that went
-# in (min and max return the other operand), or it meets an encoder that writes NaN as its own
-# quiet NaN with the sign kept, as the quieting does.
+# _widen16: the kernels widen bfloat16 gradients, state words and parameters that are their own master
+# (or a float32 master's first value) by a shift alone, without the shared decode's NaN quieting (4
+# instructions of about 130 per element, each). The same bits are stored: every value so widened
+# meets float arithmetic, min / max or comparisons before anything is stored (every family's new
+# parameter is computed from the old one), and on the GPU a NaN result of arithmetic is the
+# canonical NaN whatever the NaN that went in (min and max return the other operand), or it meets
+# an encoder that writes NaN as its own quiet NaN with the sign kept, as the quieting does.
 
 
 @_device
@@ -363,7 +365,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     batch = state != STATE_F32
     # bfloat16 gradients reach the element step widened here, as float32 bits (_widen16's reason)
     widen_grad = fc.grad == BF16
-    fce = fc._replace(grad=F32) if widen_grad else fc
+    widen_param = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32)
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
 
@@ -507,16 +509,23 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 # the element steps, on all 8 lanes' words whether they exist or not (the loads gave 0
                 # past the end, and nothing is stored or summed there): no branch per element
                 for j in range(LANE):
-                    if widen_grad:
-                        gw[j] = shl32(gw[j], 16)  # _widen16's reason
                     mraw = mw[j]
                     if msize == 0:
                         mraw = np.uint32(0)
                     elif msize != 4:
                         mraw = _remainder(mraw, master)
                     ij = u32(e + j)
+                    # widened by a shift (_widen16's reason); a float32 master word of 0 is read from the
+                    # parameter. float32(): numba's simulator hands the shared functions Python floats
+                    g = float32(bits_f32(shl32(gw[j], 16)) if widen_grad else decode_value(gw[j], fc.grad))
+                    if widen_param:
+                        xp = float32(bits_f32(shl32(pw[j], 16)))
+                        if master == MASTER_F32 and mraw != 0:
+                            xp = float32(bits_f32(mraw))
+                    else:
+                        xp = float32(load_master(pw[j], mraw, fc))
                     if lamb:
-                        xp, a, b, u = lamb_format_element(pw[j], mraw, gw[j], x0[j], x1[j], grad_scale, sc, fce)
+                        xp, a, b, u = lamb_format_update(xp, g, x0[j], x1[j], grad_scale, sc)
                         if apply:
                             p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
                             pw[j] = p_
@@ -527,7 +536,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             sp += float64(xp) * float64(xp)
                             su += float64(u) * float64(u)
                     else:
-                        p_, m_, a, b, d = format_element(pw[j], mraw, gw[j], x0[j], x1[j], x2[j], sc, fce, keyp, ij)
+                        p_, m_, a, b, d = format_update(xp, g, x0[j], x1[j], x2[j], sc, fc, keyp, ij)
                         pw[j] = p_
                         mw[j] = m_
                         x0[j] = a
@@ -640,8 +649,12 @@ def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e,
         return
     if quant:
         pre, inv = quantize_factors(scale)
-        for j in range(LANE):
-            w[j] = quantize(x[j], pre, inv, mid, table)
+        if scale <= _F32_MAX:  # the usual block (not NaN, not inf): the shorter bucket
+            for j in range(LANE):
+                w[j] = quantize_finite(x[j], pre, inv, mid, table)
+        else:
+            for j in range(LANE):
+                w[j] = quantize(x[j], pre, inv, mid, table)
         st8_8(addr, vec, cnt, w)
     elif sz == 2:
         for j in range(LANE):
