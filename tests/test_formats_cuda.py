@@ -18,6 +18,7 @@ import types as pytypes
 import ml_dtypes
 import numpy as np
 import pytest
+from numba import cuda
 
 from optirs.core import reference as R
 from optirs.core.definitions import DEFINITIONS
@@ -258,6 +259,57 @@ def test_state_made_for_float32_gradients_steps_16bit_gradients():
     with pytest.raises(InvalidParameterError, match="same storage format"):
         plugin.optirs_step(ctx, StepRequest(d, [], [], {}, layout, d.scalars(d.examples[0], 1), StepControls(1), other,
                                             FormatState(layout, (), fmt)))
+
+
+def _float16_cases(every: int) -> np.ndarray:
+    """float32 bit patterns at and beside float16's rounding boundaries (the midpoints between
+    neighbouring float16 values, one float32 ulp either side), every ``every``-th float16 value,
+    with the specials: signed zeros, float32 subnormals, overflow, inf and NaN payloads."""
+    h = np.arange(0, 0x7C00, every, dtype=np.uint16)
+    lo = h.view(np.float16).astype(np.float64)
+    hi = (h + 1).view(np.float16).astype(np.float64)
+    mid = ((lo + hi) / 2).astype(np.float32)  # exact: at most 12 significant bits
+    x = np.concatenate([lo.astype(np.float32), mid, np.nextafter(mid, np.float32(np.inf)),
+                        np.nextafter(mid, np.float32(0)),
+                        np.array([0.0, 1e-40, 65504.0, 65519.996, 65520.0, 1e10, np.inf], np.float32)])
+    bits = np.concatenate([x, -x]).view(np.uint32)
+    nans = [0x7FC00000, 0x7FFFFFFF, 0xFFC00001]
+    if not SIMULATOR:  # the simulator passes values through Python floats, which quiet a signaling NaN
+        nans += [0x7F800001, 0x7F802000, 0xFF800001]
+    return np.concatenate([bits, np.array(nans, np.uint32)])
+
+
+@pytest.mark.cuda
+def test_float16_conversions_of_the_kernels_are_numpys():
+    """float16 in the kernels (on a GPU its cvt instructions, NaN selected apart: one instruction
+    where the bit-by-bit form took 10-25) against numpy: the cast to float16 of float32 values at
+    every rounding boundary, and every float16 decoded (NaN: the quiet NaN with its sign). The
+    simulator runs a sample of them."""
+    _cuda()
+    from optirs.backends.common.formats import bits_f32, decode16, f16_nearest, f32_bits
+    from optirs.core.formats import F16
+
+    def convert(bits, encoded, halves, decoded):  # the module's global ``cuda``: the simulator's per thread
+        start, stride = cuda.grid(1), cuda.gridsize(1)
+        for k in range(start, bits.size, stride):
+            encoded[k] = f16_nearest(bits_f32(bits[k]))
+        for k in range(start, halves.size, stride):
+            decoded[k] = f32_bits(decode16(halves[k], F16))
+
+    convert = cuda.jit(convert)
+    every = 97 if SIMULATOR else 1
+    bits = _float16_cases(every)
+    halves = np.arange(0, 1 << 16, every, dtype=np.uint32)
+    encoded, decoded = np.zeros(bits.size, np.uint32), np.zeros(halves.size, np.uint32)
+    convert[4 if SIMULATOR else 256, 32 if SIMULATOR else 256](bits, encoded, halves, decoded)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = bits.view(np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+    assert np.array_equal(encoded, want), bits[encoded != want][:8]
+    h = halves.astype(np.uint16)
+    nan = (h & 0x7FFF) > 0x7C00
+    want = np.where(nan, ((h.astype(np.uint32) & 0x8000) << 16) | 0x7FC00000,
+                    h.view(np.float16).astype(np.float32).view(np.uint32))
+    assert np.array_equal(decoded, want), halves[decoded != want][:8]
 
 
 @pytest.mark.cuda

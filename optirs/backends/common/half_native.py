@@ -1,4 +1,4 @@
-"""float32 <-> float16 by the cpu's own conversion instructions, where it has them.
+"""float32 <-> float16 by the hardware's own conversion instructions, where it has them (cpu and GPU).
 
 LLVM's ``fptrunc`` / ``fpext`` between float and half are ``vcvtps2ph`` / ``vcvtph2ps`` on x86
 with F16C (every x86-64 since 2013) and ``fcvt`` on arm64: in the cpu format loops one
@@ -11,8 +11,9 @@ bit-by-bit forms for all 2**32 float32 and all 2**16 float16 inputs (tests/test_
 the encodings against numpy and ml_dtypes on the special values and rounding boundaries).
 
 :func:`native_or` wraps a bit-by-bit function: the wrapper compiles the conversion instruction
-form on a cpu that has it and the bit-by-bit form everywhere else (a cuda device function, a cpu
-without F16C), so other targets compile exactly what they compiled before.
+form on a cpu that has it and in a cuda device function (``cvt.rn.f16.f32`` / ``cvt.f32.f16``,
+IEEE as well; tests/test_formats_cuda.py checks them against numpy on the device), and the
+bit-by-bit form elsewhere (a cpu without F16C).
 """
 
 from __future__ import annotations
@@ -94,6 +95,17 @@ def _decode_native(h):
     return nan if and32(h, 0x7FFF) > 0x7C00 else _fpext_half(h)
 
 
+def _is_cuda(context) -> bool:
+    """Whether ``context`` compiles for a GPU, whose ``cvt.rn.f16.f32`` / ``cvt.f32.f16`` are the
+    conversions (sm_53 on; NVVM lowers ``fptrunc`` / ``fpext`` to them): one instruction where the
+    bit-by-bit forms take 10-25 in the formats kernels."""
+    try:
+        from numba.cuda.target import CUDATargetContext
+    except ImportError:
+        return False
+    return isinstance(context, CUDATargetContext)
+
+
 def native_or(fallback, native):
     """A function of ``fallback``'s signature (float32 -> uint32 or uint32 -> float32) that compiles
     ``native`` (``"encode"`` or ``"decode"``) on a cpu with conversion instructions, ``fallback``
@@ -107,7 +119,7 @@ def native_or(fallback, native):
             return None
 
         def codegen(context, builder, sig, args):
-            use = impl if (_NATIVE and isinstance(context, CPUContext)) else fallback.py_func
+            use = impl if (_NATIVE and isinstance(context, CPUContext)) or _is_cuda(context) else fallback.py_func
             return context.compile_internal(builder, use, sig, args)
 
         return sig, codegen

@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import cuda, float32, float64, uint8, uint32
 
-from optirs.backends.common.bits32 import and32, or32, shl32, shr32, u32
+from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, dequantize, encode_state,
                                            f32_bits, format_update, lamb_format_update, load_master, quantize,
@@ -381,9 +381,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 return  # uniform: the whole step is skipped
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
-        lane = tid & 31
-        warp = tid >> 5
-        nwarps = nthreads >> 5
+        lane = u32(tid & 31)
+        warp = u32(tid >> 5)
+        nwarps = u32(nthreads >> 5)
         q_s = cuda.shared.array(256, float32)
         mid_s = cuda.shared.array(256, float32)
         q_u = cuda.shared.array(256, float32)
@@ -441,6 +441,17 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 sz = ssize
             block0 = tensors[t, 1] + (start >> 8)
             vec = ((pa | ga) & 15) == 0 and (off & 7) == 0
+            # the chunk's first element's address in every array: a round adds its 32-bit offset
+            # (64-bit index arithmetic per round cost about 2 instructions an element)
+            ma = maddr + off * msize
+            sa0 = (slots[6] if (int8 and not quant) else slots[0]) + sbase * sz
+            sa1 = (slots[7] if (int8 and not quant) else slots[1]) + sbase * sz
+            sa2 = (slots[8] if (int8 and not quant) else slots[2]) + sbase * sz
+            ca0 = slots[3] + block0 * 4
+            ca1 = slots[4] + block0 * 4
+            ca2 = slots[5] + block0 * 4
+            n32 = u32(n)
+            off32 = u32(off)  # the flat index's low 32 bits: all the random bits take
             sp = 0.0
             su = 0.0
             lr_t = float32(0)
@@ -448,32 +459,29 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 ratio = float32(lamb_trust_ratio(math.sqrt(acc[q, t]), math.sqrt(acc[q, ntensors + t]),
                                                  float64(sc.max_trust_ratio)))
                 lr_t = sc.lr * ratio
-            ngroups = (n + GROUP - 1) >> 8
+            ngroups = u32((n + GROUP - 1) >> 8)
             rounds = (ngroups + nwarps - 1) // nwarps
             for r in range(rounds):
-                grp = warp + r * nwarps
-                base = grp * GROUP + lane * LANE
-                cnt = min(max(n - base, 0), LANE)
-                e = off + base  # flat index of the lane's first element
+                grp = add32(warp, mul32(r, nwarps))
+                base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
+                cnt = min(sub32(n32, base), LANE) if n32 > base else u32(0)
+                e = add32(off32, base)  # flat index of the lane's first element (low 32 bits)
                 sc0 = sc1 = sc2 = float32(0)
                 live = grp < ngroups
                 if quant and live:
                     if u0:
-                        sc0 = ld(slots[3] + (block0 + grp) * 4)
+                        sc0 = ld(ca0 + grp * 4)
                     if u1:
-                        sc1 = ld(slots[4] + (block0 + grp) * 4)
+                        sc1 = ld(ca1 + grp * 4)
                     if u2:
-                        sc2 = ld(slots[5] + (block0 + grp) * 4)
-                sa0 = slots[6] if (int8 and not quant) else slots[0]
-                sa1 = slots[7] if (int8 and not quant) else slots[1]
-                sa2 = slots[8] if (int8 and not quant) else slots[2]
+                        sc2 = ld(ca2 + grp * 4)
                 if batch and vec and cnt == LANE:  # every load of the round, then the words
                     rp = raw8(pa + base * psize, psize)
                     rg = raw8(ga + base * gsize, gsize)
-                    rm = raw8(maddr + e * msize, msize) if msize != 0 else (_ZERO4, _ZERO4)
-                    r0 = raw8(sa0 + (sbase + base) * sz, sz) if u0 else (_ZERO4, _ZERO4)
-                    r1 = raw8(sa1 + (sbase + base) * sz, sz) if u1 else (_ZERO4, _ZERO4)
-                    r2 = raw8(sa2 + (sbase + base) * sz, sz) if u2 else (_ZERO4, _ZERO4)
+                    rm = raw8(ma + base * msize, msize) if msize != 0 else (_ZERO4, _ZERO4)
+                    r0 = raw8(sa0 + base * sz, sz) if u0 else (_ZERO4, _ZERO4)
+                    r1 = raw8(sa1 + base * sz, sz) if u1 else (_ZERO4, _ZERO4)
+                    r2 = raw8(sa2 + base * sz, sz) if u2 else (_ZERO4, _ZERO4)
                     unpack8(rp, psize, pw)
                     unpack8(rg, gsize, gw)
                     if msize != 0:
@@ -494,14 +502,14 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     else:
                         ld8_32(ga + base * 4, vec, cnt, gw)
                     if msize == 4:
-                        ld8_32(maddr + e * 4, vec, cnt, mw)
+                        ld8_32(ma + base * 4, vec, cnt, mw)
                     elif msize == 2:
-                        ld8_16(maddr + e * 2, vec, cnt, mw)
+                        ld8_16(ma + base * 2, vec, cnt, mw)
                     elif msize == 1:
-                        ld8_8(maddr + e, vec, cnt, mw)
-                    _load_words(u0, sz, sa0 + (sbase + base) * sz, vec, cnt, w0)
-                    _load_words(u1, sz, sa1 + (sbase + base) * sz, vec, cnt, w1)
-                    _load_words(u2, sz, sa2 + (sbase + base) * sz, vec, cnt, w2)
+                        ld8_8(ma + base, vec, cnt, mw)
+                    _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
+                    _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
+                    _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
                 # the state as float32
                 _decode_state(u0, quant, sz, w0, x0, sc0, q_s if sg0 else q_u)
                 _decode_state(u1, quant, sz, w1, x1, sc1, q_s if sg1 else q_u)
@@ -514,7 +522,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         mraw = np.uint32(0)
                     elif msize != 4:
                         mraw = _remainder(mraw, master)
-                    ij = u32(e + j)
+                    ij = add32(e, j)
                     # widened by a shift (_widen16's reason); a float32 master word of 0 is read from the
                     # parameter. float32(): numba's simulator hands the shared functions Python floats
                     g = float32(bits_f32(shl32(gw[j], 16)) if widen_grad else decode_value(gw[j], fc.grad))
@@ -554,30 +562,30 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         sc2 = warp_max(_lane_absmax(x2, cnt))
                     if live and lane == 0:
                         if u0:
-                            st(slots[3] + (block0 + grp) * 4, sc0)
+                            st(ca0 + grp * 4, sc0)
                         if u1:
-                            st(slots[4] + (block0 + grp) * 4, sc1)
+                            st(ca1 + grp * 4, sc1)
                         if u2:
-                            st(slots[5] + (block0 + grp) * 4, sc2)
+                            st(ca2 + grp * 4, sc2)
                 if sz == 2 and (u0 or u1):  # bfloat16 state: one hash gives slots 0 and 1 their random bits
                     for j in range(LANE):
-                        r01[j] = rand32(key01, u32(e + j))
+                        r01[j] = rand32(key01, add32(e, j))
                 # stores
                 if psize == 2:
                     st8_16(pa + base * 2, vec, cnt, pw)
                 else:
                     st8_32(pa + base * 4, vec, cnt, pw)
                 if msize == 4:
-                    st8_32(maddr + e * 4, vec, cnt, mw)
+                    st8_32(ma + base * 4, vec, cnt, mw)
                 elif msize == 2:
-                    st8_16(maddr + e * 2, vec, cnt, mw)
+                    st8_16(ma + base * 2, vec, cnt, mw)
                 elif msize == 1:
-                    st8_8(maddr + e, vec, cnt, mw)
-                _store_state(u0, 0, quant, sz, sa0 + (sbase + base) * sz, vec, cnt, w0, x0, sc0, r01, key2, e,
+                    st8_8(ma + base, vec, cnt, mw)
+                _store_state(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e,
                              mid_s if sg0 else mid_u, tb_s if sg0 else tb_u)
-                _store_state(u1, 1, quant, sz, sa1 + (sbase + base) * sz, vec, cnt, w1, x1, sc1, r01, key2, e,
+                _store_state(u1, 1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, r01, key2, e,
                              mid_s if sg1 else mid_u, tb_s if sg1 else tb_u)
-                _store_state(u2, 2, quant, sz, sa2 + (sbase + base) * sz, vec, cnt, w2, x2, sc2, r01, key2, e,
+                _store_state(u2, 2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, r01, key2, e,
                              mid_s if sg2 else mid_u, tb_s if sg2 else tb_u)
             if lamb and not apply:  # the chunk's sums (uniform over the block: every thread reaches it)
                 sp = _block_sum(sp)
@@ -658,7 +666,7 @@ def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e,
         st8_8(addr, vec, cnt, w)
     elif sz == 2:
         for j in range(LANE):
-            r = slot_bits(r01[j], k) if k < 2 else rand32(key2, u32(e + j))
+            r = slot_bits(r01[j], k) if k < 2 else rand32(key2, add32(e, j))
             w[j] = encode_state(x[j], STATE_BF16, r)
         st8_16(addr, vec, cnt, w)
     else:
