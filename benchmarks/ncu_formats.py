@@ -33,6 +33,7 @@ KINDS = {
     "sr_int8": ("bfloat16", None, "int8", True),
     "fp32_bf16": ("float32", None, "bfloat16", False),
     "fp32_int8": ("float32", None, "int8", False),
+    "fp16_masters": ("float16", "float32", "float32", False),
 }
 
 
