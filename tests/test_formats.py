@@ -606,6 +606,24 @@ def test_stochastic_rounding_is_unbiased(backend, value):
     _assert_unbiased(state["momentum_buffer"], g)
 
 
+def test_stochastic_rounding_of_every_moment_is_unbiased(backend):
+    """AdamW (amsgrad) with bfloat16 state at step 1: exp_avg and exp_avg_sq round by the low and
+    high halves of one hash, max_exp_avg_sq by its own stream (docs/formats.md): each is unbiased,
+    and no two round up at the same elements."""
+    n = _sr_size(backend)
+    run = FormatRun(backend, "adam", F.StepFormat("bfloat16", "float32", None, "bfloat16", False), [(n,)], seed=3)
+    g32 = np.float32(0.3)
+    run.step([R.nearest16(np.ones(n, np.float32), "bfloat16")], [np.full(n, g32, np.float32)], 1)
+    state, sc = run.host_state(), run.d.scalars(run.hp, 1)
+    g = g32 * sc.grad_factor  # the kernels' float32 arithmetic, in their order
+    m, v = sc.one_minus_beta1 * g, (sc.one_minus_beta2 * g) * g
+    ups = []
+    for slot, x in (("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", v)):
+        _assert_unbiased(state[slot], x)
+        ups.append(_ordered16(state[slot]) != _ordered16(state[slot]).min())
+    assert not any(np.array_equal(a, b) for i, a in enumerate(ups) for b in ups[i + 1:])
+
+
 def test_stochastic_rounding_is_reproducible(backend):
     """Same seed, same bits; another seed, other bits; the parameters and the state draw from
     different streams (their round-up patterns differ)."""

@@ -237,7 +237,8 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
         p[i] = pw
         if HAS_MASTER:
             mb[i] = mw
-        r01 = _slot_random(SKIND, k01, idx, 0) if U0 or U1 else np.uint32(0)  # one hash for slots 0 and 1
+        # one hash for slots 0 and 1 (its low and high halves)
+        r01 = rand32(k01, idx) if (U0 or U1) and SKIND == STATE_BF16 else np.uint32(0)
         _word_out(v0, i, SKIND, U0, x0, slot_bits(r01, 0))
         _word_out(v1, i, SKIND, U1, x1, slot_bits(r01, 1))
         _word_out(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
