@@ -178,7 +178,7 @@ typedef struct {
     __global float *scale[3]; /* int8: the tensor's first block's scale */
     __global float *small[3]; /* int8 small tensors: their float32 state */
     int is_small, aligned;
-    uint key[3];
+    uint key[2]; /* bfloat16 state: the random keys of stream 1 (slots 0 and 1) and stream 2 (slot 2) */
 } fmt_slots;
 
 /* ---------------------------------------------------------------- dealing chunks */
@@ -273,9 +273,8 @@ fmt_slots fmt_slots_of(long block, long small, long lay, int aligned, __global S
     sl.small[2] = L2 + off.l2 + small;
     sl.is_small = OPTIRS_FMT_STATE == 2 && small >= 0;
     sl.aligned = aligned;
-#pragma unroll
-    for (int k = 0; k < 3; ++k)
-        sl.key[k] = FMT_USED(k) ? optirs_rand_key(st.seed, st.step, 1u + (uint)k) : 0u;
+    sl.key[0] = FMT_USED(0) || FMT_USED(1) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(0)) : 0u;
+    sl.key[1] = FMT_USED(2) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(2)) : 0u;
     return sl;
 }
 
@@ -399,6 +398,11 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
 #endif
     if (nv <= 0)
         return;
+#if OPTIRS_FMT_STATE == 1
+    /* the random words: one hash per element for slots 0 and 1 (halves of stream 1's), one for slot 2 */
+    const uint8 r01 = FMT_USED(0) || FMT_USED(1) ? optirs_rand8(sl->key[0], idx) : (uint8)0u;
+    const uint8 r2 = FMT_USED(2) ? optirs_rand8(sl->key[1], idx) : (uint8)0u;
+#endif
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
         if (!FMT_USED(j))
@@ -406,7 +410,7 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
 #if OPTIRS_FMT_STATE == 0
         store8_float(s[j], sl->s[j] + k, nv, sl->aligned);
 #elif OPTIRS_FMT_STATE == 1
-        const ushort8 bits = optirs_bf16_sr8(as_uint8(s[j]), optirs_rand8(sl->key[j], idx));
+        const ushort8 bits = optirs_bf16_sr8(as_uint8(s[j]), optirs_slot_bits8(j < 2 ? r01 : r2, j));
         store8_ushort(bits, sl->s[j] + k, nv, sl->aligned);
         s[j] = optirs_bf16_decode8(bits);
 #else
@@ -414,7 +418,8 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
         } else {
             __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
-            const uchar8 code = optirs_quantize8(s[j], scale[j], q + 256,
+            /* the block's factors once per work-item and block (a round is 8 of its elements) */
+            const uchar8 code = optirs_quantize8(s[j], optirs_quantize_factors(scale[j]), q + 256,
                                                  ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
             store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */
