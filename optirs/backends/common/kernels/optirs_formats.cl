@@ -74,6 +74,14 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
 #undef T
 #undef SUFFIX
 
+/* Inlined whatever its size, where the compiler takes the attribute (clang-based ones: PoCL left
+ * fmt_load_round a call per round, which made the float32-state kernels about 1.4x slower there). */
+#ifdef __clang__
+#define FMT_INLINE __attribute__((always_inline))
+#else
+#define FMT_INLINE
+#endif
+
 /* ---------------------------------------------------------------- 8-lane loads and stores */
 
 /* nv lanes valid (8: all); aligned: the address is 8-element aligned (a vector pointer access). */
@@ -454,7 +462,7 @@ void fmt_load_words(fmt_words *w, __global const PST *p, __global const GST *g, 
  * (the CUDA formats kernels measured -4 to -10% of kernel time on the H200). Float32 state keeps
  * the kernel bound by DRAM, where loading and decoding each array in turn measured 7% faster
  * (bf16 + float32 masters), so it keeps that order. */
-void fmt_load_round(__global const PST *p, __global const MST *m, __global const GST *g, const fmt_slots *sl, long k,
+FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __global const GST *g, const fmt_slots *sl, long k,
                     int nv, __local const float *lmaps, float8 *pp, float8 *gv, float8 *s)
 {
 #if OPTIRS_FMT_STATE != 0
