@@ -22,6 +22,7 @@ AdamW8bit / AdamW4bit, FlashOptim FlashAdamW (OpenCL: the torch CUDA peers when 
     python benchmarks/bench_formats.py --backend opencl --json h200-opencl-formats.json
     python benchmarks/bench_formats.py --backend cpu
     python benchmarks/bench_formats.py --backend cpu --smoke   # seconds; skips cleanly without the device
+    python benchmarks/bench_formats.py --compare h200-formats.json h200-opencl-formats.json  # per format
 """
 
 from __future__ import annotations
@@ -415,6 +416,29 @@ def print_table(rows: List[Dict[str, Any]], title: str) -> None:
         print(f"{c[0]:58s} " + " ".join(f"{x:>12s}" for x in c[1:]))
 
 
+def compare(paths: List[str]) -> None:
+    """Each optirs format's ms and kernel ms in two runs' JSON files (two backends, or a run before
+    and after a change) side by side, with the second's time over the first's."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    a, b = ({r["label"]: r for r in run["rows"] if not r.get("peer")} for run in runs)
+    names = [f"{run['backend']} ({path})" for run, path in zip(runs, paths)]
+    print(f"# A = {names[0]}, B = {names[1]}; B/A above 1: B slower")
+    print(f"{'format':58s} {'A ms':>8s} {'B ms':>8s} {'B/A':>6s} {'A kernel':>9s} {'B kernel':>9s} {'B/A':>6s}")
+
+    def ratio(x, y):
+        return f"{y / x:.2f}" if x and y else "-"
+
+    for label in [k for k in a if k in b]:
+        ra, rb = a[label], b[label]
+        cells = [f"{r[key]:.3f}" if r.get(key) else "-" for key in ("ms",) for r in (ra, rb)]
+        kcells = [f"{r[key]:.3f}" if r.get(key) else "-" for key in ("kernel_ms",) for r in (ra, rb)]
+        print(f"{label[len('optirs '):]:58s} {cells[0]:>8s} {cells[1]:>8s} {ratio(ra.get('ms'), rb.get('ms')):>6s} "
+              f"{kcells[0]:>9s} {kcells[1]:>9s} {ratio(ra.get('kernel_ms'), rb.get('kernel_ms')):>6s}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("cuda", "opencl", "cpu"), default="cuda")
@@ -425,7 +449,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="optirs rows only")
     ap.add_argument("--only", help="words separated by ';': run only the formats and peers whose label "
                                    "contains one of them (a short run when device time is scarce)")
+    ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                    help="print the optirs rows of two runs' --json files side by side (B's time over A's), run nothing")
     args = ap.parse_args(argv)
+    if args.compare:
+        compare(args.compare)
+        return 0
     dev, peer_dev, why = open_device(args.backend)
     if dev is None:
         print(f"skipped: {why}")

@@ -44,6 +44,11 @@ __kernel void rand_bits(uint seed, uint step, uint stream, __global const uint *
     const size_t i = get_global_id(0);
     vstore8(optirs_rand8(optirs_rand_key(seed, step, stream), V8(idx, i)), i, out);
 }
+__kernel void slot_bits(uint seed, uint step, int slot, __global const uint *idx, __global uint *out) {
+    const size_t i = get_global_id(0);
+    const uint key = optirs_rand_key(seed, step, OPTIRS_STATE_STREAM(slot));
+    vstore8(optirs_slot_bits8(optirs_rand8(key, V8(idx, i)), slot), i, out);
+}
 __kernel void sr(__global const uint *u, __global const uint *r, __global ushort *out) {
     const size_t i = get_global_id(0);
     vstore8(optirs_bf16_sr8(V8(u, i), V8(r, i)), i, out);
@@ -67,7 +72,7 @@ __kernel void quantize(__global const float *maps, __global const uchar *tables,
     for (int j = get_local_id(0); j < (int)OPTIRS_QT_SIZE; j += get_local_size(0)) table[j] = tables[j];
     barrier(CLK_LOCAL_MEM_FENCE);
     const size_t i = get_global_id(0);
-    const uchar8 c = optirs_quantize8(V8(x, i), scale, mid, table);
+    const uchar8 c = optirs_quantize8(V8(x, i), optirs_quantize_factors(scale), mid, table);
     vstore8(c, i, code);
     vstore8(optirs_dequantize8(c, scale, q), i, deq);
 }
@@ -86,7 +91,9 @@ def ctx():
 def prg(ctx):
     from optirs.backends.opencl import build_program
 
-    program = build_program(ctx.context, ctx.device, expand_includes(HARNESS), [], "formats_harness")
+    # the formats programs' own float options (correctly rounded division where the device has it)
+    options = [o for o in ctx.build_options if not o.startswith("-D")]
+    program = build_program(ctx.context, ctx.device, expand_includes(HARNESS), options, "formats_harness")
     return type("Kernels", (), {k.function_name: k for k in program.all_kernels()})
 
 
@@ -166,6 +173,16 @@ def test_random_bits_are_the_contract_hash(ctx, prg, seed, step, stream):
                   ("out", np.uint32))
     assert np.array_equal(got, _rand(seed, step, stream, i))
     assert len(np.unique(got)) > 0.99 * got.size
+
+
+@pytest.mark.parametrize("slot", [0, 1, 2])
+def test_state_slot_bits_are_the_contract_halves(ctx, prg, slot):
+    """Slots 0 and 1 take the low and the high half of stream 1's word, slot 2 the low half of
+    stream 2's (docs/formats.md, "Random bits")."""
+    i = np.concatenate([np.arange(2048, dtype=np.uint32), np.array([2 ** 32 - 8 + k for k in range(8)], np.uint32)])
+    (got,) = _run(ctx, prg.slot_bits, i.size, np.uint32(99), np.uint32(5), np.int32(slot), i, ("out", np.uint32))
+    word = _rand(99, 5, 1 + slot // 2, i)
+    assert np.array_equal(got, (word >> 16) if slot == 1 else (word & 0xFFFF))
 
 
 def test_stochastic_bf16_rounding(ctx, prg):
@@ -267,6 +284,14 @@ def test_quantize_is_nearest_code(ctx, prg, signed):
     x = y[:8] * np.float32(0.37)
     (zero_code, _) = _run(ctx, prg.quantize, 8, maps, table, x, np.float32(0), ("out", np.uint8), ("out", np.float32))
     assert np.array_equal(zero_code, np.full(8, np.searchsorted(mid[:255], 0.0, side="left"), np.uint8))
+    # block scales over the float32 range, subnormal ones included (pre = 2**64), against numpy's
+    # (x * pre) * inv: a code a quotient x / scale would move is caught at the midpoints
+    for scale in (np.float32(3.7e-3), np.float32(1.5e30), np.float32(2.0 ** -127 * 1.37), np.float32(1e-45)):
+        with np.errstate(over="ignore"):  # the largest values times 1.5e30: inf, code 255
+            xs = (y[np.isfinite(y)] * scale).astype(np.float32)
+        xs = np.concatenate([xs, np.zeros(-xs.size % 8, np.float32)])
+        code, _ = _run(ctx, prg.quantize, xs.size, maps, table, xs, scale, ("out", np.uint8), ("out", np.float32))
+        assert np.array_equal(code, F.quantize_host(xs, scale, signed)), scale
 
 
 # ---------------------------------------------------------------- the formats capability's step
@@ -434,7 +459,8 @@ def _exact_sgd(model, before_p, before_s, grads, seed):
     if fmt.state_dtype == "float32":
         out["momentum_buffer"] = buf
     elif fmt.state_dtype == "bfloat16":
-        out["momentum_buffer"] = R.bf16_stochastic(buf, R.rand_bits(R.stream_key(seed, t, 1), index))
+        word = R.rand_bits(R.stream_key(seed, t, R.state_stream(0)), index)
+        out["momentum_buffer"] = R.bf16_stochastic(buf, R.slot_bits(word, 0))
     else:
         codes, scales, small = [], [], []
         for o, n in zip(fs.layout.offsets, fs.layout.sizes):

@@ -74,6 +74,14 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
 #undef T
 #undef SUFFIX
 
+/* Inlined whatever its size, where the compiler takes the attribute (clang-based ones: PoCL left
+ * fmt_load_round a call per round, which made the float32-state kernels about 1.4x slower there). */
+#ifdef __clang__
+#define FMT_INLINE __attribute__((always_inline))
+#else
+#define FMT_INLINE
+#endif
+
 /* ---------------------------------------------------------------- 8-lane loads and stores */
 
 /* nv lanes valid (8: all); aligned: the address is 8-element aligned (a vector pointer access). */
@@ -107,46 +115,73 @@ FMT_LOAD_STORE(short, short8)
 FMT_LOAD_STORE(char, char8)
 FMT_LOAD_STORE(uchar, uchar8)
 
-/* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST). */
+/* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST), the
+ * vector of 8 of their words (PV, GV, MV, SV), X_WORDS(p, nv, al) the 8 words at p and
+ * P_DECODE / G_DECODE the words as float32. */
 #if OPTIRS_FMT_PARAM == 0
 typedef float PST;
-#define P_LOAD(p, nv, al) load8_float(p, nv, al)
+typedef float8 PV;
+#define P_WORDS load8_float
+#define P_DECODE(w) (w)
 #else
 typedef ushort PST;
+typedef ushort8 PV;
+#define P_WORDS load8_ushort
 #if OPTIRS_FMT_PARAM == 1
-#define P_LOAD(p, nv, al) optirs_bf16_decode8(load8_ushort(p, nv, al))
+#define P_DECODE(w) optirs_bf16_decode8(w)
 #define P_RNE(u) optirs_bf16_rne8(u)
 #else
-#define P_LOAD(p, nv, al) optirs_f16_decode8(load8_ushort(p, nv, al))
+#define P_DECODE(w) optirs_f16_decode8(w)
 #define P_RNE(u) optirs_f16_rne8(u)
 #endif
 #endif
+#define P_LOAD(p, nv, al) P_DECODE(P_WORDS(p, nv, al))
 
 #if OPTIRS_FMT_GRAD == 0
 typedef float GST;
-#define G_LOAD(p, nv, al) load8_float(p, nv, al)
-#elif OPTIRS_FMT_GRAD == 1
-typedef ushort GST;
-#define G_LOAD(p, nv, al) optirs_bf16_decode8(load8_ushort(p, nv, al))
+typedef float8 GV;
+#define G_WORDS load8_float
+#define G_DECODE(w) (w)
 #else
 typedef ushort GST;
-#define G_LOAD(p, nv, al) optirs_f16_decode8(load8_ushort(p, nv, al))
+typedef ushort8 GV;
+#define G_WORDS load8_ushort
+#if OPTIRS_FMT_GRAD == 1
+#define G_DECODE(w) optirs_bf16_decode8(w) /* a shift (optirs_bf16_decode8 says why) */
+#else
+#define G_DECODE(w) optirs_f16_decode8(w)
 #endif
+#endif
+#define G_LOAD(p, nv, al) G_DECODE(G_WORDS(p, nv, al))
 
+/* Whether the parameters have masters to read (float32 parameters never do). */
+#define FMT_HAS_MASTER (OPTIRS_FMT_PARAM != 0 && OPTIRS_FMT_MASTER != 0)
 #if OPTIRS_FMT_MASTER == 2
 typedef short MST;
+typedef short8 MV;
+#define M_WORDS load8_short
 #elif OPTIRS_FMT_MASTER == 3
 typedef char MST;
+typedef char8 MV;
+#define M_WORDS load8_char
 #else
 typedef float MST; /* float32 masters; a dummy buffer without masters */
+typedef float8 MV;
+#define M_WORDS load8_float
 #endif
 
 #if OPTIRS_FMT_STATE == 1
 typedef ushort SST;
+typedef ushort8 SV;
+#define S_WORDS load8_ushort
 #elif OPTIRS_FMT_STATE == 2
 typedef uchar SST; /* codes */
+typedef uchar8 SV;
+#define S_WORDS load8_uchar
 #else
 typedef float SST;
+typedef float8 SV;
+#define S_WORDS load8_float
 #endif
 
 /* ---------------------------------------------------------------- per-launch records */
@@ -178,7 +213,7 @@ typedef struct {
     __global float *scale[3]; /* int8: the tensor's first block's scale */
     __global float *small[3]; /* int8 small tensors: their float32 state */
     int is_small, aligned;
-    uint key[3];
+    uint key[2]; /* bfloat16 state: the random keys of stream 1 (slots 0 and 1) and stream 2 (slot 2) */
 } fmt_slots;
 
 /* ---------------------------------------------------------------- dealing chunks */
@@ -273,30 +308,38 @@ fmt_slots fmt_slots_of(long block, long small, long lay, int aligned, __global S
     sl.small[2] = L2 + off.l2 + small;
     sl.is_small = OPTIRS_FMT_STATE == 2 && small >= 0;
     sl.aligned = aligned;
-#pragma unroll
-    for (int k = 0; k < 3; ++k)
-        sl.key[k] = FMT_USED(k) ? optirs_rand_key(st.seed, st.step, 1u + (uint)k) : 0u;
+    sl.key[0] = FMT_USED(0) || FMT_USED(1) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(0)) : 0u;
+    sl.key[1] = FMT_USED(2) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(2)) : 0u;
     return sl;
 }
 
 /* ---------------------------------------------------------------- master weights */
 
+/* The float32 value the step starts from, from 8 parameter words pw and their master words mw
+ * (unused without masters). */
+float8 fmt_master_of(PV pw, MV mw)
+{
+#if !FMT_HAS_MASTER
+    return P_DECODE(pw);
+#elif OPTIRS_FMT_MASTER == 1
+    /* a master word of 0 (a fresh buffer, or +0.0 whose parameter is +0.0 too): the parameter */
+    return select(mw, P_DECODE(pw), as_int8(mw) == (int8)(0));
+#elif OPTIRS_FMT_MASTER == 2
+    return as_float8(optirs_r16_join8(pw, mw));
+#else
+    return as_float8(optirs_r8_join8(pw, mw));
+#endif
+}
+
 /* The float32 value the step starts from, for the 8 elements at p (and m). */
 float8 fmt_load_master(__global const PST *p, __global const MST *m, int nv, int al)
 {
-#if OPTIRS_FMT_PARAM == 0
-    return P_LOAD(p, nv, al);
-#elif OPTIRS_FMT_MASTER == 0
-    return P_LOAD(p, nv, al);
-#elif OPTIRS_FMT_MASTER == 1
-    /* a master word of 0 (a fresh buffer, or +0.0 whose parameter is +0.0 too): the parameter */
-    const float8 mv = load8_float(m, nv, al);
-    return select(mv, P_LOAD(p, nv, al), as_int8(mv) == (int8)(0));
-#elif OPTIRS_FMT_MASTER == 2
-    return as_float8(optirs_r16_join8(load8_ushort(p, nv, al), load8_short(m, nv, al)));
+#if FMT_HAS_MASTER
+    const MV mw = M_WORDS(m, nv, al);
 #else
-    return as_float8(optirs_r8_join8(load8_ushort(p, nv, al), load8_char(m, nv, al)));
+    const MV mw = (MV)0;
 #endif
+    return fmt_master_of(P_WORDS(p, nv, al), mw);
 }
 
 /* Store the new float32 value x: the parameter (and its master) as the format says. idx: the
@@ -332,7 +375,21 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
 
 /* ---------------------------------------------------------------- state slots */
 
-/* Elements k.. of the tensor (k a multiple of 8), nv of them valid. */
+/* Slot j's values from its 8 words w: float32, bfloat16 (a shift: optirs_bf16_decode8 says
+ * why), or int8 codes at their block's scale. */
+float8 fmt_state_of(int j, SV w, float scale, __local const float *lmaps)
+{
+#if OPTIRS_FMT_STATE == 0
+    return w;
+#elif OPTIRS_FMT_STATE == 1
+    return optirs_bf16_decode8(w);
+#else
+    return optirs_dequantize8(w, scale, lmaps + (FMT_SIGNED(j) ? 0 : 512));
+#endif
+}
+
+/* Elements k.. of the tensor (k a multiple of 8), nv of them valid; each slot loaded and decoded
+ * in turn. */
 void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local const float *lmaps)
 {
 #pragma unroll
@@ -340,17 +397,90 @@ void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local con
         s[j] = (float8)0.0f;
         if (!FMT_USED(j) || nv <= 0)
             continue;
-#if OPTIRS_FMT_STATE == 0
-        s[j] = load8_float(sl->s[j] + k, nv, sl->aligned);
-#elif OPTIRS_FMT_STATE == 1
-        s[j] = optirs_bf16_decode8(load8_ushort(sl->s[j] + k, nv, sl->aligned));
-#else
-        if (sl->is_small)
+#if OPTIRS_FMT_STATE == 2
+        if (sl->is_small) {
             s[j] = load8_float(sl->small[j] + k, nv, sl->aligned);
-        else
-            s[j] = optirs_dequantize8(load8_uchar(sl->s[j] + k, nv, sl->aligned), sl->scale[j][k >> 8],
-                                      lmaps + (FMT_SIGNED(j) ? 0 : 512));
+            continue;
+        }
+        const float scale = sl->scale[j][k >> 8];
+#else
+        const float scale = 0.0f;
 #endif
+        s[j] = fmt_state_of(j, S_WORDS(sl->s[j] + k, nv, sl->aligned), scale, lmaps);
+    }
+}
+
+/* A full round's words of every array (and the int8 blocks' scales), loaded before any is used. */
+typedef struct {
+    PV p;
+    GV g;
+    MV m;
+    SV s[3];
+    float scale[3];
+} fmt_words;
+
+/* LD(VT, a): the 8 words of vector type VT at a, every load of a round issued in one basic block. */
+#define FMT_LD_ALIGNED(VT, a) (*(__global const VT *)(a))
+#define FMT_LD_VLOAD(VT, a) vload8(0, a)
+#define FMT_WORD_LOADS(LD)                                                                       \
+    w->p = LD(PV, p);                                                                            \
+    w->g = LD(GV, g);                                                                            \
+    if (FMT_HAS_MASTER)                                                                          \
+        w->m = LD(MV, m);                                                                        \
+    if (FMT_USED(0))                                                                             \
+        w->s[0] = LD(SV, sl->s[0] + k);                                                          \
+    if (FMT_USED(1))                                                                             \
+        w->s[1] = LD(SV, sl->s[1] + k);                                                          \
+    if (FMT_USED(2))                                                                             \
+        w->s[2] = LD(SV, sl->s[2] + k);
+
+/* The 8 elements k.. of every array, all 8 in the chunk, state as values or codes (not a small
+ * int8 tensor's float32 state). */
+void fmt_load_words(fmt_words *w, __global const PST *p, __global const GST *g, __global const MST *m,
+                    const fmt_slots *sl, long k)
+{
+#if OPTIRS_FMT_STATE == 2
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+        w->scale[j] = FMT_USED(j) ? sl->scale[j][k >> 8] : 0.0f;
+#else
+    w->scale[0] = w->scale[1] = w->scale[2] = 0.0f;
+#endif
+    if (sl->aligned) {
+        FMT_WORD_LOADS(FMT_LD_ALIGNED)
+    } else {
+        FMT_WORD_LOADS(FMT_LD_VLOAD)
+    }
+}
+
+/* A round's inputs as float32: the value the step starts from (*pp), the gradients (*gv) and the
+ * state slots (s; 0 for a slot not in use). Past the chunk (nv <= 0) only s is set, to 0.
+ *
+ * Compact state (bfloat16 or int8) leaves the kernel bound by latency and instructions: there a
+ * full round issues every load (parameters, gradients, masters, state, scales) before unpacking
+ * any, since a load whose words are used before the next one is issued exposes its whole latency
+ * (the CUDA formats kernels measured -4 to -10% of kernel time on the H200). Float32 state keeps
+ * the kernel bound by DRAM, where loading and decoding each array in turn measured 7% faster
+ * (bf16 + float32 masters), so it keeps that order. */
+FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __global const GST *g, const fmt_slots *sl, long k,
+                    int nv, __local const float *lmaps, float8 *pp, float8 *gv, float8 *s)
+{
+#if OPTIRS_FMT_STATE != 0
+    if (nv >= 8 && !sl->is_small) {
+        fmt_words w;
+        fmt_load_words(&w, p + k, g + k, m + k, sl, k);
+        *pp = fmt_master_of(w.p, w.m);
+        *gv = G_DECODE(w.g);
+#pragma unroll
+        for (int j = 0; j < 3; ++j)
+            s[j] = FMT_USED(j) ? fmt_state_of(j, w.s[j], w.scale[j], lmaps) : (float8)0.0f;
+        return;
+    }
+#endif
+    fmt_load_states(sl, k, nv, s, lmaps);
+    if (nv > 0) {
+        *pp = fmt_load_master(p + k, m + k, nv, sl->aligned);
+        *gv = G_LOAD(g + k, nv, sl->aligned);
     }
 }
 
@@ -399,6 +529,11 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
 #endif
     if (nv <= 0)
         return;
+#if OPTIRS_FMT_STATE == 1
+    /* the random words: one hash per element for slots 0 and 1 (halves of stream 1's), one for slot 2 */
+    const uint8 r01 = FMT_USED(0) || FMT_USED(1) ? optirs_rand8(sl->key[0], idx) : (uint8)0u;
+    const uint8 r2 = FMT_USED(2) ? optirs_rand8(sl->key[1], idx) : (uint8)0u;
+#endif
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
         if (!FMT_USED(j))
@@ -406,7 +541,7 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
 #if OPTIRS_FMT_STATE == 0
         store8_float(s[j], sl->s[j] + k, nv, sl->aligned);
 #elif OPTIRS_FMT_STATE == 1
-        const ushort8 bits = optirs_bf16_sr8(as_uint8(s[j]), optirs_rand8(sl->key[j], idx));
+        const ushort8 bits = optirs_bf16_sr8(as_uint8(s[j]), optirs_slot_bits8(j < 2 ? r01 : r2, j));
         store8_ushort(bits, sl->s[j] + k, nv, sl->aligned);
         s[j] = optirs_bf16_decode8(bits);
 #else
@@ -414,7 +549,8 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
         } else {
             __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
-            const uchar8 code = optirs_quantize8(s[j], scale[j], q + 256,
+            /* the block's factors once per work-item and block (a round is 8 of its elements) */
+            const uchar8 code = optirs_quantize8(s[j], optirs_quantize_factors(scale[j]), q + 256,
                                                  ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
             store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */
@@ -489,14 +625,13 @@ void fmt_lamb_grad_sumsq(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_TAB
     FMT_CHUNKS_END
 }
 
-/* LAMB's element work, the same in both passes: the master p, the new moments s[0], s[1] and the
- * direction u, from the stored state (pass 1 writes nothing; pass 2 recomputes and writes). */
-float8 fmt_lamb_element(__global const PST *p, __global const MST *m, __global const GST *g, int nv, int al,
-                        float8 *s, float scale, const lamb_scalars *sc, float8 *pp)
+/* LAMB's element work, the same in both passes: the new moments s[0], s[1] and the direction u
+ * from the master pp, the gradients gv and the stored state (pass 1 writes nothing; pass 2
+ * recomputes and writes). */
+float8 fmt_lamb_element(float8 pp, float8 gv, float8 *s, float scale, const lamb_scalars *sc)
 {
-    *pp = fmt_load_master(p, m, nv, al);
-    lamb_moments_v8(G_LOAD(g, nv, al), &s[0], &s[1], scale, sc);
-    return lamb_direction_v8(*pp, s[0], s[1], sc);
+    lamb_moments_v8(gv, &s[0], &s[1], scale, sc);
+    return lamb_direction_v8(pp, s[0], s[1], sc);
 }
 
 /* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
@@ -515,9 +650,9 @@ void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
         acc_t sp = 0, su = 0;
         FMT_ROUND_BEGIN
             if (nv > 0) {
-                float8 s[3], pp;
-                fmt_load_states(&sl, k, nv, s, lmaps);
-                const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
+                float8 s[3], pp, gv;
+                fmt_load_round(p, m, g, &sl, k, nv, lmaps, &pp, &gv, s);
+                const float8 u = fmt_lamb_element(pp, gv, s, scale, &sc);
                 sp += fmt_sum_squares8(fmt_valid(pp, nv));
                 su += fmt_sum_squares8(fmt_valid(u, nv));
             }
@@ -538,12 +673,11 @@ void fmt_lamb_apply(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
         FMT_STATE_CHUNK
         const float step = sc.lr * ratio[t];
         FMT_ROUND_BEGIN
-            float8 s[3];
+            float8 s[3], pp, gv;
             const uint8 idx = fmt_index8(lay, k);
-            fmt_load_states(&sl, k, nv, s, lmaps);
+            fmt_load_round(p, m, g, &sl, k, nv, lmaps, &pp, &gv, s);
             if (nv > 0) {
-                float8 pp;
-                const float8 u = fmt_lamb_element(p + k, m + k, g + k, nv, aligned, s, scale, &sc, &pp);
+                const float8 u = fmt_lamb_element(pp, gv, s, scale, &sc);
                 fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
             }
             fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);

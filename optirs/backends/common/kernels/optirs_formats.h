@@ -13,6 +13,11 @@
 
 /* ---------------------------------------------------------------- 16-bit decodings (exact) */
 
+/* A shift alone, without the NaN quieting of the numba decode (4 instructions of about 130 per
+ * element on a GPU). The same bits are stored: a value so widened meets float arithmetic, min /
+ * max or comparisons before anything is stored, and a NaN result of arithmetic is a NaN whatever
+ * payload went in, or it meets an encoder that writes NaN as its own quiet NaN with the sign
+ * kept (bfloat16 nearest and stochastic, float16), as the quieting does. */
 float8 optirs_bf16_decode8(ushort8 h)
 {
     return as_float8(convert_uint8(h) << 16);
@@ -74,6 +79,16 @@ uint8 optirs_rand8(uint key, uint8 i)
     uint8 h = key ^ (i * 0x9E3779B1u);
     OPTIRS_FMIX32(h);
     return h;
+}
+
+/* State slot k's random stream: slots 0 and 1 share stream 1, slot 2 takes stream 2. */
+#define OPTIRS_STATE_STREAM(k) (1u + ((uint)(k) >> 1))
+
+/* Slot k's 16 random bits from its stream's words r: the low half for even k, the high half for
+ * odd k, so slots 0 and 1 (Adam's two moments) are rounded by one hash per element. */
+uint8 optirs_slot_bits8(uint8 r, int k)
+{
+    return (k & 1) ? r >> 16 : r & 0xFFFFu;
 }
 
 /* bfloat16, stochastic: finite x adds the low 16 random bits before truncating (unbiased);
@@ -146,10 +161,25 @@ uchar optirs_quantize1(float y, __local const float *mid, __local const uchar *t
     return (uchar)(isnan(y) ? 0u : code);
 }
 
-/* quantize(x, scale): y = x / scale (0 where scale is 0), then its code. */
-uchar8 optirs_quantize8(float8 x, float scale, __local const float *mid, __local const uchar *table)
+/* A block's quantize factors (pre, inv): its values are coded as y = (x * pre) * inv, one
+ * reciprocal per block instead of a division per element. pre is 2^64 for a subnormal scale
+ * (exact: the scale and the block's values are scaled alike, and the reciprocal stays finite),
+ * else 1; inv = 1 / (scale * pre) rounded to float32 (correctly rounded: the programs are built
+ * with -cl-fp32-correctly-rounded-divide-sqrt), 0 for a zero scale. */
+float2 optirs_quantize_factors(float scale)
 {
-    const float8 y = scale == 0.0f ? (float8)0.0f : x / scale;
+    if (scale > 0.0f && scale < 0x1p-126f)
+        return (float2)(0x1p64f, 1.0f / (scale * 0x1p64f));
+    if (scale == 0.0f)
+        return (float2)(1.0f, 0.0f);
+    return (float2)(1.0f, 1.0f / scale);
+}
+
+/* quantize(x): y = (x * pre) * inv with the block's optirs_quantize_factors f = (pre, inv), then
+ * its code. */
+uchar8 optirs_quantize8(float8 x, float2 f, __local const float *mid, __local const uchar *table)
+{
+    const float8 y = (x * f.s0) * f.s1;
     return (uchar8)(optirs_quantize1(y.s0, mid, table), optirs_quantize1(y.s1, mid, table),
                     optirs_quantize1(y.s2, mid, table), optirs_quantize1(y.s3, mid, table),
                     optirs_quantize1(y.s4, mid, table), optirs_quantize1(y.s5, mid, table),

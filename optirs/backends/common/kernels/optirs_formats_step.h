@@ -14,12 +14,11 @@ void FMT_CAT(OPT, _fmt)(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFF
     FMT_CHUNKS_BEGIN(P, G)
         FMT_STATE_CHUNK
         FMT_ROUND_BEGIN
-            float8 s[3];
+            float8 s[3], pp, gv;
             const uint8 idx = fmt_index8(lay, k);
-            fmt_load_states(&sl, k, nv, s, lmaps);
+            fmt_load_round(p, m, g, &sl, k, nv, lmaps, &pp, &gv, s);
             if (nv > 0) {
-                float8 pp = fmt_load_master(p + k, m + k, nv, aligned);
-                FMT_CAT(OPT, _element_v8)(&pp, G_LOAD(g + k, nv, aligned), &s[0], &s[1], &s[2], &sc);
+                FMT_CAT(OPT, _element_v8)(&pp, gv, &s[0], &s[1], &s[2], &sc);
                 fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
             }
             fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
