@@ -21,19 +21,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's optirs, not another installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def gpt2_shapes(which: str) -> List[tuple]:
-    vocab, positions = 50257, 1024
-    width, layers = (768, 12) if which == "124m" else (2048, 24)
-    shapes = [(vocab, width), (positions, width)]
-    for _ in range(layers):
-        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,), (width,), (width,),
-                   (width, 4 * width), (4 * width,), (4 * width, width), (width,)]
-    return shapes + [(width,), (width,)]
+from ncu_formats import gpt2_shapes  # noqa: E402  (the same model shapes as the GPU kernels' profile)
 
 
 def median_ms(fn: Callable[[], None], steps: int) -> float:
