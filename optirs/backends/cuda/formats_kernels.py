@@ -53,6 +53,10 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # ------------------------------------------------------------------ warp reduction
 
+# max_nan(m, x): max(m, x), NaN-propagating (a NaN in either gives NaN), for m and x that are 0 or
+# more or NaN; absmax_step(m, x) = max_nan(m, |x|): a block's absmax. On the GPU one
+# ``max.NaN.f32`` (sm_80 on), where the compare-and-select took three instructions; its NaN is the
+# canonical NaN, as every NaN of GPU arithmetic is, so the scales stored are the same bits.
 if SIMULATOR:
     # The simulator has no cuda.shfl_xor_sync: exchange through shared memory (the loops are
     # block-uniform, so every thread reaches both barriers). Lives in the kernels' module, since
@@ -65,10 +69,35 @@ if SIMULATOR:
         y = buf[tid ^ lane_mask]
         cuda.syncthreads()
         return float32(y)
+
+    def max_nan(m, x):
+        return x if (x > m or x != x) else m
+
+    absmax_step = absmax_update  # the shared code's: which NaN a block keeps, as the cpu does
 else:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
     @_device
     def _xor_exchange(x, lane_mask):
         return cuda.shfl_xor_sync(_FULL, x, lane_mask)
+
+    @intrinsic
+    def max_nan(typingctx, m, x):
+        if m != types.float32 or x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            f = ir.FloatType()
+            return builder.asm(ir.FunctionType(f, [f, f]), "max.NaN.f32 $0, $1, $2;", "=f,f,f", args,
+                               side_effect=False)
+
+        return types.float32(types.float32, types.float32), codegen
+
+    @_device
+    def absmax_step(m, x):
+        return max_nan(m, abs(x))
 
 
 @_device
@@ -76,9 +105,7 @@ def warp_max(x):
     """The largest ``x`` over the 32 lanes of the warp, in every lane (NaN-propagating: a NaN in
     any lane gives NaN everywhere, so a non-finite block is not silently scaled)."""
     for k in (16, 8, 4, 2, 1):
-        y = _xor_exchange(x, k)
-        if y > x or y != y:
-            x = y
+        x = max_nan(x, float32(_xor_exchange(x, k)))
     return x
 
 
@@ -613,7 +640,7 @@ def _lane_absmax(x, cnt):
     m = float32(0)
     for j in range(LANE):
         if j < cnt:
-            m = absmax_update(m, x[j])
+            m = absmax_step(m, x[j])
     return m
 
 
