@@ -94,12 +94,10 @@ def _lookup(builder, regs, index):
     if len(regs) == 1:
         return builder.call(_function(builder, "llvm.x86.avx512.permvar.sf.512", _F16, [_F16, _I16]), [regs[0], index])
     two = _function(builder, "llvm.x86.avx512.vpermi2var.ps.512", _F16, [_F16, _I16, _F16])
+    highs = [_bit_set(builder, index, bit) for bit in range(5, 5 + (len(regs) // 2).bit_length() - 1)]
     parts = [builder.call(two, [regs[2 * k], index, regs[2 * k + 1]]) for k in range(len(regs) // 2)]
-    bit = 5
-    while len(parts) > 1:
-        high = _bit_set(builder, index, bit)
+    for high in highs:
         parts = [builder.select(high, parts[2 * k + 1], parts[2 * k]) for k in range(len(parts) // 2)]
-        bit += 1
     return parts[0]
 
 
@@ -157,9 +155,9 @@ def _encode_groups(typingctx, buf, pre, inv, tree, w, o, m):
             nodes = [ir.Constant(_I16, [1] * 16)] * count
             for lo, hi in _LEVEL_REGS:
                 for u in range(count):
+                    twice = builder.add(nodes[u], nodes[u])
                     t = _lookup(builder, regs[lo:hi], nodes[u])
                     below = builder.fcmp_ordered("<", t, ys[u])
-                    twice = builder.add(nodes[u], nodes[u])
                     nodes[u] = builder.select(below, builder.add(twice, one), twice)  # one masked add
             for base, node in zip(bases, nodes):  # node = 256 + code: its low byte
                 builder.store(builder.trunc(node, _B16), builder.bitcast(builder.gep(wp, [base]), _B16.as_pointer()),
