@@ -1,10 +1,11 @@
 """The cpu backend's int8 block loops (optirs.backends.cpu.formats_kernels) against numpy.
 
-The block's new values are coded in separate loops (absmax as an integer maximum, the scaling
-and bucket arithmetic, the two table lookups): the scale and every code must be exactly what the
-contract gives (docs/formats.md), NaN, inf, zeros and short blocks included. The reference here
-is plain numpy: the scale is ``max |x|`` over the block (NaN when any value is NaN: numpy's max
-propagates it), the codes :func:`quantize_table` on ``x / scale``.
+The block's new values are coded in separate loops (absmax as an integer maximum, then the codes:
+a search over the midpoints in AVX-512 registers where the cpu has it, else the scaling and bucket
+arithmetic and the two table lookups): the scale and every code must be exactly what the contract
+gives (docs/formats.md), NaN, inf, zeros and short blocks included. The reference here is plain
+numpy: the scale is ``max |x|`` over the block (NaN when any value is NaN: numpy's max propagates
+it), the codes :func:`quantize_table` on ``(x * pre) * inv``.
 """
 
 from __future__ import annotations
@@ -29,19 +30,36 @@ def _block(rng, n, specials):
     return x
 
 
-@pytest.fixture(scope="module")
-def kernels():
+@pytest.fixture(scope="module", params=["compiled", "tables"])
+def kernels(request):
+    """The block loops as the cpu compiles them (the map's lookups in AVX-512 registers where the
+    cpu has it: optirs.backends.cpu.int8_native) and the portable table reads, on every cpu."""
     from numba import njit
 
     import optirs.backends.cpu.formats_kernels as K
+    import optirs.backends.cpu.int8_native as N
+    from optirs.backends.common.formats import quantize_factors
+
+    tables = request.param == "tables"
 
     @njit
     def store(w, scales, mid, tbl, blk, o, n, buf, ix):
-        K._store_codes(w, scales, mid, tbl, blk, o, n, buf, ix)
+        tree = np.zeros(256, np.float32)
+        N.eytzinger(mid, tree)
+        if tables:
+            m = K._block_absmax(buf, n)
+            scales[blk] = m
+            pre, inv = quantize_factors(m)
+            N.encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix)
+        else:
+            K._store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix)
 
     @njit
     def decode(w, q, s, o, n, buf):
-        K._decode_block(w, q, s, o, n, buf)
+        if tables:
+            N.decode_block_tables(w, q, s, o, n, buf)
+        else:
+            K._decode_block(w, q, s, o, n, buf)
 
     return store, decode
 
@@ -52,9 +70,11 @@ def test_store_codes_is_the_sequential_definition(kernels, signed, specials):
     store, decode = kernels
     rng = np.random.default_rng(11 + signed + 2 * specials)
     mid, tbl, q = padded_midpoints(signed), bucket_table(signed), dynamic_map(signed)
-    for n in (256, 255, 200, 9, 8, 7, 1):
+    for n in (256, 255, 200, 33, 16, 9, 8, 7, 1):
         for _ in range(6):
             x = _block(rng, n, specials)
+            if _ == 5:  # a subnormal scale (pre = 2**64)
+                x = (x * np.float32(1e-30) * np.float32(1e-14)).astype(np.float32)
             if not signed:
                 x = np.abs(x)
             o, blk = 5, 2  # a block at an offset inside the arrays
@@ -64,8 +84,10 @@ def test_store_codes_is_the_sequential_definition(kernels, signed, specials):
             scale = _reference_scale(x)
             assert (np.isnan(scale) and np.isnan(scales[blk])) or scales[blk].tobytes() == scale.tobytes(), \
                 (n, scales[blk], scale)
+            pre = np.float32(2.0**64) if 0 < scale < 2.0**-126 else np.float32(1)
             with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-                y = x / scale if scale != 0 else np.zeros_like(x)
+                inv = np.float32(1) / (scale * pre) if scale != 0 else np.float32(0)
+                y = (x * pre) * inv
             assert np.array_equal(w[o : o + n], quantize_table(y, mid, tbl)), n
             assert np.all(w[:o] == 77) and np.all(w[o + n :] == 77)  # nothing outside the block
             got = np.zeros(n, np.float32)

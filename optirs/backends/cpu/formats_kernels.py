@@ -22,9 +22,10 @@ from optirs.backends.common.bits32 import add32, and32
 from optirs.backends.common.elementwise import lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, encode_state, f32_bits,
-                                            format_element, lamb_format_element, quantize_bucket, quantize_code,
-                                            quantize_factors, quantize_scaled, rand32, slot_bits, state_stream,
+                                            format_element, lamb_format_element,
+                                            quantize_factors, rand32, slot_bits, state_stream,
                                             store_master, stream_key)
+from optirs.backends.cpu.int8_native import decode_block, encode_block, eytzinger
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
 
@@ -49,20 +50,19 @@ def _load_codes(w, scales, small, q, blk, so, o, n, buf):
 
 @_jit
 def _decode_block(w, q, s, o, n, buf):
-    """``n`` int8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf``."""
-    wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
-    for i in range(n):
-        buf[i] = q[wb[i]] * s
+    """``n`` int8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf`` (the map in
+    registers where the cpu has AVX-512: :mod:`optirs.backends.cpu.int8_native`)."""
+    decode_block(w, q, s, o, n, buf)
 
 
 @_jit
-def _store_codes_or_small(w, scales, small, mid, tbl, blk, so, o, n, buf, ix):
+def _store_codes_or_small(w, scales, small, mid, tbl, tree, blk, so, o, n, buf, ix):
     """The inverse of :func:`_load_codes` (``ix``: uint32 scratch of a block)."""
     if so >= 0:
         for i in range(n):
             small[so + i] = buf[i]
     else:
-        _store_codes(w, scales, mid, tbl, blk, o, n, buf, ix)
+        _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix)
 
 
 @_jit
@@ -167,22 +167,29 @@ def _block_absmax_lanes(buf, n):
 
 
 @_jit
-def _store_codes(w, scales, mid, tbl, blk, o, n, buf, ix):
-    """An int8 block's new values: the scale is their absmax, then each one's code.
-
-    The scaling and bucket arithmetic run in a loop of their own (vectorized), the two table
-    lookups in another (unsigned indices: no negative-index wraparound); ``buf`` is overwritten with
-    the scaled values, ``ix`` (uint32 scratch) with the buckets."""
+def _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix):
+    """An int8 block's new values: the scale is their absmax, then each one's code
+    (:func:`optirs.backends.cpu.int8_native.encode_block`: ``tree`` is the midpoints in search
+    order, ``ix`` uint32 scratch of a block; ``buf`` may be overwritten)."""
     m = _block_absmax(buf, n)
     scales[blk] = m
     pre, inv = quantize_factors(m)
-    for i in range(n):
-        y = quantize_scaled(buf[i], pre, inv)
-        buf[i] = y
-        ix[i] = quantize_bucket(y)
-    wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
-    for i in range(n):
-        wb[i] = quantize_code(buf[i], tbl[ix[i]], mid)
+    encode_block(buf, n, pre, inv, tree, mid, tbl, w, o, ix)
+
+
+@_jit
+def _trees(d0, d1, d2, u0, u1, u2):
+    """The used slots' midpoints in search order (one 256-entry array each per chunk)."""
+    e0 = np.zeros(256, np.float32)
+    e1 = np.zeros(256, np.float32)
+    e2 = np.zeros(256, np.float32)
+    if u0:
+        eytzinger(d0, e0)
+    if u1:
+        eytzinger(d1, e1)
+    if u2:
+        eytzinger(d2, e2)
+    return e0, e1, e2
 
 
 @_jit
@@ -270,6 +277,7 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
     a1 = np.zeros(BLOCK, np.float32)
     a2 = np.zeros(BLOCK, np.float32)
     ix = np.zeros(BLOCK, np.uint32)
+    e0, e1, e2 = _trees(d0, d1, d2, U0, U1, U2)
     for b in range(s, e, BLOCK):
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
@@ -284,11 +292,11 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
         RUN_WORDS(p[b : b + n], g[b : b + n], mb, a0[:n] if U0 else a0, a1[:n] if U1 else a1, a2[:n] if U2 else a2,
                   sc, keyp, k01, k2, o)
         if U0:
-            _store_codes(w0, c0, d0, t0, blk, o, n, a0, ix)
+            _store_codes(w0, c0, d0, t0, e0, blk, o, n, a0, ix)
         if U1:
-            _store_codes(w1, c1, d1, t1, blk, o, n, a1, ix)
+            _store_codes(w1, c1, d1, t1, e1, blk, o, n, a1, ix)
         if U2:
-            _store_codes(w2, c2, d2, t2, blk, o, n, a2, ix)
+            _store_codes(w2, c2, d2, t2, e2, blk, o, n, a2, ix)
 
 
 def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,
@@ -388,6 +396,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
         a0 = np.zeros(BLOCK, np.float32)
         a1 = np.zeros(BLOCK, np.float32)
         ix = np.zeros(BLOCK, np.uint32)
+        e0, e1, _ = _trees(d0, d1, d1, INT8, INT8, False)
         lr_t = sc.lr * ratio[t]
         for b in range(s, e, BLOCK):
             n = min(BLOCK, e - b)
@@ -405,11 +414,11 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
                     mbuf[idx] = mw
                 a0[i], a1[i] = mn, vn
             if INT8:
-                _store_codes_or_small(w0, c0, m0, d0, t0, blk, sob, o, n, a0, ix)
+                _store_codes_or_small(w0, c0, m0, d0, t0, e0, blk, sob, o, n, a0, ix)
             else:
                 _store_words(w0, FC.state, o, n, a0, k01, 0)
             if INT8:
-                _store_codes_or_small(w1, c1, m1, d1, t1, blk, sob, o, n, a1, ix)
+                _store_codes_or_small(w1, c1, m1, d1, t1, e1, blk, sob, o, n, a1, ix)
             else:
                 _store_words(w1, FC.state, o, n, a1, k01, 1)
 

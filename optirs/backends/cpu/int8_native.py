@@ -1,0 +1,242 @@
+"""int8 state's map lookups held in AVX-512 registers (the cpu format loops), with a portable fallback.
+
+An int8 block decodes as ``q[code] * scale`` and encodes as the number of midpoints ``mid[k] < y``
+(docs/formats.md, "int8 state"). Written as array reads, both are table lookups whose index
+differs per element: LLVM keeps them scalar (it emits no gathers for Zen 4, and forced gathers
+were slower: docs/benchmarks.md), about 1 ns per value and moment on a Zen 4 core, most of the
+int8 step. With AVX-512 the tables fit in registers:
+
+- **decode**: the 256-entry float32 map is 16 zmm registers; ``vpermi2ps`` looks up 32 entries
+  for 16 lanes, so 8 of them and 7 selects on the code's bits 5-7 look up 16 codes with no
+  memory read. The same products as ``q[code] * scale``.
+- **encode**: a branchless binary search over the 255 midpoints (padded with +inf to 256) in
+  Eytzinger order (node ``j``'s children are ``2j`` and ``2j + 1``, so the running node number is
+  the index of the next level's table and, after 8 levels, 256 plus the code). Levels 0-4 are
+  one register (``vpermps``), level 5 two (``vpermi2ps``), levels 6 and 7 four and eight with
+  selects on the node's bits. Each level compares ``t < y`` as the count does (a NaN compares
+  false at every level: code 0), so the code is the count of the contract by construction, with
+  no bucket table; checked equal to ``int8_buckets.quantize_table`` for all 2**32 float32
+  inputs of both maps (benchmarks/check_int8_native.py). Four groups of 16 are searched side by
+  side: each level waits on the one before it.
+
+:func:`decode_block` and :func:`encode_block` compile the register forms where numba compiles for a
+cpu with AVX-512F, and the table-read loops everywhere else (the same results; the tests check
+both on a machine with AVX-512). Only the cpu backend calls them (a cuda kernel never sees x86
+intrinsics).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from optirs.backends.common.formats import bits_f32, quantize_bucket, quantize_code, quantize_scaled
+
+_jit = njit(cache=False, error_model="numpy")
+
+_F16 = ir.VectorType(ir.FloatType(), 16)
+_I16 = ir.VectorType(ir.IntType(32), 16)
+_B16 = ir.VectorType(ir.IntType(8), 16)
+_I64 = ir.IntType(64)
+GROUPS = 4  # groups of 16 values searched side by side by the encoder
+
+
+def _cpu_has_avx512f() -> bool:
+    """Whether the cpu numba compiles for has AVX-512F (the features it is given when
+    ``NUMBA_CPU_NAME`` names another cpu, as :mod:`optirs.backends.common.half_native` reads them)."""
+    from numba.core import config
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return "+avx512f" in (config.CPU_FEATURES or "").split(",")
+    from llvmlite import binding
+
+    try:
+        return bool(binding.get_host_cpu_features().get("avx512f", False))
+    except RuntimeError:  # llvmlite cannot read the features: keep the table reads
+        return False
+
+
+NATIVE = _cpu_has_avx512f()
+
+
+def _function(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _data(context, builder, aryty, ary):
+    return context.make_array(aryty)(context, builder, ary).data
+
+
+def _registers(builder, context, aryty, ary, count):
+    """The first ``16 * count`` float32 of a contiguous array as ``count`` <16 x float> values."""
+    p = builder.bitcast(_data(context, builder, aryty, ary), _F16.as_pointer())
+    return [builder.load(builder.gep(p, [ir.Constant(_I64, k)]), align=4) for k in range(count)]
+
+
+def _splat(builder, x):
+    v = builder.insert_element(ir.Constant(_F16, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, v, ir.Constant(_I16, [0] * 16))
+
+
+def _bit_set(builder, v, k):
+    return builder.icmp_unsigned("!=", builder.and_(v, ir.Constant(_I16, [1 << k] * 16)), ir.Constant(_I16, [0] * 16))
+
+
+def _lookup(builder, regs, index):
+    """``regs`` (1, 2, 4 or 8 registers: 16 x len entries) looked up at the low bits of ``index``."""
+    if len(regs) == 1:
+        return builder.call(_function(builder, "llvm.x86.avx512.permvar.sf.512", _F16, [_F16, _I16]), [regs[0], index])
+    two = _function(builder, "llvm.x86.avx512.vpermi2var.ps.512", _F16, [_F16, _I16, _F16])
+    highs = [_bit_set(builder, index, bit) for bit in range(5, 5 + (len(regs) // 2).bit_length() - 1)]
+    parts = [builder.call(two, [regs[2 * k], index, regs[2 * k + 1]]) for k in range(len(regs) // 2)]
+    for high in highs:
+        parts = [builder.select(high, parts[2 * k + 1], parts[2 * k]) for k in range(len(parts) // 2)]
+    return parts[0]
+
+
+@intrinsic
+def _decode_groups(typingctx, w, o, q, s, buf, m):
+    """``buf[i] = q[w[o + i]] * s`` for ``i < 16 * m`` (uint8 codes, float32 map of 256, float32 buf)."""
+    if not (isinstance(w, types.Array) and isinstance(q, types.Array) and isinstance(buf, types.Array)):
+        return None
+    sig = types.void(w, types.int64, q, types.float32, buf, types.int64)
+
+    def codegen(context, builder, sig, args):
+        w, o, q, s, buf, m = args
+        wp = builder.gep(_data(context, builder, sig.args[0], w), [o])
+        bp = _data(context, builder, sig.args[4], buf)
+        table = _registers(builder, context, sig.args[2], q, 16)
+        sv = _splat(builder, s)
+        with cgutils.for_range(builder, m) as loop:
+            base = builder.mul(loop.index, ir.Constant(_I64, 16))
+            codes = builder.load(builder.bitcast(builder.gep(wp, [base]), _B16.as_pointer()), align=1)
+            v = _lookup(builder, table, builder.zext(codes, _I16))
+            builder.store(builder.fmul(v, sv), builder.bitcast(builder.gep(bp, [base]), _F16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# Eytzinger order: levels 0-3 (nodes 1..15) share register 0, level 4 (nodes 16..31) register 1,
+# level 5 registers 2-3, level 6 registers 4-7, level 7 registers 8-15
+_LEVEL_REGS = ((0, 1), (0, 1), (0, 1), (0, 1), (1, 2), (2, 4), (4, 8), (8, 16))
+
+
+@intrinsic
+def _encode_groups(typingctx, buf, pre, inv, tree, w, o, m):
+    """``w[o + i]`` = the code of ``(buf[i] * pre) * inv`` for ``i < 16 * m``: the number of
+    midpoints below it, by the binary search over ``tree`` (:func:`eytzinger`)."""
+    if not (isinstance(buf, types.Array) and isinstance(tree, types.Array) and isinstance(w, types.Array)):
+        return None
+    sig = types.void(buf, types.float32, types.float32, tree, w, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        buf, pre, inv, tree, w, o, m = args
+        bp = _data(context, builder, sig.args[0], buf)
+        wp = builder.gep(_data(context, builder, sig.args[4], w), [o])
+        regs = _registers(builder, context, sig.args[3], tree, 16)
+        prev, invv = _splat(builder, pre), _splat(builder, inv)
+        bits = builder.bitcast(regs[0], _I16)  # tree[0]: the integer 1 (see eytzinger)
+        one = builder.shuffle_vector(bits, bits, ir.Constant(_I16, [0] * 16))
+
+        def groups(first, count):
+            bases = [builder.mul(builder.add(first, ir.Constant(_I64, u)), ir.Constant(_I64, 16)) for u in range(count)]
+            ys = []
+            for base in bases:
+                x = builder.load(builder.bitcast(builder.gep(bp, [base]), _F16.as_pointer()), align=4)
+                ys.append(builder.fmul(builder.fmul(x, prev), invv))  # quantize_scaled
+            nodes = [ir.Constant(_I16, [1] * 16)] * count
+            for lo, hi in _LEVEL_REGS:
+                for u in range(count):
+                    twice = builder.add(nodes[u], nodes[u])
+                    t = _lookup(builder, regs[lo:hi], nodes[u])
+                    below = builder.fcmp_ordered("<", t, ys[u])
+                    nodes[u] = builder.select(below, builder.add(twice, one), twice)  # one masked add
+            for base, node in zip(bases, nodes):  # node = 256 + code: its low byte
+                builder.store(builder.trunc(node, _B16), builder.bitcast(builder.gep(wp, [base]), _B16.as_pointer()),
+                              align=1)
+
+        unroll = ir.Constant(_I64, GROUPS)
+        full = builder.udiv(m, unroll)
+        with cgutils.for_range(builder, full) as loop:
+            groups(builder.mul(loop.index, unroll), GROUPS)
+        with cgutils.for_range(builder, builder.urem(m, unroll)) as loop:
+            groups(builder.add(builder.mul(full, unroll), loop.index), 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def eytzinger(mid, tree):
+    """``tree`` (float32[256]) = the padded midpoints ``mid`` in Eytzinger order: node ``(1 << l) + r``
+    of level ``l`` holds ``mid[(2 r + 1) * 2**(7 - l) - 1]``, the midpoint its search step compares."""
+    # node 0 is never looked up: it holds the integer 1 (its float32 bits), a 1 the compiler cannot
+    # see, so that the search's step ``2 node + (t < y)`` compiles to one masked add where a
+    # constant 1 compiled to three instructions (a mask turned into a vector, shifted, or-ed)
+    tree[0] = bits_f32(np.uint32(1))
+    for level in range(8):
+        half = 128 >> level
+        for r in range(1 << level):
+            tree[(1 << level) + r] = mid[(2 * r + 1) * half - 1]
+
+
+@_jit
+def decode_block_tables(w, q, s, o, n, buf):
+    """The portable decode: ``buf[i] = q[w[o + i]] * s`` for ``i < n`` by table reads."""
+    wb = w[o : o + n]  # indexed from 0: no negative-index wraparound per element
+    for i in range(n):
+        buf[i] = q[wb[i]] * s
+
+
+@_jit
+def encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix):
+    """The portable encode: the scaling and bucket arithmetic in a loop of their own (vectorized),
+    the two table lookups in another; ``buf`` is overwritten with the scaled values, ``ix`` (uint32
+    scratch of a block) with the buckets."""
+    for i in range(n):
+        y = quantize_scaled(buf[i], pre, inv)
+        buf[i] = y
+        ix[i] = quantize_bucket(y)
+    wb = w[o : o + n]
+    for i in range(n):
+        wb[i] = quantize_code(buf[i], tbl[ix[i]], mid)
+
+
+@_jit
+def decode_block_registers(w, q, s, o, n, buf):
+    """:func:`decode_block_tables` with the map in registers (AVX-512F only)."""
+    m = n // 16
+    _decode_groups(w, np.int64(o), q, s, buf, np.int64(m))
+    if m * 16 < n:
+        decode_block_tables(w, q, s, o + m * 16, n - m * 16, buf[m * 16 :])
+
+
+@_jit
+def encode_block_registers(buf, n, pre, inv, tree, mid, tbl, w, o, ix):
+    """:func:`encode_block_tables` by the register search over ``tree`` (AVX-512F only; ``buf`` is
+    left as it was for the groups of 16, scaled for the rest)."""
+    m = n // 16
+    _encode_groups(buf, pre, inv, tree, w, np.int64(o), np.int64(m))
+    if m * 16 < n:
+        encode_block_tables(buf[m * 16 :], n - m * 16, pre, inv, mid, tbl, w, o + m * 16, ix)
+
+
+if NATIVE:
+    decode_block, encode_block = decode_block_registers, encode_block_registers
+else:
+
+    @_jit
+    def decode_block(w, q, s, o, n, buf):
+        decode_block_tables(w, q, s, o, n, buf)
+
+    @_jit
+    def encode_block(buf, n, pre, inv, tree, mid, tbl, w, o, ix):
+        encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix)
