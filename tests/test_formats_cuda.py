@@ -341,6 +341,25 @@ def test_lamb_matches_the_reference_and_the_cpu_backend(fmt):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("fmt,shapes", [
+    (_fmt("bfloat16", None, "bfloat16", stochastic=True, gdt="float32"), [(300,), (37,)]),
+    (_fmt("bfloat16", "remainder8", "int8"), [(4100,), (37,)]),
+], ids=["sr-bf16state", "r8-int8"])
+def test_step_is_the_cpu_backends_bit_for_bit(fmt, shapes):
+    """The formats contract is bit-exact on every backend: AdamW with amsgrad (three slots: the two
+    moments share one hash, the third its own stream; int8 codes by the block's reciprocal), every
+    parameter word and every buffer equal to the cpu hooks' from the same inputs."""
+    from optirs.core.params import AdamParams
+
+    for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, shapes, steps=1, hp=AdamParams(lr=1e-2, amsgrad=True),
+                                                cpu=True):
+        for g, w in zip(got_p, want_p):
+            assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+        for k, w in want_b.items():
+            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+
+
+@pytest.mark.cuda
 def test_lamb_found_inf_skips_every_pass_and_the_next_step_is_clean():
     """A raised found_inf at step 2 writes nothing (no pass runs, the clipping norm included); step 3
     then matches the reference from step 1's state: the per-tensor sums left by step 1 were

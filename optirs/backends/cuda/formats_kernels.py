@@ -683,7 +683,9 @@ def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e,
     if not usedk:
         return
     if quant:
-        pre, inv = quantize_factors(scale)
+        # float32(): numba's simulator passes Python floats, which would compile float64 code
+        pre, inv = quantize_factors(float32(scale))
+        pre, inv = float32(pre), float32(inv)
         if scale <= _F32_MAX:  # the usual block (not NaN, not inf): the shorter bucket
             for j in range(LANE):
                 w[j] = quantize_finite(x[j], pre, inv, mid, table)
