@@ -92,11 +92,14 @@ uint8 optirs_slot_bits8(uint8 r, int k)
 }
 
 /* bfloat16, stochastic: finite x adds the low 16 random bits before truncating (unbiased);
- * NaN and inf round to nearest. */
+ * NaN and inf round to nearest. Only a NaN is set apart: inf's low 16 bits are 0, so the sum
+ * carries nothing and is inf's nearest already (the numba bf16_stochastic's reasoning; half the
+ * instructions of selecting the whole nearest rounding). */
 ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
 {
     const uint8 sr = (u + (r & 0xFFFFu)) >> 16;
-    return select(convert_ushort8(sr), optirs_bf16_rne8(u), convert_short8((u & 0x7F800000u) == 0x7F800000u));
+    const uint8 nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
+    return convert_ushort8(select(sr, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
 }
 
 /* ---------------------------------------------------------------- master remainders */
