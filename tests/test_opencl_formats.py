@@ -65,14 +65,14 @@ __kernel void remainders(__global const uint *u, __global ushort *hi16, __global
     vstore8(hi, i, hi8); vstore8(rem_8, i, rem8); vstore8(optirs_r8_join8(hi, rem_8), i, join8);
 }
 __kernel void quantize(__global const float *maps, __global const uchar *tables, __global const float *x, float scale,
-                       __global uchar *code, __global float *deq) {
+                       int finite, __global uchar *code, __global float *deq) {
     __local float q[256], mid[256];
     __local uchar table[OPTIRS_QT_SIZE];
     for (int j = get_local_id(0); j < 256; j += get_local_size(0)) { q[j] = maps[j]; mid[j] = maps[256 + j]; }
     for (int j = get_local_id(0); j < (int)OPTIRS_QT_SIZE; j += get_local_size(0)) table[j] = tables[j];
     barrier(CLK_LOCAL_MEM_FENCE);
     const size_t i = get_global_id(0);
-    const uchar8 c = optirs_quantize8(V8(x, i), optirs_quantize_factors(scale), mid, table);
+    const uchar8 c = optirs_quantize8(V8(x, i), optirs_quantize_factors(scale), finite, mid, table);
     vstore8(c, i, code);
     vstore8(optirs_dequantize8(c, scale, q), i, deq);
 }
@@ -276,22 +276,30 @@ def test_quantize_is_nearest_code(ctx, prg, signed):
                         np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1, -1], np.float32)]).astype(np.float32)
     y = np.concatenate([y, np.zeros(-y.size % 8, np.float32)])
     maps = np.concatenate([q, mid]).astype(np.float32)
-    code, deq = _run(ctx, prg.quantize, y.size, maps, table, y, scale, ("out", np.uint8), ("out", np.float32))
+    code, deq = _run(ctx, prg.quantize, y.size, maps, table, y, scale, np.int32(0), ("out", np.uint8),
+                     ("out", np.float32))
     want = np.searchsorted(mid[:255], y, side="left")  # the number of mid[k] < y
     want[np.isnan(y)] = 0
     assert np.array_equal(code, want.astype(np.uint8))
     assert np.array_equal(deq, q[code] * scale)
     x = y[:8] * np.float32(0.37)
-    (zero_code, _) = _run(ctx, prg.quantize, 8, maps, table, x, np.float32(0), ("out", np.uint8), ("out", np.float32))
+    (zero_code, _) = _run(ctx, prg.quantize, 8, maps, table, x, np.float32(0), np.int32(1), ("out", np.uint8),
+                          ("out", np.float32))
     assert np.array_equal(zero_code, np.full(8, np.searchsorted(mid[:255], 0.0, side="left"), np.uint8))
     # block scales over the float32 range, subnormal ones included (pre = 2**64), against numpy's
-    # (x * pre) * inv: a code a quotient x / scale would move is caught at the midpoints
+    # (x * pre) * inv: a code a quotient x / scale would move is caught at the midpoints. Blocks
+    # as the kernels make them (every |x| at most the scale) take the finite-block bucket too
     for scale in (np.float32(3.7e-3), np.float32(1.5e30), np.float32(2.0 ** -127 * 1.37), np.float32(1e-45)):
         with np.errstate(over="ignore"):  # the largest values times 1.5e30: inf, code 255
             xs = (y[np.isfinite(y)] * scale).astype(np.float32)
         xs = np.concatenate([xs, np.zeros(-xs.size % 8, np.float32)])
-        code, _ = _run(ctx, prg.quantize, xs.size, maps, table, xs, scale, ("out", np.uint8), ("out", np.float32))
+        code, _ = _run(ctx, prg.quantize, xs.size, maps, table, xs, scale, np.int32(0), ("out", np.uint8),
+                       ("out", np.float32))
         assert np.array_equal(code, F.quantize_host(xs, scale, signed)), scale
+        block = np.clip(xs, -scale, scale)
+        code, _ = _run(ctx, prg.quantize, block.size, maps, table, block, scale, np.int32(1), ("out", np.uint8),
+                       ("out", np.float32))
+        assert np.array_equal(code, F.quantize_host(block, scale, signed)), scale
 
 
 # ---------------------------------------------------------------- the formats capability's step

@@ -550,7 +550,7 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
         } else {
             __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
             /* the block's factors once per work-item and block (a round is 8 of its elements) */
-            const uchar8 code = optirs_quantize8(s[j], optirs_quantize_factors(scale[j]), q + 256,
+            const uchar8 code = optirs_quantize8(s[j], optirs_quantize_factors(scale[j]), scale[j] <= FLT_MAX, q + 256,
                                                  ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
             store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */

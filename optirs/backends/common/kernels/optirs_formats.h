@@ -178,15 +178,30 @@ float2 optirs_quantize_factors(float scale)
     return (float2)(1.0f, 1.0f / scale);
 }
 
+/* optirs_quantize1 for a block of finite scale, whose scaled values are never NaN and at most
+ * 1 + 2^-23 in magnitude (|x| <= scale, inv its correctly rounded reciprocal): no NaN test and no
+ * upper clamp, the same code (the numba quantize_finite). */
+uchar optirs_quantize1_finite(float y, __local const float *mid, __local const uchar *table)
+{
+    const uint u = as_uint(y);
+    const uint a = max((u >> 16) & 0x7FFFu, OPTIRS_QT_LO - 1u) - (OPTIRS_QT_LO - 1u);
+    const uint c = table[a + (u >> 31) * OPTIRS_QT_WIDTH];
+    return (uchar)(c + (mid[c] < y ? 1u : 0u));
+}
+
+#define OPTIRS_QUANTIZE8(q, y, mid, table)                                                       \
+    (uchar8)(q(y.s0, mid, table), q(y.s1, mid, table), q(y.s2, mid, table), q(y.s3, mid, table), \
+             q(y.s4, mid, table), q(y.s5, mid, table), q(y.s6, mid, table), q(y.s7, mid, table))
+
 /* quantize(x): y = (x * pre) * inv with the block's optirs_quantize_factors f = (pre, inv), then
- * its code. */
-uchar8 optirs_quantize8(float8 x, float2 f, __local const float *mid, __local const uchar *table)
+ * its code. ``finite``: the block's scale is finite and every |x| at most it (a block's own new
+ * values: the usual case), so the shorter bucket applies. */
+uchar8 optirs_quantize8(float8 x, float2 f, int finite, __local const float *mid, __local const uchar *table)
 {
     const float8 y = (x * f.s0) * f.s1;
-    return (uchar8)(optirs_quantize1(y.s0, mid, table), optirs_quantize1(y.s1, mid, table),
-                    optirs_quantize1(y.s2, mid, table), optirs_quantize1(y.s3, mid, table),
-                    optirs_quantize1(y.s4, mid, table), optirs_quantize1(y.s5, mid, table),
-                    optirs_quantize1(y.s6, mid, table), optirs_quantize1(y.s7, mid, table));
+    if (finite)
+        return OPTIRS_QUANTIZE8(optirs_quantize1_finite, y, mid, table);
+    return OPTIRS_QUANTIZE8(optirs_quantize1, y, mid, table);
 }
 
 /* dequantize(code, scale) = q[code] * scale. */
