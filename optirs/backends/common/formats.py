@@ -25,7 +25,7 @@ from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDT
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
-from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
+from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32)
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there

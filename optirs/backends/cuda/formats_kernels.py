@@ -39,7 +39,7 @@ from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER
 
 from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
                                                  st_u32x2, st_u32x4)
-from optirs.backends.cuda.kernels import SIMULATOR, _device, ld, ld4, st, st4
+from optirs.backends.cuda.kernels import SIMULATOR, _device, ld, st
 
 GROUP = 256  # elements per warp and per int8 block
 LANE = 8  # elements per lane
