@@ -22,9 +22,8 @@ from optirs.backends.common.bits32 import add32, and32
 from optirs.backends.common.elementwise import lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, encode_state, f32_bits,
-                                            format_element, lamb_format_element,
-                                            quantize_factors, rand32, slot_bits, state_stream,
-                                            store_master, stream_key)
+                                            format_element, lamb_format_element, quantize_factors, rand32, slot_bits,
+                                            state_stream, store_master, stream_key)
 from optirs.backends.cpu.int8_native import decode_block, encode_block, eytzinger
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
