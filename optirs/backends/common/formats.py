@@ -46,8 +46,6 @@ _Z = np.uint32(0)
 _EXP = np.uint32(0x7F800000)  # float32 exponent bits: inf when the mantissa is 0
 _ABS = np.uint32(0x7FFFFFFF)
 _QNAN = np.uint32(0x7FC00000)
-_BF16_QNAN = np.uint32(0x7FC0)
-_BF16_QNAN_NEG = np.uint32(0xFFC0)
 _E5 = np.uint32(0x1F)
 _F16_INF = np.uint32(0x7C00)
 _BK_FIRST = np.uint32(_BK_LO - 1)  # the bucket table's clamp of |y|'s top 16 bits
@@ -161,12 +159,24 @@ def decode_value(raw, kind):
 @_jit
 def bf16_nearest(x):
     """float32 -> bfloat16 bits, nearest even, NaN -> quiet NaN (ml_dtypes' cast; the rounding of
-    :func:`optirs.backends.common.half.bf16_encode` in 32-bit operations). A finite ``u`` plus the
-    rounding increment stays below 2**32."""
+    :func:`optirs.backends.common.half.bf16_encode` in 32-bit operations)."""
+    return shr32(bf16_nearest_wide(x), 16)
+
+
+@_jit
+def bf16_nearest_wide(x):
+    """:func:`bf16_nearest`'s bits in the high half of a word whose low half is left undefined: a GPU
+    kernel packs two such words into one with a byte permute, where the shift and the pack took
+    three instructions. A finite ``u`` plus the rounding increment stays below 2**32."""
     u = f32_bits(x)
-    if and32(u, _ABS) > _EXP:
-        return _BF16_QNAN_NEG if shr32(u, 31) != _Z else _BF16_QNAN
-    return shr32(add32(add32(u, 0x7FFF), and32(shr32(u, 16), 1)), 16)
+    rounded = add32(add32(u, 0x7FFF), and32(shr32(u, 16), 1))
+    return _nan_wide(u) if and32(u, _ABS) > _EXP else rounded
+
+
+@_jit
+def _nan_wide(u):
+    """The quiet NaN with the sign of float32 bits ``u``, in a word's high half (the bfloat16 NaN)."""
+    return or32(and32(u, 0x80000000), _QNAN)
 
 
 @_jit
@@ -206,10 +216,15 @@ def bf16_stochastic(x, r):
     inf and NaN round to nearest. The sum is inf's nearest too (its low 16 bits are 0, so nothing
     carries): only a NaN is set apart, as ``bf16_nearest`` does (half the instructions of the
     nearest rounding on a GPU; the select vectorizes in the cpu loops)."""
+    return shr32(bf16_stochastic_wide(x, r), 16)
+
+
+@_jit
+def bf16_stochastic_wide(x, r):
+    """:func:`bf16_stochastic`'s bits in the high half of a word, the low half undefined (as
+    :func:`bf16_nearest_wide`)."""
     u = f32_bits(x)
-    if and32(u, _ABS) > _EXP:
-        return _BF16_QNAN_NEG if shr32(u, 31) != _Z else _BF16_QNAN
-    return shr32(add32(u, and32(r, 0xFFFF)), 16)
+    return _nan_wide(u) if and32(u, _ABS) > _EXP else add32(u, and32(r, 0xFFFF))
 
 
 # ---------------------------------------------------------------- remainder masters
@@ -395,15 +410,29 @@ def store_master(x, fc, key, i):
         hi, rem = remainder8_split(round24(x))
         return hi, u32(rem)
     if fc.param == BF16:
-        if fc.master == MASTER_NONE and fc.stochastic:
-            h = bf16_stochastic(x, rand32(key, i))
-        else:
-            h = bf16_nearest(x)
+        h = shr32(param_word_wide(x, fc, key, i), 16)
     else:
         h = f16_nearest(x)
     if fc.master == MASTER_F32:
         return h, f32_bits(x)
     return h, np.uint32(0)
+
+
+@_jit
+def param_word_wide(x, fc, key, i):
+    """The bfloat16 parameter of master ``x`` in a word's high half (:func:`bf16_nearest_wide`), for
+    a bfloat16 parameter that is its own master (stochastically rounded where ``fc`` says so) or
+    has a float32 master."""
+    if fc.master == MASTER_NONE and fc.stochastic:
+        return bf16_stochastic_wide(x, rand32(key, i))
+    return bf16_nearest_wide(x)
+
+
+@_jit
+def store_master_wide(x, fc, key, i):
+    """:func:`store_master` for the formats of :func:`param_word_wide`: (its word, the float32
+    master's bits or 0)."""
+    return param_word_wide(x, fc, key, i), f32_bits(x) if fc.master == MASTER_F32 else np.uint32(0)
 
 
 @_inline

@@ -30,9 +30,11 @@ from numba import cuda, float32, float64, uint8, uint32
 
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
-from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, dequantize, encode_state,
-                                           f32_bits, format_update, lamb_format_update, load_master, quantize,
-                                           quantize_factors, quantize_finite, rand32, slot_bits, state_stream, store_master, stream_key)
+from optirs.backends.common.elementwise import element_update
+from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bits_f32, decode_state, decode_value,
+                                           dequantize, f32_bits, format_update, lamb_format_update, load_master,
+                                           quantize, quantize_factors, quantize_finite, rand32, slot_bits, state_stream,
+                                           store_master, store_master_wide, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8)
@@ -98,6 +100,26 @@ else:
     @_device
     def absmax_step(m, x):
         return max_nan(m, abs(x))
+
+
+if SIMULATOR:
+    def pack_high16(a, b):
+        return or32(shr32(a, 16), and32(b, 0xFFFF0000))
+else:
+    @intrinsic
+    def pack_high16(typingctx, a, b):
+        if a != types.uint32 or b != types.uint32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            return builder.asm(ir.FunctionType(i32, [i32, i32]), "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", args,
+                               side_effect=False)
+
+        return types.uint32(types.uint32, types.uint32), codegen
+pack_high16.__doc__ = """The high halves of ``a`` and ``b`` as one word (``a``'s low): two bfloat16 values kept in
+the high halves of their words (``bf16_*_wide``, the loads' widened words) stored as a pair with one
+``prmt``, where shifting each down and packing took three instructions."""
 
 
 @_device
@@ -258,24 +280,29 @@ def _pack8(a, b, c, d):
 
 
 @_device
-def ld8_16(addr, vec, cnt, out):
+def ld8_16(addr, vec, cnt, out, wide):
+    """8 16-bit words; ``wide``: each in the high half of its word (a bfloat16 value widened to float32)."""
     if vec and cnt == LANE:
-        w0, w1, w2, w3 = ld_u32x4(addr)
-        out[0], out[1], out[2], out[3] = and32(w0, 0xFFFF), shr32(w0, 16), and32(w1, 0xFFFF), shr32(w1, 16)
-        out[4], out[5], out[6], out[7] = and32(w2, 0xFFFF), shr32(w2, 16), and32(w3, 0xFFFF), shr32(w3, 16)
+        unpack8((ld_u32x4(addr), _ZERO4), 2, out, wide)
     else:
         for j in range(LANE):
-            out[j] = ld_u16(addr + 2 * j) if j < cnt else 0
+            h = ld_u16(addr + 2 * j) if j < cnt else u32(0)
+            out[j] = shl32(h, 16) if wide else h
 
 
 @_device
-def st8_16(addr, vec, cnt, w):
+def st8_16(addr, vec, cnt, w, wide):
+    """8 16-bit words; ``wide``: each in the high half of its word, the low half undefined."""
     if vec and cnt == LANE:
-        st_u32x4(addr, _pack16(w[0], w[1]), _pack16(w[2], w[3]), _pack16(w[4], w[5]), _pack16(w[6], w[7]))
+        if wide:
+            st_u32x4(addr, pack_high16(w[0], w[1]), pack_high16(w[2], w[3]), pack_high16(w[4], w[5]),
+                     pack_high16(w[6], w[7]))
+        else:
+            st_u32x4(addr, _pack16(w[0], w[1]), _pack16(w[2], w[3]), _pack16(w[4], w[5]), _pack16(w[6], w[7]))
     else:
         for j in range(LANE):
             if j < cnt:
-                st_u16(addr + 2 * j, w[j])
+                st_u16(addr + 2 * j, shr32(w[j], 16) if wide else w[j])
 
 
 @_device
@@ -320,12 +347,18 @@ def raw8(addr, size):
 
 
 @_device
-def unpack8(raw, size, out):
-    """``raw8``'s words as the 8 elements' words (uint32) in ``out``."""
+def unpack8(raw, size, out, wide):
+    """``raw8``'s words as the 8 elements' words (uint32) in ``out``; ``wide`` (16-bit elements): each
+    in the high half of its word, a bfloat16 value's float32 bits (one instruction per element, where
+    unpacking and then shifting took two)."""
     lo, hi = raw
     if size == 4:
         out[0], out[1], out[2], out[3] = lo
         out[4], out[5], out[6], out[7] = hi
+    elif size == 2 and wide:
+        w0, w1, w2, w3 = lo
+        out[0], out[1], out[2], out[3] = shl32(w0, 16), and32(w0, 0xFFFF0000), shl32(w1, 16), and32(w1, 0xFFFF0000)
+        out[4], out[5], out[6], out[7] = shl32(w2, 16), and32(w2, 0xFFFF0000), shl32(w3, 16), and32(w3, 0xFFFF0000)
     elif size == 2:
         w0, w1, w2, w3 = lo
         out[0], out[1], out[2], out[3] = and32(w0, 0xFFFF), shr32(w0, 16), and32(w1, 0xFFFF), shr32(w1, 16)
@@ -340,8 +373,9 @@ def unpack8(raw, size, out):
 
 
 # _widen16: the kernels widen bfloat16 gradients, state words and parameters that are their own master
-# (or a float32 master's first value) by a shift alone, without the shared decode's NaN quieting (4
-# instructions of about 130 per element, each). The same bits are stored: every value so widened
+# (or a float32 master's first value) as they unpack them, each half moved to the high half of its
+# word (one instruction), without the shared decode's NaN quieting (4 instructions of about 130 per
+# element, each). The same bits are stored: every value so widened
 # meets float arithmetic, min / max or comparisons before anything is stored (every family's new
 # parameter is computed from the old one), and on the GPU a NaN result of arithmetic is the
 # canonical NaN whatever the NaN that went in (min and max return the other operand), or it meets
@@ -509,29 +543,29 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     r0 = raw8(sa0 + base * sz, sz) if u0 else (_ZERO4, _ZERO4)
                     r1 = raw8(sa1 + base * sz, sz) if u1 else (_ZERO4, _ZERO4)
                     r2 = raw8(sa2 + base * sz, sz) if u2 else (_ZERO4, _ZERO4)
-                    unpack8(rp, psize, pw)
-                    unpack8(rg, gsize, gw)
+                    unpack8(rp, psize, pw, widen_param)
+                    unpack8(rg, gsize, gw, widen_grad)
                     if msize != 0:
-                        unpack8(rm, msize, mw)
+                        unpack8(rm, msize, mw, False)
                     if u0:
-                        unpack8(r0, sz, w0)
+                        unpack8(r0, sz, w0, True)
                     if u1:
-                        unpack8(r1, sz, w1)
+                        unpack8(r1, sz, w1, True)
                     if u2:
-                        unpack8(r2, sz, w2)
+                        unpack8(r2, sz, w2, True)
                 else:
                     if psize == 2:
-                        ld8_16(pa + base * 2, vec, cnt, pw)
+                        ld8_16(pa + base * 2, vec, cnt, pw, widen_param)
                     else:
                         ld8_32(pa + base * 4, vec, cnt, pw)
                     if gsize == 2:
-                        ld8_16(ga + base * 2, vec, cnt, gw)
+                        ld8_16(ga + base * 2, vec, cnt, gw, widen_grad)
                     else:
                         ld8_32(ga + base * 4, vec, cnt, gw)
                     if msize == 4:
                         ld8_32(ma + base * 4, vec, cnt, mw)
                     elif msize == 2:
-                        ld8_16(ma + base * 2, vec, cnt, mw)
+                        ld8_16(ma + base * 2, vec, cnt, mw, False)
                     elif msize == 1:
                         ld8_8(ma + base, vec, cnt, mw)
                     _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
@@ -552,9 +586,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     ij = add32(e, j)
                     # widened by a shift (_widen16's reason); a float32 master word of 0 is read from the
                     # parameter. float32(): numba's simulator hands the shared functions Python floats
-                    g = float32(bits_f32(shl32(gw[j], 16)) if widen_grad else decode_value(gw[j], fc.grad))
+                    g = float32(bits_f32(gw[j]) if widen_grad else decode_value(gw[j], fc.grad))
                     if widen_param:
-                        xp = float32(bits_f32(shl32(pw[j], 16)))
+                        xp = float32(bits_f32(pw[j]))
                         if master == MASTER_F32 and mraw != 0:
                             xp = float32(bits_f32(mraw))
                     else:
@@ -562,7 +596,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     if lamb:
                         xp, a, b, u = lamb_format_update(xp, g, x0[j], x1[j], grad_scale, sc)
                         if apply:
-                            p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
+                            if widen_param:  # the parameter word in the high half (pack_high16)
+                                p_, m_ = store_master_wide(xp - lr_t * u, fc, keyp, ij)
+                            else:
+                                p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
                             pw[j] = p_
                             mw[j] = m_
                             x0[j] = a
@@ -570,6 +607,14 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         elif j < cnt:
                             sp += float64(xp) * float64(xp)
                             su += float64(u) * float64(u)
+                    elif widen_param:  # the parameter word in the high half (pack_high16)
+                        xn, a, b, d = element_update(xp, g, x0[j], x1[j], x2[j], sc)
+                        p_, m_ = store_master_wide(xn, fc, keyp, ij)
+                        pw[j] = p_
+                        mw[j] = m_
+                        x0[j] = a
+                        x1[j] = b
+                        x2[j] = d
                     else:
                         p_, m_, a, b, d = format_update(xp, g, x0[j], x1[j], x2[j], sc, fc, keyp, ij)
                         pw[j] = p_
@@ -599,13 +644,13 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         r01[j] = rand32(key01, add32(e, j))
                 # stores
                 if psize == 2:
-                    st8_16(pa + base * 2, vec, cnt, pw)
+                    st8_16(pa + base * 2, vec, cnt, pw, widen_param)
                 else:
                     st8_32(pa + base * 4, vec, cnt, pw)
                 if msize == 4:
                     st8_32(ma + base * 4, vec, cnt, mw)
                 elif msize == 2:
-                    st8_16(ma + base * 2, vec, cnt, mw)
+                    st8_16(ma + base * 2, vec, cnt, mw, False)
                 elif msize == 1:
                     st8_8(ma + base, vec, cnt, mw)
                 _store_state(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e,
@@ -652,7 +697,7 @@ def _load_words(usedk, sz, addr, vec, cnt, w):
     if sz == 1:
         ld8_8(addr, vec, cnt, w)
     elif sz == 2:
-        ld8_16(addr, vec, cnt, w)
+        ld8_16(addr, vec, cnt, w, True)  # bfloat16 state: decoded by the widening alone
     else:
         ld8_32(addr, vec, cnt, w)
 
@@ -669,7 +714,7 @@ def _decode_state(usedk, quant, sz, w, x, scale, q):
             x[j] = dequantize(w[j], scale, q)
     elif sz == 2:
         for j in range(LANE):
-            x[j] = bits_f32(shl32(w[j], 16))  # _widen16's reason
+            x[j] = bits_f32(w[j])  # widened by the load (_widen16's reason)
     else:
         for j in range(LANE):
             x[j] = decode_state(w[j], STATE_F32)
@@ -696,8 +741,8 @@ def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e,
     elif sz == 2:
         for j in range(LANE):
             r = slot_bits(r01[j], k) if k < 2 else rand32(key2, add32(e, j))
-            w[j] = encode_state(x[j], STATE_BF16, r)
-        st8_16(addr, vec, cnt, w)
+            w[j] = bf16_stochastic_wide(x[j], r)
+        st8_16(addr, vec, cnt, w, True)
     else:
         for j in range(LANE):
             w[j] = f32_bits(x[j])
