@@ -21,6 +21,7 @@ import math
 from numba import float32, float64, njit
 from numba.extending import overload
 
+from optirs.backends.common.division import divide_by_uniform
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.definitions import DEFINITIONS
 
@@ -39,9 +40,9 @@ def adam_update(p, g, m, v, vmax, sc):
     v = sc.beta2 * v + sc.one_minus_beta2 * g * g
     if sc.amsgrad:
         vmax = max(vmax, v)
-        denom = math.sqrt(vmax) / sc.bias_correction2_sqrt + sc.eps
+        denom = divide_by_uniform(math.sqrt(vmax), sc.bias_correction2_sqrt) + sc.eps
     else:
-        denom = math.sqrt(v) / sc.bias_correction2_sqrt + sc.eps
+        denom = divide_by_uniform(math.sqrt(v), sc.bias_correction2_sqrt) + sc.eps
     p = p - sc.step_size * m / denom
     return p, m, v, vmax
 
