@@ -317,9 +317,14 @@ def test_float16_conversions_of_the_kernels_are_numpys():
 @pytest.mark.cuda
 def test_division_by_a_uniform_divisor_is_the_division():
     """Adam's ``sqrt(v) / sqrt(1 - beta2**t)`` with the reciprocal taken once per launch on a GPU
-    (optirs.backends.common.division) against the division itself: every non-negative float32
-    dividend (the simulator: a sample) for bias corrections of several betas and steps, and 1."""
+    (optirs.backends.common.division) against the division itself, for the square root of every
+    non-negative float32 ``v`` and of inf, NaN and -0 (the simulator: a sample), by the bias
+    corrections of several betas and steps, and 1. (Dividends beyond that domain can differ:
+    below 2**-100 the correction's residual is subnormal, beyond 2**64 the quotient can overflow;
+    no square root of a float32 is there.)"""
     _cuda()
+    import math
+
     from numba import njit
 
     from optirs.backends.common.division import divide_by_uniform
@@ -329,7 +334,8 @@ def test_division_by_a_uniform_divisor_is_the_division():
 
     def check(b, start_bits, step_bits, count, bad):
         for k in range(cuda.grid(1), count, cuda.gridsize(1)):
-            a = np.float32(bits_f32(np.uint32(start_bits + k * step_bits)))  # the simulator's Python floats
+            v = np.float32(bits_f32(np.uint32(start_bits + k * step_bits)))  # the simulator's Python floats
+            a = np.float32(math.sqrt(v)) if v == v and v >= 0 else v
             if f32_bits(divide(a, np.float32(b))) != f32_bits(np.float32(a) / np.float32(b)):
                 cuda.atomic.add(bad, 0, 1)
                 bad[1] = start_bits + k * step_bits
@@ -338,11 +344,12 @@ def test_division_by_a_uniform_divisor_is_the_division():
     divisors = [np.sqrt(np.float32(1) - np.float32(b2) ** np.float32(t)) for b2, t in
                 [(0.999, 1), (0.999, 2), (0.999, 7), (0.999, 1000), (0.99, 1), (0.95, 3), (0.9999, 1), (0.0, 1)]]
     step = 1 << 21 if SIMULATOR else 1
-    count = (0x7F800001 + step - 1) // step  # 0 to inf by ``step``, then NaN below
+    count = (0x7F800001 + step - 1) // step  # every v from 0 to inf by ``step``
     for b in divisors + [np.float32(0.7373), np.float32(np.nextafter(np.float32(1), np.float32(0)))]:
         bad = np.zeros(2, np.int64)
         check[4 if SIMULATOR else 1024, 32 if SIMULATOR else 256](np.float32(b), 0, step, count, bad)
-        check[1, 32](np.float32(b), 0x7FC00000, 1, 32, bad)
+        check[1, 32](np.float32(b), 0x7FC00000, 1, 32, bad)  # NaNs
+        check[1, 32](np.float32(b), 0x80000000, 1, 1, bad)  # -0
         assert bad[0] == 0, (float(b), hex(int(bad[1])))
 
 

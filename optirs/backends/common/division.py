@@ -10,11 +10,12 @@ are the same for every element and leave the loop; what stays is the compiler's 
 
 The quotient is the compiler's fast path's, operation for operation, so it is the correctly
 rounded quotient wherever the range check would have passed. The dividends here are square
-roots of non-negative floats (0, at least 2**-75 and below 2**64, inf or NaN) and the divisors
-bias corrections in (0, 1]: far from the underflow and overflow the check guards. 0, inf and NaN
-(where the correction itself would make NaN, or lose the sign of -0) take ``a * y``, which is
-exact for them. tests/test_formats_cuda.py checks the quotient against the division for every
-non-negative float32 dividend and a set of divisors on the device; the cpu divides.
+roots of non-negative floats (0, or 2**-75 to 2**64, or inf or NaN) and the divisors bias
+corrections in (0, 1]; 0, inf and NaN (where the correction itself would make NaN, or lose the
+sign of -0) take ``a * y``, which is exact for them. On the H200 the quotient is the division's
+for the square root of every non-negative float32 and ten divisors
+(tests/test_formats_cuda.py); other dividends can differ (below 2**-100 the residual is
+subnormal, beyond 2**64 the quotient may overflow). The cpu divides.
 """
 
 from __future__ import annotations
