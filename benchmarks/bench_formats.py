@@ -489,7 +489,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                           indent=1)
 
     for spec in FORMATS:
-        if not wanted(spec[0]):
+        if not wanted(f"optirs {spec[0]}"):
             continue
         try:
             row = dev.optirs_row(shapes, spec, steps, batches)

@@ -45,6 +45,7 @@ from optirs.backends.cuda.kernels import SIMULATOR, _device, ld, st
 
 GROUP = 256  # elements per warp and per int8 block
 LANE = 8  # elements per lane
+LANE32 = np.uint32(LANE)  # compared with the uint32 counts: a 64-bit compare is two instructions
 _FULL = 0xFFFFFFFF
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
@@ -250,7 +251,7 @@ def make_check_kernel(grad_dtype: str):
 
 @_device
 def ld8_32(addr, vec, cnt, out):
-    if vec and cnt == LANE:
+    if vec and cnt == LANE32:
         out[0], out[1], out[2], out[3] = ld_u32x4(addr)
         out[4], out[5], out[6], out[7] = ld_u32x4(addr + 16)
     else:
@@ -260,7 +261,7 @@ def ld8_32(addr, vec, cnt, out):
 
 @_device
 def st8_32(addr, vec, cnt, w):
-    if vec and cnt == LANE:
+    if vec and cnt == LANE32:
         st_u32x4(addr, w[0], w[1], w[2], w[3])
         st_u32x4(addr + 16, w[4], w[5], w[6], w[7])
     else:
@@ -282,7 +283,7 @@ def _pack8(a, b, c, d):
 @_device
 def ld8_16(addr, vec, cnt, out, wide):
     """8 16-bit words; ``wide``: each in the high half of its word (a bfloat16 value widened to float32)."""
-    if vec and cnt == LANE:
+    if vec and cnt == LANE32:
         unpack8((ld_u32x4(addr), _ZERO4), 2, out, wide)
     else:
         for j in range(LANE):
@@ -293,7 +294,7 @@ def ld8_16(addr, vec, cnt, out, wide):
 @_device
 def st8_16(addr, vec, cnt, w, wide):
     """8 16-bit words; ``wide``: each in the high half of its word, the low half undefined."""
-    if vec and cnt == LANE:
+    if vec and cnt == LANE32:
         if wide:
             st_u32x4(addr, pack_high16(w[0], w[1]), pack_high16(w[2], w[3]), pack_high16(w[4], w[5]),
                      pack_high16(w[6], w[7]))
@@ -307,7 +308,7 @@ def st8_16(addr, vec, cnt, w, wide):
 
 @_device
 def ld8_8(addr, vec, cnt, out):
-    if vec and cnt == LANE:
+    if vec and cnt == LANE32:
         a, b = ld_u32x2(addr)
         out[0], out[1], out[2], out[3] = and32(a, 0xFF), and32(shr32(a, 8), 0xFF), and32(shr32(a, 16), 0xFF), shr32(a, 24)
         out[4], out[5], out[6], out[7] = and32(b, 0xFF), and32(shr32(b, 8), 0xFF), and32(shr32(b, 16), 0xFF), shr32(b, 24)
@@ -318,7 +319,7 @@ def ld8_8(addr, vec, cnt, out):
 
 @_device
 def st8_8(addr, vec, cnt, w):
-    if vec and cnt == LANE:
+    if vec and cnt == LANE32:
         st_u32x2(addr, _pack8(w[0], w[1], w[2], w[3]), _pack8(w[4], w[5], w[6], w[7]))
     else:
         for j in range(LANE):
@@ -525,7 +526,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             for r in range(rounds):
                 grp = add32(warp, mul32(r, nwarps))
                 base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
-                cnt = min(sub32(n32, base), LANE) if n32 > base else u32(0)
+                cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
                 e = add32(off32, base)  # flat index of the lane's first element (low 32 bits)
                 sc0 = sc1 = sc2 = float32(0)
                 live = grp < ngroups
@@ -536,7 +537,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         sc1 = ld(ca1 + grp * 4)
                     if u2:
                         sc2 = ld(ca2 + grp * 4)
-                if batch and vec and cnt == LANE:  # every load of the round, then the words
+                if batch and vec and cnt == LANE32:  # every load of the round, then the words
                     rp = raw8(pa + base * psize, psize)
                     rg = raw8(ga + base * gsize, gsize)
                     rm = raw8(ma + base * msize, msize) if msize != 0 else (_ZERO4, _ZERO4)
