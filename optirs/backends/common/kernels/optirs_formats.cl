@@ -84,12 +84,35 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
 
 /* ---------------------------------------------------------------- 8-lane loads and stores */
 
-/* nv lanes valid (8: all); aligned: the address is 8-element aligned (a vector pointer access). */
+/* The 8 words of element type ST at an 8-element aligned address, read and written as 32-bit
+ * words: PTX has no vector access wider than 4 elements, so NVIDIA's compiler splits an 8 x 16-bit
+ * vector into two 8-byte accesses and 8 x 8-bit into two 4-byte ones (the dumped PTX of every
+ * compact format: twice the loads and stores of the CUDA kernels' ld.v4.u32 / ld.v2.u32). The
+ * halves and bytes are taken apart and put together by shifts, not by a vector reinterpretation,
+ * which LLVM folds back into the 8-element access. */
+#define FMT_VLD_float(a) (*(__global const float8 *)(a))
+#define FMT_VST_float(x, a) (*(__global float8 *)(a) = (x))
+#define FMT_HALVES(w) (uint8)((w).s0, (w).s0 >> 16, (w).s1, (w).s1 >> 16, (w).s2, (w).s2 >> 16, (w).s3, (w).s3 >> 16)
+#define FMT_BYTES(w)                                                                             \
+    (uint8)((w).s0, (w).s0 >> 8, (w).s0 >> 16, (w).s0 >> 24, (w).s1, (w).s1 >> 8, (w).s1 >> 16, (w).s1 >> 24)
+#define FMT_PAIRS(u) (uint4)((u).s0 | (u).s1 << 16, (u).s2 | (u).s3 << 16, (u).s4 | (u).s5 << 16, (u).s6 | (u).s7 << 16)
+#define FMT_QUADS(u)                                                                             \
+    (uint2)((u).s0 | (u).s1 << 8 | (u).s2 << 16 | (u).s3 << 24, (u).s4 | (u).s5 << 8 | (u).s6 << 16 | (u).s7 << 24)
+ushort8 FMT_VLD_ushort(__global const ushort *a) { return convert_ushort8(FMT_HALVES(*(__global const uint4 *)a)); }
+short8 FMT_VLD_short(__global const short *a) { return as_short8(convert_ushort8(FMT_HALVES(*(__global const uint4 *)a))); }
+uchar8 FMT_VLD_uchar(__global const uchar *a) { return convert_uchar8(FMT_BYTES(*(__global const uint2 *)a)); }
+char8 FMT_VLD_char(__global const char *a) { return as_char8(convert_uchar8(FMT_BYTES(*(__global const uint2 *)a))); }
+void FMT_VST_ushort(ushort8 x, __global ushort *a) { const uint8 u = convert_uint8(x); *(__global uint4 *)a = FMT_PAIRS(u); }
+void FMT_VST_short(short8 x, __global short *a) { const uint8 u = convert_uint8(as_ushort8(x)); *(__global uint4 *)a = FMT_PAIRS(u); }
+void FMT_VST_uchar(uchar8 x, __global uchar *a) { const uint8 u = convert_uint8(x); *(__global uint2 *)a = FMT_QUADS(u); }
+void FMT_VST_char(char8 x, __global char *a) { const uint8 u = convert_uint8(as_uchar8(x)); *(__global uint2 *)a = FMT_QUADS(u); }
+
+/* nv lanes valid (8: all); aligned: the address is 8-element aligned (one vector access). */
 #define FMT_LOAD_STORE(ST, VT)                                                                   \
     VT load8_##ST(__global const ST *p, int nv, int aligned)                                     \
     {                                                                                            \
         if (nv >= 8)                                                                             \
-            return aligned ? *(__global const VT *)p : vload8(0, p);                             \
+            return aligned ? FMT_VLD_##ST(p) : vload8(0, p);                                     \
         ST a[8];                                                                                 \
         for (int j = 0; j < 8; ++j)                                                              \
             a[j] = j < nv ? p[j] : (ST)0;                                                        \
@@ -99,7 +122,7 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
     {                                                                                            \
         if (nv >= 8) {                                                                           \
             if (aligned)                                                                         \
-                *(__global VT *)p = x;                                                           \
+                FMT_VST_##ST(x, p);                                                              \
             else                                                                                 \
                 vstore8(x, 0, p);                                                                \
             return;                                                                              \
@@ -122,11 +145,13 @@ FMT_LOAD_STORE(uchar, uchar8)
 typedef float PST;
 typedef float8 PV;
 #define P_WORDS load8_float
+#define P_VLD FMT_VLD_float
 #define P_DECODE(w) (w)
 #else
 typedef ushort PST;
 typedef ushort8 PV;
 #define P_WORDS load8_ushort
+#define P_VLD FMT_VLD_ushort
 #if OPTIRS_FMT_PARAM == 1
 #define P_DECODE(w) optirs_bf16_decode8(w)
 #define P_RNE(u) optirs_bf16_rne8(u)
@@ -141,11 +166,13 @@ typedef ushort8 PV;
 typedef float GST;
 typedef float8 GV;
 #define G_WORDS load8_float
+#define G_VLD FMT_VLD_float
 #define G_DECODE(w) (w)
 #else
 typedef ushort GST;
 typedef ushort8 GV;
 #define G_WORDS load8_ushort
+#define G_VLD FMT_VLD_ushort
 #if OPTIRS_FMT_GRAD == 1
 #define G_DECODE(w) optirs_bf16_decode8(w) /* a shift (optirs_bf16_decode8 says why) */
 #else
@@ -160,28 +187,34 @@ typedef ushort8 GV;
 typedef short MST;
 typedef short8 MV;
 #define M_WORDS load8_short
+#define M_VLD FMT_VLD_short
 #elif OPTIRS_FMT_MASTER == 3
 typedef char MST;
 typedef char8 MV;
 #define M_WORDS load8_char
+#define M_VLD FMT_VLD_char
 #else
 typedef float MST; /* float32 masters; a dummy buffer without masters */
 typedef float8 MV;
 #define M_WORDS load8_float
+#define M_VLD FMT_VLD_float
 #endif
 
 #if OPTIRS_FMT_STATE == 1
 typedef ushort SST;
 typedef ushort8 SV;
 #define S_WORDS load8_ushort
+#define S_VLD FMT_VLD_ushort
 #elif OPTIRS_FMT_STATE == 2
 typedef uchar SST; /* codes */
 typedef uchar8 SV;
 #define S_WORDS load8_uchar
+#define S_VLD FMT_VLD_uchar
 #else
 typedef float SST;
 typedef float8 SV;
 #define S_WORDS load8_float
+#define S_VLD FMT_VLD_float
 #endif
 
 /* ---------------------------------------------------------------- per-launch records */
@@ -419,20 +452,20 @@ typedef struct {
     float scale[3];
 } fmt_words;
 
-/* LD(VT, a): the 8 words of vector type VT at a, every load of a round issued in one basic block. */
-#define FMT_LD_ALIGNED(VT, a) (*(__global const VT *)(a))
-#define FMT_LD_VLOAD(VT, a) vload8(0, a)
+/* LD(X, a): the 8 words of array X (P, G, M, S) at a, every load of a round issued in one basic block. */
+#define FMT_LD_ALIGNED(X, a) X##_VLD(a)
+#define FMT_LD_VLOAD(X, a) vload8(0, a)
 #define FMT_WORD_LOADS(LD)                                                                       \
-    w->p = LD(PV, p);                                                                            \
-    w->g = LD(GV, g);                                                                            \
+    w->p = LD(P, p);                                                                             \
+    w->g = LD(G, g);                                                                             \
     if (FMT_HAS_MASTER)                                                                          \
-        w->m = LD(MV, m);                                                                        \
+        w->m = LD(M, m);                                                                         \
     if (FMT_USED(0))                                                                             \
-        w->s[0] = LD(SV, sl->s[0] + k);                                                          \
+        w->s[0] = LD(S, sl->s[0] + k);                                                           \
     if (FMT_USED(1))                                                                             \
-        w->s[1] = LD(SV, sl->s[1] + k);                                                          \
+        w->s[1] = LD(S, sl->s[1] + k);                                                           \
     if (FMT_USED(2))                                                                             \
-        w->s[2] = LD(SV, sl->s[2] + k);
+        w->s[2] = LD(S, sl->s[2] + k);
 
 /* The 8 elements k.. of every array, all 8 in the chunk, state as values or codes (not a small
  * int8 tensor's float32 state). */
