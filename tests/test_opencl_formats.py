@@ -704,3 +704,18 @@ def test_a_refused_register_cap_builds_without_one(ocl, monkeypatch):
         model.step(grads)
     assert OF._cache(ocl.ctx)["nv_options"] is False
     _close_to_reference(model, before_p, before_s, grads, 11)
+
+
+def test_a_refused_warp_reduction_builds_the_portable_one(ocl, monkeypatch):
+    """The int8 kernels' inline-PTX warp reduction (asked of NVIDIA's driver; PoCL cannot build it)
+    falls back to the local-memory reduction with a warning, and the step still matches."""
+    from optirs.backends.opencl import formats as OF
+
+    monkeypatch.setitem(OF._cache(ocl.ctx), "nv_warp", 2)
+    model = _Model(ocl, "sgd", CASES["sgd"], FORMATS[4], seed=6)
+    grads = model.grads()
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    with pytest.warns(RuntimeWarning, match="OPTIRS_NV_WARP"):
+        model.step(grads)
+    assert OF._cache(ocl.ctx)["nv_warp"] == 0
+    _close_to_reference(model, before_p, before_s, grads, 11)

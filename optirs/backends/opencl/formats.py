@@ -114,6 +114,30 @@ def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
     return [f"-cl-nv-maxrregcount={cap}"] if nv and cap else []
 
 
+def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
+    """``-DOPTIRS_NV_WARP=2`` (sm_80 on: ``redux.sync``) or ``=1`` (``shfl.sync``) for the int8-state
+    kernels on NVIDIA's driver, whose warps are 32 consecutive work-items: a block's absmax is then a
+    warp reduction in inline PTX, as in the CUDA kernels, where the portable form takes a tree in
+    local memory with a barrier a level (fmt_warp_max of optirs_formats.cl). Nothing for other
+    formats or devices; ``OPTIRS_OPENCL_FORMATS_WARP=0`` turns it off (the portable form, for
+    comparison)."""
+    if fmt.codes.state != 2 or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
+        return []
+    cache = _cache(ctx)
+    level = cache.get("nv_warp")
+    if level is None:
+        level = 0
+        device = ctx.device
+        if "cl_nv_device_attribute_query" in device.extensions.split():
+            try:
+                if int(device.warp_size_nv) == 32:
+                    level = 2 if int(device.compute_capability_major_nv) >= 8 else 1
+            except (ctx.cl.Error, AttributeError):  # a driver that lists the extension but answers neither query
+                level = 0
+        cache["nv_warp"] = level
+    return [f"-DOPTIRS_NV_WARP={level}"] if level else []
+
+
 class _Program(NamedTuple):
     kernels: Dict[str, Any]  # name -> Kernel with its argument types set
     wg: int  # work-items per work-group
@@ -160,8 +184,9 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         chunk = chunk_elements(wg)
     slots = ctx.slots
     registers = register_options(ctx, fmt)
+    warp = warp_options(ctx, fmt)
     cache = _cache(ctx)
-    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers))
+    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers), tuple(warp))
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -171,20 +196,30 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             return hit
         options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
         options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
-                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers]
+                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers, *warp]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
                 f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
+        source = format_source(family, slots)
         try:
-            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
+            program = build_program(ctx.context, ctx.device, source, options, name)
         except GpuOptimError as exc:
-            if not registers:
-                raise
-            # a driver that lists the extension but refuses the option: no cap from now on
-            warnings.warn(f"the OpenCL driver refused {registers}: the formats kernels are built without a "
-                          f"register cap ({str(exc).splitlines()[-1][:200]})", RuntimeWarning, stacklevel=2)
-            cache["nv_options"] = False
-            options = [o for o in options if o not in registers]
-            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
+            # a driver that lists the extension but refuses the option or the inline PTX: built
+            # without it (the warp reduction first), and never asked for again in this context
+            program, error = None, exc
+            for optional, flag in ((warp, "nv_warp"), (registers, "nv_options")):
+                if not optional:
+                    continue
+                warnings.warn(f"the OpenCL driver refused the formats kernels with {optional}: built without "
+                              f"({str(error).splitlines()[-1][:200]})", RuntimeWarning, stacklevel=2)
+                cache[flag] = 0 if flag == "nv_warp" else False
+                options = [o for o in options if o not in optional]
+                try:
+                    program = build_program(ctx.context, ctx.device, source, options, name)
+                    break
+                except GpuOptimError as again:
+                    error = again
+            if program is None:
+                raise error from exc
         kernels, types = {}, _arg_types(ctx, family, slots)
         check_argument_space(ctx.device, types)
         for kname, arg_types in types.items():

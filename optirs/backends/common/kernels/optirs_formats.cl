@@ -44,6 +44,9 @@
 #ifndef OPTIRS_FMT_LAMB
 #define OPTIRS_FMT_LAMB 0
 #endif
+#ifndef OPTIRS_NV_WARP
+#define OPTIRS_NV_WARP 0 /* fmt_warp_max */
+#endif
 #define FMT_USED(k) ((OPTIRS_FMT_USED >> (k)) & 1)
 #define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
 
@@ -296,7 +299,7 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
     }                                                                                            \
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
     __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];                       \
-    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];                            \
+    __local uint scratch[OPTIRS_FMT_STATE == 2 && !OPTIRS_NV_WARP ? 3 * OPTIRS_WG : 1];          \
     int maps_ready = 0;                                                                          \
     const uint key = optirs_rand_key(st.seed, st.step, 0u);
 
@@ -518,47 +521,76 @@ FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __g
 }
 
 #if OPTIRS_FMT_STATE == 2
-/* The largest |x| of a block's new values, NaN-propagating: a NaN in a block makes its scale NaN
- * (docs/formats.md; fmax would drop it). */
-#define FMT_ABSMAX(a, b) ((a) > (b) || isnan(a) ? (a) : (b))
-
-float fmt_lane_absmax(float8 x, int nv)
+/* A block's scale is the largest |x| of its new values, NaN-propagating (docs/formats.md: a NaN
+ * makes the scale NaN; fmax would drop it). Taken over |x|'s bits as unsigned integers, whose order
+ * is the order of the magnitudes with every NaN above inf: an AND and an integer max an element,
+ * where the compare-and-select took three, and the reduction over the block is of integers (one
+ * instruction for the whole warp below). A NaN block's scale is the NaN of the largest payload. */
+uint fmt_lane_absmax(float8 x, int nv)
 {
-    const float8 a = fabs(x);
-    const int8 lane = (int8)(0, 1, 2, 3, 4, 5, 6, 7);
-    const float8 v = select((float8)0.0f, a, lane < nv);
-    const float4 h = FMT_ABSMAX(v.lo, v.hi);
-    const float2 q = FMT_ABSMAX(h.lo, h.hi);
-    return FMT_ABSMAX(q.lo, q.hi);
+    const uint8 a = as_uint8(x) & 0x7FFFFFFFu;
+    const uint8 v = select((uint8)0u, a, (int8)(0, 1, 2, 3, 4, 5, 6, 7) < nv);
+    const uint4 h = max(v.lo, v.hi);
+    const uint2 q = max(h.lo, h.hi);
+    return max(q.lo, q.hi);
 }
+
+/* OPTIRS_NV_WARP (the host's define on NVIDIA's driver: 1, or 2 from sm_80 on): a block is the 32
+ * work-items of one warp (consecutive local ids), so its maximum is a warp reduction in registers,
+ * as the CUDA kernels' shfl.sync.bfly, through inline PTX: redux.sync.max.u32 (sm_80 on: one
+ * instruction for the warp) or five shuffles. Elsewhere a tree in local memory over the 32
+ * work-items, a barrier a level. */
+#if OPTIRS_NV_WARP
+uint fmt_warp_max(uint u)
+{
+#if OPTIRS_NV_WARP >= 2
+    uint r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(u));
+    return r;
+#else
+    for (uint k = 16; k > 0; k >>= 1) {
+        uint o;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(o) : "r"(u), "r"(k));
+        u = max(u, o);
+    }
+    return u;
+#endif
+}
+#endif
 #endif
 
 /* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
  * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
 void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
-                      __local const uchar *ltables, __local float *scratch)
+                      __local const uchar *ltables, __local uint *scratch)
 {
 #if OPTIRS_FMT_STATE == 2
+    float scale[3];
+#if OPTIRS_NV_WARP
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+        scale[j] = FMT_USED(j) ? as_float(fmt_warp_max(nv > 0 ? fmt_lane_absmax(s[j], nv) : 0u)) : 0.0f;
+#else
     const int lid = get_local_id(0);
 #pragma unroll
     for (int j = 0; j < 3; ++j)
         if (FMT_USED(j))
-            scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0.0f;
+            scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0u;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int w = 16; w > 0; w >>= 1) {
         if ((lid & 31) < w) {
 #pragma unroll
             for (int j = 0; j < 3; ++j)
                 if (FMT_USED(j))
-                    scratch[j * OPTIRS_WG + lid] = FMT_ABSMAX(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
+                    scratch[j * OPTIRS_WG + lid] = max(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    float scale[3];
 #pragma unroll
     for (int j = 0; j < 3; ++j)
-        scale[j] = FMT_USED(j) ? scratch[j * OPTIRS_WG + (lid & ~31)] : 0.0f;
+        scale[j] = FMT_USED(j) ? as_float(scratch[j * OPTIRS_WG + (lid & ~31)]) : 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE); /* scratch is reused by the next round */
+#endif
 #endif
     if (nv <= 0)
         return;
