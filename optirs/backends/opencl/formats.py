@@ -143,6 +143,7 @@ class _Program(NamedTuple):
     wg: int  # work-items per work-group
     chunk: int  # elements per chunk of the tables it runs over
     slots: int  # buffers of each kind per launch
+    program: Any  # the built cl.Program (its driver binary: built_binaries)
 
 
 def _cache(ctx: Any) -> Dict[Any, Any]:
@@ -232,8 +233,25 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         if "structs" not in cache:
             _check_structs(ctx, ctx.cl.Kernel(program, "fmt_struct_sizes"))
             cache["structs"] = True
-        hit = cache[key] = _Program(kernels, wg, chunk, slots)
+        hit = cache[key] = _Program(kernels, wg, chunk, slots, program)
     return hit
+
+
+def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
+    """Every formats program built in ``ctx`` so far: (a file name stem, its cache key as text, the
+    driver's binary for the device: PTX on NVIDIA's driver), to read what the driver made of the C
+    (``benchmarks/bench_formats.py --dump-binaries``)."""
+    out = []
+    for key, prog in list(_cache(ctx).items()):
+        if not (isinstance(key, tuple) and key[0] == "program" and isinstance(prog, _Program)):
+            continue
+        c, family, used, signed = key[1], key[2], key[3], key[4]
+        # the optional options' values: -r<register cap>, -w<warp reduction level>
+        extra = "".join(f"-{'r' if 'maxrreg' in o else 'w'}{o.split('=')[-1]}" for o in key[-2] + key[-1])
+        stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"
+        binaries = prog.program.get_info(ctx.cl.program_info.BINARIES)
+        out.append((stem, repr(key), bytes(binaries[0]) if binaries else b""))
+    return out
 
 
 def _check_structs(ctx: Any, kernel: Any) -> None:
