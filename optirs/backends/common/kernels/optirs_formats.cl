@@ -269,9 +269,11 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         atomic_add(tickets, nchunks + (uint)get_num_groups(0));
 }
 
-/* The loop over the chunks the work-group takes: chunk c of tensor t (its table row), the
- * parameter and gradient pointers p and g at the tensor's start, its layout offset lay and the
- * chunk's elements [start, stop) of the tensor. */
+/* The loop over the chunks the work-group takes: chunk c of tensor t (its table row), its first
+ * element start (of the tensor), its n_ elements, and the parameter and gradient pointers p and g
+ * and the layout offset lay of that first element. Every array's chunk base is computed here, once
+ * per chunk in 64 bits; a round adds its 32-bit offset k (64-bit index arithmetic per round and
+ * array cost the CUDA kernels about 2 instructions an element). */
 #define FMT_CHUNKS_BEGIN(P, G)                                                                   \
     __local fmt_deal deal_;                                                                      \
     const int lid = (int)get_local_id(0);                                                        \
@@ -283,11 +285,11 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         const int t = deal_.t;                                                                   \
         const long8 row = tens[t];                                                               \
         const int aligned = (int)((row.s6 >> 16) & 1);                                           \
-        __global PST *p = deal_.p + row.s0;                                                      \
-        __global const GST *g = deal_.g + row.s1;                                                \
-        const long lay = row.s2;                                                                 \
         const long start = chunk_start[c];                                                       \
-        const long stop = min(start + (long)OPTIRS_CHUNK, row.s3);
+        const int n_ = (int)(min(start + (long)OPTIRS_CHUNK, row.s3) - start);                   \
+        __global PST *p = deal_.p + row.s0 + start;                                              \
+        __global const GST *g = deal_.g + row.s1 + start;                                        \
+        const long lay = row.s2 + start;
 #define FMT_CHUNKS_END }
 
 /* The writing kernels' start: found_inf skips the launch (uniform: every work-item returns), the
@@ -312,7 +314,7 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         maps_ready = 1;                                                                          \
     }                                                                                            \
     __global MST *m = M + off.m + lay;                                                           \
-    const fmt_slots sl = fmt_slots_of(row.s4, row.s5, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    const fmt_slots sl = fmt_slots_of(row.s4, row.s5, start, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
 
 /* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], and their
  * bucket tables [signed, unsigned] (stored after the maps as floats, kept here as bytes). */
@@ -327,8 +329,10 @@ void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uch
 #endif
 }
 
-/* block: the tensor's first int8 block, small: its small-tensor state offset (the table row's s4, s5). */
-fmt_slots fmt_slots_of(long block, long small, long lay, int aligned, __global SST *S0, __global SST *S1, __global SST *S2,
+/* block: the tensor's first int8 block, small: its small-tensor state offset (the table row's s4,
+ * s5); start: the chunk's first element (of the tensor; a multiple of the block), lay its layout
+ * offset. The pointers are at the chunk's first element and block. */
+fmt_slots fmt_slots_of(long block, long small, long start, long lay, int aligned, __global SST *S0, __global SST *S1, __global SST *S2,
                        __global float *C0, __global float *C1, __global float *C2, __global float *L0,
                        __global float *L1, __global float *L2, const fmt_offsets off, fmt_step st)
 {
@@ -336,12 +340,12 @@ fmt_slots fmt_slots_of(long block, long small, long lay, int aligned, __global S
     sl.s[0] = S0 + off.s0 + lay;
     sl.s[1] = S1 + off.s1 + lay;
     sl.s[2] = S2 + off.s2 + lay;
-    sl.scale[0] = C0 + off.c0 + block;
-    sl.scale[1] = C1 + off.c1 + block;
-    sl.scale[2] = C2 + off.c2 + block;
-    sl.small[0] = L0 + off.l0 + small;
-    sl.small[1] = L1 + off.l1 + small;
-    sl.small[2] = L2 + off.l2 + small;
+    sl.scale[0] = C0 + off.c0 + block + (start >> 8);
+    sl.scale[1] = C1 + off.c1 + block + (start >> 8);
+    sl.scale[2] = C2 + off.c2 + block + (start >> 8);
+    sl.small[0] = L0 + off.l0 + small + start;
+    sl.small[1] = L1 + off.l1 + small + start;
+    sl.small[2] = L2 + off.l2 + small + start;
     sl.is_small = OPTIRS_FMT_STATE == 2 && small >= 0;
     sl.aligned = aligned;
     sl.key[0] = FMT_USED(0) || FMT_USED(1) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(0)) : 0u;
@@ -426,7 +430,7 @@ float8 fmt_state_of(int j, SV w, float scale, __local const float *lmaps)
 
 /* Elements k.. of the tensor (k a multiple of 8), nv of them valid; each slot loaded and decoded
  * in turn. */
-void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local const float *lmaps)
+void fmt_load_states(const fmt_slots *sl, int k, int nv, float8 *s, __local const float *lmaps)
 {
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
@@ -473,7 +477,7 @@ typedef struct {
 /* The 8 elements k.. of every array, all 8 in the chunk, state as values or codes (not a small
  * int8 tensor's float32 state). */
 void fmt_load_words(fmt_words *w, __global const PST *p, __global const GST *g, __global const MST *m,
-                    const fmt_slots *sl, long k)
+                    const fmt_slots *sl, int k)
 {
 #if OPTIRS_FMT_STATE == 2
 #pragma unroll
@@ -498,7 +502,7 @@ void fmt_load_words(fmt_words *w, __global const PST *p, __global const GST *g, 
  * (the CUDA formats kernels measured -4 to -10% of kernel time on the H200). Float32 state keeps
  * the kernel bound by DRAM, where loading and decoding each array in turn measured 7% faster
  * (bf16 + float32 masters), so it keeps that order. */
-FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __global const GST *g, const fmt_slots *sl, long k,
+FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __global const GST *g, const fmt_slots *sl, int k,
                     int nv, __local const float *lmaps, float8 *pp, float8 *gv, float8 *s)
 {
 #if OPTIRS_FMT_STATE != 0
@@ -561,7 +565,7 @@ uint fmt_warp_max(uint u)
 
 /* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
  * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
-void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
+void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
                       __local const uchar *ltables, __local uint *scratch)
 {
 #if OPTIRS_FMT_STATE == 2
@@ -626,17 +630,17 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
     }
 }
 
-uint8 fmt_index8(long lay, long k)
+uint8 fmt_index8(long lay, int k)
 {
-    return (uint)(lay + k) + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u);
+    return ((uint)lay + (uint)k) + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u);
 }
 
-/* A work-group's rounds over its chunk: element k = base + 8 * lid, nv of its 8 in the chunk.
- * The trip count is the same for the whole work-group (barriers inside are reached by all). */
+/* A work-group's rounds over its chunk: element k = base + 8 * lid of the chunk, nv of its 8 in
+ * it. The trip count is the same for the whole work-group (barriers inside are reached by all). */
 #define FMT_ROUND_BEGIN                                                                          \
-    for (long base_ = start; base_ < stop; base_ += FMT_ROUND) {                                 \
-        const long k = base_ + 8 * (long)lid;                                                    \
-        const int nv = (int)clamp(stop - k, 0L, 8L);
+    for (int base_ = 0; base_ < n_; base_ += FMT_ROUND) {                                        \
+        const int k = base_ + 8 * lid;                                                           \
+        const int nv = clamp(n_ - k, 0, 8);
 #define FMT_ROUND_END }
 
 /* ---------------------------------------------------------------- the gradient check */
