@@ -36,12 +36,21 @@ float8 optirs_f16_decode8(ushort8 h)
 
 /* ---------------------------------------------------------------- 16-bit encodings */
 
+/* The float32 bits u with each NaN replaced by 0x7FC00000 | its sign, whose rounding to bfloat16,
+ * nearest or stochastic, is the contract's NaN 0x7FC0 | sign (its low 16 bits are 0 and either
+ * increment adds less than 0x10000: nothing carries); other values are kept. Selecting before the
+ * rounding takes an AND-OR, a NaN test and a select an element, where building the 16-bit NaN and
+ * selecting after took two more. */
+uint8 optirs_bf16_nan_apart8(uint8 u)
+{
+    return select(u, (u & 0x80000000u) | 0x7FC00000u, isnan(as_float8(u)));
+}
+
 /* Nearest even; NaN -> 0x7FC0 | sign (as ml_dtypes and optirs_bf16_encode). */
 ushort8 optirs_bf16_rne8(uint8 u)
 {
-    const uint8 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    const uint8 nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
-    return convert_ushort8(select(r, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+    const uint8 v = optirs_bf16_nan_apart8(u);
+    return convert_ushort8((v + 0x7FFFu + ((v >> 16) & 1u)) >> 16);
 }
 
 /* numpy's float32 -> float16 cast, lane by lane (optirs_half.h's integer encoder). */
@@ -97,9 +106,7 @@ uint8 optirs_slot_bits8(uint8 r, int k)
  * instructions of selecting the whole nearest rounding). */
 ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
 {
-    const uint8 sr = (u + (r & 0xFFFFu)) >> 16;
-    const uint8 nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
-    return convert_ushort8(select(sr, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+    return convert_ushort8((optirs_bf16_nan_apart8(u) + (r & 0xFFFFu)) >> 16);
 }
 
 /* ---------------------------------------------------------------- master remainders */
