@@ -142,26 +142,34 @@ FMT_LOAD_STORE(char, char8)
 FMT_LOAD_STORE(uchar, uchar8)
 
 /* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST), the
- * vector of 8 of their words (PV, GV, MV, SV), X_WORDS(p, nv, al) the 8 words at p and
- * P_DECODE / G_DECODE the words as float32. */
+ * vector of 8 of their words (PV, GV, MV, SV; float16 parameters and gradients: their values,
+ * converted as they are read), X_WORDS(p, nv, al) the 8 words at p, X_VLD / X_VLDU(a) one aligned /
+ * unaligned vector of them, P_DECODE / G_DECODE the words as float32 and P_STORE the parameters'
+ * rounding and store (stochastic rounding aside). */
 #if OPTIRS_FMT_PARAM == 0
 typedef float PST;
 typedef float8 PV;
 #define P_WORDS load8_float
 #define P_VLD FMT_VLD_float
 #define P_DECODE(w) (w)
-#else
+#elif OPTIRS_FMT_PARAM == 1
 typedef ushort PST;
 typedef ushort8 PV;
 #define P_WORDS load8_ushort
 #define P_VLD FMT_VLD_ushort
-#if OPTIRS_FMT_PARAM == 1
 #define P_DECODE(w) optirs_bf16_decode8(w)
-#define P_RNE(u) optirs_bf16_rne8(u)
+#define P_STORE(x, p, nv, al) store8_ushort(optirs_bf16_rne8(as_uint8(x)), p, nv, al)
 #else
-#define P_DECODE(w) optirs_f16_decode8(w)
-#define P_RNE(u) optirs_f16_rne8(u)
+typedef ushort PST;
+typedef float8 PV; /* float16: converted as it is loaded (optirs_f16_load8), the "words" are the values */
+#define P_WORDS optirs_f16_load8
+#define P_VLD(a) vloada_half8(0, (__global const half *)(a))
+#define P_VLDU(a) vload_half8(0, (__global const half *)(a))
+#define P_DECODE(w) (w)
+#define P_STORE(x, p, nv, al) optirs_f16_store8(x, p, nv, al)
 #endif
+#ifndef P_VLDU
+#define P_VLDU(a) vload8(0, a)
 #endif
 #define P_LOAD(p, nv, al) P_DECODE(P_WORDS(p, nv, al))
 
@@ -171,17 +179,25 @@ typedef float8 GV;
 #define G_WORDS load8_float
 #define G_VLD FMT_VLD_float
 #define G_DECODE(w) (w)
-#else
+#elif OPTIRS_FMT_GRAD == 1
 typedef ushort GST;
 typedef ushort8 GV;
 #define G_WORDS load8_ushort
 #define G_VLD FMT_VLD_ushort
-#if OPTIRS_FMT_GRAD == 1
 #define G_DECODE(w) optirs_bf16_decode8(w) /* a shift (optirs_bf16_decode8 says why) */
 #else
-#define G_DECODE(w) optirs_f16_decode8(w)
+typedef ushort GST;
+typedef float8 GV; /* float16: converted as it is loaded */
+#define G_WORDS optirs_f16_load8
+#define G_VLD(a) vloada_half8(0, (__global const half *)(a))
+#define G_VLDU(a) vload_half8(0, (__global const half *)(a))
+#define G_DECODE(w) (w)
 #endif
+#ifndef G_VLDU
+#define G_VLDU(a) vload8(0, a)
 #endif
+#define M_VLDU(a) vload8(0, a)
+#define S_VLDU(a) vload8(0, a)
 #define G_LOAD(p, nv, al) G_DECODE(G_WORDS(p, nv, al))
 
 /* Whether the parameters have masters to read (float32 parameters never do). */
@@ -393,11 +409,11 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
 #if OPTIRS_FMT_SR
     store8_ushort(optirs_bf16_sr8(u, optirs_rand8(key, idx)), p, nv, al);
 #else
-    store8_ushort(P_RNE(u), p, nv, al);
+    P_STORE(x, p, nv, al);
 #endif
 #elif OPTIRS_FMT_MASTER == 1
     store8_float(x, m, nv, al);
-    store8_ushort(P_RNE(u), p, nv, al);
+    P_STORE(x, p, nv, al);
 #elif OPTIRS_FMT_MASTER == 2
     ushort8 hi;
     short8 rem;
@@ -461,7 +477,7 @@ typedef struct {
 
 /* LD(X, a): the 8 words of array X (P, G, M, S) at a, every load of a round issued in one basic block. */
 #define FMT_LD_ALIGNED(X, a) X##_VLD(a)
-#define FMT_LD_VLOAD(X, a) vload8(0, a)
+#define FMT_LD_VLOAD(X, a) X##_VLDU(a)
 #define FMT_WORD_LOADS(LD)                                                                       \
     w->p = LD(P, p);                                                                             \
     w->g = LD(G, g);                                                                             \
