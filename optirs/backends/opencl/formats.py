@@ -111,7 +111,9 @@ def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
     if nv is None:
         nv = cache["nv_options"] = "cl_nv_compiler_options" in ctx.device.extensions.split()
     cap = formats_register_cap(fmt, "OPTIRS_OPENCL_FORMATS_MAXREG")
-    return [f"-cl-nv-maxrregcount={cap}"] if nv and cap else []
+    # OPTIRS_FMT_MAXREG leaves out the kernels' reqd_work_group_size, whose .reqntid makes ptxas
+    # ignore the cap (optirs_formats.cl, FMT_WG_ATTR)
+    return [f"-cl-nv-maxrregcount={cap}", f"-DOPTIRS_FMT_MAXREG={cap}"] if nv and cap else []
 
 
 def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
@@ -247,7 +249,8 @@ def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
             continue
         c, family, used, signed = key[1], key[2], key[3], key[4]
         # the optional options' values: -r<register cap>, -w<warp reduction level>
-        extra = "".join(f"-{'r' if 'maxrreg' in o else 'w'}{o.split('=')[-1]}" for o in key[-2] + key[-1])
+        extra = "".join(f"-{'r' if o.startswith('-cl-nv-maxrreg') else 'w'}{o.split('=')[-1]}" for o in key[-2] + key[-1]
+                        if o.startswith(("-cl-nv-maxrreg", "-DOPTIRS_NV_WARP")))
         stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"
         binaries = prog.program.get_info(ctx.cl.program_info.BINARIES)
         out.append((stem, repr(key), bytes(binaries[0]) if binaries else b""))

@@ -47,6 +47,18 @@
 #ifndef OPTIRS_NV_WARP
 #define OPTIRS_NV_WARP 0 /* fmt_warp_max */
 #endif
+/* The kernels' work-group size attribute, left out where the host caps the registers
+ * (OPTIRS_FMT_MAXREG, with NVIDIA's -cl-nv-maxrregcount): ptxas ignores a register cap for a kernel
+ * whose PTX has .reqntid (ptxas 13.5 on the driver's own PTX of the int8 programs: 80 registers
+ * with the cap of 64 asked, 64 without the directive), so the cap took no effect. */
+#ifndef OPTIRS_FMT_MAXREG
+#define OPTIRS_FMT_MAXREG 0
+#endif
+#if OPTIRS_FMT_MAXREG
+#define FMT_WG_ATTR
+#else
+#define FMT_WG_ATTR __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+#endif
 #define FMT_USED(k) ((OPTIRS_FMT_USED >> (k)) & 1)
 #define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
 
@@ -662,7 +674,7 @@ uint8 fmt_index8(long lay, int k)
 /* ---------------------------------------------------------------- the gradient check */
 
 /* flag[0] = 1 when any gradient is not finite (reads only the gradients). */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_check(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
 {
     int bad = 0;
@@ -693,7 +705,7 @@ float8 fmt_valid(float8 x, int nv)
 
 /* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c (part 2 is the float32
  * step's lamb_grad_scale). */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_lamb_grad_sumsq(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
 {
     __local acc_t red[OPTIRS_WG];
@@ -720,7 +732,7 @@ float8 fmt_lamb_element(float8 pp, float8 gv, float8 *s, float scale, const lamb
 }
 
 /* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
                     const lamb_scalars sc)
@@ -747,7 +759,7 @@ void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
 }
 
 /* Pass 2: p -= lr * ratio * u, and the new moments stored in the state's format. */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_lamb_apply(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global const float *ratio,
                     __global const int *skip, const fmt_step st, const lamb_scalars sc)
