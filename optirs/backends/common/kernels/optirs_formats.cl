@@ -65,7 +65,8 @@
 #include "optirs_scalars.h"
 #include "optirs_formats.h"
 /* OPTIRS_SLOTS buffer slots of each kind (as many as the device's kernel argument space holds):
- * SLOT_PARAMS(X, TY), the arguments X0..; PICK(s, X), slot s's buffer; DEAL_CHUNK. */
+ * SLOT_PARAMS(X, TY), the arguments X0..; PICK(s, X), slot s's buffer; DEAL_CHUNK (FMT_DEAL_CHUNK
+ * deals as it does, a ticket ahead). */
 #include "optirs_chunks.h"
 
 #define T float8
@@ -282,13 +283,35 @@ typedef struct {
 
 /* ---------------------------------------------------------------- dealing chunks */
 
-/* The chunk work-item 0 takes for the work-group (DEAL_CHUNK of optirs_chunks.h). */
+/* The chunk work-item 0 takes for the work-group (FMT_DEAL_CHUNK). */
 typedef struct {
     uint taken;
     int t;
     __global PST *p;
     __global const GST *g;
 } fmt_deal;
+
+/* optirs_chunks.h's DEAL_CHUNK with the ticket taken a chunk ahead: work-item 0 holds the
+ * work-group's next ticket (ahead_, taken when the previous chunk was dealt, or at the start) and
+ * takes the following one as it deals, so the atomic's round trip runs under the chunk's rounds
+ * instead of holding the whole work-group at the barrier (a chunk is 2 rounds of 128 x 8 elements;
+ * the CUDA kernels deal chunks statically, without atomics). A work-group still takes one ticket
+ * per chunk it runs plus the one that finds none, so a launch moves the counter as before. */
+#define FMT_DEAL_CHUNK(D, P, G, PSLOT, GSLOT)                                                    \
+    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */               \
+    if (lid == 0) {                                                                              \
+        const uint taken_ = min(ahead_ - ticket_base, nchunks);                                  \
+        D.taken = taken_;                                                                        \
+        if (taken_ < nchunks) {                                                                  \
+            ahead_ = atomic_inc(tickets);                                                        \
+            const int t = chunk_tensor[chunk_base + taken_];                                     \
+            const int ps_ = (PSLOT), gs_ = (GSLOT);                                              \
+            D.t = t;                                                                             \
+            D.p = PICK(ps_, P);                                                                  \
+            D.g = PICK(gs_, G);                                                                  \
+        }                                                                                        \
+    }                                                                                            \
+    barrier(CLK_LOCAL_MEM_FENCE);
 
 /* A launch that writes nothing (found_inf) advances the counter as much as a full one. */
 void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
@@ -305,8 +328,9 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
 #define FMT_CHUNKS_BEGIN(P, G)                                                                   \
     __local fmt_deal deal_;                                                                      \
     const int lid = (int)get_local_id(0);                                                        \
+    uint ahead_ = lid == 0 ? atomic_inc(tickets) : 0u;                                           \
     for (;;) {                                                                                   \
-        DEAL_CHUNK(deal_, P, G, (int)(tens[t].s6 & 0xFF), (int)((tens[t].s6 >> 8) & 0xFF))    \
+        FMT_DEAL_CHUNK(deal_, P, G, (int)(tens[t].s6 & 0xFF), (int)((tens[t].s6 >> 8) & 0xFF))\
         if (deal_.taken >= nchunks)                                                              \
             break;                                                                               \
         const uint c = chunk_base + deal_.taken;                                                 \
