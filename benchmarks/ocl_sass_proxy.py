@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tools = {t: shutil.which(t) for t in ("clang-14", "llvm-link-14", "opt-14", "llc-14")}
     tools.update({t: os.path.join(args.bin, t) if args.bin else shutil.which(t) for t in ("ptxas", "cuobjdump")})
-    missing = [t for t, p in tools.items() if not p or not os.path.exists(p)] + ([] if os.path.exists(LIBCLC) else [LIBCLC])
+    missing = [t for t, p in tools.items() if not p or not os.path.exists(p)]
+    missing += [] if os.path.exists(LIBCLC) else [LIBCLC]
     if missing:
         print(f"skipped: {', '.join(missing)} not found")
         return 0

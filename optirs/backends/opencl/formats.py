@@ -249,8 +249,8 @@ def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
             continue
         c, family, used, signed = key[1], key[2], key[3], key[4]
         # the optional options' values: -r<register cap>, -w<warp reduction level>
-        extra = "".join(f"-{'r' if o.startswith('-cl-nv-maxrreg') else 'w'}{o.split('=')[-1]}" for o in key[-2] + key[-1]
-                        if o.startswith(("-cl-nv-maxrreg", "-DOPTIRS_NV_WARP")))
+        extra = "".join(f"-{'r' if o.startswith('-cl-nv-maxrreg') else 'w'}{o.split('=')[-1]}"
+                        for o in key[-2] + key[-1] if o.startswith(("-cl-nv-maxrreg", "-DOPTIRS_NV_WARP")))
         stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"
         binaries = prog.program.get_info(ctx.cl.program_info.BINARIES)
         out.append((stem, repr(key), bytes(binaries[0]) if binaries else b""))
