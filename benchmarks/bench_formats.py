@@ -449,6 +449,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="optirs rows only")
     ap.add_argument("--only", help="words separated by ';': run only the formats and peers whose label "
                                    "contains one of them (a short run when device time is scarce)")
+    ap.add_argument("--dump-binaries", metavar="DIR",
+                    help="opencl: after the rows, write each formats program's driver binary (NVIDIA's driver: its "
+                         "PTX) as DIR/<family>-<codes>-u<slots>-s<signed>.ptx, with its cache key beside it (.key)")
     ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
                     help="print the optirs rows of two runs' --json files side by side (B's time over A's), run nothing")
     args = ap.parse_args(argv)
@@ -502,7 +505,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                 done(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
     finish_rows(rows, n, copy)
     print_table(rows, title)
+    if args.dump_binaries and args.backend == "opencl":
+        dump_binaries(dev, args.dump_binaries)
     return 0
+
+
+def dump_binaries(dev: Any, directory: str) -> None:
+    """The opencl formats programs this run built, as the driver compiled them (to read its PTX)."""
+    from optirs.backends.opencl.formats import built_binaries
+
+    os.makedirs(directory, exist_ok=True)
+    for stem, key, binary in built_binaries(dev.b.ctx):
+        with open(os.path.join(directory, f"{stem}.ptx"), "wb") as f:
+            f.write(binary.rstrip(b"\0"))
+        with open(os.path.join(directory, f"{stem}.key"), "w") as f:
+            f.write(key + "\n")
+        print(f"# wrote {os.path.join(directory, stem)}.ptx ({len(binary)} bytes)", flush=True)
 
 
 if __name__ == "__main__":

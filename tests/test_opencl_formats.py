@@ -30,15 +30,19 @@ pytestmark = [
 HARNESS = r'''
 #include "optirs_formats.h"
 #define V8(a, i) vload8(i, a)
-__kernel void decode(__global const ushort *h, __global float *bf, __global float *f16) {
+/* float16: the aligned vector path, and the unaligned one or the element-by-element tail with
+ * (i % 9) lanes valid */
+__kernel void decode(__global const ushort *h, __global float *bf, __global float *f16, __global float *f16u) {
     const size_t i = get_global_id(0);
     vstore8(optirs_bf16_decode8(V8(h, i)), i, bf);
-    vstore8(optirs_f16_decode8(V8(h, i)), i, f16);
+    vstore8(optirs_f16_load8(h + 8 * i, 8, 1), i, f16);
+    vstore8(optirs_f16_load8(h + 8 * i, (int)(i % 9), 0), i, f16u);
 }
-__kernel void encode(__global const uint *u, __global ushort *bf, __global ushort *f16) {
+__kernel void encode(__global const uint *u, __global ushort *bf, __global ushort *f16, __global ushort *f16u) {
     const size_t i = get_global_id(0);
     vstore8(optirs_bf16_rne8(V8(u, i)), i, bf);
-    vstore8(optirs_f16_rne8(V8(u, i)), i, f16);
+    optirs_f16_store8(as_float8(V8(u, i)), f16 + 8 * i, 8, 1);
+    optirs_f16_store8(as_float8(V8(u, i)), f16u + 8 * i, (int)(i % 9), 0);
 }
 __kernel void rand_bits(uint seed, uint step, uint stream, __global const uint *idx, __global uint *out) {
     const size_t i = get_global_id(0);
@@ -126,12 +130,19 @@ def _float_bits(rng, n):
     return np.concatenate([special, x])
 
 
+def _lanes(n):
+    """The lanes the decode and encode kernels' second float16 output holds: (i % 9) of work-item i's 8."""
+    return (np.arange(n) % 8) < (np.arange(n) // 8) % 9
+
+
 def test_decodings_exhaustive(ctx, prg):
     h = np.arange(65536, dtype=np.uint16)
-    bf, f16 = _run(ctx, prg.decode, 65536, h, ("out", np.float32), ("out", np.float32))
+    bf, f16, f16u = _run(ctx, prg.decode, 65536, h, ("out", np.float32), ("out", np.float32), ("out", np.float32))
     want_bf = h.view(ml_dtypes.bfloat16).astype(np.float32)
     want_f16 = h.view(np.float16).astype(np.float32)
-    for got, want in ((bf, want_bf), (f16, want_f16)):
+    live = _lanes(h.size)
+    assert np.all(f16u[~live] == 0)  # lanes past the valid ones read as 0
+    for got, want in ((bf, want_bf), (f16, want_f16), (f16u[live], want_f16[live])):
         nan = np.isnan(want)
         assert np.array_equal(np.isnan(got), nan)
         assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # signed zeros too
@@ -139,7 +150,7 @@ def test_decodings_exhaustive(ctx, prg):
 
 def test_encodings_match_ml_dtypes_and_numpy(ctx, prg):
     u = _float_bits(np.random.default_rng(0), 1 << 16)
-    bf, f16 = _run(ctx, prg.encode, u.size, u, ("out", np.uint16), ("out", np.uint16))
+    bf, f16, f16u = _run(ctx, prg.encode, u.size, u, ("out", np.uint16), ("out", np.uint16), ("out", np.uint16))
     x = u.view(np.float32)
     nan = np.isnan(x)
     assert np.array_equal(bf[~nan], x[~nan].astype(ml_dtypes.bfloat16).view(np.uint16))
@@ -148,6 +159,8 @@ def test_encodings_match_ml_dtypes_and_numpy(ctx, prg):
     with np.errstate(over="ignore"):
         want_f16 = x.astype(np.float16)
     assert np.array_equal(f16, want_f16.view(np.uint16))  # NaNs keep numpy's payload bits
+    live = _lanes(u.size)
+    assert np.array_equal(f16u[live], want_f16.view(np.uint16)[live])
 
 
 def _fmix32(h):
@@ -684,7 +697,8 @@ def test_every_slot_count_builds_with_the_host_arguments(ocl, slots):
     ctx, fmt = ocl.ctx, FORMATS[4]
     options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
     options += ["-DOPTIRS_WG=128", "-DOPTIRS_CHUNK=2048", *OF.format_defines(fmt), "-DOPTIRS_FMT_USED=3",
-                "-DOPTIRS_FMT_SIGNED=1", "-DOPTIRS_FMT_LAMB=0"]
+                "-DOPTIRS_FMT_SIGNED=1", "-DOPTIRS_FMT_LAMB=0",
+                f"-DOPTIRS_FMT_MAXREG={64 if slots == 16 else 0}"]  # a capped build: no work-group attribute
     program = build_program(ctx.context, ctx.device, OF.format_source("adam", slots), options, f"slots{slots}")
     for name, types in OF._arg_types(ctx, "adam", slots).items():
         assert cl.Kernel(program, name).num_args == len(types) == 2 * slots + (22 if name == "adam_fmt" else 8), name
@@ -703,4 +717,19 @@ def test_a_refused_register_cap_builds_without_one(ocl, monkeypatch):
     with pytest.warns(RuntimeWarning, match="maxrregcount"):
         model.step(grads)
     assert OF._cache(ocl.ctx)["nv_options"] is False
+    _close_to_reference(model, before_p, before_s, grads, 11)
+
+
+def test_a_refused_warp_reduction_builds_the_portable_one(ocl, monkeypatch):
+    """The int8 kernels' inline-PTX warp reduction (asked of NVIDIA's driver; PoCL cannot build it)
+    falls back to the local-memory reduction with a warning, and the step still matches."""
+    from optirs.backends.opencl import formats as OF
+
+    monkeypatch.setitem(OF._cache(ocl.ctx), "nv_warp", 2)
+    model = _Model(ocl, "sgd", CASES["sgd"], FORMATS[4], seed=6)
+    grads = model.grads()
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    with pytest.warns(RuntimeWarning, match="OPTIRS_NV_WARP"):
+        model.step(grads)
+    assert OF._cache(ocl.ctx)["nv_warp"] == 0
     _close_to_reference(model, before_p, before_s, grads, 11)

@@ -111,7 +111,33 @@ def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
     if nv is None:
         nv = cache["nv_options"] = "cl_nv_compiler_options" in ctx.device.extensions.split()
     cap = formats_register_cap(fmt, "OPTIRS_OPENCL_FORMATS_MAXREG")
-    return [f"-cl-nv-maxrregcount={cap}"] if nv and cap else []
+    # OPTIRS_FMT_MAXREG leaves out the kernels' reqd_work_group_size, whose .reqntid makes ptxas
+    # ignore the cap (optirs_formats.cl, FMT_WG_ATTR)
+    return [f"-cl-nv-maxrregcount={cap}", f"-DOPTIRS_FMT_MAXREG={cap}"] if nv and cap else []
+
+
+def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
+    """``-DOPTIRS_NV_WARP=2`` (sm_80 on: ``redux.sync``) or ``=1`` (``shfl.sync``) for the int8-state
+    kernels on NVIDIA's driver, whose warps are 32 consecutive work-items: a block's absmax is then a
+    warp reduction in inline PTX, as in the CUDA kernels, where the portable form takes a tree in
+    local memory with a barrier a level (fmt_warp_max of optirs_formats.cl). Nothing for other
+    formats or devices; ``OPTIRS_OPENCL_FORMATS_WARP=0`` turns it off (the portable form, for
+    comparison)."""
+    if fmt.codes.state != 2 or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
+        return []
+    cache = _cache(ctx)
+    level = cache.get("nv_warp")
+    if level is None:
+        level = 0
+        device = ctx.device
+        if "cl_nv_device_attribute_query" in device.extensions.split():
+            try:
+                if int(device.warp_size_nv) == 32:
+                    level = 2 if int(device.compute_capability_major_nv) >= 8 else 1
+            except (ctx.cl.Error, AttributeError):  # a driver that lists the extension but answers neither query
+                level = 0
+        cache["nv_warp"] = level
+    return [f"-DOPTIRS_NV_WARP={level}"] if level else []
 
 
 class _Program(NamedTuple):
@@ -119,6 +145,7 @@ class _Program(NamedTuple):
     wg: int  # work-items per work-group
     chunk: int  # elements per chunk of the tables it runs over
     slots: int  # buffers of each kind per launch
+    program: Any  # the built cl.Program (its driver binary: built_binaries)
 
 
 def _cache(ctx: Any) -> Dict[Any, Any]:
@@ -160,8 +187,9 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         chunk = chunk_elements(wg)
     slots = ctx.slots
     registers = register_options(ctx, fmt)
+    warp = warp_options(ctx, fmt)
     cache = _cache(ctx)
-    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers))
+    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers), tuple(warp))
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -171,20 +199,30 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             return hit
         options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
         options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
-                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers]
+                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers, *warp]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
                 f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
+        source = format_source(family, slots)
         try:
-            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
+            program = build_program(ctx.context, ctx.device, source, options, name)
         except GpuOptimError as exc:
-            if not registers:
-                raise
-            # a driver that lists the extension but refuses the option: no cap from now on
-            warnings.warn(f"the OpenCL driver refused {registers}: the formats kernels are built without a "
-                          f"register cap ({str(exc).splitlines()[-1][:200]})", RuntimeWarning, stacklevel=2)
-            cache["nv_options"] = False
-            options = [o for o in options if o not in registers]
-            program = build_program(ctx.context, ctx.device, format_source(family, slots), options, name)
+            # a driver that lists the extension but refuses the option or the inline PTX: built
+            # without it (the warp reduction first), and never asked for again in this context
+            program, error = None, exc
+            for optional, flag in ((warp, "nv_warp"), (registers, "nv_options")):
+                if not optional:
+                    continue
+                warnings.warn(f"the OpenCL driver refused the formats kernels with {optional}: built without "
+                              f"({str(error).splitlines()[-1][:200]})", RuntimeWarning, stacklevel=2)
+                cache[flag] = 0 if flag == "nv_warp" else False
+                options = [o for o in options if o not in optional]
+                try:
+                    program = build_program(ctx.context, ctx.device, source, options, name)
+                    break
+                except GpuOptimError as again:
+                    error = again
+            if program is None:
+                raise error from exc
         kernels, types = {}, _arg_types(ctx, family, slots)
         check_argument_space(ctx.device, types)
         for kname, arg_types in types.items():
@@ -197,8 +235,26 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         if "structs" not in cache:
             _check_structs(ctx, ctx.cl.Kernel(program, "fmt_struct_sizes"))
             cache["structs"] = True
-        hit = cache[key] = _Program(kernels, wg, chunk, slots)
+        hit = cache[key] = _Program(kernels, wg, chunk, slots, program)
     return hit
+
+
+def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
+    """Every formats program built in ``ctx`` so far: (a file name stem, its cache key as text, the
+    driver's binary for the device: PTX on NVIDIA's driver), to read what the driver made of the C
+    (``benchmarks/bench_formats.py --dump-binaries``)."""
+    out = []
+    for key, prog in list(_cache(ctx).items()):
+        if not (isinstance(key, tuple) and key[0] == "program" and isinstance(prog, _Program)):
+            continue
+        c, family, used, signed = key[1], key[2], key[3], key[4]
+        # the optional options' values: -r<register cap>, -w<warp reduction level>
+        extra = "".join(f"-{'r' if o.startswith('-cl-nv-maxrreg') else 'w'}{o.split('=')[-1]}"
+                        for o in key[-2] + key[-1] if o.startswith(("-cl-nv-maxrreg", "-DOPTIRS_NV_WARP")))
+        stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"
+        binaries = prog.program.get_info(ctx.cl.program_info.BINARIES)
+        out.append((stem, repr(key), bytes(binaries[0]) if binaries else b""))
+    return out
 
 
 def _check_structs(ctx: Any, kernel: Any) -> None:

@@ -44,13 +44,29 @@
 #ifndef OPTIRS_FMT_LAMB
 #define OPTIRS_FMT_LAMB 0
 #endif
+#ifndef OPTIRS_NV_WARP
+#define OPTIRS_NV_WARP 0 /* fmt_warp_max */
+#endif
+/* The kernels' work-group size attribute, left out where the host caps the registers
+ * (OPTIRS_FMT_MAXREG, with NVIDIA's -cl-nv-maxrregcount): ptxas ignores a register cap for a kernel
+ * whose PTX has .reqntid (ptxas 13.5 on the driver's own PTX of the int8 programs: 80 registers
+ * with the cap of 64 asked, 64 without the directive), so the cap took no effect. */
+#ifndef OPTIRS_FMT_MAXREG
+#define OPTIRS_FMT_MAXREG 0
+#endif
+#if OPTIRS_FMT_MAXREG
+#define FMT_WG_ATTR
+#else
+#define FMT_WG_ATTR __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+#endif
 #define FMT_USED(k) ((OPTIRS_FMT_USED >> (k)) & 1)
 #define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
 
 #include "optirs_scalars.h"
 #include "optirs_formats.h"
 /* OPTIRS_SLOTS buffer slots of each kind (as many as the device's kernel argument space holds):
- * SLOT_PARAMS(X, TY), the arguments X0..; PICK(s, X), slot s's buffer; DEAL_CHUNK. */
+ * SLOT_PARAMS(X, TY), the arguments X0..; PICK(s, X), slot s's buffer; DEAL_CHUNK (FMT_DEAL_CHUNK
+ * deals as it does, a ticket ahead). */
 #include "optirs_chunks.h"
 
 #define T float8
@@ -84,12 +100,35 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
 
 /* ---------------------------------------------------------------- 8-lane loads and stores */
 
-/* nv lanes valid (8: all); aligned: the address is 8-element aligned (a vector pointer access). */
+/* The 8 words of element type ST at an 8-element aligned address, read and written as 32-bit
+ * words: PTX has no vector access wider than 4 elements, so NVIDIA's compiler splits an 8 x 16-bit
+ * vector into two 8-byte accesses and 8 x 8-bit into two 4-byte ones (the dumped PTX of every
+ * compact format: twice the loads and stores of the CUDA kernels' ld.v4.u32 / ld.v2.u32). The
+ * halves and bytes are taken apart and put together by shifts, not by a vector reinterpretation,
+ * which LLVM folds back into the 8-element access. */
+#define FMT_VLD_float(a) (*(__global const float8 *)(a))
+#define FMT_VST_float(x, a) (*(__global float8 *)(a) = (x))
+#define FMT_HALVES(w) (uint8)((w).s0, (w).s0 >> 16, (w).s1, (w).s1 >> 16, (w).s2, (w).s2 >> 16, (w).s3, (w).s3 >> 16)
+#define FMT_BYTES(w)                                                                             \
+    (uint8)((w).s0, (w).s0 >> 8, (w).s0 >> 16, (w).s0 >> 24, (w).s1, (w).s1 >> 8, (w).s1 >> 16, (w).s1 >> 24)
+#define FMT_PAIRS(u) (uint4)((u).s0 | (u).s1 << 16, (u).s2 | (u).s3 << 16, (u).s4 | (u).s5 << 16, (u).s6 | (u).s7 << 16)
+#define FMT_QUADS(u)                                                                             \
+    (uint2)((u).s0 | (u).s1 << 8 | (u).s2 << 16 | (u).s3 << 24, (u).s4 | (u).s5 << 8 | (u).s6 << 16 | (u).s7 << 24)
+ushort8 FMT_VLD_ushort(__global const ushort *a) { return convert_ushort8(FMT_HALVES(*(__global const uint4 *)a)); }
+short8 FMT_VLD_short(__global const short *a) { return as_short8(convert_ushort8(FMT_HALVES(*(__global const uint4 *)a))); }
+uchar8 FMT_VLD_uchar(__global const uchar *a) { return convert_uchar8(FMT_BYTES(*(__global const uint2 *)a)); }
+char8 FMT_VLD_char(__global const char *a) { return as_char8(convert_uchar8(FMT_BYTES(*(__global const uint2 *)a))); }
+void FMT_VST_ushort(ushort8 x, __global ushort *a) { const uint8 u = convert_uint8(x); *(__global uint4 *)a = FMT_PAIRS(u); }
+void FMT_VST_short(short8 x, __global short *a) { const uint8 u = convert_uint8(as_ushort8(x)); *(__global uint4 *)a = FMT_PAIRS(u); }
+void FMT_VST_uchar(uchar8 x, __global uchar *a) { const uint8 u = convert_uint8(x); *(__global uint2 *)a = FMT_QUADS(u); }
+void FMT_VST_char(char8 x, __global char *a) { const uint8 u = convert_uint8(as_uchar8(x)); *(__global uint2 *)a = FMT_QUADS(u); }
+
+/* nv lanes valid (8: all); aligned: the address is 8-element aligned (one vector access). */
 #define FMT_LOAD_STORE(ST, VT)                                                                   \
     VT load8_##ST(__global const ST *p, int nv, int aligned)                                     \
     {                                                                                            \
         if (nv >= 8)                                                                             \
-            return aligned ? *(__global const VT *)p : vload8(0, p);                             \
+            return aligned ? FMT_VLD_##ST(p) : vload8(0, p);                                     \
         ST a[8];                                                                                 \
         for (int j = 0; j < 8; ++j)                                                              \
             a[j] = j < nv ? p[j] : (ST)0;                                                        \
@@ -99,7 +138,7 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
     {                                                                                            \
         if (nv >= 8) {                                                                           \
             if (aligned)                                                                         \
-                *(__global VT *)p = x;                                                           \
+                FMT_VST_##ST(x, p);                                                              \
             else                                                                                 \
                 vstore8(x, 0, p);                                                                \
             return;                                                                              \
@@ -116,24 +155,34 @@ FMT_LOAD_STORE(char, char8)
 FMT_LOAD_STORE(uchar, uchar8)
 
 /* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST), the
- * vector of 8 of their words (PV, GV, MV, SV), X_WORDS(p, nv, al) the 8 words at p and
- * P_DECODE / G_DECODE the words as float32. */
+ * vector of 8 of their words (PV, GV, MV, SV; float16 parameters and gradients: their values,
+ * converted as they are read), X_WORDS(p, nv, al) the 8 words at p, X_VLD / X_VLDU(a) one aligned /
+ * unaligned vector of them, P_DECODE / G_DECODE the words as float32 and P_STORE the parameters'
+ * rounding and store (stochastic rounding aside). */
 #if OPTIRS_FMT_PARAM == 0
 typedef float PST;
 typedef float8 PV;
 #define P_WORDS load8_float
+#define P_VLD FMT_VLD_float
 #define P_DECODE(w) (w)
-#else
+#elif OPTIRS_FMT_PARAM == 1
 typedef ushort PST;
 typedef ushort8 PV;
 #define P_WORDS load8_ushort
-#if OPTIRS_FMT_PARAM == 1
+#define P_VLD FMT_VLD_ushort
 #define P_DECODE(w) optirs_bf16_decode8(w)
-#define P_RNE(u) optirs_bf16_rne8(u)
+#define P_STORE(x, p, nv, al) store8_ushort(optirs_bf16_rne8(as_uint8(x)), p, nv, al)
 #else
-#define P_DECODE(w) optirs_f16_decode8(w)
-#define P_RNE(u) optirs_f16_rne8(u)
+typedef ushort PST;
+typedef float8 PV; /* float16: converted as it is loaded (optirs_f16_load8), the "words" are the values */
+#define P_WORDS optirs_f16_load8
+#define P_VLD(a) vloada_half8(0, (__global const half *)(a))
+#define P_VLDU(a) vload_half8(0, (__global const half *)(a))
+#define P_DECODE(w) (w)
+#define P_STORE(x, p, nv, al) optirs_f16_store8(x, p, nv, al)
 #endif
+#ifndef P_VLDU
+#define P_VLDU(a) vload8(0, a)
 #endif
 #define P_LOAD(p, nv, al) P_DECODE(P_WORDS(p, nv, al))
 
@@ -141,17 +190,27 @@ typedef ushort8 PV;
 typedef float GST;
 typedef float8 GV;
 #define G_WORDS load8_float
+#define G_VLD FMT_VLD_float
 #define G_DECODE(w) (w)
-#else
+#elif OPTIRS_FMT_GRAD == 1
 typedef ushort GST;
 typedef ushort8 GV;
 #define G_WORDS load8_ushort
-#if OPTIRS_FMT_GRAD == 1
+#define G_VLD FMT_VLD_ushort
 #define G_DECODE(w) optirs_bf16_decode8(w) /* a shift (optirs_bf16_decode8 says why) */
 #else
-#define G_DECODE(w) optirs_f16_decode8(w)
+typedef ushort GST;
+typedef float8 GV; /* float16: converted as it is loaded */
+#define G_WORDS optirs_f16_load8
+#define G_VLD(a) vloada_half8(0, (__global const half *)(a))
+#define G_VLDU(a) vload_half8(0, (__global const half *)(a))
+#define G_DECODE(w) (w)
 #endif
+#ifndef G_VLDU
+#define G_VLDU(a) vload8(0, a)
 #endif
+#define M_VLDU(a) vload8(0, a)
+#define S_VLDU(a) vload8(0, a)
 #define G_LOAD(p, nv, al) G_DECODE(G_WORDS(p, nv, al))
 
 /* Whether the parameters have masters to read (float32 parameters never do). */
@@ -160,28 +219,34 @@ typedef ushort8 GV;
 typedef short MST;
 typedef short8 MV;
 #define M_WORDS load8_short
+#define M_VLD FMT_VLD_short
 #elif OPTIRS_FMT_MASTER == 3
 typedef char MST;
 typedef char8 MV;
 #define M_WORDS load8_char
+#define M_VLD FMT_VLD_char
 #else
 typedef float MST; /* float32 masters; a dummy buffer without masters */
 typedef float8 MV;
 #define M_WORDS load8_float
+#define M_VLD FMT_VLD_float
 #endif
 
 #if OPTIRS_FMT_STATE == 1
 typedef ushort SST;
 typedef ushort8 SV;
 #define S_WORDS load8_ushort
+#define S_VLD FMT_VLD_ushort
 #elif OPTIRS_FMT_STATE == 2
 typedef uchar SST; /* codes */
 typedef uchar8 SV;
 #define S_WORDS load8_uchar
+#define S_VLD FMT_VLD_uchar
 #else
 typedef float SST;
 typedef float8 SV;
 #define S_WORDS load8_float
+#define S_VLD FMT_VLD_float
 #endif
 
 /* ---------------------------------------------------------------- per-launch records */
@@ -218,13 +283,35 @@ typedef struct {
 
 /* ---------------------------------------------------------------- dealing chunks */
 
-/* The chunk work-item 0 takes for the work-group (DEAL_CHUNK of optirs_chunks.h). */
+/* The chunk work-item 0 takes for the work-group (FMT_DEAL_CHUNK). */
 typedef struct {
     uint taken;
     int t;
     __global PST *p;
     __global const GST *g;
 } fmt_deal;
+
+/* optirs_chunks.h's DEAL_CHUNK with the ticket taken a chunk ahead: work-item 0 holds the
+ * work-group's next ticket (ahead_, taken when the previous chunk was dealt, or at the start) and
+ * takes the following one as it deals, so the atomic's round trip runs under the chunk's rounds
+ * instead of holding the whole work-group at the barrier (a chunk is 2 rounds of 128 x 8 elements;
+ * the CUDA kernels deal chunks statically, without atomics). A work-group still takes one ticket
+ * per chunk it runs plus the one that finds none, so a launch moves the counter as before. */
+#define FMT_DEAL_CHUNK(D, P, G, PSLOT, GSLOT)                                                    \
+    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */               \
+    if (lid == 0) {                                                                              \
+        const uint taken_ = min(ahead_ - ticket_base, nchunks);                                  \
+        D.taken = taken_;                                                                        \
+        if (taken_ < nchunks) {                                                                  \
+            ahead_ = atomic_inc(tickets);                                                        \
+            const int t = chunk_tensor[chunk_base + taken_];                                     \
+            const int ps_ = (PSLOT), gs_ = (GSLOT);                                              \
+            D.t = t;                                                                             \
+            D.p = PICK(ps_, P);                                                                  \
+            D.g = PICK(gs_, G);                                                                  \
+        }                                                                                        \
+    }                                                                                            \
+    barrier(CLK_LOCAL_MEM_FENCE);
 
 /* A launch that writes nothing (found_inf) advances the counter as much as a full one. */
 void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
@@ -233,25 +320,28 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         atomic_add(tickets, nchunks + (uint)get_num_groups(0));
 }
 
-/* The loop over the chunks the work-group takes: chunk c of tensor t (its table row), the
- * parameter and gradient pointers p and g at the tensor's start, its layout offset lay and the
- * chunk's elements [start, stop) of the tensor. */
+/* The loop over the chunks the work-group takes: chunk c of tensor t (its table row), its first
+ * element start (of the tensor), its n_ elements, and the parameter and gradient pointers p and g
+ * and the layout offset lay of that first element. Every array's chunk base is computed here, once
+ * per chunk in 64 bits; a round adds its 32-bit offset k (64-bit index arithmetic per round and
+ * array cost the CUDA kernels about 2 instructions an element). */
 #define FMT_CHUNKS_BEGIN(P, G)                                                                   \
     __local fmt_deal deal_;                                                                      \
     const int lid = (int)get_local_id(0);                                                        \
+    uint ahead_ = lid == 0 ? atomic_inc(tickets) : 0u;                                           \
     for (;;) {                                                                                   \
-        DEAL_CHUNK(deal_, P, G, (int)(tens[t].s6 & 0xFF), (int)((tens[t].s6 >> 8) & 0xFF))    \
+        FMT_DEAL_CHUNK(deal_, P, G, (int)(tens[t].s6 & 0xFF), (int)((tens[t].s6 >> 8) & 0xFF))\
         if (deal_.taken >= nchunks)                                                              \
             break;                                                                               \
         const uint c = chunk_base + deal_.taken;                                                 \
         const int t = deal_.t;                                                                   \
         const long8 row = tens[t];                                                               \
         const int aligned = (int)((row.s6 >> 16) & 1);                                           \
-        __global PST *p = deal_.p + row.s0;                                                      \
-        __global const GST *g = deal_.g + row.s1;                                                \
-        const long lay = row.s2;                                                                 \
         const long start = chunk_start[c];                                                       \
-        const long stop = min(start + (long)OPTIRS_CHUNK, row.s3);
+        const int n_ = (int)(min(start + (long)OPTIRS_CHUNK, row.s3) - start);                   \
+        __global PST *p = deal_.p + row.s0 + start;                                              \
+        __global const GST *g = deal_.g + row.s1 + start;                                        \
+        const long lay = row.s2 + start;
 #define FMT_CHUNKS_END }
 
 /* The writing kernels' start: found_inf skips the launch (uniform: every work-item returns), the
@@ -263,7 +353,7 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
     }                                                                                            \
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
     __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];                       \
-    __local float scratch[OPTIRS_FMT_STATE == 2 ? 3 * OPTIRS_WG : 1];                            \
+    __local uint scratch[OPTIRS_FMT_STATE == 2 && !OPTIRS_NV_WARP ? 3 * OPTIRS_WG : 1];          \
     int maps_ready = 0;                                                                          \
     const uint key = optirs_rand_key(st.seed, st.step, 0u);
 
@@ -276,7 +366,7 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         maps_ready = 1;                                                                          \
     }                                                                                            \
     __global MST *m = M + off.m + lay;                                                           \
-    const fmt_slots sl = fmt_slots_of(row.s4, row.s5, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
+    const fmt_slots sl = fmt_slots_of(row.s4, row.s5, start, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
 
 /* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], and their
  * bucket tables [signed, unsigned] (stored after the maps as floats, kept here as bytes). */
@@ -291,8 +381,10 @@ void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uch
 #endif
 }
 
-/* block: the tensor's first int8 block, small: its small-tensor state offset (the table row's s4, s5). */
-fmt_slots fmt_slots_of(long block, long small, long lay, int aligned, __global SST *S0, __global SST *S1, __global SST *S2,
+/* block: the tensor's first int8 block, small: its small-tensor state offset (the table row's s4,
+ * s5); start: the chunk's first element (of the tensor; a multiple of the block), lay its layout
+ * offset. The pointers are at the chunk's first element and block. */
+fmt_slots fmt_slots_of(long block, long small, long start, long lay, int aligned, __global SST *S0, __global SST *S1, __global SST *S2,
                        __global float *C0, __global float *C1, __global float *C2, __global float *L0,
                        __global float *L1, __global float *L2, const fmt_offsets off, fmt_step st)
 {
@@ -300,12 +392,12 @@ fmt_slots fmt_slots_of(long block, long small, long lay, int aligned, __global S
     sl.s[0] = S0 + off.s0 + lay;
     sl.s[1] = S1 + off.s1 + lay;
     sl.s[2] = S2 + off.s2 + lay;
-    sl.scale[0] = C0 + off.c0 + block;
-    sl.scale[1] = C1 + off.c1 + block;
-    sl.scale[2] = C2 + off.c2 + block;
-    sl.small[0] = L0 + off.l0 + small;
-    sl.small[1] = L1 + off.l1 + small;
-    sl.small[2] = L2 + off.l2 + small;
+    sl.scale[0] = C0 + off.c0 + block + (start >> 8);
+    sl.scale[1] = C1 + off.c1 + block + (start >> 8);
+    sl.scale[2] = C2 + off.c2 + block + (start >> 8);
+    sl.small[0] = L0 + off.l0 + small + start;
+    sl.small[1] = L1 + off.l1 + small + start;
+    sl.small[2] = L2 + off.l2 + small + start;
     sl.is_small = OPTIRS_FMT_STATE == 2 && small >= 0;
     sl.aligned = aligned;
     sl.key[0] = FMT_USED(0) || FMT_USED(1) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(0)) : 0u;
@@ -353,11 +445,11 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
 #if OPTIRS_FMT_SR
     store8_ushort(optirs_bf16_sr8(u, optirs_rand8(key, idx)), p, nv, al);
 #else
-    store8_ushort(P_RNE(u), p, nv, al);
+    P_STORE(x, p, nv, al);
 #endif
 #elif OPTIRS_FMT_MASTER == 1
     store8_float(x, m, nv, al);
-    store8_ushort(P_RNE(u), p, nv, al);
+    P_STORE(x, p, nv, al);
 #elif OPTIRS_FMT_MASTER == 2
     ushort8 hi;
     short8 rem;
@@ -390,7 +482,7 @@ float8 fmt_state_of(int j, SV w, float scale, __local const float *lmaps)
 
 /* Elements k.. of the tensor (k a multiple of 8), nv of them valid; each slot loaded and decoded
  * in turn. */
-void fmt_load_states(const fmt_slots *sl, long k, int nv, float8 *s, __local const float *lmaps)
+void fmt_load_states(const fmt_slots *sl, int k, int nv, float8 *s, __local const float *lmaps)
 {
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
@@ -419,25 +511,25 @@ typedef struct {
     float scale[3];
 } fmt_words;
 
-/* LD(VT, a): the 8 words of vector type VT at a, every load of a round issued in one basic block. */
-#define FMT_LD_ALIGNED(VT, a) (*(__global const VT *)(a))
-#define FMT_LD_VLOAD(VT, a) vload8(0, a)
+/* LD(X, a): the 8 words of array X (P, G, M, S) at a, every load of a round issued in one basic block. */
+#define FMT_LD_ALIGNED(X, a) X##_VLD(a)
+#define FMT_LD_VLOAD(X, a) X##_VLDU(a)
 #define FMT_WORD_LOADS(LD)                                                                       \
-    w->p = LD(PV, p);                                                                            \
-    w->g = LD(GV, g);                                                                            \
+    w->p = LD(P, p);                                                                             \
+    w->g = LD(G, g);                                                                             \
     if (FMT_HAS_MASTER)                                                                          \
-        w->m = LD(MV, m);                                                                        \
+        w->m = LD(M, m);                                                                         \
     if (FMT_USED(0))                                                                             \
-        w->s[0] = LD(SV, sl->s[0] + k);                                                          \
+        w->s[0] = LD(S, sl->s[0] + k);                                                           \
     if (FMT_USED(1))                                                                             \
-        w->s[1] = LD(SV, sl->s[1] + k);                                                          \
+        w->s[1] = LD(S, sl->s[1] + k);                                                           \
     if (FMT_USED(2))                                                                             \
-        w->s[2] = LD(SV, sl->s[2] + k);
+        w->s[2] = LD(S, sl->s[2] + k);
 
 /* The 8 elements k.. of every array, all 8 in the chunk, state as values or codes (not a small
  * int8 tensor's float32 state). */
 void fmt_load_words(fmt_words *w, __global const PST *p, __global const GST *g, __global const MST *m,
-                    const fmt_slots *sl, long k)
+                    const fmt_slots *sl, int k)
 {
 #if OPTIRS_FMT_STATE == 2
 #pragma unroll
@@ -462,7 +554,7 @@ void fmt_load_words(fmt_words *w, __global const PST *p, __global const GST *g, 
  * (the CUDA formats kernels measured -4 to -10% of kernel time on the H200). Float32 state keeps
  * the kernel bound by DRAM, where loading and decoding each array in turn measured 7% faster
  * (bf16 + float32 masters), so it keeps that order. */
-FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __global const GST *g, const fmt_slots *sl, long k,
+FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __global const GST *g, const fmt_slots *sl, int k,
                     int nv, __local const float *lmaps, float8 *pp, float8 *gv, float8 *s)
 {
 #if OPTIRS_FMT_STATE != 0
@@ -485,47 +577,76 @@ FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __g
 }
 
 #if OPTIRS_FMT_STATE == 2
-/* The largest |x| of a block's new values, NaN-propagating: a NaN in a block makes its scale NaN
- * (docs/formats.md; fmax would drop it). */
-#define FMT_ABSMAX(a, b) ((a) > (b) || isnan(a) ? (a) : (b))
-
-float fmt_lane_absmax(float8 x, int nv)
+/* A block's scale is the largest |x| of its new values, NaN-propagating (docs/formats.md: a NaN
+ * makes the scale NaN; fmax would drop it). Taken over |x|'s bits as unsigned integers, whose order
+ * is the order of the magnitudes with every NaN above inf: an AND and an integer max an element,
+ * where the compare-and-select took three, and the reduction over the block is of integers (one
+ * instruction for the whole warp below). A NaN block's scale is the NaN of the largest payload. */
+uint fmt_lane_absmax(float8 x, int nv)
 {
-    const float8 a = fabs(x);
-    const int8 lane = (int8)(0, 1, 2, 3, 4, 5, 6, 7);
-    const float8 v = select((float8)0.0f, a, lane < nv);
-    const float4 h = FMT_ABSMAX(v.lo, v.hi);
-    const float2 q = FMT_ABSMAX(h.lo, h.hi);
-    return FMT_ABSMAX(q.lo, q.hi);
+    const uint8 a = as_uint8(x) & 0x7FFFFFFFu;
+    const uint8 v = select((uint8)0u, a, (int8)(0, 1, 2, 3, 4, 5, 6, 7) < nv);
+    const uint4 h = max(v.lo, v.hi);
+    const uint2 q = max(h.lo, h.hi);
+    return max(q.lo, q.hi);
 }
+
+/* OPTIRS_NV_WARP (the host's define on NVIDIA's driver: 1, or 2 from sm_80 on): a block is the 32
+ * work-items of one warp (consecutive local ids), so its maximum is a warp reduction in registers,
+ * as the CUDA kernels' shfl.sync.bfly, through inline PTX: redux.sync.max.u32 (sm_80 on: one
+ * instruction for the warp) or five shuffles. Elsewhere a tree in local memory over the 32
+ * work-items, a barrier a level. */
+#if OPTIRS_NV_WARP
+uint fmt_warp_max(uint u)
+{
+#if OPTIRS_NV_WARP >= 2
+    uint r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(u));
+    return r;
+#else
+    for (uint k = 16; k > 0; k >>= 1) {
+        uint o;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(o) : "r"(u), "r"(k));
+        u = max(u, o);
+    }
+    return u;
+#endif
+}
+#endif
 #endif
 
 /* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
  * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
-void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
-                      __local const uchar *ltables, __local float *scratch)
+void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
+                      __local const uchar *ltables, __local uint *scratch)
 {
 #if OPTIRS_FMT_STATE == 2
+    float scale[3];
+#if OPTIRS_NV_WARP
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+        scale[j] = FMT_USED(j) ? as_float(fmt_warp_max(nv > 0 ? fmt_lane_absmax(s[j], nv) : 0u)) : 0.0f;
+#else
     const int lid = get_local_id(0);
 #pragma unroll
     for (int j = 0; j < 3; ++j)
         if (FMT_USED(j))
-            scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0.0f;
+            scratch[j * OPTIRS_WG + lid] = nv > 0 ? fmt_lane_absmax(s[j], nv) : 0u;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int w = 16; w > 0; w >>= 1) {
         if ((lid & 31) < w) {
 #pragma unroll
             for (int j = 0; j < 3; ++j)
                 if (FMT_USED(j))
-                    scratch[j * OPTIRS_WG + lid] = FMT_ABSMAX(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
+                    scratch[j * OPTIRS_WG + lid] = max(scratch[j * OPTIRS_WG + lid], scratch[j * OPTIRS_WG + lid + w]);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    float scale[3];
 #pragma unroll
     for (int j = 0; j < 3; ++j)
-        scale[j] = FMT_USED(j) ? scratch[j * OPTIRS_WG + (lid & ~31)] : 0.0f;
+        scale[j] = FMT_USED(j) ? as_float(scratch[j * OPTIRS_WG + (lid & ~31)]) : 0.0f;
     barrier(CLK_LOCAL_MEM_FENCE); /* scratch is reused by the next round */
+#endif
 #endif
     if (nv <= 0)
         return;
@@ -561,23 +682,23 @@ void fmt_store_states(const fmt_slots *sl, long k, int nv, float8 *s, uint8 idx,
     }
 }
 
-uint8 fmt_index8(long lay, long k)
+uint8 fmt_index8(long lay, int k)
 {
-    return (uint)(lay + k) + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u);
+    return ((uint)lay + (uint)k) + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u);
 }
 
-/* A work-group's rounds over its chunk: element k = base + 8 * lid, nv of its 8 in the chunk.
- * The trip count is the same for the whole work-group (barriers inside are reached by all). */
+/* A work-group's rounds over its chunk: element k = base + 8 * lid of the chunk, nv of its 8 in
+ * it. The trip count is the same for the whole work-group (barriers inside are reached by all). */
 #define FMT_ROUND_BEGIN                                                                          \
-    for (long base_ = start; base_ < stop; base_ += FMT_ROUND) {                                 \
-        const long k = base_ + 8 * (long)lid;                                                    \
-        const int nv = (int)clamp(stop - k, 0L, 8L);
+    for (int base_ = 0; base_ < n_; base_ += FMT_ROUND) {                                        \
+        const int k = base_ + 8 * lid;                                                           \
+        const int nv = clamp(n_ - k, 0, 8);
 #define FMT_ROUND_END }
 
 /* ---------------------------------------------------------------- the gradient check */
 
 /* flag[0] = 1 when any gradient is not finite (reads only the gradients). */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_check(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global int *flag)
 {
     int bad = 0;
@@ -608,7 +729,7 @@ float8 fmt_valid(float8 x, int nv)
 
 /* Global gradient clipping, part 1: partial[c] = sum of g^2 over chunk c (part 2 is the float32
  * step's lamb_grad_scale). */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_lamb_grad_sumsq(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_TABLE_PARAMS, __global acc_t *partial)
 {
     __local acc_t red[OPTIRS_WG];
@@ -635,7 +756,7 @@ float8 fmt_lamb_element(float8 pp, float8 gv, float8 *s, float scale, const lamb
 }
 
 /* Pass 1: per-chunk sums of p^2 and u^2 (partial[2c], partial[2c + 1]). */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
                     const lamb_scalars sc)
@@ -662,7 +783,7 @@ void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
 }
 
 /* Pass 2: p -= lr * ratio * u, and the new moments stored in the state's format. */
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void fmt_lamb_apply(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                     __global const float *grad_scale, int clip, __global const float *ratio,
                     __global const int *skip, const fmt_step st, const lamb_scalars sc)

@@ -23,33 +23,74 @@ float8 optirs_bf16_decode8(ushort8 h)
     return as_float8(convert_uint8(h) << 16);
 }
 
-/* binary16 -> float32 in integer arithmetic (subnormals through one exact float product), a NaN
- * keeps its payload (as vload_half). */
-float8 optirs_f16_decode8(ushort8 h)
-{
-    const uint8 x = convert_uint8(h), sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1Fu, m = x & 0x3FFu;
-    const uint8 normal = sign | ((e + 112u) << 23) | (m << 13);
-    const uint8 special = sign | 0x7F800000u | (m << 13);
-    const uint8 sub = sign | as_uint8(convert_float8(m) * 0x1p-24f);
-    return as_float8(select(select(normal, special, e == 31u), sub, e == 0u));
-}
-
 /* ---------------------------------------------------------------- 16-bit encodings */
+
+/* The float32 bits u with each NaN replaced by 0x7FC00000 | its sign, whose rounding to bfloat16,
+ * nearest or stochastic, is the contract's NaN 0x7FC0 | sign (its low 16 bits are 0 and either
+ * increment adds less than 0x10000: nothing carries); other values are kept. Selecting before the
+ * rounding takes an AND-OR, a NaN test and a select an element, where building the 16-bit NaN and
+ * selecting after took two more. */
+uint8 optirs_bf16_nan_apart8(uint8 u)
+{
+    return select(u, (u & 0x80000000u) | 0x7FC00000u, isnan(as_float8(u)));
+}
 
 /* Nearest even; NaN -> 0x7FC0 | sign (as ml_dtypes and optirs_bf16_encode). */
 ushort8 optirs_bf16_rne8(uint8 u)
 {
-    const uint8 r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    const uint8 nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
-    return convert_ushort8(select(r, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+    const uint8 v = optirs_bf16_nan_apart8(u);
+    return convert_ushort8((v + 0x7FFFu + ((v >> 16) & 1u)) >> 16);
 }
 
-/* numpy's float32 -> float16 cast, lane by lane (optirs_half.h's integer encoder). */
-ushort8 optirs_f16_rne8(uint8 u)
+/* ---------------------------------------------------------------- float16 by the hardware
+
+ * float16 words are converted where they are read and written, by the device's own conversion:
+ * vload_half / vstore_half_rte (core OpenCL, no cl_khr_fp16 needed), one cvt.f32.f16 /
+ * cvt.rn.f16.f32 an element on NVIDIA's driver where the integer forms took some 10 (decode) and
+ * 20-30 with a branch per lane (optirs_f16_encode) per element; the CUDA kernels' conversion
+ * (docs/formats.md). Both are exact IEEE: the decode for every half, the encode rounding to nearest
+ * even with subnormals and overflow to inf as numpy's cast; only NaN differs (the hardware's NaN),
+ * so a NaN is encoded apart to numpy's bits (its top 10 payload bits, never 0: that would be inf).
+ * A decoded NaN stays a NaN of some payload: it meets arithmetic before anything is stored (the
+ * shift-widened bfloat16's reasoning). nv lanes valid (8: all); aligned: p is 8-element aligned. */
+float8 optirs_f16_load8(__global const ushort *p, int nv, int aligned)
 {
-    return (ushort8)(optirs_f16_encode(u.s0), optirs_f16_encode(u.s1), optirs_f16_encode(u.s2),
-                     optirs_f16_encode(u.s3), optirs_f16_encode(u.s4), optirs_f16_encode(u.s5),
-                     optirs_f16_encode(u.s6), optirs_f16_encode(u.s7));
+    __global const half *h = (__global const half *)p;
+    if (nv >= 8)
+        return aligned ? vloada_half8(0, h) : vload_half8(0, h);
+    float a[8];
+    for (int j = 0; j < 8; ++j)
+        a[j] = j < nv ? vload_half(j, h) : 0.0f;
+    return vload8(0, a);
+}
+
+/* numpy's float16 NaN for float32 bits u (a NaN): sign, 0x7C00 and u's top 10 payload bits (1 if 0). */
+ushort optirs_f16_nan1(uint u)
+{
+    const uint payload = (u >> 13) & 0x3FFu;
+    return (ushort)(((u >> 16) & 0x8000u) | 0x7C00u | (payload ? payload : 1u));
+}
+
+void optirs_f16_store8(float8 x, __global ushort *p, int nv, int aligned)
+{
+    __global half *h = (__global half *)p;
+    float a[8];
+    if (nv >= 8) {
+        if (aligned)
+            vstorea_half8_rte(x, 0, h);
+        else
+            vstore_half8_rte(x, 0, h);
+    } else {
+        vstore8(x, 0, a);
+        for (int j = 0; j < nv; ++j)
+            vstore_half_rte(a[j], j, h);
+    }
+    if (any(isnan(x))) { /* rare: the lanes that are NaN rewritten with numpy's bits */
+        vstore8(x, 0, a);
+        for (int j = 0; j < min(nv, 8); ++j)
+            if (isnan(a[j]))
+                p[j] = optirs_f16_nan1(as_uint(a[j]));
+    }
 }
 
 /* ---------------------------------------------------------------- random bits (counter based) */
@@ -97,9 +138,7 @@ uint8 optirs_slot_bits8(uint8 r, int k)
  * instructions of selecting the whole nearest rounding). */
 ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
 {
-    const uint8 sr = (u + (r & 0xFFFFu)) >> 16;
-    const uint8 nan = ((u >> 16) & 0x8000u) | 0x7FC0u;
-    return convert_ushort8(select(sr, nan, (u & 0x7FFFFFFFu) > 0x7F800000u));
+    return convert_ushort8((optirs_bf16_nan_apart8(u) + (r & 0xFFFFu)) >> 16);
 }
 
 /* ---------------------------------------------------------------- master remainders */

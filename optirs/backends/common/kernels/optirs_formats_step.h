@@ -6,7 +6,7 @@
 #define FMT_CAT_(a, b) a##b
 #define FMT_CAT(a, b) FMT_CAT_(a, b)
 
-__kernel __attribute__((reqd_work_group_size(OPTIRS_WG, 1, 1)))
+__kernel FMT_WG_ATTR
 void FMT_CAT(OPT, _fmt)(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                         __global const int *skip, const fmt_step st, const FMT_CAT(OPT, _scalars) sc)
 {

@@ -1,0 +1,110 @@
+"""What NVIDIA's OpenCL driver made of the formats kernels: registers, spills and the round loop of
+each program that ``bench_formats.py --backend opencl --dump-binaries DIR`` wrote.
+
+Each ``DIR/*.ptx`` is assembled with ptxas (``--arch``, the register cap of its ``.key`` when it
+has one) and disassembled with cuobjdump; for its step kernel (``<family>_fmt``) it prints the
+registers and spills, then the loop that holds the round (the innermost loop with three or more
+global loads and a MUFU: the element math): its static instructions, barriers, global accesses by
+width, warp reductions (REDUX, SHFL) and float16 conversions (F2F, HADD2.F32). Static counts: the
+loop includes the tail and slow-division paths that rarely run, so compare programs of the same
+format before and after a change, not formats with each other.
+
+    python benchmarks/ptx_rounds.py DIR [--bin PTXAS_DIR] [--arch sm_90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Tuple
+
+_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass_functions(text: str) -> Dict[str, List[Tuple[int, str, str]]]:
+    """cuobjdump's SASS as {function: [(address, opcode, operands)]}."""
+    out: Dict[str, List[Tuple[int, str, str]]] = {}
+    name = None
+    for line in text.splitlines():
+        m = re.match(r"\s+Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            out[name] = []
+            continue
+        m = _INS.search(line)
+        if m and name:
+            out[name].append((int(m.group(1), 16), m.group(3), m.group(4)))
+    return out
+
+
+def round_loop(ins: List[Tuple[int, str, str]]) -> List[Tuple[int, str, str]]:
+    """The innermost backward branch's body holding 3+ global loads and a MUFU (the round)."""
+    loads = [a for a, o, _ in ins if o.startswith("LDG")]
+    mufu = [a for a, o, _ in ins if o.startswith("MUFU")]
+    best = None
+    for a, o, r in ins:
+        m = re.match(r"\s*(?:!?U?P\d+,\s*)?0x([0-9a-f]+)", r)
+        if not (o.startswith("BRA") and m):
+            continue
+        t = int(m.group(1), 16)
+        if t < a and sum(t <= x <= a for x in loads) >= 3 and any(t <= x <= a for x in mufu):
+            if best is None or a - t < best[1] - best[0]:
+                best = (t, a)
+    return [] if best is None else [x for x in ins if best[0] <= x[0] <= best[1]]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir")
+    ap.add_argument("--bin", help="folder of ptxas and cuobjdump (default: PATH)")
+    ap.add_argument("--arch", default="sm_90")
+    args = ap.parse_args(argv)
+    tool = {t: os.path.join(args.bin, t) if args.bin else shutil.which(t) for t in ("ptxas", "cuobjdump")}
+    if not all(tool.values()) or not all(os.path.exists(p) for p in tool.values()):
+        print(f"skipped: ptxas and cuobjdump not found ({tool}); pass --bin")
+        return 0
+    files = sorted(glob.glob(os.path.join(args.dir, "*.ptx")))
+    if not files:
+        print(f"no .ptx files in {args.dir}")
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in files:
+            stem = os.path.basename(path)[:-4]
+            key = open(path[:-4] + ".key").read() if os.path.exists(path[:-4] + ".key") else ""
+            cap = re.search(r"maxrregcount=(\d+)", key)
+            src = os.path.join(tmp, stem + ".ptx")
+            with open(path, "rb") as f, open(src, "wb") as g:
+                g.write(f.read().rstrip(b"\0"))  # the driver's binary ends in NULs
+            cubin = os.path.join(tmp, stem + ".cubin")
+            cmd = [tool["ptxas"], f"-arch={args.arch}", "-O3", "-v", src, "-o", cubin]
+            if cap:
+                cmd.insert(1, f"-maxrregcount={cap.group(1)}")
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                print(f"{stem}: ptxas failed: {r.stderr.strip()[-300:]}")
+                continue
+            sass = subprocess.run([tool["cuobjdump"], "-sass", cubin], capture_output=True, text=True).stdout
+            for name, ins in sass_functions(sass).items():
+                if not name.endswith("_fmt") and not name.startswith("fmt_lamb_apply"):
+                    continue
+                info = re.search(rf"Function properties for {re.escape(name)}\s+(.*?)\n.*?(Used \d+ registers)",
+                                 r.stderr, re.S)
+                body = round_loop(ins)
+                ops = collections.Counter(o for _, o, _ in body)
+                base = collections.Counter(o.split(".")[0] for _, o, _ in body)
+                access = " ".join(f"{o}:{n}" for o, n in sorted(ops.items()) if o.startswith(("LDG", "STG")))
+                print(f"{stem} {name}: {info.group(2) if info else '?'}, {info.group(1) if info else ''}")
+                print(f"    round loop {len(body)} instructions, BAR {base['BAR']}, REDUX {base['REDUX']}, "
+                      f"SHFL {base['SHFL']}, F2F {base['F2F'] + base['F2FP']}, HADD2 {base['HADD2']}; {access}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
