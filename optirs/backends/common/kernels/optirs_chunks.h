@@ -24,20 +24,24 @@
 /* Work-item 0 takes the work-group's next chunk into the __local struct D (fields taken: the
  * chunk's index in the launch, nchunks when none is left; t: its tensor; p, g: that tensor's
  * parameter and gradient buffers, slots PSLOT and GSLOT, expressions of t, picked once for the
- * whole work-group). Needs lid (the local id) in scope; every work-item must reach it. */
-#define DEAL_CHUNK(D, P, G, PSLOT, GSLOT)                                                        \
-    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */               \
-    if (lid == 0) {                                                                              \
-        const uint taken_ = min(atomic_inc(tickets) - ticket_base, nchunks);                     \
-        D.taken = taken_;                                                                        \
-        if (taken_ < nchunks) {                                                                  \
-            const int t = chunk_tensor[chunk_base + taken_];                                     \
-            const int ps_ = (PSLOT), gs_ = (GSLOT);                                              \
-            D.t = t;                                                                             \
-            D.p = PICK(ps_, P);                                                                  \
-            D.g = PICK(gs_, G);                                                                  \
-        }                                                                                        \
-    }                                                                                            \
+ * whole work-group). Needs lid (the local id) in scope; every work-item must reach it.
+ * DEAL_CHUNK_AT: the same with the ticket an expression TICKET, and TAKE_NEXT run when a chunk
+ * is taken (the formats kernels take their next ticket a chunk ahead). */
+#define DEAL_CHUNK_AT(D, P, G, PSLOT, GSLOT, TICKET, TAKE_NEXT)                              \
+    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */           \
+    if (lid == 0) {                                                                          \
+        const uint taken_ = min((TICKET) - ticket_base, nchunks);                            \
+        D.taken = taken_;                                                                    \
+        if (taken_ < nchunks) {                                                              \
+            TAKE_NEXT;                                                                       \
+            const int t = chunk_tensor[chunk_base + taken_];                                 \
+            const int ps_ = (PSLOT), gs_ = (GSLOT);                                          \
+            D.t = t;                                                                         \
+            D.p = PICK(ps_, P);                                                              \
+            D.g = PICK(gs_, G);                                                              \
+        }                                                                                    \
+    }                                                                                        \
     barrier(CLK_LOCAL_MEM_FENCE);
+#define DEAL_CHUNK(D, P, G, PSLOT, GSLOT) DEAL_CHUNK_AT(D, P, G, PSLOT, GSLOT, atomic_inc(tickets), (void)0)
 
 #endif

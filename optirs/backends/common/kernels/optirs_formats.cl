@@ -297,21 +297,8 @@ typedef struct {
  * instead of holding the whole work-group at the barrier (a chunk is 2 rounds of 128 x 8 elements;
  * the CUDA kernels deal chunks statically, without atomics). A work-group still takes one ticket
  * per chunk it runs plus the one that finds none, so a launch moves the counter as before. */
-#define FMT_DEAL_CHUNK(D, P, G, PSLOT, GSLOT)                                                    \
-    barrier(CLK_LOCAL_MEM_FENCE); /* every work-item has read the previous deal */               \
-    if (lid == 0) {                                                                              \
-        const uint taken_ = min(ahead_ - ticket_base, nchunks);                                  \
-        D.taken = taken_;                                                                        \
-        if (taken_ < nchunks) {                                                                  \
-            ahead_ = atomic_inc(tickets);                                                        \
-            const int t = chunk_tensor[chunk_base + taken_];                                     \
-            const int ps_ = (PSLOT), gs_ = (GSLOT);                                              \
-            D.t = t;                                                                             \
-            D.p = PICK(ps_, P);                                                                  \
-            D.g = PICK(gs_, G);                                                                  \
-        }                                                                                        \
-    }                                                                                            \
-    barrier(CLK_LOCAL_MEM_FENCE);
+#define FMT_DEAL_CHUNK(D, P, G, PSLOT, GSLOT) \
+    DEAL_CHUNK_AT(D, P, G, PSLOT, GSLOT, ahead_, ahead_ = atomic_inc(tickets))
 
 /* A launch that writes nothing (found_inf) advances the counter as much as a full one. */
 void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
