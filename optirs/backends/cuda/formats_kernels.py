@@ -32,7 +32,7 @@ from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr3
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import element_update
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bits_f32, decode_state, decode_value,
-                                           dequantize, f32_bits, format_update, lamb_format_update, load_master,
+                                           dequantize, f32_bits, lamb_format_update, load_master,
                                            quantize, quantize_factors, quantize_finite, rand32, slot_bits, state_stream,
                                            store_master, store_master_wide, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
@@ -585,7 +585,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     elif msize != 4:
                         mraw = _remainder(mraw, master)
                     ij = add32(e, j)
-                    # widened by a shift (_widen16's reason); a float32 master word of 0 is read from the
+                    # widened as unpacked (_widen16's reason); a float32 master word of 0 is read from the
                     # parameter. float32(): numba's simulator hands the shared functions Python floats
                     g = float32(bits_f32(gw[j]) if widen_grad else decode_value(gw[j], fc.grad))
                     if widen_param:
@@ -597,10 +597,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     if lamb:
                         xp, a, b, u = lamb_format_update(xp, g, x0[j], x1[j], grad_scale, sc)
                         if apply:
-                            if widen_param:  # the parameter word in the high half (pack_high16)
-                                p_, m_ = store_master_wide(xp - lr_t * u, fc, keyp, ij)
-                            else:
-                                p_, m_ = store_master(xp - lr_t * u, fc, keyp, ij)
+                            p_, m_ = _store_param(xp - lr_t * u, fc, keyp, ij, widen_param)
                             pw[j] = p_
                             mw[j] = m_
                             x0[j] = a
@@ -608,16 +605,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         elif j < cnt:
                             sp += float64(xp) * float64(xp)
                             su += float64(u) * float64(u)
-                    elif widen_param:  # the parameter word in the high half (pack_high16)
-                        xn, a, b, d = element_update(xp, g, x0[j], x1[j], x2[j], sc)
-                        p_, m_ = store_master_wide(xn, fc, keyp, ij)
-                        pw[j] = p_
-                        mw[j] = m_
-                        x0[j] = a
-                        x1[j] = b
-                        x2[j] = d
                     else:
-                        p_, m_, a, b, d = format_update(xp, g, x0[j], x1[j], x2[j], sc, fc, keyp, ij)
+                        xn, a, b, d = element_update(xp, g, x0[j], x1[j], x2[j], sc)
+                        p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
                         pw[j] = p_
                         mw[j] = m_
                         x0[j] = a
@@ -679,6 +669,15 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         body = _device(body)
         kernel.__name__ = kernel.__qualname__ = f"formats_step_{family}"
     return kernel
+
+
+@_device
+def _store_param(x, fc, key, i, wide):
+    """The new master ``x`` as (parameter word, master word); ``wide``: the bfloat16 parameter in the
+    word's high half (``store_master_wide``, stored by ``pack_high16``)."""
+    if wide:
+        return store_master_wide(x, fc, key, i)
+    return store_master(x, fc, key, i)
 
 
 @_device
