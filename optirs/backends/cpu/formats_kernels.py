@@ -178,7 +178,7 @@ def _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix):
 
 @_jit
 def _trees(d0, d1, d2, u0, u1, u2):
-    """The used slots' midpoints in search order (one 256-entry array each per chunk)."""
+    """The used slots' midpoints in search order (one 256-entry array each, built once per launch)."""
     e0 = np.zeros(256, np.float32)
     e1 = np.zeros(256, np.float32)
     e2 = np.zeros(256, np.float32)
@@ -250,8 +250,8 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
         _word_out(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
 
 
-def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, off, blk0, so,
-           s, e, sc, keyp, k01, k2):
+def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1, e2, off,
+           blk0, so, s, e, sc, keyp, k01, k2):
     if not INT8 or so >= 0:
         # float32 / bfloat16 words (or a small tensor's float32 state): decoded and encoded in
         # the element loop itself, every array sliced to the chunk so that one index addresses
@@ -276,7 +276,6 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
     a1 = np.zeros(BLOCK, np.float32)
     a2 = np.zeros(BLOCK, np.float32)
     ix = np.zeros(BLOCK, np.uint32)
-    e0, e1, e2 = _trees(d0, d1, d2, U0, U1, U2)
     for b in range(s, e, BLOCK):
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
@@ -310,10 +309,11 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     """
     keyp = stream_key(seed, step, 0)
     k01, k2 = stream_key(seed, step, state_stream(0)), stream_key(seed, step, state_stream(2))
+    e0, e1, e2 = _trees(d0, d1, d2, U0 and INT8, U1 and INT8, U2 and INT8)  # read by every chunk
     for c in prange(chunk_tensor.shape[0]):
         t = chunk_tensor[c]
-        CHUNK(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2,
-              table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k01, k2)
+        CHUNK(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1,
+              e2, table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k01, k2)
 
 
 @_jit
@@ -388,6 +388,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
     ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     keyp = stream_key(seed, step, 0)
     k01 = stream_key(seed, step, state_stream(0))
+    e0, e1, _ = _trees(d0, d1, d1, INT8, INT8, False)  # read by every chunk
     for c in prange(nchunks):
         t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
         p, g = ps[t], gs[t]
@@ -395,7 +396,6 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
         a0 = np.zeros(BLOCK, np.float32)
         a1 = np.zeros(BLOCK, np.float32)
         ix = np.zeros(BLOCK, np.uint32)
-        e0, e1, _ = _trees(d0, d1, d1, INT8, INT8, False)
         lr_t = sc.lr * ratio[t]
         for b in range(s, e, BLOCK):
             n = min(BLOCK, e - b)
