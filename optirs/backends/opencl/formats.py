@@ -123,7 +123,7 @@ def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
     local memory with a barrier a level (fmt_warp_max of optirs_formats.cl). Nothing for other
     formats or devices; ``OPTIRS_OPENCL_FORMATS_WARP=0`` turns it off (the portable form, for
     comparison)."""
-    if fmt.codes.state != 2 or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
+    if fmt.state_dtype != "int8" or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
         return []
     cache = _cache(ctx)
     level = cache.get("nv_warp")
