@@ -360,6 +360,27 @@ def test_int8_step_matches_the_reference():
         _assert_close(result)
 
 
+@pytest.mark.cuda
+def test_int8_lanes_past_the_end_read_no_table_out_of_bounds(monkeypatch):
+    """Centered RMSprop with momentum on a tensor whose last int8 block is partial (4100 elements: a
+    lane of 4): the lanes past the end decode code 0 (-scale in the signed map), so their values are
+    NaN and belong to no block; the finite block's quantizer, which has no upper clamp, must not look
+    them up (NVIDIA's OpenCL faulted on such a read). In the simulator the quantizer runs as Python,
+    whose indexing of the shared table raises on an index out of bounds."""
+    from optirs.backends.cuda import formats_kernels
+    from optirs.core.params import RmspropParams
+
+    if SIMULATOR:
+        monkeypatch.setattr(formats_kernels, "quantize_finite", formats_kernels.quantize_finite.py_func)
+    hp = RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True)
+    for got_p, got_b, want_p, want_b, _ in _run("rmsprop", _fmt("float32", None, "int8"), [(4100,)], steps=2, hp=hp,
+                                                cpu=True):
+        for g, w in zip(got_p, want_p):
+            assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8))
+        for k, w in want_b.items():
+            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+
+
 LAMB_FORMATS = [_fmt("bfloat16", "remainder8", "int8"), _fmt("bfloat16", "float32", "bfloat16"),
                 _fmt("float16", "float32", "float32", gdt="float32"), _fmt("bfloat16", None, "float32", stochastic=True)]
 

@@ -731,7 +731,10 @@ def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e,
         # float32(): numba's simulator passes Python floats, which would compile float64 code
         pre, inv = quantize_factors(float32(scale))
         pre, inv = float32(pre), float32(inv)
-        if scale <= _F32_MAX:  # the usual block (not NaN, not inf): the shorter bucket
+        # the usual block (not NaN, not inf) takes the shorter bucket, which has no upper clamp: only
+        # for a lane whose 8 elements all exist (past the end, code 0 decodes to -scale in the signed
+        # map, and a family's step may turn that into a NaN, or anything, outside the block's scale)
+        if scale <= _F32_MAX and cnt == LANE32:
             for j in range(LANE):
                 w[j] = quantize_finite(x[j], pre, inv, mid, table)
         else:

@@ -658,8 +658,11 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
         } else {
             __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
             /* the block's factors once per work-item and block (a round is 8 of its elements) */
-            const uchar8 code = optirs_quantize8(s[j], optirs_quantize_factors(scale[j]), scale[j] <= FLT_MAX, q + 256,
-                                                 ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
+            /* the shorter bucket (no upper clamp) only where all 8 lanes are the block's: past the
+             * end, code 0 decodes to -scale in the signed map, which a family's step may turn into
+             * a NaN (centered RMSprop: sqrt of a negative), an index past the table */
+            const uchar8 code = optirs_quantize8(s[j], optirs_quantize_factors(scale[j]), scale[j] <= FLT_MAX && nv >= 8,
+                                                 q + 256, ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
             store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
