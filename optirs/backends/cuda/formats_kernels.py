@@ -537,23 +537,27 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         sc1 = ld(ca1 + grp * 4)
                     if u2:
                         sc2 = ld(ca2 + grp * 4)
-                if batch and vec and cnt == LANE32:  # every load of the round, then the words
+                # every load of the round, then the words. The state's element size is the format's:
+                # a small int8 tensor's float32 state takes the path below, so these loads and their
+                # unpacking are not compiled for both sizes and predicated (which held 117 registers
+                # in the int8 kernels, 79 without)
+                if batch and vec and cnt == LANE32 and (quant or not int8):
                     rp = raw8(pa + base * psize, psize)
                     rg = raw8(ga + base * gsize, gsize)
                     rm = raw8(ma + base * msize, msize) if msize != 0 else (_ZERO4, _ZERO4)
-                    r0 = raw8(sa0 + base * sz, sz) if u0 else (_ZERO4, _ZERO4)
-                    r1 = raw8(sa1 + base * sz, sz) if u1 else (_ZERO4, _ZERO4)
-                    r2 = raw8(sa2 + base * sz, sz) if u2 else (_ZERO4, _ZERO4)
+                    r0 = raw8(sa0 + base * ssize, ssize) if u0 else (_ZERO4, _ZERO4)
+                    r1 = raw8(sa1 + base * ssize, ssize) if u1 else (_ZERO4, _ZERO4)
+                    r2 = raw8(sa2 + base * ssize, ssize) if u2 else (_ZERO4, _ZERO4)
                     unpack8(rp, psize, pw, widen_param)
                     unpack8(rg, gsize, gw, widen_grad)
                     if msize != 0:
                         unpack8(rm, msize, mw, False)
                     if u0:
-                        unpack8(r0, sz, w0, True)
+                        unpack8(r0, ssize, w0, True)
                     if u1:
-                        unpack8(r1, sz, w1, True)
+                        unpack8(r1, ssize, w1, True)
                     if u2:
-                        unpack8(r2, sz, w2, True)
+                        unpack8(r2, ssize, w2, True)
                 else:
                     if psize == 2:
                         ld8_16(pa + base * 2, vec, cnt, pw, widen_param)
@@ -682,10 +686,15 @@ def _store_param(x, fc, key, i, wide):
 
 @_device
 def _lane_absmax(x, cnt):
+    """The largest |x| of the lane's ``cnt`` elements (a lane of 8 without a test per element)."""
     m = float32(0)
-    for j in range(LANE):
-        if j < cnt:
+    if cnt == LANE32:
+        for j in range(LANE):
             m = absmax_step(m, x[j])
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                m = absmax_step(m, x[j])
     return m
 
 
@@ -731,12 +740,13 @@ def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e,
         # float32(): numba's simulator passes Python floats, which would compile float64 code
         pre, inv = quantize_factors(float32(scale))
         pre, inv = float32(pre), float32(inv)
-        # the usual block (not NaN, not inf) takes the shorter bucket, which has no upper clamp: only
-        # for a lane whose 8 elements all exist (past the end, code 0 decodes to -scale in the signed
-        # map, and a family's step may turn that into a NaN, or anything, outside the block's scale)
-        if scale <= _F32_MAX and cnt == LANE32:
+        # the usual block (finite, not subnormal: pre is 1, so x * inv) takes the shorter bucket,
+        # which has no upper clamp: only in a lane whose 8 elements all exist (past the end, code 0
+        # decodes to -scale in the signed map, and a family's step may turn that into a NaN, or
+        # anything, outside the block's scale)
+        if scale <= _F32_MAX and cnt == LANE32 and pre == 1:
             for j in range(LANE):
-                w[j] = quantize_finite(x[j], pre, inv, mid, table)
+                w[j] = quantize_finite(x[j], float32(1), inv, mid, table)
         else:
             for j in range(LANE):
                 w[j] = quantize(x[j], pre, inv, mid, table)
