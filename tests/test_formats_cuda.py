@@ -241,9 +241,11 @@ def _assert_close(step_result, master_atol=1e-12, state_rel=0.0):
     ("sgd", _fmt("float32", None, "bfloat16")),
 ], ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.codes)))
 def test_step_matches_the_reference(name, fmt):
-    # sizes that leave partial lanes and groups, and (37) a tensor whose successor is misaligned
+    # sizes that leave partial lanes and groups, and (37) a tensor whose successor is misaligned.
+    # state_rel: a new moment that cancels (Lion's 0.99 m + 0.01 g) carries the float32 rounding of
+    # its terms, 1.5e-5 of the result measured on the H200 (whose kernels fuse a multiply and add)
     for result in _run(name, fmt, [(37,), (300,)], steps=2):
-        _assert_close(result)
+        _assert_close(result, state_rel=1e-6)
 
 
 @pytest.mark.cuda
