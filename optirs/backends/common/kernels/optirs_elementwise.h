@@ -27,8 +27,9 @@
 /* a / b for b in (0, 1], the same for every element (Adam's sqrt(1 - beta2^t)), and a a square root
  * of a non-negative float, 0, inf or NaN: the division's bits (optirs/backends/common/division.py,
  * the numba kernels' divide_by_uniform). With OPTIRS_NV_PTX the compiler's own fast path of div.rn
- * with the reciprocal's approximation and refinement hoisted out of the loop (they depend on b
- * alone) and no range check or slow path: q = a * y, r = fma(-b, q, a), q + r * y fused, 5
+ * with the reciprocal's approximation and refinement taken once for the 8 lanes of a float8 (they
+ * depend on b alone; clang + ptxas left them in the formats kernels' round loop, 3 instructions a
+ * round) and no range check or slow path: q = a * y, r = fma(-b, q, a), q + r * y fused, 5
  * instructions an element where div.rn took about 11 and a branch region; 0, inf and NaN take
  * a * y, exact for them (the correction would make NaN of inf, or +0 of -0). Equal to the division
  * for the square root of every non-negative float32 and ten divisors on the H200 (the cuda
