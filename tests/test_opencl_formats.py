@@ -266,6 +266,83 @@ def test_remainders_and_round24(ctx, prg):
     assert np.all(err8 <= ulp / 2)
 
 
+# Adam's division by its uniform bias correction (optirs_elementwise.h) against the division, over
+# the square roots of the float32 with bit patterns start + k * step (NaN and -0 kept as they are).
+DIVISION = r'''
+#pragma OPENCL FP_CONTRACT OFF
+#ifdef OPTIRS_TEST_ULPS /* the reciprocal's approximation off by OPTIRS_TEST_ULPS units in the last place */
+#define OPTIRS_RCP_APPROX(b) as_float(as_uint(1.0f / (b)) + (uint)(OPTIRS_TEST_ULPS))
+#endif
+#include "optirs_program.h"
+#include "optirs_scalars.h"
+#define T float
+#define SUFFIX v1
+#include "optirs_elementwise.h"
+__kernel void divide(float b, uint start, uint step, uint count, __global int *bad) {
+    for (uint k = get_global_id(0); k < count; k += get_global_size(0)) {
+        const uint bits = start + k * step;
+        const float v = as_float(bits);
+        const float a = v >= 0.0f ? sqrt(v) : v;
+        if (as_uint(divide_by_uniform_v1(a, b)) != as_uint(a / b)) {
+            atomic_inc(bad);
+            bad[1] = (int)bits;
+        }
+    }
+}
+'''
+
+
+def _divisors():
+    return [np.sqrt(np.float32(1) - np.float32(b2) ** np.float32(t)) for b2, t in
+            [(0.999, 1), (0.999, 2), (0.999, 7), (0.999, 1000), (0.99, 1), (0.95, 3), (0.9999, 1), (0.0, 1)]]
+
+
+def test_uniform_division_refinement_is_the_division(ctx):
+    """The inline-PTX division's arithmetic (optirs_elementwise.h, ``OPTIRS_NV_PTX``) on any device:
+    with its reciprocal approximation replaced by the correctly rounded one moved 1 unit in the last
+    place down or up (rcp.approx's error bound) or 64 (which only the refinement's Newton step
+    brings back: without it this fails), the quotient is the division's for the square roots of a
+    sample of float32 (every 65521st bit pattern), NaNs, -0 and inf (without the select of 0, inf
+    and NaN this fails too)."""
+    from optirs.backends.opencl import build_program
+
+    if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
+        pytest.skip("the device's division is not correctly rounded: no reference to compare with")
+    for ulps in (-64, -1, 1, 64):
+        options = [o for o in ctx.build_options if not o.startswith("-D")] + [
+            "-DOPTIRS_NV_PTX=1", f"-DOPTIRS_TEST_ULPS={ulps}"]
+        divide = build_program(ctx.context, ctx.device, expand_includes(DIVISION), options, "division_emulated").divide
+        for b in _divisors()[::2] + [np.nextafter(np.float32(1), np.float32(0))]:
+            bad = cla.zeros(ctx.queue, 2, np.int32)
+            for start, step, count in ((0, 65521, 0x7F800000 // 65521 + 1), (0x7F800000, 1, 1), (0x7FC00000, 1, 32),
+                                         (0x80000000, 1, 1)):
+                divide(ctx.queue, (256,), None, np.float32(b), np.uint32(start), np.uint32(step), np.uint32(count),
+                       bad.data)
+            got = bad.get()
+            assert got[0] == 0, (ulps, float(b), hex(int(got[1]) & 0xFFFFFFFF))
+
+
+def test_division_by_a_uniform_divisor_is_the_division(ctx):
+    """The inline-PTX form of Adam's ``sqrt(v) / sqrt(1 - beta2**t)`` (the reciprocal taken once, no
+    range check) against the division, for the square root of every non-negative float32 ``v``,
+    of NaNs and of -0, by the bias corrections of several betas and steps, and 1 (the cuda kernels'
+    check). NVIDIA's driver only: elsewhere the function is the division itself."""
+    from optirs.backends.opencl import build_program
+    from optirs.backends.opencl.formats import nv_level
+
+    if not nv_level(ctx):
+        pytest.skip("the inline-PTX division is built on NVIDIA's OpenCL driver only (elsewhere it is `/`)")
+    options = [o for o in ctx.build_options if not o.startswith("-D")] + ["-DOPTIRS_NV_PTX=1"]
+    divide = build_program(ctx.context, ctx.device, expand_includes(DIVISION), options, "division").divide
+    for b in _divisors() + [np.float32(0.7373), np.nextafter(np.float32(1), np.float32(0))]:
+        bad = cla.zeros(ctx.queue, 2, np.int32)
+        for start, count, size in ((0, 0x7F800001, 1 << 18), (0x7FC00000, 32, 32), (0x80000000, 1, 32)):
+            divide(ctx.queue, (size,), None, np.float32(b), np.uint32(start), np.uint32(1), np.uint32(count),
+                   bad.data)
+        got = bad.get()
+        assert got[0] == 0, (float(b), hex(int(got[1]) & 0xFFFFFFFF))
+
+
 def test_bucket_table_constants_match_the_host(ctx, prg):
     from optirs.backends.common import int8_buckets as B
 

@@ -116,15 +116,10 @@ def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
     return [f"-cl-nv-maxrregcount={cap}", f"-DOPTIRS_FMT_MAXREG={cap}"] if nv and cap else []
 
 
-def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
-    """``-DOPTIRS_NV_WARP=2`` (sm_80 on: ``redux.sync``) or ``=1`` (``shfl.sync``) for the int8-state
-    kernels on NVIDIA's driver, whose warps are 32 consecutive work-items: a block's absmax is then a
-    warp reduction in inline PTX, as in the CUDA kernels, where the portable form takes a tree in
-    local memory with a barrier a level (fmt_warp_max of optirs_formats.cl). Nothing for other
-    formats or devices; ``OPTIRS_OPENCL_FORMATS_WARP=0`` turns it off (the portable form, for
-    comparison)."""
-    if fmt.state_dtype != "int8" or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
-        return []
+def nv_level(ctx: Any) -> int:
+    """What NVIDIA's driver (``cl_nv_device_attribute_query``, warps of 32) takes as inline PTX: 2 from
+    sm_80 on (``redux.sync``), 1 before, 0 for another driver or one whose inline PTX was refused
+    in this context (:func:`_program` then sets it to 0)."""
     cache = _cache(ctx)
     level = cache.get("nv_warp")
     if level is None:
@@ -137,7 +132,31 @@ def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
             except (ctx.cl.Error, AttributeError):  # a driver that lists the extension but answers neither query
                 level = 0
         cache["nv_warp"] = level
+    return level
+
+
+def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
+    """``-DOPTIRS_NV_WARP=2`` (sm_80 on: ``redux.sync``) or ``=1`` (``shfl.sync``) for the int8-state
+    kernels on NVIDIA's driver, whose warps are 32 consecutive work-items: a block's absmax is then a
+    warp reduction in inline PTX, as in the CUDA kernels, where the portable form takes a tree in
+    local memory with a barrier a level (fmt_warp_max of optirs_formats.cl). Nothing for other
+    formats or devices; ``OPTIRS_OPENCL_FORMATS_WARP=0`` turns it off (the portable form, for
+    comparison)."""
+    if fmt.state_dtype != "int8" or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
+        return []
+    level = nv_level(ctx)
     return [f"-DOPTIRS_NV_WARP={level}"] if level else []
+
+
+def ptx_options(ctx: Any) -> List[str]:
+    """``-DOPTIRS_NV_PTX=1`` for every formats program on NVIDIA's driver (:func:`nv_level`): Adam's
+    division by its uniform bias correction as the division's fast path with the reciprocal taken
+    once (``divide_by_uniform`` of optirs_elementwise.h, the same bits) and bfloat16 pairs packed
+    by one ``prmt`` (``optirs_pack_high16`` of optirs_formats.h); the portable C elsewhere.
+    ``OPTIRS_OPENCL_FORMATS_PTX=0`` turns it off (the portable C, for comparison)."""
+    if os.environ.get("OPTIRS_OPENCL_FORMATS_PTX", "").strip() == "0":
+        return []
+    return ["-DOPTIRS_NV_PTX=1"] if nv_level(ctx) else []
 
 
 class _Program(NamedTuple):
@@ -187,9 +206,10 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
         chunk = chunk_elements(wg)
     slots = ctx.slots
     registers = register_options(ctx, fmt)
-    warp = warp_options(ctx, fmt)
+    # the inline PTX's defines, dropped together where the driver refuses them
+    inline_ptx = warp_options(ctx, fmt) + ptx_options(ctx)
     cache = _cache(ctx)
-    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers), tuple(warp))
+    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers), tuple(inline_ptx))
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -199,7 +219,7 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             return hit
         options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
         options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
-                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers, *warp]
+                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers, *inline_ptx]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
                 f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
         source = format_source(family, slots)
@@ -207,9 +227,9 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             program = build_program(ctx.context, ctx.device, source, options, name)
         except GpuOptimError as exc:
             # a driver that lists the extension but refuses the option or the inline PTX: built
-            # without it (the warp reduction first), and never asked for again in this context
+            # without it (the inline PTX first), and never asked for again in this context
             program, error = None, exc
-            for optional, flag in ((warp, "nv_warp"), (registers, "nv_options")):
+            for optional, flag in ((inline_ptx, "nv_warp"), (registers, "nv_options")):
                 if not optional:
                     continue
                 warnings.warn(f"the OpenCL driver refused the formats kernels with {optional}: built without "
@@ -248,9 +268,10 @@ def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
         if not (isinstance(key, tuple) and key[0] == "program" and isinstance(prog, _Program)):
             continue
         c, family, used, signed = key[1], key[2], key[3], key[4]
-        # the optional options' values: -r<register cap>, -w<warp reduction level>
-        extra = "".join(f"-{'r' if o.startswith('-cl-nv-maxrreg') else 'w'}{o.split('=')[-1]}"
-                        for o in key[-2] + key[-1] if o.startswith(("-cl-nv-maxrreg", "-DOPTIRS_NV_WARP")))
+        # the optional options' values: -r<register cap>, -w<warp reduction level>, -p1 (inline PTX)
+        tags = {"-cl-nv-maxrreg": "r", "-DOPTIRS_NV_WARP": "w", "-DOPTIRS_NV_PTX": "p"}
+        extra = "".join(f"-{tag}{o.split('=')[-1]}" for o in key[-2] + key[-1] for start, tag in tags.items()
+                        if o.startswith(start))
         stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"
         binaries = prog.program.get_info(ctx.cl.program_info.BINARIES)
         out.append((stem, repr(key), bytes(binaries[0]) if binaries else b""))

@@ -20,6 +20,45 @@
 
 /* ---------------------------------------------------------------- Adam / AdamW */
 
+#ifndef OPTIRS_NV_PTX
+#define OPTIRS_NV_PTX 0 /* the host's define on NVIDIA's driver: inline PTX where it saves instructions */
+#endif
+#if OPTIRS_NV_PTX && !defined(OPTIRS_RCP_APPROX)
+/* The reciprocal's approximation divide_by_uniform refines (tests/test_opencl_formats.py puts one
+ * within its error bound in its place to check the refinement on any device). */
+float optirs_rcp_approx(float b)
+{
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+    return y;
+}
+#define OPTIRS_RCP_APPROX(b) optirs_rcp_approx(b)
+#endif
+
+/* a / b for b in (0, 1], the same for every element (Adam's sqrt(1 - beta2^t)), and a a square root
+ * of a non-negative float, 0, inf or NaN: the division's bits (optirs/backends/common/division.py,
+ * the numba kernels' divide_by_uniform). With OPTIRS_NV_PTX the compiler's own fast path of div.rn
+ * with the reciprocal's approximation and refinement taken once for the 8 lanes of a float8 (they
+ * depend on b alone; clang + ptxas left them in the formats kernels' round loop, 3 instructions a
+ * round) and no range check or slow path: q = a * y, r = fma(-b, q, a), q + r * y fused, 5
+ * instructions an element where div.rn took about 11 and a branch region; 0, inf and NaN take
+ * a * y, exact for them (the correction would make NaN of inf, or +0 of -0). Equal to the division
+ * for the square root of every non-negative float32 and ten divisors on the H200 (the cuda
+ * kernels' check; test_opencl_formats.py runs the same check on an NVIDIA OpenCL device).
+ * Elsewhere the division itself (correctly rounded: -cl-fp32-correctly-rounded-divide-sqrt). */
+T FN(divide_by_uniform)(T a, float b)
+{
+#if OPTIRS_NV_PTX
+    const float y0 = OPTIRS_RCP_APPROX(b);
+    const float y = fma(fma(-b, y0, 1.0f), y0, y0);
+    const T q = a * y;
+    const T corrected = fma(fma((T)(-b), q, a), (T)(y), q);
+    return select(q, corrected, isgreater(a, (T)(0.0f)) & isless(a, (T)(INFINITY)));
+#else
+    return a / b;
+#endif
+}
+
 void FN(adam_update)(T *p, T g, T *m, T *v, T *vmax, const adam_scalars *sc)
 {
     g = g * sc->grad_factor;
@@ -30,14 +69,14 @@ void FN(adam_update)(T *p, T g, T *m, T *v, T *vmax, const adam_scalars *sc)
         g = g + sc->weight_decay * pp;
     const T mm = sc->beta1 * *m + sc->one_minus_beta1 * g;
     const T vv = sc->beta2 * *v + sc->one_minus_beta2 * g * g;
-    T denom;
+    /* amsgrad divides the running maximum: one square root and one division in the code either
+     * way (two copies of them, one per branch, was the compilers' choice) */
+    T vs = vv;
     if (sc->amsgrad) {
-        const T vm = fmax(*vmax, vv);
-        *vmax = vm;
-        denom = sqrt(vm) / sc->bias_correction2_sqrt + sc->eps;
-    } else {
-        denom = sqrt(vv) / sc->bias_correction2_sqrt + sc->eps;
+        vs = fmax(*vmax, vv);
+        *vmax = vs;
     }
+    const T denom = FN(divide_by_uniform)(sqrt(vs), sc->bias_correction2_sqrt) + sc->eps;
     *p = pp - sc->step_size * mm / denom;
     *m = mm;
     *v = vv;

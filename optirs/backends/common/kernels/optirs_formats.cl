@@ -154,11 +154,45 @@ FMT_LOAD_STORE(short, short8)
 FMT_LOAD_STORE(char, char8)
 FMT_LOAD_STORE(uchar, uchar8)
 
+/* bfloat16 words wide (optirs_formats.h): the 8 at p, each in the high half of its word, and
+ * their store from the high halves (the low halves undefined). */
+uint8 load8_wide(__global const ushort *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        return optirs_bf16_wide8(*(__global const uint4 *)p);
+    return convert_uint8(load8_ushort(p, nv, aligned)) << 16;
+}
+void store8_wide(uint8 w, __global ushort *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint4 *)p = optirs_pack_high16x4(w);
+    else
+        store8_ushort(convert_ushort8(w >> 16), p, nv, aligned);
+}
+#define FMT_VLD_WIDE(a) optirs_bf16_wide8(*(__global const uint4 *)(a))
+#define FMT_VLDU_WIDE(a) (convert_uint8(vload8(0, a)) << 16)
+
+/* int8 codes one to a word (optirs_codes8), loaded and stored as wide words are. */
+uint8 load8_codes(__global const uchar *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        return optirs_codes8(*(__global const uint2 *)p);
+    return convert_uint8(load8_uchar(p, nv, aligned));
+}
+void store8_codes(uint8 c, __global uchar *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint2 *)p = optirs_pack_codes8(c);
+    else
+        store8_uchar(convert_uchar8(c), p, nv, aligned);
+}
+
 /* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST), the
- * vector of 8 of their words (PV, GV, MV, SV; float16 parameters and gradients: their values,
- * converted as they are read), X_WORDS(p, nv, al) the 8 words at p, X_VLD / X_VLDU(a) one aligned /
- * unaligned vector of them, P_DECODE / G_DECODE the words as float32 and P_STORE the parameters'
- * rounding and store (stochastic rounding aside). */
+ * vector of 8 of their words (PV, GV, MV, SV; bfloat16: wide words, each value in the high half of
+ * its word; float16 parameters and gradients: their values, converted as they are read),
+ * X_WORDS(p, nv, al) the 8 words at p, X_VLD / X_VLDU(a) one aligned / unaligned vector of them,
+ * P_DECODE / G_DECODE the words as float32 and P_STORE the parameters' rounding and store
+ * (stochastic rounding and remainders aside). */
 #if OPTIRS_FMT_PARAM == 0
 typedef float PST;
 typedef float8 PV;
@@ -167,11 +201,12 @@ typedef float8 PV;
 #define P_DECODE(w) (w)
 #elif OPTIRS_FMT_PARAM == 1
 typedef ushort PST;
-typedef ushort8 PV;
-#define P_WORDS load8_ushort
-#define P_VLD FMT_VLD_ushort
-#define P_DECODE(w) optirs_bf16_decode8(w)
-#define P_STORE(x, p, nv, al) store8_ushort(optirs_bf16_rne8(as_uint8(x)), p, nv, al)
+typedef uint8 PV; /* wide */
+#define P_WORDS load8_wide
+#define P_VLD FMT_VLD_WIDE
+#define P_VLDU FMT_VLDU_WIDE
+#define P_DECODE(w) as_float8(w) /* a wide word is the value's float32 bits (optirs_bf16_decode8 says why) */
+#define P_STORE(x, p, nv, al) store8_wide(optirs_bf16_rne_wide8(as_uint8(x)), p, nv, al)
 #else
 typedef ushort PST;
 typedef float8 PV; /* float16: converted as it is loaded (optirs_f16_load8), the "words" are the values */
@@ -194,10 +229,11 @@ typedef float8 GV;
 #define G_DECODE(w) (w)
 #elif OPTIRS_FMT_GRAD == 1
 typedef ushort GST;
-typedef ushort8 GV;
-#define G_WORDS load8_ushort
-#define G_VLD FMT_VLD_ushort
-#define G_DECODE(w) optirs_bf16_decode8(w) /* a shift (optirs_bf16_decode8 says why) */
+typedef uint8 GV; /* wide */
+#define G_WORDS load8_wide
+#define G_VLD FMT_VLD_WIDE
+#define G_VLDU FMT_VLDU_WIDE
+#define G_DECODE(w) as_float8(w) /* widened as unpacked (optirs_bf16_decode8 says why) */
 #else
 typedef ushort GST;
 typedef float8 GV; /* float16: converted as it is loaded */
@@ -210,7 +246,6 @@ typedef float8 GV; /* float16: converted as it is loaded */
 #define G_VLDU(a) vload8(0, a)
 #endif
 #define M_VLDU(a) vload8(0, a)
-#define S_VLDU(a) vload8(0, a)
 #define G_LOAD(p, nv, al) G_DECODE(G_WORDS(p, nv, al))
 
 /* Whether the parameters have masters to read (float32 parameters never do). */
@@ -234,19 +269,24 @@ typedef float8 MV;
 
 #if OPTIRS_FMT_STATE == 1
 typedef ushort SST;
-typedef ushort8 SV;
-#define S_WORDS load8_ushort
-#define S_VLD FMT_VLD_ushort
+typedef uint8 SV; /* wide */
+#define S_WORDS load8_wide
+#define S_VLD FMT_VLD_WIDE
+#define S_VLDU FMT_VLDU_WIDE
 #elif OPTIRS_FMT_STATE == 2
 typedef uchar SST; /* codes */
-typedef uchar8 SV;
-#define S_WORDS load8_uchar
-#define S_VLD FMT_VLD_uchar
+typedef uint8 SV; /* one to a word */
+#define S_WORDS load8_codes
+#define S_VLD(a) optirs_codes8(*(__global const uint2 *)(a))
+#define S_VLDU(a) convert_uint8(vload8(0, a))
 #else
 typedef float SST;
 typedef float8 SV;
 #define S_WORDS load8_float
 #define S_VLD FMT_VLD_float
+#endif
+#ifndef S_VLDU
+#define S_VLDU(a) vload8(0, a)
 #endif
 
 /* ---------------------------------------------------------------- per-launch records */
@@ -404,9 +444,9 @@ float8 fmt_master_of(PV pw, MV mw)
     /* a master word of 0 (a fresh buffer, or +0.0 whose parameter is +0.0 too): the parameter */
     return select(mw, P_DECODE(pw), as_int8(mw) == (int8)(0));
 #elif OPTIRS_FMT_MASTER == 2
-    return as_float8(optirs_r16_join8(pw, mw));
+    return as_float8(optirs_r16_join_wide8(pw, mw));
 #else
-    return as_float8(optirs_r8_join8(pw, mw));
+    return as_float8(optirs_r8_join_wide8(pw, mw));
 #endif
 }
 
@@ -430,7 +470,7 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
     store8_float(x, p, nv, al);
 #elif OPTIRS_FMT_MASTER == 0
 #if OPTIRS_FMT_SR
-    store8_ushort(optirs_bf16_sr8(u, optirs_rand8(key, idx)), p, nv, al);
+    store8_wide(optirs_bf16_sr_wide8(u, optirs_rand8(key, idx)), p, nv, al);
 #else
     P_STORE(x, p, nv, al);
 #endif
@@ -438,32 +478,27 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
     store8_float(x, m, nv, al);
     P_STORE(x, p, nv, al);
 #elif OPTIRS_FMT_MASTER == 2
-    ushort8 hi;
-    short8 rem;
-    optirs_r16_split8(u, &hi, &rem);
-    store8_ushort(hi, p, nv, al);
-    store8_short(rem, m, nv, al);
+    store8_wide(optirs_r16_hi_wide8(u), p, nv, al);
+    store8_short(as_short8(convert_ushort8(u)), m, nv, al);
 #else
-    ushort8 hi;
-    char8 rem;
-    optirs_r8_split8(optirs_round24_8(u), &hi, &rem);
-    store8_ushort(hi, p, nv, al);
-    store8_char(rem, m, nv, al);
+    const uint8 u24 = optirs_round24_8(u);
+    store8_wide(optirs_r8_hi_wide8(u24), p, nv, al);
+    store8_char(as_char8(convert_uchar8(u24)), m, nv, al);
 #endif
 }
 
 /* ---------------------------------------------------------------- state slots */
 
-/* Slot j's values from its 8 words w: float32, bfloat16 (a shift: optirs_bf16_decode8 says
- * why), or int8 codes at their block's scale. */
+/* Slot j's values from its 8 words w: float32, bfloat16 (wide words: widened as unpacked,
+ * optirs_bf16_decode8 says why), or int8 codes at their block's scale. */
 float8 fmt_state_of(int j, SV w, float scale, __local const float *lmaps)
 {
 #if OPTIRS_FMT_STATE == 0
     return w;
 #elif OPTIRS_FMT_STATE == 1
-    return optirs_bf16_decode8(w);
+    return as_float8(w);
 #else
-    return optirs_dequantize8(w, scale, lmaps + (FMT_SIGNED(j) ? 0 : 512));
+    return optirs_dequantize_codes8(w, scale, lmaps + (FMT_SIGNED(j) ? 0 : 512));
 #endif
 }
 
@@ -649,9 +684,9 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
 #if OPTIRS_FMT_STATE == 0
         store8_float(s[j], sl->s[j] + k, nv, sl->aligned);
 #elif OPTIRS_FMT_STATE == 1
-        const ushort8 bits = optirs_bf16_sr8(as_uint8(s[j]), optirs_slot_bits8(j < 2 ? r01 : r2, j));
-        store8_ushort(bits, sl->s[j] + k, nv, sl->aligned);
-        s[j] = optirs_bf16_decode8(bits);
+        const uint8 bits = optirs_bf16_sr_wide8(as_uint8(s[j]), optirs_slot_bits8(j < 2 ? r01 : r2, j));
+        store8_wide(bits, sl->s[j] + k, nv, sl->aligned);
+        s[j] = as_float8(bits & 0xFFFF0000u);
 #else
         if (sl->is_small) {
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
@@ -661,12 +696,13 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
             /* the shorter bucket (no upper clamp) only where all 8 lanes are the block's: past the
              * end, code 0 decodes to -scale in the signed map, which a family's step may turn into
              * a NaN (centered RMSprop: sqrt of a negative), an index past the table */
-            const uchar8 code = optirs_quantize8(s[j], optirs_quantize_factors(scale[j]), scale[j] <= FLT_MAX && nv >= 8,
-                                                 q + 256, ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
-            store8_uchar(code, sl->s[j] + k, nv, sl->aligned);
+            const uint8 code = optirs_quantize_codes8(s[j], optirs_quantize_factors(scale[j]),
+                                                      scale[j] <= FLT_MAX && nv >= 8, q + 256,
+                                                      ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
+            store8_codes(code, sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
-            s[j] = optirs_dequantize8(code, scale[j], q);
+            s[j] = optirs_dequantize_codes8(code, scale[j], q);
         }
 #endif
     }

@@ -11,13 +11,53 @@
 
 #include "optirs_half.h"
 
+/* ---------------------------------------------------------------- wide bfloat16 words
+
+ * The format kernels keep a bfloat16 value in the high half of a 32-bit word ("wide"): unpacked
+ * from a pair as w << 16 and w & 0xFFFF0000 (one instruction an element, the value's float32 bits
+ * at once, where taking the half out and then shifting it up took two), and encoded by the _wide8
+ * forms below, which leave the low half undefined: a pair of them is stored from their high halves
+ * by optirs_pack_high16, where shifting each down and packing took three instructions (the CUDA
+ * formats kernels' pack_high16 and bf16_*_wide). */
+
+#ifndef OPTIRS_NV_PTX
+#define OPTIRS_NV_PTX 0 /* the host's define on NVIDIA's driver: inline PTX where it saves instructions */
+#endif
+
+/* The 8 wide words of the 8 bfloat16 values packed in w (element 2i in w's word i's low half). */
+uint8 optirs_bf16_wide8(uint4 w)
+{
+    return (uint8)(w.s0 << 16, w.s0 & 0xFFFF0000u, w.s1 << 16, w.s1 & 0xFFFF0000u, w.s2 << 16, w.s2 & 0xFFFF0000u,
+                   w.s3 << 16, w.s3 & 0xFFFF0000u);
+}
+
+/* The high halves of a (low) and b (high) as one word: one prmt.b32 with OPTIRS_NV_PTX; the
+ * portable form (a shift and a funnel, two instructions through clang + ptxas) elsewhere. */
+uint optirs_pack_high16(uint a, uint b)
+{
+#if OPTIRS_NV_PTX
+    uint d;
+    asm("prmt.b32 %0, %1, %2, 0x7632;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+#else
+    return (a >> 16) | (b & 0xFFFF0000u);
+#endif
+}
+
+uint4 optirs_pack_high16x4(uint8 w)
+{
+    return (uint4)(optirs_pack_high16(w.s0, w.s1), optirs_pack_high16(w.s2, w.s3), optirs_pack_high16(w.s4, w.s5),
+                   optirs_pack_high16(w.s6, w.s7));
+}
+
 /* ---------------------------------------------------------------- 16-bit decodings (exact) */
 
 /* A shift alone, without the NaN quieting of the numba decode (4 instructions of about 130 per
  * element on a GPU). The same bits are stored: a value so widened meets float arithmetic, min /
  * max or comparisons before anything is stored, and a NaN result of arithmetic is a NaN whatever
  * payload went in, or it meets an encoder that writes NaN as its own quiet NaN with the sign
- * kept (bfloat16 nearest and stochastic, float16), as the quieting does. */
+ * kept (bfloat16 nearest and stochastic, float16), as the quieting does. The kernels widen their
+ * words as they unpack them (optirs_bf16_wide8), the same bits. */
 float8 optirs_bf16_decode8(ushort8 h)
 {
     return as_float8(convert_uint8(h) << 16);
@@ -25,21 +65,23 @@ float8 optirs_bf16_decode8(ushort8 h)
 
 /* ---------------------------------------------------------------- 16-bit encodings */
 
-/* The float32 bits u with each NaN replaced by 0x7FC00000 | its sign, whose rounding to bfloat16,
- * nearest or stochastic, is the contract's NaN 0x7FC0 | sign (its low 16 bits are 0 and either
- * increment adds less than 0x10000: nothing carries); other values are kept. Selecting before the
- * rounding takes an AND-OR, a NaN test and a select an element, where building the 16-bit NaN and
- * selecting after took two more. */
-uint8 optirs_bf16_nan_apart8(uint8 u)
+/* The bfloat16 NaN of float32 bits u (0x7FC0 | u's sign), wide. The roundings compute it and
+ * select it for a NaN: an AND-OR, a NaN test and a select an element, no branch. */
+uint8 optirs_bf16_nan_wide8(uint8 u)
 {
-    return select(u, (u & 0x80000000u) | 0x7FC00000u, isnan(as_float8(u)));
+    return (u & 0x80000000u) | 0x7FC00000u;
 }
 
-/* Nearest even; NaN -> 0x7FC0 | sign (as ml_dtypes and optirs_bf16_encode). */
+/* Nearest even; NaN -> 0x7FC0 | sign (as ml_dtypes and optirs_bf16_encode), wide. A finite u plus
+ * the increment stays below 2^32. */
+uint8 optirs_bf16_rne_wide8(uint8 u)
+{
+    return select(u + 0x7FFFu + ((u >> 16) & 1u), optirs_bf16_nan_wide8(u), isnan(as_float8(u)));
+}
+
 ushort8 optirs_bf16_rne8(uint8 u)
 {
-    const uint8 v = optirs_bf16_nan_apart8(u);
-    return convert_ushort8((v + 0x7FFFu + ((v >> 16) & 1u)) >> 16);
+    return convert_ushort8(optirs_bf16_rne_wide8(u) >> 16);
 }
 
 /* ---------------------------------------------------------------- float16 by the hardware
@@ -135,27 +177,44 @@ uint8 optirs_slot_bits8(uint8 r, int k)
 /* bfloat16, stochastic: finite x adds the low 16 random bits before truncating (unbiased);
  * NaN and inf round to nearest. Only a NaN is set apart: inf's low 16 bits are 0, so the sum
  * carries nothing and is inf's nearest already (the numba bf16_stochastic's reasoning; half the
- * instructions of selecting the whole nearest rounding). */
+ * instructions of selecting the whole nearest rounding). Wide (the result in the high half). */
+uint8 optirs_bf16_sr_wide8(uint8 u, uint8 r)
+{
+    return select(u + (r & 0xFFFFu), optirs_bf16_nan_wide8(u), isnan(as_float8(u)));
+}
+
 ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
 {
-    return convert_ushort8((optirs_bf16_nan_apart8(u) + (r & 0xFFFFu)) >> 16);
+    return convert_ushort8(optirs_bf16_sr_wide8(u, r) >> 16);
 }
 
 /* ---------------------------------------------------------------- master remainders */
 
 /* remainder16: hi = the master rounded to nearest (ties away from zero), rem = the low 16 bits
- * as int16 (negative when they rounded hi up); join undoes it exactly. */
+ * as int16 (negative when they rounded hi up); join undoes it exactly. The kernels take hi wide:
+ * u + 0x8000 (the carry out of the low half is the rounding up), and join hi_w + rem sign-extended
+ * (a negative rem borrows the one that rounded hi up): an instruction each, where the 16-bit hi
+ * took a compare, a select and an add, then a shift and an OR to join. A joined hi_w's low half is
+ * 0 (as the kernels unpack it). */
+uint8 optirs_r16_hi_wide8(uint8 u)
+{
+    return u + 0x8000u;
+}
+
+uint8 optirs_r16_join_wide8(uint8 hi_w, short8 rem)
+{
+    return hi_w + as_uint8(convert_int8(rem));
+}
+
 void optirs_r16_split8(uint8 u, ushort8 *hi, short8 *rem)
 {
-    const uint8 lo = u & 0xFFFFu;
-    *hi = convert_ushort8((u >> 16) + select((uint8)0u, (uint8)1u, lo >= 0x8000u));
-    *rem = as_short8(convert_ushort8(lo));
+    *hi = convert_ushort8(optirs_r16_hi_wide8(u) >> 16);
+    *rem = as_short8(convert_ushort8(u));
 }
 
 uint8 optirs_r16_join8(ushort8 hi, short8 rem)
 {
-    const uint8 h = convert_uint8(hi) - select((uint8)0u, (uint8)1u, convert_int8(rem) < 0);
-    return (h << 16) | convert_uint8(as_ushort8(rem));
+    return optirs_r16_join_wide8(convert_uint8(hi) << 16, rem);
 }
 
 /* round24: the top 24 bits, nearest even on the 8 dropped ones; a non-finite value keeps its top
@@ -166,18 +225,27 @@ uint8 optirs_round24_8(uint8 u)
     return select(r, u >> 8, (u & 0x7F800000u) == 0x7F800000u);
 }
 
-/* remainder8: split u24 into the bfloat16 hi (rounded to nearest, ties away) and an int8 rem. */
+/* remainder8: split u24 into the bfloat16 hi (rounded to nearest, ties away) and an int8 rem; hi
+ * wide is (u24 << 8) + 0x8000 and the join hi_w + (rem sign-extended << 8), as remainder16's. */
+uint8 optirs_r8_hi_wide8(uint8 u24)
+{
+    return (u24 << 8) + 0x8000u;
+}
+
+uint8 optirs_r8_join_wide8(uint8 hi_w, char8 rem)
+{
+    return hi_w + (as_uint8(convert_int8(rem)) << 8);
+}
+
 void optirs_r8_split8(uint8 u24, ushort8 *hi, char8 *rem)
 {
-    const uint8 lo = u24 & 0xFFu;
-    *hi = convert_ushort8((u24 >> 8) + select((uint8)0u, (uint8)1u, lo >= 0x80u));
-    *rem = as_char8(convert_uchar8(lo));
+    *hi = convert_ushort8(optirs_r8_hi_wide8(u24) >> 16);
+    *rem = as_char8(convert_uchar8(u24));
 }
 
 uint8 optirs_r8_join8(ushort8 hi, char8 rem)
 {
-    const uint8 h = convert_uint8(hi) - select((uint8)0u, (uint8)1u, convert_int8(rem) < 0);
-    return ((h << 8) | convert_uint8(as_uchar8(rem))) << 8;
+    return optirs_r8_join_wide8(convert_uint8(hi) << 16, rem);
 }
 
 /* ---------------------------------------------------------------- int8 blockwise state */
@@ -194,13 +262,13 @@ uint8 optirs_r8_join8(ushort8 hi, char8 rem)
 /* The code of y: the number of k in 0..254 with mid[k] < y (nearest code, ties to the lower one).
  * mid holds 256 entries, mid[255] = +inf; one table lookup and one compare (the 8-step binary
  * search's dependent local-memory reads were the int8 formats' bottleneck); NaN gets code 0. */
-uchar optirs_quantize1(float y, __local const float *mid, __local const uchar *table)
+uint optirs_quantize1(float y, __local const float *mid, __local const uchar *table)
 {
     const uint u = as_uint(y);
     const uint a = clamp((u >> 16) & 0x7FFFu, OPTIRS_QT_LO - 1u, OPTIRS_QT_HI + 1u) - (OPTIRS_QT_LO - 1u);
     const uint c = table[a + (u >> 31) * OPTIRS_QT_WIDTH];
     const uint code = c + (mid[c] < y ? 1u : 0u);
-    return (uchar)(isnan(y) ? 0u : code);
+    return isnan(y) ? 0u : code;
 }
 
 /* A block's quantize factors (pre, inv): its values are coded as y = (x * pre) * inv, one
@@ -220,22 +288,37 @@ float2 optirs_quantize_factors(float scale)
 /* optirs_quantize1 for a block of finite scale, whose scaled values are never NaN and at most
  * 1 + 2^-23 in magnitude (|x| <= scale, inv its correctly rounded reciprocal): no NaN test and no
  * upper clamp, the same code (the numba quantize_finite). */
-uchar optirs_quantize1_finite(float y, __local const float *mid, __local const uchar *table)
+uint optirs_quantize1_finite(float y, __local const float *mid, __local const uchar *table)
 {
     const uint u = as_uint(y);
     const uint a = max((u >> 16) & 0x7FFFu, OPTIRS_QT_LO - 1u) - (OPTIRS_QT_LO - 1u);
     const uint c = table[a + (u >> 31) * OPTIRS_QT_WIDTH];
-    return (uchar)(c + (mid[c] < y ? 1u : 0u));
+    return c + (mid[c] < y ? 1u : 0u);
 }
 
 #define OPTIRS_QUANTIZE8(q, y, mid, table)                                                       \
-    (uchar8)(q(y.s0, mid, table), q(y.s1, mid, table), q(y.s2, mid, table), q(y.s3, mid, table), \
+    (uint8)(q(y.s0, mid, table), q(y.s1, mid, table), q(y.s2, mid, table), q(y.s3, mid, table), \
              q(y.s4, mid, table), q(y.s5, mid, table), q(y.s6, mid, table), q(y.s7, mid, table))
 
+/* The kernels keep a block's codes one to a 32-bit word (each below 256: code 255 is the most,
+ * mid[255] being +inf): unpacked from their 4-byte words as table indices by one shift or AND each
+ * and packed back by shifts and adds, where codes as uchar8 were masked again at every conversion
+ * (NVIDIA's PTX through clang: 3 instructions for some bytes, 6-7 to pack 4). */
+uint8 optirs_codes8(uint2 w)
+{
+    return (uint8)(w.s0 & 0xFFu, (w.s0 >> 8) & 0xFFu, (w.s0 >> 16) & 0xFFu, w.s0 >> 24, w.s1 & 0xFFu,
+                   (w.s1 >> 8) & 0xFFu, (w.s1 >> 16) & 0xFFu, w.s1 >> 24);
+}
+
+uint2 optirs_pack_codes8(uint8 c)
+{
+    return (uint2)(c.s0 + (c.s1 << 8) + (c.s2 << 16) + (c.s3 << 24), c.s4 + (c.s5 << 8) + (c.s6 << 16) + (c.s7 << 24));
+}
+
 /* quantize(x): y = (x * pre) * inv with the block's optirs_quantize_factors f = (pre, inv), then
- * its code. ``finite``: the block's scale is finite and every |x| at most it (a block's own new
- * values: the usual case), so the shorter bucket applies. */
-uchar8 optirs_quantize8(float8 x, float2 f, int finite, __local const float *mid, __local const uchar *table)
+ * its code (one to a word). ``finite``: the block's scale is finite and every |x| at most it (a
+ * block's own new values: the usual case), so the shorter bucket applies. */
+uint8 optirs_quantize_codes8(float8 x, float2 f, int finite, __local const float *mid, __local const uchar *table)
 {
     const float8 y = (x * f.s0) * f.s1;
     if (finite)
@@ -243,10 +326,20 @@ uchar8 optirs_quantize8(float8 x, float2 f, int finite, __local const float *mid
     return OPTIRS_QUANTIZE8(optirs_quantize1, y, mid, table);
 }
 
+uchar8 optirs_quantize8(float8 x, float2 f, int finite, __local const float *mid, __local const uchar *table)
+{
+    return convert_uchar8(optirs_quantize_codes8(x, f, finite, mid, table));
+}
+
 /* dequantize(code, scale) = q[code] * scale. */
-float8 optirs_dequantize8(uchar8 c, float scale, __local const float *q)
+float8 optirs_dequantize_codes8(uint8 c, float scale, __local const float *q)
 {
     return (float8)(q[c.s0], q[c.s1], q[c.s2], q[c.s3], q[c.s4], q[c.s5], q[c.s6], q[c.s7]) * scale;
+}
+
+float8 optirs_dequantize8(uchar8 c, float scale, __local const float *q)
+{
+    return optirs_dequantize_codes8(convert_uint8(c), scale, q);
 }
 
 #endif
