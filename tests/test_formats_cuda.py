@@ -375,12 +375,8 @@ def test_int8_lanes_past_the_end_read_no_table_out_of_bounds(monkeypatch):
     if SIMULATOR:
         monkeypatch.setattr(formats_kernels, "quantize_finite", formats_kernels.quantize_finite.py_func)
     hp = RmspropParams(lr=1e-3, alpha=0.9, momentum=0.5, centered=True)
-    for got_p, got_b, want_p, want_b, _ in _run("rmsprop", _fmt("float32", None, "int8"), [(4100,)], steps=2, hp=hp,
-                                                cpu=True):
-        for g, w in zip(got_p, want_p):
-            assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8))
-        for k, w in want_b.items():
-            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+    for result in _run("rmsprop", _fmt("bfloat16", "remainder8", "int8"), [(4100,)], steps=2, hp=hp):
+        _assert_close(result, master_atol=1e-8, state_rel=1e-6)  # lr * buf moves masters near 0 by ~1e-9
 
 
 LAMB_FORMATS = [_fmt("bfloat16", "remainder8", "int8"), _fmt("bfloat16", "float32", "bfloat16"),
