@@ -81,7 +81,8 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     assert ".f64" not in ptx, "the format step computes in float64"
     assert ".local" not in ptx, "a lane's 8 elements spilled to local memory"
     if fmt.state_dtype == "int8":
-        assert "shfl.sync.bfly" in ptx  # the block absmax in registers
+        # the block absmax in registers: one redux.sync (sm_80 on) or five shuffles
+        assert ("redux.sync.max.u32" if fk.REDUX else "shfl.sync.bfly") in ptx
         assert "ld.global.v2.u32" in ptx  # 8 int8 codes per access
 
 
@@ -109,7 +110,7 @@ def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
     else:
         assert "st.global.v4.u32" in ptx
         if fmt.state_dtype == "int8":
-            assert "shfl.sync.bfly" in ptx
+            assert ("redux.sync.max.u32" if fk.REDUX else "shfl.sync.bfly") in ptx
     grad = fk.make_lamb_grad_kernel(fmt.grad_dtype)
     ptx, _ = cuda.compile_ptx(grad, (table, table, types.int64, types.float64[:, ::1], types.int64, types.int64,
                                      types.int64, typeof(sc)), cc=(9, 0))

@@ -123,13 +123,47 @@ the high halves of their words (``bf16_*_wide``, the loads' widened words) store
 ``prmt``, where shifting each down and packing took three instructions."""
 
 
-@_device
-def warp_max(x):
-    """The largest ``x`` over the 32 lanes of the warp, in every lane (NaN-propagating: a NaN in
-    any lane gives NaN everywhere, so a non-finite block is not silently scaled)."""
-    for k in (16, 8, 4, 2, 1):
-        x = max_nan(x, float32(_xor_exchange(x, k)))
-    return x
+def _has_redux() -> bool:
+    """Whether the kernels compile for sm_80 or later (``redux.sync``): the current device's compute
+    capability; without a device (PTX built ahead, tests) the kernels target sm_90."""
+    if SIMULATOR:
+        return False
+    try:
+        return tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+    except Exception:  # no device here: the kernels are compiled for sm_90 (tests, ahead-of-time PTX)
+        return True
+
+
+REDUX = _has_redux()
+
+if REDUX:
+    @intrinsic
+    def _redux_max_u32(typingctx, x):
+        if x != types.uint32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            return builder.asm(ir.FunctionType(i32, [i32]), "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r", args,
+                               side_effect=True)
+
+        return types.uint32(types.uint32), codegen
+
+    @_device
+    def warp_max(x):
+        """The largest ``x`` over the 32 lanes of the warp, in every lane, for ``x`` 0 or more or NaN
+        (a block's absmax: NaN-propagating, so a non-finite block is not silently scaled). Their
+        bits order as their values, the canonical NaN of ``max.NaN`` above inf: one ``redux.sync``
+        (sm_80 on) where five shuffles and five maxima took ten instructions a lane."""
+        return bits_f32(_redux_max_u32(f32_bits(x)))
+else:
+    @_device
+    def warp_max(x):
+        """The largest ``x`` over the 32 lanes of the warp, in every lane (NaN-propagating: a NaN in
+        any lane gives NaN everywhere, so a non-finite block is not silently scaled)."""
+        for k in (16, 8, 4, 2, 1):
+            x = max_nan(x, float32(_xor_exchange(x, k)))
+        return x
 
 
 @_device
