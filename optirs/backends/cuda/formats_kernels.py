@@ -19,6 +19,11 @@ is emulated through shared memory and ``syncthreads``, which needs every thread 
 Per-element format math (encodings, random bits, remainders, the int8 map) is the shared numba
 code of :mod:`optirs.backends.common.formats`; the optimizer math is ``element_update`` of
 :mod:`optirs.backends.common.elementwise`. The kernels here only move memory and reduce.
+
+A family with a fast element step (``FAST_ELEMENT_STEPS``: Adam's square root and division by the
+GPU's fast paths, :mod:`optirs.backends.common.fast_paths`) takes a round's 8 elements by it with
+one flag and no branch per element; a lane whose flag is false loads the round again and takes
+``element_update`` (a branch per round, uniform over the lane; the loop stays block-uniform).
 """
 
 from __future__ import annotations
