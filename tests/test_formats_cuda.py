@@ -150,12 +150,14 @@ def _bits(a):
     return a if a.dtype == np.float32 else a.view(np.uint16)
 
 
-def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False, state_grad_dtype=None):
+def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False, state_grad_dtype=None, grads=None):
     """Steps through the hooks on numpy inputs; returns (params, buffers) after each step beside the
-    reference's from the same inputs (``cpu``: beside the cpu backend's hooks' instead).
+    reference's from the same inputs (``cpu``: beside the cpu backend's hooks' instead; ``grads``:
+    a function of the step's random gradients that returns the gradients to step with).
     ``state_grad_dtype``: the hook's FormatState made for gradients of this dtype (the state's
     buffers depend on the storage only; optirs.torch makes one for float32 gradients)."""
     plugin, ctx, cuda = _cuda()
+    edit = grads
     d = DEFINITIONS[name]
     hp = hp if hp is not None else d.examples[0]
     layout = TensorLayout(shapes)
@@ -167,6 +169,8 @@ def _run(name, fmt, shapes, steps, seed=5, found=None, hp=None, cpu=False, state
     out = []
     for step in range(1, steps + 1):
         grads = [rng.standard_normal(s).astype(HOST[fmt.grad_dtype]) for s in shapes]
+        if edit is not None:
+            grads = edit(grads)
         if cpu:
             want_p, want_b = _cpu_step(d, hp, fs, layout, fmt, params, grads, host, seed, step)
         else:
@@ -354,6 +358,116 @@ def test_division_by_a_uniform_divisor_is_the_division():
         check[1, 32](np.float32(b), 0x7FC00000, 1, 32, bad)  # NaNs
         check[1, 32](np.float32(b), 0x80000000, 1, 1, bad)  # -0
         assert bad[0] == 0, (float(b), hex(int(bad[1])))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(SIMULATOR, reason="the fast paths are the GPU's instructions; the simulator runs the cpu's IEEE ones")
+def test_fast_square_root_and_division_are_ieee_in_their_windows():
+    """optirs.backends.common.fast_paths on the device: sqrt_fast is the square root for every float32
+    of its window; div_fast is the division for 2**26 random pairs of its windows (either sign of the
+    dividend), and for every dividend of the extreme binades of its window by the extreme divisors."""
+    _cuda()
+    import math
+
+    from numba import njit
+
+    from optirs.backends.common import fast_paths as fp
+    from optirs.backends.common.formats import bits_f32, f32_bits, rand32
+
+    root = njit(lambda x: fp.sqrt_fast(x))
+    divide = njit(lambda a, b: fp.div_fast(a, b))
+
+    def check_sqrt(count, bad):
+        for k in range(cuda.grid(1), count, cuda.gridsize(1)):
+            x = bits_f32(np.uint32(fp.SQRT_LO + k))
+            if f32_bits(root(x)) != f32_bits(math.sqrt(x)):
+                cuda.atomic.add(bad, 0, 1)
+                bad[1] = fp.SQRT_LO + k
+
+    def check_random(count, bad):
+        a_span = np.uint32(fp.DIVIDEND_HI - fp.DIVIDEND_LO + 1)
+        b_span = np.uint32(fp.DIVISOR_HI - fp.DIVISOR_LO + 1)
+        for k in range(cuda.grid(1), count, cuda.gridsize(1)):
+            ra = rand32(np.uint32(0x1234567), np.uint32(k))
+            rb = rand32(np.uint32(0x89ABCDE), np.uint32(k))
+            a = bits_f32(np.uint32(fp.DIVIDEND_LO + (ra >> np.uint32(1)) % a_span) | ((ra & np.uint32(1)) << np.uint32(31)))
+            b = bits_f32(np.uint32(fp.DIVISOR_LO + rb % b_span))
+            if f32_bits(divide(a, b)) != f32_bits(a / b):
+                cuda.atomic.add(bad, 0, 1)
+                bad[1] = k
+
+    def check_edges(b_bits, bad):
+        b = bits_f32(np.uint32(b_bits))
+        for k in range(cuda.grid(1), 1 << 25, cuda.gridsize(1)):
+            low = np.uint32(k & 0x7FFFFF)
+            mag = fp.DIVIDEND_LO + low if (k & 0x800000) == 0 else fp.DIVIDEND_HI - low
+            a = bits_f32(np.uint32(mag | ((k >> 24) << 31)))
+            if f32_bits(divide(a, b)) != f32_bits(a / b):
+                cuda.atomic.add(bad, 0, 1)
+                bad[1] = k
+
+    bad = np.zeros(2, np.int64)
+    cuda.jit(check_sqrt)[1024, 256](int(fp.SQRT_HI - fp.SQRT_LO) + 1, bad)
+    assert bad[0] == 0, hex(int(bad[1]))
+    cuda.jit(check_random)[1024, 256](1 << 26, bad)
+    assert bad[0] == 0, int(bad[1])
+    edges = cuda.jit(check_edges)
+    for b in (fp.DIVISOR_LO, fp.DIVISOR_LO + 1, fp.DIVISOR_HI, fp.DIVISOR_HI - 1, 0x3F800000, 0x3FFFFFFF):
+        edges[1024, 256](int(b), bad)
+        assert bad[0] == 0, (hex(b), int(bad[1]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt,amsgrad", [
+    (_fmt("bfloat16", None, "bfloat16", stochastic=True, gdt="float32"), True),
+    (_fmt("bfloat16", "remainder8", "int8"), False),
+], ids=["sr-bf16state-amsgrad", "r8-int8"])
+def test_adam_rounds_outside_the_fast_windows_are_the_exact_step(monkeypatch, fmt, amsgrad):
+    """The formats kernels take Adam's square roots and divisions by their fast paths with one flag
+    per lane's 8 elements, and redo a round where it is false: rounds holding zero, subnormal, tiny,
+    huge or NaN gradients (so zero, tiny, huge, infinite or NaN moments) are the cpu backend's bit for bit,
+    beside ordinary rounds. On a GPU the fast paths themselves are wrong there (sqrt_fast(0) is NaN);
+    in the simulator, which runs the cpu's IEEE operations, the fast step is made to return NaN
+    wherever its flag is false, as a GPU's may, and must be taken on both kinds of round. (No NaN
+    that arithmetic makes, as inf / inf: its sign is the hardware's, negative on x86, and an int8
+    scale keeps a NaN's bits; the bfloat16 encoders write any NaN as the quiet NaN of its sign.)"""
+    from optirs.backends.common import elementwise
+    from optirs.core.params import AdamParams
+
+    if SIMULATOR:
+        setup, step = elementwise.FAST_ELEMENT_STEPS["adam"]
+        taken = {True: 0, False: 0}
+
+        def poisoned(p, g, s0, s1, s2, sc, u):
+            p, s0, s1, s2, ok = step(p, g, s0, s1, s2, sc, u)
+            taken[bool(ok)] += 1
+            if ok:
+                return p, s0, s1, s2, ok
+            nan = np.float32(np.nan)
+            return nan, nan, nan, nan, ok
+
+        monkeypatch.setitem(elementwise.FAST_ELEMENT_STEPS, "adam", (setup, poisoned))
+
+    def special(grads):
+        g = grads[0]  # 300 elements: rounds of 8 from the lane's first element
+        g[0:8] = 0.0  # a round of zero gradients (first step: zero moments)
+        g[8] = 0.0  # one zero in an ordinary round
+        g[16:20] = [1e-40, -1e-42, 1e-30, -1e-25]  # subnormal, and squares that underflow to 0
+        if fmt.state_dtype == "bfloat16":
+            g[24:27] = [3e19, -1e30, 3e38]  # squares past float32's top: infinite second moments
+            g[32] = np.nan
+        else:  # an infinite int8 scale decodes its 0 code to 0 * inf, a NaN of the hardware's sign
+            g[24:26] = [1e19, -1.5e19]  # second moments past the window, finite
+        return grads
+
+    for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, [(300,)], steps=2, cpu=True, grads=special,
+                                                hp=AdamParams(lr=1e-2, amsgrad=amsgrad)):
+        for g, w in zip(got_p, want_p):
+            assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+        for k, w in want_b.items():
+            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+    if SIMULATOR:
+        assert taken[True] > 0 and taken[False] > 0, taken
 
 
 @pytest.mark.cuda

@@ -27,6 +27,31 @@ from numba.extending import intrinsic
 from optirs.backends.common.half_native import _is_cuda
 
 
+def _reciprocal(builder, den):
+    """The refined reciprocal of ``den`` (NVVM IR): ``rcp.approx.ftz`` and one Newton step, fused."""
+    f = ir.FloatType()
+    fma = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+    neg_den = builder.fsub(ir.Constant(f, -0.0), den)  # NVVM's IR predates LLVM's fneg
+    y0 = builder.asm(ir.FunctionType(f, [f]), "rcp.approx.ftz.f32 $0, $1;", "=f,f", [den], side_effect=False)
+    return builder.call(fma, [builder.call(fma, [neg_den, y0, ir.Constant(f, 1.0)]), y0, y0])
+
+
+def _corrected(builder, num, den, y):
+    """``(q, q + r * y)`` with ``q = num * y`` and ``r = fma(-den, q, num)`` (NVVM IR)."""
+    f = ir.FloatType()
+    fma = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+    q = builder.fmul(num, y)
+    r = builder.call(fma, [builder.fsub(ir.Constant(f, -0.0), den), q, num])
+    return q, builder.call(fma, [r, y, q])
+
+
+def _select_finite(builder, num, q, corrected):
+    f = ir.FloatType()
+    finite = builder.and_(builder.fcmp_ordered(">", num, ir.Constant(f, 0.0)),
+                          builder.fcmp_ordered("<", num, ir.Constant(f, float("inf"))))
+    return builder.select(finite, corrected, q)
+
+
 @intrinsic
 def divide_by_uniform(typingctx, a, b):
     """``a / b`` (float32) for ``b`` in (0, 1], the same for every element, and ``a`` a square root
@@ -38,16 +63,43 @@ def divide_by_uniform(typingctx, a, b):
         num, den = args
         if not _is_cuda(context):
             return builder.fdiv(num, den)
-        f = ir.FloatType()
-        fma = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
-        neg_den = builder.fsub(ir.Constant(f, -0.0), den)  # NVVM's IR predates LLVM's fneg
-        y0 = builder.asm(ir.FunctionType(f, [f]), "rcp.approx.ftz.f32 $0, $1;", "=f,f", [den], side_effect=False)
-        y = builder.call(fma, [builder.call(fma, [neg_den, y0, ir.Constant(f, 1.0)]), y0, y0])
-        q = builder.fmul(num, y)
-        r = builder.call(fma, [neg_den, q, num])
-        corrected = builder.call(fma, [r, y, q])
-        finite = builder.and_(builder.fcmp_ordered(">", num, ir.Constant(f, 0.0)),
-                              builder.fcmp_ordered("<", num, ir.Constant(f, float("inf"))))
-        return builder.select(finite, corrected, q)
+        q, corrected = _corrected(builder, num, den, _reciprocal(builder, den))
+        return _select_finite(builder, num, q, corrected)
 
     return types.float32(types.float32, types.float32), codegen
+
+
+# The reciprocal taken once by the caller: the inline PTX of ``rcp.approx`` is not common to the
+# elements as NVVM sees it, so each element's divide_by_uniform recomputed the refinement (a
+# constant load and two multiply-adds an element in the formats kernels' SASS).
+
+
+@intrinsic
+def uniform_reciprocal(typingctx, b):
+    """The reciprocal :func:`divide_by_reciprocal` takes for divisor ``b`` (a GPU's refined
+    ``rcp.approx``; the cpu's is unused: it divides)."""
+    if b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not _is_cuda(context):
+            return ir.Constant(ir.FloatType(), 0.0)
+        return _reciprocal(builder, args[0])
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def divide_by_reciprocal(typingctx, a, b, y):
+    """``divide_by_uniform(a, b)`` for a finite positive ``a``, ``y = uniform_reciprocal(b)`` taken
+    once: the corrected quotient without the select (which only 0, inf and NaN need)."""
+    if a != types.float32 or b != types.float32 or y != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        num, den, recip = args
+        if not _is_cuda(context):
+            return builder.fdiv(num, den)
+        return _corrected(builder, num, den, recip)[1]
+
+    return types.float32(types.float32, types.float32, types.float32), codegen

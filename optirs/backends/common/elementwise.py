@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import float32, float64, njit
 from numba.extending import overload
 
-from optirs.backends.common.division import divide_by_uniform
+from optirs.backends.common.division import divide_by_reciprocal, divide_by_uniform, uniform_reciprocal
+from optirs.backends.common.fast_paths import dividend_in_window, div_fast, sqrt_fast, sqrt_in_window
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.definitions import DEFINITIONS
 
@@ -29,8 +31,9 @@ prepare_kernel_compilation()  # before the first decorator: numba picks the cach
 
 
 @njit(cache=True, error_model="numpy")
-def adam_update(p, g, m, v, vmax, sc):
-    """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
+def _adam_terms(p, g, m, v, sc):
+    """Adam/AdamW before its square root and division: (p, m, v, a), the new parameter then
+    ``p - a / (sqrt(x) / sqrt(1 - beta2**t) + eps)`` with x = v (max(vmax, v) with amsgrad)."""
     g = g * sc.grad_factor
     if sc.decoupled:
         p = p * sc.decay_factor
@@ -38,13 +41,55 @@ def adam_update(p, g, m, v, vmax, sc):
         g = g + sc.weight_decay * p
     m = sc.beta1 * m + sc.one_minus_beta1 * g
     v = sc.beta2 * v + sc.one_minus_beta2 * g * g
+    return p, m, v, sc.step_size * m
+
+
+@njit(cache=True, error_model="numpy")
+def adam_update(p, g, m, v, vmax, sc):
+    """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
+    p, m, v, a = _adam_terms(p, g, m, v, sc)
     if sc.amsgrad:
         vmax = max(vmax, v)
         denom = divide_by_uniform(math.sqrt(vmax), sc.bias_correction2_sqrt) + sc.eps
     else:
         denom = divide_by_uniform(math.sqrt(v), sc.bias_correction2_sqrt) + sc.eps
-    p = p - sc.step_size * m / denom
-    return p, m, v, vmax
+    return p - a / denom, m, v, vmax
+
+
+# Adam by the GPU's fast square root and division (optirs.backends.common.fast_paths), for a kernel
+# that takes a group of elements without a branch per element and redoes the group by adam_update
+# where any element's flag is false. The flag is the two windows: x's (sqrt_fast is the square root)
+# and a's (a dividend of div_fast's window). The divisor's window is implied: with x in
+# [2**-101, 2**64) the root is in [2**-51, 2**32) (finite and positive: divide_by_reciprocal is
+# divide_by_uniform), so with the bias correction in [2**-16, 1] and eps in [0, 1], which
+# adam_fast_setup tests once, the denominator is in [2**-51, 2**49), div_fast's window: no test an
+# element. On the cpu the operations are the IEEE ones and the results adam_update's.
+
+_X_HI = np.uint32(0x5F7FFFFF)  # x < 2**64
+_BC_MIN = np.float32(2.0**-16)
+_ONE = np.float32(1)
+_ZERO = np.float32(0)
+
+
+@njit(cache=True, error_model="numpy")
+def adam_fast_setup(sc):
+    """(u, ok) for :func:`adam_update_fast`, once per launch: the bias correction's reciprocal and
+    whether this step's scalars keep the denominator in div_fast's window."""
+    c = sc.bias_correction2_sqrt
+    return uniform_reciprocal(c), (c >= _BC_MIN) & (c <= _ONE) & (sc.eps >= _ZERO) & (sc.eps <= _ONE)
+
+
+@njit(cache=True, error_model="numpy")
+def adam_update_fast(p, g, m, v, vmax, sc, u):
+    """:func:`adam_update` by the fast paths: (p, m, v, vmax, ok), adam_update's values where ``ok``
+    (and ``adam_fast_setup``'s) is true; ``u`` is adam_fast_setup's reciprocal."""
+    p, m, v, a = _adam_terms(p, g, m, v, sc)
+    # the radicand without a test of amsgrad: without it ``vmax`` comes in as 0 (an unused slot) and
+    # its result is dropped, so x is v wherever v is in the window, and 0 (outside) where v is 0,
+    # negative or NaN
+    x = max(vmax, v)
+    denom = divide_by_reciprocal(sqrt_fast(x), sc.bias_correction2_sqrt, u) + sc.eps
+    return p - div_fast(a, denom), m, v, x, sqrt_in_window(x, _X_HI) & dividend_in_window(a)
 
 
 @njit(cache=True, error_model="numpy")
@@ -225,6 +270,13 @@ def element_step(family: str):
 @njit(cache=True, error_model="numpy")
 def adam_element(p, g, m, v, vmax, sc):
     return adam_update(p, g, m, v, vmax, sc)
+
+
+# Families whose element step has a fast-path variant (adam_update_fast's contract):
+# ``setup(sc) -> (u, ok)`` once per launch, ``step(p, g, s0, s1, s2, sc, u) -> (p, s0, s1, s2, ok)``,
+# the element step's values wherever both flags are true. The cuda formats kernels use them; the
+# other families (RMSprop, Adagrad, NAdam, RAdam, Adadelta, LAMB) keep their IEEE operations.
+FAST_ELEMENT_STEPS = {"adam": (adam_fast_setup, adam_update_fast)}
 
 
 @element_step("sgd")

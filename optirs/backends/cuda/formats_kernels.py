@@ -19,6 +19,11 @@ is emulated through shared memory and ``syncthreads``, which needs every thread 
 Per-element format math (encodings, random bits, remainders, the int8 map) is the shared numba
 code of :mod:`optirs.backends.common.formats`; the optimizer math is ``element_update`` of
 :mod:`optirs.backends.common.elementwise`. The kernels here only move memory and reduce.
+
+A family with a fast element step (``FAST_ELEMENT_STEPS``: Adam's square root and division by the
+GPU's fast paths, :mod:`optirs.backends.common.fast_paths`) takes a round's 8 elements by it with
+one flag and no branch per element; a lane whose flag is false loads the round again and takes
+``element_update`` (a branch per round, uniform over the lane; the loop stays block-uniform).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from numba import cuda, float32, float64, uint8, uint32
 
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
-from optirs.backends.common.elementwise import element_update
+from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bits_f32, decode_state, decode_value,
                                            dequantize, f32_bits, lamb_format_update, load_master,
                                            quantize, quantize_factors, quantize_finite, rand32, slot_bits, state_stream,
@@ -464,6 +469,106 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     widen_param = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32)
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
+    # a family with a fast-path element step (optirs.backends.common.elementwise.FAST_ELEMENT_STEPS)
+    # takes it first; the others compile the exact pass only
+    fast_setup, fast_step = FAST_ELEMENT_STEPS.get(family, (_no_fast_setup, _no_fast_step))
+    fast = family in FAST_ELEMENT_STEPS and not lamb
+
+    def load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, pw, gw, mw, w0,
+                   w1, w2, x0, x1, x2, q_s, q_u):
+        """A round's loads and decoding: the lane's words into ``pw``, ``gw``, ``mw``, ``w0``-``w2`` and the
+        state as float32 into ``x0``-``x2``; returns the int8 blocks' scales (0 where unused)."""
+        sc0 = sc1 = sc2 = float32(0)
+        if quant and live:
+            if u0:
+                sc0 = ld(ca0 + grp * 4)
+            if u1:
+                sc1 = ld(ca1 + grp * 4)
+            if u2:
+                sc2 = ld(ca2 + grp * 4)
+        # every load of the round, then the words. The state's element size is the format's:
+        # a small int8 tensor's float32 state takes the path below, so these loads and their
+        # unpacking are not compiled for both sizes and predicated (which held 117 registers
+        # in the int8 kernels, 79 without)
+        if batch and vec and cnt == LANE32 and (quant or not int8):
+            rp = raw8(pa + base * psize, psize)
+            rg = raw8(ga + base * gsize, gsize)
+            rm = raw8(ma + base * msize, msize) if msize != 0 else (_ZERO4, _ZERO4)
+            r0 = raw8(sa0 + base * ssize, ssize) if u0 else (_ZERO4, _ZERO4)
+            r1 = raw8(sa1 + base * ssize, ssize) if u1 else (_ZERO4, _ZERO4)
+            r2 = raw8(sa2 + base * ssize, ssize) if u2 else (_ZERO4, _ZERO4)
+            unpack8(rp, psize, pw, widen_param)
+            unpack8(rg, gsize, gw, widen_grad)
+            if msize != 0:
+                unpack8(rm, msize, mw, False)
+            if u0:
+                unpack8(r0, ssize, w0, True)
+            if u1:
+                unpack8(r1, ssize, w1, True)
+            if u2:
+                unpack8(r2, ssize, w2, True)
+        else:
+            if psize == 2:
+                ld8_16(pa + base * 2, vec, cnt, pw, widen_param)
+            else:
+                ld8_32(pa + base * 4, vec, cnt, pw)
+            if gsize == 2:
+                ld8_16(ga + base * 2, vec, cnt, gw, widen_grad)
+            else:
+                ld8_32(ga + base * 4, vec, cnt, gw)
+            if msize == 4:
+                ld8_32(ma + base * 4, vec, cnt, mw)
+            elif msize == 2:
+                ld8_16(ma + base * 2, vec, cnt, mw, False)
+            elif msize == 1:
+                ld8_8(ma + base, vec, cnt, mw)
+            _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
+            _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
+            _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
+        # the state as float32
+        _decode_state(u0, quant, sz, w0, x0, sc0, q_s if sg0 else q_u)
+        _decode_state(u1, quant, sz, w1, x1, sc1, q_s if sg1 else q_u)
+        _decode_state(u2, quant, sz, w2, x2, sc2, q_s if sg2 else q_u)
+        return sc0, sc1, sc2
+
+    load_round = _device(load_round)
+
+    def element_inputs(j, pw, gw, mw):
+        """Element ``j``'s (parameter or master, gradient) as float32 from the lane's words."""
+        mraw = mw[j]
+        if msize == 0:
+            mraw = np.uint32(0)
+        elif msize != 4:
+            mraw = _remainder(mraw, master)
+        # widened as unpacked (_widen16's reason); a float32 master word of 0 is read from the
+        # parameter. float32(): numba's simulator hands the shared functions Python floats
+        g = float32(bits_f32(gw[j]) if widen_grad else decode_value(gw[j], fc.grad))
+        if widen_param:
+            xp = float32(bits_f32(pw[j]))
+            if master == MASTER_F32 and mraw != 0:
+                xp = float32(bits_f32(mraw))
+        else:
+            xp = float32(load_master(pw[j], mraw, fc))
+        return xp, g
+
+    element_inputs = _device(element_inputs)
+
+    def fast_elements(pw, gw, mw, x0, x1, x2, e, keyp, sc, u, ok):
+        """The lane's 8 element steps by the family's fast variant, results written as the exact pass
+        writes them; returns ``ok`` and every element's flag (true: the results are the exact ones)."""
+        for j in range(LANE):
+            xp, g = element_inputs(j, pw, gw, mw)
+            xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u)
+            ok = ok & okj
+            p_, m_ = _store_param(xn, fc, keyp, add32(e, j), widen_param)
+            pw[j] = p_
+            mw[j] = m_
+            x0[j] = a
+            x1[j] = b
+            x2[j] = d
+        return ok
+
+    fast_elements = _device(fast_elements)
 
     def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, acc, ntensors, found, seed, step, q,
              sc):
@@ -509,6 +614,11 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             if sc.max_grad_norm > 0:
                 raw_norm = math.sqrt(acc[q, 2 * ntensors])
             grad_scale = lamb_grad_scale(raw_norm, sc)
+        fu = float32(0)
+        fok = False
+        if fast:
+            fu, fok = fast_setup(sc)
+            fu = float32(fu)
         pw = cuda.local.array(LANE, uint32)
         gw = cuda.local.array(LANE, uint32)
         mw = cuda.local.array(LANE, uint32)
@@ -562,95 +672,43 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
                 cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
                 e = add32(off32, base)  # flat index of the lane's first element (low 32 bits)
-                sc0 = sc1 = sc2 = float32(0)
                 live = grp < ngroups
-                if quant and live:
-                    if u0:
-                        sc0 = ld(ca0 + grp * 4)
-                    if u1:
-                        sc1 = ld(ca1 + grp * 4)
-                    if u2:
-                        sc2 = ld(ca2 + grp * 4)
-                # every load of the round, then the words. The state's element size is the format's:
-                # a small int8 tensor's float32 state takes the path below, so these loads and their
-                # unpacking are not compiled for both sizes and predicated (which held 117 registers
-                # in the int8 kernels, 79 without)
-                if batch and vec and cnt == LANE32 and (quant or not int8):
-                    rp = raw8(pa + base * psize, psize)
-                    rg = raw8(ga + base * gsize, gsize)
-                    rm = raw8(ma + base * msize, msize) if msize != 0 else (_ZERO4, _ZERO4)
-                    r0 = raw8(sa0 + base * ssize, ssize) if u0 else (_ZERO4, _ZERO4)
-                    r1 = raw8(sa1 + base * ssize, ssize) if u1 else (_ZERO4, _ZERO4)
-                    r2 = raw8(sa2 + base * ssize, ssize) if u2 else (_ZERO4, _ZERO4)
-                    unpack8(rp, psize, pw, widen_param)
-                    unpack8(rg, gsize, gw, widen_grad)
-                    if msize != 0:
-                        unpack8(rm, msize, mw, False)
-                    if u0:
-                        unpack8(r0, ssize, w0, True)
-                    if u1:
-                        unpack8(r1, ssize, w1, True)
-                    if u2:
-                        unpack8(r2, ssize, w2, True)
-                else:
-                    if psize == 2:
-                        ld8_16(pa + base * 2, vec, cnt, pw, widen_param)
-                    else:
-                        ld8_32(pa + base * 4, vec, cnt, pw)
-                    if gsize == 2:
-                        ld8_16(ga + base * 2, vec, cnt, gw, widen_grad)
-                    else:
-                        ld8_32(ga + base * 4, vec, cnt, gw)
-                    if msize == 4:
-                        ld8_32(ma + base * 4, vec, cnt, mw)
-                    elif msize == 2:
-                        ld8_16(ma + base * 2, vec, cnt, mw, False)
-                    elif msize == 1:
-                        ld8_8(ma + base, vec, cnt, mw)
-                    _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
-                    _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
-                    _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
-                # the state as float32
-                _decode_state(u0, quant, sz, w0, x0, sc0, q_s if sg0 else q_u)
-                _decode_state(u1, quant, sz, w1, x1, sc1, q_s if sg1 else q_u)
-                _decode_state(u2, quant, sz, w2, x2, sc2, q_s if sg2 else q_u)
+                sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz,
+                                           pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u)
                 # the element steps, on all 8 lanes' words whether they exist or not (the loads gave 0
                 # past the end, and nothing is stored or summed there): no branch per element
-                for j in range(LANE):
-                    mraw = mw[j]
-                    if msize == 0:
-                        mraw = np.uint32(0)
-                    elif msize != 4:
-                        mraw = _remainder(mraw, master)
-                    ij = add32(e, j)
-                    # widened as unpacked (_widen16's reason); a float32 master word of 0 is read from the
-                    # parameter. float32(): numba's simulator hands the shared functions Python floats
-                    g = float32(bits_f32(gw[j]) if widen_grad else decode_value(gw[j], fc.grad))
-                    if widen_param:
-                        xp = float32(bits_f32(pw[j]))
-                        if master == MASTER_F32 and mraw != 0:
-                            xp = float32(bits_f32(mraw))
+                exact = True
+                if fast:
+                    # the fast paths' square roots and divisions, one flag for the 8 elements; where it is
+                    # false the round is loaded again (the pass overwrote its words) and taken exactly
+                    if fast_elements(pw, gw, mw, x0, x1, x2, e, keyp, sc, fu, fok):
+                        exact = False
                     else:
-                        xp = float32(load_master(pw[j], mraw, fc))
-                    if lamb:
-                        xp, a, b, u = lamb_format_update(xp, g, x0[j], x1[j], grad_scale, sc)
-                        if apply:
-                            p_, m_ = _store_param(xp - lr_t * u, fc, keyp, ij, widen_param)
+                        sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live,
+                                                   grp, sz, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u)
+                if exact:
+                    for j in range(LANE):
+                        xp, g = element_inputs(j, pw, gw, mw)
+                        ij = add32(e, j)
+                        if lamb:
+                            xp, a, b, u = lamb_format_update(xp, g, x0[j], x1[j], grad_scale, sc)
+                            if apply:
+                                p_, m_ = _store_param(xp - lr_t * u, fc, keyp, ij, widen_param)
+                                pw[j] = p_
+                                mw[j] = m_
+                                x0[j] = a
+                                x1[j] = b
+                            elif j < cnt:
+                                sp += float64(xp) * float64(xp)
+                                su += float64(u) * float64(u)
+                        else:
+                            xn, a, b, d = element_update(xp, g, x0[j], x1[j], x2[j], sc)
+                            p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
                             pw[j] = p_
                             mw[j] = m_
                             x0[j] = a
                             x1[j] = b
-                        elif j < cnt:
-                            sp += float64(xp) * float64(xp)
-                            su += float64(u) * float64(u)
-                    else:
-                        xn, a, b, d = element_update(xp, g, x0[j], x1[j], x2[j], sc)
-                        p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
-                        pw[j] = p_
-                        mw[j] = m_
-                        x0[j] = a
-                        x1[j] = b
-                        x2[j] = d
+                            x2[j] = d
                 if not writes:
                     continue
                 # int8: each slot's block scale is the absmax of its new values, over the warp
@@ -707,6 +765,16 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         body = _device(body)
         kernel.__name__ = kernel.__qualname__ = f"formats_step_{family}"
     return kernel
+
+
+@_device
+def _no_fast_setup(sc):
+    return float32(0), False
+
+
+@_device
+def _no_fast_step(p, g, s0, s1, s2, sc, u):
+    return p, s0, s1, s2, False
 
 
 @_device
