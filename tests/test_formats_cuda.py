@@ -460,12 +460,23 @@ def test_adam_rounds_outside_the_fast_windows_are_the_exact_step(monkeypatch, fm
             g[24:26] = [1e19, -1.5e19]  # second moments past the window, finite
         return grads
 
+    def same(got, want, what):
+        got, want = np.asarray(got), np.asarray(want)
+        if SIMULATOR or got.dtype != np.float32:
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), what
+            return
+        # float32 words (an int8 format's small tensor keeps float32 state) may differ by an ulp on a
+        # GPU, whose compiler fuses multiply-adds (docs/formats.md); NaNs and infinities stay exact
+        gb, wb = got.view(np.int32).astype(np.int64), want.view(np.int32).astype(np.int64)
+        finite = np.isfinite(got) & np.isfinite(want) & (np.sign(got) == np.sign(want))
+        assert np.all(np.where(finite, np.abs(gb - wb) <= 1, gb == wb)), what
+
     for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, [(300,)], steps=2, cpu=True, grads=special,
                                                 hp=AdamParams(lr=1e-2, amsgrad=amsgrad)):
         for g, w in zip(got_p, want_p):
-            assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+            same(g, w, "parameters")
         for k, w in want_b.items():
-            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+            same(got_b[k], w, k)
     if SIMULATOR:
         assert taken[True] > 0 and taken[False] > 0, taken
 
