@@ -14,9 +14,10 @@ says bf16):
 * ``offload_bf16_f32`` / ``offload_bf16_f32_fused``: bf16 parameters, float32 masters and state
   on the host, stepped apart (WIDEN, the default) / in the formats step (``fuse_conversions=True``,
   FUSED);
-* ``offload_bf16_r16`` / ``offload_bf16_r16_int8`` / ``offload_bf16_r8_int8``: bf16 parameters,
-  the host keeping only the master's bits under them (``master_weights="remainder16"`` /
-  ``"remainder8"``), float32 / int8 state: only bf16 gradients and bf16 parameters cross the bus;
+* ``offload_bf16_r16`` / ``offload_bf16_r16_int8`` / ``offload_bf16_r16_bf16`` /
+  ``offload_bf16_r8_int8`` / ``offload_bf16_r8_bf16``: bf16 parameters, the host keeping only the
+  master's bits under them (``master_weights="remainder16"`` / ``"remainder8"``), float32 / int8 /
+  bfloat16 state: only bf16 gradients and bf16 parameters cross the bus;
 * ``<offload row>_sib``: each offload row with ``step_in_backward=True`` (CPU steps start during
   the last backward);
 * ``torchao``: ``torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True)`` (its row
@@ -77,6 +78,8 @@ OFFLOAD_FORMATS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "offload_bf16_f32_fused": ("bfloat16", {"master_weights": "float32", "fuse_conversions": True}),
     "offload_bf16_r16": ("bfloat16", {"master_weights": "remainder16"}),
     "offload_bf16_r16_int8": ("bfloat16", {"master_weights": "remainder16", "state_dtype": "int8"}),
+    "offload_bf16_r16_bf16": ("bfloat16", {"master_weights": "remainder16", "state_dtype": "bfloat16"}),
+    "offload_bf16_r8_bf16": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "bfloat16"}),
     "offload_bf16_r8_int8": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "int8"}),
 }
 # row -> (parameter dtype, format keywords, step_in_backward): each format at step() and, as
