@@ -132,7 +132,8 @@ def param_groups(model) -> List[Dict[str, Any]]:
     return [{"params": decay, "weight_decay": DECAY}, {"params": rest, "weight_decay": 0.0}]
 
 
-def make_optimizer(row: str, model, device: str, accum: int, bucket: int) -> Tuple[Any, str]:
+def make_optimizer(row: str, model, device: str, accum: int, bucket: int,
+                   cpu_threads: Optional[int] = None) -> Tuple[Any, str]:
     """(optimizer or None, note); a row that cannot be built here raises RuntimeError with the reason."""
     import torch
 
@@ -152,11 +153,11 @@ def make_optimizer(row: str, model, device: str, accum: int, bucket: int) -> Tup
 
         _, formats, sib = OFFLOAD_ROWS[row]
         opt = ot.CPUOffload("AdamW", groups, lr=LR, accumulation_steps=accum, step_in_backward=sib,
-                            bucket_elements=bucket, **formats)
+                            bucket_elements=bucket, cpu_threads=cpu_threads, **formats)
         modes = sorted({c.mode for c in getattr(opt, "_chunks", ())})  # direct, widen or fused: how the chunks step
         given = "".join(f"{k}={v!r}, " for k, v in formats.items())
         return opt, (f"optirs.torch.CPUOffload('AdamW', {given}accumulation_steps={accum}, "
-                     f"step_in_backward={sib}, bucket_elements={bucket}) on {param_dtype(row)} "
+                     f"step_in_backward={sib}, bucket_elements={bucket}, cpu_threads={cpu_threads}) on {param_dtype(row)} "
                      f"parameters, chunks {'/'.join(modes)}")
     if row == "torchao":
         try:
@@ -215,7 +216,7 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, progress,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
-        opt, note = make_optimizer(row, model, device, args.accum, args.bucket)
+        opt, note = make_optimizer(row, model, device, args.accum, args.bucket, args.cpu_threads)
     except RuntimeError as exc:
         out["skipped"] = str(exc)
         return out
@@ -626,6 +627,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--copy-mb", type=int, default=2048, help="size of the bandwidth probes")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
     ap.add_argument("--bucket", type=int, default=None, help="CPUOffload's bucket_elements (default: its own)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="CPUOffload's cpu_threads: numba threads of a chunk's step (default: numba's count)")
     ap.add_argument("--chunk-elements", type=int, default=1 << 27,
                     help="size of the per-chunk CPU measurement (0: skip it); its float32 arrays should exceed "
                          "the host's last-level cache many times over, or it measures the cache (the default: 2 GB)")
