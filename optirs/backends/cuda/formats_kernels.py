@@ -555,7 +555,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
 
     def fast_elements(pw, gw, mw, x0, x1, x2, e, keyp, sc, u, ok):
         """The lane's 8 element steps by the family's fast variant, results written as the exact pass
-        writes them; returns ``ok`` and every element's flag (true: the results are the exact ones)."""
+        writes them; returns ``ok`` and-ed with every element's flag (true: all 8 results are the exact ones)."""
         for j in range(LANE):
             xp, g = element_inputs(j, pw, gw, mw)
             xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u)
