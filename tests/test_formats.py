@@ -237,6 +237,8 @@ def nb():
             out[9, i] = E.f32_bits(E.remainder8_join(hi, rem))
             out[10, i] = E.rand32(key, i)
             out[11, i] = E.f32_bits(E.decode16(np.uint32(out[0, i]), 1))
+            out[12, i] = E.bf16_nearest_wide_num(x[i]) >> 16
+            out[13, i] = E.bf16_stochastic_wide_num(x[i], r[i]) >> 16
 
     return E, encode_all
 
@@ -247,7 +249,7 @@ def test_numba_encodings_match_the_reference(nb, rng):
     r = rng.integers(0, 2**32, x.size, dtype=np.uint64).astype(np.uint32)
     key = R.stream_key(12345, 7, 2)
     assert int(E.stream_key(12345, 7, 2)) == int(key)
-    out = np.zeros((12, x.size), np.uint32)
+    out = np.zeros((14, x.size), np.uint32)
     encode_all(x, r, np.uint64(key), out)
     with np.errstate(over="ignore"):
         assert np.array_equal(out[0], x.astype(BF16).view(np.uint16))  # ml_dtypes
@@ -264,6 +266,9 @@ def test_numba_encodings_match_the_reference(nb, rng):
     assert np.array_equal(out[9][finite], y.view(np.uint32)[finite])  # the 24-bit master round-trips
     assert np.array_equal(out[10], R.rand_bits(key, np.arange(x.size)))
     assert np.array_equal(out[11].view(np.float32)[finite], x.astype(BF16).astype(np.float32)[finite])
+    # the encoders without a NaN test (a kernel's tested rounds): the same bits wherever x is not NaN
+    num = ~np.isnan(x)
+    assert np.array_equal(out[12][num], out[0][num]) and np.array_equal(out[13][num], out[2][num])
 
 
 @pytest.fixture(scope="module")
@@ -801,3 +806,24 @@ def test_the_gpu_formats_register_cap(monkeypatch):
         monkeypatch.setenv("OPTIRS_X_MAXREG", bad)
         with pytest.raises(InvalidParameterError, match=f"OPTIRS_X_MAXREG={bad!r}"):
             formats_register_cap(int8, "OPTIRS_X_MAXREG")
+
+
+def test_max_nan_is_the_nan_propagating_maximum(rng):
+    """fast_paths.max_nan (Adam's fast radicand: a NaN moment must leave the window) is numpy's
+    maximum, NaN wherever either operand is (zeros of both signs left out: the hardware's choice)."""
+    from numba import njit
+
+    from optirs.backends.common.fast_paths import max_nan
+
+    @njit
+    def both(a, b, out):
+        for i in range(a.shape[0]):
+            out[i] = max_nan(a[i], b[i])
+
+    a, b = _special_floats(rng, 300), _special_floats(rng, 300)[::-1].copy()
+    a[:3], b[:3] = np.nan, [1.0, np.nan, -np.inf]
+    b[3:6], a[3:6] = np.nan, [2.0, np.inf, -1.0]
+    out = np.zeros_like(a)
+    both(a, b, out)
+    keep = ~((a == 0) & (b == 0))
+    assert np.array_equal(out[keep], np.maximum(a, b)[keep], equal_nan=True)

@@ -108,6 +108,25 @@ def div_fast(typingctx, a, b):
     return types.float32(types.float32, types.float32), codegen
 
 
+@intrinsic
+def max_nan(typingctx, a, b):
+    """``max(a, b)`` (float32), NaN when either is: one ``max.NaN.f32`` on a GPU (sm_80 on), as cheap as
+    the plain maximum, whose NaN operand is dropped. A fast step that tests a maximum against a window
+    so tests both operands for NaN (the zeros' signs are left to the hardware: a window holds no zero)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, y = args
+        if not _is_cuda(context):
+            pick = builder.or_(builder.fcmp_ordered(">", y, x), builder.fcmp_unordered("uno", y, y))
+            return builder.select(pick, y, x)
+        return builder.asm(ir.FunctionType(_F, [_F, _F]), "max.NaN.f32 $0, $1, $2;", "=f,f,f", args,
+                           side_effect=False)
+
+    return types.float32(types.float32, types.float32), codegen
+
+
 @njit(cache=True, inline="always")
 def sqrt_in_window(x, hi=SQRT_HI):
     """Whether ``sqrt_fast(x)`` is ``sqrt(x)``: x's bits in [SQRT_LO, hi] (``hi`` at most SQRT_HI; a

@@ -227,6 +227,29 @@ def bf16_stochastic_wide(x, r):
     return _nan_wide(u) if and32(u, _ABS) > _EXP else add32(u, and32(r, 0xFFFF))
 
 
+@_jit
+def bf16_stochastic_wide_num(x, r):
+    """:func:`bf16_stochastic_wide` of an ``x`` known not to be NaN (inf included): the sum alone. A
+    GPU kernel whose round has tested its values once (a fast step's flag) pays one add, where the
+    NaN test and its select took four instructions."""
+    return add32(f32_bits(x), and32(r, 0xFFFF))
+
+
+@_jit
+def bf16_nearest_wide_num(x):
+    """:func:`bf16_nearest_wide` of an ``x`` known not to be NaN: the rounding alone."""
+    u = f32_bits(x)
+    return add32(add32(u, 0x7FFF), and32(shr32(u, 16), 1))
+
+
+@_jit
+def param_word_wide_num(x, fc, key, i):
+    """:func:`param_word_wide` of a master ``x`` known not to be NaN (the same bits, no NaN test)."""
+    if fc.master == MASTER_NONE and fc.stochastic:
+        return bf16_stochastic_wide_num(x, rand32(key, i))
+    return bf16_nearest_wide_num(x)
+
+
 # ---------------------------------------------------------------- remainder masters
 
 

@@ -36,7 +36,8 @@ from numba import cuda, float32, float64, uint8, uint32
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
-from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bits_f32, decode_state, decode_value,
+from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bf16_stochastic_wide_num, bits_f32,
+                                           decode_state, decode_value, param_word_wide_num,
                                            dequantize, f32_bits, lamb_format_update, load_master,
                                            quantize, quantize_factors, quantize_finite, rand32, slot_bits, state_stream,
                                            store_master, store_master_wide, stream_key)
@@ -473,6 +474,12 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     # takes it first; the others compile the exact pass only
     fast_setup, fast_step = FAST_ELEMENT_STEPS.get(family, (_no_fast_setup, _no_fast_step))
     fast = family in FAST_ELEMENT_STEPS and not lamb
+    # bfloat16 state: each path of a round encodes its own new values (random bits drawn there), the
+    # fast one without a NaN test (its flag says none is NaN); the stores only pack
+    bf16_state = state == STATE_BF16
+    # a bfloat16 parameter that is its own master or has a float32 master: the fast path tests the new
+    # master for NaN, folded into its flag, and encodes it without the NaN test
+    param_num = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32)
 
     def load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, pw, gw, mw, w0,
                    w1, w2, x0, x1, x2, q_s, q_u):
@@ -553,19 +560,37 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
 
     element_inputs = _device(element_inputs)
 
-    def fast_elements(pw, gw, mw, x0, x1, x2, e, keyp, sc, u, ok):
+    def fast_elements(pw, gw, mw, w0, w1, w2, x0, x1, x2, e, keyp, key01, key2, sc, u, ok):
         """The lane's 8 element steps by the family's fast variant, results written as the exact pass
-        writes them; returns ``ok`` and every element's flag (true: the results are the exact ones)."""
+        writes them (bfloat16 state already encoded, into ``w0``-``w2``); returns ``ok`` and every
+        element's flag (true: the results are the exact ones)."""
         for j in range(LANE):
             xp, g = element_inputs(j, pw, gw, mw)
             xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u)
-            ok = ok & okj
-            p_, m_ = _store_param(xn, fc, keyp, add32(e, j), widen_param)
-            pw[j] = p_
-            mw[j] = m_
-            x0[j] = a
-            x1[j] = b
-            x2[j] = d
+            ij = add32(e, j)
+            if param_num:
+                ok = ok & okj & (xn == xn)
+                pw[j] = param_word_wide_num(xn, fc, keyp, ij)
+                mw[j] = f32_bits(xn) if master == MASTER_F32 else np.uint32(0)
+            else:
+                ok = ok & okj
+                p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
+                pw[j] = p_
+                mw[j] = m_
+            if bf16_state:
+                # no new state value is NaN where the flag holds (FAST_ELEMENT_STEPS)
+                if u0 or u1:
+                    r = rand32(key01, ij)
+                    if u0:
+                        w0[j] = bf16_stochastic_wide_num(a, slot_bits(r, 0))
+                    if u1:
+                        w1[j] = bf16_stochastic_wide_num(b, slot_bits(r, 1))
+                if u2:
+                    w2[j] = bf16_stochastic_wide_num(d, rand32(key2, ij))
+            else:
+                x0[j] = a
+                x1[j] = b
+                x2[j] = d
         return ok
 
     fast_elements = _device(fast_elements)
@@ -628,7 +653,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         x0 = cuda.local.array(LANE, float32)
         x1 = cuda.local.array(LANE, float32)
         x2 = cuda.local.array(LANE, float32)
-        r01 = cuda.local.array(LANE, uint32)
         c = cuda.blockIdx.x
         while c < nchunks:
             t = chunks[c, 0]
@@ -681,7 +705,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 if fast:
                     # the fast paths' square roots and divisions, one flag for the 8 elements; where it is
                     # false the round is loaded again (the pass overwrote its words) and taken exactly
-                    if fast_elements(pw, gw, mw, x0, x1, x2, e, keyp, sc, fu, fok):
+                    if fast_elements(pw, gw, mw, w0, w1, w2, x0, x1, x2, e, keyp, key01, key2, sc, fu, fok):
                         exact = False
                     else:
                         sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live,
@@ -709,6 +733,8 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             x0[j] = a
                             x1[j] = b
                             x2[j] = d
+                    if writes and bf16_state:
+                        _encode_bf16(u0, u1, u2, w0, w1, w2, x0, x1, x2, key01, key2, e)
                 if not writes:
                     continue
                 # int8: each slot's block scale is the absmax of its new values, over the warp
@@ -726,9 +752,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             st(ca1 + grp * 4, sc1)
                         if u2:
                             st(ca2 + grp * 4, sc2)
-                if sz == 2 and (u0 or u1):  # bfloat16 state: one hash gives slots 0 and 1 their random bits
-                    for j in range(LANE):
-                        r01[j] = rand32(key01, add32(e, j))
                 # stores
                 if psize == 2:
                     st8_16(pa + base * 2, vec, cnt, pw, widen_param)
@@ -740,11 +763,11 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     st8_16(ma + base * 2, vec, cnt, mw, False)
                 elif msize == 1:
                     st8_8(ma + base, vec, cnt, mw)
-                _store_state(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e,
+                _store_state(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0,
                              mid_s if sg0 else mid_u, tb_s if sg0 else tb_u)
-                _store_state(u1, 1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, r01, key2, e,
+                _store_state(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1,
                              mid_s if sg1 else mid_u, tb_s if sg1 else tb_u)
-                _store_state(u2, 2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, r01, key2, e,
+                _store_state(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2,
                              mid_s if sg2 else mid_u, tb_s if sg2 else tb_u)
             if lamb and not apply:  # the chunk's sums (uniform over the block: every thread reaches it)
                 sp = _block_sum(sp)
@@ -832,10 +855,9 @@ def _decode_state(usedk, quant, sz, w, x, scale, q):
 
 
 @_device
-def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e, mid, table):
-    """Slot ``k``'s 8 new values of the lane, encoded: int8 codes at ``scale``, bfloat16 rounded
-    stochastically (slots 0 and 1 by halves of the words ``r01``, slot 2 by its own stream's
-    ``key2``), or float32."""
+def _store_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, mid, table):
+    """A slot's 8 new values of the lane, encoded: int8 codes at ``scale``, bfloat16 (the words ``w``,
+    encoded by the round's path), or float32."""
     if not usedk:
         return
     if quant:
@@ -854,11 +876,25 @@ def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e,
                 w[j] = quantize(x[j], pre, inv, mid, table)
         st8_8(addr, vec, cnt, w)
     elif sz == 2:
-        for j in range(LANE):
-            r = slot_bits(r01[j], k) if k < 2 else rand32(key2, add32(e, j))
-            w[j] = bf16_stochastic_wide(x[j], r)
         st8_16(addr, vec, cnt, w, True)
     else:
         for j in range(LANE):
             w[j] = f32_bits(x[j])
         st8_32(addr, vec, cnt, w)
+
+
+@_device
+def _encode_bf16(u0, u1, u2, w0, w1, w2, x0, x1, x2, key01, key2, e):
+    """The lane's new bfloat16 state words (high halves) from the values ``x0``-``x2``, rounded
+    stochastically: slots 0 and 1 by the halves of one hash per element (``key01``'s stream), slot 2
+    by its own stream's ``key2``."""
+    for j in range(LANE):
+        ij = add32(e, j)
+        if u0 or u1:
+            r = rand32(key01, ij)
+            if u0:
+                w0[j] = bf16_stochastic_wide(x0[j], slot_bits(r, 0))
+            if u1:
+                w1[j] = bf16_stochastic_wide(x1[j], slot_bits(r, 1))
+        if u2:
+            w2[j] = bf16_stochastic_wide(x2[j], rand32(key2, ij))
