@@ -418,6 +418,33 @@ def test_fast_square_root_and_division_are_ieee_in_their_windows():
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(SIMULATOR, reason="the conversion is the GPU's instruction; the simulator runs bf16_nearest")
+def test_cvt_pack_bf16_is_bf16_nearest_but_for_nan():
+    """The fast path's parameter rounding (cvt.rn.bf16x2.f32, two values packed) is bf16_nearest's
+    bits for every float32 that is not NaN, in either half of the word."""
+    _cuda()
+    from optirs.backends.common.formats import bf16_nearest, bits_f32
+    from optirs.backends.cuda import formats_kernels as fk
+
+    def check(bad):
+        i = cuda.grid(1)
+        while i < (1 << 32):
+            x = bits_f32(np.uint32(i))
+            if x == x:
+                want = np.uint32(bf16_nearest(x))
+                y = bits_f32(np.uint32(0x3F800000))
+                if fk.cvt_pack_bf16(x, y) != (want | np.uint32(0x3F800000)) or \
+                        fk.cvt_pack_bf16(y, x) != ((want << np.uint32(16)) | np.uint32(0x3F80)):
+                    cuda.atomic.add(bad, 0, 1)
+                    bad[1] = i
+            i += cuda.gridDim.x * cuda.blockDim.x
+
+    bad = np.zeros(2, np.int64)
+    cuda.jit(check)[1024, 256](bad)
+    assert bad[0] == 0, hex(int(bad[1]))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fmt,amsgrad", [
     (_fmt("bfloat16", None, "bfloat16", stochastic=True, gdt="float32"), True),
     (_fmt("bfloat16", "remainder8", "int8"), False),
@@ -529,8 +556,9 @@ def test_lamb_matches_the_reference_and_the_cpu_backend(fmt):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt,shapes", [
     (_fmt("bfloat16", None, "bfloat16", stochastic=True, gdt="float32"), [(300,), (37,)]),
+    (_fmt("bfloat16", None, "bfloat16"), [(300,), (37,)]),
     (_fmt("bfloat16", "remainder8", "int8"), [(4100,), (37,)]),
-], ids=["sr-bf16state", "r8-int8"])
+], ids=["sr-bf16state", "nearest-bf16state", "r8-int8"])
 def test_step_is_the_cpu_backends_bit_for_bit(fmt, shapes):
     """The formats contract is bit-exact on every backend: AdamW with amsgrad (three slots: the two
     moments share one hash, the third its own stream; int8 codes by the block's reciprocal), every

@@ -36,7 +36,8 @@ from numba import cuda, float32, float64, uint8, uint32
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
-from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bf16_stochastic_wide_num, bits_f32,
+from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf16_stochastic_wide,
+                                           bf16_stochastic_wide_num, bits_f32,
                                            decode_state, decode_value, param_word_wide_num,
                                            dequantize, f32_bits, lamb_format_update, load_master,
                                            quantize, quantize_factors, quantize_finite, rand32, slot_bits, state_stream,
@@ -124,6 +125,26 @@ else:
                                side_effect=False)
 
         return types.uint32(types.uint32, types.uint32), codegen
+if SIMULATOR:
+    def cvt_pack_bf16(lo, hi):
+        return pack_high16(bf16_nearest_wide(lo), bf16_nearest_wide(hi))
+else:
+    @intrinsic
+    def cvt_pack_bf16(typingctx, lo, hi):
+        if lo != types.float32 or hi != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            f = ir.FloatType()
+            return builder.asm(ir.FunctionType(ir.IntType(32), [f, f]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
+                               (args[1], args[0]), side_effect=False)
+
+        return types.uint32(types.float32, types.float32), codegen
+cvt_pack_bf16.__doc__ = """``lo`` and ``hi`` rounded to bfloat16 (nearest even) and packed as one word (``lo``'s in the low
+half): one ``cvt.rn.bf16x2.f32`` (sm_80 on), ``bf16_nearest``'s bits for every input but NaN (the
+hardware writes its own NaN), where rounding each (three instructions) and packing took seven."""
+
+
 pack_high16.__doc__ = """The high halves of ``a`` and ``b`` as one word (``a``'s low): two bfloat16 values kept in
 the high halves of their words (``bf16_*_wide``, the loads' widened words) stored as a pair with one
 ``prmt``, where shifting each down and packing took three instructions."""
@@ -347,6 +368,24 @@ def st8_16(addr, vec, cnt, w, wide):
 
 
 @_device
+def _pack_pairs(w):
+    """The high halves of the 8 words ``w`` packed in pairs into ``w[0]``-``w[3]`` (``pack_high16``)."""
+    for k in range(LANE // 2):
+        w[k] = pack_high16(w[2 * k], w[2 * k + 1])
+
+
+@_device
+def st8_16_pairs(addr, vec, cnt, w):
+    """8 16-bit words packed in pairs in ``w[0]``-``w[3]`` (element 2k in the low half of ``w[k]``)."""
+    if vec and cnt == LANE32:
+        st_u32x4(addr, w[0], w[1], w[2], w[3])
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u16(addr + 2 * j, shr32(w[j >> 1], 16) if (j & 1) == 1 else w[j >> 1])
+
+
+@_device
 def ld8_8(addr, vec, cnt, out):
     if vec and cnt == LANE32:
         a, b = ld_u32x2(addr)
@@ -480,6 +519,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     # a bfloat16 parameter that is its own master or has a float32 master: the fast path tests the new
     # master for NaN, folded into its flag, and encodes it without the NaN test
     param_num = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32)
+    # ... and both paths leave it packed in pairs, pw[k] holding elements 2k and 2k + 1: the fast path
+    # rounding to nearest packs by cvt.rn.bf16x2.f32 (cvt_pack_bf16), the others by pack_high16
+    param_nearest = param_num and not (master == MASTER_NONE and fc.stochastic)
 
     def load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, pw, gw, mw, w0,
                    w1, w2, x0, x1, x2, q_s, q_u):
@@ -570,7 +612,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             ij = add32(e, j)
             if param_num:
                 ok = ok & okj & (xn == xn)
-                pw[j] = param_word_wide_num(xn, fc, keyp, ij)
+                pw[j] = f32_bits(xn) if param_nearest else param_word_wide_num(xn, fc, keyp, ij)
                 mw[j] = f32_bits(xn) if master == MASTER_F32 else np.uint32(0)
             else:
                 ok = ok & okj
@@ -591,6 +633,11 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 x0[j] = a
                 x1[j] = b
                 x2[j] = d
+        if param_nearest:
+            for k in range(LANE // 2):
+                pw[k] = cvt_pack_bf16(bits_f32(pw[2 * k]), bits_f32(pw[2 * k + 1]))
+        elif param_num:
+            _pack_pairs(pw)
         return ok
 
     fast_elements = _device(fast_elements)
@@ -735,6 +782,8 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             x2[j] = d
                     if writes and bf16_state:
                         _encode_bf16(u0, u1, u2, w0, w1, w2, x0, x1, x2, key01, key2, e)
+                    if writes and param_num:
+                        _pack_pairs(pw)
                 if not writes:
                     continue
                 # int8: each slot's block scale is the absmax of its new values, over the warp
@@ -753,7 +802,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         if u2:
                             st(ca2 + grp * 4, sc2)
                 # stores
-                if psize == 2:
+                if param_num:
+                    st8_16_pairs(pa + base * 2, vec, cnt, pw)
+                elif psize == 2:
                     st8_16(pa + base * 2, vec, cnt, pw, widen_param)
                 else:
                     st8_32(pa + base * 4, vec, cnt, pw)
