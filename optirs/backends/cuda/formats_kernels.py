@@ -375,6 +375,13 @@ def _pack_pairs(w):
 
 
 @_device
+def _st_pairs_high(addr, w):
+    """The high halves of the 8 words ``w`` as one 16-byte store (``pack_high16``)."""
+    st_u32x4(addr, pack_high16(w[0], w[1]), pack_high16(w[2], w[3]), pack_high16(w[4], w[5]),
+             pack_high16(w[6], w[7]))
+
+
+@_device
 def st8_16_pairs(addr, vec, cnt, w):
     """8 16-bit words packed in pairs in ``w[0]``-``w[3]`` (element 2k in the low half of ``w[k]``)."""
     if vec and cnt == LANE32:
@@ -522,6 +529,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     # ... and both paths leave it packed in pairs, pw[k] holding elements 2k and 2k + 1: the fast path
     # rounding to nearest packs by cvt.rn.bf16x2.f32 (cvt_pack_bf16), the others by pack_high16
     param_nearest = param_num and not (master == MASTER_NONE and fc.stochastic)
+    # bfloat16 state with a parameter stored as packed pairs or float32 words and no master or a
+    # float32 one: a full vector lane's stores take one branch (below)
+    one_branch = bf16_state and writes and (param_num or psize == 4) and msize in (0, 4)
 
     def load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, pw, gw, mw, w0,
                    w1, w2, x0, x1, x2, q_s, q_u):
@@ -801,6 +811,24 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             st(ca1 + grp * 4, sc1)
                         if u2:
                             st(ca2 + grp * 4, sc2)
+                # a full vector lane of a bfloat16-state round: every store under one branch, where each
+                # array's own test and branch region cost about 6 instructions a round
+                if one_branch and vec and cnt == LANE32:
+                    if param_num:
+                        st_u32x4(pa + base * 2, pw[0], pw[1], pw[2], pw[3])
+                    else:
+                        st_u32x4(pa + base * 4, pw[0], pw[1], pw[2], pw[3])
+                        st_u32x4(pa + base * 4 + 16, pw[4], pw[5], pw[6], pw[7])
+                    if msize == 4:
+                        st_u32x4(ma + base * 4, mw[0], mw[1], mw[2], mw[3])
+                        st_u32x4(ma + base * 4 + 16, mw[4], mw[5], mw[6], mw[7])
+                    if u0:
+                        _st_pairs_high(sa0 + base * 2, w0)
+                    if u1:
+                        _st_pairs_high(sa1 + base * 2, w1)
+                    if u2:
+                        _st_pairs_high(sa2 + base * 2, w2)
+                    continue
                 # stores
                 if param_num:
                     st8_16_pairs(pa + base * 2, vec, cnt, pw)
