@@ -748,7 +748,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 lr_t = sc.lr * ratio
             ngroups = u32((n + GROUP - 1) >> 8)
             rounds = (ngroups + nwarps - 1) // nwarps
-            for r in range(rounds):
+            # a 32-bit range (a chunk has far fewer than 2**31 groups): numba counts a range over
+            # the uint32 ``rounds`` in 64 bits, an instruction a round more and 2-4 registers
+            for r in range(np.int32(rounds)):
                 grp = add32(warp, mul32(r, nwarps))
                 base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
                 cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
