@@ -36,11 +36,13 @@ from numba import cuda, float32, float64, uint8, uint32
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
+from optirs.backends.common.fast_paths import rcp_fast, rcp_in_window
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bits_f32, decode_state, decode_value,
-                                           dequantize, f32_bits, lamb_format_update, load_master,
-                                           quantize, quantize_factors, quantize_finite, rand32, slot_bits, state_stream,
+                                           dequantize, f32_bits, lamb_format_update, load_master, packed_word,
+                                           quantize, quantize_factors, quantize_finite, quantize_packed,
+                                           quantize_packed_finite, rand32, slot_bits, state_stream,
                                            store_master, store_master_wide, stream_key)
-from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
+from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8)
 
@@ -52,7 +54,6 @@ GROUP = 256  # elements per warp and per int8 block
 LANE = 8  # elements per lane
 LANE32 = np.uint32(LANE)  # compared with the uint32 counts: a 64-bit compare is two instructions
 _FULL = 0xFFFFFFFF
-_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 # Non-finite test on raw bits: every exponent bit set (inf or NaN).
 EXP_MASK = {"float32": 0x7F800000, "bfloat16": 0x7F80, "float16": 0x7C00}
@@ -111,21 +112,43 @@ else:
 if SIMULATOR:
     def pack_high16(a, b):
         return or32(shr32(a, 16), and32(b, 0xFFFF0000))
+
+    def pack_low16(a, b):
+        return or32(and32(a, 0xFFFF), shl32(b, 16))
+
+    def _pack_low8(a, b):
+        return or32(and32(a, 0xFF), shl32(and32(b, 0xFF), 8))
+
+    def _pack_byte2(a, b):
+        return or32(and32(shr32(a, 16), 0xFF), and32(shr32(b, 8), 0xFF00))
 else:
-    @intrinsic
-    def pack_high16(typingctx, a, b):
-        if a != types.uint32 or b != types.uint32:
-            return None
+    def _prmt(selector):
+        """``prmt.b32 d, a, b, selector`` as an intrinsic of two uint32 (the bytes of ``b:a`` that
+        ``selector`` picks: one instruction)."""
 
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            return builder.asm(ir.FunctionType(i32, [i32, i32]), "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", args,
-                               side_effect=False)
+        @intrinsic
+        def prmt(typingctx, a, b):
+            if a != types.uint32 or b != types.uint32:
+                return None
 
-        return types.uint32(types.uint32, types.uint32), codegen
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                return builder.asm(ir.FunctionType(i32, [i32, i32]), f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+                                   args, side_effect=False)
+
+            return types.uint32(types.uint32, types.uint32), codegen
+
+        return prmt
+
+    pack_high16 = _prmt(0x7632)
+    pack_low16 = _prmt(0x5410)
+    _pack_low8 = _prmt(0x5140)  # the low bytes of a and b in the low half (the high half: don't care)
+    _pack_byte2 = _prmt(0x7362)  # their bytes 2 there
 pack_high16.__doc__ = """The high halves of ``a`` and ``b`` as one word (``a``'s low): two bfloat16 values kept in
 the high halves of their words (``bf16_*_wide``, the loads' widened words) stored as a pair with one
 ``prmt``, where shifting each down and packing took three instructions."""
+pack_low16.__doc__ = """The low halves of ``a`` and ``b`` as one word (``a``'s low): one ``prmt`` where masking,
+shifting and or-ing took three (the high halves of the inputs may hold anything)."""
 
 
 def _has_redux() -> bool:
@@ -310,13 +333,16 @@ def st8_32(addr, vec, cnt, w):
 
 
 @_device
-def _pack16(lo, hi):
-    return or32(and32(lo, 0xFFFF), shl32(hi, 16))
+def _pack8_byte2(a, b, c, d):
+    """The bytes 2 of ``a``-``d`` as one word (three ``prmt``)."""
+    return pack_low16(_pack_byte2(a, b), _pack_byte2(c, d))
 
 
 @_device
 def _pack8(a, b, c, d):
-    return or32(or32(and32(a, 0xFF), shl32(and32(b, 0xFF), 8)), or32(shl32(and32(c, 0xFF), 16), shl32(d, 24)))
+    """The low bytes of ``a``-``d`` as one word (``a``'s lowest): three ``prmt``, whatever the inputs'
+    higher bits (codes and remainders are stored without masking them first)."""
+    return pack_low16(_pack_low8(a, b), _pack_low8(c, d))
 
 
 @_device
@@ -338,7 +364,7 @@ def st8_16(addr, vec, cnt, w, wide):
             st_u32x4(addr, pack_high16(w[0], w[1]), pack_high16(w[2], w[3]), pack_high16(w[4], w[5]),
                      pack_high16(w[6], w[7]))
         else:
-            st_u32x4(addr, _pack16(w[0], w[1]), _pack16(w[2], w[3]), _pack16(w[4], w[5]), _pack16(w[6], w[7]))
+            st_u32x4(addr, pack_low16(w[0], w[1]), pack_low16(w[2], w[3]), pack_low16(w[4], w[5]), pack_low16(w[6], w[7]))
     else:
         for j in range(LANE):
             if j < cnt:
@@ -354,6 +380,17 @@ def ld8_8(addr, vec, cnt, out):
     else:
         for j in range(LANE):
             out[j] = ld_u8(addr + j) if j < cnt else 0
+
+
+@_device
+def st8_8_byte2(addr, vec, cnt, w):
+    """:func:`st8_8` of the bytes 2 of the words ``w`` (packed quantizer codes)."""
+    if vec and cnt == LANE32:
+        st_u32x2(addr, _pack8_byte2(w[0], w[1], w[2], w[3]), _pack8_byte2(w[4], w[5], w[6], w[7]))
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u8(addr + j, shr32(w[j], 16))
 
 
 @_device
@@ -588,21 +625,21 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         q_s = cuda.shared.array(256, float32)
         mid_s = cuda.shared.array(256, float32)
         q_u = cuda.shared.array(256, float32)
-        mid_u = cuda.shared.array(256, float32)
         tb_s = cuda.shared.array(TABLE_SIZE, uint8)
-        tb_u = cuda.shared.array(TABLE_SIZE, uint8)
+        pk_u = cuda.shared.array(TABLE_WIDTH, uint32)  # the unsigned map's packed words (its mid and table)
         if int8:
             i = tid
             while i < 256:
                 q_s[i] = maps[0, i]
                 mid_s[i] = maps[1, i]
                 q_u[i] = maps[2, i]
-                mid_u[i] = maps[3, i]
                 i += nthreads
             i = tid
             while i < TABLE_SIZE:
                 tb_s[i] = tables[0, i]
-                tb_u[i] = tables[1, i]
+                if i < TABLE_WIDTH:  # the unsigned map's midpoints are all positive: one half
+                    cu = tables[1, i]
+                    pk_u[i] = packed_word(i, cu, maps[3, cu])
                 i += nthreads
             cuda.syncthreads()
         keyp = stream_key(seed, step, 0)
@@ -740,12 +777,19 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                     st8_16(ma + base * 2, vec, cnt, mw, False)
                 elif msize == 1:
                     st8_8(ma + base, vec, cnt, mw)
-                _store_state(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e,
-                             mid_s if sg0 else mid_u, tb_s if sg0 else tb_u)
-                _store_state(u1, 1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, r01, key2, e,
-                             mid_s if sg1 else mid_u, tb_s if sg1 else tb_u)
-                _store_state(u2, 2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, r01, key2, e,
-                             mid_s if sg2 else mid_u, tb_s if sg2 else tb_u)
+                # the signed map by its bucket table and midpoints, the unsigned by its packed words
+                if sg0:
+                    _store_state(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e, mid_s, tb_s)
+                else:
+                    _store_state_packed(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e, pk_u)
+                if sg1:
+                    _store_state(u1, 1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, r01, key2, e, mid_s, tb_s)
+                else:
+                    _store_state_packed(u1, 1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, r01, key2, e, pk_u)
+                if sg2:
+                    _store_state(u2, 2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, r01, key2, e, mid_s, tb_s)
+                else:
+                    _store_state_packed(u2, 2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, r01, key2, e, pk_u)
             if lamb and not apply:  # the chunk's sums (uniform over the block: every thread reaches it)
                 sp = _block_sum(sp)
                 su = _block_sum(su)
@@ -833,27 +877,55 @@ def _decode_state(usedk, quant, sz, w, x, scale, q):
 
 @_device
 def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e, mid, table):
-    """Slot ``k``'s 8 new values of the lane, encoded: int8 codes at ``scale``, bfloat16 rounded
-    stochastically (slots 0 and 1 by halves of the words ``r01``, slot 2 by its own stream's
-    ``key2``), or float32."""
+    """Slot ``k``'s 8 new values of the lane, encoded: int8 codes at ``scale`` (by the map's midpoints
+    ``mid`` and bucket ``table``), bfloat16 rounded stochastically (slots 0 and 1 by halves of the
+    words ``r01``, slot 2 by its own stream's ``key2``), or float32."""
     if not usedk:
         return
     if quant:
-        # float32(): numba's simulator passes Python floats, which would compile float64 code
-        pre, inv = quantize_factors(float32(scale))
-        pre, inv = float32(pre), float32(inv)
-        # the usual block (finite, not subnormal: pre is 1, so x * inv) takes the shorter bucket,
-        # which has no upper clamp: only in a lane whose 8 elements all exist (past the end, code 0
-        # decodes to -scale in the signed map, and a family's step may turn that into a NaN, or
-        # anything, outside the block's scale)
-        if scale <= _F32_MAX and cnt == LANE32 and pre == 1:
+        # the usual block (a normal scale below 2**126: pre is 1, and the reciprocal is the GPU's fast
+        # path, rcp_fast) takes the shorter bucket, which has no upper clamp: only in a lane whose 8
+        # elements all exist (past the end, code 0 decodes to -scale in the signed map, and a family's
+        # step may turn that into a NaN, or anything, outside the block's scale)
+        if cnt == LANE32 and rcp_in_window(float32(scale)):
+            inv = float32(rcp_fast(float32(scale)))  # float32(): the simulator passes Python floats
             for j in range(LANE):
                 w[j] = quantize_finite(x[j], float32(1), inv, mid, table)
         else:
+            pre, inv = quantize_factors(float32(scale))
+            pre, inv = float32(pre), float32(inv)
             for j in range(LANE):
                 w[j] = quantize(x[j], pre, inv, mid, table)
         st8_8(addr, vec, cnt, w)
-    elif sz == 2:
+    else:
+        _store_plain(k, sz, addr, vec, cnt, w, x, r01, key2, e)
+
+
+@_device
+def _store_state_packed(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e, packed):
+    """:func:`_store_state` for the unsigned map, by its packed words (``quantize_packed``: each code
+    in the top 16 bits of its word, stored from there)."""
+    if not usedk:
+        return
+    if quant:
+        if cnt == LANE32 and rcp_in_window(float32(scale)):  # _store_state's reasons
+            inv = float32(rcp_fast(float32(scale)))
+            for j in range(LANE):
+                w[j] = quantize_packed_finite(x[j], float32(1), inv, packed)
+        else:
+            pre, inv = quantize_factors(float32(scale))
+            pre, inv = float32(pre), float32(inv)
+            for j in range(LANE):
+                w[j] = quantize_packed(x[j], pre, inv, packed)
+        st8_8_byte2(addr, vec, cnt, w)
+    else:
+        _store_plain(k, sz, addr, vec, cnt, w, x, r01, key2, e)
+
+
+@_device
+def _store_plain(k, sz, addr, vec, cnt, w, x, r01, key2, e):
+    """Slot ``k``'s 8 new values as bfloat16 (stochastic rounding) or float32 words."""
+    if sz == 2:
         for j in range(LANE):
             r = slot_bits(r01[j], k) if k < 2 else rand32(key2, add32(e, j))
             w[j] = bf16_stochastic_wide(x[j], r)
