@@ -255,6 +255,16 @@ def round24(x):
 
 
 @_jit
+def round24_word(x):
+    """:func:`round24`'s bits in the top 24 bits of a word whose low byte is left as the addition
+    leaves it (nobody reads it): the rounding without the masking."""
+    u = f32_bits(x)
+    if and32(u, _EXP) == _EXP:
+        return u
+    return add32(add32(u, 0x7F), and32(shr32(u, 8), 1))
+
+
+@_jit
 def remainder8_split(x):
     """A float32 master with zero low 8 bits (``round24``'s result) -> (bfloat16 bits, int8 remainder as int32)."""
     u24 = shr32(f32_bits(x), 8)
@@ -476,9 +486,37 @@ def param_word_wide(x, fc, key, i):
 
 @_jit
 def store_master_wide(x, fc, key, i):
-    """:func:`store_master` for the formats of :func:`param_word_wide`: (its word, the float32
-    master's bits or 0)."""
+    """:func:`store_master` for the formats of :func:`param_word_wide` and the remainder masters, as
+    words a kernel stores by picking bytes: (the bfloat16 parameter in the high half, the master
+    word). The master word is the float32 master's bits (or 0), or for a remainder master the word
+    whose low half (remainder16) or byte 1 (remainder8) is the remainder: the split's words with
+    neither mask nor sign extension (:func:`load_master_wide` reads them back)."""
+    if fc.master == MASTER_R16:
+        u = f32_bits(x)
+        return add32(u, 0x8000), u  # the high half rounds up where the remainder is negative
+    if fc.master == MASTER_R8:
+        t = round24_word(x)
+        return add32(t, 0x8000), t
     return param_word_wide(x, fc, key, i), f32_bits(x) if fc.master == MASTER_F32 else np.uint32(0)
+
+
+@_jit
+def remainder_word(w, master):
+    """A remainder word as stored (int16 in the low half, int8 in the low byte) -> the word
+    :func:`load_master_wide` adds to the bfloat16 high half: the remainder sign-extended (remainder16)
+    or sign-extended and shifted to bits 8 and up (remainder8)."""
+    if master == MASTER_R16:
+        return u32(np.int32(np.int16(w)))
+    return shl32(u32(np.int32(np.int8(w))), 8)
+
+
+@_jit
+def load_master_wide(pw, mw):
+    """The float32 master of a remainder format from its bfloat16 parameter in a word's high half and
+    :func:`remainder_word`'s word: their sum (``(hi << 16) + rem`` is the join of
+    :func:`remainder16_join` / :func:`remainder8_join`, the rounding up of ``hi`` undone by the
+    negative remainder)."""
+    return bits_f32(add32(pw, mw))
 
 
 @_inline

@@ -38,7 +38,8 @@ from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
 from optirs.backends.common.fast_paths import rcp_fast, rcp_in_window
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bits_f32, decode_state, decode_value,
-                                           dequantize, f32_bits, lamb_format_update, load_master, packed_word,
+                                           dequantize, f32_bits, lamb_format_update, load_master, load_master_wide,
+                                           packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
                                            quantize_packed_finite, rand32, slot_bits, state_stream,
                                            store_master, store_master_wide, stream_key)
@@ -121,6 +122,23 @@ if SIMULATOR:
 
     def _pack_byte2(a, b):
         return or32(and32(shr32(a, 16), 0xFF), and32(shr32(b, 8), 0xFF00))
+
+    def _pack_byte1(a, b):
+        return or32(and32(shr32(a, 8), 0xFF), and32(b, 0xFF00))
+
+    def _prmt(selector):
+        def prmt(a, b):
+            x = (int(b) << 32) | int(a)
+            out = 0
+            for i in range(4):
+                n = (selector >> (4 * i)) & 0xF
+                byte = (x >> (8 * (n & 7))) & 0xFF
+                if n & 8:  # the sign of the byte, replicated
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * i)
+            return np.uint32(out)
+
+        return prmt
 else:
     def _prmt(selector):
         """``prmt.b32 d, a, b, selector`` as an intrinsic of two uint32 (the bytes of ``b:a`` that
@@ -144,6 +162,14 @@ else:
     pack_low16 = _prmt(0x5410)
     _pack_low8 = _prmt(0x5140)  # the low bytes of a and b in the low half (the high half: don't care)
     _pack_byte2 = _prmt(0x7362)  # their bytes 2 there
+    _pack_byte1 = _prmt(0x7351)  # their bytes 1 there
+# with b = 0: byte k of a (zero-extended), and byte k of a as an int8 shifted to bits 8 and up (the
+# remainder8 word of formats.remainder_word); int16 halves sign-extended (remainder16's): one
+# instruction each, where shifting, masking and extending took two or three
+_byte0, _byte1, _byte2, _byte3 = _prmt(0x4440), _prmt(0x4441), _prmt(0x4442), _prmt(0x4443)
+_rem8_0, _rem8_1, _rem8_2, _rem8_3 = _prmt(0x8804), _prmt(0x9914), _prmt(0xAA24), _prmt(0xBB34)
+_sext_lo16, _sext_hi16 = _prmt(0x9910), _prmt(0xBB32)
+_Z32 = np.uint32(0)
 pack_high16.__doc__ = """The high halves of ``a`` and ``b`` as one word (``a``'s low): two bfloat16 values kept in
 the high halves of their words (``bf16_*_wide``, the loads' widened words) stored as a pair with one
 ``prmt``, where shifting each down and packing took three instructions."""
@@ -333,6 +359,12 @@ def st8_32(addr, vec, cnt, w):
 
 
 @_device
+def _pack8_byte1(a, b, c, d):
+    """The bytes 1 of ``a``-``d`` as one word (three ``prmt``)."""
+    return pack_low16(_pack_byte1(a, b), _pack_byte1(c, d))
+
+
+@_device
 def _pack8_byte2(a, b, c, d):
     """The bytes 2 of ``a``-``d`` as one word (three ``prmt``)."""
     return pack_low16(_pack_byte2(a, b), _pack_byte2(c, d))
@@ -394,6 +426,17 @@ def st8_8_byte2(addr, vec, cnt, w):
 
 
 @_device
+def st8_8_byte1(addr, vec, cnt, w):
+    """:func:`st8_8` of the bytes 1 of the words ``w`` (remainder8 master words)."""
+    if vec and cnt == LANE32:
+        st_u32x2(addr, _pack8_byte1(w[0], w[1], w[2], w[3]), _pack8_byte1(w[4], w[5], w[6], w[7]))
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u8(addr + j, shr32(w[j], 8))
+
+
+@_device
 def st8_8(addr, vec, cnt, w):
     if vec and cnt == LANE32:
         st_u32x2(addr, _pack8(w[0], w[1], w[2], w[3]), _pack8(w[4], w[5], w[6], w[7]))
@@ -442,8 +485,22 @@ def unpack8(raw, size, out, wide):
         out[4], out[5], out[6], out[7] = and32(w2, 0xFFFF), shr32(w2, 16), and32(w3, 0xFFFF), shr32(w3, 16)
     else:
         a, b, _, _ = lo
-        out[0], out[1], out[2], out[3] = and32(a, 0xFF), and32(shr32(a, 8), 0xFF), and32(shr32(a, 16), 0xFF), shr32(a, 24)
-        out[4], out[5], out[6], out[7] = and32(b, 0xFF), and32(shr32(b, 8), 0xFF), and32(shr32(b, 16), 0xFF), shr32(b, 24)
+        out[0], out[1], out[2], out[3] = _byte0(a, _Z32), _byte1(a, _Z32), _byte2(a, _Z32), shr32(a, 24)
+        out[4], out[5], out[6], out[7] = _byte0(b, _Z32), _byte1(b, _Z32), _byte2(b, _Z32), shr32(b, 24)
+
+
+@_device
+def unpack8_remainders(raw, size, out):
+    """``raw8``'s remainder words (int16 halves or int8 bytes) as ``formats.remainder_word``'s words."""
+    lo, _ = raw
+    if size == 2:
+        w0, w1, w2, w3 = lo
+        out[0], out[1], out[2], out[3] = _sext_lo16(w0, _Z32), _sext_hi16(w0, _Z32), _sext_lo16(w1, _Z32), _sext_hi16(w1, _Z32)
+        out[4], out[5], out[6], out[7] = _sext_lo16(w2, _Z32), _sext_hi16(w2, _Z32), _sext_lo16(w3, _Z32), _sext_hi16(w3, _Z32)
+    else:
+        a, b, _, _ = lo
+        out[0], out[1], out[2], out[3] = _rem8_0(a, _Z32), _rem8_1(a, _Z32), _rem8_2(a, _Z32), _rem8_3(a, _Z32)
+        out[4], out[5], out[6], out[7] = _rem8_0(b, _Z32), _rem8_1(b, _Z32), _rem8_2(b, _Z32), _rem8_3(b, _Z32)
 
 
 # ------------------------------------------------------------------ the pointwise format step
@@ -503,7 +560,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     batch = state != STATE_F32
     # bfloat16 gradients reach the element step widened here, as float32 bits (_widen16's reason)
     widen_grad = fc.grad == BF16
-    widen_param = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32)
+    # a remainder master: its bfloat16 half widened as well, the master the sum of that word and the
+    # remainder's (load_master_wide), stored from store_master_wide's words without masking
+    wide_rem = fc.param == BF16 and master in (MASTER_R16, MASTER_R8)
+    widen_param = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32) or wide_rem
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
     # a family with a fast-path element step (optirs.backends.common.elementwise.FAST_ELEMENT_STEPS)
@@ -536,7 +596,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             r2 = raw8(sa2 + base * ssize, ssize) if u2 else (_ZERO4, _ZERO4)
             unpack8(rp, psize, pw, widen_param)
             unpack8(rg, gsize, gw, widen_grad)
-            if msize != 0:
+            if wide_rem:
+                unpack8_remainders(rm, msize, mw)
+            elif msize != 0:
                 unpack8(rm, msize, mw, False)
             if u0:
                 unpack8(r0, ssize, w0, True)
@@ -559,6 +621,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 ld8_16(ma + base * 2, vec, cnt, mw, False)
             elif msize == 1:
                 ld8_8(ma + base, vec, cnt, mw)
+            if wide_rem:
+                for j in range(LANE):
+                    mw[j] = remainder_word(mw[j], master)
             _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
             _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
             _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
@@ -575,12 +640,14 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         mraw = mw[j]
         if msize == 0:
             mraw = np.uint32(0)
-        elif msize != 4:
+        elif msize != 4 and not wide_rem:  # a remainder master's words come as remainder_word's
             mraw = _remainder(mraw, master)
         # widened as unpacked (_widen16's reason); a float32 master word of 0 is read from the
         # parameter. float32(): numba's simulator hands the shared functions Python floats
         g = float32(bits_f32(gw[j]) if widen_grad else decode_value(gw[j], fc.grad))
-        if widen_param:
+        if wide_rem:
+            xp = float32(load_master_wide(pw[j], mraw))
+        elif widen_param:
             xp = float32(bits_f32(pw[j]))
             if master == MASTER_F32 and mraw != 0:
                 xp = float32(bits_f32(mraw))
@@ -776,7 +843,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 elif msize == 2:
                     st8_16(ma + base * 2, vec, cnt, mw, False)
                 elif msize == 1:
-                    st8_8(ma + base, vec, cnt, mw)
+                    if wide_rem:
+                        st8_8_byte1(ma + base, vec, cnt, mw)  # the remainder in byte 1 (store_master_wide)
+                    else:
+                        st8_8(ma + base, vec, cnt, mw)
                 # the signed map by its bucket table and midpoints, the unsigned by its packed words
                 if sg0:
                     _store_state(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e, mid_s, tb_s)
