@@ -109,8 +109,13 @@ def _lt_bit(typingctx, a, b):
             # the sign of a - b: a GPU's difference is exact in sign (no flush to zero here; a == b
             # gives +0) and its NaN results are the canonical, positive NaN, so this is a < b for
             # every input; the shift then folds into the add that counts it (FADD and LEA.HI, where
-            # a compare, a select and an add took three instructions)
-            d = builder.bitcast(builder.fsub(*args), _I32)
+            # a compare, a select and an add took three instructions). sub.rn in asm: never fused
+            # with the multiply that made an operand (NVVM contracts by default, and a fused
+            # a - x * y would compare with the unrounded product)
+            f = ir.FloatType()
+            diff = builder.asm(ir.FunctionType(f, [f, f]), "sub.rn.f32 $0, $1, $2;", "=f,f,f", args,
+                               side_effect=False)
+            d = builder.bitcast(diff, _I32)
             return builder.lshr(d, ir.Constant(_I32, 31))
         return builder.zext(builder.fcmp_ordered("<", *args), _I32)  # the cpu's NaN keeps its sign
 
