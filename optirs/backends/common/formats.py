@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits_cast, lt_bit, mul32, or32, shl32, shr32,
-                                           sub32, u32, xor32)
+from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits_cast, lt_bit, mul32, or32, shl32,
+                                           shr32, sub32, u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
 from optirs.backends.common.half_native import native_or

@@ -166,7 +166,7 @@ else:
 # with b = 0: byte k of a (zero-extended), and byte k of a as an int8 shifted to bits 8 and up (the
 # remainder8 word of formats.remainder_word); int16 halves sign-extended (remainder16's): one
 # instruction each, where shifting, masking and extending took two or three
-_byte0, _byte1, _byte2, _byte3 = _prmt(0x4440), _prmt(0x4441), _prmt(0x4442), _prmt(0x4443)
+_byte0, _byte1, _byte2 = _prmt(0x4440), _prmt(0x4441), _prmt(0x4442)
 _rem8_0, _rem8_1, _rem8_2, _rem8_3 = _prmt(0x8804), _prmt(0x9914), _prmt(0xAA24), _prmt(0xBB34)
 _sext_lo16, _sext_hi16 = _prmt(0x9910), _prmt(0xBB32)
 _Z32 = np.uint32(0)
@@ -396,7 +396,8 @@ def st8_16(addr, vec, cnt, w, wide):
             st_u32x4(addr, pack_high16(w[0], w[1]), pack_high16(w[2], w[3]), pack_high16(w[4], w[5]),
                      pack_high16(w[6], w[7]))
         else:
-            st_u32x4(addr, pack_low16(w[0], w[1]), pack_low16(w[2], w[3]), pack_low16(w[4], w[5]), pack_low16(w[6], w[7]))
+            st_u32x4(addr, pack_low16(w[0], w[1]), pack_low16(w[2], w[3]), pack_low16(w[4], w[5]),
+                     pack_low16(w[6], w[7]))
     else:
         for j in range(LANE):
             if j < cnt:
@@ -407,8 +408,8 @@ def st8_16(addr, vec, cnt, w, wide):
 def ld8_8(addr, vec, cnt, out):
     if vec and cnt == LANE32:
         a, b = ld_u32x2(addr)
-        out[0], out[1], out[2], out[3] = and32(a, 0xFF), and32(shr32(a, 8), 0xFF), and32(shr32(a, 16), 0xFF), shr32(a, 24)
-        out[4], out[5], out[6], out[7] = and32(b, 0xFF), and32(shr32(b, 8), 0xFF), and32(shr32(b, 16), 0xFF), shr32(b, 24)
+        out[0], out[1], out[2], out[3] = _byte0(a, _Z32), _byte1(a, _Z32), _byte2(a, _Z32), shr32(a, 24)
+        out[4], out[5], out[6], out[7] = _byte0(b, _Z32), _byte1(b, _Z32), _byte2(b, _Z32), shr32(b, 24)
     else:
         for j in range(LANE):
             out[j] = ld_u8(addr + j) if j < cnt else 0
@@ -495,8 +496,10 @@ def unpack8_remainders(raw, size, out):
     lo, _ = raw
     if size == 2:
         w0, w1, w2, w3 = lo
-        out[0], out[1], out[2], out[3] = _sext_lo16(w0, _Z32), _sext_hi16(w0, _Z32), _sext_lo16(w1, _Z32), _sext_hi16(w1, _Z32)
-        out[4], out[5], out[6], out[7] = _sext_lo16(w2, _Z32), _sext_hi16(w2, _Z32), _sext_lo16(w3, _Z32), _sext_hi16(w3, _Z32)
+        out[0], out[1] = _sext_lo16(w0, _Z32), _sext_hi16(w0, _Z32)
+        out[2], out[3] = _sext_lo16(w1, _Z32), _sext_hi16(w1, _Z32)
+        out[4], out[5] = _sext_lo16(w2, _Z32), _sext_hi16(w2, _Z32)
+        out[6], out[7] = _sext_lo16(w3, _Z32), _sext_hi16(w3, _Z32)
     else:
         a, b, _, _ = lo
         out[0], out[1], out[2], out[3] = _rem8_0(a, _Z32), _rem8_1(a, _Z32), _rem8_2(a, _Z32), _rem8_3(a, _Z32)
