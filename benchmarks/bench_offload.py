@@ -14,9 +14,10 @@ says bf16):
 * ``offload_bf16_f32`` / ``offload_bf16_f32_fused``: bf16 parameters, float32 masters and state
   on the host, stepped apart (WIDEN, the default) / in the formats step (``fuse_conversions=True``,
   FUSED);
-* ``offload_bf16_r16`` / ``offload_bf16_r16_int8`` / ``offload_bf16_r8_int8``: bf16 parameters,
-  the host keeping only the master's bits under them (``master_weights="remainder16"`` /
-  ``"remainder8"``), float32 / int8 state: only bf16 gradients and bf16 parameters cross the bus;
+* ``offload_bf16_r16`` / ``offload_bf16_r16_int8`` / ``offload_bf16_r16_bf16`` /
+  ``offload_bf16_r8_int8`` / ``offload_bf16_r8_bf16``: bf16 parameters, the host keeping only the
+  master's bits under them (``master_weights="remainder16"`` / ``"remainder8"``), float32 / int8 /
+  bfloat16 state: only bf16 gradients and bf16 parameters cross the bus;
 * ``<offload row>_sib``: each offload row with ``step_in_backward=True`` (CPU steps start during
   the last backward);
 * ``torchao``: ``torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True)`` (its row
@@ -77,6 +78,8 @@ OFFLOAD_FORMATS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "offload_bf16_f32_fused": ("bfloat16", {"master_weights": "float32", "fuse_conversions": True}),
     "offload_bf16_r16": ("bfloat16", {"master_weights": "remainder16"}),
     "offload_bf16_r16_int8": ("bfloat16", {"master_weights": "remainder16", "state_dtype": "int8"}),
+    "offload_bf16_r16_bf16": ("bfloat16", {"master_weights": "remainder16", "state_dtype": "bfloat16"}),
+    "offload_bf16_r8_bf16": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "bfloat16"}),
     "offload_bf16_r8_int8": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "int8"}),
 }
 # row -> (parameter dtype, format keywords, step_in_backward): each format at step() and, as
@@ -129,7 +132,8 @@ def param_groups(model) -> List[Dict[str, Any]]:
     return [{"params": decay, "weight_decay": DECAY}, {"params": rest, "weight_decay": 0.0}]
 
 
-def make_optimizer(row: str, model, device: str, accum: int, bucket: int) -> Tuple[Any, str]:
+def make_optimizer(row: str, model, device: str, accum: int, bucket: int,
+                   cpu_threads: Optional[int] = None) -> Tuple[Any, str]:
     """(optimizer or None, note); a row that cannot be built here raises RuntimeError with the reason."""
     import torch
 
@@ -149,11 +153,11 @@ def make_optimizer(row: str, model, device: str, accum: int, bucket: int) -> Tup
 
         _, formats, sib = OFFLOAD_ROWS[row]
         opt = ot.CPUOffload("AdamW", groups, lr=LR, accumulation_steps=accum, step_in_backward=sib,
-                            bucket_elements=bucket, **formats)
+                            bucket_elements=bucket, cpu_threads=cpu_threads, **formats)
         modes = sorted({c.mode for c in getattr(opt, "_chunks", ())})  # direct, widen or fused: how the chunks step
         given = "".join(f"{k}={v!r}, " for k, v in formats.items())
         return opt, (f"optirs.torch.CPUOffload('AdamW', {given}accumulation_steps={accum}, "
-                     f"step_in_backward={sib}, bucket_elements={bucket}) on {param_dtype(row)} "
+                     f"step_in_backward={sib}, bucket_elements={bucket}, cpu_threads={cpu_threads}) on {param_dtype(row)} "
                      f"parameters, chunks {'/'.join(modes)}")
     if row == "torchao":
         try:
@@ -212,7 +216,7 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, progress,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
-        opt, note = make_optimizer(row, model, device, args.accum, args.bucket)
+        opt, note = make_optimizer(row, model, device, args.accum, args.bucket, args.cpu_threads)
     except RuntimeError as exc:
         out["skipped"] = str(exc)
         return out
@@ -623,6 +627,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--copy-mb", type=int, default=2048, help="size of the bandwidth probes")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
     ap.add_argument("--bucket", type=int, default=None, help="CPUOffload's bucket_elements (default: its own)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="CPUOffload's cpu_threads: numba threads of a chunk's step (default: numba's count)")
     ap.add_argument("--chunk-elements", type=int, default=1 << 27,
                     help="size of the per-chunk CPU measurement (0: skip it); its float32 arrays should exceed "
                          "the host's last-level cache many times over, or it measures the cache (the default: 2 GB)")

@@ -6,7 +6,9 @@ builtins: libclc lowers ``vload_half`` to scalar loads and emulates the float16 
 does not), good for comparing the same format before and after a change of the C. ``--hot``
 compiles every round as full, aligned and not a small tensor (a measurement build: the tail paths
 drop out of the round loop). Prints the step kernel's registers and spills and its round loop
-(``ptx_rounds.round_loop``). Needs clang-14, llvm-14 and libclc-14 (Debian: ``apt-get install
+(``ptx_rounds.round_loop``) and, with ``--hot``, a full round's shortest path through it
+(``ptx_rounds.round_path``: what a round issues where every fast path holds, the figure to compare
+when a change adds a rarely taken path). Needs clang-14, llvm-14 and libclc-14 (Debian: ``apt-get install
 clang-14 libclc-14``), ptxas and cuobjdump; skips cleanly without them.
 
     python benchmarks/ocl_sass_proxy.py P G M S SR [--family adam] [--hot] [--maxreg 64] [-D NAME=VALUE ...]
@@ -27,7 +29,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ptx_rounds import round_loop, sass_functions  # noqa: E402
+from ptx_rounds import round_loop, round_path, sass_functions  # noqa: E402
 
 LIBCLC = "/usr/lib/clc/nvptx64--nvidiacl.bc"
 
@@ -99,7 +101,9 @@ def main(argv=None) -> int:
         with open(stem + ".sass", "w") as f:
             f.write(sass)
     kernel = f"{args.family}_fmt" if args.family != "lamb" else "fmt_lamb_apply"
-    ins = sass_functions(sass).get(kernel, [])
+    ins = sass_functions(sass, guards=True).get(kernel, [])
+    path = round_path(ins)
+    ins = [x[:3] for x in ins]
     info = re.search(rf"Function properties for {kernel}\s+(.*?)\n.*?(Used \d+ registers)", log, re.S)
     body = round_loop(ins)
     ops = collections.Counter(o.split(".")[0] for _, o, _ in body)
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
     print(f"    round loop {len(body)} instructions, BAR {ops['BAR']}, global accesses "
           f"{sum(n for o, n in ops.items() if o in ('LDG', 'STG'))}: "
           + " ".join(f"{o}:{n}" for o, n in ops.most_common(16)))
+    if args.hot:
+        print(f"    full round's shortest path {path} instructions ({path / 8:.1f} an element)")
     return 0
 
 

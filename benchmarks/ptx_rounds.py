@@ -7,7 +7,8 @@ registers and spills, then the loop that holds the round (the innermost loop wit
 global loads and a MUFU: the element math): its static instructions, barriers, global accesses by
 width, warp reductions (REDUX, SHFL) and float16 conversions (F2F, HADD2.F32). Static counts: the
 loop includes the tail and slow-division paths that rarely run, so compare programs of the same
-format before and after a change, not formats with each other.
+format before and after a change, not formats with each other. ``round_path`` (printed by
+ocl_sass_proxy.py for its --hot builds) counts what a full round issues where every fast path holds.
 
     python benchmarks/ptx_rounds.py DIR [--bin PTXAS_DIR] [--arch sm_90]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import heapq
 import os
 import re
 import shutil
@@ -28,9 +30,10 @@ from typing import Dict, List, Tuple
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def sass_functions(text: str) -> Dict[str, List[Tuple[int, str, str]]]:
-    """cuobjdump's SASS as {function: [(address, opcode, operands)]}."""
-    out: Dict[str, List[Tuple[int, str, str]]] = {}
+def sass_functions(text: str, guards: bool = False) -> Dict[str, List[tuple]]:
+    """cuobjdump's SASS as {function: [(address, opcode, operands)]}; ``guards``: (address, opcode,
+    operands, guard predicate or '')."""
+    out: Dict[str, List[tuple]] = {}
     name = None
     for line in text.splitlines():
         m = re.match(r"\s+Function : (\S+)", line)
@@ -40,7 +43,8 @@ def sass_functions(text: str) -> Dict[str, List[Tuple[int, str, str]]]:
             continue
         m = _INS.search(line)
         if m and name:
-            out[name].append((int(m.group(1), 16), m.group(3), m.group(4)))
+            entry = (int(m.group(1), 16), m.group(3), m.group(4))
+            out[name].append(entry + ((m.group(2) or "").strip(),) if guards else entry)
     return out
 
 
@@ -58,6 +62,52 @@ def round_loop(ins: List[Tuple[int, str, str]]) -> List[Tuple[int, str, str]]:
             if best is None or a - t < best[1] - best[0]:
                 best = (t, a)
     return [] if best is None else [x for x in ins if best[0] <= x[0] <= best[1]]
+
+
+def round_path(ins: List[Tuple[int, str, str, str]]) -> int:
+    """The shortest static path from the first 16-byte global load to the last 16-byte global store
+    in the round loop (one full vector round, each uniform choice at its cheapest, never into a
+    called slow path): the instructions a work-item issues for a round where every fast path holds.
+    0 where there is none.
+    The round loop's count includes the paths that rarely run (tails, slow divisions, a redo). Meant
+    for a build whose loop is the full round alone (ocl_sass_proxy.py --hot): where the loop holds
+    the tails too, a 16-byte access may sit in one of them and the path is not a round's.
+    ``ins``: sass_functions(..., guards=True)'s entries."""
+    loop = round_loop([x[:3] for x in ins])
+    if not loop:
+        return 0
+    lo, hi = loop[0][0], loop[-1][0]
+    idx = {a: i for i, (a, _, _, _) in enumerate(ins)}
+    starts = [i for i, (a, o, _, _) in enumerate(ins) if lo <= a <= hi and o.startswith("LDG") and o.endswith(".128")]
+    ends = [i for i, (a, o, _, _) in enumerate(ins) if lo <= a <= hi and o.startswith("STG") and o.endswith(".128")]
+    if not starts or not ends:
+        return 0
+    start, end = starts[0], ends[-1]
+
+    def successors(i):
+        a, o, r, guard = ins[i]
+        nxt = [i + 1] if i + 1 < len(ins) and not ins[i + 1][1].startswith("CALL") else []
+        if o.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)\s*$", r)
+            t = idx.get(int(m.group(1), 16)) if m else None
+            tgt = [t] if t is not None and not ins[t][1].startswith("CALL") else []
+            return tgt + (nxt if guard or re.match(r"\s*!?U?P\d", r) else [])
+        if o.startswith(("EXIT", "RET")):
+            return nxt if guard else []
+        return nxt
+
+    dist, queue = {start: 1}, [(1, start)]
+    while queue:
+        d, i = heapq.heappop(queue)
+        if i == end:
+            return d
+        if d > dist.get(i, 1 << 30):
+            continue
+        for j in successors(i):
+            if d + 1 < dist.get(j, 1 << 30):
+                dist[j] = d + 1
+                heapq.heappush(queue, (d + 1, j))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -96,7 +146,7 @@ def main(argv=None) -> int:
                     continue
                 info = re.search(rf"Function properties for {re.escape(name)}\s+(.*?)\n.*?(Used \d+ registers)",
                                  r.stderr, re.S)
-                body = round_loop(ins)
+                body = round_loop([x[:3] for x in ins])
                 ops = collections.Counter(o for _, o, _ in body)
                 base = collections.Counter(o.split(".")[0] for _, o, _ in body)
                 access = " ".join(f"{o}:{n}" for o, n in sorted(ops.items()) if o.startswith(("LDG", "STG")))

@@ -1138,6 +1138,9 @@ def test_bad_arguments_and_tensors():
         ot.CPUOffload("AdamW", model.parameters(), workers=0)
     with pytest.raises(InvalidParameterError, match="fuse_conversions"):
         ot.CPUOffload("AdamW", model.parameters(), fuse_conversions=1)
+    for bad in (0, True, 2.0):
+        with pytest.raises(InvalidParameterError, match=f"cpu_threads={bad!r}"):
+            ot.CPUOffload("AdamW", model.parameters(), cpu_threads=bad)
     with pytest.raises(InvalidParameterError, match="fuse_conversions=False.*remainder8"):
         ot.CPUOffload("AdamW", make_model(torch.bfloat16).parameters(), fuse_conversions=False,
                       master_weights="remainder8")
@@ -1414,3 +1417,36 @@ def test_step_in_backward_starts_the_steps_before_step_is_called():
             o.step()
         assert_same(ref_model, model)
     assert opt.timing.early_chunks == 3 * len(opt._chunks)  # every chunk of rounds 2-4 started in backward
+
+
+def test_cpu_threads_limit_the_chunk_steps_and_survive_a_copy(monkeypatch):
+    """The chunks' steps run on at most ``cpu_threads`` of numba's threads (the cpu backend's thread
+    count is capped by the launching thread's numba count), the caller's own count is left as it
+    was, and a copy of the optimizer keeps the limit."""
+    import copy
+
+    import numba
+
+    from optirs.backends.cpu.threads import StepThreads
+
+    limits = []
+    real = StepThreads.count
+
+    def count(self, elements, limit):
+        limits.append(limit)
+        return real(self, elements, limit)
+
+    monkeypatch.setattr(StepThreads, "count", count)
+    before = numba.get_num_threads()
+    model = make_model()
+    opt = ot.CPUOffload("AdamW", model.parameters(), cpu_threads=1)
+    _train(model, opt, 1)
+    assert limits and set(limits) == {1}
+    assert numba.get_num_threads() == before
+    twin = copy.deepcopy(opt)
+    assert twin.cpu_threads == 1
+    limits.clear()
+    model = make_model()
+    opt = ot.CPUOffload("AdamW", model.parameters())
+    _train(model, opt, 1)
+    assert set(limits) == {numba.config.NUMBA_NUM_THREADS}

@@ -47,6 +47,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -233,6 +234,23 @@ def _event(timing: bool = False) -> Any:
     worker waiting for a gradient copy must not take a core from the CPU step running beside it
     (the cpu backend's parallel loops use every core, and one busy core stalls the whole loop)."""
     return torch.cuda.Event(enable_timing=timing, blocking=True)
+
+
+@contextmanager
+def _numba_threads(limit: Optional[int]) -> Any:
+    """At most ``limit`` of numba's threads for the calling thread's parallel steps (numba's count is
+    per launching thread, so steps launched by other threads keep theirs)."""
+    if limit is None:
+        yield
+        return
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(limit, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
 
 
 # How step() knows that a gradient's host copy is still the gradient (docs/offload.md, "Gradients
@@ -466,6 +484,9 @@ class CPUOffload(torch.optim.Optimizer):
             float32 masters with a conversion pass each way; None (default) picks the formats step
             only where the format needs it (compact state, remainder or no masters). Same bits.
         step_in_backward: start a chunk's CPU step in the backward that completes its gradients.
+        cpu_threads: at most how many of numba's threads a chunk's CPU step runs on (default None:
+            numba's count). Fewer can leave cores to the thread that drives the GPU while steps run
+            in backward (a parallel step waits for its slowest thread).
         bucket_elements: about how many elements one CPU step (chunk) covers.
         **kwargs: the optimizer's arguments (``lr``, ``betas``, ``backend_options``, ...).
     """
@@ -475,13 +496,17 @@ class CPUOffload(torch.optim.Optimizer):
     def __init__(self, optimizer_class: Any, params: Any, *, workers: Optional[int] = None,
                  accumulation_steps: int = 1, step_in_backward: bool = False,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, fuse_conversions: Optional[bool] = None,
-                 **kwargs: Any):
+                 cpu_threads: Optional[int] = None, **kwargs: Any):
         cls = resolve_optimizer_class(optimizer_class)
         workers = DEFAULT_WORKERS if workers is None else workers
         for name, value in (("workers", workers), ("accumulation_steps", accumulation_steps),
                             ("bucket_elements", bucket_elements)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidParameterError(f"{name}={value!r}, expected an int >= 1")
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                        or cpu_threads < 1):
+            raise InvalidParameterError(f"cpu_threads={cpu_threads!r}, expected None or an int >= 1")
+        self.cpu_threads = cpu_threads
         if fuse_conversions is not None and not isinstance(fuse_conversions, bool):
             raise InvalidParameterError(f"fuse_conversions={fuse_conversions!r}, expected None, True or False")
         self.fuse_conversions = fuse_conversions
@@ -845,7 +870,8 @@ class CPUOffload(torch.optim.Optimizer):
                             for k in present:
                                 chunk.grads[k].copy_(chunk.staging[k])  # 16-bit gradients to fp32 on the host
                         t3 = clock()
-                        chunk.inner.step(grad_scale=scale)
+                        with _numba_threads(self.cpu_threads):
+                            chunk.inner.step(grad_scale=scale)
                         t4 = clock()
                     except BaseException:
                         if abort is not None:
@@ -1342,7 +1368,7 @@ class CPUOffload(torch.optim.Optimizer):
         made = {"optimizer_class": self._cls, "kwargs": dict(self._kwargs), "backend": self._backend_name,
                 "workers": self.workers, "accumulation_steps": self.accumulation_steps,
                 "step_in_backward": self.step_in_backward, "bucket_elements": self.bucket_elements,
-                "fuse_conversions": self.fuse_conversions, "armed": self._armed}
+                "fuse_conversions": self.fuse_conversions, "cpu_threads": self.cpu_threads, "armed": self._armed}
         return {"defaults": self.defaults, "param_groups": self.param_groups, "state": state, "offload": made}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -1354,7 +1380,7 @@ class CPUOffload(torch.optim.Optimizer):
         self.__init__(made["optimizer_class"], groups, workers=made["workers"],
                       accumulation_steps=made["accumulation_steps"], step_in_backward=made["step_in_backward"],
                       bucket_elements=made["bucket_elements"], fuse_conversions=made["fuse_conversions"],
-                      backend=made["backend"], **made["kwargs"])
+                      cpu_threads=made.get("cpu_threads"), backend=made["backend"], **made["kwargs"])
         index: Dict[torch.Tensor, int] = {}
         saved_groups = []
         for g in groups:
