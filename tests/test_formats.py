@@ -777,6 +777,45 @@ def test_int8_codes_of_a_block_follow_the_reciprocal_contract(signed):
     assert np.array_equal(codes(x, np.float32(1e-39), mid, table), codes(x * up, np.float32(1e-39) * up, mid, table))
 
 
+def test_packed_words_quantize_the_unsigned_map_exactly():
+    """The unsigned map's packed words (the cuda kernels' one-load quantizer: table entry and midpoint
+    in one word) against searchsorted of ``(x * pre) * inv`` at every point where the count can change,
+    in the general form and the finite-block form, for a normal and a subnormal block scale."""
+    from numba import njit
+
+    from optirs.backends.common.formats import packed_word, quantize_factors, quantize_packed, quantize_packed_finite
+    from optirs.backends.common.int8_buckets import WIDTH, bucket_table, padded_midpoints
+
+    @njit
+    def words(mid, table):
+        out = np.empty(WIDTH, np.uint32)
+        for b in range(WIDTH):
+            out[b] = packed_word(b, table[b], mid[table[b]])
+        return out
+
+    @njit
+    def codes(x, scale, packed):
+        out = np.empty((2, x.size), np.uint32)
+        pre, inv = quantize_factors(scale)
+        for i in range(x.size):
+            out[0, i] = quantize_packed(x[i], pre, inv, packed) >> 16
+            out[1, i] = quantize_packed_finite(x[i], pre, inv, packed) >> 16
+        return out
+
+    packed = words(padded_midpoints(False), bucket_table(False))
+    y = _quantizer_points(False)
+    for scale in [np.float32(1), np.float32(2.0**-140)]:
+        with np.errstate(invalid="ignore"):  # NaN among the points
+            x = (y.astype(np.float64) * scale).astype(np.float32)
+        pre, inv = F.quantize_factors(scale)
+        want = np.searchsorted(F.map_midpoints(False), (x * pre) * inv, side="left")
+        want[np.isnan(x)] = 0
+        got = codes(x, scale, packed)
+        assert np.array_equal(got[0], want), scale
+        finite = np.abs(x) <= scale  # the finite form's domain: the block's own values
+        assert np.array_equal(got[1][finite], want[finite]), scale
+
+
 def test_bucket_table_refuses_a_map_too_dense_for_it():
     from optirs.backends.common.int8_buckets import build_table
 
