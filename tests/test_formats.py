@@ -237,6 +237,8 @@ def nb():
             out[9, i] = E.f32_bits(E.remainder8_join(hi, rem))
             out[10, i] = E.rand32(key, i)
             out[11, i] = E.f32_bits(E.decode16(np.uint32(out[0, i]), 1))
+            out[12, i] = E.bf16_nearest_wide_num(x[i]) >> 16
+            out[13, i] = E.bf16_stochastic_wide_num(x[i], r[i]) >> 16
 
     return E, encode_all
 
@@ -247,7 +249,7 @@ def test_numba_encodings_match_the_reference(nb, rng):
     r = rng.integers(0, 2**32, x.size, dtype=np.uint64).astype(np.uint32)
     key = R.stream_key(12345, 7, 2)
     assert int(E.stream_key(12345, 7, 2)) == int(key)
-    out = np.zeros((12, x.size), np.uint32)
+    out = np.zeros((14, x.size), np.uint32)
     encode_all(x, r, np.uint64(key), out)
     with np.errstate(over="ignore"):
         assert np.array_equal(out[0], x.astype(BF16).view(np.uint16))  # ml_dtypes
@@ -264,6 +266,9 @@ def test_numba_encodings_match_the_reference(nb, rng):
     assert np.array_equal(out[9][finite], y.view(np.uint32)[finite])  # the 24-bit master round-trips
     assert np.array_equal(out[10], R.rand_bits(key, np.arange(x.size)))
     assert np.array_equal(out[11].view(np.float32)[finite], x.astype(BF16).astype(np.float32)[finite])
+    # the encoders without a NaN test (a kernel's tested rounds): the same bits wherever x is not NaN
+    num = ~np.isnan(x)
+    assert np.array_equal(out[12][num], out[0][num]) and np.array_equal(out[13][num], out[2][num])
 
 
 @pytest.fixture(scope="module")
@@ -772,6 +777,45 @@ def test_int8_codes_of_a_block_follow_the_reciprocal_contract(signed):
     assert np.array_equal(codes(x, np.float32(1e-39), mid, table), codes(x * up, np.float32(1e-39) * up, mid, table))
 
 
+def test_packed_words_quantize_the_unsigned_map_exactly():
+    """The unsigned map's packed words (the cuda kernels' one-load quantizer: table entry and midpoint
+    in one word) against searchsorted of ``(x * pre) * inv`` at every point where the count can change,
+    in the general form and the finite-block form, for a normal and a subnormal block scale."""
+    from numba import njit
+
+    from optirs.backends.common.formats import packed_word, quantize_factors, quantize_packed, quantize_packed_finite
+    from optirs.backends.common.int8_buckets import WIDTH, bucket_table, padded_midpoints
+
+    @njit
+    def words(mid, table):
+        out = np.empty(WIDTH, np.uint32)
+        for b in range(WIDTH):
+            out[b] = packed_word(b, table[b], mid[table[b]])
+        return out
+
+    @njit
+    def codes(x, scale, packed):
+        out = np.empty((2, x.size), np.uint32)
+        pre, inv = quantize_factors(scale)
+        for i in range(x.size):
+            out[0, i] = quantize_packed(x[i], pre, inv, packed) >> 16
+            out[1, i] = quantize_packed_finite(x[i], pre, inv, packed) >> 16
+        return out
+
+    packed = words(padded_midpoints(False), bucket_table(False))
+    y = _quantizer_points(False)
+    for scale in [np.float32(1), np.float32(2.0**-140)]:
+        with np.errstate(invalid="ignore"):  # NaN among the points
+            x = (y.astype(np.float64) * scale).astype(np.float32)
+        pre, inv = F.quantize_factors(scale)
+        want = np.searchsorted(F.map_midpoints(False), (x * pre) * inv, side="left")
+        want[np.isnan(x)] = 0
+        got = codes(x, scale, packed)
+        assert np.array_equal(got[0], want), scale
+        finite = np.abs(x) <= scale  # the finite form's domain: the block's own values
+        assert np.array_equal(got[1][finite], want[finite]), scale
+
+
 def test_bucket_table_refuses_a_map_too_dense_for_it():
     from optirs.backends.common.int8_buckets import build_table
 
@@ -801,3 +845,24 @@ def test_the_gpu_formats_register_cap(monkeypatch):
         monkeypatch.setenv("OPTIRS_X_MAXREG", bad)
         with pytest.raises(InvalidParameterError, match=f"OPTIRS_X_MAXREG={bad!r}"):
             formats_register_cap(int8, "OPTIRS_X_MAXREG")
+
+
+def test_max_nan_is_the_nan_propagating_maximum(rng):
+    """fast_paths.max_nan (Adam's fast radicand: a NaN moment must leave the window) is numpy's
+    maximum, NaN wherever either operand is (zeros of both signs left out: the hardware's choice)."""
+    from numba import njit
+
+    from optirs.backends.common.fast_paths import max_nan
+
+    @njit
+    def both(a, b, out):
+        for i in range(a.shape[0]):
+            out[i] = max_nan(a[i], b[i])
+
+    a, b = _special_floats(rng, 300), _special_floats(rng, 300)[::-1].copy()
+    a[:3], b[:3] = np.nan, [1.0, np.nan, -np.inf]
+    b[3:6], a[3:6] = np.nan, [2.0, np.inf, -1.0]
+    out = np.zeros_like(a)
+    both(a, b, out)
+    keep = ~((a == 0) & (b == 0))
+    assert np.array_equal(out[keep], np.maximum(a, b)[keep], equal_nan=True)

@@ -14,12 +14,13 @@ from Python (numba's CUDA simulator runs kernels as Python); compiled callers in
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["u32", "and32", "or32", "xor32", "add32", "sub32", "mul32", "shr32", "shl32", "f32_bits_cast",
-           "bits_f32_cast"]
+           "bits_f32_cast", "lt_bit"]
 
 _I32 = ir.IntType(32)
 
@@ -90,6 +91,37 @@ def bits_f32_cast(typingctx, u):
     return types.float32(types.uint32), codegen
 
 
+def _is_cuda(context) -> bool:
+    try:
+        from numba.cuda.target import CUDATargetContext
+    except ImportError:
+        return False
+    return isinstance(context, CUDATargetContext)
+
+
+@intrinsic
+def _lt_bit(typingctx, a, b):
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if _is_cuda(context):
+            # the sign of a - b: a GPU's difference is exact in sign (no flush to zero here; a == b
+            # gives +0) and its NaN results are the canonical, positive NaN, so this is a < b for
+            # every input; the shift then folds into the add that counts it (FADD and LEA.HI, where
+            # a compare, a select and an add took three instructions). sub.rn in asm: never fused
+            # with the multiply that made an operand (NVVM contracts by default, and a fused
+            # a - x * y would compare with the unrounded product)
+            f = ir.FloatType()
+            diff = builder.asm(ir.FunctionType(f, [f, f]), "sub.rn.f32 $0, $1, $2;", "=f,f,f", args,
+                               side_effect=False)
+            d = builder.bitcast(diff, _I32)
+            return builder.lshr(d, ir.Constant(_I32, 31))
+        return builder.zext(builder.fcmp_ordered("<", *args), _I32)  # the cpu's NaN keeps its sign
+
+    return types.uint32(types.float32, types.float32), codegen
+
+
 _and = intrinsic(_binary("and_"))
 _or = intrinsic(_binary("or_"))
 _xor = intrinsic(_binary("xor"))
@@ -100,6 +132,12 @@ _shr = intrinsic(_binary("lshr"))
 _shl = intrinsic(_binary("shl"))
 
 _jit = njit(cache=True, inline="always")
+
+
+@_jit
+def lt_bit(a, b):
+    """1 where float32 ``a < b``, else 0 (a NaN compares false), as a uint32 to add to a count."""
+    return _lt_bit(np.float32(a), np.float32(b))  # np.float32: the CUDA simulator's Python floats
 
 
 @_jit

@@ -23,7 +23,7 @@ from numba import float32, float64, njit
 from numba.extending import overload
 
 from optirs.backends.common.division import divide_by_reciprocal, divide_by_uniform, uniform_reciprocal
-from optirs.backends.common.fast_paths import dividend_in_window, div_fast, sqrt_fast, sqrt_in_window
+from optirs.backends.common.fast_paths import dividend_in_window, div_fast, max_nan, sqrt_fast, sqrt_in_window
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.definitions import DEFINITIONS
 
@@ -85,9 +85,11 @@ def adam_update_fast(p, g, m, v, vmax, sc, u):
     (and ``adam_fast_setup``'s) is true; ``u`` is adam_fast_setup's reciprocal."""
     p, m, v, a = _adam_terms(p, g, m, v, sc)
     # the radicand without a test of amsgrad: without it ``vmax`` comes in as 0 (an unused slot) and
-    # its result is dropped, so x is v wherever v is in the window, and 0 (outside) where v is 0,
-    # negative or NaN
-    x = max(vmax, v)
+    # its result is dropped, so x is v wherever v is in the window, and 0 (outside) where v is 0 or
+    # negative. NaN-propagating: a NaN v (or vmax) falls outside the window with amsgrad too, so that
+    # where ok, no new state value is NaN (m: a is in its window; v <= x; vmax = x): a kernel may
+    # encode them without a NaN test (FAST_ELEMENT_STEPS)
+    x = max_nan(vmax, v)
     denom = divide_by_reciprocal(sqrt_fast(x), sc.bias_correction2_sqrt, u) + sc.eps
     return p - div_fast(a, denom), m, v, x, sqrt_in_window(x, _X_HI) & dividend_in_window(a)
 
@@ -274,8 +276,10 @@ def adam_element(p, g, m, v, vmax, sc):
 
 # Families whose element step has a fast-path variant (adam_update_fast's contract):
 # ``setup(sc) -> (u, ok)`` once per launch, ``step(p, g, s0, s1, s2, sc, u) -> (p, s0, s1, s2, ok)``,
-# the element step's values wherever both flags are true. The cuda formats kernels use them; the
-# other families (RMSprop, Adagrad, NAdam, RAdam, Adadelta, LAMB) keep their IEEE operations.
+# the element step's values wherever both flags are true, and where they are, no new state value is
+# NaN (the kernels encode them without a NaN test; the parameter they test). The cuda formats
+# kernels use them; the other families (RMSprop, Adagrad, NAdam, RAdam, Adadelta, LAMB) keep their
+# IEEE operations.
 FAST_ELEMENT_STEPS = {"adam": (adam_fast_setup, adam_update_fast)}
 
 

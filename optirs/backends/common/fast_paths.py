@@ -25,6 +25,10 @@ tiny, huge and non-finite inputs).
   zero, inf or NaN operands; quotients and residuals near underflow or overflow), so it accepts
   no pair where the compiler would take its slow path. 0 is outside (the fast path loses the sign
   of -0 / b).
+- ``rcp_fast(x)`` is ``1 / x`` (``div.rn``, which ptxas expands as ``rcp.rn``) for x in [2**-126,
+  2**126), bits 0x00800000 to 0x7dffffff: the range of ptxas's own check (normal, with a normal
+  reciprocal). The int8 kernels take a block's reciprocal scale by it (one a block and slot, where
+  the compiler's checks and branches about the reciprocal cost about 20 instructions a round).
 
 On the GPU tests/test_formats_cuda.py compares both against the IEEE operations (every float32 in
 the square root's window; random pairs and the boundaries of the division's). The CPU compiles
@@ -45,6 +49,8 @@ from optirs.core.compile_cache import prepare_kernel_compilation
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
+RCP_LO = np.uint32(0x00800000)  # 2**-126
+RCP_HI = np.uint32(0x7DFFFFFF)  # below 2**126
 SQRT_LO = np.uint32(0x0D000000)  # 2**-101
 SQRT_HI = np.uint32(0x7F7FFFFF)  # the largest finite float32
 DIVIDEND_LO = np.uint32(0x1B800000)  # |a| >= 2**-72
@@ -64,6 +70,14 @@ mul.ftz.f32 %fp_h, %fp_r, 0f3F000000;
 neg.f32 %fp_n, %fp_s;
 fma.rn.f32 %fp_e, %fp_n, %fp_s, $1;
 fma.rn.f32 $0, %fp_e, %fp_h, %fp_s;
+}"""
+
+_RCP_PTX = """{
+.reg .f32 %fp_r, %fp_e, %fp_n;
+rcp.approx.ftz.f32 %fp_r, $1;
+fma.rn.f32 %fp_e, $1, %fp_r, 0fBF800000;
+neg.f32 %fp_n, %fp_e;
+fma.rn.f32 $0, %fp_r, %fp_n, %fp_r;
 }"""
 
 _DIV_PTX = """{
@@ -94,6 +108,19 @@ def sqrt_fast(typingctx, x):
 
 
 @intrinsic
+def _rcp_fast(typingctx, x):
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not _is_cuda(context):
+            return builder.fdiv(ir.Constant(_F, 1.0), args[0])
+        return builder.asm(ir.FunctionType(_F, [_F]), _RCP_PTX, "=f,f", args, side_effect=False)
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
 def div_fast(typingctx, a, b):
     """``a / b`` (float32) by the GPU's fast path: IEEE for ``a`` in :func:`dividend_in_window`'s window
     and ``b`` in :func:`divisor_in_window`'s."""
@@ -108,12 +135,45 @@ def div_fast(typingctx, a, b):
     return types.float32(types.float32, types.float32), codegen
 
 
+@intrinsic
+def max_nan(typingctx, a, b):
+    """``max(a, b)`` (float32), NaN when either is: one ``max.NaN.f32`` on a GPU (sm_80 on), as cheap as
+    the plain maximum, whose NaN operand is dropped. A fast step that tests a maximum against a window
+    so tests both operands for NaN (the zeros' signs are left to the hardware: a window holds no zero)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, y = args
+        if not _is_cuda(context):
+            pick = builder.or_(builder.fcmp_ordered(">", y, x), builder.fcmp_unordered("uno", y, y))
+            return builder.select(pick, y, x)
+        return builder.asm(ir.FunctionType(_F, [_F, _F]), "max.NaN.f32 $0, $1, $2;", "=f,f,f", args,
+                           side_effect=False)
+
+    return types.float32(types.float32, types.float32), codegen
+
+
 @njit(cache=True, inline="always")
 def sqrt_in_window(x, hi=SQRT_HI):
     """Whether ``sqrt_fast(x)`` is ``sqrt(x)``: x's bits in [SQRT_LO, hi] (``hi`` at most SQRT_HI; a
     caller may narrow the window to bound what it computes from the root). One subtraction and one
     unsigned compare: negative, zero, tiny, inf and NaN inputs all fall outside."""
     return sub32(f32_bits_cast(x), SQRT_LO) <= sub32(hi, SQRT_LO)
+
+
+@njit(cache=True, inline="always")
+def rcp_fast(x):
+    """``1 / x`` (float32) by the GPU's fast path: IEEE for x in the window of :func:`rcp_in_window`
+    (an ``@njit`` function, so that numba's CUDA simulator can call it from Python)."""
+    return _rcp_fast(x)
+
+
+@njit(cache=True, inline="always")
+def rcp_in_window(x):
+    """Whether ``rcp_fast(x)`` is ``1 / x``: x's bits in [RCP_LO, RCP_HI] (one subtraction and one
+    unsigned compare: negative, zero, subnormal, huge, inf and NaN inputs fall outside)."""
+    return sub32(f32_bits_cast(x), RCP_LO) <= sub32(RCP_HI, RCP_LO)
 
 
 @njit(cache=True, inline="always")

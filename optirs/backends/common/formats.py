@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits_cast, mul32, or32, shl32, shr32, sub32,
-                                           u32, xor32)
+from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits_cast, lt_bit, mul32, or32, shl32,
+                                           shr32, sub32, u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
 from optirs.backends.common.half_native import native_or
@@ -120,8 +120,18 @@ def stream_key(seed, step, stream):
 
 @_jit
 def rand32(key, i):
-    """``fmix32(key ^ (i * 0x9E3779B1))`` for element ``i`` (its flat layout index, low 32 bits)."""
-    return fmix32(xor32(key, mul32(i, 0x9E3779B1)))
+    """``fmix32(key ^ (i * 0x9E3779B1))`` for element ``i`` (its flat layout index, low 32 bits).
+
+    The finalizer's first step distributed over the xor (a logical shift does:
+    ``(k ^ t) >> 16 == (k >> 16) ^ (t >> 16)``): ``key ^ (key >> 16)`` is the same for every element
+    (hoisted out of a kernel's loops), so the element pays a shift and one three-input xor where the
+    xor with the key, the shift and the second xor took three instructions."""
+    t = mul32(i, 0x9E3779B1)
+    h = xor32(xor32(key, shr32(key, 16)), xor32(t, shr32(t, 16)))
+    h = mul32(h, 0x85EBCA6B)
+    h = xor32(h, shr32(h, 13))
+    h = mul32(h, 0xC2B2AE35)
+    return xor32(h, shr32(h, 16))
 
 
 @_jit
@@ -227,6 +237,29 @@ def bf16_stochastic_wide(x, r):
     return _nan_wide(u) if and32(u, _ABS) > _EXP else add32(u, and32(r, 0xFFFF))
 
 
+@_jit
+def bf16_stochastic_wide_num(x, r):
+    """:func:`bf16_stochastic_wide` of an ``x`` known not to be NaN (inf included): the sum alone. A
+    GPU kernel whose round has tested its values once (a fast step's flag) pays one add, where the
+    NaN test and its select took four instructions."""
+    return add32(f32_bits(x), and32(r, 0xFFFF))
+
+
+@_jit
+def bf16_nearest_wide_num(x):
+    """:func:`bf16_nearest_wide` of an ``x`` known not to be NaN: the rounding alone."""
+    u = f32_bits(x)
+    return add32(add32(u, 0x7FFF), and32(shr32(u, 16), 1))
+
+
+@_jit
+def param_word_wide_num(x, fc, key, i):
+    """:func:`param_word_wide` of a master ``x`` known not to be NaN (the same bits, no NaN test)."""
+    if fc.master == MASTER_NONE and fc.stochastic:
+        return bf16_stochastic_wide_num(x, rand32(key, i))
+    return bf16_nearest_wide_num(x)
+
+
 # ---------------------------------------------------------------- remainder masters
 
 
@@ -252,6 +285,16 @@ def round24(x):
     if and32(u, _EXP) == _EXP:
         return x
     return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
+
+
+@_jit
+def round24_word(x):
+    """:func:`round24`'s bits in the top 24 bits of a word whose low byte is left as the addition
+    leaves it (nobody reads it): the rounding without the masking."""
+    u = f32_bits(x)
+    if and32(u, _EXP) == _EXP:
+        return u
+    return add32(add32(u, 0x7F), and32(shr32(u, 8), 1))
 
 
 @_jit
@@ -322,17 +365,63 @@ def quantize_finite(x, pre, inv, mid, table):
     ``1 + 2**-23`` in magnitude (``|x| <= scale``, ``inv`` its correctly rounded reciprocal): the
     bucket needs neither the NaN test nor the upper clamp. The same code as :func:`quantize`."""
     y = quantize_scaled(x, pre, inv)
-    u = f32_bits(y)
-    a = max(and32(shr32(u, 16), 0x7FFF), _BK_FIRST)
-    return quantize_code(y, table[add32(sub32(a, _BK_FIRST), mul32(shr32(u, 31), _BK_WIDTH))], mid)
+    # the magnitude clamped as a float (one max with |y|, the sign a free operand modifier on a GPU),
+    # whose top 16 bits are those of quantize_bucket's integer clamp
+    a = shr32(f32_bits(max(abs(y), _PK_LOW)), 16)
+    return quantize_code(y, table[add32(sub32(a, _BK_FIRST), mul32(shr32(f32_bits(y), 31), _BK_WIDTH))], mid)
+
+
+# ---- the packed bucket words of a map whose midpoints are all positive (the unsigned map)
+#
+# One 32-bit word per positive bucket b (index b = top16(a) - (LO - 1), a = y clamped to
+# [_PK_LOW, _PK_TOP]) holds both lookups of :func:`quantize`: with ``c`` the bucket's table entry and
+# ``thr`` the low 16 bits of its midpoint (mid[c], in the bucket when their top 16 bits agree),
+# ``word = ((c - top16) << 16) + (0xFFFF - thr)`` (``+ 0`` without a midpoint). Then ``word + bits(a)``
+# has ``c`` in its top 16 bits, plus one exactly when the low 16 bits of ``a`` exceed ``thr``: in the
+# bucket, where the top 16 bits agree, that is ``mid[c] < y`` (a carry). A value below every bucket
+# (zero, negative, tiny) is clamped into bucket 0, which holds no midpoint (code 0); one above (only
+# the general path's: > 1, inf) into the last, whose code is 255. One shared load and one add an
+# element, where the bucket arithmetic, two dependent loads and a compare took about 14 instructions.
+_PK_LOW = np.uint32(np.uint32(_BK_LO - 1) << np.uint32(16)).view(np.float32)  # bucket 0's lowest value
+_PK_TOP = np.uint32(np.uint32(_BK_HI + 1) << np.uint32(16)).view(np.float32)  # the last bucket's
+
+
+@_jit
+def packed_word(b, c, m):
+    """The packed word of positive bucket ``b`` (0 to WIDTH - 1) of a map with no midpoint at or below
+    2**-23 nor any negative one: ``c`` its bucket table entry, ``m`` = mid[c] (float32)."""
+    top = add32(b, _BK_FIRST)
+    mu = f32_bits(m)
+    low = sub32(0xFFFF, and32(mu, 0xFFFF)) if shr32(mu, 16) == top else _Z
+    return add32(shl32(sub32(c, top), 16), low)
+
+
+@_jit
+def quantize_packed(x, pre, inv, packed):
+    """:func:`quantize` by the packed words ``packed`` (:func:`packed_word` of every positive bucket):
+    the code in the top 16 bits of the uint32 returned (a NaN codes as 0, as in quantize)."""
+    y = quantize_scaled(x, pre, inv)
+    if y != y:
+        y = np.float32(0)
+    u = f32_bits(min(max(y, _PK_LOW), _PK_TOP))
+    return add32(packed[sub32(shr32(u, 16), _BK_FIRST)], u)
+
+
+@_jit
+def quantize_packed_finite(x, pre, inv, packed):
+    """:func:`quantize_packed` for a block of finite scale (:func:`quantize_finite`'s reason: no NaN,
+    no value above the last bucket, so one clamp)."""
+    u = f32_bits(max(quantize_scaled(x, pre, inv), _PK_LOW))
+    return add32(packed[sub32(shr32(u, 16), _BK_FIRST)], u)
 
 
 @_jit
 def quantize_code(y, c, mid):
     """The code of the scaled value ``y`` whose bucket (:func:`quantize_bucket`) has table entry ``c``:
-    ``c`` plus one where the bucket's midpoint lies below ``y`` (a NaN compares false: code 0)."""
+    ``c`` plus one where the bucket's midpoint lies below ``y`` (a NaN compares false: code 0). A
+    uint32 below 256: the stores take its low byte (on a GPU the pack's ``prmt`` needs no mask)."""
     c = u32(c)  # unsigned: no negative-index wraparound
-    return np.uint8(add32(c, np.uint32(1) if mid[c] < y else _Z))
+    return add32(c, lt_bit(mid[c], y))
 
 
 @_jit
@@ -430,9 +519,37 @@ def param_word_wide(x, fc, key, i):
 
 @_jit
 def store_master_wide(x, fc, key, i):
-    """:func:`store_master` for the formats of :func:`param_word_wide`: (its word, the float32
-    master's bits or 0)."""
+    """:func:`store_master` for the formats of :func:`param_word_wide` and the remainder masters, as
+    words a kernel stores by picking bytes: (the bfloat16 parameter in the high half, the master
+    word). The master word is the float32 master's bits (or 0), or for a remainder master the word
+    whose low half (remainder16) or byte 1 (remainder8) is the remainder: the split's words with
+    neither mask nor sign extension (:func:`load_master_wide` reads them back)."""
+    if fc.master == MASTER_R16:
+        u = f32_bits(x)
+        return add32(u, 0x8000), u  # the high half rounds up where the remainder is negative
+    if fc.master == MASTER_R8:
+        t = round24_word(x)
+        return add32(t, 0x8000), t
     return param_word_wide(x, fc, key, i), f32_bits(x) if fc.master == MASTER_F32 else np.uint32(0)
+
+
+@_jit
+def remainder_word(w, master):
+    """A remainder word as stored (int16 in the low half, int8 in the low byte) -> the word
+    :func:`load_master_wide` adds to the bfloat16 high half: the remainder sign-extended (remainder16)
+    or sign-extended and shifted to bits 8 and up (remainder8)."""
+    if master == MASTER_R16:
+        return u32(np.int32(np.int16(w)))
+    return shl32(u32(np.int32(np.int8(w))), 8)
+
+
+@_jit
+def load_master_wide(pw, mw):
+    """The float32 master of a remainder format from its bfloat16 parameter in a word's high half and
+    :func:`remainder_word`'s word: their sum (``(hi << 16) + rem`` is the join of
+    :func:`remainder16_join` / :func:`remainder8_join`, the rounding up of ``hi`` undone by the
+    negative remainder)."""
+    return bits_f32(add32(pw, mw))
 
 
 @_inline

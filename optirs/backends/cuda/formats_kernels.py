@@ -36,11 +36,16 @@ from numba import cuda, float32, float64, uint8, uint32
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
-from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide, bits_f32, decode_state, decode_value,
-                                           dequantize, f32_bits, lamb_format_update, load_master,
-                                           quantize, quantize_factors, quantize_finite, rand32, slot_bits, state_stream,
+from optirs.backends.common.fast_paths import rcp_fast, rcp_in_window
+from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf16_stochastic_wide,
+                                           bf16_stochastic_wide_num, bits_f32,
+                                           decode_state, decode_value, param_word_wide_num,
+                                           dequantize, f32_bits, lamb_format_update, load_master, load_master_wide,
+                                           packed_word, remainder_word,
+                                           quantize, quantize_factors, quantize_finite, quantize_packed,
+                                           quantize_packed_finite, rand32, slot_bits, state_stream,
                                            store_master, store_master_wide, stream_key)
-from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE
+from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8)
 
@@ -52,7 +57,6 @@ GROUP = 256  # elements per warp and per int8 block
 LANE = 8  # elements per lane
 LANE32 = np.uint32(LANE)  # compared with the uint32 counts: a 64-bit compare is two instructions
 _FULL = 0xFFFFFFFF
-_F32_MAX = np.float32(np.finfo(np.float32).max)
 
 # Non-finite test on raw bits: every exponent bit set (inf or NaN).
 EXP_MASK = {"float32": 0x7F800000, "bfloat16": 0x7F80, "float16": 0x7C00}
@@ -111,21 +115,88 @@ else:
 if SIMULATOR:
     def pack_high16(a, b):
         return or32(shr32(a, 16), and32(b, 0xFFFF0000))
+
+    def pack_low16(a, b):
+        return or32(and32(a, 0xFFFF), shl32(b, 16))
+
+    def _pack_low8(a, b):
+        return or32(and32(a, 0xFF), shl32(and32(b, 0xFF), 8))
+
+    def _pack_byte2(a, b):
+        return or32(and32(shr32(a, 16), 0xFF), and32(shr32(b, 8), 0xFF00))
+
+    def _pack_byte1(a, b):
+        return or32(and32(shr32(a, 8), 0xFF), and32(b, 0xFF00))
+
+    def _prmt(selector):
+        def prmt(a, b):
+            x = (int(b) << 32) | int(a)
+            out = 0
+            for i in range(4):
+                n = (selector >> (4 * i)) & 0xF
+                byte = (x >> (8 * (n & 7))) & 0xFF
+                if n & 8:  # the sign of the byte, replicated
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * i)
+            return np.uint32(out)
+
+        return prmt
+else:
+    def _prmt(selector):
+        """``prmt.b32 d, a, b, selector`` as an intrinsic of two uint32 (the bytes of ``b:a`` that
+        ``selector`` picks: one instruction)."""
+
+        @intrinsic
+        def prmt(typingctx, a, b):
+            if a != types.uint32 or b != types.uint32:
+                return None
+
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                return builder.asm(ir.FunctionType(i32, [i32, i32]), f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r",
+                                   args, side_effect=False)
+
+            return types.uint32(types.uint32, types.uint32), codegen
+
+        return prmt
+
+    pack_high16 = _prmt(0x7632)
+    pack_low16 = _prmt(0x5410)
+    _pack_low8 = _prmt(0x5140)  # the low bytes of a and b in the low half (the high half: don't care)
+    _pack_byte2 = _prmt(0x7362)  # their bytes 2 there
+    _pack_byte1 = _prmt(0x7351)  # their bytes 1 there
+# with b = 0: byte k of a (zero-extended), and byte k of a as an int8 shifted to bits 8 and up (the
+# remainder8 word of formats.remainder_word); int16 halves sign-extended (remainder16's): one
+# instruction each, where shifting, masking and extending took two or three
+_byte0, _byte1, _byte2 = _prmt(0x4440), _prmt(0x4441), _prmt(0x4442)
+_rem8_0, _rem8_1, _rem8_2, _rem8_3 = _prmt(0x8804), _prmt(0x9914), _prmt(0xAA24), _prmt(0xBB34)
+_sext_lo16, _sext_hi16 = _prmt(0x9910), _prmt(0xBB32)
+_Z32 = np.uint32(0)
+if SIMULATOR:
+    def cvt_pack_bf16(lo, hi):
+        return pack_high16(bf16_nearest_wide(lo), bf16_nearest_wide(hi))
 else:
     @intrinsic
-    def pack_high16(typingctx, a, b):
-        if a != types.uint32 or b != types.uint32:
+    def cvt_pack_bf16(typingctx, lo, hi):
+        if lo != types.float32 or hi != types.float32:
             return None
 
         def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            return builder.asm(ir.FunctionType(i32, [i32, i32]), "prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", args,
-                               side_effect=False)
+            f = ir.FloatType()
+            return builder.asm(ir.FunctionType(ir.IntType(32), [f, f]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f",
+                               (args[1], args[0]), side_effect=False)
 
-        return types.uint32(types.uint32, types.uint32), codegen
+        return types.uint32(types.float32, types.float32), codegen
+cvt_pack_bf16.__doc__ = """``lo`` and ``hi`` rounded to bfloat16 (nearest even) and packed as one word (``lo``'s in the low
+half): one ``cvt.rn.bf16x2.f32`` (sm_80 on), ``bf16_nearest``'s bits for every input but NaN (the
+hardware writes its own NaN), where rounding each (three instructions) and packing took seven."""
+
+
 pack_high16.__doc__ = """The high halves of ``a`` and ``b`` as one word (``a``'s low): two bfloat16 values kept in
 the high halves of their words (``bf16_*_wide``, the loads' widened words) stored as a pair with one
 ``prmt``, where shifting each down and packing took three instructions."""
+pack_low16.__doc__ = """The low halves of ``a`` and ``b`` as one word (``a``'s low): one ``prmt`` where masking,
+shifting and or-ing took three (the high halves of the inputs may hold anything)."""
 
 
 def _has_redux() -> bool:
@@ -310,13 +381,22 @@ def st8_32(addr, vec, cnt, w):
 
 
 @_device
-def _pack16(lo, hi):
-    return or32(and32(lo, 0xFFFF), shl32(hi, 16))
+def _pack8_byte1(a, b, c, d):
+    """The bytes 1 of ``a``-``d`` as one word (three ``prmt``)."""
+    return pack_low16(_pack_byte1(a, b), _pack_byte1(c, d))
+
+
+@_device
+def _pack8_byte2(a, b, c, d):
+    """The bytes 2 of ``a``-``d`` as one word (three ``prmt``)."""
+    return pack_low16(_pack_byte2(a, b), _pack_byte2(c, d))
 
 
 @_device
 def _pack8(a, b, c, d):
-    return or32(or32(and32(a, 0xFF), shl32(and32(b, 0xFF), 8)), or32(shl32(and32(c, 0xFF), 16), shl32(d, 24)))
+    """The low bytes of ``a``-``d`` as one word (``a``'s lowest): three ``prmt``, whatever the inputs'
+    higher bits (codes and remainders are stored without masking them first)."""
+    return pack_low16(_pack_low8(a, b), _pack_low8(c, d))
 
 
 @_device
@@ -338,7 +418,8 @@ def st8_16(addr, vec, cnt, w, wide):
             st_u32x4(addr, pack_high16(w[0], w[1]), pack_high16(w[2], w[3]), pack_high16(w[4], w[5]),
                      pack_high16(w[6], w[7]))
         else:
-            st_u32x4(addr, _pack16(w[0], w[1]), _pack16(w[2], w[3]), _pack16(w[4], w[5]), _pack16(w[6], w[7]))
+            st_u32x4(addr, pack_low16(w[0], w[1]), pack_low16(w[2], w[3]), pack_low16(w[4], w[5]),
+                     pack_low16(w[6], w[7]))
     else:
         for j in range(LANE):
             if j < cnt:
@@ -346,14 +427,61 @@ def st8_16(addr, vec, cnt, w, wide):
 
 
 @_device
+def _pack_pairs(w):
+    """The high halves of the 8 words ``w`` packed in pairs into ``w[0]``-``w[3]`` (``pack_high16``)."""
+    for k in range(LANE // 2):
+        w[k] = pack_high16(w[2 * k], w[2 * k + 1])
+
+
+@_device
+def _st_pairs_high(addr, w):
+    """The high halves of the 8 words ``w`` as one 16-byte store (``pack_high16``)."""
+    st_u32x4(addr, pack_high16(w[0], w[1]), pack_high16(w[2], w[3]), pack_high16(w[4], w[5]),
+             pack_high16(w[6], w[7]))
+
+
+@_device
+def st8_16_pairs(addr, vec, cnt, w):
+    """8 16-bit words packed in pairs in ``w[0]``-``w[3]`` (element 2k in the low half of ``w[k]``)."""
+    if vec and cnt == LANE32:
+        st_u32x4(addr, w[0], w[1], w[2], w[3])
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u16(addr + 2 * j, shr32(w[j >> 1], 16) if (j & 1) == 1 else w[j >> 1])
+
+
+@_device
 def ld8_8(addr, vec, cnt, out):
     if vec and cnt == LANE32:
         a, b = ld_u32x2(addr)
-        out[0], out[1], out[2], out[3] = and32(a, 0xFF), and32(shr32(a, 8), 0xFF), and32(shr32(a, 16), 0xFF), shr32(a, 24)
-        out[4], out[5], out[6], out[7] = and32(b, 0xFF), and32(shr32(b, 8), 0xFF), and32(shr32(b, 16), 0xFF), shr32(b, 24)
+        out[0], out[1], out[2], out[3] = _byte0(a, _Z32), _byte1(a, _Z32), _byte2(a, _Z32), shr32(a, 24)
+        out[4], out[5], out[6], out[7] = _byte0(b, _Z32), _byte1(b, _Z32), _byte2(b, _Z32), shr32(b, 24)
     else:
         for j in range(LANE):
             out[j] = ld_u8(addr + j) if j < cnt else 0
+
+
+@_device
+def st8_8_byte2(addr, vec, cnt, w):
+    """:func:`st8_8` of the bytes 2 of the words ``w`` (packed quantizer codes)."""
+    if vec and cnt == LANE32:
+        st_u32x2(addr, _pack8_byte2(w[0], w[1], w[2], w[3]), _pack8_byte2(w[4], w[5], w[6], w[7]))
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u8(addr + j, shr32(w[j], 16))
+
+
+@_device
+def st8_8_byte1(addr, vec, cnt, w):
+    """:func:`st8_8` of the bytes 1 of the words ``w`` (remainder8 master words)."""
+    if vec and cnt == LANE32:
+        st_u32x2(addr, _pack8_byte1(w[0], w[1], w[2], w[3]), _pack8_byte1(w[4], w[5], w[6], w[7]))
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u8(addr + j, shr32(w[j], 8))
 
 
 @_device
@@ -405,8 +533,24 @@ def unpack8(raw, size, out, wide):
         out[4], out[5], out[6], out[7] = and32(w2, 0xFFFF), shr32(w2, 16), and32(w3, 0xFFFF), shr32(w3, 16)
     else:
         a, b, _, _ = lo
-        out[0], out[1], out[2], out[3] = and32(a, 0xFF), and32(shr32(a, 8), 0xFF), and32(shr32(a, 16), 0xFF), shr32(a, 24)
-        out[4], out[5], out[6], out[7] = and32(b, 0xFF), and32(shr32(b, 8), 0xFF), and32(shr32(b, 16), 0xFF), shr32(b, 24)
+        out[0], out[1], out[2], out[3] = _byte0(a, _Z32), _byte1(a, _Z32), _byte2(a, _Z32), shr32(a, 24)
+        out[4], out[5], out[6], out[7] = _byte0(b, _Z32), _byte1(b, _Z32), _byte2(b, _Z32), shr32(b, 24)
+
+
+@_device
+def unpack8_remainders(raw, size, out):
+    """``raw8``'s remainder words (int16 halves or int8 bytes) as ``formats.remainder_word``'s words."""
+    lo, _ = raw
+    if size == 2:
+        w0, w1, w2, w3 = lo
+        out[0], out[1] = _sext_lo16(w0, _Z32), _sext_hi16(w0, _Z32)
+        out[2], out[3] = _sext_lo16(w1, _Z32), _sext_hi16(w1, _Z32)
+        out[4], out[5] = _sext_lo16(w2, _Z32), _sext_hi16(w2, _Z32)
+        out[6], out[7] = _sext_lo16(w3, _Z32), _sext_hi16(w3, _Z32)
+    else:
+        a, b, _, _ = lo
+        out[0], out[1], out[2], out[3] = _rem8_0(a, _Z32), _rem8_1(a, _Z32), _rem8_2(a, _Z32), _rem8_3(a, _Z32)
+        out[4], out[5], out[6], out[7] = _rem8_0(b, _Z32), _rem8_1(b, _Z32), _rem8_2(b, _Z32), _rem8_3(b, _Z32)
 
 
 # ------------------------------------------------------------------ the pointwise format step
@@ -466,13 +610,28 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     batch = state != STATE_F32
     # bfloat16 gradients reach the element step widened here, as float32 bits (_widen16's reason)
     widen_grad = fc.grad == BF16
-    widen_param = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32)
+    # a remainder master: its bfloat16 half widened as well, the master the sum of that word and the
+    # remainder's (load_master_wide), stored from store_master_wide's words without masking
+    wide_rem = fc.param == BF16 and master in (MASTER_R16, MASTER_R8)
+    widen_param = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32) or wide_rem
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
     # a family with a fast-path element step (optirs.backends.common.elementwise.FAST_ELEMENT_STEPS)
     # takes it first; the others compile the exact pass only
     fast_setup, fast_step = FAST_ELEMENT_STEPS.get(family, (_no_fast_setup, _no_fast_step))
     fast = family in FAST_ELEMENT_STEPS and not lamb
+    # bfloat16 state: each path of a round encodes its own new values (random bits drawn there), the
+    # fast one without a NaN test (its flag says none is NaN); the stores only pack
+    bf16_state = state == STATE_BF16
+    # a bfloat16 parameter that is its own master or has a float32 master: the fast path tests the new
+    # master for NaN, folded into its flag, and encodes it without the NaN test
+    param_num = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32)
+    # ... and both paths leave it packed in pairs, pw[k] holding elements 2k and 2k + 1: the fast path
+    # rounding to nearest packs by cvt.rn.bf16x2.f32 (cvt_pack_bf16), the others by pack_high16
+    param_nearest = param_num and not (master == MASTER_NONE and fc.stochastic)
+    # bfloat16 state with a parameter stored as packed pairs or float32 words and no master or a
+    # float32 one: a full vector lane's stores take one branch (below)
+    one_branch = bf16_state and writes and (param_num or psize == 4) and msize in (0, 4)
 
     def load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, pw, gw, mw, w0,
                    w1, w2, x0, x1, x2, q_s, q_u):
@@ -499,7 +658,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             r2 = raw8(sa2 + base * ssize, ssize) if u2 else (_ZERO4, _ZERO4)
             unpack8(rp, psize, pw, widen_param)
             unpack8(rg, gsize, gw, widen_grad)
-            if msize != 0:
+            if wide_rem:
+                unpack8_remainders(rm, msize, mw)
+            elif msize != 0:
                 unpack8(rm, msize, mw, False)
             if u0:
                 unpack8(r0, ssize, w0, True)
@@ -522,6 +683,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 ld8_16(ma + base * 2, vec, cnt, mw, False)
             elif msize == 1:
                 ld8_8(ma + base, vec, cnt, mw)
+            if wide_rem:
+                for j in range(LANE):
+                    mw[j] = remainder_word(mw[j], master)
             _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
             _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
             _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
@@ -538,12 +702,14 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         mraw = mw[j]
         if msize == 0:
             mraw = np.uint32(0)
-        elif msize != 4:
+        elif msize != 4 and not wide_rem:  # a remainder master's words come as remainder_word's
             mraw = _remainder(mraw, master)
         # widened as unpacked (_widen16's reason); a float32 master word of 0 is read from the
         # parameter. float32(): numba's simulator hands the shared functions Python floats
         g = float32(bits_f32(gw[j]) if widen_grad else decode_value(gw[j], fc.grad))
-        if widen_param:
+        if wide_rem:
+            xp = float32(load_master_wide(pw[j], mraw))
+        elif widen_param:
             xp = float32(bits_f32(pw[j]))
             if master == MASTER_F32 and mraw != 0:
                 xp = float32(bits_f32(mraw))
@@ -553,19 +719,42 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
 
     element_inputs = _device(element_inputs)
 
-    def fast_elements(pw, gw, mw, x0, x1, x2, e, keyp, sc, u, ok):
+    def fast_elements(pw, gw, mw, w0, w1, w2, x0, x1, x2, e, keyp, key01, key2, sc, u, ok):
         """The lane's 8 element steps by the family's fast variant, results written as the exact pass
-        writes them; returns ``ok`` and-ed with every element's flag (true: all 8 results are the exact ones)."""
+        writes them (bfloat16 state already encoded, into ``w0``-``w2``); returns ``ok`` and-ed with every
+        element's flag (true: all 8 results are the exact ones)."""
         for j in range(LANE):
             xp, g = element_inputs(j, pw, gw, mw)
             xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u)
-            ok = ok & okj
-            p_, m_ = _store_param(xn, fc, keyp, add32(e, j), widen_param)
-            pw[j] = p_
-            mw[j] = m_
-            x0[j] = a
-            x1[j] = b
-            x2[j] = d
+            ij = add32(e, j)
+            if param_num:
+                ok = ok & okj & (xn == xn)
+                pw[j] = f32_bits(xn) if param_nearest else param_word_wide_num(xn, fc, keyp, ij)
+                mw[j] = f32_bits(xn) if master == MASTER_F32 else np.uint32(0)
+            else:
+                ok = ok & okj
+                p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
+                pw[j] = p_
+                mw[j] = m_
+            if bf16_state:
+                # no new state value is NaN where the flag holds (FAST_ELEMENT_STEPS)
+                if u0 or u1:
+                    r = rand32(key01, ij)
+                    if u0:
+                        w0[j] = bf16_stochastic_wide_num(a, slot_bits(r, 0))
+                    if u1:
+                        w1[j] = bf16_stochastic_wide_num(b, slot_bits(r, 1))
+                if u2:
+                    w2[j] = bf16_stochastic_wide_num(d, rand32(key2, ij))
+            else:
+                x0[j] = a
+                x1[j] = b
+                x2[j] = d
+        if param_nearest:
+            for k in range(LANE // 2):
+                pw[k] = cvt_pack_bf16(bits_f32(pw[2 * k]), bits_f32(pw[2 * k + 1]))
+        elif param_num:
+            _pack_pairs(pw)
         return ok
 
     fast_elements = _device(fast_elements)
@@ -588,21 +777,21 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         q_s = cuda.shared.array(256, float32)
         mid_s = cuda.shared.array(256, float32)
         q_u = cuda.shared.array(256, float32)
-        mid_u = cuda.shared.array(256, float32)
         tb_s = cuda.shared.array(TABLE_SIZE, uint8)
-        tb_u = cuda.shared.array(TABLE_SIZE, uint8)
+        pk_u = cuda.shared.array(TABLE_WIDTH, uint32)  # the unsigned map's packed words (its mid and table)
         if int8:
             i = tid
             while i < 256:
                 q_s[i] = maps[0, i]
                 mid_s[i] = maps[1, i]
                 q_u[i] = maps[2, i]
-                mid_u[i] = maps[3, i]
                 i += nthreads
             i = tid
             while i < TABLE_SIZE:
                 tb_s[i] = tables[0, i]
-                tb_u[i] = tables[1, i]
+                if i < TABLE_WIDTH:  # the unsigned map's midpoints are all positive: one half
+                    cu = tables[1, i]
+                    pk_u[i] = packed_word(i, cu, maps[3, cu])
                 i += nthreads
             cuda.syncthreads()
         keyp = stream_key(seed, step, 0)
@@ -628,7 +817,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         x0 = cuda.local.array(LANE, float32)
         x1 = cuda.local.array(LANE, float32)
         x2 = cuda.local.array(LANE, float32)
-        r01 = cuda.local.array(LANE, uint32)
         c = cuda.blockIdx.x
         while c < nchunks:
             t = chunks[c, 0]
@@ -667,7 +855,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 lr_t = sc.lr * ratio
             ngroups = u32((n + GROUP - 1) >> 8)
             rounds = (ngroups + nwarps - 1) // nwarps
-            for r in range(rounds):
+            # a 32-bit range (a chunk has far fewer than 2**31 groups): numba counts a range over
+            # the uint32 ``rounds`` in 64 bits, an instruction a round more and 2-4 registers
+            for r in range(np.int32(rounds)):
                 grp = add32(warp, mul32(r, nwarps))
                 base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
                 cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
@@ -681,7 +871,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 if fast:
                     # the fast paths' square roots and divisions, one flag for the 8 elements; where it is
                     # false the round is loaded again (the pass overwrote its words) and taken exactly
-                    if fast_elements(pw, gw, mw, x0, x1, x2, e, keyp, sc, fu, fok):
+                    if fast_elements(pw, gw, mw, w0, w1, w2, x0, x1, x2, e, keyp, key01, key2, sc, fu, fok):
                         exact = False
                     else:
                         sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live,
@@ -709,6 +899,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             x0[j] = a
                             x1[j] = b
                             x2[j] = d
+                    if writes and bf16_state:
+                        _encode_bf16(u0, u1, u2, w0, w1, w2, x0, x1, x2, key01, key2, e)
+                    if writes and param_num:
+                        _pack_pairs(pw)
                 if not writes:
                     continue
                 # int8: each slot's block scale is the absmax of its new values, over the warp
@@ -726,11 +920,28 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                             st(ca1 + grp * 4, sc1)
                         if u2:
                             st(ca2 + grp * 4, sc2)
-                if sz == 2 and (u0 or u1):  # bfloat16 state: one hash gives slots 0 and 1 their random bits
-                    for j in range(LANE):
-                        r01[j] = rand32(key01, add32(e, j))
+                # a full vector lane of a bfloat16-state round: every store under one branch, where each
+                # array's own test and branch region cost about 6 instructions a round
+                if one_branch and vec and cnt == LANE32:
+                    if param_num:
+                        st_u32x4(pa + base * 2, pw[0], pw[1], pw[2], pw[3])
+                    else:
+                        st_u32x4(pa + base * 4, pw[0], pw[1], pw[2], pw[3])
+                        st_u32x4(pa + base * 4 + 16, pw[4], pw[5], pw[6], pw[7])
+                    if msize == 4:
+                        st_u32x4(ma + base * 4, mw[0], mw[1], mw[2], mw[3])
+                        st_u32x4(ma + base * 4 + 16, mw[4], mw[5], mw[6], mw[7])
+                    if u0:
+                        _st_pairs_high(sa0 + base * 2, w0)
+                    if u1:
+                        _st_pairs_high(sa1 + base * 2, w1)
+                    if u2:
+                        _st_pairs_high(sa2 + base * 2, w2)
+                    continue
                 # stores
-                if psize == 2:
+                if param_num:
+                    st8_16_pairs(pa + base * 2, vec, cnt, pw)
+                elif psize == 2:
                     st8_16(pa + base * 2, vec, cnt, pw, widen_param)
                 else:
                     st8_32(pa + base * 4, vec, cnt, pw)
@@ -739,13 +950,23 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 elif msize == 2:
                     st8_16(ma + base * 2, vec, cnt, mw, False)
                 elif msize == 1:
-                    st8_8(ma + base, vec, cnt, mw)
-                _store_state(u0, 0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, r01, key2, e,
-                             mid_s if sg0 else mid_u, tb_s if sg0 else tb_u)
-                _store_state(u1, 1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, r01, key2, e,
-                             mid_s if sg1 else mid_u, tb_s if sg1 else tb_u)
-                _store_state(u2, 2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, r01, key2, e,
-                             mid_s if sg2 else mid_u, tb_s if sg2 else tb_u)
+                    if wide_rem:
+                        st8_8_byte1(ma + base, vec, cnt, mw)  # the remainder in byte 1 (store_master_wide)
+                    else:
+                        st8_8(ma + base, vec, cnt, mw)
+                # the signed map by its bucket table and midpoints, the unsigned by its packed words
+                if sg0:
+                    _store_state(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, mid_s, tb_s)
+                else:
+                    _store_state_packed(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, pk_u)
+                if sg1:
+                    _store_state(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, mid_s, tb_s)
+                else:
+                    _store_state_packed(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, pk_u)
+                if sg2:
+                    _store_state(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, mid_s, tb_s)
+                else:
+                    _store_state_packed(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, pk_u)
             if lamb and not apply:  # the chunk's sums (uniform over the block: every thread reaches it)
                 sp = _block_sum(sp)
                 su = _block_sum(su)
@@ -832,33 +1053,76 @@ def _decode_state(usedk, quant, sz, w, x, scale, q):
 
 
 @_device
-def _store_state(usedk, k, quant, sz, addr, vec, cnt, w, x, scale, r01, key2, e, mid, table):
-    """Slot ``k``'s 8 new values of the lane, encoded: int8 codes at ``scale``, bfloat16 rounded
-    stochastically (slots 0 and 1 by halves of the words ``r01``, slot 2 by its own stream's
-    ``key2``), or float32."""
+def _store_state(usedk, quant, sz, addr, vec, cnt, w, x, scale, mid, table):
+    """A slot's 8 new values of the lane, encoded: int8 codes at ``scale`` (by the map's midpoints
+    ``mid`` and bucket ``table``), bfloat16 (the words ``w``, encoded by the round's path), or
+    float32."""
     if not usedk:
         return
     if quant:
-        # float32(): numba's simulator passes Python floats, which would compile float64 code
-        pre, inv = quantize_factors(float32(scale))
-        pre, inv = float32(pre), float32(inv)
-        # the usual block (finite, not subnormal: pre is 1, so x * inv) takes the shorter bucket,
-        # which has no upper clamp: only in a lane whose 8 elements all exist (past the end, code 0
-        # decodes to -scale in the signed map, and a family's step may turn that into a NaN, or
-        # anything, outside the block's scale)
-        if scale <= _F32_MAX and cnt == LANE32 and pre == 1:
+        # the usual block (a normal scale below 2**126: pre is 1, and the reciprocal is the GPU's fast
+        # path, rcp_fast) takes the shorter bucket, which has no upper clamp: only in a lane whose 8
+        # elements all exist (past the end, code 0 decodes to -scale in the signed map, and a family's
+        # step may turn that into a NaN, or anything, outside the block's scale)
+        if cnt == LANE32 and rcp_in_window(float32(scale)):
+            inv = float32(rcp_fast(float32(scale)))  # float32(): the simulator passes Python floats
             for j in range(LANE):
                 w[j] = quantize_finite(x[j], float32(1), inv, mid, table)
         else:
+            pre, inv = quantize_factors(float32(scale))
+            pre, inv = float32(pre), float32(inv)
             for j in range(LANE):
                 w[j] = quantize(x[j], pre, inv, mid, table)
         st8_8(addr, vec, cnt, w)
-    elif sz == 2:
-        for j in range(LANE):
-            r = slot_bits(r01[j], k) if k < 2 else rand32(key2, add32(e, j))
-            w[j] = bf16_stochastic_wide(x[j], r)
+    else:
+        _store_plain(sz, addr, vec, cnt, w, x)
+
+
+@_device
+def _store_state_packed(usedk, quant, sz, addr, vec, cnt, w, x, scale, packed):
+    """:func:`_store_state` for the unsigned map, by its packed words (``quantize_packed``: each code
+    in the top 16 bits of its word, stored from there)."""
+    if not usedk:
+        return
+    if quant:
+        if cnt == LANE32 and rcp_in_window(float32(scale)):  # _store_state's reasons
+            inv = float32(rcp_fast(float32(scale)))
+            for j in range(LANE):
+                w[j] = quantize_packed_finite(x[j], float32(1), inv, packed)
+        else:
+            pre, inv = quantize_factors(float32(scale))
+            pre, inv = float32(pre), float32(inv)
+            for j in range(LANE):
+                w[j] = quantize_packed(x[j], pre, inv, packed)
+        st8_8_byte2(addr, vec, cnt, w)
+    else:
+        _store_plain(sz, addr, vec, cnt, w, x)
+
+
+@_device
+def _store_plain(sz, addr, vec, cnt, w, x):
+    """A slot's 8 new values as bfloat16 (the words ``w``, encoded by the round's path) or float32
+    words."""
+    if sz == 2:
         st8_16(addr, vec, cnt, w, True)
     else:
         for j in range(LANE):
             w[j] = f32_bits(x[j])
         st8_32(addr, vec, cnt, w)
+
+
+@_device
+def _encode_bf16(u0, u1, u2, w0, w1, w2, x0, x1, x2, key01, key2, e):
+    """The lane's new bfloat16 state words (high halves) from the values ``x0``-``x2``, rounded
+    stochastically: slots 0 and 1 by the halves of one hash per element (``key01``'s stream), slot 2
+    by its own stream's ``key2``."""
+    for j in range(LANE):
+        ij = add32(e, j)
+        if u0 or u1:
+            r = rand32(key01, ij)
+            if u0:
+                w0[j] = bf16_stochastic_wide(x0[j], slot_bits(r, 0))
+            if u1:
+                w1[j] = bf16_stochastic_wide(x1[j], slot_bits(r, 1))
+        if u2:
+            w2[j] = bf16_stochastic_wide(x2[j], rand32(key2, ij))
