@@ -42,6 +42,7 @@ state tensors that live on the GPU (each storage once); "GPU alloc delta" is
     python benchmarks/bench_offload.py --layers 2 --accum 2 --micro 1   # a small smoke run on the GPU
     python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, every row
     python benchmarks/bench_offload.py --chunk-only                     # only the per-chunk CPU work
+    python benchmarks/bench_offload.py --bandwidth-only                 # copies: pinned alone and beside a host copy
 
 A row that fails (an exception anywhere in it, after minutes of steps) is a row that says FAILED
 with the reason, printed as it comes; the other rows, what the failed row measured before it
@@ -427,6 +428,39 @@ def pinned_copy_gbps(nbytes: int, reps: int = 5) -> Dict[str, float]:
     return out
 
 
+def pinned_copy_under_load_gbps(nbytes: int, reps: int = 5) -> Dict[str, float]:
+    """The pinned copies of :func:`pinned_copy_gbps` while every core runs a host copy of pageable
+    memory (as a CPU step does): whether a transfer overlapped with a CPU step can reach the pinned
+    bandwidth, or the two share the host's memory. Also the host copy's own rate meanwhile."""
+    import threading
+
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    src = torch.ones(max(nbytes, 1 << 28) // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    stop, copied = threading.Event(), [0, 0.0]
+
+    def load() -> None:
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            dst.copy_(src)  # torch releases the GIL while it copies
+            copied[0] += 2 * src.numel() * 4
+        copied[1] = time.perf_counter() - t0
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        time.sleep(0.2)
+        out = pinned_copy_gbps(nbytes, reps)
+    finally:
+        stop.set()
+        worker.join()
+    out["host_copy_meanwhile"] = copied[0] / copied[1] / 1e9 if copied[1] else float("nan")
+    return out
+
+
 # ------------------------------------------------------------------ the report
 
 
@@ -634,6 +668,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "the host's last-level cache many times over, or it measures the cache (the default: 2 GB)")
     ap.add_argument("--chunk-reps", type=int, default=5)
     ap.add_argument("--chunk-only", action="store_true", help="only the per-chunk CPU measurement (no device needed)")
+    ap.add_argument("--bandwidth-only", action="store_true",
+                    help="only the bandwidth probes: host copy, pinned copies alone and under a host copy on every core")
     ap.add_argument("--json", help="write the results here (a bare name goes to benchmarks/results/)")
     args = ap.parse_args(argv)
     import torch
@@ -665,6 +701,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     nbytes = args.copy_mb << 20
     results["bandwidth"] = {"host_copy_GBps": host_copy_gbps(nbytes, pin=device == "cuda"),
                             "pinned_GBps": pinned_copy_gbps(nbytes) if device == "cuda" else None}
+    if args.bandwidth_only:
+        bw = results["bandwidth"]
+        if device == "cuda":
+            bw["pinned_under_host_copy_GBps"] = pinned_copy_under_load_gbps(nbytes)
+        print(f"host copy {bw['host_copy_GBps']:.1f} GB/s (read + write, {os.cpu_count()} threads)")
+        for key in ("pinned_GBps", "pinned_under_host_copy_GBps"):
+            if bw.get(key):
+                print(f"{key}: " + ", ".join(f"{k} {v:.1f}" for k, v in bw[key].items()))
+        write(results, args.json)
+        return 0
     total = len(rows) * (args.warmup + args.steps) + sum(r in OFFLOAD_ROWS for r in rows) * args.split_steps
     try:
         from rich.progress import Progress
