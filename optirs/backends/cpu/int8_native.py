@@ -42,6 +42,7 @@ from numba.extending import intrinsic
 
 from optirs.backends.common.formats import bits_f32, f32_bits, quantize_bucket, quantize_code, quantize_scaled
 from optirs.backends.common.int8_buckets import HI, LO, WIDTH
+from optirs.core.errors import InvalidParameterError
 
 _jit = njit(cache=False, error_model="numpy")
 
@@ -249,7 +250,8 @@ def encode_block_registers(buf, n, pre, inv, tree, mid, tbl, w, o, ix):
 #   midpoints below the bucket, plus the carry out of the low 16 bits exactly when mid[c] < y;
 # - y < 0 (and NaN, which codes as 0: the last negative bucket, no midpoint below it): word =
 #   ((c + top + 1) << 16) + low16(-mid[c]) - 1, code = (word - a) >> 16: ``c`` the midpoints below
-#   the bucket's lowest value -|a|max, plus one unless the borrow says |y| >= -mid[c] (mid[c] >= y).
+#   the bucket's lowest value (its largest magnitude, negated), plus one unless the borrow out of
+#   the low 16 bits says |y| >= -mid[c], that is mid[c] >= y.
 #
 # (low16 taken as 0 where mid[c] lies outside the bucket.) Per 16 values: about 12 integer
 # instructions and one ``vpgatherdd`` from a table of 23 KiB, against the search's 8 dependent
@@ -367,13 +369,14 @@ def decode_block_gathers(w, q, s, o, n, buf):
 
 # The forms the cpu loops use. With AVX-512F the decode keeps the map in registers and the encode
 # reads the packed words by gathers (docs/benchmarks.md: on Zen 4 the gathered decode is slower
-# than the registers', the gathered encode faster than the search); OPTIRS_CPU_INT8_ENCODE=search
-# keeps the search (for measuring; the codes are the same).
+# than the registers', on the H200 host's Xeon as fast; the gathered encode is faster than the
+# search on both). OPTIRS_CPU_INT8_ENCODE=search and OPTIRS_CPU_INT8_DECODE=gathers pick the others
+# on a cpu where they may win (for measuring: the codes and values are the same).
 ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "gathers") if NATIVE else "tables")
 DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "registers") if NATIVE else "tables")
 if ENCODE not in ("gathers", "search", "tables") or DECODE not in ("registers", "gathers", "tables"):
-    raise ValueError(f"OPTIRS_CPU_INT8_ENCODE={ENCODE!r}, OPTIRS_CPU_INT8_DECODE={DECODE!r}: expected "
-                     "gathers, search or tables, and registers, gathers or tables")
+    raise InvalidParameterError(f"OPTIRS_CPU_INT8_ENCODE={ENCODE!r}, OPTIRS_CPU_INT8_DECODE={DECODE!r}: expected "
+                                "gathers, search or tables, and registers, gathers or tables")
 
 if DECODE == "registers":
     decode_block = decode_block_registers
