@@ -1,7 +1,7 @@
 """The cpu backend's int8 block loops (optirs.backends.cpu.formats_kernels) against numpy.
 
 The block's new values are coded in separate loops (absmax as an integer maximum, then the codes:
-a search over the midpoints in AVX-512 registers where the cpu has it, else the scaling and bucket
+gathers of packed words where the cpu has AVX-512, else the scaling and bucket
 arithmetic and the two table lookups): the scale and every code must be exactly what the contract
 gives (docs/formats.md), NaN, inf, zeros and short blocks included. The reference here is plain
 numpy: the scale is ``max |x|`` over the block (NaN when any value is NaN: numpy's max propagates
@@ -44,8 +44,7 @@ def kernels(request):
 
     @njit
     def store(w, scales, mid, tbl, blk, o, n, buf, ix):
-        tree = np.zeros(256, np.float32)
-        N.eytzinger(mid, tree)
+        tree = N.encoder_key(mid, tbl, True)
         if tables:
             m = K._block_absmax(buf, n)
             scales[blk] = m
@@ -112,3 +111,38 @@ def test_a_block_with_nans_keeps_the_nan_of_its_first_lane(kernels):
         scales = np.zeros(1, np.float32)
         store(np.zeros(n, np.uint8), scales, mid, tbl, 0, 0, n, x.copy(), np.zeros(256, np.uint32))
         assert scales.view(np.uint32)[0] == x.view(np.uint32)[first] & 0x7FFFFFFF, (n, where)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_every_avx512_form_counts_at_the_midpoints(signed):
+    """The AVX-512 encoders (gathers of packed words, the search) and decoders (registers, gathers)
+    on the values where a count changes: each midpoint, its float32 neighbours and their negations,
+    the first and last buckets' edges, zeros, inf, NaN and random bit patterns (all 2**32 are
+    checked by benchmarks/check_int8_native.py)."""
+    import optirs.backends.cpu.int8_native as N
+
+    if not N.NATIVE:
+        pytest.skip("numba does not compile for a cpu with AVX-512F here: only the table reads run")
+    mid, tbl, q = padded_midpoints(signed), bucket_table(signed), np.asarray(dynamic_map(signed), np.float32)
+    m = np.asarray(mid[:255], np.float32)
+    edges = np.uint32([0x33FF0000, 0x34000000, 0x3F80FFFF, 0x3F810000, 0x7F800000, 0x7FC00000, 0x7F800001, 0,
+                       0x00000001]).view(np.float32)
+    y = np.concatenate([m, np.nextafter(m, np.float32(np.inf)), np.nextafter(m, np.float32(-np.inf)), edges])
+    y = np.concatenate([y, -y, np.random.default_rng(2).integers(0, 2**32, 4096, dtype=np.uint64)
+                        .astype(np.uint32).view(np.float32)]).astype(np.float32)
+    n = y.size
+    want = quantize_table(y, mid, tbl)
+    tree = np.zeros(256, np.float32)
+    N.eytzinger(mid, tree)
+    words = np.zeros(N.WORDS, np.uint32)
+    N.packed_words(mid, tbl, words)
+    one, ix = np.float32(1), np.zeros(256, np.uint32)
+    for form, encode, key in (("search", N.encode_block_registers, tree), ("gathers", N.encode_block_gathers, words)):
+        got = np.zeros(n, np.uint8)
+        encode(y.copy(), n, one, one, key, mid, tbl, got, 0, ix)
+        assert np.array_equal(got, want), (form, y[got != want][:4], got[got != want][:4], want[got != want][:4])
+    codes = np.arange(256 * 3 + 5, dtype=np.uint32).astype(np.uint8)
+    for decode in (N.decode_block_registers, N.decode_block_gathers):
+        got = np.zeros(codes.size, np.float32)
+        decode(codes, q, np.float32(3.7e-3), 0, codes.size, got)
+        assert np.array_equal(got, q[codes] * np.float32(3.7e-3)), decode.__name__

@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 from optirs.backends.common.bits32 import add32, and32
 from optirs.backends.common.elementwise import lamb_grad_scale
@@ -24,7 +26,7 @@ from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, encode_state, f32_bits,
                                             format_element, lamb_format_element, quantize_factors, rand32, slot_bits,
                                             state_stream, store_master, stream_key)
-from optirs.backends.cpu.int8_native import decode_block, encode_block, eytzinger
+from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
 
@@ -34,6 +36,36 @@ from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, 
 # helpers and the per-variant loops they make up compile with their entry point, inlined.
 _jit = njit(cache=False, error_model="numpy")
 _pjit = njit(parallel=True, cache=True, error_model="numpy")
+
+
+@intrinsic
+def _span(typingctx, a, start, stop):
+    """``a[start:stop]`` of a 1-D contiguous array (0 <= start <= stop <= len(a), not checked) as a
+    view that holds no reference to ``a``'s memory: the caller keeps ``a`` alive.
+
+    A slice takes a reference (an atomic increment of the array's count, and a decrement when it
+    dies): per int8 block, the loop's slices of (and calls with) the arrays every thread shares
+    made about 16 reference calls, atomic operations on the same few cache lines."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"):
+        return None
+    sig = a(a, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        out = context.make_array(sig.return_type)(context, builder)
+        start, stop = args[1], args[2]
+        itemsize = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype)))
+        populate_array(out, data=builder.gep(src.data, [start]), shape=[builder.sub(stop, start)],
+                       strides=[itemsize], itemsize=itemsize, meminfo=None)
+        return out._getvalue()
+
+    return sig, codegen
+
+
+@_jit
+def _all(a):
+    """All of ``a`` as a view without a reference (:func:`_span`)."""
+    return _span(a, 0, a.shape[0])
 
 
 @_jit
@@ -168,8 +200,9 @@ def _block_absmax_lanes(buf, n):
 @_jit
 def _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix):
     """An int8 block's new values: the scale is their absmax, then each one's code
-    (:func:`optirs.backends.cpu.int8_native.encode_block`: ``tree`` is the midpoints in search
-    order, ``ix`` uint32 scratch of a block; ``buf`` may be overwritten)."""
+    (:func:`optirs.backends.cpu.int8_native.encode_block`: ``tree`` is the encoder's table,
+    :func:`~optirs.backends.cpu.int8_native.encoder_key`, ``ix`` uint32 scratch of a block; ``buf``
+    may be overwritten)."""
     m = _block_absmax(buf, n)
     scales[blk] = m
     pre, inv = quantize_factors(m)
@@ -177,18 +210,10 @@ def _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix):
 
 
 @_jit
-def _trees(d0, d1, d2, u0, u1, u2):
-    """The used slots' midpoints in search order (one 256-entry array each, built once per launch)."""
-    e0 = np.zeros(256, np.float32)
-    e1 = np.zeros(256, np.float32)
-    e2 = np.zeros(256, np.float32)
-    if u0:
-        eytzinger(d0, e0)
-    if u1:
-        eytzinger(d1, e1)
-    if u2:
-        eytzinger(d2, e2)
-    return e0, e1, e2
+def _trees(d0, t0, d1, t1, d2, t2, u0, u1, u2):
+    """The used slots' encoder tables (:func:`optirs.backends.cpu.int8_native.encoder_key`: the
+    packed words or the midpoints in search order), built once per launch."""
+    return encoder_key(d0, t0, u0), encoder_key(d1, t1, u1), encoder_key(d2, t2, u2)
 
 
 @_jit
@@ -222,6 +247,9 @@ def _make_pointwise(fc, used):
     constants = dict(FC=fc, U0=bool(used & 1), U1=bool(used & 2), U2=bool(used & 4),
                      HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE, INT8=int8,
                      SKIND=STATE_F32 if int8 else fc.state)  # a small int8 tensor's state is float32 values
+    # the int8 forms chosen at import (int8_native): in the variant's name, so that a loop cached with
+    # one form never loads under another
+    constants["INT8_FORMS"] = (ENCODE, DECODE)
     label = "_".join(map(str, tuple(fc))) + f"_u{used}"
     constants["RUN_WORDS"] = _jit(variant(_run_words, label, constants))
     # the chunk is its own (serial) function: numba's parfor lowering of a body this size
@@ -276,6 +304,12 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
     a1 = np.zeros(BLOCK, np.float32)
     a2 = np.zeros(BLOCK, np.float32)
     ix = np.zeros(BLOCK, np.uint32)
+    # every array the blocks read as a view without references (_span), so that no block's calls
+    # and slices count references to the arrays all threads share
+    p, g, mbuf, a0, a1, a2, ix = _all(p), _all(g), _all(mbuf), _all(a0), _all(a1), _all(a2), _all(ix)
+    w0, c0, q0, d0, t0, e0 = _all(w0), _all(c0), _all(q0), _all(d0), _all(t0), _all(e0)
+    w1, c1, q1, d1, t1, e1 = _all(w1), _all(c1), _all(q1), _all(d1), _all(t1), _all(e1)
+    w2, c2, q2, d2, t2, e2 = _all(w2), _all(c2), _all(q2), _all(d2), _all(t2), _all(e2)
     for b in range(s, e, BLOCK):
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
@@ -286,9 +320,10 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             _decode_block(w1, q1, c1[blk], o, n, a1)
         if U2:
             _decode_block(w2, q2, c2[blk], o, n, a2)
-        mb = mbuf[o : o + n] if HAS_MASTER else mbuf
-        RUN_WORDS(p[b : b + n], g[b : b + n], mb, a0[:n] if U0 else a0, a1[:n] if U1 else a1, a2[:n] if U2 else a2,
-                  sc, keyp, k01, k2, o)
+        # views without references (_span): the same loop as over slices
+        mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
+        RUN_WORDS(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
+                  _span(a1, 0, n) if U1 else a1, _span(a2, 0, n) if U2 else a2, sc, keyp, k01, k2, o)
         if U0:
             _store_codes(w0, c0, d0, t0, e0, blk, o, n, a0, ix)
         if U1:
@@ -309,7 +344,7 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     """
     keyp = stream_key(seed, step, 0)
     k01, k2 = stream_key(seed, step, state_stream(0)), stream_key(seed, step, state_stream(2))
-    e0, e1, e2 = _trees(d0, d1, d2, U0 and INT8, U1 and INT8, U2 and INT8)  # read by every chunk
+    e0, e1, e2 = _trees(d0, t0, d1, t1, d2, t2, U0 and INT8, U1 and INT8, U2 and INT8)  # read by every chunk
     for c in prange(chunk_tensor.shape[0]):
         t = chunk_tensor[c]
         CHUNK(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1,
@@ -334,7 +369,8 @@ def lamb(fc):
     k = _LAMB.get(key)
     if k is None:
         fc = FormatCodes(*fc)
-        constants = dict(FC=fc, INT8=fc.state == STATE_INT8, HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE)
+        constants = dict(FC=fc, INT8=fc.state == STATE_INT8, HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE,
+                         INT8_FORMS=(ENCODE, DECODE))  # as in _make_pointwise
         label = "_".join(map(str, key))
         constants["LOAD_MOMENTS"] = _jit(variant(_load_moments, label, constants))
         k = _LAMB[key] = _pjit(variant(_lamb_format, label, constants))
@@ -388,7 +424,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
     ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     keyp = stream_key(seed, step, 0)
     k01 = stream_key(seed, step, state_stream(0))
-    e0, e1, _ = _trees(d0, d1, d1, INT8, INT8, False)  # read by every chunk
+    e0, e1, _ = _trees(d0, t0, d1, t1, d1, t1, INT8, INT8, False)  # read by every chunk
     for c in prange(nchunks):
         t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
         p, g = ps[t], gs[t]

@@ -1,32 +1,37 @@
-"""int8 state's map lookups held in AVX-512 registers (the cpu format loops), with a portable fallback.
+"""int8 state's map lookups by AVX-512 gathers and registers (the cpu format loops), with a portable fallback.
 
 An int8 block decodes as ``q[code] * scale`` and encodes as the number of midpoints ``mid[k] < y``
 (docs/formats.md, "int8 state"). Written as array reads, both are table lookups whose index
-differs per element: LLVM keeps them scalar (it emits no gathers for Zen 4, and forced gathers
-were slower: docs/benchmarks.md), about 1 ns per value and moment on a Zen 4 core, most of the
-int8 step. With AVX-512 the tables fit in registers:
+differs per element: LLVM keeps them scalar (it emits no gathers for Zen 4), about 1 ns per value
+and moment on a Zen 4 core, most of the int8 step. With AVX-512:
 
 - **decode**: the 256-entry float32 map is 16 zmm registers; ``vpermi2ps`` looks up 32 entries
   for 16 lanes, so 8 of them and 7 selects on the code's bits 5-7 look up 16 codes with no
-  memory read. The same products as ``q[code] * scale``.
-- **encode**: a branchless binary search over the 255 midpoints (padded with +inf to 256) in
-  Eytzinger order (node ``j``'s children are ``2j`` and ``2j + 1``, so the running node number is
-  the index of the next level's table and, after 8 levels, 256 plus the code). Levels 0-4 are
-  one register (``vpermps``), level 5 two (``vpermi2ps``), levels 6 and 7 four and eight with
-  selects on the node's bits. Each level compares ``t < y`` as the count does (a NaN compares
-  false at every level: code 0), so the code is the count of the contract by construction, with
-  no bucket table; checked equal to ``int8_buckets.quantize_table`` for all 2**32 float32
-  inputs of both maps (benchmarks/check_int8_native.py). Four groups of 16 are searched side by
-  side: each level waits on the one before it.
+  memory read. The same products as ``q[code] * scale``. (One ``vgatherdps`` from the map,
+  :func:`decode_block_gathers`, is slower on Zen 4: docs/benchmarks.md.)
+- **encode**: one ``vpgatherdd`` per 16 values from the packed words (:func:`packed_words`: one
+  32-bit word per bucket of the value's top 16 bits and sign, the cuda kernels' unsigned-map words
+  extended to negative values), and an add: the code is the sum's top 16 bits. About 12 integer
+  instructions per 16 values beside the gather.
+- the **search** it replaced (:func:`encode_block_registers`, kept for measuring on other cpus:
+  ``OPTIRS_CPU_INT8_ENCODE=search``): a branchless binary search over the 255 midpoints (padded
+  with +inf to 256) in Eytzinger order (node ``j``'s children are ``2j`` and ``2j + 1``, so the
+  running node number is the index of the next level's table and, after 8 levels, 256 plus the
+  code). Levels 0-4 are one register (``vpermps``), level 5 two (``vpermi2ps``), levels 6 and 7
+  four and eight with selects on the node's bits. Each level compares ``t < y`` as the count does
+  (a NaN compares false at every level: code 0). Four groups of 16 are searched side by side:
+  each level waits on the one before it; 54 instructions per 16 values, most on the shuffle port.
 
-:func:`decode_block` and :func:`encode_block` compile the register forms where numba compiles for a
-cpu with AVX-512F, and the table-read loops everywhere else (the same results; the tests check
-both on a machine with AVX-512). Only the cpu backend calls them (a cuda kernel never sees x86
-intrinsics).
+Both encoders count exactly: checked equal to ``int8_buckets.quantize_table`` for all 2**32
+float32 inputs of both maps (benchmarks/check_int8_native.py). :func:`decode_block` and
+:func:`encode_block` compile the AVX-512 forms where numba compiles for a cpu with AVX-512F, and
+the table-read loops everywhere else (the same results; the tests check both on a machine with
+AVX-512). Only the cpu backend calls them (a cuda kernel never sees x86 intrinsics).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 
 import numpy as np
@@ -35,7 +40,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from optirs.backends.common.formats import bits_f32, quantize_bucket, quantize_code, quantize_scaled
+from optirs.backends.common.formats import bits_f32, f32_bits, quantize_bucket, quantize_code, quantize_scaled
+from optirs.backends.common.int8_buckets import HI, LO, WIDTH
+from optirs.core.errors import InvalidParameterError
 
 _jit = njit(cache=False, error_model="numpy")
 
@@ -43,6 +50,8 @@ _F16 = ir.VectorType(ir.FloatType(), 16)
 _I16 = ir.VectorType(ir.IntType(32), 16)
 _B16 = ir.VectorType(ir.IntType(8), 16)
 _I64 = ir.IntType(64)
+_V16 = ir.VectorType(ir.IntType(1), 16)
+_P8 = ir.IntType(8).as_pointer()
 GROUPS = 4  # groups of 16 values searched side by side by the encoder
 
 
@@ -229,14 +238,179 @@ def encode_block_registers(buf, n, pre, inv, tree, mid, tbl, w, o, ix):
         encode_block_tables(buf[m * 16 :], n - m * 16, pre, inv, mid, tbl, w, o + m * 16, ix)
 
 
-if NATIVE:
-    decode_block, encode_block = decode_block_registers, encode_block_registers
+# ---- the packed words: one table read per value
+#
+# The contract's count by one 32-bit word per bucket of |y| and sign (``WORDS`` of them), the
+# unsigned map's packed words of :mod:`optirs.backends.common.formats` (``packed_word``) extended
+# to negative values, so that one form serves both maps and every float32. With ``a`` the bits of
+# |y| clamped to the buckets' range (``_LOWB`` .. ``_TOPB``: the first and last bucket hold no
+# midpoint, so the clamp changes no count) and ``top`` = a >> 16:
+#
+# - y >= 0: word = ((c - top) << 16) + (0xFFFF - low16(mid[c])), code = (word + a) >> 16: ``c`` the
+#   midpoints below the bucket, plus the carry out of the low 16 bits exactly when mid[c] < y;
+# - y < 0 (and NaN, which codes as 0: the last negative bucket, no midpoint below it): word =
+#   ((c + top + 1) << 16) + low16(-mid[c]) - 1, code = (word - a) >> 16: ``c`` the midpoints below
+#   the bucket's lowest value (its largest magnitude, negated), plus one unless the borrow out of
+#   the low 16 bits says |y| >= -mid[c], that is mid[c] >= y.
+#
+# (low16 taken as 0 where mid[c] lies outside the bucket.) Per 16 values: about 12 integer
+# instructions and one ``vpgatherdd`` from a table of 23 KiB, against the search's 8 dependent
+# levels (54 instructions, most of them on the shuffle port).
+_FIRST = LO - 1
+_LOWB = _FIRST << 16  # bits of bucket 0's lowest magnitude: smaller ones share its word
+_TOPB = (HI + 1) << 16  # the last bucket's: larger ones, inf and NaN share it
+WORDS = 2 * WIDTH
+
+
+@_jit
+def packed_words(mid, tbl, words):
+    """``words`` (uint32[WORDS]) = the packed words of the padded midpoints ``mid`` and their bucket
+    table ``tbl`` (:mod:`optirs.backends.common.int8_buckets`): positive buckets, then negative ones.
+    The dynamic maps' midpoints lie above 2**-23 and below 1 in magnitude: the first and last
+    buckets, into which the encoders clamp smaller and larger values, hold none."""
+    for b in range(WIDTH):
+        top = b + _FIRST
+        c = np.int64(tbl[b])
+        m = np.int64(f32_bits(mid[c]))
+        low = 0xFFFF - (m & 0xFFFF) if m >> 16 == top else 0
+        words[b] = np.uint32((((c - top) << 16) + low) & 0xFFFFFFFF)
+        c = np.int64(tbl[WIDTH + b])
+        m = np.int64(f32_bits(mid[c]))
+        low = m & 0xFFFF if m >> 16 == top | 0x8000 else 0
+        words[WIDTH + b] = np.uint32((((c + top + 1) << 16) + low - 1) & 0xFFFFFFFF)
+
+
+def _v(x):
+    return ir.Constant(_I16, [x & 0xFFFFFFFF] * 16)
+
+
+@intrinsic
+def _encode_gathers(typingctx, buf, pre, inv, words, w, o, m):
+    """``w[o + i]`` = the code of ``(buf[i] * pre) * inv`` for ``i < 16 * m``, by the packed words
+    ``words`` (:func:`packed_words`), one ``vpgatherdd`` per 16 values."""
+    if not (isinstance(buf, types.Array) and isinstance(words, types.Array) and isinstance(w, types.Array)):
+        return None
+    sig = types.void(buf, types.float32, types.float32, words, w, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        buf, pre, inv, words, w, o, m = args
+        bp = _data(context, builder, sig.args[0], buf)
+        wp = builder.gep(_data(context, builder, sig.args[4], w), [o])
+        # the index's bucket offset (top - _FIRST) folded into the table's address
+        base = builder.gep(_data(context, builder, sig.args[3], words), [ir.Constant(_I64, -_FIRST)])
+        base = builder.bitcast(base, _P8)
+        prev, invv = _splat(builder, pre), _splat(builder, inv)
+        gather = _function(builder, "llvm.x86.avx512.mask.gather.dpi.512", _I16,
+                           [_I16, _P8, _I16, _V16, ir.IntType(32)])
+        with cgutils.for_range(builder, m) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, 16))
+            x = builder.load(builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
+            u = builder.bitcast(builder.fmul(builder.fmul(x, prev), invv), _I16)  # quantize_scaled
+            mag = builder.and_(u, _v(0x7FFFFFFF))
+            # all ones for a negative value or a NaN (0x7F800000 - |u| is negative only for a NaN)
+            neg = builder.ashr(builder.or_(u, builder.sub(_v(0x7F800000), mag)), _v(31))
+            a = builder.select(builder.icmp_unsigned("<", mag, _v(_LOWB)), _v(_LOWB), mag)
+            a = builder.select(builder.icmp_unsigned(">", a, _v(_TOPB)), _v(_TOPB), a)
+            index = builder.add(builder.lshr(a, _v(16)), builder.and_(neg, _v(WIDTH)))
+            signed_a = builder.sub(builder.xor(a, neg), neg)  # a, or -a for the negative words
+            word = builder.call(gather, [ir.Constant(_I16, [0] * 16), base, index, ir.Constant(_V16, [1] * 16),
+                                         ir.Constant(ir.IntType(32), 4)])
+            code = builder.lshr(builder.add(word, signed_a), _v(16))
+            builder.store(builder.trunc(code, _B16), builder.bitcast(builder.gep(wp, [at]), _B16.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _decode_gathers(typingctx, w, o, q, s, buf, m):
+    """:func:`_decode_groups` by one ``vgatherdps`` from ``q`` per 16 codes."""
+    if not (isinstance(w, types.Array) and isinstance(q, types.Array) and isinstance(buf, types.Array)):
+        return None
+    sig = types.void(w, types.int64, q, types.float32, buf, types.int64)
+
+    def codegen(context, builder, sig, args):
+        w, o, q, s, buf, m = args
+        wp = builder.gep(_data(context, builder, sig.args[0], w), [o])
+        bp = _data(context, builder, sig.args[4], buf)
+        base = builder.bitcast(_data(context, builder, sig.args[2], q), _P8)
+        sv = _splat(builder, s)
+        gather = _function(builder, "llvm.x86.avx512.mask.gather.dps.512", _F16,
+                           [_F16, _P8, _I16, _V16, ir.IntType(32)])
+        with cgutils.for_range(builder, m) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, 16))
+            codes = builder.load(builder.bitcast(builder.gep(wp, [at]), _B16.as_pointer()), align=1)
+            v = builder.call(gather, [ir.Constant(_F16, [0.0] * 16), base, builder.zext(codes, _I16),
+                                      ir.Constant(_V16, [1] * 16), ir.Constant(ir.IntType(32), 4)])
+            builder.store(builder.fmul(v, sv), builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def encode_block_gathers(buf, n, pre, inv, words, mid, tbl, w, o, ix):
+    """:func:`encode_block_tables` by the packed words ``words`` (:func:`packed_words`), one gather per
+    16 values (AVX-512F only; ``buf`` is left as it was for the groups of 16, scaled for the rest)."""
+    m = n // 16
+    _encode_gathers(buf, pre, inv, words, w, np.int64(o), np.int64(m))
+    if m * 16 < n:
+        encode_block_tables(buf[m * 16 :], n - m * 16, pre, inv, mid, tbl, w, o + m * 16, ix)
+
+
+@_jit
+def decode_block_gathers(w, q, s, o, n, buf):
+    """:func:`decode_block_tables` by gathers (AVX-512F only)."""
+    m = n // 16
+    _decode_gathers(w, np.int64(o), q, s, buf, np.int64(m))
+    if m * 16 < n:
+        decode_block_tables(w, q, s, o + m * 16, n - m * 16, buf[m * 16 :])
+
+
+# The forms the cpu loops use. With AVX-512F the decode keeps the map in registers and the encode
+# reads the packed words by gathers (docs/benchmarks.md: on Zen 4 the gathered decode is slower
+# than the registers', on the H200 host's Xeon as fast; the gathered encode is faster than the
+# search on both). OPTIRS_CPU_INT8_ENCODE=search and OPTIRS_CPU_INT8_DECODE=gathers pick the others
+# on a cpu where they may win (for measuring: the codes and values are the same).
+ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "gathers") if NATIVE else "tables")
+DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "registers") if NATIVE else "tables")
+if ENCODE not in ("gathers", "search", "tables") or DECODE not in ("registers", "gathers", "tables"):
+    raise InvalidParameterError(f"OPTIRS_CPU_INT8_ENCODE={ENCODE!r}, OPTIRS_CPU_INT8_DECODE={DECODE!r}: expected "
+                                "gathers, search or tables, and registers, gathers or tables")
+
+if DECODE == "registers":
+    decode_block = decode_block_registers
+elif DECODE == "gathers":
+    decode_block = decode_block_gathers
+else:
+    decode_block = decode_block_tables
+
+if ENCODE == "gathers":
+
+    @_jit
+    def encoder_key(mid, tbl, used):
+        """The table the encode reads (here the packed words; empty for an unused slot)."""
+        words = np.zeros(WORDS if used else 0, np.uint32)
+        if used:
+            packed_words(mid, tbl, words)
+        return words
+
+    encode_block = encode_block_gathers
+
 else:
 
     @_jit
-    def decode_block(w, q, s, o, n, buf):
-        decode_block_tables(w, q, s, o, n, buf)
+    def encoder_key(mid, tbl, used):
+        """The table the encode reads (here the midpoints in search order; unread by the tables)."""
+        tree = np.zeros(256, np.float32)
+        if used:
+            eytzinger(mid, tree)
+        return tree
 
-    @_jit
-    def encode_block(buf, n, pre, inv, tree, mid, tbl, w, o, ix):
-        encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix)
+    if ENCODE == "search":
+        encode_block = encode_block_registers
+    else:
+
+        @_jit
+        def encode_block(buf, n, pre, inv, key, mid, tbl, w, o, ix):
+            encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix)
