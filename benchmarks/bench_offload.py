@@ -43,6 +43,8 @@ state tensors that live on the GPU (each storage once); "GPU alloc delta" is
     python benchmarks/bench_offload.py --quick                          # tiny model on the CPU, every row
     python benchmarks/bench_offload.py --chunk-only                     # only the per-chunk CPU work
     python benchmarks/bench_offload.py --bandwidth-only                 # copies: pinned alone and beside a host copy
+    python benchmarks/bench_offload.py --rows torch_fused,offload_sib@16,offload_sib@14,offload_sib@16,offload_sib@14
+        # one row's cpu_threads after @, alternated in one process (a repeat keeps its own result as #2)
 
 A row that fails (an exception anywhere in it, after minutes of steps) is a row that says FAILED
 with the reason, printed as it comes; the other rows, what the failed row measured before it
@@ -96,8 +98,21 @@ ROWS = ("none", "torch_fused", "optirs_torch", "none_bf16", "torch_fused_bf16", 
 BASELINES = {"float32": "torch_fused", "bfloat16": "torch_fused_bf16"}
 
 
+def row_kind(row: str) -> str:
+    """The row's name without its thread count: ``offload_sib@14`` (and its repeats,
+    ``offload_sib@14#2``) is an ``offload_sib`` row."""
+    return row.partition("@")[0].partition("#")[0]
+
+
+def row_threads(row: str) -> Optional[int]:
+    """The cpu_threads a row names after ``@`` (``offload_int8_sib@14``), None where it names none."""
+    _, at, rest = row.partition("@")
+    return int(rest.partition("#")[0]) if at else None
+
+
 def param_dtype(row: str) -> str:
     """The dtype of the row's model parameters ("float32" or "bfloat16")."""
+    row = row_kind(row)
     if row in OFFLOAD_ROWS:
         return OFFLOAD_ROWS[row][0]
     return "bfloat16" if row.endswith(BF16_SUFFIX) else "float32"
@@ -217,7 +232,9 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, progress,
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
-        opt, note = make_optimizer(row, model, device, args.accum, args.bucket, args.cpu_threads)
+        threads = row_threads(row)
+        opt, note = make_optimizer(row_kind(row), model, device, args.accum, args.bucket,
+                                   args.cpu_threads if threads is None else threads)
     except RuntimeError as exc:
         out["skipped"] = str(exc)
         return out
@@ -238,7 +255,7 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, progress,
         out["gpu_alloc_delta_bytes"] = torch.cuda.memory_allocated() - before
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     out["opt_state_host_bytes"] = state_bytes(opt, "cpu")
-    if row in OFFLOAD_ROWS:
+    if row_kind(row) in OFFLOAD_ROWS:
         opt.timing = OffloadTiming()
         for _ in range(args.split_steps):
             train_step(model, loss_fn, opt, batches, device)
@@ -487,7 +504,7 @@ def analyse(results: Dict[str, Any]) -> Dict[str, Any]:
         if added is not None:
             r["added_ms"] = added
     ao = ok.get("torchao", {}).get("added_ms")
-    for name in OFFLOAD_ROWS:
+    for name in [n for n in rows if row_kind(n) in OFFLOAD_ROWS]:
         r = ok.get(name, {})
         t = r.get("timing")
         if not t:
@@ -632,6 +649,17 @@ def run_rows(rows: List[str], cfg: Dict[str, int], args, device: str, results: D
     return True
 
 
+def unique_rows(rows: List[str]) -> List[str]:
+    """The rows as given, a repeat numbered (``offload_sib@14#2``) so each keeps its own results:
+    alternating thread counts in one process (``offload_sib@16,offload_sib@14,offload_sib@16``)."""
+    seen: Dict[str, int] = {}
+    out = []
+    for r in rows:
+        seen[r] = seen.get(r, 0) + 1
+        out.append(r if seen[r] == 1 else f"{r}#{seen[r]}")
+    return out
+
+
 def environment() -> Dict[str, Any]:
     import torch
 
@@ -662,7 +690,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
     ap.add_argument("--bucket", type=int, default=None, help="CPUOffload's bucket_elements (default: its own)")
     ap.add_argument("--cpu-threads", type=int, default=None,
-                    help="CPUOffload's cpu_threads: numba threads of a chunk's step (default: numba's count)")
+                    help="CPUOffload's cpu_threads: numba threads of a chunk's step (default: numba's count); "
+                         "one row's own as ROW@N in --rows (offload_sib@14)")
     ap.add_argument("--chunk-elements", type=int, default=1 << 27,
                     help="size of the per-chunk CPU measurement (0: skip it); its float32 arrays should exceed "
                          "the host's last-level cache many times over, or it measures the cache (the default: 2 GB)")
@@ -674,10 +703,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = [r for r in rows if r not in ROWS]
+    rows = unique_rows([r.strip() for r in args.rows.split(",") if r.strip()])
+    unknown = [r for r in rows if row_kind(r) not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; expected some of {list(ROWS)}")
+    bad = [r for r in rows if "@" in r and (row_kind(r) not in OFFLOAD_ROWS or not r.partition("@")[2].partition("#")[0].isdigit()
+                                            or row_threads(r) < 1)]
+    if bad:
+        ap.error(f"rows {bad}: a thread count goes after an offload row as @N with N >= 1 (offload_sib@14)")
     if args.bucket is None:
         from optirs.torch.offload import DEFAULT_BUCKET_ELEMENTS
 
@@ -711,7 +744,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{key}: " + ", ".join(f"{k} {v:.1f}" for k, v in bw[key].items()))
         write(results, args.json)
         return 0
-    total = len(rows) * (args.warmup + args.steps) + sum(r in OFFLOAD_ROWS for r in rows) * args.split_steps
+    total = len(rows) * (args.warmup + args.steps) + sum(row_kind(r) in OFFLOAD_ROWS for r in rows) * args.split_steps
     try:
         from rich.progress import Progress
     except ImportError:

@@ -1450,3 +1450,22 @@ def test_cpu_threads_limit_the_chunk_steps_and_survive_a_copy(monkeypatch):
     opt = ot.CPUOffload("AdamW", model.parameters())
     _train(model, opt, 1)
     assert set(limits) == {numba.config.NUMBA_NUM_THREADS}
+
+
+def test_the_benchmark_runs_a_row_per_thread_count(tmp_path):
+    """``ROW@N`` sets that row's cpu_threads; a repeat keeps its own result, so thread counts can
+    alternate in one process; a count on a row without offload is refused."""
+    bench = _bench_module()
+    out = tmp_path / "offload.json"
+    assert bench.main(["--quick", "--rows", "torch_fused,offload@1,offload@1", "--split-steps", "0",
+                       "--chunk-elements", "0", "--json", str(out)]) == 0
+    import json
+
+    r = json.loads(out.read_text())
+    assert r["rows_run"] == ["torch_fused", "offload@1", "offload@1#2"]
+    for row in ("offload@1", "offload@1#2"):
+        assert "cpu_threads=1)" in r["rows"][row]["note"] and r["rows"][row]["step_ms"] > 0
+        assert "added_ms" in r["rows"][row]
+    for bad in ("torch_fused@2", "offload@0", "offload@x"):
+        with pytest.raises(SystemExit):
+            bench.main(["--quick", "--rows", bad])
