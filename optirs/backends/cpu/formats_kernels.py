@@ -70,8 +70,9 @@ def _all(a):
 
 @_jit
 def _load_codes(w, scales, small, q, blk, so, o, n, buf):
-    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``) into
-    ``buf``, or a small tensor's float32 range at ``so`` >= 0."""
+    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``, ``q`` the
+    map's :func:`~optirs.backends.cpu.int8_native.decoder_table`) into ``buf``, or a small tensor's
+    float32 range at ``so`` >= 0."""
     if so >= 0:
         for i in range(n):
             buf[i] = small[so + i]
@@ -323,8 +324,9 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
         RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o)
         return
     # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch.
-    # Each block in three loops: the codes decoded (table lookups), the element loop over the
-    # float32 scratch (the same vectorized loop as float32 state), the new codes (_store_codes)
+    # Each block in three loops: the codes decoded (lookups in registers, int8_native), the element
+    # loop over the float32 scratch (the same vectorized loop as float32 state, which also returns
+    # the integer maxima of the new magnitudes: the block's absmax), the new codes (_encode_scaled)
     a0 = np.zeros(BLOCK, np.float32)
     a1 = np.zeros(BLOCK, np.float32)
     a2 = np.zeros(BLOCK, np.float32)
