@@ -36,6 +36,10 @@ from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, 
 # helpers and the per-variant loops they make up compile with their entry point, inlined.
 _jit = njit(cache=False, error_model="numpy")
 _pjit = njit(parallel=True, cache=True, error_model="numpy")
+# An int8 block's decode, element loop and encode are inlined into the block loop by numba: as
+# calls, each took its arrays as exploded structs on the stack (about 80 stores a call, five calls
+# a block of 256) and LLVM judged them too large to inline (measured: 0.2-0.4 ns a parameter).
+_inline = njit(cache=False, error_model="numpy", inline="always")
 
 
 @intrinsic
@@ -80,7 +84,7 @@ def _load_codes(w, scales, small, q, blk, so, o, n, buf):
         _decode_block(w, q, scales[blk], o, n, buf)
 
 
-@_jit
+@_inline
 def _decode_block(w, q, s, o, n, buf):
     """``n`` int8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf`` (the map in
     registers where the cpu has AVX-512: :mod:`optirs.backends.cpu.int8_native`)."""
@@ -214,7 +218,7 @@ def _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix):
     _encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, _block_absmax(buf, n))
 
 
-@_jit
+@_inline
 def _encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, m):
     """:func:`_store_codes` of a block whose absmax ``m`` is known."""
     scales[blk] = m
@@ -267,7 +271,7 @@ def _make_pointwise(fc, used):
     constants["RUN_WORDS"] = _jit(variant(_run_words, label, constants))
     # an int8 block's element loop also takes the maxima of its new values' magnitude bits (the
     # blocks' absmax, vectorized beside the element math: no pass of its own over the block)
-    constants["RUN_BLOCK"] = _jit(variant(_run_words, label + "_tops", dict(constants, TOPS=int8)))
+    constants["RUN_BLOCK"] = _inline(variant(_run_words, label + "_tops", dict(constants, TOPS=int8)))
     # the chunk is its own (serial) function: numba's parfor lowering of a body this size
     # optimizes it far worse (measured 2-10x) than the ordinary pipeline does
     constants["CHUNK"] = _jit(variant(_chunk, label, constants))
