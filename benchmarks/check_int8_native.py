@@ -4,7 +4,8 @@
 by a binary search over the midpoints held in AVX-512 registers; this script compares the codes of
 both with ``optirs.backends.common.int8_buckets.quantize_table`` for all 2**32 float32 bit patterns
 (as the scaled value ``y``: ``pre = inv = 1``) of the signed and the unsigned map, and the register
-and gathered decoders with ``q[code] * scale`` for all 256 codes at a few scales. Needs a cpu with AVX-512F; takes some
+and gathered decoders (and the byte planes' where the cpu has VBMI) with ``q[code] * scale`` for all
+256 codes at a few scales. Needs a cpu with AVX-512F; takes some
 minutes (the numpy reference is the slow side).
 
     PYTHONPATH=. python benchmarks/check_int8_native.py [--step 24]
