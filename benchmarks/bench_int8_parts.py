@@ -39,6 +39,8 @@ def main() -> int:
     encoders = {"tables": N.encode_block_tables}
     if N.NATIVE:
         decoders.update(registers=N.decode_block_registers, gathers=N.decode_block_gathers)
+    if N.VBMI:
+        decoders.update(planes=N.decode_block_planes)
         encoders.update(search=N.encode_block_registers, gathers=N.encode_block_gathers)
 
     def decode_loop(f):
@@ -87,15 +89,16 @@ def main() -> int:
         if not signed:
             x = x * x
         scale = np.float32(np.abs(x).max())
+        qt = N.decoder_table(q)  # what the decoders read: q, then its byte planes
         inv = np.float32(1) / scale
         codes = rng.integers(0, 256, n, dtype=np.uint8)
         runs = {}
         outs = {}
         for name, f in decoders.items():
             run, buf = decode_loop(f), np.zeros(n, np.float32)
-            run(codes, q, scale, buf, 1)
+            run(codes, qt, scale, buf, 1)
             outs[name] = buf.copy()
-            runs["decode " + name] = (run, (codes, q, scale, buf))
+            runs["decode " + name] = (run, (codes, qt, scale, buf))
         for name, f in encoders.items():
             kind = 0 if name == "tables" else 2
             run, w = encode_loop(f, kind), np.zeros(n, np.uint8)

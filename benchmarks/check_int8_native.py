@@ -4,7 +4,8 @@
 by a binary search over the midpoints held in AVX-512 registers; this script compares the codes of
 both with ``optirs.backends.common.int8_buckets.quantize_table`` for all 2**32 float32 bit patterns
 (as the scaled value ``y``: ``pre = inv = 1``) of the signed and the unsigned map, and the register
-and gathered decoders with ``q[code] * scale`` for all 256 codes at a few scales. Needs a cpu with AVX-512F; takes some
+and gathered decoders (and the byte planes' where the cpu has VBMI) with ``q[code] * scale`` for all
+256 codes at a few scales. Needs a cpu with AVX-512F; takes some
 minutes (the numpy reference is the slow side).
 
     PYTHONPATH=. python benchmarks/check_int8_native.py [--step 24]
@@ -45,9 +46,10 @@ def main() -> int:
         N.packed_words(mid, tbl, words)
         codes = np.arange(256, dtype=np.uint8)
         for s in (np.float32(1), np.float32(3.7e-3), np.float32(2.0**-140), np.float32(np.inf), np.float32(np.nan)):
-            for decode in (N.decode_block_registers, N.decode_block_gathers):
+            for decode in (N.decode_block_registers, N.decode_block_gathers) + ((N.decode_block_planes,) if N.VBMI
+                                                                                  else ()):
                 out = np.zeros(256, np.float32)
-                decode(codes, q, s, 0, 256, out)
+                decode(codes, N.decoder_table(q), s, 0, 256, out)
                 if not np.array_equal(out.view(np.uint32), (q * s).view(np.uint32)):
                     print(f"{decode.__name__} differs: signed={signed} scale={s!r}")
                     return 1

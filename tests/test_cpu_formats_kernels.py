@@ -54,11 +54,14 @@ def kernels(request):
             K._store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix)
 
     @njit
-    def decode(w, q, s, o, n, buf):
+    def decode_compiled(w, q, s, o, n, buf):
         if tables:
             N.decode_block_tables(w, q, s, o, n, buf)
         else:
             K._decode_block(w, q, s, o, n, buf)
+
+    def decode(w, q, s, o, n, buf):  # the decoders read the map's decoder_table (q, then its byte planes)
+        decode_compiled(w, N.decoder_table(q), s, o, n, buf)
 
     return store, decode
 
@@ -115,7 +118,8 @@ def test_a_block_with_nans_keeps_the_nan_of_its_first_lane(kernels):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_every_avx512_form_counts_at_the_midpoints(signed):
-    """The AVX-512 encoders (gathers of packed words, the search) and decoders (registers, gathers)
+    """The AVX-512 encoders (gathers of packed words, the search) and decoders (registers, gathers,
+    byte planes where the cpu has VBMI)
     on the values where a count changes: each midpoint, its float32 neighbours and their negations,
     the first and last buckets' edges, zeros, inf, NaN and random bit patterns (all 2**32 are
     checked by benchmarks/check_int8_native.py)."""
@@ -142,7 +146,8 @@ def test_every_avx512_form_counts_at_the_midpoints(signed):
         encode(y.copy(), n, one, one, key, mid, tbl, got, 0, ix)
         assert np.array_equal(got, want), (form, y[got != want][:4], got[got != want][:4], want[got != want][:4])
     codes = np.arange(256 * 3 + 5, dtype=np.uint32).astype(np.uint8)
-    for decode in (N.decode_block_registers, N.decode_block_gathers):
+    table = N.decoder_table(q)
+    for decode in (N.decode_block_registers, N.decode_block_gathers) + ((N.decode_block_planes,) if N.VBMI else ()):
         got = np.zeros(codes.size, np.float32)
-        decode(codes, q, np.float32(3.7e-3), 0, codes.size, got)
+        decode(codes, table, np.float32(3.7e-3), 0, codes.size, got)
         assert np.array_equal(got, q[codes] * np.float32(3.7e-3)), decode.__name__

@@ -8,6 +8,7 @@ pass for the whole model. The kernels compile on first use and are cached on dis
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Dict, List
 
 import numpy as np
@@ -51,8 +52,16 @@ def _build(ctx, role: str, dtype: str):
     return lambda a: ctx.kernels.typed_list([_words(x, dtype, f"{role}[{i}]") for i, x in enumerate(a)])
 
 
+@lru_cache(maxsize=2)
+def _decoder_table(signed: bool) -> np.ndarray:
+    """The map as the cpu's int8 decoders read it (:func:`optirs.backends.cpu.int8_native.decoder_table`)."""
+    from optirs.backends.cpu.int8_native import decoder_table
+
+    return decoder_table(dynamic_map(signed))
+
+
 def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepFormat):
-    """Per kernel slot: (words, scales, small, map, padded midpoints, bucket table) and the used bit mask."""
+    """Per kernel slot: (words, scales, small, map's decoder table, padded midpoints, bucket table) and the used bit mask."""
     out, used = [], 0
     signed = {s.name: s.signed for s in fs.slots}
     f32 = _EMPTY[np.dtype(np.float32)]
@@ -60,10 +69,10 @@ def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepForma
         if name is None or name not in fs.slot_names:
             words = {"int8": np.uint8, "bfloat16": np.uint16, "float32": np.float32}[fmt.state_dtype]
             out.append((_EMPTY[np.dtype(words)], f32, f32,
-                        dynamic_map(True), padded_midpoints(True), bucket_table(True)))
+                        _decoder_table(True), padded_midpoints(True), bucket_table(True)))
             continue
         used |= 1 << k
-        maps = dynamic_map(signed[name]), padded_midpoints(signed[name]), bucket_table(signed[name])
+        maps = _decoder_table(signed[name]), padded_midpoints(signed[name]), bucket_table(signed[name])
         if fmt.state_dtype == "int8":
             out.append((state[f"{name}.codes"], state[f"{name}.scales"], state[f"{name}.small"]) + maps)
         elif fmt.state_dtype == "bfloat16":

@@ -36,6 +36,10 @@ from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, 
 # helpers and the per-variant loops they make up compile with their entry point, inlined.
 _jit = njit(cache=False, error_model="numpy")
 _pjit = njit(parallel=True, cache=True, error_model="numpy")
+# An int8 block's decode, element loop and encode are inlined into the block loop by numba: as
+# calls, each took its arrays as exploded structs on the stack (about 80 stores a call, five calls
+# a block of 256) and LLVM judged them too large to inline (measured: 0.2-0.4 ns a parameter).
+_inline = njit(cache=False, error_model="numpy", inline="always")
 
 
 @intrinsic
@@ -70,8 +74,9 @@ def _all(a):
 
 @_jit
 def _load_codes(w, scales, small, q, blk, so, o, n, buf):
-    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``) into
-    ``buf``, or a small tensor's float32 range at ``so`` >= 0."""
+    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``, ``q`` the
+    map's :func:`~optirs.backends.cpu.int8_native.decoder_table`) into ``buf``, or a small tensor's
+    float32 range at ``so`` >= 0."""
     if so >= 0:
         for i in range(n):
             buf[i] = small[so + i]
@@ -79,7 +84,7 @@ def _load_codes(w, scales, small, q, blk, so, o, n, buf):
         _decode_block(w, q, scales[blk], o, n, buf)
 
 
-@_jit
+@_inline
 def _decode_block(w, q, s, o, n, buf):
     """``n`` int8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf`` (the map in
     registers where the cpu has AVX-512: :mod:`optirs.backends.cpu.int8_native`)."""
@@ -148,6 +153,13 @@ def _block_absmax(buf, n):
     top = np.uint32(0)
     for i in range(n):
         top = max(top, and32(f32_bits(buf[i]), 0x7FFFFFFF))
+    return _absmax_of_top(top, buf, n)
+
+
+@_jit
+def _absmax_of_top(top, buf, n):
+    """The absmax of ``buf[:n]`` from ``top``, the integer maximum of its magnitudes' bits
+    (:func:`_block_absmax`; the int8 block loop takes it from the element loop)."""
     if top > np.uint32(0x7F800000):
         return _block_absmax_lanes(buf, n)
     return bits_f32(top)
@@ -203,7 +215,12 @@ def _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix):
     (:func:`optirs.backends.cpu.int8_native.encode_block`: ``tree`` is the encoder's table,
     :func:`~optirs.backends.cpu.int8_native.encoder_key`, ``ix`` uint32 scratch of a block; ``buf``
     may be overwritten)."""
-    m = _block_absmax(buf, n)
+    _encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, _block_absmax(buf, n))
+
+
+@_inline
+def _encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, m):
+    """:func:`_store_codes` of a block whose absmax ``m`` is known."""
     scales[blk] = m
     pre, inv = quantize_factors(m)
     encode_block(buf, n, pre, inv, tree, mid, tbl, w, o, ix)
@@ -226,9 +243,9 @@ def _master_word(mbuf, idx, has_master):
 # loops are templates whose constants are bound per variant (optirs.backends.common.variants), so
 # numba caches each variant on disk. The module's values of the constants are placeholders.
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
-U0 = U1 = U2 = HAS_MASTER = INT8 = False
+U0 = U1 = U2 = HAS_MASTER = INT8 = TOPS = False
 SKIND = STATE_F32
-RUN_WORDS = CHUNK = LOAD_MOMENTS = None
+RUN_WORDS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = None
 
 _POINTWISE: dict = {}
 
@@ -252,6 +269,9 @@ def _make_pointwise(fc, used):
     constants["INT8_FORMS"] = (ENCODE, DECODE)
     label = "_".join(map(str, tuple(fc))) + f"_u{used}"
     constants["RUN_WORDS"] = _jit(variant(_run_words, label, constants))
+    # an int8 block's element loop also takes the maxima of its new values' magnitude bits (the
+    # blocks' absmax, vectorized beside the element math: no pass of its own over the block)
+    constants["RUN_BLOCK"] = _inline(variant(_run_words, label + "_tops", dict(constants, TOPS=int8)))
     # the chunk is its own (serial) function: numba's parfor lowering of a body this size
     # optimizes it far worse (measured 2-10x) than the ordinary pipeline does
     constants["CHUNK"] = _jit(variant(_chunk, label, constants))
@@ -259,6 +279,8 @@ def _make_pointwise(fc, used):
 
 
 def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
+    # with TOPS, the integer maximum of each slot's new magnitudes' bits (see _block_absmax)
+    t0 = t1 = t2 = np.uint32(0)
     for i in range(p.shape[0]):
         # the random bits take the flat index's low 32 bits: computed in 32 bits, the vector loop
         # carries no 64-bit index lanes to narrow
@@ -276,6 +298,14 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
         _word_out(v0, i, SKIND, U0, x0, slot_bits(r01, 0))
         _word_out(v1, i, SKIND, U1, x1, slot_bits(r01, 1))
         _word_out(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
+        if TOPS:
+            if U0:
+                t0 = max(t0, and32(f32_bits(x0), 0x7FFFFFFF))
+            if U1:
+                t1 = max(t1, and32(f32_bits(x1), 0x7FFFFFFF))
+            if U2:
+                t2 = max(t2, and32(f32_bits(x2), 0x7FFFFFFF))
+    return t0, t1, t2
 
 
 def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1, e2, off,
@@ -298,8 +328,9 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
         RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o)
         return
     # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch.
-    # Each block in three loops: the codes decoded (table lookups), the element loop over the
-    # float32 scratch (the same vectorized loop as float32 state), the new codes (_store_codes)
+    # Each block in three loops: the codes decoded (lookups in registers, int8_native), the element
+    # loop over the float32 scratch (the same vectorized loop as float32 state, which also returns
+    # the integer maxima of the new magnitudes: the block's absmax), the new codes (_encode_scaled)
     a0 = np.zeros(BLOCK, np.float32)
     a1 = np.zeros(BLOCK, np.float32)
     a2 = np.zeros(BLOCK, np.float32)
@@ -322,14 +353,15 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             _decode_block(w2, q2, c2[blk], o, n, a2)
         # views without references (_span): the same loop as over slices
         mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
-        RUN_WORDS(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
-                  _span(a1, 0, n) if U1 else a1, _span(a2, 0, n) if U2 else a2, sc, keyp, k01, k2, o)
+        top0, top1, top2 = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
+                                     _span(a1, 0, n) if U1 else a1, _span(a2, 0, n) if U2 else a2, sc, keyp, k01,
+                                     k2, o)
         if U0:
-            _store_codes(w0, c0, d0, t0, e0, blk, o, n, a0, ix)
+            _encode_scaled(w0, c0, d0, t0, e0, blk, o, n, a0, ix, _absmax_of_top(top0, a0, n))
         if U1:
-            _store_codes(w1, c1, d1, t1, e1, blk, o, n, a1, ix)
+            _encode_scaled(w1, c1, d1, t1, e1, blk, o, n, a1, ix, _absmax_of_top(top1, a1, n))
         if U2:
-            _store_codes(w2, c2, d2, t2, e2, blk, o, n, a2, ix)
+            _encode_scaled(w2, c2, d2, t2, e2, blk, o, n, a2, ix, _absmax_of_top(top2, a2, n))
 
 
 def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,

@@ -75,6 +75,25 @@ def _cpu_has_avx512f() -> bool:
 NATIVE = _cpu_has_avx512f()
 
 
+def _cpu_has_vbmi() -> bool:
+    """Whether that cpu also has AVX-512 VBMI (``vpermb``, ``vpermi2b``: Ice Lake and later, Zen 4)."""
+    from numba.core import config
+
+    if not NATIVE:
+        return False
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return "+avx512vbmi" in (config.CPU_FEATURES or "").split(",")
+    from llvmlite import binding
+
+    try:
+        return bool(binding.get_host_cpu_features().get("avx512vbmi", False))
+    except RuntimeError:
+        return False
+
+
+VBMI = _cpu_has_vbmi()
+
+
 def _function(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
@@ -128,6 +147,85 @@ def _decode_groups(typingctx, w, o, q, s, buf, m):
             codes = builder.load(builder.bitcast(builder.gep(wp, [base]), _B16.as_pointer()), align=1)
             v = _lookup(builder, table, builder.zext(codes, _I16))
             builder.store(builder.fmul(v, sv), builder.bitcast(builder.gep(bp, [base]), _F16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_B64 = ir.VectorType(ir.IntType(8), 64)
+_W32 = ir.VectorType(ir.IntType(16), 32)
+
+
+def decoder_table(q: np.ndarray) -> np.ndarray:
+    """The table the decoders read for the float32 map ``q`` (256 entries): float32[512], ``q`` itself
+    and then its bytes by plane (bytes ``256 j .. 256 j + 255`` of the second half: byte ``j`` of each
+    entry, little-endian), which :func:`decode_block_planes` looks up. The other forms read the first
+    half alone."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    if q.shape != (256,):
+        raise InvalidParameterError(f"q has shape {q.shape}, expected the 256 float32 entries of an int8 map")
+    planes = np.ascontiguousarray(q.view(np.uint8).reshape(256, 4).T)
+    table = np.concatenate([q, planes.reshape(-1).view(np.float32)])
+    table.setflags(write=False)
+    return table
+
+
+def _unpack(builder, a, b, lanes, high):
+    """``vpunpck{l,h}{bw,wd}``: the low (or high) halves of each 128-bit lane of ``a`` and ``b``
+    interleaved, ``lanes`` elements a lane."""
+    half = lanes // 2
+    mask = []
+    for lane in range(4):
+        for i in range(half):
+            k = lane * lanes + i + (half if high else 0)
+            mask += [k, k + 4 * lanes]
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(mask)), mask))
+
+
+# The codes' order before the byte lookups (one vpermb), so that the interleaving of the four byte
+# planes (punpck*bw, then punpck*wd, in-lane) leaves each group of 16 values in order: byte 4k + r of
+# 128-bit lane L takes code 16k + 4L + r.
+_PLANE_ORDER = [16 * k + 4 * lane + r for lane in range(4) for k in range(4) for r in range(4)]
+
+
+@intrinsic
+def _decode_planes(typingctx, w, o, table, s, buf, m):
+    """``buf[i] = q[w[o + i]] * s`` for ``i < 64 * m`` by byte lookups in registers (AVX-512 VBMI):
+    ``table`` is :func:`decoder_table`'s, whose byte planes are 16 registers, so that two
+    ``vpermi2b`` and a select on the code's bit 7 look up one byte of 64 entries. The four bytes are
+    interleaved into the float32 entries (8 unpacks) and multiplied as ``q[code] * s`` is."""
+    if not (isinstance(w, types.Array) and isinstance(table, types.Array) and isinstance(buf, types.Array)):
+        return None
+    sig = types.void(w, types.int64, table, types.float32, buf, types.int64)
+
+    def codegen(context, builder, sig, args):
+        w, o, table, s, buf, m = args
+        wp = builder.gep(_data(context, builder, sig.args[0], w), [o])
+        bp = _data(context, builder, sig.args[4], buf)
+        tp = builder.bitcast(builder.gep(_data(context, builder, sig.args[2], table), [ir.Constant(_I64, 256)]),
+                             _B64.as_pointer())
+        planes = [[builder.load(builder.gep(tp, [ir.Constant(_I64, 4 * j + r)]), align=4) for r in range(4)]
+                  for j in range(4)]
+        two = _function(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, [_B64, _B64, _B64])
+        sv = _splat(builder, s)
+        order = ir.Constant(ir.VectorType(ir.IntType(32), 64), _PLANE_ORDER)
+        with cgutils.for_range(builder, m) as loop:
+            base = builder.mul(loop.index, ir.Constant(_I64, 64))
+            codes = builder.load(builder.bitcast(builder.gep(wp, [base]), _B64.as_pointer()), align=1)
+            codes = builder.shuffle_vector(codes, codes, order)
+            high = builder.icmp_signed("<", codes, ir.Constant(_B64, [0] * 64))  # bit 7: entries 128-255
+            b = []
+            for j in range(4):
+                lo = builder.call(two, [planes[j][0], codes, planes[j][1]])
+                hi = builder.call(two, [planes[j][2], codes, planes[j][3]])
+                b.append(builder.select(high, hi, lo))
+            w01 = [builder.bitcast(_unpack(builder, b[0], b[1], 16, h), _W32) for h in (False, True)]
+            w23 = [builder.bitcast(_unpack(builder, b[2], b[3], 16, h), _W32) for h in (False, True)]
+            for g in range(4):  # values 16 g .. 16 g + 15
+                d = _unpack(builder, w01[g // 2], w23[g // 2], 8, g % 2 == 1)
+                v = builder.fmul(builder.bitcast(d, _F16), sv)
+                at = builder.add(base, ir.Constant(_I64, 16 * g))
+                builder.store(v, builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -226,6 +324,15 @@ def decode_block_registers(w, q, s, o, n, buf):
     _decode_groups(w, np.int64(o), q, s, buf, np.int64(m))
     if m * 16 < n:
         decode_block_tables(w, q, s, o + m * 16, n - m * 16, buf[m * 16 :])
+
+
+@_jit
+def decode_block_planes(w, q, s, o, n, buf):
+    """:func:`decode_block_tables` by byte lookups (AVX-512 VBMI; ``q`` is :func:`decoder_table`'s)."""
+    m = n // 64
+    _decode_planes(w, np.int64(o), q, s, buf, np.int64(m))
+    if m * 64 < n:
+        decode_block_registers(w, q, s, o + m * 64, n - m * 64, buf[m * 64 :])
 
 
 @_jit
@@ -373,12 +480,16 @@ def decode_block_gathers(w, q, s, o, n, buf):
 # search on both). OPTIRS_CPU_INT8_ENCODE=search and OPTIRS_CPU_INT8_DECODE=gathers pick the others
 # on a cpu where they may win (for measuring: the codes and values are the same).
 ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "gathers") if NATIVE else "tables")
-DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "registers") if NATIVE else "tables")
-if ENCODE not in ("gathers", "search", "tables") or DECODE not in ("registers", "gathers", "tables"):
+DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "planes" if VBMI else "registers") if NATIVE else "tables")
+if ENCODE not in ("gathers", "search", "tables") or DECODE not in ("planes", "registers", "gathers", "tables") or (
+        DECODE == "planes" and not VBMI):
     raise InvalidParameterError(f"OPTIRS_CPU_INT8_ENCODE={ENCODE!r}, OPTIRS_CPU_INT8_DECODE={DECODE!r}: expected "
-                                "gathers, search or tables, and registers, gathers or tables")
+                                "gathers, search or tables, and planes (a cpu with AVX-512 VBMI), registers, "
+                                "gathers or tables")
 
-if DECODE == "registers":
+if DECODE == "planes":
+    decode_block = decode_block_planes
+elif DECODE == "registers":
     decode_block = decode_block_registers
 elif DECODE == "gathers":
     decode_block = decode_block_gathers
