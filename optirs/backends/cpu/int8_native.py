@@ -129,27 +129,40 @@ def _lookup(builder, regs, index):
     return parts[0]
 
 
-@intrinsic
-def _decode_groups(typingctx, w, o, q, s, buf, m):
-    """``buf[i] = q[w[o + i]] * s`` for ``i < 16 * m`` (uint8 codes, float32 map of 256, float32 buf)."""
-    if not (isinstance(w, types.Array) and isinstance(q, types.Array) and isinstance(buf, types.Array)):
-        return None
-    sig = types.void(w, types.int64, q, types.float32, buf, types.int64)
+def _decoder(width, setup, lookup):
+    """An intrinsic ``(w, o, q, s, buf, m)``: ``buf[i] = q[w[o + i]] * s`` for ``i < width * m``
+    (uint8 codes, float32 buf), ``width`` codes a round. ``setup(context, builder, aryty, q)`` is
+    made once before the rounds (the map in registers, a base pointer); ``lookup(builder, made,
+    codes)`` gives a round's ``width // 16`` vectors of ``q[code]`` for its ``<width x i8>`` codes."""
 
-    def codegen(context, builder, sig, args):
-        w, o, q, s, buf, m = args
-        wp = builder.gep(_data(context, builder, sig.args[0], w), [o])
-        bp = _data(context, builder, sig.args[4], buf)
-        table = _registers(builder, context, sig.args[2], q, 16)
-        sv = _splat(builder, s)
-        with cgutils.for_range(builder, m) as loop:
-            base = builder.mul(loop.index, ir.Constant(_I64, 16))
-            codes = builder.load(builder.bitcast(builder.gep(wp, [base]), _B16.as_pointer()), align=1)
-            v = _lookup(builder, table, builder.zext(codes, _I16))
-            builder.store(builder.fmul(v, sv), builder.bitcast(builder.gep(bp, [base]), _F16.as_pointer()), align=4)
-        return context.get_dummy_value()
+    def decode(typingctx, w, o, q, s, buf, m):
+        if not (isinstance(w, types.Array) and isinstance(q, types.Array) and isinstance(buf, types.Array)):
+            return None
+        sig = types.void(w, types.int64, q, types.float32, buf, types.int64)
+        codes_type = ir.VectorType(ir.IntType(8), width)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            w, o, q, s, buf, m = args
+            wp = builder.gep(_data(context, builder, sig.args[0], w), [o])
+            bp = _data(context, builder, sig.args[4], buf)
+            made = setup(context, builder, sig.args[2], q)
+            sv = _splat(builder, s)
+            with cgutils.for_range(builder, m) as loop:
+                base = builder.mul(loop.index, ir.Constant(_I64, width))
+                codes = builder.load(builder.bitcast(builder.gep(wp, [base]), codes_type.as_pointer()), align=1)
+                for g, v in enumerate(lookup(builder, made, codes)):  # values 16 g .. 16 g + 15
+                    at = builder.add(base, ir.Constant(_I64, 16 * g))
+                    builder.store(builder.fmul(v, sv), builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(decode)
+
+
+# the map in 16 registers, a lookup by permutes (vpermi2ps) and selects
+_decode_groups = _decoder(16, lambda context, builder, aryty, q: _registers(builder, context, aryty, q, 16),
+                          lambda builder, table, codes: [_lookup(builder, table, builder.zext(codes, _I16))])
 
 
 _B64 = ir.VectorType(ir.IntType(8), 64)
@@ -188,47 +201,34 @@ def _unpack(builder, a, b, lanes, high):
 _PLANE_ORDER = [16 * k + 4 * lane + r for lane in range(4) for k in range(4) for r in range(4)]
 
 
-@intrinsic
-def _decode_planes(typingctx, w, o, table, s, buf, m):
-    """``buf[i] = q[w[o + i]] * s`` for ``i < 64 * m`` by byte lookups in registers (AVX-512 VBMI):
-    ``table`` is :func:`decoder_table`'s, whose byte planes are 16 registers, so that two
-    ``vpermi2b`` and a select on the code's bit 7 look up one byte of 64 entries. The four bytes are
-    interleaved into the float32 entries (8 unpacks) and multiplied as ``q[code] * s`` is."""
-    if not (isinstance(w, types.Array) and isinstance(table, types.Array) and isinstance(buf, types.Array)):
-        return None
-    sig = types.void(w, types.int64, table, types.float32, buf, types.int64)
+def _planes_setup(context, builder, aryty, table):
+    """:func:`decoder_table`'s byte planes in 16 registers (its second half), and the byte permute."""
+    tp = builder.bitcast(builder.gep(_data(context, builder, aryty, table), [ir.Constant(_I64, 256)]),
+                         _B64.as_pointer())
+    planes = [[builder.load(builder.gep(tp, [ir.Constant(_I64, 4 * j + r)]), align=4) for r in range(4)]
+              for j in range(4)]
+    return planes, _function(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, [_B64, _B64, _B64])
 
-    def codegen(context, builder, sig, args):
-        w, o, table, s, buf, m = args
-        wp = builder.gep(_data(context, builder, sig.args[0], w), [o])
-        bp = _data(context, builder, sig.args[4], buf)
-        tp = builder.bitcast(builder.gep(_data(context, builder, sig.args[2], table), [ir.Constant(_I64, 256)]),
-                             _B64.as_pointer())
-        planes = [[builder.load(builder.gep(tp, [ir.Constant(_I64, 4 * j + r)]), align=4) for r in range(4)]
-                  for j in range(4)]
-        two = _function(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, [_B64, _B64, _B64])
-        sv = _splat(builder, s)
-        order = ir.Constant(ir.VectorType(ir.IntType(32), 64), _PLANE_ORDER)
-        with cgutils.for_range(builder, m) as loop:
-            base = builder.mul(loop.index, ir.Constant(_I64, 64))
-            codes = builder.load(builder.bitcast(builder.gep(wp, [base]), _B64.as_pointer()), align=1)
-            codes = builder.shuffle_vector(codes, codes, order)
-            high = builder.icmp_signed("<", codes, ir.Constant(_B64, [0] * 64))  # bit 7: entries 128-255
-            b = []
-            for j in range(4):
-                lo = builder.call(two, [planes[j][0], codes, planes[j][1]])
-                hi = builder.call(two, [planes[j][2], codes, planes[j][3]])
-                b.append(builder.select(high, hi, lo))
-            w01 = [builder.bitcast(_unpack(builder, b[0], b[1], 16, h), _W32) for h in (False, True)]
-            w23 = [builder.bitcast(_unpack(builder, b[2], b[3], 16, h), _W32) for h in (False, True)]
-            for g in range(4):  # values 16 g .. 16 g + 15
-                d = _unpack(builder, w01[g // 2], w23[g // 2], 8, g % 2 == 1)
-                v = builder.fmul(builder.bitcast(d, _F16), sv)
-                at = builder.add(base, ir.Constant(_I64, 16 * g))
-                builder.store(v, builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
-        return context.get_dummy_value()
 
-    return sig, codegen
+def _planes_lookup(builder, made, codes):
+    planes, two = made
+    codes = builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(ir.IntType(32), 64), _PLANE_ORDER))
+    high = builder.icmp_signed("<", codes, ir.Constant(_B64, [0] * 64))  # bit 7: entries 128-255
+    b = []
+    for j in range(4):
+        lo = builder.call(two, [planes[j][0], codes, planes[j][1]])
+        hi = builder.call(two, [planes[j][2], codes, planes[j][3]])
+        b.append(builder.select(high, hi, lo))
+    w01 = [builder.bitcast(_unpack(builder, b[0], b[1], 16, h), _W32) for h in (False, True)]
+    w23 = [builder.bitcast(_unpack(builder, b[2], b[3], 16, h), _W32) for h in (False, True)]
+    return [builder.bitcast(_unpack(builder, w01[g // 2], w23[g // 2], 8, g % 2 == 1), _F16) for g in range(4)]
+
+
+# ``buf[i] = q[w[o + i]] * s`` for ``i < 64 * m`` by byte lookups in registers (AVX-512 VBMI): the
+# table is decoder_table's, whose byte planes are 16 registers, so that two vpermi2b and a select on
+# the code's bit 7 look up one byte of 64 entries; the four bytes are interleaved into the float32
+# entries (8 unpacks) and multiplied as q[code] * s is
+_decode_planes = _decoder(64, _planes_setup, _planes_lookup)
 
 
 # Eytzinger order: levels 0-3 (nodes 1..15) share register 0, level 4 (nodes 16..31) register 1,
@@ -429,30 +429,16 @@ def _encode_gathers(typingctx, buf, pre, inv, words, w, o, m):
     return sig, codegen
 
 
-@intrinsic
-def _decode_gathers(typingctx, w, o, q, s, buf, m):
-    """:func:`_decode_groups` by one ``vgatherdps`` from ``q`` per 16 codes."""
-    if not (isinstance(w, types.Array) and isinstance(q, types.Array) and isinstance(buf, types.Array)):
-        return None
-    sig = types.void(w, types.int64, q, types.float32, buf, types.int64)
+def _gathers_setup(context, builder, aryty, q):
+    gather = _function(builder, "llvm.x86.avx512.mask.gather.dps.512", _F16, [_F16, _P8, _I16, _V16, ir.IntType(32)])
+    return builder.bitcast(_data(context, builder, aryty, q), _P8), gather
 
-    def codegen(context, builder, sig, args):
-        w, o, q, s, buf, m = args
-        wp = builder.gep(_data(context, builder, sig.args[0], w), [o])
-        bp = _data(context, builder, sig.args[4], buf)
-        base = builder.bitcast(_data(context, builder, sig.args[2], q), _P8)
-        sv = _splat(builder, s)
-        gather = _function(builder, "llvm.x86.avx512.mask.gather.dps.512", _F16,
-                           [_F16, _P8, _I16, _V16, ir.IntType(32)])
-        with cgutils.for_range(builder, m) as loop:
-            at = builder.mul(loop.index, ir.Constant(_I64, 16))
-            codes = builder.load(builder.bitcast(builder.gep(wp, [at]), _B16.as_pointer()), align=1)
-            v = builder.call(gather, [ir.Constant(_F16, [0.0] * 16), base, builder.zext(codes, _I16),
-                                      ir.Constant(_V16, [1] * 16), ir.Constant(ir.IntType(32), 4)])
-            builder.store(builder.fmul(v, sv), builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
-        return context.get_dummy_value()
 
-    return sig, codegen
+# _decode_groups by one vgatherdps from q per 16 codes
+_decode_gathers = _decoder(
+    16, _gathers_setup,
+    lambda builder, made, codes: [builder.call(made[1], [ir.Constant(_F16, [0.0] * 16), made[0], builder.zext(codes, _I16),
+                                                         ir.Constant(_V16, [1] * 16), ir.Constant(ir.IntType(32), 4)])])
 
 
 @_jit
