@@ -621,7 +621,7 @@ def decode_block_gathers(w, q, s, o, n, buf):
 # than the registers', on the H200 host's Xeon as fast; the gathered encode is faster than the
 # search on both). OPTIRS_CPU_INT8_ENCODE=search and OPTIRS_CPU_INT8_DECODE=gathers pick the others
 # on a cpu where they may win (for measuring: the codes and values are the same).
-ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "gathers") if NATIVE else "tables")
+ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "planes" if VBMI else "gathers") if NATIVE else "tables")
 DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "planes" if VBMI else "registers") if NATIVE else "tables")
 if ENCODE not in ("planes", "gathers", "search", "tables") or DECODE not in (
         "planes", "registers", "gathers", "tables") or ("planes" in (ENCODE, DECODE) and not VBMI):
