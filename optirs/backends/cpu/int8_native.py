@@ -9,10 +9,15 @@ and moment on a Zen 4 core, most of the int8 step. With AVX-512:
   for 16 lanes, so 8 of them and 7 selects on the code's bits 5-7 look up 16 codes with no
   memory read. The same products as ``q[code] * scale``. (One ``vgatherdps`` from the map,
   :func:`decode_block_gathers`, is slower on Zen 4: docs/benchmarks.md.)
-- **encode**: one ``vpgatherdd`` per 16 values from the packed words (:func:`packed_words`: one
-  32-bit word per bucket of the value's top 16 bits and sign, the cuda kernels' unsigned-map words
-  extended to negative values), and an add: the code is the sum's top 16 bits. About 12 integer
-  instructions per 16 values beside the gather.
+- **encode** (AVX-512 VBMI): the contract's ``c + (mid[c] < y)`` with buckets as wide as each
+  octave's midpoints allow (436 or 464 of them, not 2947: :func:`planes_key`), so that ``c`` is 8
+  zmm of bytes looked up by ``vpermi2b`` and ``mid[c]`` the decode's byte planes of the midpoints:
+  no memory read but the values, about 98 instructions per 64 values
+  (:func:`encode_block_planes`). Without VBMI (or ``OPTIRS_CPU_INT8_ENCODE=gathers``): one
+  ``vpgatherdd`` per 16 values from the packed words (:func:`packed_words`: one 32-bit word per
+  bucket of the value's top 16 bits and sign, the cuda kernels' unsigned-map words extended to
+  negative values), and an add: the code is the sum's top 16 bits. About 12 integer instructions
+  per 16 values beside the gather, which costs about a load a lane on Zen 4.
 - the **search** it replaced (:func:`encode_block_registers`, kept for measuring on other cpus:
   ``OPTIRS_CPU_INT8_ENCODE=search``): a branchless binary search over the 255 midpoints (padded
   with +inf to 256) in Eytzinger order (node ``j``'s children are ``2j`` and ``2j + 1``, so the
@@ -22,7 +27,7 @@ and moment on a Zen 4 core, most of the int8 step. With AVX-512:
   (a NaN compares false at every level: code 0). Four groups of 16 are searched side by side:
   each level waits on the one before it; 54 instructions per 16 values, most on the shuffle port.
 
-Both encoders count exactly: checked equal to ``int8_buckets.quantize_table`` for all 2**32
+The three encoders count exactly: checked equal to ``int8_buckets.quantize_table`` for all 2**32
 float32 inputs of both maps (benchmarks/check_int8_native.py). :func:`decode_block` and
 :func:`encode_block` compile the AVX-512 forms where numba compiles for a cpu with AVX-512F, and
 the table-read loops everywhere else (the same results; the tests check both on a machine with
@@ -617,10 +622,12 @@ def decode_block_gathers(w, q, s, o, n, buf):
 
 
 # The forms the cpu loops use. With AVX-512F the decode keeps the map in registers and the encode
-# reads the packed words by gathers (docs/benchmarks.md: on Zen 4 the gathered decode is slower
-# than the registers', on the H200 host's Xeon as fast; the gathered encode is faster than the
-# search on both). OPTIRS_CPU_INT8_ENCODE=search and OPTIRS_CPU_INT8_DECODE=gathers pick the others
-# on a cpu where they may win (for measuring: the codes and values are the same).
+# reads the packed words by gathers; with VBMI both look up byte planes in registers
+# (docs/benchmarks.md: on Zen 4 the gathered decode is slower than the registers', on the H200
+# host's Xeon as fast; the gathered encode is faster than the search on both, the byte planes'
+# faster than the gathers on Zen 4). OPTIRS_CPU_INT8_ENCODE=gathers or search and
+# OPTIRS_CPU_INT8_DECODE=registers or gathers pick the others on a cpu where they may win (for
+# measuring: the codes and values are the same).
 ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "planes" if VBMI else "gathers") if NATIVE else "tables")
 DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "planes" if VBMI else "registers") if NATIVE else "tables")
 if ENCODE not in ("planes", "gathers", "search", "tables") or DECODE not in (
