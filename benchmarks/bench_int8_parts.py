@@ -39,9 +39,10 @@ def main() -> int:
     encoders = {"tables": N.encode_block_tables}
     if N.NATIVE:
         decoders.update(registers=N.decode_block_registers, gathers=N.decode_block_gathers)
+        encoders.update(search=N.encode_block_registers, gathers=N.encode_block_gathers)
     if N.VBMI:
         decoders.update(planes=N.decode_block_planes)
-        encoders.update(search=N.encode_block_registers, gathers=N.encode_block_gathers, planes=N.encode_block_planes)
+        encoders.update(planes=N.encode_block_planes)
 
     def decode_loop(f):
         @njit

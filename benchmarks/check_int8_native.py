@@ -2,11 +2,12 @@
 
 ``optirs.backends.cpu.int8_native`` finds an int8 code by lookups of byte planes in registers (the
 default where the cpu has AVX-512 VBMI), by gathers of packed words or by a binary search over the
-midpoints held in AVX-512 registers; this script compares the codes of each (``--forms``) with ``optirs.backends.common.int8_buckets.quantize_table`` for all 2**32 float32 bit patterns
-(as the scaled value ``y``: ``pre = inv = 1``) of the signed and the unsigned map, and the register
-and gathered decoders (and the byte planes' where the cpu has VBMI) with ``q[code] * scale`` for all
-256 codes at a few scales. Needs a cpu with AVX-512F; takes some
-minutes (the numpy reference is the slow side).
+midpoints held in AVX-512 registers; this script compares the codes of each (``--forms``) with
+``optirs.backends.common.int8_buckets.quantize_table`` for all 2**32 float32 bit patterns (as the
+scaled value ``y``: ``pre = inv = 1``) of the signed and the unsigned map, and the register and
+gathered decoders (and the byte planes' where the cpu has VBMI) with ``q[code] * scale`` for all
+256 codes at a few scales. Needs a cpu with AVX-512F; takes some minutes a map (the numpy reference
+is the slow side; ``--stride 64`` checks a 64th of the patterns for a quick run).
 
     PYTHONPATH=. python benchmarks/check_int8_native.py [--step 24] [--stride 1] [--forms planes,gathers,search]
 """

@@ -1,7 +1,8 @@
 """The cpu backend's int8 block loops (optirs.backends.cpu.formats_kernels) against numpy.
 
 The block's new values are coded in separate loops (absmax as an integer maximum, then the codes:
-gathers of packed words where the cpu has AVX-512, else the scaling and bucket
+byte planes in registers where the cpu has AVX-512 VBMI, gathers of packed words where it has
+AVX-512F, else the scaling and bucket
 arithmetic and the two table lookups): the scale and every code must be exactly what the contract
 gives (docs/formats.md), NaN, inf, zeros and short blocks included. The reference here is plain
 numpy: the scale is ``max |x|`` over the block (NaN when any value is NaN: numpy's max propagates
