@@ -39,9 +39,10 @@ def main() -> int:
     encoders = {"tables": N.encode_block_tables}
     if N.NATIVE:
         decoders.update(registers=N.decode_block_registers, gathers=N.decode_block_gathers)
+        encoders.update(search=N.encode_block_registers, gathers=N.encode_block_gathers)
     if N.VBMI:
         decoders.update(planes=N.decode_block_planes)
-        encoders.update(search=N.encode_block_registers, gathers=N.encode_block_gathers)
+        encoders.update(planes=N.encode_block_planes)
 
     def decode_loop(f):
         @njit
@@ -85,6 +86,9 @@ def main() -> int:
         N.eytzinger(mid, tree)
         words = np.zeros(N.WORDS, np.uint32)
         N.packed_words(mid, tbl, words)
+        planes = np.zeros(N.PLANES_KEY, np.uint8)
+        N.planes_key(mid, planes)
+        keys = dict(gathers=words, planes=planes)
         x = (rng.standard_normal(n) * 1e-3).astype(np.float32)
         if not signed:
             x = x * x
@@ -102,7 +106,7 @@ def main() -> int:
         for name, f in encoders.items():
             kind = 0 if name == "tables" else 2
             run, w = encode_loop(f, kind), np.zeros(n, np.uint8)
-            a = (x[:256] * inv, np.float32(1), np.float32(1), words if name == "gathers" else tree, mid, tbl, w,
+            a = (x[:256] * inv, np.float32(1), np.float32(1), keys.get(name, tree), mid, tbl, w,
                  np.zeros(256, np.uint32))
             run(*a, 1)
             outs["enc " + name] = w.copy()

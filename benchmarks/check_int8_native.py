@@ -1,14 +1,15 @@
 """Checks the cpu's AVX-512 int8 encoders against the contract's bucket-table count for every float32.
 
-``optirs.backends.cpu.int8_native`` finds an int8 code by gathers of packed words (the default) or
-by a binary search over the midpoints held in AVX-512 registers; this script compares the codes of
-both with ``optirs.backends.common.int8_buckets.quantize_table`` for all 2**32 float32 bit patterns
-(as the scaled value ``y``: ``pre = inv = 1``) of the signed and the unsigned map, and the register
-and gathered decoders (and the byte planes' where the cpu has VBMI) with ``q[code] * scale`` for all
-256 codes at a few scales. Needs a cpu with AVX-512F; takes some
-minutes (the numpy reference is the slow side).
+``optirs.backends.cpu.int8_native`` finds an int8 code by lookups of byte planes in registers (the
+default where the cpu has AVX-512 VBMI), by gathers of packed words or by a binary search over the
+midpoints held in AVX-512 registers; this script compares the codes of each (``--forms``) with
+``optirs.backends.common.int8_buckets.quantize_table`` for all 2**32 float32 bit patterns (as the
+scaled value ``y``: ``pre = inv = 1``) of the signed and the unsigned map, and the register and
+gathered decoders (and the byte planes' where the cpu has VBMI) with ``q[code] * scale`` for all
+256 codes at a few scales. Needs a cpu with AVX-512F; takes some minutes a map (the numpy reference
+is the slow side; ``--stride 64`` checks a 64th of the patterns for a quick run).
 
-    PYTHONPATH=. python benchmarks/check_int8_native.py [--step 24]
+    PYTHONPATH=. python benchmarks/check_int8_native.py [--step 24] [--stride 1] [--forms planes,gathers,search]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--step", type=int, default=24, help="log2 of the patterns per batch")
     ap.add_argument("--stride", type=int, default=1, help="check every stride-th batch only (a quick run)")
+    ap.add_argument("--forms", default="planes,gathers,search", help="the encoders to check, comma-separated")
     args = ap.parse_args()
     from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints, quantize_table
     from optirs.backends.cpu import int8_native as N
@@ -44,6 +46,12 @@ def main() -> int:
         N.eytzinger(mid, tree)
         words = np.zeros(N.WORDS, np.uint32)
         N.packed_words(mid, tbl, words)
+        key = np.zeros(N.PLANES_KEY, np.uint8)
+        N.planes_key(mid, key)
+        forms = {"planes": (N.encode_block_planes, key), "gathers": (N.encode_block_gathers, words),
+                 "search": (N.encode_block_registers, tree)}
+        forms = {f: forms[f] for f in args.forms.split(",") if f != "planes" or N.VBMI}
+        got = {f: np.zeros(n, np.uint8) for f in forms}
         codes = np.arange(256, dtype=np.uint8)
         for s in (np.float32(1), np.float32(3.7e-3), np.float32(2.0**-140), np.float32(np.inf), np.float32(np.nan)):
             for decode in (N.decode_block_registers, N.decode_block_gathers) + ((N.decode_block_planes,) if N.VBMI
@@ -53,23 +61,21 @@ def main() -> int:
                 if not np.array_equal(out.view(np.uint32), (q * s).view(np.uint32)):
                     print(f"{decode.__name__} differs: signed={signed} scale={s!r}")
                     return 1
-        got = np.zeros(n, np.uint8)
-        got2 = np.zeros(n, np.uint8)
         ix = np.zeros(256, np.uint32)
         one = np.float32(1)
         for start in range(0, 1 << 32, n * args.stride):
             y = np.arange(start, start + n, dtype=np.uint64).astype(np.uint32).view(np.float32)
-            N.encode_block_registers(y, n, one, one, tree, mid, tbl, got, 0, ix)
-            N.encode_block_gathers(y, n, one, one, words, mid, tbl, got2, 0, ix)
+            for form, (encode, table) in forms.items():
+                encode(y, n, one, one, table, mid, tbl, got[form], 0, ix)
             want = quantize_table(y, mid, tbl)
-            for form, codes_of in (("search", got), ("gathers", got2)):
+            for form, codes_of in got.items():
                 if not np.array_equal(codes_of, want):
                     bad = int(np.flatnonzero(codes_of != want)[0])
                     print(f"signed={signed}, {form}: y bits 0x{start + bad:08x} coded {codes_of[bad]}, expected "
                           f"{want[bad]}")
                     return 1
         share = "all 2**32" if args.stride == 1 else f"1/{args.stride} of the"
-        print(f"signed={signed}: {share} float32 equal ({time.time() - t0:.0f} s)", flush=True)
+        print(f"signed={signed}: {share} float32 equal for {', '.join(forms)} ({time.time() - t0:.0f} s)", flush=True)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The cpu backend's int8 block loops (optirs.backends.cpu.formats_kernels) against numpy.
 
 The block's new values are coded in separate loops (absmax as an integer maximum, then the codes:
-gathers of packed words where the cpu has AVX-512, else the scaling and bucket
+byte planes in registers where the cpu has AVX-512 VBMI, gathers of packed words where it has
+AVX-512F, else the scaling and bucket
 arithmetic and the two table lookups): the scale and every code must be exactly what the contract
 gives (docs/formats.md), NaN, inf, zeros and short blocks included. The reference here is plain
 numpy: the scale is ``max |x|`` over the block (NaN when any value is NaN: numpy's max propagates
@@ -118,8 +119,8 @@ def test_a_block_with_nans_keeps_the_nan_of_its_first_lane(kernels):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_every_avx512_form_counts_at_the_midpoints(signed):
-    """The AVX-512 encoders (gathers of packed words, the search) and decoders (registers, gathers,
-    byte planes where the cpu has VBMI)
+    """The AVX-512 encoders (gathers of packed words, the search, byte planes where the cpu has VBMI)
+    and decoders (registers, gathers, byte planes where the cpu has VBMI)
     on the values where a count changes: each midpoint, its float32 neighbours and their negations,
     the first and last buckets' edges, zeros, inf, NaN and random bit patterns (all 2**32 are
     checked by benchmarks/check_int8_native.py)."""
@@ -140,8 +141,11 @@ def test_every_avx512_form_counts_at_the_midpoints(signed):
     N.eytzinger(mid, tree)
     words = np.zeros(N.WORDS, np.uint32)
     N.packed_words(mid, tbl, words)
+    planes = np.zeros(N.PLANES_KEY, np.uint8)
+    N.planes_key(mid, planes)
     one, ix = np.float32(1), np.zeros(256, np.uint32)
-    for form, encode, key in (("search", N.encode_block_registers, tree), ("gathers", N.encode_block_gathers, words)):
+    forms = [("search", N.encode_block_registers, tree), ("gathers", N.encode_block_gathers, words)]
+    for form, encode, key in forms + ([("planes", N.encode_block_planes, planes)] if N.VBMI else []):
         got = np.zeros(n, np.uint8)
         encode(y.copy(), n, one, one, key, mid, tbl, got, 0, ix)
         assert np.array_equal(got, want), (form, y[got != want][:4], got[got != want][:4], want[got != want][:4])

@@ -229,7 +229,8 @@ def _encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, m):
 @_jit
 def _trees(d0, t0, d1, t1, d2, t2, u0, u1, u2):
     """The used slots' encoder tables (:func:`optirs.backends.cpu.int8_native.encoder_key`: the
-    packed words or the midpoints in search order), built once per launch."""
+    byte planes encoder's tables, the packed words or the midpoints in search order), built once per
+    launch."""
     return encoder_key(d0, t0, u0), encoder_key(d1, t1, u1), encoder_key(d2, t2, u2)
 
 

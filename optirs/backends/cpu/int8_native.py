@@ -9,10 +9,15 @@ and moment on a Zen 4 core, most of the int8 step. With AVX-512:
   for 16 lanes, so 8 of them and 7 selects on the code's bits 5-7 look up 16 codes with no
   memory read. The same products as ``q[code] * scale``. (One ``vgatherdps`` from the map,
   :func:`decode_block_gathers`, is slower on Zen 4: docs/benchmarks.md.)
-- **encode**: one ``vpgatherdd`` per 16 values from the packed words (:func:`packed_words`: one
-  32-bit word per bucket of the value's top 16 bits and sign, the cuda kernels' unsigned-map words
-  extended to negative values), and an add: the code is the sum's top 16 bits. About 12 integer
-  instructions per 16 values beside the gather.
+- **encode** (AVX-512 VBMI): the contract's ``c + (mid[c] < y)`` with buckets as wide as each
+  octave's midpoints allow (436 or 464 of them, not 2947: :func:`planes_key`), so that ``c`` is 8
+  zmm of bytes looked up by ``vpermi2b`` and ``mid[c]`` the decode's byte planes of the midpoints:
+  no memory read but the values, about 98 instructions per 64 values
+  (:func:`encode_block_planes`). Without VBMI (or ``OPTIRS_CPU_INT8_ENCODE=gathers``): one
+  ``vpgatherdd`` per 16 values from the packed words (:func:`packed_words`: one 32-bit word per
+  bucket of the value's top 16 bits and sign, the cuda kernels' unsigned-map words extended to
+  negative values), and an add: the code is the sum's top 16 bits. About 12 integer instructions
+  per 16 values beside the gather, which costs about a load a lane on Zen 4.
 - the **search** it replaced (:func:`encode_block_registers`, kept for measuring on other cpus:
   ``OPTIRS_CPU_INT8_ENCODE=search``): a branchless binary search over the 255 midpoints (padded
   with +inf to 256) in Eytzinger order (node ``j``'s children are ``2j`` and ``2j + 1``, so the
@@ -22,7 +27,7 @@ and moment on a Zen 4 core, most of the int8 step. With AVX-512:
   (a NaN compares false at every level: code 0). Four groups of 16 are searched side by side:
   each level waits on the one before it; 54 instructions per 16 values, most on the shuffle port.
 
-Both encoders count exactly: checked equal to ``int8_buckets.quantize_table`` for all 2**32
+The three encoders count exactly: checked equal to ``int8_buckets.quantize_table`` for all 2**32
 float32 inputs of both maps (benchmarks/check_int8_native.py). :func:`decode_block` and
 :func:`encode_block` compile the AVX-512 forms where numba compiles for a cpu with AVX-512F, and
 the table-read loops everywhere else (the same results; the tests check both on a machine with
@@ -429,6 +434,162 @@ def _encode_gathers(typingctx, buf, pre, inv, words, w, o, m):
     return sig, codegen
 
 
+# ---- the byte planes: no table read at all (AVX-512 VBMI)
+#
+# The contract's count ``c + (mid[c] < y)`` (c the midpoints below the bucket's lowest value, the
+# bucket holding at most one midpoint: then it is mid[c]) needs no 2947 buckets of 7 mantissa bits:
+# an octave of |y| needs as many mantissa bits as its midpoints are dense, none (one bucket) for
+# most of the dynamic maps' 24 octaves from 2**-23 to 1, at most 6 or 7 for the top ones. With the
+# octave's bits chosen so (``_PLANES_SHIFT``: the mantissa's top 7 bits shifted right by 0..7), the
+# buckets of both signs are 436 (signed map) and 464 (unsigned), one uint8 ``c`` each: 8 zmm of
+# bytes, looked up 64 values at a time by four ``vpermi2b`` and three selects on the index's bits 7
+# and 8. ``mid[c]`` is then the decode's lookup of byte planes (16 zmm of the padded midpoints'
+# bytes). The index is the float's top 16 bits (sign, exponent, 7 mantissa bits) computed in 16-bit
+# lanes: one ``vpermi2w`` from a 64-word table by octave and sign gives the octave's first bucket
+# and shift. NaN is made -inf first (``vmaxps`` returns its second operand for a NaN): code 0.
+_PLANES_OCTAVES = 24  # exponents 104..127: magnitudes from 2**-23 (smaller ones clamped into it) to 1
+_PLANES_BUCKETS = 512  # c entries the eight registers hold
+_PLANES_C = 128  # byte offsets in the key: the 64 octave words, c, then the midpoints' byte planes
+_PLANES_MID = _PLANES_C + _PLANES_BUCKETS
+PLANES_KEY = _PLANES_MID + 1024
+_PLANES_SHIFT = 12  # an octave word is first bucket | shift << 12
+
+
+@_jit
+def _planes_bounds(sg, top):
+    """(lowest, highest) value of the 16-bit bucket range ``top`` = (first, last) top-16 bits of |y|,
+    sign ``sg``, with the clamped magnitudes (below 2**-23, from 1 up) counted in."""
+    lo, hi = top
+    small = bits_f32(np.uint32(lo << 16)) if lo > LO else np.float32(0)
+    large = bits_f32(np.uint32((hi << 16) | 0xFFFF)) if hi < HI else np.float32(np.inf)
+    if sg == 0:
+        return small, large
+    return -large, -small
+
+
+@_jit
+def planes_key(mid, key):
+    """``key`` (uint8[PLANES_KEY]) = the byte planes encoder's table of the padded midpoints ``mid``:
+    64 octave words (little-endian uint16: ``(exponent + 24 sign) % 64`` gives the octave's first
+    bucket | its shift << 12), 512 bucket counts ``c``, then the bytes of ``mid`` by plane (as
+    :func:`decoder_table`'s). Each octave takes the fewest buckets that hold one midpoint each."""
+    key[:] = 0
+    m = mid[:255]
+    off = 0
+    for sg in range(2):
+        for ex in range(104, 104 + _PLANES_OCTAVES):
+            sh = 7
+            while True:
+                fits = True
+                for j in range(128 >> sh):
+                    lo = (ex << 7) | (j << sh)
+                    a, b = _planes_bounds(sg, (max(lo, LO), min(lo + (1 << sh) - 1, HI)))
+                    if np.searchsorted(m, b, side="right") - np.searchsorted(m, a, side="left") > 1:
+                        fits = False
+                if fits or sh == 0:
+                    break
+                sh -= 1
+            if off + (128 >> sh) > _PLANES_BUCKETS:
+                raise InvalidParameterError("the midpoints need more than 512 buckets of the byte planes encoder")
+            word = off | (sh << _PLANES_SHIFT)
+            at = 2 * ((ex + 24 * sg) % 64)
+            key[at] = word & 0xFF
+            key[at + 1] = word >> 8
+            for j in range(128 >> sh):
+                lo = (ex << 7) | (j << sh)
+                a, b = _planes_bounds(sg, (max(lo, LO), min(lo + (1 << sh) - 1, HI)))
+                key[_PLANES_C + off + j] = np.searchsorted(m, a, side="left")
+            off += 128 >> sh
+    for k in range(256):
+        u = f32_bits(mid[k])
+        for b in range(4):
+            key[_PLANES_MID + 256 * b + k] = (u >> (8 * b)) & 0xFF
+
+
+def _w(x):
+    return ir.Constant(_W32, [x & 0xFFFF] * 32)
+
+
+def _b(x):
+    return ir.Constant(_B64, [x & 0xFF] * 64)
+
+
+@intrinsic
+def _encode_planes(typingctx, buf, pre, inv, key, w, o, m):
+    """``w[o + i]`` = the code of ``(buf[i] * pre) * inv`` for ``i < 64 * m``, by lookups in registers
+    of :func:`planes_key`'s tables (no memory read but the values)."""
+    if not (isinstance(buf, types.Array) and isinstance(key, types.Array) and isinstance(w, types.Array)):
+        return None
+    sig = types.void(buf, types.float32, types.float32, key, w, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):
+        buf, pre, inv, key, w, o, m = args
+        bp = _data(context, builder, sig.args[0], buf)
+        wp = builder.gep(_data(context, builder, sig.args[4], w), [o])
+        kp = builder.bitcast(_data(context, builder, sig.args[3], key), _B64.as_pointer())
+        regs = [builder.load(builder.gep(kp, [ir.Constant(_I64, k)]), align=1) for k in range(26)]
+        octaves = [builder.bitcast(r, _W32) for r in regs[:2]]
+        counts = regs[2:10]
+        planes = [[regs[10 + 4 * j + r] for r in range(4)] for j in range(4)]
+        two_b = _function(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, [_B64, _B64, _B64])
+        two_w = _function(builder, "llvm.x86.avx512.vpermi2var.hi.512", _W32, [_W32, _W32, _W32])
+        fmax = _function(builder, "llvm.x86.avx512.max.ps.512", _F16, [_F16, _F16, ir.IntType(32)])
+        prev, invv = _splat(builder, pre), _splat(builder, inv)
+        minus_inf = ir.Constant(_F16, [float("-inf")] * 16)
+        with cgutils.for_range(builder, m) as loop:
+            at = builder.mul(loop.index, ir.Constant(_I64, 64))
+            ys = []
+            for g in range(4):
+                x = builder.load(builder.bitcast(builder.gep(bp, [builder.add(at, ir.Constant(_I64, 16 * g))]),
+                                                 _F16.as_pointer()), align=4)
+                y = builder.fmul(builder.fmul(x, prev), invv)  # quantize_scaled
+                # a NaN becomes -inf (the second operand): code 0, as the count gives it
+                ys.append(builder.call(fmax, [y, minus_inf, ir.Constant(ir.IntType(32), 4)]))
+            index = []
+            for h in range(2):  # the top 16 bits of 32 values
+                a, b = (builder.bitcast(v, _W32) for v in ys[2 * h : 2 * h + 2])
+                t = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 32),
+                                                             [2 * i + 1 for i in range(32)]))
+                neg = builder.ashr(t, _w(15))
+                mag = builder.and_(t, _w(0x7FFF))
+                mag = builder.select(builder.icmp_unsigned("<", mag, _w(LO)), _w(LO), mag)
+                mag = builder.select(builder.icmp_unsigned(">", mag, _w(HI)), _w(HI), mag)
+                octave = builder.add(builder.lshr(mag, _w(7)), builder.and_(neg, _w(24)))  # taken mod 64
+                word = builder.call(two_w, [octaves[0], octave, octaves[1]])
+                shift = builder.and_(builder.lshr(word, _w(_PLANES_SHIFT)), _w(7))
+                # the bucket in bits 0-8 (the word's shift in bits 12-14 does not reach them)
+                index.append(builder.add(word, builder.lshr(builder.and_(mag, _w(127)), shift)))
+            lows = builder.shuffle_vector(builder.bitcast(index[0], _B64), builder.bitcast(index[1], _B64),
+                                          ir.Constant(ir.VectorType(ir.IntType(32), 64), [2 * i for i in range(64)]))
+            b8 = [builder.icmp_unsigned("!=", builder.and_(v, _w(256)), _w(0)) for v in index]
+            b8 = builder.shuffle_vector(b8[0], b8[1], ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+            b7 = builder.icmp_signed("<", lows, _b(0))
+            parts = [builder.call(two_b, [counts[2 * k], lows, counts[2 * k + 1]]) for k in range(4)]
+            c = builder.select(b8, builder.select(b7, parts[3], parts[2]), builder.select(b7, parts[1], parts[0]))
+            mids = _planes_lookup(builder, (planes, two_b), c)
+            above = [builder.fcmp_ordered("<", mv, y) for mv, y in zip(mids, ys)]
+            above = [builder.shuffle_vector(above[2 * h], above[2 * h + 1],
+                                            ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32))))
+                     for h in range(2)]
+            above = builder.shuffle_vector(above[0], above[1],
+                                           ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+            code = builder.add(c, builder.zext(above, _B64))
+            builder.store(code, builder.bitcast(builder.gep(wp, [at]), _B64.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_jit
+def encode_block_planes(buf, n, pre, inv, key, mid, tbl, w, o, ix):
+    """:func:`encode_block_tables` by lookups in registers of :func:`planes_key`'s tables (AVX-512
+    VBMI; ``buf`` is left as it was for the groups of 64, scaled for the rest)."""
+    m = n // 64
+    _encode_planes(buf, pre, inv, key, w, np.int64(o), np.int64(m))
+    if m * 64 < n:
+        encode_block_tables(buf[m * 64 :], n - m * 64, pre, inv, mid, tbl, w, o + m * 64, ix)
+
+
 def _gathers_setup(context, builder, aryty, q):
     gather = _function(builder, "llvm.x86.avx512.mask.gather.dps.512", _F16, [_F16, _P8, _I16, _V16, ir.IntType(32)])
     return builder.bitcast(_data(context, builder, aryty, q), _P8), gather
@@ -461,17 +622,19 @@ def decode_block_gathers(w, q, s, o, n, buf):
 
 
 # The forms the cpu loops use. With AVX-512F the decode keeps the map in registers and the encode
-# reads the packed words by gathers (docs/benchmarks.md: on Zen 4 the gathered decode is slower
-# than the registers', on the H200 host's Xeon as fast; the gathered encode is faster than the
-# search on both). OPTIRS_CPU_INT8_ENCODE=search and OPTIRS_CPU_INT8_DECODE=gathers pick the others
-# on a cpu where they may win (for measuring: the codes and values are the same).
-ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "gathers") if NATIVE else "tables")
+# reads the packed words by gathers; with VBMI both look up byte planes in registers
+# (docs/benchmarks.md: on Zen 4 the gathered decode is slower than the registers', on the H200
+# host's Xeon as fast; the gathered encode is faster than the search on both, the byte planes'
+# faster than the gathers on Zen 4). OPTIRS_CPU_INT8_ENCODE=gathers or search and
+# OPTIRS_CPU_INT8_DECODE=registers or gathers pick the others on a cpu where they may win (for
+# measuring: the codes and values are the same).
+ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "planes" if VBMI else "gathers") if NATIVE else "tables")
 DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "planes" if VBMI else "registers") if NATIVE else "tables")
-if ENCODE not in ("gathers", "search", "tables") or DECODE not in ("planes", "registers", "gathers", "tables") or (
-        DECODE == "planes" and not VBMI):
+if ENCODE not in ("planes", "gathers", "search", "tables") or DECODE not in (
+        "planes", "registers", "gathers", "tables") or ("planes" in (ENCODE, DECODE) and not VBMI):
     raise InvalidParameterError(f"OPTIRS_CPU_INT8_ENCODE={ENCODE!r}, OPTIRS_CPU_INT8_DECODE={DECODE!r}: expected "
-                                "gathers, search or tables, and planes (a cpu with AVX-512 VBMI), registers, "
-                                "gathers or tables")
+                                "planes (a cpu with AVX-512 VBMI), gathers, search or tables, and planes, "
+                                "registers, gathers or tables")
 
 if DECODE == "planes":
     decode_block = decode_block_planes
@@ -482,7 +645,19 @@ elif DECODE == "gathers":
 else:
     decode_block = decode_block_tables
 
-if ENCODE == "gathers":
+if ENCODE == "planes":
+
+    @_jit
+    def encoder_key(mid, tbl, used):
+        """The table the encode reads (here :func:`planes_key`'s; empty for an unused slot)."""
+        key = np.zeros(PLANES_KEY if used else 0, np.uint8)
+        if used:
+            planes_key(mid, key)
+        return key
+
+    encode_block = encode_block_planes
+
+elif ENCODE == "gathers":
 
     @_jit
     def encoder_key(mid, tbl, used):
