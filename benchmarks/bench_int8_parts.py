@@ -82,13 +82,8 @@ def main() -> int:
           f"(load average {os.getloadavg()[0]:.1f})")
     for signed in (True, False):
         mid, tbl, q = padded_midpoints(signed), bucket_table(signed), np.asarray(dynamic_map(signed), np.float32)
-        tree = np.zeros(256, np.float32)
-        N.eytzinger(mid, tree)
-        words = np.zeros(N.WORDS, np.uint32)
-        N.packed_words(mid, tbl, words)
-        planes = np.zeros(N.PLANES_KEY, np.uint8)
-        N.planes_key(mid, planes)
-        keys = dict(gathers=words, planes=planes)
+        keys = N.encoder_keys(mid, tbl)
+        tree = keys["search"]
         x = (rng.standard_normal(n) * 1e-3).astype(np.float32)
         if not signed:
             x = x * x

@@ -42,14 +42,9 @@ def main() -> int:
     for signed in (True, False):
         mid, tbl = np.asarray(padded_midpoints(signed)), bucket_table(signed)
         q = np.asarray(dynamic_map(signed), np.float32)
-        tree = np.zeros(256, np.float32)
-        N.eytzinger(mid, tree)
-        words = np.zeros(N.WORDS, np.uint32)
-        N.packed_words(mid, tbl, words)
-        key = np.zeros(N.PLANES_KEY, np.uint8)
-        N.planes_key(mid, key)
-        forms = {"planes": (N.encode_block_planes, key), "gathers": (N.encode_block_gathers, words),
-                 "search": (N.encode_block_registers, tree)}
+        keys = N.encoder_keys(mid, tbl)
+        forms = {"planes": (N.encode_block_planes, keys["planes"]), "gathers": (N.encode_block_gathers, keys["gathers"]),
+                 "search": (N.encode_block_registers, keys["search"])}
         forms = {f: forms[f] for f in args.forms.split(",") if f != "planes" or N.VBMI}
         got = {f: np.zeros(n, np.uint8) for f in forms}
         codes = np.arange(256, dtype=np.uint8)

@@ -137,12 +137,8 @@ def test_every_avx512_form_counts_at_the_midpoints(signed):
                         .astype(np.uint32).view(np.float32)]).astype(np.float32)
     n = y.size
     want = quantize_table(y, mid, tbl)
-    tree = np.zeros(256, np.float32)
-    N.eytzinger(mid, tree)
-    words = np.zeros(N.WORDS, np.uint32)
-    N.packed_words(mid, tbl, words)
-    planes = np.zeros(N.PLANES_KEY, np.uint8)
-    N.planes_key(mid, planes)
+    keys = N.encoder_keys(mid, tbl)
+    tree, words, planes = keys["search"], keys["gathers"], keys["planes"]
     one, ix = np.float32(1), np.zeros(256, np.uint32)
     forms = [("search", N.encode_block_registers, tree), ("gathers", N.encode_block_gathers, words)]
     for form, encode, key in forms + ([("planes", N.encode_block_planes, planes)] if N.VBMI else []):

@@ -645,44 +645,54 @@ elif DECODE == "gathers":
 else:
     decode_block = decode_block_tables
 
-if ENCODE == "planes":
+@_jit
+def _fill_planes(mid, tbl, key):
+    planes_key(mid, key)
 
+
+@_jit
+def _fill_words(mid, tbl, key):
+    packed_words(mid, tbl, key)
+
+
+@_jit
+def _fill_tree(mid, tbl, key):
+    eytzinger(mid, key)
+
+
+def _key_maker(entries, dtype, fill):
     @_jit
     def encoder_key(mid, tbl, used):
-        """The table the encode reads (here :func:`planes_key`'s; empty for an unused slot)."""
-        key = np.zeros(PLANES_KEY if used else 0, np.uint8)
+        """The table the encode reads, made from the padded midpoints ``mid`` and the bucket table
+        ``tbl`` of a map (empty for an unused slot)."""
+        key = np.zeros(entries if used else 0, dtype)
         if used:
-            planes_key(mid, key)
+            fill(mid, tbl, key)
         return key
 
+    return encoder_key
+
+
+# each AVX-512 encoder's table: the byte planes encoder's, the packed words, the midpoints in search order
+ENCODER_KEYS = {"planes": _key_maker(PLANES_KEY, np.uint8, _fill_planes),
+                "gathers": _key_maker(WORDS, np.uint32, _fill_words),
+                "search": _key_maker(256, np.float32, _fill_tree)}
+
+
+def encoder_keys(mid: np.ndarray, tbl: np.ndarray) -> dict:
+    """Every encoder's table for one map, by form (for checks and benchmarks that run each form)."""
+    return {form: make(np.asarray(mid, np.float32), tbl, True) for form, make in ENCODER_KEYS.items()}
+
+
+encoder_key = ENCODER_KEYS["search" if ENCODE == "tables" else ENCODE]  # the tables' encode reads none
+if ENCODE == "planes":
     encode_block = encode_block_planes
-
 elif ENCODE == "gathers":
-
-    @_jit
-    def encoder_key(mid, tbl, used):
-        """The table the encode reads (here the packed words; empty for an unused slot)."""
-        words = np.zeros(WORDS if used else 0, np.uint32)
-        if used:
-            packed_words(mid, tbl, words)
-        return words
-
     encode_block = encode_block_gathers
-
+elif ENCODE == "search":
+    encode_block = encode_block_registers
 else:
 
     @_jit
-    def encoder_key(mid, tbl, used):
-        """The table the encode reads (here the midpoints in search order; unread by the tables)."""
-        tree = np.zeros(256, np.float32)
-        if used:
-            eytzinger(mid, tree)
-        return tree
-
-    if ENCODE == "search":
-        encode_block = encode_block_registers
-    else:
-
-        @_jit
-        def encode_block(buf, n, pre, inv, key, mid, tbl, w, o, ix):
-            encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix)
+    def encode_block(buf, n, pre, inv, key, mid, tbl, w, o, ix):
+        encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix)
