@@ -134,7 +134,7 @@ def _lookup(builder, regs, index):
     return parts[0]
 
 
-def _decoder(width, setup, lookup):
+def _decoder(name, width, setup, lookup):
     """An intrinsic ``(w, o, q, s, buf, m)``: ``buf[i] = q[w[o + i]] * s`` for ``i < width * m``
     (uint8 codes, float32 buf), ``width`` codes a round. ``setup(context, builder, aryty, q)`` is
     made once before the rounds (the map in registers, a base pointer); ``lookup(builder, made,
@@ -162,11 +162,12 @@ def _decoder(width, setup, lookup):
 
         return sig, codegen
 
+    decode.__name__ = decode.__qualname__ = name
     return intrinsic(decode)
 
 
 # the map in 16 registers, a lookup by permutes (vpermi2ps) and selects
-_decode_groups = _decoder(16, lambda context, builder, aryty, q: _registers(builder, context, aryty, q, 16),
+_decode_groups = _decoder("_decode_groups", 16, lambda context, builder, aryty, q: _registers(builder, context, aryty, q, 16),
                           lambda builder, table, codes: [_lookup(builder, table, builder.zext(codes, _I16))])
 
 
@@ -233,7 +234,7 @@ def _planes_lookup(builder, made, codes):
 # table is decoder_table's, whose byte planes are 16 registers, so that two vpermi2b and a select on
 # the code's bit 7 look up one byte of 64 entries; the four bytes are interleaved into the float32
 # entries (8 unpacks) and multiplied as q[code] * s is
-_decode_planes = _decoder(64, _planes_setup, _planes_lookup)
+_decode_planes = _decoder("_decode_planes", 64, _planes_setup, _planes_lookup)
 
 
 # Eytzinger order: levels 0-3 (nodes 1..15) share register 0, level 4 (nodes 16..31) register 1,
@@ -241,49 +242,61 @@ _decode_planes = _decoder(64, _planes_setup, _planes_lookup)
 _LEVEL_REGS = ((0, 1), (0, 1), (0, 1), (0, 1), (1, 2), (2, 4), (4, 8), (8, 16))
 
 
-@intrinsic
-def _encode_groups(typingctx, buf, pre, inv, tree, w, o, m):
+def _encoder(body):
+    """An intrinsic ``(buf, pre, inv, key, w, o, m)``: ``w[o + i]`` = the code of ``(buf[i] * pre) *
+    inv`` for the rounds' values (float32 buf, uint8 codes), from the table ``key`` the form reads.
+    ``body(context, builder, keytype, key, bp, wp, prev, invv, m)`` emits the ``m`` rounds, given the
+    values' and codes' pointers and ``pre`` and ``inv`` splat."""
+
+    def encode(typingctx, buf, pre, inv, key, w, o, m):
+        if not (isinstance(buf, types.Array) and isinstance(key, types.Array) and isinstance(w, types.Array)):
+            return None
+        sig = types.void(buf, types.float32, types.float32, key, w, types.int64, types.int64)
+
+        def codegen(context, builder, sig, args):
+            buf, pre, inv, key, w, o, m = args
+            bp = _data(context, builder, sig.args[0], buf)
+            wp = builder.gep(_data(context, builder, sig.args[4], w), [o])
+            body(context, builder, sig.args[3], key, bp, wp, _splat(builder, pre), _splat(builder, inv), m)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    encode.__name__, encode.__qualname__, encode.__doc__ = body.__name__, body.__name__, body.__doc__
+    return intrinsic(encode)
+
+
+@_encoder
+def _encode_groups(context, builder, keytype, tree, bp, wp, prev, invv, m):
     """``w[o + i]`` = the code of ``(buf[i] * pre) * inv`` for ``i < 16 * m``: the number of
     midpoints below it, by the binary search over ``tree`` (:func:`eytzinger`)."""
-    if not (isinstance(buf, types.Array) and isinstance(tree, types.Array) and isinstance(w, types.Array)):
-        return None
-    sig = types.void(buf, types.float32, types.float32, tree, w, types.int64, types.int64)
+    regs = _registers(builder, context, keytype, tree, 16)
+    bits = builder.bitcast(regs[0], _I16)  # tree[0]: the integer 1 (see eytzinger)
+    one = builder.shuffle_vector(bits, bits, ir.Constant(_I16, [0] * 16))
 
-    def codegen(context, builder, sig, args):
-        buf, pre, inv, tree, w, o, m = args
-        bp = _data(context, builder, sig.args[0], buf)
-        wp = builder.gep(_data(context, builder, sig.args[4], w), [o])
-        regs = _registers(builder, context, sig.args[3], tree, 16)
-        prev, invv = _splat(builder, pre), _splat(builder, inv)
-        bits = builder.bitcast(regs[0], _I16)  # tree[0]: the integer 1 (see eytzinger)
-        one = builder.shuffle_vector(bits, bits, ir.Constant(_I16, [0] * 16))
+    def groups(first, count):
+        bases = [builder.mul(builder.add(first, ir.Constant(_I64, u)), ir.Constant(_I64, 16)) for u in range(count)]
+        ys = []
+        for base in bases:
+            x = builder.load(builder.bitcast(builder.gep(bp, [base]), _F16.as_pointer()), align=4)
+            ys.append(builder.fmul(builder.fmul(x, prev), invv))  # quantize_scaled
+        nodes = [ir.Constant(_I16, [1] * 16)] * count
+        for lo, hi in _LEVEL_REGS:
+            for u in range(count):
+                twice = builder.add(nodes[u], nodes[u])
+                t = _lookup(builder, regs[lo:hi], nodes[u])
+                below = builder.fcmp_ordered("<", t, ys[u])
+                nodes[u] = builder.select(below, builder.add(twice, one), twice)  # one masked add
+        for base, node in zip(bases, nodes):  # node = 256 + code: its low byte
+            builder.store(builder.trunc(node, _B16), builder.bitcast(builder.gep(wp, [base]), _B16.as_pointer()),
+                          align=1)
 
-        def groups(first, count):
-            bases = [builder.mul(builder.add(first, ir.Constant(_I64, u)), ir.Constant(_I64, 16)) for u in range(count)]
-            ys = []
-            for base in bases:
-                x = builder.load(builder.bitcast(builder.gep(bp, [base]), _F16.as_pointer()), align=4)
-                ys.append(builder.fmul(builder.fmul(x, prev), invv))  # quantize_scaled
-            nodes = [ir.Constant(_I16, [1] * 16)] * count
-            for lo, hi in _LEVEL_REGS:
-                for u in range(count):
-                    twice = builder.add(nodes[u], nodes[u])
-                    t = _lookup(builder, regs[lo:hi], nodes[u])
-                    below = builder.fcmp_ordered("<", t, ys[u])
-                    nodes[u] = builder.select(below, builder.add(twice, one), twice)  # one masked add
-            for base, node in zip(bases, nodes):  # node = 256 + code: its low byte
-                builder.store(builder.trunc(node, _B16), builder.bitcast(builder.gep(wp, [base]), _B16.as_pointer()),
-                              align=1)
-
-        unroll = ir.Constant(_I64, GROUPS)
-        full = builder.udiv(m, unroll)
-        with cgutils.for_range(builder, full) as loop:
-            groups(builder.mul(loop.index, unroll), GROUPS)
-        with cgutils.for_range(builder, builder.urem(m, unroll)) as loop:
-            groups(builder.add(builder.mul(full, unroll), loop.index), 1)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    unroll = ir.Constant(_I64, GROUPS)
+    full = builder.udiv(m, unroll)
+    with cgutils.for_range(builder, full) as loop:
+        groups(builder.mul(loop.index, unroll), GROUPS)
+    with cgutils.for_range(builder, builder.urem(m, unroll)) as loop:
+        groups(builder.add(builder.mul(full, unroll), loop.index), 1)
 
 
 @_jit
@@ -396,42 +409,30 @@ def _v(x):
     return ir.Constant(_I16, [x & 0xFFFFFFFF] * 16)
 
 
-@intrinsic
-def _encode_gathers(typingctx, buf, pre, inv, words, w, o, m):
+@_encoder
+def _encode_gathers(context, builder, keytype, words, bp, wp, prev, invv, m):
     """``w[o + i]`` = the code of ``(buf[i] * pre) * inv`` for ``i < 16 * m``, by the packed words
     ``words`` (:func:`packed_words`), one ``vpgatherdd`` per 16 values."""
-    if not (isinstance(buf, types.Array) and isinstance(words, types.Array) and isinstance(w, types.Array)):
-        return None
-    sig = types.void(buf, types.float32, types.float32, words, w, types.int64, types.int64)
-
-    def codegen(context, builder, sig, args):
-        buf, pre, inv, words, w, o, m = args
-        bp = _data(context, builder, sig.args[0], buf)
-        wp = builder.gep(_data(context, builder, sig.args[4], w), [o])
-        # the index's bucket offset (top - _FIRST) folded into the table's address
-        base = builder.gep(_data(context, builder, sig.args[3], words), [ir.Constant(_I64, -_FIRST)])
-        base = builder.bitcast(base, _P8)
-        prev, invv = _splat(builder, pre), _splat(builder, inv)
-        gather = _function(builder, "llvm.x86.avx512.mask.gather.dpi.512", _I16,
-                           [_I16, _P8, _I16, _V16, ir.IntType(32)])
-        with cgutils.for_range(builder, m) as loop:
-            at = builder.mul(loop.index, ir.Constant(_I64, 16))
-            x = builder.load(builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
-            u = builder.bitcast(builder.fmul(builder.fmul(x, prev), invv), _I16)  # quantize_scaled
-            mag = builder.and_(u, _v(0x7FFFFFFF))
-            # all ones for a negative value or a NaN (0x7F800000 - |u| is negative only for a NaN)
-            neg = builder.ashr(builder.or_(u, builder.sub(_v(0x7F800000), mag)), _v(31))
-            a = builder.select(builder.icmp_unsigned("<", mag, _v(_LOWB)), _v(_LOWB), mag)
-            a = builder.select(builder.icmp_unsigned(">", a, _v(_TOPB)), _v(_TOPB), a)
-            index = builder.add(builder.lshr(a, _v(16)), builder.and_(neg, _v(WIDTH)))
-            signed_a = builder.sub(builder.xor(a, neg), neg)  # a, or -a for the negative words
-            word = builder.call(gather, [ir.Constant(_I16, [0] * 16), base, index, ir.Constant(_V16, [1] * 16),
-                                         ir.Constant(ir.IntType(32), 4)])
-            code = builder.lshr(builder.add(word, signed_a), _v(16))
-            builder.store(builder.trunc(code, _B16), builder.bitcast(builder.gep(wp, [at]), _B16.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    # the index's bucket offset (top - _FIRST) folded into the table's address
+    base = builder.gep(_data(context, builder, keytype, words), [ir.Constant(_I64, -_FIRST)])
+    base = builder.bitcast(base, _P8)
+    gather = _function(builder, "llvm.x86.avx512.mask.gather.dpi.512", _I16,
+                       [_I16, _P8, _I16, _V16, ir.IntType(32)])
+    with cgutils.for_range(builder, m) as loop:
+        at = builder.mul(loop.index, ir.Constant(_I64, 16))
+        x = builder.load(builder.bitcast(builder.gep(bp, [at]), _F16.as_pointer()), align=4)
+        u = builder.bitcast(builder.fmul(builder.fmul(x, prev), invv), _I16)  # quantize_scaled
+        mag = builder.and_(u, _v(0x7FFFFFFF))
+        # all ones for a negative value or a NaN (0x7F800000 - |u| is negative only for a NaN)
+        neg = builder.ashr(builder.or_(u, builder.sub(_v(0x7F800000), mag)), _v(31))
+        a = builder.select(builder.icmp_unsigned("<", mag, _v(_LOWB)), _v(_LOWB), mag)
+        a = builder.select(builder.icmp_unsigned(">", a, _v(_TOPB)), _v(_TOPB), a)
+        index = builder.add(builder.lshr(a, _v(16)), builder.and_(neg, _v(WIDTH)))
+        signed_a = builder.sub(builder.xor(a, neg), neg)  # a, or -a for the negative words
+        word = builder.call(gather, [ir.Constant(_I16, [0] * 16), base, index, ir.Constant(_V16, [1] * 16),
+                                     ir.Constant(ir.IntType(32), 4)])
+        code = builder.lshr(builder.add(word, signed_a), _v(16))
+        builder.store(builder.trunc(code, _B16), builder.bitcast(builder.gep(wp, [at]), _B16.as_pointer()), align=1)
 
 
 # ---- the byte planes: no table read at all (AVX-512 VBMI)
@@ -514,70 +515,58 @@ def _b(x):
     return ir.Constant(_B64, [x & 0xFF] * 64)
 
 
-@intrinsic
-def _encode_planes(typingctx, buf, pre, inv, key, w, o, m):
+@_encoder
+def _encode_planes(context, builder, keytype, key, bp, wp, prev, invv, m):
     """``w[o + i]`` = the code of ``(buf[i] * pre) * inv`` for ``i < 64 * m``, by lookups in registers
     of :func:`planes_key`'s tables (no memory read but the values)."""
-    if not (isinstance(buf, types.Array) and isinstance(key, types.Array) and isinstance(w, types.Array)):
-        return None
-    sig = types.void(buf, types.float32, types.float32, key, w, types.int64, types.int64)
-
-    def codegen(context, builder, sig, args):
-        buf, pre, inv, key, w, o, m = args
-        bp = _data(context, builder, sig.args[0], buf)
-        wp = builder.gep(_data(context, builder, sig.args[4], w), [o])
-        kp = builder.bitcast(_data(context, builder, sig.args[3], key), _B64.as_pointer())
-        regs = [builder.load(builder.gep(kp, [ir.Constant(_I64, k)]), align=1) for k in range(26)]
-        octaves = [builder.bitcast(r, _W32) for r in regs[:2]]
-        counts = regs[2:10]
-        planes = [[regs[10 + 4 * j + r] for r in range(4)] for j in range(4)]
-        two_b = _function(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, [_B64, _B64, _B64])
-        two_w = _function(builder, "llvm.x86.avx512.vpermi2var.hi.512", _W32, [_W32, _W32, _W32])
-        fmax = _function(builder, "llvm.x86.avx512.max.ps.512", _F16, [_F16, _F16, ir.IntType(32)])
-        prev, invv = _splat(builder, pre), _splat(builder, inv)
-        minus_inf = ir.Constant(_F16, [float("-inf")] * 16)
-        with cgutils.for_range(builder, m) as loop:
-            at = builder.mul(loop.index, ir.Constant(_I64, 64))
-            ys = []
-            for g in range(4):
-                x = builder.load(builder.bitcast(builder.gep(bp, [builder.add(at, ir.Constant(_I64, 16 * g))]),
-                                                 _F16.as_pointer()), align=4)
-                y = builder.fmul(builder.fmul(x, prev), invv)  # quantize_scaled
-                # a NaN becomes -inf (the second operand): code 0, as the count gives it
-                ys.append(builder.call(fmax, [y, minus_inf, ir.Constant(ir.IntType(32), 4)]))
-            index = []
-            for h in range(2):  # the top 16 bits of 32 values
-                a, b = (builder.bitcast(v, _W32) for v in ys[2 * h : 2 * h + 2])
-                t = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 32),
-                                                             [2 * i + 1 for i in range(32)]))
-                neg = builder.ashr(t, _w(15))
-                mag = builder.and_(t, _w(0x7FFF))
-                mag = builder.select(builder.icmp_unsigned("<", mag, _w(LO)), _w(LO), mag)
-                mag = builder.select(builder.icmp_unsigned(">", mag, _w(HI)), _w(HI), mag)
-                octave = builder.add(builder.lshr(mag, _w(7)), builder.and_(neg, _w(24)))  # taken mod 64
-                word = builder.call(two_w, [octaves[0], octave, octaves[1]])
-                shift = builder.and_(builder.lshr(word, _w(_PLANES_SHIFT)), _w(7))
-                # the bucket in bits 0-8 (the word's shift in bits 12-14 does not reach them)
-                index.append(builder.add(word, builder.lshr(builder.and_(mag, _w(127)), shift)))
-            lows = builder.shuffle_vector(builder.bitcast(index[0], _B64), builder.bitcast(index[1], _B64),
-                                          ir.Constant(ir.VectorType(ir.IntType(32), 64), [2 * i for i in range(64)]))
-            b8 = [builder.icmp_unsigned("!=", builder.and_(v, _w(256)), _w(0)) for v in index]
-            b8 = builder.shuffle_vector(b8[0], b8[1], ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
-            b7 = builder.icmp_signed("<", lows, _b(0))
-            parts = [builder.call(two_b, [counts[2 * k], lows, counts[2 * k + 1]]) for k in range(4)]
-            c = builder.select(b8, builder.select(b7, parts[3], parts[2]), builder.select(b7, parts[1], parts[0]))
-            mids = _planes_lookup(builder, (planes, two_b), c)
-            above = [builder.fcmp_ordered("<", mv, y) for mv, y in zip(mids, ys)]
-            above = [builder.shuffle_vector(above[2 * h], above[2 * h + 1],
-                                            ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32))))
-                     for h in range(2)]
-            above = builder.shuffle_vector(above[0], above[1],
-                                           ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
-            code = builder.add(c, builder.zext(above, _B64))
-            builder.store(code, builder.bitcast(builder.gep(wp, [at]), _B64.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    kp = builder.bitcast(_data(context, builder, keytype, key), _B64.as_pointer())
+    regs = [builder.load(builder.gep(kp, [ir.Constant(_I64, k)]), align=1) for k in range(26)]
+    octaves = [builder.bitcast(r, _W32) for r in regs[:2]]
+    counts = regs[2:10]
+    planes = [[regs[10 + 4 * j + r] for r in range(4)] for j in range(4)]
+    two_b = _function(builder, "llvm.x86.avx512.vpermi2var.qi.512", _B64, [_B64, _B64, _B64])
+    two_w = _function(builder, "llvm.x86.avx512.vpermi2var.hi.512", _W32, [_W32, _W32, _W32])
+    fmax = _function(builder, "llvm.x86.avx512.max.ps.512", _F16, [_F16, _F16, ir.IntType(32)])
+    minus_inf = ir.Constant(_F16, [float("-inf")] * 16)
+    with cgutils.for_range(builder, m) as loop:
+        at = builder.mul(loop.index, ir.Constant(_I64, 64))
+        ys = []
+        for g in range(4):
+            x = builder.load(builder.bitcast(builder.gep(bp, [builder.add(at, ir.Constant(_I64, 16 * g))]),
+                                             _F16.as_pointer()), align=4)
+            y = builder.fmul(builder.fmul(x, prev), invv)  # quantize_scaled
+            # a NaN becomes -inf (the second operand): code 0, as the count gives it
+            ys.append(builder.call(fmax, [y, minus_inf, ir.Constant(ir.IntType(32), 4)]))
+        index = []
+        for h in range(2):  # the top 16 bits of 32 values
+            a, b = (builder.bitcast(v, _W32) for v in ys[2 * h : 2 * h + 2])
+            t = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 32),
+                                                         [2 * i + 1 for i in range(32)]))
+            neg = builder.ashr(t, _w(15))
+            mag = builder.and_(t, _w(0x7FFF))
+            mag = builder.select(builder.icmp_unsigned("<", mag, _w(LO)), _w(LO), mag)
+            mag = builder.select(builder.icmp_unsigned(">", mag, _w(HI)), _w(HI), mag)
+            octave = builder.add(builder.lshr(mag, _w(7)), builder.and_(neg, _w(24)))  # taken mod 64
+            word = builder.call(two_w, [octaves[0], octave, octaves[1]])
+            shift = builder.and_(builder.lshr(word, _w(_PLANES_SHIFT)), _w(7))
+            # the bucket in bits 0-8 (the word's shift in bits 12-14 does not reach them)
+            index.append(builder.add(word, builder.lshr(builder.and_(mag, _w(127)), shift)))
+        lows = builder.shuffle_vector(builder.bitcast(index[0], _B64), builder.bitcast(index[1], _B64),
+                                      ir.Constant(ir.VectorType(ir.IntType(32), 64), [2 * i for i in range(64)]))
+        b8 = [builder.icmp_unsigned("!=", builder.and_(v, _w(256)), _w(0)) for v in index]
+        b8 = builder.shuffle_vector(b8[0], b8[1], ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+        b7 = builder.icmp_signed("<", lows, _b(0))
+        parts = [builder.call(two_b, [counts[2 * k], lows, counts[2 * k + 1]]) for k in range(4)]
+        c = builder.select(b8, builder.select(b7, parts[3], parts[2]), builder.select(b7, parts[1], parts[0]))
+        mids = _planes_lookup(builder, (planes, two_b), c)
+        above = [builder.fcmp_ordered("<", mv, y) for mv, y in zip(mids, ys)]
+        above = [builder.shuffle_vector(above[2 * h], above[2 * h + 1],
+                                        ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32))))
+                 for h in range(2)]
+        above = builder.shuffle_vector(above[0], above[1],
+                                       ir.Constant(ir.VectorType(ir.IntType(32), 64), list(range(64))))
+        code = builder.add(c, builder.zext(above, _B64))
+        builder.store(code, builder.bitcast(builder.gep(wp, [at]), _B64.as_pointer()), align=1)
 
 
 @_jit
@@ -597,7 +586,7 @@ def _gathers_setup(context, builder, aryty, q):
 
 # _decode_groups by one vgatherdps from q per 16 codes
 _decode_gathers = _decoder(
-    16, _gathers_setup,
+    "_decode_gathers", 16, _gathers_setup,
     lambda builder, made, codes: [builder.call(made[1], [ir.Constant(_F16, [0.0] * 16), made[0], builder.zext(codes, _I16),
                                                          ir.Constant(_V16, [1] * 16), ir.Constant(ir.IntType(32), 4)])])
 
