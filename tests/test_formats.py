@@ -866,3 +866,47 @@ def test_max_nan_is_the_nan_propagating_maximum(rng):
     both(a, b, out)
     keep = ~((a == 0) & (b == 0))
     assert np.array_equal(out[keep], np.maximum(a, b)[keep], equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", [("bfloat16", "bfloat16", "remainder16", "bfloat16", False),
+                                 ("bfloat16", "bfloat16", None, "bfloat16", True),
+                                 ("float32", "float32", None, "bfloat16", False)])
+def test_cpu_bf16_state_nan_free_try_is_the_contracts_bits(monkeypatch, fmt, rng):
+    """The cpu's bfloat16-state loop runs each sub-block by NaN-free encodes and decodes and redoes
+    the elements whose new values hold a NaN or inf by the contract's forms: the same words as the
+    contract's forms alone, with NaN words of every payload and sign, infs and overflows in the
+    gradients, parameters and state (the canonical NaN stored where one is new)."""
+    import optirs.backends.cpu.formats_kernels as K
+
+    fmt = F.StepFormat(*fmt)
+    shapes = [(2 * K.SUB + 37,), (300,)]
+    params, grads = _problem(rng, shapes, fmt, 2)
+    specials = np.float32([np.nan, -np.nan, np.inf, -np.inf, 3e38, -3e38, 1e30])
+    payloads = np.uint32([0x7F800001, 0xFFBFFFFF, 0x7FA5A5A5, 0xFF812345])  # NaNs with payloads
+    for k, g in enumerate(grads[0] + params):
+        where = rng.choice(g.size, 12, replace=False)
+        vals = np.concatenate([specials, payloads.view(np.float32), np.float32([0.5])])
+        g.reshape(-1)[where] = _words(vals, fmt.grad_dtype if k < 2 else fmt.param_dtype)
+        if g.dtype == np.uint16:  # a bfloat16 NaN word with its payload, not the rounding's
+            g.reshape(-1)[where[7:11]] = (payloads >> 16).astype(np.uint16)
+    runs = []
+    for fast in (True, False):
+        monkeypatch.setattr(K, "FAST_BF16", fast)
+        monkeypatch.setattr(K, "_POINTWISE", {})
+        run = FormatRun("cpu", "adam", fmt, shapes)
+        p = [x.copy() for x in params]
+        p = run.step(p, grads[0], 1)
+        for name in run.fs.slot_names:  # NaN state words with payloads, in both sub-blocks
+            w = run.state[name].reshape(-1)
+            w[[5, K.SUB + 9, 2 * K.SUB + 3]] = [0x7F81, 0xFFC3, 0xFFFF]
+        p = run.step(p, grads[1], 2)
+        runs.append((p, run.host_state()))
+    (p_fast, s_fast), (p_exact, s_exact) = runs
+    for a, b in zip(p_fast, p_exact):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    for name in s_exact:
+        assert np.array_equal(s_fast[name].view(np.uint8), s_exact[name].view(np.uint8)), name
+    for name in run.fs.slot_names:
+        w = s_exact[name].view(np.uint16)
+        nan = (w & 0x7FFF) > 0x7F80
+        assert nan.sum() >= 3 and np.all((w[nan] & 0x7FFF) == 0x7FC0), name  # the NaNs met the fallback

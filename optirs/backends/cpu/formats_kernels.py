@@ -20,15 +20,19 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
-from optirs.backends.common.bits32 import add32, and32
-from optirs.backends.common.elementwise import lamb_grad_scale
+from optirs.backends.common.bits32 import add32, and32, or32, shl32, shr32, u32
+from optirs.backends.common.elementwise import element_update, lamb_grad_scale
 from optirs.backends.common.variants import variant
-from optirs.backends.common.formats import (absmax_update, bits_f32, decode_state, decode_value, encode_state, f32_bits,
-                                            format_element, lamb_format_element, quantize_factors, rand32, slot_bits,
-                                            state_stream, store_master, stream_key)
+from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32,
+                                            decode16, decode_state, decode_value, encode_state, f16_nearest, f32_bits,
+                                            format_element, lamb_format_element, param_word_wide_num,
+                                            quantize_factors, rand32, remainder16_join, remainder16_split,
+                                            remainder8_join, remainder8_split, slot_bits, state_stream, store_master,
+                                            stream_key)
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import chunk_trust_ratios
-from optirs.core.formats import BLOCK, F32, MASTER_NONE, STATE_BF16, STATE_F32, STATE_INT8, FormatCodes
+from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
+                                 STATE_F32, STATE_INT8, FormatCodes)
 
 # Only the parallel entry points are cached on disk. A function loaded from numba's cache is
 # linked into a new caller as object code, which LLVM cannot inline: a loop compiled in a later
@@ -123,6 +127,26 @@ def _word_in(v, i, kind, usedk):
     if kind == STATE_BF16:
         return decode_state(v[i], STATE_BF16)
     return np.float32(v[i])
+
+
+@_jit
+def _word_in_num(v, i, kind, usedk):
+    """:func:`_word_in` without the NaN test (:func:`_decode_num`)."""
+    if not usedk:
+        return np.float32(0)
+    if kind == STATE_BF16:
+        return bits_f32(shl32(np.uint32(v[i]), 16))
+    return np.float32(v[i])
+
+
+@_jit
+def _word_out_num(v, i, kind, usedk, x, r):
+    """:func:`_word_out` of a non-NaN ``x``."""
+    if usedk:
+        if kind == STATE_BF16:
+            v[i] = shr32(bf16_stochastic_wide_num(x, r), 16)
+        else:
+            v[i] = x
 
 
 @_jit
@@ -239,16 +263,93 @@ def _master_word(mbuf, idx, has_master):
     return np.uint32(np.int64(mbuf[idx]) & 0xFFFFFFFF) if has_master else np.uint32(0)
 
 
+# ---- the element step without NaN tests (bfloat16 state: each element's first try, _run_fast)
+#
+# Every bfloat16 decode and encode of the contract sets a NaN apart (the quiet NaN with its sign):
+# in the vectorized loop four instructions each (a mask, a compare, the sign, a masked or), five to
+# seven of them a value. These forms leave the tests out and give the contract's bits wherever no
+# new value of the element (master, state) is NaN: an encode differs only for a NaN; a decode only
+# for a NaN word (its payload), and a NaN that reaches no new value reached it only through
+# comparisons, which see no payload (a NaN in arithmetic makes the result NaN). The loop stores
+# only the elements whose new values are all finite (their sum times 0 is 0) and marks the others,
+# which _run_fast then runs by the contract's forms, their words untouched.
+
+
+@_jit
+def _decode_num(raw, kind):
+    """:func:`~optirs.backends.common.formats.decode_value` of a word whose NaN payload nobody sees."""
+    if kind == F32:
+        return bits_f32(raw)
+    if kind == BF16:
+        return bits_f32(shl32(raw, 16))
+    return decode16(raw, kind)
+
+
+@_jit
+def _round24_num(x):
+    """:func:`~optirs.backends.common.formats.round24` of a non-NaN ``x`` (inf rounds to itself)."""
+    u = f32_bits(x)
+    return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
+
+
+@_jit
+def _load_master_num(praw, mraw, fc):
+    """:func:`~optirs.backends.common.formats.load_master` by :func:`_decode_num`."""
+    if fc.param == F32:
+        return bits_f32(praw)
+    if fc.master == MASTER_F32:
+        return bits_f32(mraw) if mraw != 0 else _decode_num(praw, fc.param)
+    if fc.master == MASTER_R16:
+        return remainder16_join(praw, np.int32(mraw))
+    if fc.master == MASTER_R8:
+        return remainder8_join(praw, np.int32(mraw))
+    return _decode_num(praw, fc.param)
+
+
+@_jit
+def _store_master_num(x, fc, key, i):
+    """:func:`~optirs.backends.common.formats.store_master` of a non-NaN master ``x``."""
+    if fc.param == F32:
+        return f32_bits(x), np.uint32(0)
+    if fc.master == MASTER_R16:
+        hi, rem = remainder16_split(x)
+        return hi, u32(rem)
+    if fc.master == MASTER_R8:
+        hi, rem = remainder8_split(_round24_num(x))
+        return hi, u32(rem)
+    if fc.param == BF16:
+        h = shr32(param_word_wide_num(x, fc, key, i), 16)
+    else:
+        h = f16_nearest(x)
+    if fc.master == MASTER_F32:
+        return h, f32_bits(x)
+    return h, np.uint32(0)
+
+
+@_inline
+def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
+    """:func:`~optirs.backends.common.formats.format_element` by the forms above; also returns the new
+    master (its words are the contract's where it and the new state values are not NaN)."""
+    p, s0, s1, s2 = element_update(_load_master_num(praw, mraw, fc), _decode_num(graw, fc.grad), s0, s1, s2, sc)
+    pw, mw = _store_master_num(p, fc, key, i)
+    return pw, mw, s0, s1, s2, p
+
+
 # One compiled loop per (FormatCodes, used slots): the codes are constants of the loop, so the
 # per-element branches on the format fold away and the block loops vectorize where they can. The
 # loops are templates whose constants are bound per variant (optirs.backends.common.variants), so
 # numba caches each variant on disk. The module's values of the constants are placeholders.
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
-U0 = U1 = U2 = HAS_MASTER = INT8 = TOPS = False
+U0 = U1 = U2 = HAS_MASTER = INT8 = TOPS = FAST = False
 SKIND = STATE_F32
-RUN_WORDS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = None
+RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = None
+# a bfloat16-state chunk's sub-block (_run_fast): its marks stay in the L1 cache
+SUB = 4096
 
 _POINTWISE: dict = {}
+# bfloat16 state's NaN-free first try (_run_fast); False compiles the contract's forms alone (the
+# tests compare the two; loops already made keep their form)
+FAST_BF16 = True
 
 
 def pointwise(fc, used):
@@ -270,35 +371,69 @@ def _make_pointwise(fc, used):
     constants["INT8_FORMS"] = (ENCODE, DECODE)
     label = "_".join(map(str, tuple(fc))) + f"_u{used}"
     constants["RUN_WORDS"] = _jit(variant(_run_words, label, constants))
+    # bfloat16 state: each sub-block first by the NaN-free forms, redone by RUN_WORDS where a new
+    # value is NaN (or inf)
+    constants["FAST"] = fast = FAST_BF16 and fc.state == STATE_BF16
+    constants["RUN_FAST"] = _jit(variant(_run_words, label + "_fast", dict(constants, FAST=True))) if fast else None
     # an int8 block's element loop also takes the maxima of its new values' magnitude bits (the
     # blocks' absmax, vectorized beside the element math: no pass of its own over the block)
-    constants["RUN_BLOCK"] = _inline(variant(_run_words, label + "_tops", dict(constants, TOPS=int8)))
+    constants["RUN_BLOCK"] = _inline(variant(_run_words, label + "_tops", dict(constants, TOPS=int8, FAST=False)))
     # the chunk is its own (serial) function: numba's parfor lowering of a body this size
     # optimizes it far worse (measured 2-10x) than the ordinary pipeline does
+    if fast:
+        constants["RUN_SUBS"] = _jit(variant(_run_fast, label, constants))
     constants["CHUNK"] = _jit(variant(_chunk, label, constants))
     return _pjit(variant(_pointwise_format, label, constants))
 
 
-def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
-    # with TOPS, the integer maximum of each slot's new magnitudes' bits (see _block_absmax)
+def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk):
+    # with TOPS, the integer maximum of each slot's new magnitudes' bits (see _block_absmax); with
+    # FAST, the NaN-free forms (_format_element_num): an element whose new values hold a NaN or inf
+    # (the sum of them times 0 is not 0) keeps its words (masked stores) and is marked in ``mk``, for
+    # _run_fast to redo by the contract's forms; the loop returns whether any was
     t0 = t1 = t2 = np.uint32(0)
+    bad = np.uint32(0)
     for i in range(p.shape[0]):
         # the random bits take the flat index's low 32 bits: computed in 32 bits, the vector loop
         # carries no 64-bit index lanes to narrow
         idx = add32(o, i)
-        x0 = _word_in(v0, i, SKIND, U0)
-        x1 = _word_in(v1, i, SKIND, U1)
-        x2 = _word_in(v2, i, SKIND, U2)
-        pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, HAS_MASTER), np.uint32(g[i]),
-                                            x0, x1, x2, sc, FC, keyp, idx)
-        p[i] = pw
-        if HAS_MASTER:
-            mb[i] = mw
-        # one hash for slots 0 and 1 (its low and high halves)
-        r01 = rand32(k01, idx) if (U0 or U1) and SKIND == STATE_BF16 else np.uint32(0)
-        _word_out(v0, i, SKIND, U0, x0, slot_bits(r01, 0))
-        _word_out(v1, i, SKIND, U1, x1, slot_bits(r01, 1))
-        _word_out(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
+        if FAST:
+            x0 = _word_in_num(v0, i, SKIND, U0)
+            x1 = _word_in_num(v1, i, SKIND, U1)
+            x2 = _word_in_num(v2, i, SKIND, U2)
+            pw, mw, x0, x1, x2, y = _format_element_num(np.uint32(p[i]), _master_word(mb, i, HAS_MASTER),
+                                                        np.uint32(g[i]), x0, x1, x2, sc, FC, keyp, idx)
+            if U0:
+                y = y + x0
+            if U1:
+                y = y + x1
+            if U2:
+                y = y + x2
+            nf = and32(f32_bits(y * np.float32(0)), 0x7FFFFFFF)
+            bad = or32(bad, nf)
+            mk[i] = np.uint8(1) if nf != 0 else np.uint8(0)
+            if nf == 0:
+                p[i] = pw
+                if HAS_MASTER:
+                    mb[i] = mw
+                r01 = rand32(k01, idx) if U0 or U1 else np.uint32(0)
+                _word_out_num(v0, i, SKIND, U0, x0, slot_bits(r01, 0))
+                _word_out_num(v1, i, SKIND, U1, x1, slot_bits(r01, 1))
+                _word_out_num(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
+        else:
+            x0 = _word_in(v0, i, SKIND, U0)
+            x1 = _word_in(v1, i, SKIND, U1)
+            x2 = _word_in(v2, i, SKIND, U2)
+            pw, mw, x0, x1, x2 = format_element(np.uint32(p[i]), _master_word(mb, i, HAS_MASTER), np.uint32(g[i]),
+                                                x0, x1, x2, sc, FC, keyp, idx)
+            p[i] = pw
+            if HAS_MASTER:
+                mb[i] = mw
+            # one hash for slots 0 and 1 (its low and high halves)
+            r01 = rand32(k01, idx) if (U0 or U1) and SKIND == STATE_BF16 else np.uint32(0)
+            _word_out(v0, i, SKIND, U0, x0, slot_bits(r01, 0))
+            _word_out(v1, i, SKIND, U1, x1, slot_bits(r01, 1))
+            _word_out(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
         if TOPS:
             if U0:
                 t0 = max(t0, and32(f32_bits(x0), 0x7FFFFFFF))
@@ -306,7 +441,32 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
                 t1 = max(t1, and32(f32_bits(x1), 0x7FFFFFFF))
             if U2:
                 t2 = max(t2, and32(f32_bits(x2), 0x7FFFFFFF))
-    return t0, t1, t2
+    return t0, t1, t2, bad
+
+
+def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
+    # RUN_WORDS' results by sub-blocks: each by the NaN-free forms (RUN_FAST), then its marked
+    # elements (a NaN or inf new value, their words untouched) one by one by the contract's forms
+    # (RUN_WORDS). Views without references (_span). Measured and not kept: copying a sub-block's
+    # words to redo it whole cost what the forms save (copy loops), or stopped the loop vectorizing
+    # (the copies in the element loop: LLVM's run-time alias checks of five more arrays)
+    n = p.shape[0]
+    mk = _all(np.empty(min(n, SUB), np.uint8))
+    for b in range(0, n, SUB):
+        m = min(SUB, n - b)
+        sm = _span(mb, b, b + m) if HAS_MASTER else mb
+        s0 = _span(v0, b, b + m) if U0 else v0
+        s1 = _span(v1, b, b + m) if U1 else v1
+        s2 = _span(v2, b, b + m) if U2 else v2
+        _, _, _, bad = RUN_FAST(_span(p, b, b + m), _span(g, b, b + m), sm, s0, s1, s2, sc, keyp, k01, k2,
+                                add32(o, b), mk)
+        if bad != 0:
+            for i in range(m):
+                if mk[i] != 0:
+                    j = b + i
+                    RUN_WORDS(_span(p, j, j + 1), _span(g, j, j + 1), _span(mb, j, j + 1) if HAS_MASTER else mb,
+                              _span(v0, j, j + 1) if U0 else v0, _span(v1, j, j + 1) if U1 else v1,
+                              _span(v2, j, j + 1) if U2 else v2, sc, keyp, k01, k2, add32(o, j), mk)
 
 
 def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1, e2, off,
@@ -326,7 +486,10 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             v0 = w0[o : o + n] if U0 else w0
             v1 = w1[o : o + n] if U1 else w1
             v2 = w2[o : o + n] if U2 else w2
-        RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o)
+        if FAST:
+            RUN_SUBS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o)
+        else:
+            RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o, g)
         return
     # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch.
     # Each block in three loops: the codes decoded (lookups in registers, int8_native), the element
@@ -354,9 +517,9 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             _decode_block(w2, q2, c2[blk], o, n, a2)
         # views without references (_span): the same loop as over slices
         mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
-        top0, top1, top2 = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
+        top0, top1, top2, _ = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
                                      _span(a1, 0, n) if U1 else a1, _span(a2, 0, n) if U2 else a2, sc, keyp, k01,
-                                     k2, o)
+                                     k2, o, a0)
         if U0:
             _encode_scaled(w0, c0, d0, t0, e0, blk, o, n, a0, ix, _absmax_of_top(top0, a0, n))
         if U1:
