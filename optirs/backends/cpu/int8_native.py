@@ -13,7 +13,7 @@ and moment on a Zen 4 core, most of the int8 step. With AVX-512:
   octave's midpoints allow (436 or 464 of them, not 2947: :func:`planes_key`), so that ``c`` is 8
   zmm of bytes looked up by ``vpermi2b`` and ``mid[c]`` the decode's byte planes of the midpoints:
   no memory read but the values, about 98 instructions per 64 values
-  (:func:`encode_block_planes`). Without VBMI (or ``OPTIRS_CPU_INT8_ENCODE=gathers``): one
+  (:func:`encode_block_planes`, on an AMD Zen). Elsewhere (or with ``OPTIRS_CPU_INT8_ENCODE=gathers``): one
   ``vpgatherdd`` per 16 values from the packed words (:func:`packed_words`: one 32-bit word per
   bucket of the value's top 16 bits and sign, the cuda kernels' unsigned-map words extended to
   negative values), and an add: the code is the sum's top 16 bits. About 12 integer instructions
@@ -97,6 +97,22 @@ def _cpu_has_vbmi() -> bool:
 
 
 VBMI = _cpu_has_vbmi()
+
+
+def _cpu_gathers_slowly() -> bool:
+    """Whether that cpu is an AMD Zen, whose AVX-512 gathers cost about a load a lane: there the
+    encode's byte planes beat its gathers (0.30 against 0.47 ns a value on Zen 4), on the Intel Xeon
+    of the H200 host the gathers win (0.31 against 0.46; docs/benchmarks.md)."""
+    from numba.core import config
+
+    if config.CPU_NAME is not None and config.CPU_NAME != "host":
+        return config.CPU_NAME.startswith("znver")
+    from llvmlite import binding
+
+    return binding.get_host_cpu_name().startswith("znver")
+
+
+GATHERS_SLOW = NATIVE and _cpu_gathers_slowly()
 
 
 def _function(builder, name, ret, args):
@@ -611,13 +627,14 @@ def decode_block_gathers(w, q, s, o, n, buf):
 
 
 # The forms the cpu loops use. With AVX-512F the decode keeps the map in registers and the encode
-# reads the packed words by gathers; with VBMI both look up byte planes in registers
-# (docs/benchmarks.md: on Zen 4 the gathered decode is slower than the registers', on the H200
-# host's Xeon as fast; the gathered encode is faster than the search on both, the byte planes'
-# faster than the gathers on Zen 4). OPTIRS_CPU_INT8_ENCODE=gathers or search and
-# OPTIRS_CPU_INT8_DECODE=registers or gathers pick the others on a cpu where they may win (for
-# measuring: the codes and values are the same).
-ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "planes" if VBMI else "gathers") if NATIVE else "tables")
+# reads the packed words by gathers; with VBMI the decode looks up byte planes in registers, and so
+# does the encode where gathers are slow (docs/benchmarks.md: the byte-plane decode is the fastest
+# on Zen 4 and on the H200 host's Xeon; the gathered encode is faster than the search on both, the
+# byte planes' faster than the gathers on Zen 4 and slower on the Xeon). OPTIRS_CPU_INT8_ENCODE and
+# OPTIRS_CPU_INT8_DECODE pick the others on a cpu where they may win (for measuring: the codes and
+# values are the same).
+ENCODE = (os.environ.get("OPTIRS_CPU_INT8_ENCODE", "planes" if VBMI and GATHERS_SLOW else "gathers")
+          if NATIVE else "tables")
 DECODE = (os.environ.get("OPTIRS_CPU_INT8_DECODE", "planes" if VBMI else "registers") if NATIVE else "tables")
 if ENCODE not in ("planes", "gathers", "search", "tables") or DECODE not in (
         "planes", "registers", "gathers", "tables") or ("planes" in (ENCODE, DECODE) and not VBMI):
