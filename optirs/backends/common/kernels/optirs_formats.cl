@@ -187,6 +187,15 @@ void store8_codes(uint8 c, __global uchar *p, int nv, int aligned)
         store8_uchar(convert_uchar8(c), p, nv, aligned);
 }
 
+/* ... of the packed quantizer's words (each code in byte 2, bits 24-31 zero). */
+void store8_codes_byte2(uint8 w, __global uchar *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint2 *)p = optirs_pack_byte2x8(w);
+    else
+        store8_uchar(convert_uchar8(w >> 16), p, nv, aligned);
+}
+
 /* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST), the
  * vector of 8 of their words (PV, GV, MV, SV; bfloat16: wide words, each value in the high half of
  * its word; float16 parameters and gradients: their values, converted as they are read),
@@ -379,7 +388,8 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         return;                                                                                  \
     }                                                                                            \
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
-    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];                       \
+    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE : 1];                           \
+    __local uint lpacked[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_WIDTH : 1];                           \
     __local uint scratch[OPTIRS_FMT_STATE == 2 && !OPTIRS_NV_WARP ? 3 * OPTIRS_WG : 1];          \
     int maps_ready = 0;                                                                          \
     const uint key = optirs_rand_key(st.seed, st.step, 0u);
@@ -389,21 +399,27 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
  * pointer m and the state slots sl. */
 #define FMT_STATE_CHUNK                                                                          \
     if (!maps_ready) {                                                                           \
-        fmt_load_maps(maps, lmaps, ltables);                                                     \
+        fmt_load_maps(maps, lmaps, ltables, lpacked);                                            \
         maps_ready = 1;                                                                          \
     }                                                                                            \
     __global MST *m = M + off.m + lay;                                                           \
     const fmt_slots sl = fmt_slots_of(row.s4, row.s5, start, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
 
-/* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], and their
- * bucket tables [signed, unsigned] (stored after the maps as floats, kept here as bytes). */
-void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uchar *ltables)
+/* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], the signed
+ * map's bucket table (stored after the maps as floats, kept here as bytes), and the unsigned map's
+ * packed words (optirs_packed_word, from its bucket table's positive half, stored after the signed
+ * table, and its midpoints): its codes take one local load an element. */
+void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uchar *ltables, __local uint *lpacked)
 {
 #if OPTIRS_FMT_STATE == 2
     for (int j = get_local_id(0); j < 1024; j += OPTIRS_WG)
         lmaps[j] = maps[j];
-    for (int j = get_local_id(0); j < 2 * (int)OPTIRS_QT_SIZE; j += OPTIRS_WG)
+    for (int j = get_local_id(0); j < (int)OPTIRS_QT_SIZE; j += OPTIRS_WG)
         ltables[j] = (uchar)maps[1024 + j];
+    for (int b = get_local_id(0); b < (int)OPTIRS_QT_WIDTH; b += OPTIRS_WG) {
+        const uint c = (uint)maps[1024 + OPTIRS_QT_SIZE + b];
+        lpacked[b] = optirs_packed_word((uint)b, c, maps[768 + c]);
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
 #endif
 }
@@ -640,7 +656,7 @@ uint fmt_warp_max(uint u)
 /* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
  * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
 void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
-                      __local const uchar *ltables, __local uint *scratch)
+                      __local const uchar *ltables, __local const uint *lpacked, __local uint *scratch)
 {
 #if OPTIRS_FMT_STATE == 2
     float scale[3];
@@ -692,14 +708,16 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
         } else {
             __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
-            /* the block's factors once per work-item and block (a round is 8 of its elements) */
-            /* the shorter bucket (no upper clamp) only where all 8 lanes are the block's: past the
-             * end, code 0 decodes to -scale in the signed map, which a family's step may turn into
-             * a NaN (centered RMSprop: sqrt of a negative), an index past the table */
-            const uint8 code = optirs_quantize_codes8(s[j], optirs_quantize_factors(scale[j]),
-                                                      scale[j] <= FLT_MAX && nv >= 8, q + 256,
-                                                      ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
-            store8_codes(code, sl->s[j] + k, nv, sl->aligned);
+            /* the block's reciprocal once per work-item and block (a round is 8 of its elements) */
+            uint8 code;
+            if (FMT_SIGNED(j)) {
+                code = optirs_quantize_block8(s[j], scale[j], nv >= 8, q + 256, ltables);
+                store8_codes(code, sl->s[j] + k, nv, sl->aligned);
+            } else {
+                const uint8 words = optirs_quantize_block8_packed(s[j], scale[j], nv >= 8, lpacked);
+                store8_codes_byte2(words, sl->s[j] + k, nv, sl->aligned);
+                code = words >> 16;
+            }
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
             s[j] = optirs_dequantize_codes8(code, scale[j], q);
@@ -788,7 +806,8 @@ void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
                     const lamb_scalars sc)
 {
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
-    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];
+    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE : 1];
+    __local uint lpacked[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_WIDTH : 1];
     __local acc_t red[OPTIRS_WG];
     int maps_ready = 0;
     const float scale = clip ? grad_scale[0] : sc.grad_factor;  /* the clip factor carries grad_factor */
@@ -827,7 +846,7 @@ void fmt_lamb_apply(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
                 const float8 u = fmt_lamb_element(pp, gv, s, scale, &sc);
                 fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
             }
-            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
+            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, lpacked, scratch);
         FMT_ROUND_END
     FMT_CHUNKS_END
     (void)scratch;

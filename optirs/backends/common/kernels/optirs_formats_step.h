@@ -21,7 +21,7 @@ void FMT_CAT(OPT, _fmt)(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFF
                 FMT_CAT(OPT, _element_v8)(&pp, gv, &s[0], &s[1], &s[2], &sc);
                 fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
             }
-            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
+            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, lpacked, scratch);
         FMT_ROUND_END
     FMT_CHUNKS_END
     (void)scratch;
