@@ -774,6 +774,48 @@ def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
             assert np.array_equal(v[live].view(np.uint8), sb[k][live].view(np.uint8)), k
 
 
+NAN_PAIRS = [("adamw", FORMATS[1]), ("adamw", FORMATS[0]), ("adam", FORMATS[8])]
+
+
+@pytest.mark.parametrize("name,fmt", NAN_PAIRS, ids=[f"{n}-{f.param_dtype}-{f.grad_dtype}-{f.state_dtype}"
+                                                     for n, f in NAN_PAIRS])
+def test_nan_rounds_are_the_cpu_backends_bit_for_bit(ocl, name, fmt):
+    """A full round with a NaN (either sign, full payload) or inf gradient takes the encoders with their NaN test
+    (a NaN-free round skips it: optirs_formats_step.h's fmt_num, by the new parameter alone for AdamW,
+    by every encoded value for Adam with amsgrad), and every encoded word, NaN included, is the cpu
+    backend's (float32 state: NaN where it is NaN); over two steps, so that NaN state words are read
+    back too. Without the fallback (every round taken as NaN-free) each case fails."""
+    cpu = optirs.get_backend("cpu")
+    if not cpu.supports("formats"):
+        pytest.skip("the cpu backend has no formats capability")
+    if not ocl.ctx.build_options.count("-cl-fp32-correctly-rounded-divide-sqrt"):
+        pytest.skip("this OpenCL device does not round division and sqrt correctly")
+    shapes = [(4100,)]
+    a = _Model(ocl, name, CASES[name], fmt, shapes=shapes, seed=5)
+    b = _Model(cpu, name, CASES[name], fmt, shapes=shapes, seed=5)
+    for t in range(2):
+        grads = a.grads()
+        b.grads()
+        # NaNs with every payload bit set (an encoder without its NaN test would carry them into
+        # other words), either sign, and infinities
+        if fmt.grad_dtype == "float32":
+            bad = np.array([0x7FFFFFFF, 0xFFBFFFFF, 0x7F800000, 0xFF800000], np.uint32).view(np.float32)
+        else:
+            bad = np.array([0x7FFF, 0xFFBF, 0x7F80, 0xFF80], np.uint16)
+        grads[0][[3 + t, 1001, 2050 + 8 * t, 4091]] = bad
+        a.step(grads, seed=31)
+        b.step([g.copy() for g in grads], seed=31)
+        assert np.array_equal(a.params[0].view(np.uint8), b.params[0].view(np.uint8))
+        sb = b.host_state()
+        for k, v in a.host_state().items():
+            w = sb[k]
+            if v.dtype == np.float32:  # float32 state keeps whatever NaN arithmetic made (no encoder)
+                nan = np.isnan(v)
+                assert np.array_equal(nan, np.isnan(w)), k
+                v, w = v[~nan], w[~nan]
+            assert np.array_equal(v.view(np.uint8), w.view(np.uint8)), k
+
+
 _SHAPE_ENV = ("OPTIRS_OPENCL_FORMATS_WG", "OPTIRS_OPENCL_FORMATS_CHUNK", "OPTIRS_OPENCL_FORMATS_RESIDENT")
 
 

@@ -149,14 +149,17 @@ def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
 
 
 def ptx_options(ctx: Any) -> List[str]:
-    """``-DOPTIRS_NV_PTX=1`` for every formats program on NVIDIA's driver (:func:`nv_level`): Adam's
-    division by its uniform bias correction as the division's fast path with the reciprocal taken
-    once (``divide_by_uniform`` of optirs_elementwise.h, the same bits) and bfloat16 pairs packed
-    by one ``prmt`` (``optirs_pack_high16`` of optirs_formats.h); the portable C elsewhere.
+    """``-DOPTIRS_NV_PTX=<level>`` for every formats program on NVIDIA's driver (:func:`nv_level`: 2 from
+    sm_80 on, 1 before): Adam's division by its uniform bias correction as the division's fast path
+    with the reciprocal taken once (``divide_by_uniform`` of optirs_elementwise.h, the same bits),
+    bfloat16 pairs packed by one ``prmt`` (``optirs_pack_high16`` of optirs_formats.h), the int8
+    blocks' reciprocal, midpoint compare and code packing, and from level 2 the NaN-free rounds'
+    nearest bfloat16 pairs by ``cvt.rn.bf16x2.f32``; the portable C elsewhere.
     ``OPTIRS_OPENCL_FORMATS_PTX=0`` turns it off (the portable C, for comparison)."""
     if os.environ.get("OPTIRS_OPENCL_FORMATS_PTX", "").strip() == "0":
         return []
-    return ["-DOPTIRS_NV_PTX=1"] if nv_level(ctx) else []
+    level = nv_level(ctx)
+    return [f"-DOPTIRS_NV_PTX={level}"] if level else []
 
 
 class _Program(NamedTuple):

@@ -90,6 +90,12 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
 #undef T
 #undef SUFFIX
 
+/* FMT_NAN_IN_PARAM_<family>: the family's new parameter is NaN wherever one of its new state values
+ * is (without the slot 2 of amsgrad, whose fmax drops a NaN): Adam's p - step * m / (sqrt(v) / c +
+ * eps) takes m and v through arithmetic alone, and a NaN operand makes a NaN result. A NaN-free
+ * round (fmt_num) then tests the parameter alone. */
+#define FMT_NAN_IN_PARAM_adam 1
+
 /* Inlined whatever its size, where the compiler takes the attribute (clang-based ones: PoCL left
  * fmt_load_round a call per round, which made the float32-state kernels about 1.4x slower there). */
 #ifdef __clang__
@@ -196,6 +202,22 @@ void store8_codes_byte2(uint8 w, __global uchar *p, int nv, int aligned)
         store8_uchar(convert_uchar8(w >> 16), p, nv, aligned);
 }
 
+/* remainder8 masters as remainder words (optirs_r8_words8), and their store from the rounding words
+ * (optirs_round24_word8: each remainder in byte 1). */
+uint8 load8_r8words(__global const char *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        return optirs_r8_words8(*(__global const uint2 *)p);
+    return optirs_r8_words_of(load8_char(p, nv, aligned));
+}
+void store8_r8words(uint8 t, __global char *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint2 *)p = (uint2)(optirs_pack_byte1x4(t.s0, t.s1, t.s2, t.s3), optirs_pack_byte1x4(t.s4, t.s5, t.s6, t.s7));
+    else
+        store8_char(as_char8(convert_uchar8(t >> 8)), p, nv, aligned);
+}
+
 /* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST), the
  * vector of 8 of their words (PV, GV, MV, SV; bfloat16: wide words, each value in the high half of
  * its word; float16 parameters and gradients: their values, converted as they are read),
@@ -266,9 +288,11 @@ typedef short8 MV;
 #define M_VLD FMT_VLD_short
 #elif OPTIRS_FMT_MASTER == 3
 typedef char MST;
-typedef char8 MV;
-#define M_WORDS load8_char
-#define M_VLD FMT_VLD_char
+typedef uint8 MV; /* remainder words: each remainder sign-extended in bits 8 and up (optirs_r8_words8) */
+#define M_WORDS load8_r8words
+#define M_VLD(a) optirs_r8_words8(*(__global const uint2 *)(a))
+#undef M_VLDU
+#define M_VLDU(a) optirs_r8_words_of(vload8(0, a))
 #else
 typedef float MST; /* float32 masters; a dummy buffer without masters */
 typedef float8 MV;
@@ -462,7 +486,7 @@ float8 fmt_master_of(PV pw, MV mw)
 #elif OPTIRS_FMT_MASTER == 2
     return as_float8(optirs_r16_join_wide8(pw, mw));
 #else
-    return as_float8(optirs_r8_join_wide8(pw, mw));
+    return as_float8(pw + mw); /* hi_w + the remainder's word: optirs_r8_join_wide8 */
 #endif
 }
 
@@ -497,11 +521,57 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
     store8_wide(optirs_r16_hi_wide8(u), p, nv, al);
     store8_short(as_short8(convert_ushort8(u)), m, nv, al);
 #else
-    const uint8 u24 = optirs_round24_8(u);
-    store8_wide(optirs_r8_hi_wide8(u24), p, nv, al);
-    store8_char(as_char8(convert_uchar8(u24)), m, nv, al);
+    /* optirs_r8_hi_wide8's high half and optirs_r8_split8's remainder from the unshifted rounding:
+     * the byte below the kept 24 bits changes no carry into the high half (0x8000 is a multiple of
+     * 256) */
+    const uint8 t = optirs_round24_word8(u);
+    store8_wide(t + 0x8000u, p, nv, al);
+    store8_r8words(t, m, nv, al);
 #endif
 }
+
+/* ---------------------------------------------------------------- NaN-free rounds
+
+ * A round whose values to encode are known not to be NaN (fmt_num of optirs_formats_step.h, one test
+ * a value or, for Adam, a parameter) with all 8 lanes full and aligned: its bfloat16 encodes without
+ * the NaN test and select (the numba *_num encoders; the cuda kernels' fast path), the nearest
+ * parameter pairs by cvt.rn.bf16x2.f32 (OPTIRS_NV_PTX >= 2), and every store of the round under the
+ * one branch (each array's own full-lane test and branch region cost a few instructions a round).
+ * FMT_NUM_PATH: the program has such encodes (bfloat16 state, or bfloat16 parameters rounded
+ * without a remainder master). */
+#define FMT_NUM_PARAM (OPTIRS_FMT_PARAM == 1 && OPTIRS_FMT_MASTER <= 1)
+#define FMT_NUM_PATH (FMT_NUM_PARAM || OPTIRS_FMT_STATE == 1)
+
+/* fmt_store_master for a NaN-free round, full and aligned. */
+void fmt_store_master_num(float8 x, __global PST *p, __global MST *m, uint8 idx, uint key)
+{
+#if FMT_NUM_PARAM
+#if OPTIRS_FMT_MASTER == 1
+    FMT_VST_float(x, m);
+#endif
+#if OPTIRS_FMT_MASTER == 0 && OPTIRS_FMT_SR
+    *(__global uint4 *)p = optirs_pack_high16x4(optirs_bf16_sr_wide8_num(as_uint8(x), optirs_rand8(key, idx)));
+#else
+    *(__global uint4 *)p = optirs_bf16_rne_pairs_num(x);
+#endif
+#else
+    fmt_store_master(x, p, m, 8, 1, idx, key);
+#endif
+}
+
+#if OPTIRS_FMT_STATE == 1
+/* fmt_store_states of bfloat16 state for a NaN-free round, full and aligned. */
+void fmt_store_states_num(const fmt_slots *sl, int k, const float8 *s, uint8 idx)
+{
+    const uint8 r01 = FMT_USED(0) || FMT_USED(1) ? optirs_rand8(sl->key[0], idx) : (uint8)0u;
+    const uint8 r2 = FMT_USED(2) ? optirs_rand8(sl->key[1], idx) : (uint8)0u;
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+        if (FMT_USED(j))
+            *(__global uint4 *)(sl->s[j] + k) =
+                optirs_pack_high16x4(optirs_bf16_sr_wide8_num(as_uint8(s[j]), optirs_slot_bits8(j < 2 ? r01 : r2, j)));
+}
+#endif
 
 /* ---------------------------------------------------------------- state slots */
 

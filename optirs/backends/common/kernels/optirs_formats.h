@@ -156,11 +156,19 @@ uint optirs_rand_key(uint seed, uint step, uint stream)
     return h;
 }
 
-/* rand(key, i) = fmix32(key ^ (i * 0x9E3779B1)), i the elements' flat layout indices (low 32 bits). */
+/* rand(key, i) = fmix32(key ^ (i * 0x9E3779B1)), i the elements' flat layout indices (low 32 bits).
+ * The finalizer's first step distributed over the xor (a logical shift does: (k ^ t) >> 16 ==
+ * (k >> 16) ^ (t >> 16)): key ^ (key >> 16) is the same for every element (hoisted out of the
+ * kernels' loops), so an element pays a shift and one three-input xor where the xor with the key,
+ * the shift and the second xor took three instructions (the numba rand32). */
 uint8 optirs_rand8(uint key, uint8 i)
 {
-    uint8 h = key ^ (i * 0x9E3779B1u);
-    OPTIRS_FMIX32(h);
+    const uint8 t = i * 0x9E3779B1u;
+    uint8 h = (key ^ (key >> 16)) ^ (t ^ (t >> 16));
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
     return h;
 }
 
@@ -181,6 +189,42 @@ uint8 optirs_slot_bits8(uint8 r, int k)
 uint8 optirs_bf16_sr_wide8(uint8 u, uint8 r)
 {
     return select(u + (r & 0xFFFFu), optirs_bf16_nan_wide8(u), isnan(as_float8(u)));
+}
+
+/* The encoders of a round whose values are known not to be NaN (optirs_formats_step.h's fmt_num;
+ * inf included): the rounding alone, where the NaN test and its select took three instructions
+ * more (the numba bf16_*_wide_num). Wide, as the encoders above. */
+uint8 optirs_bf16_sr_wide8_num(uint8 u, uint8 r)
+{
+    return u + (r & 0xFFFFu);
+}
+
+uint8 optirs_bf16_rne_wide8_num(uint8 u)
+{
+    return u + 0x7FFFu + ((u >> 16) & 1u);
+}
+
+/* The 8 values x, none NaN, rounded to nearest even and packed in pairs (element 2i in word i's low
+ * half): with OPTIRS_NV_PTX >= 2 (sm_80 on) one cvt.rn.bf16x2.f32 a pair, the rounding and the
+ * packing at once (the hardware's NaN is its own, hence no NaN here), where rounding each (three
+ * instructions) and packing took seven; the portable rounding and pack elsewhere. */
+#if OPTIRS_NV_PTX >= 2
+uint optirs_cvt_bf16x2(float lo, float hi)
+{
+    uint d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+#endif
+
+uint4 optirs_bf16_rne_pairs_num(float8 x)
+{
+#if OPTIRS_NV_PTX >= 2
+    return (uint4)(optirs_cvt_bf16x2(x.s0, x.s1), optirs_cvt_bf16x2(x.s2, x.s3), optirs_cvt_bf16x2(x.s4, x.s5),
+                   optirs_cvt_bf16x2(x.s6, x.s7));
+#else
+    return optirs_pack_high16x4(optirs_bf16_rne_wide8_num(as_uint8(x)));
+#endif
 }
 
 ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
@@ -246,6 +290,55 @@ void optirs_r8_split8(uint8 u24, ushort8 *hi, char8 *rem)
 uint8 optirs_r8_join8(ushort8 hi, char8 rem)
 {
     return optirs_r8_join_wide8(convert_uint8(hi) << 16, rem);
+}
+
+/* remainder8 as words (the numba remainder_word / round24_word / store_master_wide): the remainder
+ * byte k of a loaded word, sign-extended and shifted to bits 8 and up (the word hi_w adds), and the
+ * store's rounding word t (round24 without the shift down: the kept 24 bits in the top 24), whose
+ * hi is t + 0x8000 and whose remainder is its byte 1. One prmt.b32 a remainder with OPTIRS_NV_PTX
+ * (its byte sign-replicated), where extending and shifting took two or three, and three a store of
+ * four, where shifting down and packing took seven. */
+uint8 optirs_r8_words8(uint2 w)
+{
+#if OPTIRS_NV_PTX
+    uint8 r;
+    asm("prmt.b32 %0, %1, 0, 0x8804;" : "=r"(r.s0) : "r"(w.s0));
+    asm("prmt.b32 %0, %1, 0, 0x9914;" : "=r"(r.s1) : "r"(w.s0));
+    asm("prmt.b32 %0, %1, 0, 0xAA24;" : "=r"(r.s2) : "r"(w.s0));
+    asm("prmt.b32 %0, %1, 0, 0xBB34;" : "=r"(r.s3) : "r"(w.s0));
+    asm("prmt.b32 %0, %1, 0, 0x8804;" : "=r"(r.s4) : "r"(w.s1));
+    asm("prmt.b32 %0, %1, 0, 0x9914;" : "=r"(r.s5) : "r"(w.s1));
+    asm("prmt.b32 %0, %1, 0, 0xAA24;" : "=r"(r.s6) : "r"(w.s1));
+    asm("prmt.b32 %0, %1, 0, 0xBB34;" : "=r"(r.s7) : "r"(w.s1));
+    return r;
+#else
+    const int8 b = (int8)(w.s0 << 24, w.s0 << 16, w.s0 << 8, w.s0, w.s1 << 24, w.s1 << 16, w.s1 << 8, w.s1);
+    return as_uint8((b >> 24) << 8);
+#endif
+}
+
+uint8 optirs_r8_words_of(char8 rem)
+{
+    return as_uint8(convert_int8(rem) << 8);
+}
+
+uint8 optirs_round24_word8(uint8 u)
+{
+    return select(u + 0x7Fu + ((u >> 8) & 1u), u, (u & 0x7F800000u) == 0x7F800000u);
+}
+
+/* The bytes 1 of a-d as one word (a's lowest). */
+uint optirs_pack_byte1x4(uint a, uint b, uint c, uint d)
+{
+#if OPTIRS_NV_PTX
+    uint x, y, r;
+    asm("prmt.b32 %0, %1, %2, 0x7351;" : "=r"(x) : "r"(a), "r"(b));
+    asm("prmt.b32 %0, %1, %2, 0x7351;" : "=r"(y) : "r"(c), "r"(d));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));
+    return r;
+#else
+    return ((a >> 8) & 0xFFu) | (b & 0xFF00u) | ((c << 8) & 0xFF0000u) | ((d << 16) & 0xFF000000u);
+#endif
 }
 
 /* ---------------------------------------------------------------- int8 blockwise state */
