@@ -539,8 +539,11 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
  * one branch (each array's own full-lane test and branch region cost a few instructions a round).
  * FMT_NUM_PATH: the program has such encodes (bfloat16 state, or bfloat16 parameters rounded
  * without a remainder master). */
+#ifndef OPTIRS_FMT_NUM
+#define OPTIRS_FMT_NUM 1 /* 0: no NaN-free rounds (the host's OPTIRS_OPENCL_FORMATS_NUM=0, to compare) */
+#endif
 #define FMT_NUM_PARAM (OPTIRS_FMT_PARAM == 1 && OPTIRS_FMT_MASTER <= 1)
-#define FMT_NUM_PATH (FMT_NUM_PARAM || OPTIRS_FMT_STATE == 1)
+#define FMT_NUM_PATH (OPTIRS_FMT_NUM && (FMT_NUM_PARAM || OPTIRS_FMT_STATE == 1))
 
 /* fmt_store_master for a NaN-free round, full and aligned. */
 void fmt_store_master_num(float8 x, __global PST *p, __global MST *m, uint8 idx, uint key)
