@@ -202,6 +202,22 @@ void store8_codes_byte2(uint8 w, __global uchar *p, int nv, int aligned)
         store8_uchar(convert_uchar8(w >> 16), p, nv, aligned);
 }
 
+/* remainder16 masters as remainder words (optirs_r16_words8), and their store from the master's bits
+ * (the remainder is the low half). */
+uint8 load8_r16words(__global const short *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        return optirs_r16_words8(*(__global const uint4 *)p);
+    return as_uint8(convert_int8(load8_short(p, nv, aligned)));
+}
+void store8_r16words(uint8 u, __global short *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint4 *)p = optirs_pack_low16x4(u);
+    else
+        store8_short(as_short8(convert_ushort8(u)), p, nv, aligned);
+}
+
 /* remainder8 masters as remainder words (optirs_r8_words8), and their store from the rounding words
  * (optirs_round24_word8: each remainder in byte 1). */
 uint8 load8_r8words(__global const char *p, int nv, int aligned)
@@ -283,9 +299,11 @@ typedef float8 GV; /* float16: converted as it is loaded */
 #define FMT_HAS_MASTER (OPTIRS_FMT_PARAM != 0 && OPTIRS_FMT_MASTER != 0)
 #if OPTIRS_FMT_MASTER == 2
 typedef short MST;
-typedef short8 MV;
-#define M_WORDS load8_short
-#define M_VLD FMT_VLD_short
+typedef uint8 MV; /* remainder words: each remainder sign-extended (optirs_r16_words8) */
+#define M_WORDS load8_r16words
+#define M_VLD(a) optirs_r16_words8(*(__global const uint4 *)(a))
+#undef M_VLDU
+#define M_VLDU(a) as_uint8(convert_int8(vload8(0, a)))
 #elif OPTIRS_FMT_MASTER == 3
 typedef char MST;
 typedef uint8 MV; /* remainder words: each remainder sign-extended in bits 8 and up (optirs_r8_words8) */
@@ -484,7 +502,7 @@ float8 fmt_master_of(PV pw, MV mw)
     /* a master word of 0 (a fresh buffer, or +0.0 whose parameter is +0.0 too): the parameter */
     return select(mw, P_DECODE(pw), as_int8(mw) == (int8)(0));
 #elif OPTIRS_FMT_MASTER == 2
-    return as_float8(optirs_r16_join_wide8(pw, mw));
+    return as_float8(pw + mw); /* hi_w + the remainder sign-extended: optirs_r16_join_wide8 */
 #else
     return as_float8(pw + mw); /* hi_w + the remainder's word: optirs_r8_join_wide8 */
 #endif
@@ -519,7 +537,7 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
     P_STORE(x, p, nv, al);
 #elif OPTIRS_FMT_MASTER == 2
     store8_wide(optirs_r16_hi_wide8(u), p, nv, al);
-    store8_short(as_short8(convert_ushort8(u)), m, nv, al);
+    store8_r16words(u, m, nv, al);
 #else
     /* optirs_r8_hi_wide8's high half and optirs_r8_split8's remainder from the unshifted rounding:
      * the byte below the kept 24 bits changes no carry into the high half (0x8000 is a multiple of

@@ -292,6 +292,55 @@ uint8 optirs_r8_join8(ushort8 hi, char8 rem)
     return optirs_r8_join_wide8(convert_uint8(hi) << 16, rem);
 }
 
+/* remainder16 as words: the remainders of a loaded uint4 sign-extended (the word hi_w adds: one
+ * prmt.b32 each with OPTIRS_NV_PTX, 0x9910 / 0xBB32, where extending took one or two), and the low
+ * halves of 8 words packed in pairs (one prmt.b32 0x5410 a pair, where masking, shifting and or-ing
+ * took two or three); the numba remainder_word and pack_low16. */
+uint optirs_sext_lo16(uint w)
+{
+#if OPTIRS_NV_PTX
+    uint d;
+    asm("prmt.b32 %0, %1, 0, 0x9910;" : "=r"(d) : "r"(w));
+    return d;
+#else
+    return (uint)((int)(w << 16) >> 16);
+#endif
+}
+
+uint optirs_sext_hi16(uint w)
+{
+#if OPTIRS_NV_PTX
+    uint d;
+    asm("prmt.b32 %0, %1, 0, 0xBB32;" : "=r"(d) : "r"(w));
+    return d;
+#else
+    return (uint)((int)w >> 16);
+#endif
+}
+
+uint8 optirs_r16_words8(uint4 w)
+{
+    return (uint8)(optirs_sext_lo16(w.s0), optirs_sext_hi16(w.s0), optirs_sext_lo16(w.s1), optirs_sext_hi16(w.s1),
+                   optirs_sext_lo16(w.s2), optirs_sext_hi16(w.s2), optirs_sext_lo16(w.s3), optirs_sext_hi16(w.s3));
+}
+
+uint optirs_pack_low16(uint a, uint b)
+{
+#if OPTIRS_NV_PTX
+    uint d;
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+#else
+    return (a & 0xFFFFu) | (b << 16);
+#endif
+}
+
+uint4 optirs_pack_low16x4(uint8 w)
+{
+    return (uint4)(optirs_pack_low16(w.s0, w.s1), optirs_pack_low16(w.s2, w.s3), optirs_pack_low16(w.s4, w.s5),
+                   optirs_pack_low16(w.s6, w.s7));
+}
+
 /* remainder8 as words (the numba remainder_word / round24_word / store_master_wide): the remainder
  * byte k of a loaded word, sign-extended and shifted to bits 8 and up (the word hi_w adds), and the
  * store's rounding word t (round24 without the shift down: the kept 24 bits in the top 24), whose
