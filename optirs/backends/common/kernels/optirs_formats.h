@@ -347,23 +347,27 @@ uint4 optirs_pack_low16x4(uint8 w)
  * hi is t + 0x8000 and whose remainder is its byte 1. One prmt.b32 a remainder with OPTIRS_NV_PTX
  * (its byte sign-replicated), where extending and shifting took two or three, and three a store of
  * four, where shifting down and packing took seven. */
+#if OPTIRS_NV_PTX
+#define OPTIRS_REM8_BYTE(k, SEL)                                                                 \
+    uint optirs_rem8_byte##k(uint w)                                                             \
+    {                                                                                            \
+        uint d;                                                                                  \
+        asm("prmt.b32 %0, %1, 0, " #SEL ";" : "=r"(d) : "r"(w));                                 \
+        return d;                                                                                \
+    }
+#else
+#define OPTIRS_REM8_BYTE(k, SEL)                                                                 \
+    uint optirs_rem8_byte##k(uint w) { return (uint)(((int)(w << (24 - 8 * k)) >> 24) << 8); }
+#endif
+OPTIRS_REM8_BYTE(0, 0x8804)
+OPTIRS_REM8_BYTE(1, 0x9914)
+OPTIRS_REM8_BYTE(2, 0xAA24)
+OPTIRS_REM8_BYTE(3, 0xBB34)
+
 uint8 optirs_r8_words8(uint2 w)
 {
-#if OPTIRS_NV_PTX
-    uint8 r;
-    asm("prmt.b32 %0, %1, 0, 0x8804;" : "=r"(r.s0) : "r"(w.s0));
-    asm("prmt.b32 %0, %1, 0, 0x9914;" : "=r"(r.s1) : "r"(w.s0));
-    asm("prmt.b32 %0, %1, 0, 0xAA24;" : "=r"(r.s2) : "r"(w.s0));
-    asm("prmt.b32 %0, %1, 0, 0xBB34;" : "=r"(r.s3) : "r"(w.s0));
-    asm("prmt.b32 %0, %1, 0, 0x8804;" : "=r"(r.s4) : "r"(w.s1));
-    asm("prmt.b32 %0, %1, 0, 0x9914;" : "=r"(r.s5) : "r"(w.s1));
-    asm("prmt.b32 %0, %1, 0, 0xAA24;" : "=r"(r.s6) : "r"(w.s1));
-    asm("prmt.b32 %0, %1, 0, 0xBB34;" : "=r"(r.s7) : "r"(w.s1));
-    return r;
-#else
-    const int8 b = (int8)(w.s0 << 24, w.s0 << 16, w.s0 << 8, w.s0, w.s1 << 24, w.s1 << 16, w.s1 << 8, w.s1);
-    return as_uint8((b >> 24) << 8);
-#endif
+    return (uint8)(optirs_rem8_byte0(w.s0), optirs_rem8_byte1(w.s0), optirs_rem8_byte2(w.s0), optirs_rem8_byte3(w.s0),
+                   optirs_rem8_byte0(w.s1), optirs_rem8_byte1(w.s1), optirs_rem8_byte2(w.s1), optirs_rem8_byte3(w.s1));
 }
 
 uint8 optirs_r8_words_of(char8 rem)
@@ -496,7 +500,7 @@ uint optirs_quantize1_packed_finite(float y, __local const uint *packed)
 
 /* A block's reciprocal scale 1 / x for x in [2^-126, 2^126) (bits 0x00800000 to 0x7DFFFFFF:
  * optirs_rcp_in_window, one subtraction and one unsigned compare; normal, with a normal
- * reciprocal), the quotient's bits. With OPTIRS_NV_PTX (or a test's OPTIRS_RCP_APPROX) the
+ * reciprocal), the quotient's bits. With OPTIRS_NV_PTX (or an includer's OPTIRS_RCP_APPROX) the
  * reciprocal's approximation and one Newton step, ptxas's own expansion of div.rn there (the numba
  * rcp_fast): three instructions a block and slot, where the division's checks, branches and slow
  * path took about 20 a round. The division elsewhere. */
