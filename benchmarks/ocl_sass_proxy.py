@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     kernel = f"{args.family}_fmt" if args.family != "lamb" else "fmt_lamb_apply"
     ins = sass_functions(sass, guards=True).get(kernel, [])
     path = round_path(ins)
+    # int8 state: a round ends at its codes' 8-byte stores, after the quantizers
+    path8 = round_path(ins, (".128", ".64")) if s == 2 else 0
     ins = [x[:3] for x in ins]
     info = re.search(rf"Function properties for {kernel}\s+(.*?)\n.*?(Used \d+ registers)", log, re.S)
     body = round_loop(ins)
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
           + " ".join(f"{o}:{n}" for o, n in ops.most_common(16)))
     if args.hot:
         print(f"    full round's shortest path {path} instructions ({path / 8:.1f} an element)")
+        if path8:
+            print(f"    ... to the int8 codes' last store {path8} instructions ({path8 / 8:.1f} an element)")
     return 0
 
 

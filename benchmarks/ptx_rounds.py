@@ -64,9 +64,10 @@ def round_loop(ins: List[Tuple[int, str, str]]) -> List[Tuple[int, str, str]]:
     return [] if best is None else [x for x in ins if best[0] <= x[0] <= best[1]]
 
 
-def round_path(ins: List[Tuple[int, str, str, str]]) -> int:
+def round_path(ins: List[Tuple[int, str, str, str]], ends: Tuple[str, ...] = (".128",)) -> int:
     """The shortest static path from the first 16-byte global load to the last 16-byte global store
-    in the round loop (one full vector round, each uniform choice at its cheapest, never into a
+    (``ends``: the widths a last store may have; (".128", ".64") reaches the int8 codes' 8-byte store,
+    after the quantizers) in the round loop (one full vector round, each uniform choice at its cheapest, never into a
     called slow path): the instructions a work-item issues for a round where every fast path holds.
     0 where there is none.
     The round loop's count includes the paths that rarely run (tails, slow divisions, a redo). Meant
@@ -79,7 +80,7 @@ def round_path(ins: List[Tuple[int, str, str, str]]) -> int:
     lo, hi = loop[0][0], loop[-1][0]
     idx = {a: i for i, (a, _, _, _) in enumerate(ins)}
     starts = [i for i, (a, o, _, _) in enumerate(ins) if lo <= a <= hi and o.startswith("LDG") and o.endswith(".128")]
-    ends = [i for i, (a, o, _, _) in enumerate(ins) if lo <= a <= hi and o.startswith("STG") and o.endswith(".128")]
+    ends = [i for i, (a, o, _, _) in enumerate(ins) if lo <= a <= hi and o.startswith("STG") and o.endswith(ends)]
     if not starts or not ends:
         return 0
     start, end = starts[0], ends[-1]

@@ -80,6 +80,24 @@ __kernel void quantize(__global const float *maps, __global const uchar *tables,
     vstore8(c, i, code);
     vstore8(optirs_dequantize8(c, scale, q), i, deq);
 }
+/* a block's codes as the kernels take them: the signed map by its table, a positive map by its
+ * packed words (optirs_packed_word of its table and midpoints) */
+__kernel void quantize_block(__global const float *maps, __global const uchar *tables, __global const float *x,
+                             float scale, int full, int is_signed, __global uint *code) {
+    __local float mid[256];
+    __local uchar table[OPTIRS_QT_SIZE];
+    __local uint packed[OPTIRS_QT_WIDTH];
+    for (int j = get_local_id(0); j < 256; j += get_local_size(0)) mid[j] = maps[256 + j];
+    for (int j = get_local_id(0); j < (int)OPTIRS_QT_SIZE; j += get_local_size(0)) table[j] = tables[j];
+    for (int b = get_local_id(0); b < (int)OPTIRS_QT_WIDTH; b += get_local_size(0))
+        packed[b] = optirs_packed_word((uint)b, tables[b], maps[256 + tables[b]]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const size_t i = get_global_id(0);
+    if (is_signed)
+        vstore8(optirs_quantize_block8(V8(x, i), scale, full, mid, table), i, code);
+    else
+        vstore8(optirs_quantize_block8_packed(V8(x, i), scale, full, packed) >> 16, i, code);
+}
 __kernel void table_constants(__global uint *out) {
     out[0] = OPTIRS_QT_LO; out[1] = OPTIRS_QT_HI; out[2] = OPTIRS_QT_WIDTH; out[3] = OPTIRS_QT_SIZE;
 }
@@ -343,6 +361,42 @@ def test_division_by_a_uniform_divisor_is_the_division(ctx):
         assert got[0] == 0, (float(b), hex(int(got[1]) & 0xFFFFFFFF))
 
 
+# The int8 blocks' reciprocal scale (optirs_rcp_fast) against the division. Not emulated on other
+# devices as Adam's division is: one Newton step from an approximation 1 ulp off misses the correctly
+# rounded reciprocal near ties (x = 2^k * (2 - 2^-23), 1 ulp low), so only the hardware's own
+# approximation can be checked, over the whole window.
+RECIPROCAL = r'''
+#include "optirs_formats.h"
+__kernel void reciprocal(uint start, uint step, uint count, __global int *bad) {
+    for (uint k = get_global_id(0); k < count; k += get_global_size(0)) {
+        const float x = as_float(start + k * step);
+        if (optirs_rcp_in_window(x) && as_uint(optirs_rcp_fast(x)) != as_uint(1.0f / x)) {
+            atomic_inc(bad);
+            bad[1] = (int)as_uint(x);
+        }
+    }
+}
+'''
+
+
+def test_block_reciprocal_is_the_division_on_nvidia(ctx):
+    """The inline-PTX block reciprocal (rcp.approx.ftz and one Newton step, ptxas's own expansion of
+    div.rn there) against 1 / x for every x of its window and just outside it (the cuda kernels'
+    rcp_fast check, the same PTX). NVIDIA's driver only: elsewhere it is the division itself."""
+    from optirs.backends.opencl import build_program
+    from optirs.backends.opencl.formats import nv_level
+
+    if not nv_level(ctx):
+        pytest.skip("the inline-PTX reciprocal is built on NVIDIA's OpenCL driver only (elsewhere it is `/`)")
+    options = [o for o in ctx.build_options if not o.startswith("-D")] + ["-DOPTIRS_NV_PTX=1"]
+    prog = build_program(ctx.context, ctx.device, expand_includes(RECIPROCAL), options, "reciprocal")
+    bad = cla.zeros(ctx.queue, 2, np.int32)
+    prog.reciprocal(ctx.queue, (1 << 18,), None, np.uint32(0x00800000 - 16), np.uint32(1),
+                    np.uint32(0x7DFFFFFF - 0x00800000 + 33), bad.data)
+    got = bad.get()
+    assert got[0] == 0, hex(int(got[1]) & 0xFFFFFFFF)
+
+
 def test_bucket_table_constants_match_the_host(ctx, prg):
     from optirs.backends.common import int8_buckets as B
 
@@ -390,6 +444,15 @@ def test_quantize_is_nearest_code(ctx, prg, signed):
         code, _ = _run(ctx, prg.quantize, block.size, maps, table, block, scale, np.int32(1), ("out", np.uint8),
                        ("out", np.float32))
         assert np.array_equal(code, F.quantize_host(block, scale, signed)), scale
+        # the kernels' block quantizer (a positive map by its packed words), full lanes or not
+        for full in (1, 0):
+            (code,) = _run(ctx, prg.quantize_block, block.size, maps, table, block, scale, np.int32(full),
+                           np.int32(signed), ("out", np.uint32))
+            assert np.array_equal(code, F.quantize_host(block, scale, signed)), (scale, full)
+    # ... on the general path's inputs (NaN, inf, values past the scale, every bucket's ends)
+    (code,) = _run(ctx, prg.quantize_block, y.size, maps, table, y, np.float32(1), np.int32(0), np.int32(signed),
+                   ("out", np.uint32))
+    assert np.array_equal(code, want), signed
 
 
 # ---------------------------------------------------------------- the formats capability's step
@@ -709,6 +772,60 @@ def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
             if k.endswith(".codes"):  # small tensors' range is unused
                 live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])
             assert np.array_equal(v[live].view(np.uint8), sb[k][live].view(np.uint8)), k
+
+
+NAN_PAIRS = [("adamw", FORMATS[1]), ("adamw", FORMATS[0]), ("adam", FORMATS[8])]
+
+
+def _same_words_nan_by_hardware(got, want, what):
+    """Every word the cpu backend's, but for the sign and payload of a NaN that arithmetic made (as
+    inf / inf in Adam's update): the hardware's own (x86: negative; NVIDIA: the canonical positive NaN),
+    which an encoder keeps as its sign. So where both are NaN, float32 words need only be NaN, and
+    bfloat16 words must both be the quiet NaN (0x7FC0, either sign): an encoder without its NaN test
+    writes other words there."""
+    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+    if got.dtype == np.float32:
+        nan = np.isnan(got) & np.isnan(want)
+    elif got.dtype == np.uint16:
+        quiet = lambda w: (w & 0x7FFF) == 0x7FC0  # noqa: E731
+        nan = quiet(got) & quiet(want)
+    else:
+        nan = np.zeros(got.shape, bool)
+    assert np.array_equal(got[~nan].view(np.uint8), want[~nan].view(np.uint8)), what
+
+
+@pytest.mark.parametrize("name,fmt", NAN_PAIRS, ids=[f"{n}-{f.param_dtype}-{f.grad_dtype}-{f.state_dtype}"
+                                                     for n, f in NAN_PAIRS])
+def test_nan_rounds_are_the_cpu_backends_bit_for_bit(ocl, name, fmt):
+    """A full round with a NaN (either sign, full payload) or inf gradient takes the encoders with their NaN test
+    (a NaN-free round skips it: optirs_formats_step.h's fmt_num, by the new parameter alone for AdamW,
+    by every encoded value for Adam with amsgrad), and every encoded word, NaN included, is the cpu
+    backend's (float32 state: NaN where it is NaN); over two steps, so that NaN state words are read
+    back too. Without the fallback (every round taken as NaN-free) each case fails."""
+    cpu = optirs.get_backend("cpu")
+    if not cpu.supports("formats"):
+        pytest.skip("the cpu backend has no formats capability")
+    if not ocl.ctx.build_options.count("-cl-fp32-correctly-rounded-divide-sqrt"):
+        pytest.skip("this OpenCL device does not round division and sqrt correctly")
+    shapes = [(4100,)]
+    a = _Model(ocl, name, CASES[name], fmt, shapes=shapes, seed=5)
+    b = _Model(cpu, name, CASES[name], fmt, shapes=shapes, seed=5)
+    for t in range(2):
+        grads = a.grads()
+        b.grads()
+        # NaNs with every payload bit set (an encoder without its NaN test would carry them into
+        # other words), either sign, and infinities
+        if fmt.grad_dtype == "float32":
+            bad = np.array([0x7FFFFFFF, 0xFFBFFFFF, 0x7F800000, 0xFF800000], np.uint32).view(np.float32)
+        else:
+            bad = np.array([0x7FFF, 0xFFBF, 0x7F80, 0xFF80], np.uint16)
+        grads[0][[3 + t, 1001, 2050 + 8 * t, 4091]] = bad
+        a.step(grads, seed=31)
+        b.step([g.copy() for g in grads], seed=31)
+        _same_words_nan_by_hardware(a.params[0], b.params[0], "parameters")
+        sb = b.host_state()
+        for k, v in a.host_state().items():
+            _same_words_nan_by_hardware(v, sb[k], k)
 
 
 _SHAPE_ENV = ("OPTIRS_OPENCL_FORMATS_WG", "OPTIRS_OPENCL_FORMATS_CHUNK", "OPTIRS_OPENCL_FORMATS_RESIDENT")

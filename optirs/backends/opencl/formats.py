@@ -149,14 +149,24 @@ def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
 
 
 def ptx_options(ctx: Any) -> List[str]:
-    """``-DOPTIRS_NV_PTX=1`` for every formats program on NVIDIA's driver (:func:`nv_level`): Adam's
-    division by its uniform bias correction as the division's fast path with the reciprocal taken
-    once (``divide_by_uniform`` of optirs_elementwise.h, the same bits) and bfloat16 pairs packed
-    by one ``prmt`` (``optirs_pack_high16`` of optirs_formats.h); the portable C elsewhere.
+    """``-DOPTIRS_NV_PTX=<level>`` for every formats program on NVIDIA's driver (:func:`nv_level`: 2 from
+    sm_80 on, 1 before): Adam's division by its uniform bias correction as the division's fast path
+    with the reciprocal taken once (``divide_by_uniform`` of optirs_elementwise.h, the same bits),
+    bfloat16 pairs packed by one ``prmt`` (``optirs_pack_high16`` of optirs_formats.h), the int8
+    blocks' reciprocal, midpoint compare and code packing, and from level 2 the NaN-free rounds'
+    nearest bfloat16 pairs by ``cvt.rn.bf16x2.f32``; the portable C elsewhere.
     ``OPTIRS_OPENCL_FORMATS_PTX=0`` turns it off (the portable C, for comparison)."""
     if os.environ.get("OPTIRS_OPENCL_FORMATS_PTX", "").strip() == "0":
         return []
-    return ["-DOPTIRS_NV_PTX=1"] if nv_level(ctx) else []
+    level = nv_level(ctx)
+    return [f"-DOPTIRS_NV_PTX={level}"] if level else []
+
+
+def num_options() -> List[str]:
+    """``-DOPTIRS_FMT_NUM=0`` where ``OPTIRS_OPENCL_FORMATS_NUM=0``: every round takes the bfloat16
+    encoders with their NaN test (the NaN-free rounds' branch of optirs_formats_step.h off: the same
+    words, to compare the two on a device)."""
+    return ["-DOPTIRS_FMT_NUM=0"] if os.environ.get("OPTIRS_OPENCL_FORMATS_NUM", "").strip() == "0" else []
 
 
 class _Program(NamedTuple):
@@ -209,7 +219,9 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
     # the inline PTX's defines, dropped together where the driver refuses them
     inline_ptx = warp_options(ctx, fmt) + ptx_options(ctx)
     cache = _cache(ctx)
-    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(registers), tuple(inline_ptx))
+    num = num_options()
+    key = ("program", fmt.codes, family, used, signed, wg, chunk, slots, tuple(num), tuple(registers),
+           tuple(inline_ptx))
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -219,7 +231,7 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             return hit
         options = [o for o in ctx.build_options if not o.startswith(("-DOPTIRS_WG=", "-DOPTIRS_CHUNK="))]
         options += [f"-DOPTIRS_WG={wg}", f"-DOPTIRS_CHUNK={chunk}", *format_defines(fmt), f"-DOPTIRS_FMT_USED={used}",
-                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *registers, *inline_ptx]
+                    f"-DOPTIRS_FMT_SIGNED={signed}", f"-DOPTIRS_FMT_LAMB={int(lamb)}", *num, *registers, *inline_ptx]
         name = (f"formats.{family or 'check'}.{fmt.param_dtype}-{fmt.master}-{fmt.state_dtype}"
                 f"{'-sr' if fmt.stochastic else ''}.{used}.{signed}.wg{wg}.chunk{chunk}.slots{slots}")
         source = format_source(family, slots)
@@ -268,9 +280,10 @@ def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
         if not (isinstance(key, tuple) and key[0] == "program" and isinstance(prog, _Program)):
             continue
         c, family, used, signed = key[1], key[2], key[3], key[4]
-        # the optional options' values: -r<register cap>, -w<warp reduction level>, -p1 (inline PTX)
-        tags = {"-cl-nv-maxrreg": "r", "-DOPTIRS_NV_WARP": "w", "-DOPTIRS_NV_PTX": "p"}
-        extra = "".join(f"-{tag}{o.split('=')[-1]}" for o in key[-2] + key[-1] for start, tag in tags.items()
+        # the optional options' values: -r<register cap>, -w<warp reduction level>, -p<inline PTX level>,
+        # -n0 (no NaN-free rounds)
+        tags = {"-cl-nv-maxrreg": "r", "-DOPTIRS_NV_WARP": "w", "-DOPTIRS_NV_PTX": "p", "-DOPTIRS_FMT_NUM": "n"}
+        extra = "".join(f"-{tag}{o.split('=')[-1]}" for o in key[-3] + key[-2] + key[-1] for start, tag in tags.items()
                         if o.startswith(start))
         stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"
         binaries = prog.program.get_info(ctx.cl.program_info.BINARIES)

@@ -90,6 +90,12 @@ void rprop_element_v8(T *p, T g, T *s0, T *s1, T *s2, const rprop_scalars *sc) {
 #undef T
 #undef SUFFIX
 
+/* FMT_NAN_IN_PARAM_<family>: the family's new parameter is NaN wherever one of its new state values
+ * is (without the slot 2 of amsgrad, whose fmax drops a NaN): Adam's p - step * m / (sqrt(v) / c +
+ * eps) takes m and v through arithmetic alone, and a NaN operand makes a NaN result. A NaN-free
+ * round (fmt_num) then tests the parameter alone. */
+#define FMT_NAN_IN_PARAM_adam 1
+
 /* Inlined whatever its size, where the compiler takes the attribute (clang-based ones: PoCL left
  * fmt_load_round a call per round, which made the float32-state kernels about 1.4x slower there). */
 #ifdef __clang__
@@ -187,6 +193,47 @@ void store8_codes(uint8 c, __global uchar *p, int nv, int aligned)
         store8_uchar(convert_uchar8(c), p, nv, aligned);
 }
 
+/* ... of the packed quantizer's words (each code in byte 2, bits 24-31 zero). */
+void store8_codes_byte2(uint8 w, __global uchar *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint2 *)p = optirs_pack_byte2x8(w);
+    else
+        store8_uchar(convert_uchar8(w >> 16), p, nv, aligned);
+}
+
+/* remainder16 masters as remainder words (optirs_r16_words8), and their store from the master's bits
+ * (the remainder is the low half). */
+uint8 load8_r16words(__global const short *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        return optirs_r16_words8(*(__global const uint4 *)p);
+    return as_uint8(convert_int8(load8_short(p, nv, aligned)));
+}
+void store8_r16words(uint8 u, __global short *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint4 *)p = optirs_pack_low16x4(u);
+    else
+        store8_short(as_short8(convert_ushort8(u)), p, nv, aligned);
+}
+
+/* remainder8 masters as remainder words (optirs_r8_words8), and their store from the rounding words
+ * (optirs_round24_word8: each remainder in byte 1). */
+uint8 load8_r8words(__global const char *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        return optirs_r8_words8(*(__global const uint2 *)p);
+    return optirs_r8_words_of(load8_char(p, nv, aligned));
+}
+void store8_r8words(uint8 t, __global char *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint2 *)p = (uint2)(optirs_pack_byte1x4(t.s0, t.s1, t.s2, t.s3), optirs_pack_byte1x4(t.s4, t.s5, t.s6, t.s7));
+    else
+        store8_char(as_char8(convert_uchar8(t >> 8)), p, nv, aligned);
+}
+
 /* Storage of the parameters (PST), gradients (GST), masters (MST) and state slots (SST), the
  * vector of 8 of their words (PV, GV, MV, SV; bfloat16: wide words, each value in the high half of
  * its word; float16 parameters and gradients: their values, converted as they are read),
@@ -252,14 +299,18 @@ typedef float8 GV; /* float16: converted as it is loaded */
 #define FMT_HAS_MASTER (OPTIRS_FMT_PARAM != 0 && OPTIRS_FMT_MASTER != 0)
 #if OPTIRS_FMT_MASTER == 2
 typedef short MST;
-typedef short8 MV;
-#define M_WORDS load8_short
-#define M_VLD FMT_VLD_short
+typedef uint8 MV; /* remainder words: each remainder sign-extended (optirs_r16_words8) */
+#define M_WORDS load8_r16words
+#define M_VLD(a) optirs_r16_words8(*(__global const uint4 *)(a))
+#undef M_VLDU
+#define M_VLDU(a) as_uint8(convert_int8(vload8(0, a)))
 #elif OPTIRS_FMT_MASTER == 3
 typedef char MST;
-typedef char8 MV;
-#define M_WORDS load8_char
-#define M_VLD FMT_VLD_char
+typedef uint8 MV; /* remainder words: each remainder sign-extended in bits 8 and up (optirs_r8_words8) */
+#define M_WORDS load8_r8words
+#define M_VLD(a) optirs_r8_words8(*(__global const uint2 *)(a))
+#undef M_VLDU
+#define M_VLDU(a) optirs_r8_words_of(vload8(0, a))
 #else
 typedef float MST; /* float32 masters; a dummy buffer without masters */
 typedef float8 MV;
@@ -379,7 +430,8 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         return;                                                                                  \
     }                                                                                            \
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
-    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];                       \
+    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE : 1];                           \
+    __local uint lpacked[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_WIDTH : 1];                           \
     __local uint scratch[OPTIRS_FMT_STATE == 2 && !OPTIRS_NV_WARP ? 3 * OPTIRS_WG : 1];          \
     int maps_ready = 0;                                                                          \
     const uint key = optirs_rand_key(st.seed, st.step, 0u);
@@ -389,21 +441,27 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
  * pointer m and the state slots sl. */
 #define FMT_STATE_CHUNK                                                                          \
     if (!maps_ready) {                                                                           \
-        fmt_load_maps(maps, lmaps, ltables);                                                     \
+        fmt_load_maps(maps, lmaps, ltables, lpacked);                                            \
         maps_ready = 1;                                                                          \
     }                                                                                            \
     __global MST *m = M + off.m + lay;                                                           \
     const fmt_slots sl = fmt_slots_of(row.s4, row.s5, start, lay, aligned, S0, S1, S2, C0, C1, C2, L0, L1, L2, off, st);
 
-/* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], and their
- * bucket tables [signed, unsigned] (stored after the maps as floats, kept here as bytes). */
-void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uchar *ltables)
+/* Local copies of the two int8 maps: [signed q, signed mid, unsigned q, unsigned mid], the signed
+ * map's bucket table (stored after the maps as floats, kept here as bytes), and the unsigned map's
+ * packed words (optirs_packed_word, from its bucket table's positive half, stored after the signed
+ * table, and its midpoints): its codes take one local load an element. */
+void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uchar *ltables, __local uint *lpacked)
 {
 #if OPTIRS_FMT_STATE == 2
     for (int j = get_local_id(0); j < 1024; j += OPTIRS_WG)
         lmaps[j] = maps[j];
-    for (int j = get_local_id(0); j < 2 * (int)OPTIRS_QT_SIZE; j += OPTIRS_WG)
+    for (int j = get_local_id(0); j < (int)OPTIRS_QT_SIZE; j += OPTIRS_WG)
         ltables[j] = (uchar)maps[1024 + j];
+    for (int b = get_local_id(0); b < (int)OPTIRS_QT_WIDTH; b += OPTIRS_WG) {
+        const uint c = (uint)maps[1024 + OPTIRS_QT_SIZE + b];
+        lpacked[b] = optirs_packed_word((uint)b, c, maps[768 + c]);
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
 #endif
 }
@@ -444,9 +502,9 @@ float8 fmt_master_of(PV pw, MV mw)
     /* a master word of 0 (a fresh buffer, or +0.0 whose parameter is +0.0 too): the parameter */
     return select(mw, P_DECODE(pw), as_int8(mw) == (int8)(0));
 #elif OPTIRS_FMT_MASTER == 2
-    return as_float8(optirs_r16_join_wide8(pw, mw));
+    return as_float8(pw + mw); /* hi_w + the remainder sign-extended: optirs_r16_join_wide8 */
 #else
-    return as_float8(optirs_r8_join_wide8(pw, mw));
+    return as_float8(pw + mw); /* hi_w + the remainder's word: optirs_r8_join_wide8 */
 #endif
 }
 
@@ -479,13 +537,62 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
     P_STORE(x, p, nv, al);
 #elif OPTIRS_FMT_MASTER == 2
     store8_wide(optirs_r16_hi_wide8(u), p, nv, al);
-    store8_short(as_short8(convert_ushort8(u)), m, nv, al);
+    store8_r16words(u, m, nv, al);
 #else
-    const uint8 u24 = optirs_round24_8(u);
-    store8_wide(optirs_r8_hi_wide8(u24), p, nv, al);
-    store8_char(as_char8(convert_uchar8(u24)), m, nv, al);
+    /* optirs_r8_hi_wide8's high half and optirs_r8_split8's remainder from the unshifted rounding:
+     * the byte below the kept 24 bits changes no carry into the high half (0x8000 is a multiple of
+     * 256) */
+    const uint8 t = optirs_round24_word8(u);
+    store8_wide(t + 0x8000u, p, nv, al);
+    store8_r8words(t, m, nv, al);
 #endif
 }
+
+/* ---------------------------------------------------------------- NaN-free rounds
+
+ * A round whose values to encode are known not to be NaN (fmt_num of optirs_formats_step.h, one test
+ * a value or, for Adam, a parameter) with all 8 lanes full and aligned: its bfloat16 encodes without
+ * the NaN test and select (the numba *_num encoders; the cuda kernels' fast path), the nearest
+ * parameter pairs by cvt.rn.bf16x2.f32 (OPTIRS_NV_PTX >= 2), and every store of the round under the
+ * one branch (each array's own full-lane test and branch region cost a few instructions a round).
+ * FMT_NUM_PATH: the program has such encodes (bfloat16 state, or bfloat16 parameters rounded
+ * without a remainder master). */
+#ifndef OPTIRS_FMT_NUM
+#define OPTIRS_FMT_NUM 1 /* 0: no NaN-free rounds (the host's OPTIRS_OPENCL_FORMATS_NUM=0, to compare) */
+#endif
+#define FMT_NUM_PARAM (OPTIRS_FMT_PARAM == 1 && OPTIRS_FMT_MASTER <= 1)
+#define FMT_NUM_PATH (OPTIRS_FMT_NUM && (FMT_NUM_PARAM || OPTIRS_FMT_STATE == 1))
+
+/* fmt_store_master for a NaN-free round, full and aligned. */
+void fmt_store_master_num(float8 x, __global PST *p, __global MST *m, uint8 idx, uint key)
+{
+#if FMT_NUM_PARAM
+#if OPTIRS_FMT_MASTER == 1
+    FMT_VST_float(x, m);
+#endif
+#if OPTIRS_FMT_MASTER == 0 && OPTIRS_FMT_SR
+    *(__global uint4 *)p = optirs_pack_high16x4(optirs_bf16_sr_wide8_num(as_uint8(x), optirs_rand8(key, idx)));
+#else
+    *(__global uint4 *)p = optirs_bf16_rne_pairs_num(x);
+#endif
+#else
+    fmt_store_master(x, p, m, 8, 1, idx, key);
+#endif
+}
+
+#if OPTIRS_FMT_STATE == 1
+/* fmt_store_states of bfloat16 state for a NaN-free round, full and aligned. */
+void fmt_store_states_num(const fmt_slots *sl, int k, const float8 *s, uint8 idx)
+{
+    const uint8 r01 = FMT_USED(0) || FMT_USED(1) ? optirs_rand8(sl->key[0], idx) : (uint8)0u;
+    const uint8 r2 = FMT_USED(2) ? optirs_rand8(sl->key[1], idx) : (uint8)0u;
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+        if (FMT_USED(j))
+            *(__global uint4 *)(sl->s[j] + k) =
+                optirs_pack_high16x4(optirs_bf16_sr_wide8_num(as_uint8(s[j]), optirs_slot_bits8(j < 2 ? r01 : r2, j)));
+}
+#endif
 
 /* ---------------------------------------------------------------- state slots */
 
@@ -640,7 +747,7 @@ uint fmt_warp_max(uint u)
 /* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
  * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
 void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
-                      __local const uchar *ltables, __local uint *scratch)
+                      __local const uchar *ltables, __local const uint *lpacked, __local uint *scratch)
 {
 #if OPTIRS_FMT_STATE == 2
     float scale[3];
@@ -692,14 +799,16 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
         } else {
             __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
-            /* the block's factors once per work-item and block (a round is 8 of its elements) */
-            /* the shorter bucket (no upper clamp) only where all 8 lanes are the block's: past the
-             * end, code 0 decodes to -scale in the signed map, which a family's step may turn into
-             * a NaN (centered RMSprop: sqrt of a negative), an index past the table */
-            const uint8 code = optirs_quantize_codes8(s[j], optirs_quantize_factors(scale[j]),
-                                                      scale[j] <= FLT_MAX && nv >= 8, q + 256,
-                                                      ltables + (FMT_SIGNED(j) ? 0 : OPTIRS_QT_SIZE));
-            store8_codes(code, sl->s[j] + k, nv, sl->aligned);
+            /* the block's reciprocal once per work-item and block (a round is 8 of its elements) */
+            uint8 code;
+            if (FMT_SIGNED(j)) {
+                code = optirs_quantize_block8(s[j], scale[j], nv >= 8, q + 256, ltables);
+                store8_codes(code, sl->s[j] + k, nv, sl->aligned);
+            } else {
+                const uint8 words = optirs_quantize_block8_packed(s[j], scale[j], nv >= 8, lpacked);
+                store8_codes_byte2(words, sl->s[j] + k, nv, sl->aligned);
+                code = words >> 16;
+            }
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
             s[j] = optirs_dequantize_codes8(code, scale[j], q);
@@ -788,7 +897,8 @@ void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
                     const lamb_scalars sc)
 {
     __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
-    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE * 2 : 1];
+    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE : 1];
+    __local uint lpacked[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_WIDTH : 1];
     __local acc_t red[OPTIRS_WG];
     int maps_ready = 0;
     const float scale = clip ? grad_scale[0] : sc.grad_factor;  /* the clip factor carries grad_factor */
@@ -827,7 +937,7 @@ void fmt_lamb_apply(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
                 const float8 u = fmt_lamb_element(pp, gv, s, scale, &sc);
                 fmt_store_master(pp - step * u, p + k, m + k, nv, aligned, idx, key);
             }
-            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
+            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, lpacked, scratch);
         FMT_ROUND_END
     FMT_CHUNKS_END
     (void)scratch;

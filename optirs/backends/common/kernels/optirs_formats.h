@@ -156,11 +156,19 @@ uint optirs_rand_key(uint seed, uint step, uint stream)
     return h;
 }
 
-/* rand(key, i) = fmix32(key ^ (i * 0x9E3779B1)), i the elements' flat layout indices (low 32 bits). */
+/* rand(key, i) = fmix32(key ^ (i * 0x9E3779B1)), i the elements' flat layout indices (low 32 bits).
+ * The finalizer's first step distributed over the xor (a logical shift does: (k ^ t) >> 16 ==
+ * (k >> 16) ^ (t >> 16)): key ^ (key >> 16) is the same for every element (hoisted out of the
+ * kernels' loops), so an element pays a shift and one three-input xor where the xor with the key,
+ * the shift and the second xor took three instructions (the numba rand32). */
 uint8 optirs_rand8(uint key, uint8 i)
 {
-    uint8 h = key ^ (i * 0x9E3779B1u);
-    OPTIRS_FMIX32(h);
+    const uint8 t = i * 0x9E3779B1u;
+    uint8 h = (key ^ (key >> 16)) ^ (t ^ (t >> 16));
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
     return h;
 }
 
@@ -181,6 +189,42 @@ uint8 optirs_slot_bits8(uint8 r, int k)
 uint8 optirs_bf16_sr_wide8(uint8 u, uint8 r)
 {
     return select(u + (r & 0xFFFFu), optirs_bf16_nan_wide8(u), isnan(as_float8(u)));
+}
+
+/* The encoders of a round whose values are known not to be NaN (optirs_formats_step.h's fmt_num;
+ * inf included): the rounding alone, where the NaN test and its select took three instructions
+ * more (the numba bf16_*_wide_num). Wide, as the encoders above. */
+uint8 optirs_bf16_sr_wide8_num(uint8 u, uint8 r)
+{
+    return u + (r & 0xFFFFu);
+}
+
+uint8 optirs_bf16_rne_wide8_num(uint8 u)
+{
+    return u + 0x7FFFu + ((u >> 16) & 1u);
+}
+
+/* The 8 values x, none NaN, rounded to nearest even and packed in pairs (element 2i in word i's low
+ * half): with OPTIRS_NV_PTX >= 2 (sm_80 on) one cvt.rn.bf16x2.f32 a pair, the rounding and the
+ * packing at once (the hardware's NaN is its own, hence no NaN here), where rounding each (three
+ * instructions) and packing took seven; the portable rounding and pack elsewhere. */
+#if OPTIRS_NV_PTX >= 2
+uint optirs_cvt_bf16x2(float lo, float hi)
+{
+    uint d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+#endif
+
+uint4 optirs_bf16_rne_pairs_num(float8 x)
+{
+#if OPTIRS_NV_PTX >= 2
+    return (uint4)(optirs_cvt_bf16x2(x.s0, x.s1), optirs_cvt_bf16x2(x.s2, x.s3), optirs_cvt_bf16x2(x.s4, x.s5),
+                   optirs_cvt_bf16x2(x.s6, x.s7));
+#else
+    return optirs_pack_high16x4(optirs_bf16_rne_wide8_num(as_uint8(x)));
+#endif
 }
 
 ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
@@ -248,6 +292,108 @@ uint8 optirs_r8_join8(ushort8 hi, char8 rem)
     return optirs_r8_join_wide8(convert_uint8(hi) << 16, rem);
 }
 
+/* remainder16 as words: the remainders of a loaded uint4 sign-extended (the word hi_w adds: one
+ * prmt.b32 each with OPTIRS_NV_PTX, 0x9910 / 0xBB32, where extending took one or two), and the low
+ * halves of 8 words packed in pairs (one prmt.b32 0x5410 a pair, where masking, shifting and or-ing
+ * took two or three); the numba remainder_word and pack_low16. */
+uint optirs_sext_lo16(uint w)
+{
+#if OPTIRS_NV_PTX
+    uint d;
+    asm("prmt.b32 %0, %1, 0, 0x9910;" : "=r"(d) : "r"(w));
+    return d;
+#else
+    return (uint)((int)(w << 16) >> 16);
+#endif
+}
+
+uint optirs_sext_hi16(uint w)
+{
+#if OPTIRS_NV_PTX
+    uint d;
+    asm("prmt.b32 %0, %1, 0, 0xBB32;" : "=r"(d) : "r"(w));
+    return d;
+#else
+    return (uint)((int)w >> 16);
+#endif
+}
+
+uint8 optirs_r16_words8(uint4 w)
+{
+    return (uint8)(optirs_sext_lo16(w.s0), optirs_sext_hi16(w.s0), optirs_sext_lo16(w.s1), optirs_sext_hi16(w.s1),
+                   optirs_sext_lo16(w.s2), optirs_sext_hi16(w.s2), optirs_sext_lo16(w.s3), optirs_sext_hi16(w.s3));
+}
+
+uint optirs_pack_low16(uint a, uint b)
+{
+#if OPTIRS_NV_PTX
+    uint d;
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+#else
+    return (a & 0xFFFFu) | (b << 16);
+#endif
+}
+
+uint4 optirs_pack_low16x4(uint8 w)
+{
+    return (uint4)(optirs_pack_low16(w.s0, w.s1), optirs_pack_low16(w.s2, w.s3), optirs_pack_low16(w.s4, w.s5),
+                   optirs_pack_low16(w.s6, w.s7));
+}
+
+/* remainder8 as words (the numba remainder_word / round24_word / store_master_wide): the remainder
+ * byte k of a loaded word, sign-extended and shifted to bits 8 and up (the word hi_w adds), and the
+ * store's rounding word t (round24 without the shift down: the kept 24 bits in the top 24), whose
+ * hi is t + 0x8000 and whose remainder is its byte 1. One prmt.b32 a remainder with OPTIRS_NV_PTX
+ * (its byte sign-replicated), where extending and shifting took two or three, and three a store of
+ * four, where shifting down and packing took seven. */
+#if OPTIRS_NV_PTX
+#define OPTIRS_REM8_BYTE(k, SEL)                                                                 \
+    uint optirs_rem8_byte##k(uint w)                                                             \
+    {                                                                                            \
+        uint d;                                                                                  \
+        asm("prmt.b32 %0, %1, 0, " #SEL ";" : "=r"(d) : "r"(w));                                 \
+        return d;                                                                                \
+    }
+#else
+#define OPTIRS_REM8_BYTE(k, SEL)                                                                 \
+    uint optirs_rem8_byte##k(uint w) { return (uint)(((int)(w << (24 - 8 * k)) >> 24) << 8); }
+#endif
+OPTIRS_REM8_BYTE(0, 0x8804)
+OPTIRS_REM8_BYTE(1, 0x9914)
+OPTIRS_REM8_BYTE(2, 0xAA24)
+OPTIRS_REM8_BYTE(3, 0xBB34)
+
+uint8 optirs_r8_words8(uint2 w)
+{
+    return (uint8)(optirs_rem8_byte0(w.s0), optirs_rem8_byte1(w.s0), optirs_rem8_byte2(w.s0), optirs_rem8_byte3(w.s0),
+                   optirs_rem8_byte0(w.s1), optirs_rem8_byte1(w.s1), optirs_rem8_byte2(w.s1), optirs_rem8_byte3(w.s1));
+}
+
+uint8 optirs_r8_words_of(char8 rem)
+{
+    return as_uint8(convert_int8(rem) << 8);
+}
+
+uint8 optirs_round24_word8(uint8 u)
+{
+    return select(u + 0x7Fu + ((u >> 8) & 1u), u, (u & 0x7F800000u) == 0x7F800000u);
+}
+
+/* The bytes 1 of a-d as one word (a's lowest). */
+uint optirs_pack_byte1x4(uint a, uint b, uint c, uint d)
+{
+#if OPTIRS_NV_PTX
+    uint x, y, r;
+    asm("prmt.b32 %0, %1, %2, 0x7351;" : "=r"(x) : "r"(a), "r"(b));
+    asm("prmt.b32 %0, %1, %2, 0x7351;" : "=r"(y) : "r"(c), "r"(d));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));
+    return r;
+#else
+    return ((a >> 8) & 0xFFu) | (b & 0xFF00u) | ((c << 8) & 0xFF0000u) | ((d << 16) & 0xFF000000u);
+#endif
+}
+
 /* ---------------------------------------------------------------- int8 blockwise state */
 
 /* The bucket table of optirs/backends/common/int8_buckets.py (the host checks these constants):
@@ -285,15 +431,103 @@ float2 optirs_quantize_factors(float scale)
     return (float2)(1.0f, 1.0f / scale);
 }
 
+/* 1 where a < b, else 0, for a and b never NaN (a midpoint, +inf, and a finite scaled value). With
+ * OPTIRS_NV_PTX the sign of a - b: exact in sign (a == b gives +0), and the shift folds into the add
+ * that counts it (FADD and LEA.HI where a compare, a select and an add took three; the numba
+ * lt_bit). sub.rn in inline PTX: never fused with the multiply that made b (a fused a - x * inv would
+ * compare with the unrounded product). The compare elsewhere. */
+uint optirs_lt_bit(float a, float b)
+{
+#if OPTIRS_NV_PTX
+    float d;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return as_uint(d) >> 31;
+#else
+    return a < b ? 1u : 0u;
+#endif
+}
+
+/* The lowest value of bucket 0 and of the last bucket (the buckets' clamps as floats). */
+#define OPTIRS_PK_LOW as_float((OPTIRS_QT_LO - 1u) << 16)
+#define OPTIRS_PK_TOP as_float((OPTIRS_QT_HI + 1u) << 16)
+
 /* optirs_quantize1 for a block of finite scale, whose scaled values are never NaN and at most
  * 1 + 2^-23 in magnitude (|x| <= scale, inv its correctly rounded reciprocal): no NaN test and no
- * upper clamp, the same code (the numba quantize_finite). */
+ * upper clamp, the same code (the numba quantize_finite). The magnitude clamped as a float (one max
+ * with |y|, the sign a free operand modifier on a GPU), whose top 16 bits are the integer clamp's. */
 uint optirs_quantize1_finite(float y, __local const float *mid, __local const uchar *table)
 {
-    const uint u = as_uint(y);
-    const uint a = max((u >> 16) & 0x7FFFu, OPTIRS_QT_LO - 1u) - (OPTIRS_QT_LO - 1u);
-    const uint c = table[a + (u >> 31) * OPTIRS_QT_WIDTH];
-    return c + (mid[c] < y ? 1u : 0u);
+    const uint a = (as_uint(fmax(fabs(y), OPTIRS_PK_LOW)) >> 16) - (OPTIRS_QT_LO - 1u);
+    const uint c = table[a + (as_uint(y) >> 31) * OPTIRS_QT_WIDTH];
+    return c + optirs_lt_bit(mid[c], y);
+}
+
+/* The packed bucket words of a map whose midpoints are all positive (the unsigned map; the numba
+ * packed_word): one 32-bit word per positive bucket b (index top16(a) - (LO - 1), a = y clamped to
+ * [OPTIRS_PK_LOW, OPTIRS_PK_TOP]) holding both lookups: with c the bucket's table entry and thr the
+ * low 16 bits of its midpoint mid[c] (in the bucket when their top 16 bits agree),
+ * word = ((c - top16) << 16) + (0xFFFF - thr) (+ 0 without a midpoint). word + bits(a) then has c in
+ * its top 16 bits, plus one exactly when the low 16 bits of a exceed thr: mid[c] < y (a carry). A
+ * value below every bucket (zero, negative, tiny, NaN: fmax drops it) is clamped into bucket 0,
+ * which holds no midpoint (code 0); one above (inf, > 1) into the last (code 255). One local load
+ * and one add an element, where the bucket arithmetic, two dependent loads and a compare took
+ * about 14 instructions. */
+uint optirs_packed_word(uint b, uint c, float m)
+{
+    const uint top = b + (OPTIRS_QT_LO - 1u);
+    const uint mu = as_uint(m);
+    const uint low = (mu >> 16) == top ? 0xFFFFu - (mu & 0xFFFFu) : 0u;
+    return ((c - top) << 16) + low;
+}
+
+/* The code of y by the packed words: in the top 16 bits of the word returned (bits 24-31 are 0). */
+uint optirs_quantize1_packed(float y, __local const uint *packed)
+{
+    const uint u = as_uint(fmin(fmax(y, OPTIRS_PK_LOW), OPTIRS_PK_TOP));
+    return packed[(u >> 16) - (OPTIRS_QT_LO - 1u)] + u;
+}
+
+/* ... for a block of finite scale (optirs_quantize1_finite's reason: no value above the last bucket). */
+uint optirs_quantize1_packed_finite(float y, __local const uint *packed)
+{
+    const uint u = as_uint(fmax(y, OPTIRS_PK_LOW));
+    return packed[(u >> 16) - (OPTIRS_QT_LO - 1u)] + u;
+}
+
+#define OPTIRS_QUANTIZE8_PACKED(q, y, packed)                                                     \
+    (uint8)(q(y.s0, packed), q(y.s1, packed), q(y.s2, packed), q(y.s3, packed), q(y.s4, packed),  \
+            q(y.s5, packed), q(y.s6, packed), q(y.s7, packed))
+
+/* A block's reciprocal scale 1 / x for x in [2^-126, 2^126) (bits 0x00800000 to 0x7DFFFFFF:
+ * optirs_rcp_in_window, one subtraction and one unsigned compare; normal, with a normal
+ * reciprocal), the quotient's bits. With OPTIRS_NV_PTX (or an includer's OPTIRS_RCP_APPROX) the
+ * reciprocal's approximation and one Newton step, ptxas's own expansion of div.rn there (the numba
+ * rcp_fast): three instructions a block and slot, where the division's checks, branches and slow
+ * path took about 20 a round. The division elsewhere. */
+#if OPTIRS_NV_PTX && !defined(OPTIRS_RCP_APPROX)
+float optirs_rcp_approx(float b)
+{
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
+    return y;
+}
+#define OPTIRS_RCP_APPROX(b) optirs_rcp_approx(b)
+#endif
+
+int optirs_rcp_in_window(float x)
+{
+    return as_uint(x) - 0x00800000u <= 0x7DFFFFFFu - 0x00800000u;
+}
+
+float optirs_rcp_fast(float x)
+{
+#ifdef OPTIRS_RCP_APPROX
+    const float r = OPTIRS_RCP_APPROX(x);
+    const float e = fma(x, r, -1.0f);
+    return fma(r, -e, r);
+#else
+    return 1.0f / x;
+#endif
 }
 
 #define OPTIRS_QUANTIZE8(q, y, mid, table)                                                       \
@@ -315,6 +549,26 @@ uint2 optirs_pack_codes8(uint8 c)
     return (uint2)(c.s0 + (c.s1 << 8) + (c.s2 << 16) + (c.s3 << 24), c.s4 + (c.s5 << 8) + (c.s6 << 16) + (c.s7 << 24));
 }
 
+/* The bytes 2 of a-d as one word (a's lowest): the packed quantizer's codes (bits 24-31 of each are
+ * 0). Three prmt.b32 with OPTIRS_NV_PTX, where shifting each down and packing took seven. */
+uint optirs_pack_byte2x4(uint a, uint b, uint c, uint d)
+{
+#if OPTIRS_NV_PTX
+    uint x, y, r;
+    asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x) : "r"(a), "r"(b));
+    asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(y) : "r"(c), "r"(d));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));
+    return r;
+#else
+    return (a >> 16) | ((b >> 8) & 0xFF00u) | (c & 0xFF0000u) | ((d << 8) & 0xFF000000u);
+#endif
+}
+
+uint2 optirs_pack_byte2x8(uint8 w)
+{
+    return (uint2)(optirs_pack_byte2x4(w.s0, w.s1, w.s2, w.s3), optirs_pack_byte2x4(w.s4, w.s5, w.s6, w.s7));
+}
+
 /* quantize(x): y = (x * pre) * inv with the block's optirs_quantize_factors f = (pre, inv), then
  * its code (one to a word). ``finite``: the block's scale is finite and every |x| at most it (a
  * block's own new values: the usual case), so the shorter bucket applies. */
@@ -324,6 +578,36 @@ uint8 optirs_quantize_codes8(float8 x, float2 f, int finite, __local const float
     if (finite)
         return OPTIRS_QUANTIZE8(optirs_quantize1_finite, y, mid, table);
     return OPTIRS_QUANTIZE8(optirs_quantize1, y, mid, table);
+}
+
+/* A block's 8 new values x as codes at its scale: the signed map's (by its table and midpoints, each
+ * code in its word's low byte) and a positive map's (by its packed words, each code in byte 2).
+ * ``full``: all 8 lanes are the block's, every |x| at most the scale. The usual block (a normal scale
+ * below 2^126, full lanes) takes the shorter bucket with x * 1 / scale (pre is 1) and the reciprocal
+ * by optirs_rcp_fast; the rest the general bucket with optirs_quantize_factors (the same codes for
+ * the usual block, so only the speed differs). Past the end the shorter bucket has no upper clamp,
+ * and code 0 decodes to -scale in the signed map, which a family's step may turn into a NaN (centered
+ * RMSprop: sqrt of a negative), an index past the table: hence ``full``. */
+uint8 optirs_quantize_block8(float8 x, float scale, int full, __local const float *mid, __local const uchar *table)
+{
+    if (full && optirs_rcp_in_window(scale)) {
+        const float8 y = x * optirs_rcp_fast(scale);
+        return OPTIRS_QUANTIZE8(optirs_quantize1_finite, y, mid, table);
+    }
+    const float2 f = optirs_quantize_factors(scale);
+    const float8 y = (x * f.s0) * f.s1;
+    return OPTIRS_QUANTIZE8(optirs_quantize1, y, mid, table);
+}
+
+uint8 optirs_quantize_block8_packed(float8 x, float scale, int full, __local const uint *packed)
+{
+    if (full && optirs_rcp_in_window(scale)) {
+        const float8 y = x * optirs_rcp_fast(scale);
+        return OPTIRS_QUANTIZE8_PACKED(optirs_quantize1_packed_finite, y, packed);
+    }
+    const float2 f = optirs_quantize_factors(scale);
+    const float8 y = (x * f.s0) * f.s1;
+    return OPTIRS_QUANTIZE8_PACKED(optirs_quantize1_packed, y, packed);
 }
 
 uchar8 optirs_quantize8(float8 x, float2 f, int finite, __local const float *mid, __local const uchar *table)

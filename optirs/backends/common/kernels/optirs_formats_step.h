@@ -6,6 +6,24 @@
 #define FMT_CAT_(a, b) a##b
 #define FMT_CAT(a, b) FMT_CAT_(a, b)
 
+#if FMT_NUM_PATH
+/* Whether none of the round's values that a bfloat16 encoder takes is NaN: the new parameter (its
+ * NaN implies the state's for a family of FMT_NAN_IN_PARAM_), else each value encoded. */
+int FMT_CAT(OPT, _fmt_num)(float8 pp, const float8 *s)
+{
+#if FMT_CAT(FMT_NAN_IN_PARAM_, OPT) && !FMT_USED(2)
+    return !any(isnan(pp));
+#else
+    int8 bad = FMT_NUM_PARAM ? isnan(pp) : (int8)0;
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+        if (OPTIRS_FMT_STATE == 1 && FMT_USED(j))
+            bad |= isnan(s[j]);
+    return !any(bad);
+#endif
+}
+#endif
+
 __kernel FMT_WG_ATTR
 void FMT_CAT(OPT, _fmt)(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                         __global const int *skip, const fmt_step st, const FMT_CAT(OPT, _scalars) sc)
@@ -19,9 +37,18 @@ void FMT_CAT(OPT, _fmt)(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFF
             fmt_load_round(p, m, g, &sl, k, nv, lmaps, &pp, &gv, s);
             if (nv > 0) {
                 FMT_CAT(OPT, _element_v8)(&pp, gv, &s[0], &s[1], &s[2], &sc);
-                fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
+#if FMT_NUM_PATH
+                if (nv >= 8 && aligned && FMT_CAT(OPT, _fmt_num)(pp, s)) {
+                    fmt_store_master_num(pp, p + k, m + k, idx, key);
+#if OPTIRS_FMT_STATE == 1
+                    fmt_store_states_num(&sl, k, s, idx);
+                    continue; /* the round's every store is done (no barrier below for bfloat16 state) */
+#endif
+                } else
+#endif
+                    fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
             }
-            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, scratch);
+            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, lpacked, scratch);
         FMT_ROUND_END
     FMT_CHUNKS_END
     (void)scratch;
