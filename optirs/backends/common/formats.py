@@ -288,6 +288,13 @@ def round24(x):
 
 
 @_jit
+def round24_num(x):
+    """:func:`round24` of a non-NaN ``x`` (inf rounds to itself: the same bits, no exponent test)."""
+    u = f32_bits(x)
+    return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
+
+
+@_jit
 def round24_word(x):
     """:func:`round24`'s bits in the top 24 bits of a word whose low byte is left as the addition
     leaves it (nobody reads it): the rounding without the masking."""
@@ -485,26 +492,32 @@ def load_master(praw, mraw, fc):
     return decode16(praw, fc.param)
 
 
-@_jit
-def store_master(x, fc, key, i):
-    """The new float32 master ``x`` -> (parameter word, master word), as :func:`load_master` reads them.
+def _master_store(round24_of, param_word_of):
+    """The new float32 master ``x`` -> (parameter word, master word), as :func:`load_master` reads them,
+    by the given rounding of a remainder8 master and bfloat16 parameter word: the forms with their
+    NaN tests, or the forms for a master known not to be NaN (the same bits for every other value).
 
     ``key`` is the parameter stream's key and ``i`` the element's flat index (stochastic rounding)."""
-    if fc.param == F32:
-        return f32_bits(x), np.uint32(0)
-    if fc.master == MASTER_R16:
-        hi, rem = remainder16_split(x)
-        return hi, u32(rem)
-    if fc.master == MASTER_R8:
-        hi, rem = remainder8_split(round24(x))
-        return hi, u32(rem)
-    if fc.param == BF16:
-        h = shr32(param_word_wide(x, fc, key, i), 16)
-    else:
-        h = f16_nearest(x)
-    if fc.master == MASTER_F32:
-        return h, f32_bits(x)
-    return h, np.uint32(0)
+
+    @_jit
+    def store(x, fc, key, i):
+        if fc.param == F32:
+            return f32_bits(x), np.uint32(0)
+        if fc.master == MASTER_R16:
+            hi, rem = remainder16_split(x)
+            return hi, u32(rem)
+        if fc.master == MASTER_R8:
+            hi, rem = remainder8_split(round24_of(x))
+            return hi, u32(rem)
+        if fc.param == BF16:
+            h = shr32(param_word_of(x, fc, key, i), 16)
+        else:
+            h = f16_nearest(x)
+        if fc.master == MASTER_F32:
+            return h, f32_bits(x)
+        return h, np.uint32(0)
+
+    return store
 
 
 @_jit
@@ -515,6 +528,11 @@ def param_word_wide(x, fc, key, i):
     if fc.master == MASTER_NONE and fc.stochastic:
         return bf16_stochastic_wide(x, rand32(key, i))
     return bf16_nearest_wide(x)
+
+
+# Every master store of the formats; the cpu loops' NaN-free first try takes store_master_num.
+store_master = _master_store(round24, param_word_wide)
+store_master_num = _master_store(round24_num, param_word_wide_num)
 
 
 @_jit

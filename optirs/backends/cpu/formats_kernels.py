@@ -20,14 +20,13 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
-from optirs.backends.common.bits32 import add32, and32, or32, shl32, shr32, u32
+from optirs.backends.common.bits32 import add32, and32, or32, shl32, shr32
 from optirs.backends.common.elementwise import element_update, lamb_grad_scale
 from optirs.backends.common.variants import variant
-from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32,
-                                            decode16, decode_state, decode_value, encode_state, f16_nearest, f32_bits,
-                                            format_element, lamb_format_element, param_word_wide_num,
-                                            quantize_factors, rand32, remainder16_join, remainder16_split,
-                                            remainder8_join, remainder8_split, slot_bits, state_stream, store_master,
+from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
+                                            decode_state, decode_value, encode_state, f32_bits, format_element,
+                                            lamb_format_element, quantize_factors, rand32, remainder16_join,
+                                            remainder8_join, slot_bits, state_stream, store_master, store_master_num,
                                             stream_key)
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import chunk_trust_ratios
@@ -286,13 +285,6 @@ def _decode_num(raw, kind):
 
 
 @_jit
-def _round24_num(x):
-    """:func:`~optirs.backends.common.formats.round24` of a non-NaN ``x`` (inf rounds to itself)."""
-    u = f32_bits(x)
-    return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
-
-
-@_jit
 def _load_master_num(praw, mraw, fc):
     """:func:`~optirs.backends.common.formats.load_master` by :func:`_decode_num`."""
     if fc.param == F32:
@@ -306,32 +298,12 @@ def _load_master_num(praw, mraw, fc):
     return _decode_num(praw, fc.param)
 
 
-@_jit
-def _store_master_num(x, fc, key, i):
-    """:func:`~optirs.backends.common.formats.store_master` of a non-NaN master ``x``."""
-    if fc.param == F32:
-        return f32_bits(x), np.uint32(0)
-    if fc.master == MASTER_R16:
-        hi, rem = remainder16_split(x)
-        return hi, u32(rem)
-    if fc.master == MASTER_R8:
-        hi, rem = remainder8_split(_round24_num(x))
-        return hi, u32(rem)
-    if fc.param == BF16:
-        h = shr32(param_word_wide_num(x, fc, key, i), 16)
-    else:
-        h = f16_nearest(x)
-    if fc.master == MASTER_F32:
-        return h, f32_bits(x)
-    return h, np.uint32(0)
-
-
 @_inline
 def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
     """:func:`~optirs.backends.common.formats.format_element` by the forms above; also returns the new
     master (its words are the contract's where it and the new state values are not NaN)."""
     p, s0, s1, s2 = element_update(_load_master_num(praw, mraw, fc), _decode_num(graw, fc.grad), s0, s1, s2, sc)
-    pw, mw = _store_master_num(p, fc, key, i)
+    pw, mw = store_master_num(p, fc, key, i)
     return pw, mw, s0, s1, s2, p
 
 
