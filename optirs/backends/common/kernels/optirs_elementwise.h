@@ -20,20 +20,7 @@
 
 /* ---------------------------------------------------------------- Adam / AdamW */
 
-#ifndef OPTIRS_NV_PTX
-#define OPTIRS_NV_PTX 0 /* the host's define on NVIDIA's driver: inline PTX where it saves instructions */
-#endif
-#if OPTIRS_NV_PTX && !defined(OPTIRS_RCP_APPROX)
-/* The reciprocal's approximation divide_by_uniform refines (tests/test_opencl_formats.py puts one
- * within its error bound in its place to check the refinement on any device). */
-float optirs_rcp_approx(float b)
-{
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
-    return y;
-}
-#define OPTIRS_RCP_APPROX(b) optirs_rcp_approx(b)
-#endif
+#include "optirs_ptx.h"
 
 /* a / b for b in (0, 1], the same for every element (Adam's sqrt(1 - beta2^t)), and a a square root
  * of a non-negative float, 0, inf or NaN: the division's bits (optirs/backends/common/division.py,

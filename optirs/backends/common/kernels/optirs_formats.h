@@ -10,6 +10,7 @@
 #define OPTIRS_FORMATS_H
 
 #include "optirs_half.h"
+#include "optirs_ptx.h"
 
 /* ---------------------------------------------------------------- wide bfloat16 words
 
@@ -19,10 +20,6 @@
  * forms below, which leave the low half undefined: a pair of them is stored from their high halves
  * by optirs_pack_high16, where shifting each down and packing took three instructions (the CUDA
  * formats kernels' pack_high16 and bf16_*_wide). */
-
-#ifndef OPTIRS_NV_PTX
-#define OPTIRS_NV_PTX 0 /* the host's define on NVIDIA's driver: inline PTX where it saves instructions */
-#endif
 
 /* The 8 wide words of the 8 bfloat16 values packed in w (element 2i in w's word i's low half). */
 uint8 optirs_bf16_wide8(uint4 w)
@@ -504,15 +501,6 @@ uint optirs_quantize1_packed_finite(float y, __local const uint *packed)
  * reciprocal's approximation and one Newton step, ptxas's own expansion of div.rn there (the numba
  * rcp_fast): three instructions a block and slot, where the division's checks, branches and slow
  * path took about 20 a round. The division elsewhere. */
-#if OPTIRS_NV_PTX && !defined(OPTIRS_RCP_APPROX)
-float optirs_rcp_approx(float b)
-{
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(b));
-    return y;
-}
-#define OPTIRS_RCP_APPROX(b) optirs_rcp_approx(b)
-#endif
 
 int optirs_rcp_in_window(float x)
 {
