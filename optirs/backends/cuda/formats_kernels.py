@@ -44,7 +44,7 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
                                            quantize_packed_finite, rand32, slot_bits, state_stream,
-                                           store_master, store_master_wide, stream_key)
+                                           store_master, store_master_wide, store_master_wide_num, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8)
@@ -731,6 +731,13 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 ok = ok & okj & (xn == xn)
                 pw[j] = f32_bits(xn) if param_nearest else param_word_wide_num(xn, fc, keyp, ij)
                 mw[j] = f32_bits(xn) if master == MASTER_F32 else np.uint32(0)
+            elif wide_rem and master == MASTER_R8:
+                # the new master tested for NaN in the flag (one predicate an element), so that
+                # round24_word needs no exponent test (three instructions an element)
+                ok = ok & okj & (xn == xn)
+                p_, m_ = store_master_wide_num(xn, fc, keyp, ij)
+                pw[j] = p_
+                mw[j] = m_
             else:
                 ok = ok & okj
                 p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
