@@ -82,14 +82,21 @@ def adam_fast_setup(sc):
 @njit(cache=True, error_model="numpy")
 def adam_update_fast(p, g, m, v, vmax, sc, u):
     """:func:`adam_update` by the fast paths: (p, m, v, vmax, ok), adam_update's values where ``ok``
-    (and ``adam_fast_setup``'s) is true; ``u`` is adam_fast_setup's reciprocal."""
+    (and ``adam_fast_setup``'s) is true; ``u`` is adam_fast_setup's reciprocal. ``vmax`` None: the
+    kernel has no amsgrad slot (the vmax returned is then v, for nobody)."""
     p, m, v, a = _adam_terms(p, g, m, v, sc)
     # the radicand without a test of amsgrad: without it ``vmax`` comes in as 0 (an unused slot) and
     # its result is dropped, so x is v wherever v is in the window, and 0 (outside) where v is 0 or
     # negative. NaN-propagating: a NaN v (or vmax) falls outside the window with amsgrad too, so that
     # where ok, no new state value is NaN (m: a is in its window; v <= x; vmax = x): a kernel may
     # encode them without a NaN test (FAST_ELEMENT_STEPS)
-    x = max_nan(vmax, v)
+    if vmax is None:
+        # a kernel without amsgrad's slot passes None (numba compiles this branch alone): x is v,
+        # whose window rejects the NaN, negative and zero v that max_nan(0, v) would have turned
+        # away (one instruction an element)
+        x = v
+    else:
+        x = max_nan(vmax, v)
     denom = divide_by_reciprocal(sqrt_fast(x), sc.bias_correction2_sqrt, u) + sc.eps
     return p - div_fast(a, denom), m, v, x, sqrt_in_window(x, _X_HI) & dividend_in_window(a)
 

@@ -725,7 +725,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         element's flag (true: all 8 results are the exact ones)."""
         for j in range(LANE):
             xp, g = element_inputs(j, pw, gw, mw)
-            xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u)
+            if u2:
+                xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u)
+            else:  # no third slot (Adam without amsgrad): the step compiles without its maximum
+                xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], None, sc, u)
             ij = add32(e, j)
             if param_num:
                 ok = ok & okj & (xn == xn)
