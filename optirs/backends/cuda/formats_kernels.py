@@ -668,6 +668,13 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 unpack8(r1, ssize, w1, True)
             if u2:
                 unpack8(r2, ssize, w2, True)
+            if int8:
+                # quant holds here: the codes decoded in this branch, where a test of quant per slot
+                # below took a uniform branch each (about 3 instructions a round)
+                _decode_state(u0, True, 1, w0, x0, sc0, q_s if sg0 else q_u)
+                _decode_state(u1, True, 1, w1, x1, sc1, q_s if sg1 else q_u)
+                _decode_state(u2, True, 1, w2, x2, sc2, q_s if sg2 else q_u)
+                return sc0, sc1, sc2
         else:
             if psize == 2:
                 ld8_16(pa + base * 2, vec, cnt, pw, widen_param)
