@@ -476,18 +476,21 @@ def test_adam_rounds_outside_the_fast_windows_are_the_exact_step(monkeypatch, fm
     from optirs.core.params import AdamParams
 
     if SIMULATOR:
-        setup, step = elementwise.FAST_ELEMENT_STEPS["adam"]
+        setup, step, windows_ok, start = elementwise.FAST_ELEMENT_STEPS["adam"]
         taken = {True: 0, False: 0}
 
-        def poisoned(p, g, s0, s1, s2, sc, u):
-            p, s0, s1, s2, ok = step(p, g, s0, s1, s2, sc, u)
+        def poisoned(p, g, s0, s1, s2, sc, u, w):
+            # this element's windows alone, then accumulated as the step's own are (by maximum)
+            p, s0, s1, s2, wj = step(p, g, s0, s1, s2, sc, u, start)
+            ok = windows_ok(wj)
             taken[bool(ok)] += 1
+            w = tuple(max(a, b) for a, b in zip(w, wj))
             if ok:
-                return p, s0, s1, s2, ok
+                return p, s0, s1, s2, w
             nan = np.float32(np.nan)
-            return nan, nan, nan, nan, ok
+            return nan, nan, nan, nan, w
 
-        monkeypatch.setitem(elementwise.FAST_ELEMENT_STEPS, "adam", (setup, poisoned))
+        monkeypatch.setitem(elementwise.FAST_ELEMENT_STEPS, "adam", (setup, poisoned, windows_ok, start))
 
     def special(grads):
         g = grads[0]  # 300 elements: rounds of 8 from the lane's first element

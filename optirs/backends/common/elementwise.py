@@ -23,7 +23,8 @@ from numba import float32, float64, njit
 from numba.extending import overload
 
 from optirs.backends.common.division import divide_by_reciprocal, divide_by_uniform, uniform_reciprocal
-from optirs.backends.common.fast_paths import dividend_in_window, div_fast, max_nan, sqrt_fast, sqrt_in_window
+from optirs.backends.common.bits32 import f32_bits_cast, shl32, sub32
+from optirs.backends.common.fast_paths import (DIVIDEND_HI, DIVIDEND_LO, SQRT_LO, div_fast, max_nan, sqrt_fast)
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.definitions import DEFINITIONS
 
@@ -58,14 +59,20 @@ def adam_update(p, g, m, v, vmax, sc):
 
 # Adam by the GPU's fast square root and division (optirs.backends.common.fast_paths), for a kernel
 # that takes a group of elements without a branch per element and redoes the group by adam_update
-# where any element's flag is false. The flag is the two windows: x's (sqrt_fast is the square root)
-# and a's (a dividend of div_fast's window). The divisor's window is implied: with x in
-# [2**-101, 2**64) the root is in [2**-51, 2**32) (finite and positive: divide_by_reciprocal is
+# where any element is outside the two windows: x's (sqrt_fast is the square root) and a's (a dividend
+# of div_fast's window). Each window is an unsigned range test, ``bits - lo <= hi - lo``, so a group's
+# test can be one compare of the largest ``bits - lo`` (adam_windows_ok: one maximum an element, for x
+# sm_90's VIADDMNMX, where each element's compares and the predicate and-ed into the flag took three or
+# four instructions). The divisor's window is implied: with x in [2**-101, 2**64) the root is in [2**-51, 2**32) (finite and positive: divide_by_reciprocal is
 # divide_by_uniform), so with the bias correction in [2**-16, 1] and eps in [0, 1], which
 # adam_fast_setup tests once, the denominator is in [2**-51, 2**49), div_fast's window: no test an
 # element. On the cpu the operations are the IEEE ones and the results adam_update's.
 
 _X_HI = np.uint32(0x5F7FFFFF)  # x < 2**64
+_X_SPAN = np.uint32(_X_HI - SQRT_LO)
+_A_LO2 = np.uint32(DIVIDEND_LO << 1)  # |a|'s window on bits(a) << 1 (the sign shifted out)
+_A_SPAN = np.uint32((DIVIDEND_HI << 1) - (DIVIDEND_LO << 1))
+ADAM_WINDOWS_START = (np.uint32(0), np.uint32(0))
 _BC_MIN = np.float32(2.0**-16)
 _ONE = np.float32(1)
 _ZERO = np.float32(0)
@@ -80,10 +87,12 @@ def adam_fast_setup(sc):
 
 
 @njit(cache=True, error_model="numpy")
-def adam_update_fast(p, g, m, v, vmax, sc, u):
-    """:func:`adam_update` by the fast paths: (p, m, v, vmax, ok), adam_update's values where ``ok``
-    (and ``adam_fast_setup``'s) is true; ``u`` is adam_fast_setup's reciprocal. ``vmax`` None: the
-    kernel has no amsgrad slot (the vmax returned is then v, for nobody)."""
+def adam_update_fast(p, g, m, v, vmax, sc, u, w):
+    """:func:`adam_update` by the fast paths: (p, m, v, vmax, w), adam_update's values where
+    ``adam_windows_ok(w)`` (and ``adam_fast_setup``'s ok) is true; ``u`` is adam_fast_setup's
+    reciprocal, ``w`` the windows' words of the elements before (ADAM_WINDOWS_START for none), which
+    come back with this element's. ``vmax`` None: the kernel has no amsgrad slot (the vmax returned
+    is then v, for nobody)."""
     p, m, v, a = _adam_terms(p, g, m, v, sc)
     # the radicand without a test of amsgrad: without it ``vmax`` comes in as 0 (an unused slot) and
     # its result is dropped, so x is v wherever v is in the window, and 0 (outside) where v is 0 or
@@ -98,7 +107,17 @@ def adam_update_fast(p, g, m, v, vmax, sc, u):
     else:
         x = max_nan(vmax, v)
     denom = divide_by_reciprocal(sqrt_fast(x), sc.bias_correction2_sqrt, u) + sc.eps
-    return p - div_fast(a, denom), m, v, x, sqrt_in_window(x, _X_HI) & dividend_in_window(a)
+    ws, wa = w
+    ws = max(ws, sub32(f32_bits_cast(x), SQRT_LO))
+    wa = max(wa, sub32(shl32(f32_bits_cast(a), 1), _A_LO2))
+    return p - div_fast(a, denom), m, v, x, (ws, wa)
+
+
+@njit(cache=True, error_model="numpy")
+def adam_windows_ok(w):
+    """Whether every element whose words :func:`adam_update_fast` accumulated into ``w`` has x and a
+    in their windows (fast_paths.sqrt_in_window narrowed to _X_HI, dividend_in_window)."""
+    return (w[0] <= _X_SPAN) & (w[1] <= _A_SPAN)
 
 
 @njit(cache=True, error_model="numpy")
@@ -282,12 +301,14 @@ def adam_element(p, g, m, v, vmax, sc):
 
 
 # Families whose element step has a fast-path variant (adam_update_fast's contract):
-# ``setup(sc) -> (u, ok)`` once per launch, ``step(p, g, s0, s1, s2, sc, u) -> (p, s0, s1, s2, ok)``,
-# the element step's values wherever both flags are true, and where they are, no new state value is
-# NaN (the kernels encode them without a NaN test; the parameter they test). The cuda formats
-# kernels use them; the other families (RMSprop, Adagrad, NAdam, RAdam, Adadelta, LAMB) keep their
+# ``setup(sc) -> (u, ok)`` once per launch; ``step(p, g, s0, s1, s2, sc, u, w) -> (p, s0, s1, s2, w)``
+# with ``w`` the windows' words (a tuple of uint32, accumulated by maximum from ``start``);
+# ``windows_ok(w)``: the element step's values for every element accumulated into ``w`` wherever it
+# and setup's ok are true, and where they are, no new state value is NaN (the kernels encode them
+# without a NaN test; the parameter they test). A kernel tests ``w`` once per element or once per
+# group of elements. The cuda formats kernels use them; the other families (RMSprop, Adagrad, NAdam, RAdam, Adadelta, LAMB) keep their
 # IEEE operations.
-FAST_ELEMENT_STEPS = {"adam": (adam_fast_setup, adam_update_fast)}
+FAST_ELEMENT_STEPS = {"adam": (adam_fast_setup, adam_update_fast, adam_windows_ok, ADAM_WINDOWS_START)}
 
 
 @element_step("sgd")

@@ -618,7 +618,13 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
     # a family with a fast-path element step (optirs.backends.common.elementwise.FAST_ELEMENT_STEPS)
     # takes it first; the others compile the exact pass only
-    fast_setup, fast_step = FAST_ELEMENT_STEPS.get(family, (_no_fast_setup, _no_fast_step))
+    fast_setup, fast_step, windows_ok, w_start = FAST_ELEMENT_STEPS.get(
+        family, (_no_fast_setup, _no_fast_step, _no_windows_ok, (np.uint32(0),)))
+    # the windows tested once a round (their words accumulated by maximum) in the int8 kernels: 1-2
+    # instructions an element fewer at their cap of 64 registers (static SASS). The others test each
+    # element, so that the uncapped bfloat16-state kernels keep their registers (ptxas 13 gave nearest
+    # + bf16 state 96 registers for the round's test, 72 for the element's)
+    windows_once = int8
     fast = family in FAST_ELEMENT_STEPS and not lamb
     # bfloat16 state: each path of a round encodes its own new values (random bits drawn there), the
     # fast one without a NaN test (its flag says none is NaN); the stores only pack
@@ -729,13 +735,17 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     def fast_elements(pw, gw, mw, w0, w1, w2, x0, x1, x2, e, keyp, key01, key2, sc, u, ok):
         """The lane's 8 element steps by the family's fast variant, results written as the exact pass
         writes them (bfloat16 state already encoded, into ``w0``-``w2``); returns ``ok`` and-ed with every
-        element's flag (true: all 8 results are the exact ones)."""
+        element's windows (true: all 8 results are the exact ones)."""
+        w = w_start
         for j in range(LANE):
             xp, g = element_inputs(j, pw, gw, mw)
+            if not windows_once:
+                w = w_start
             if u2:
-                xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u)
+                xn, a, b, d, w = fast_step(xp, g, x0[j], x1[j], x2[j], sc, u, w)
             else:  # no third slot (Adam without amsgrad): the step compiles without its maximum
-                xn, a, b, d, okj = fast_step(xp, g, x0[j], x1[j], None, sc, u)
+                xn, a, b, d, w = fast_step(xp, g, x0[j], x1[j], None, sc, u, w)
+            okj = True if windows_once else windows_ok(w)
             ij = add32(e, j)
             if param_num:
                 ok = ok & okj & (xn == xn)
@@ -767,6 +777,8 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 x0[j] = a
                 x1[j] = b
                 x2[j] = d
+        if windows_once:
+            ok = ok & windows_ok(w)
         if param_nearest:
             for k in range(LANE // 2):
                 pw[k] = cvt_pack_bf16(bits_f32(pw[2 * k]), bits_f32(pw[2 * k + 1]))
@@ -1011,8 +1023,13 @@ def _no_fast_setup(sc):
 
 
 @_device
-def _no_fast_step(p, g, s0, s1, s2, sc, u):
-    return p, s0, s1, s2, False
+def _no_fast_step(p, g, s0, s1, s2, sc, u, w):
+    return p, s0, s1, s2, w
+
+
+@_device
+def _no_windows_ok(w):
+    return False
 
 
 @_device
