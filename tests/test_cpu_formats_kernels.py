@@ -151,3 +151,56 @@ def test_every_avx512_form_counts_at_the_midpoints(signed):
         got = np.zeros(codes.size, np.float32)
         decode(codes, table, np.float32(3.7e-3), 0, codes.size, got)
         assert np.array_equal(got, q[codes] * np.float32(3.7e-3)), decode.__name__
+
+
+_SHARED_HEAP = r"""
+import sys, threading
+import numpy as np
+from optirs import AdamParams, GpuAdam, GpuOptimizerConfig, Precision
+
+def run(state, hammer):
+    opt = GpuAdam(AdamParams(lr=1e-3), config=GpuOptimizerConfig(backend="cpu"), precision=Precision(state_dtype=state))
+    rng = np.random.default_rng(0)
+    p = rng.standard_normal(1 << 17).astype(np.float32)
+    g = rng.standard_normal(1 << 17).astype(np.float32)
+    opt.move_to_gpu()
+    stop, bad = threading.Event(), [0]
+
+    def allocate():  # blocks of the loops' scratch size, each checked after the others are made
+        while not stop.is_set():
+            blocks = [np.full(256 + i % 8, i, np.float32) for i in range(64)]
+            bad[0] += sum(int(not (b == i).all()) for i, b in enumerate(blocks))
+
+    other = threading.Thread(target=allocate)
+    if hammer:
+        other.start()
+    for _ in range(12):
+        opt.step_gpu(p, g)
+    stop.set()
+    if hammer:
+        other.join()
+    return p.view(np.uint32).copy(), bad[0]
+
+for state in ("int8", "bfloat16"):
+    quiet, _ = run(state, False)
+    busy, bad = run(state, True)
+    print(state, int((quiet != busy).sum()), bad)
+"""
+
+
+def test_step_scratch_lives_while_another_thread_allocates():
+    """The loops' scratch blocks (viewed without references) live until the loops are done: with
+    every thread on one malloc arena and another thread allocating blocks of the same size, a block
+    freed early was handed to that thread while the step still wrote it (glibc aborted, or the step
+    or the other thread read the other's values)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MALLOC_ARENA_MAX="1", NUMBA_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", _SHARED_HEAP], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert [line[0] for line in lines] == ["int8", "bfloat16"], out.stdout
+    for state, differ, bad in lines:
+        assert (differ, bad) == ("0", "0"), f"{state} state: {differ} parameters differ, {bad} blocks overwritten"

@@ -48,7 +48,9 @@ _inline = njit(cache=False, error_model="numpy", inline="always")
 @intrinsic
 def _span(typingctx, a, start, stop):
     """``a[start:stop]`` of a 1-D contiguous array (0 <= start <= stop <= len(a), not checked) as a
-    view that holds no reference to ``a``'s memory: the caller keeps ``a`` alive.
+    view that holds no reference to ``a``'s memory: the caller keeps ``a`` alive (an argument, or a
+    scratch array passed to :func:`_hold` after the view's last use: numba frees an array right
+    after its own last use, and a view of freed memory writes into the heap).
 
     A slice takes a reference (an atomic increment of the array's count, and a decrement when it
     dies): per int8 block, the loop's slices of (and calls with) the arrays every thread shares
@@ -67,6 +69,18 @@ def _span(typingctx, a, start, stop):
         return out._getvalue()
 
     return sig, codegen
+
+
+@intrinsic
+def _hold(typingctx, a):
+    """A use of ``a`` that does nothing: ``a`` (a scratch array viewed by :func:`_span`) lives up to here."""
+    if not isinstance(a, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return context.get_dummy_value()
+
+    return types.none(a), codegen
 
 
 @_jit
@@ -423,7 +437,8 @@ def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
     # words to redo it whole cost what the forms save (copy loops), or stopped the loop vectorizing
     # (the copies in the element loop: LLVM's run-time alias checks of five more arrays)
     n = p.shape[0]
-    mk = _all(np.empty(min(n, SUB), np.uint8))
+    marks = np.empty(min(n, SUB), np.uint8)
+    mk = _all(marks)
     for b in range(0, n, SUB):
         m = min(SUB, n - b)
         sm = _span(mb, b, b + m) if HAS_MASTER else mb
@@ -439,6 +454,7 @@ def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
                     RUN_WORDS(_span(p, j, j + 1), _span(g, j, j + 1), _span(mb, j, j + 1) if HAS_MASTER else mb,
                               _span(v0, j, j + 1) if U0 else v0, _span(v1, j, j + 1) if U1 else v1,
                               _span(v2, j, j + 1) if U2 else v2, sc, keyp, k01, k2, add32(o, j), mk)
+    _hold(marks)
 
 
 def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1, e2, off,
@@ -467,13 +483,13 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
     # Each block in three loops: the codes decoded (lookups in registers, int8_native), the element
     # loop over the float32 scratch (the same vectorized loop as float32 state, which also returns
     # the integer maxima of the new magnitudes: the block's absmax), the new codes (_encode_scaled)
-    a0 = np.zeros(BLOCK, np.float32)
-    a1 = np.zeros(BLOCK, np.float32)
-    a2 = np.zeros(BLOCK, np.float32)
-    ix = np.zeros(BLOCK, np.uint32)
+    s0 = np.zeros(BLOCK, np.float32)
+    s1 = np.zeros(BLOCK, np.float32)
+    s2 = np.zeros(BLOCK, np.float32)
+    si = np.zeros(BLOCK, np.uint32)
     # every array the blocks read as a view without references (_span), so that no block's calls
-    # and slices count references to the arrays all threads share
-    p, g, mbuf, a0, a1, a2, ix = _all(p), _all(g), _all(mbuf), _all(a0), _all(a1), _all(a2), _all(ix)
+    # and slices count references to the arrays all threads share; the scratch is held to the end
+    p, g, mbuf, a0, a1, a2, ix = _all(p), _all(g), _all(mbuf), _all(s0), _all(s1), _all(s2), _all(si)
     w0, c0, q0, d0, t0, e0 = _all(w0), _all(c0), _all(q0), _all(d0), _all(t0), _all(e0)
     w1, c1, q1, d1, t1, e1 = _all(w1), _all(c1), _all(q1), _all(d1), _all(t1), _all(e1)
     w2, c2, q2, d2, t2, e2 = _all(w2), _all(c2), _all(q2), _all(d2), _all(t2), _all(e2)
@@ -498,6 +514,10 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             _encode_scaled(w1, c1, d1, t1, e1, blk, o, n, a1, ix, _absmax_of_top(top1, a1, n))
         if U2:
             _encode_scaled(w2, c2, d2, t2, e2, blk, o, n, a2, ix, _absmax_of_top(top2, a2, n))
+    _hold(s0)
+    _hold(s1)
+    _hold(s2)
+    _hold(si)
 
 
 def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,
