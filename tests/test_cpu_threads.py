@@ -57,3 +57,27 @@ def test_a_step_is_the_reference_step_whatever_the_thread_count(free):
     assert numba.get_num_threads() == before
     for p, e in zip(params, expected):
         np.testing.assert_allclose(p, e, rtol=1e-5, atol=1e-6)
+
+
+def test_claimed_chunks_are_each_stepped_once():
+    """Chunks claimed from a shared counter (optirs.backends.cpu.claims): with numba's threads
+    claiming concurrently, every chunk is taken exactly once, however few or many chunks."""
+    import numba
+    from numba import njit, prange
+
+    from optirs.backends.cpu.claims import LOOPS, claim, counter, loops
+
+    @njit(parallel=True)
+    def take(nchunks, taken):
+        next_chunk = counter()
+        for _ in prange(loops(nchunks)):
+            c = claim(next_chunk)
+            while c < nchunks:
+                taken[c] += 1
+                c = claim(next_chunk)
+
+    assert numba.get_num_threads() >= 1
+    for nchunks in (1, 2, LOOPS - 1, LOOPS + 1, 200_000):
+        taken = np.zeros(nchunks, np.int64)
+        take(nchunks, taken)
+        assert taken.min() == 1 and taken.max() == 1, nchunks

@@ -28,6 +28,7 @@ from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_
                                             lamb_format_element, quantize_factors, rand32, remainder16_join,
                                             remainder8_join, slot_bits, state_stream, store_master, store_master_num,
                                             stream_key)
+from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
@@ -533,10 +534,17 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     keyp = stream_key(seed, step, 0)
     k01, k2 = stream_key(seed, step, state_stream(0)), stream_key(seed, step, state_stream(2))
     e0, e1, e2 = _trees(d0, t0, d1, t1, d2, t2, U0 and INT8, U1 and INT8, U2 and INT8)  # read by every chunk
-    for c in prange(chunk_tensor.shape[0]):
-        t = chunk_tensor[c]
-        CHUNK(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1,
-              e2, table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k01, k2)
+    # each thread claims the next chunk until none is left (claims: a thread held up by the scheduler
+    # delays the step by one chunk, not by a static share)
+    nchunks = chunk_tensor.shape[0]
+    next_chunk = counter()
+    for _ in prange(loops(nchunks)):
+        c = claim(next_chunk)
+        while c < nchunks:
+            t = chunk_tensor[c]
+            CHUNK(ps[t], gs[t], mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0,
+                  e1, e2, table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], sc, keyp, k01, k2)
+            c = claim(next_chunk)
 
 
 @_jit

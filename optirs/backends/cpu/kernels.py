@@ -16,6 +16,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 from numba.typed import List
 
+from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.common.elementwise import (element_update, lamb_direction, lamb_grad_scale, lamb_moments,
                                                lamb_trust_ratio)
 
@@ -58,51 +59,62 @@ def typed_list(arrays):
     return out
 
 
+@njit(error_model="numpy")  # compiled into pointwise (and cached with it): its loops inline and vectorize
+def _pointwise_chunk(ps, gs, s0, s1, s2, used, offsets, t, s, e, sc):
+    """:func:`pointwise`'s elements ``s`` to ``e`` of tensor ``t`` (one chunk)."""
+    zero = np.float32(0.0)
+    o = offsets[t] + s
+    n = e - s
+    p, g = ps[t][s:e], gs[t][s:e]
+    if used == 7:
+        a, b, x = s0[o : o + n], s1[o : o + n], s2[o : o + n]
+        for i in range(n):
+            p[i], a[i], b[i], x[i] = element_update(p[i], g[i], a[i], b[i], x[i], sc)
+    elif used == 3:
+        a, b = s0[o : o + n], s1[o : o + n]
+        for i in range(n):
+            p[i], a[i], b[i], _ = element_update(p[i], g[i], a[i], b[i], zero, sc)
+    elif used == 5:
+        a, x = s0[o : o + n], s2[o : o + n]
+        for i in range(n):
+            p[i], a[i], _, x[i] = element_update(p[i], g[i], a[i], zero, x[i], sc)
+    elif used == 1:
+        a = s0[o : o + n]
+        for i in range(n):
+            p[i], a[i], _, _ = element_update(p[i], g[i], a[i], zero, zero, sc)
+    elif used == 6:
+        b, x = s1[o : o + n], s2[o : o + n]
+        for i in range(n):
+            p[i], _, b[i], x[i] = element_update(p[i], g[i], zero, b[i], x[i], sc)
+    elif used == 2:
+        b = s1[o : o + n]
+        for i in range(n):
+            p[i], _, b[i], _ = element_update(p[i], g[i], zero, b[i], zero, sc)
+    elif used == 4:
+        x = s2[o : o + n]
+        for i in range(n):
+            p[i], _, _, x[i] = element_update(p[i], g[i], zero, zero, x[i], sc)
+    else:
+        for i in range(n):
+            p[i], _, _, _ = element_update(p[i], g[i], zero, zero, zero, sc)
+
+
 @jit
 def pointwise(ps, gs, s0, s1, s2, used, offsets, chunk_tensor, chunk_start, chunk_stop, sc):
     """Every elementwise optimizer: the element step of ``sc``'s family over the chunk table.
 
     Bit k of ``used`` says state slot k exists. Each combination has its own inner loop, so
     the flags are tested once per chunk and LLVM vectorizes a plain counted loop; a missing
-    slot is read as 0 and never written.
+    slot is read as 0 and never written. Each thread claims the next chunk until none is left
+    (:mod:`optirs.backends.cpu.claims`).
     """
-    zero = np.float32(0.0)
-    for c in prange(chunk_tensor.shape[0]):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        o = offsets[t] + s
-        n = e - s
-        p, g = ps[t][s:e], gs[t][s:e]
-        if used == 7:
-            a, b, x = s0[o : o + n], s1[o : o + n], s2[o : o + n]
-            for i in range(n):
-                p[i], a[i], b[i], x[i] = element_update(p[i], g[i], a[i], b[i], x[i], sc)
-        elif used == 3:
-            a, b = s0[o : o + n], s1[o : o + n]
-            for i in range(n):
-                p[i], a[i], b[i], _ = element_update(p[i], g[i], a[i], b[i], zero, sc)
-        elif used == 5:
-            a, x = s0[o : o + n], s2[o : o + n]
-            for i in range(n):
-                p[i], a[i], _, x[i] = element_update(p[i], g[i], a[i], zero, x[i], sc)
-        elif used == 1:
-            a = s0[o : o + n]
-            for i in range(n):
-                p[i], a[i], _, _ = element_update(p[i], g[i], a[i], zero, zero, sc)
-        elif used == 6:
-            b, x = s1[o : o + n], s2[o : o + n]
-            for i in range(n):
-                p[i], _, b[i], x[i] = element_update(p[i], g[i], zero, b[i], x[i], sc)
-        elif used == 2:
-            b = s1[o : o + n]
-            for i in range(n):
-                p[i], _, b[i], _ = element_update(p[i], g[i], zero, b[i], zero, sc)
-        elif used == 4:
-            x = s2[o : o + n]
-            for i in range(n):
-                p[i], _, _, x[i] = element_update(p[i], g[i], zero, zero, x[i], sc)
-        else:
-            for i in range(n):
-                p[i], _, _, _ = element_update(p[i], g[i], zero, zero, zero, sc)
+    nchunks = chunk_tensor.shape[0]
+    next_chunk = counter()
+    for _ in prange(loops(nchunks)):
+        c = claim(next_chunk)
+        while c < nchunks:
+            _pointwise_chunk(ps, gs, s0, s1, s2, used, offsets, chunk_tensor[c], chunk_start[c], chunk_stop[c], sc)
+            c = claim(next_chunk)
 
 
 # Sums of squares for LAMB's norms, in float64. ``reassoc`` lets LLVM split the sum over vector
