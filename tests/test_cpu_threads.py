@@ -70,7 +70,7 @@ def test_claimed_chunks_are_each_stepped_once():
     @njit(parallel=True)
     def take(nchunks, taken):
         next_chunk = counter()
-        for _ in prange(loops(nchunks)):
+        for _loop in prange(loops(nchunks)):
             c = claim(next_chunk)
             while c < nchunks:
                 taken[c] += 1

@@ -9,7 +9,7 @@ claims the next chunk from a shared counter (one atomic add a chunk of 32K eleme
 is held up delays the step by at most the chunk it holds, and the others take the rest.
 
     next_chunk = counter()
-    for _ in prange(loops(nchunks)):
+    for _loop in prange(loops(nchunks)):
         c = claim(next_chunk)
         while c < nchunks:
             ...  # chunk c

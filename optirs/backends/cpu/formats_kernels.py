@@ -538,7 +538,7 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     # delays the step by one chunk, not by a static share)
     nchunks = chunk_tensor.shape[0]
     next_chunk = counter()
-    for _ in prange(loops(nchunks)):
+    for _loop in prange(loops(nchunks)):
         c = claim(next_chunk)
         while c < nchunks:
             t = chunk_tensor[c]
@@ -592,66 +592,78 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
     norm = 0.0  # unused without clipping: the scale is then the gradient factor alone
     if sc.max_grad_norm > 0:
         partial = np.zeros(nchunks, dtype=np.float64)
-        for c in prange(nchunks):
-            partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], FC.grad)
+        next_chunk = counter()
+        for _loop in prange(loops(nchunks)):
+            c = claim(next_chunk)
+            while c < nchunks:
+                partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], FC.grad)
+                c = claim(next_chunk)
         norm = np.sqrt(partial.sum())
     grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
     p_sq = np.zeros(nchunks, dtype=np.float64)
     u_sq = np.zeros(nchunks, dtype=np.float64)
-    for c in prange(nchunks):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        p, g = ps[t], gs[t]
-        off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-        a0 = np.zeros(BLOCK, np.float32)
-        a1 = np.zeros(BLOCK, np.float32)
-        ps_c, us_c = 0.0, 0.0
-        for b in range(s, e, BLOCK):
-            n = min(BLOCK, e - b)
-            blk = blk0 + b // BLOCK
-            sob = so + b if so >= 0 else so
-            o = off + b
-            LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
-            for i in range(n):
-                x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, HAS_MASTER),
-                                                 np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
-                ps_c += np.float64(x) * np.float64(x)
-                us_c += np.float64(u) * np.float64(u)
-        p_sq[c], u_sq[c] = ps_c, us_c
+    next_chunk = counter()
+    for _loop in prange(loops(nchunks)):
+        c = claim(next_chunk)
+        while c < nchunks:
+            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+            p, g = ps[t], gs[t]
+            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
+            a0 = np.zeros(BLOCK, np.float32)
+            a1 = np.zeros(BLOCK, np.float32)
+            ps_c, us_c = 0.0, 0.0
+            for b in range(s, e, BLOCK):
+                n = min(BLOCK, e - b)
+                blk = blk0 + b // BLOCK
+                sob = so + b if so >= 0 else so
+                o = off + b
+                LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
+                for i in range(n):
+                    x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, HAS_MASTER),
+                                                     np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
+                    ps_c += np.float64(x) * np.float64(x)
+                    us_c += np.float64(u) * np.float64(u)
+            p_sq[c], u_sq[c] = ps_c, us_c
+            c = claim(next_chunk)
     ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     keyp = stream_key(seed, step, 0)
     k01 = stream_key(seed, step, state_stream(0))
     e0, e1, _ = _trees(d0, t0, d1, t1, d1, t1, INT8, INT8, False)  # read by every chunk
-    for c in prange(nchunks):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        p, g = ps[t], gs[t]
-        off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-        a0 = np.zeros(BLOCK, np.float32)
-        a1 = np.zeros(BLOCK, np.float32)
-        ix = np.zeros(BLOCK, np.uint32)
-        lr_t = sc.lr * ratio[t]
-        for b in range(s, e, BLOCK):
-            n = min(BLOCK, e - b)
-            blk = blk0 + b // BLOCK
-            sob = so + b if so >= 0 else so
-            o = off + b
-            LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
-            for i in range(n):
-                idx = o + i
-                x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, HAS_MASTER),
-                                                   np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
-                pw, mw = store_master(x - lr_t * u, FC, keyp, idx)
-                p[b + i] = pw
-                if HAS_MASTER:
-                    mbuf[idx] = mw
-                a0[i], a1[i] = mn, vn
-            if INT8:
-                _store_codes_or_small(w0, c0, m0, d0, t0, e0, blk, sob, o, n, a0, ix)
-            else:
-                _store_words(w0, FC.state, o, n, a0, k01, 0)
-            if INT8:
-                _store_codes_or_small(w1, c1, m1, d1, t1, e1, blk, sob, o, n, a1, ix)
-            else:
-                _store_words(w1, FC.state, o, n, a1, k01, 1)
+    next_chunk = counter()
+    for _loop in prange(loops(nchunks)):
+        c = claim(next_chunk)
+        while c < nchunks:
+            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+            p, g = ps[t], gs[t]
+            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
+            a0 = np.zeros(BLOCK, np.float32)
+            a1 = np.zeros(BLOCK, np.float32)
+            ix = np.zeros(BLOCK, np.uint32)
+            lr_t = sc.lr * ratio[t]
+            for b in range(s, e, BLOCK):
+                n = min(BLOCK, e - b)
+                blk = blk0 + b // BLOCK
+                sob = so + b if so >= 0 else so
+                o = off + b
+                LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
+                for i in range(n):
+                    idx = o + i
+                    x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, HAS_MASTER),
+                                                       np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
+                    pw, mw = store_master(x - lr_t * u, FC, keyp, idx)
+                    p[b + i] = pw
+                    if HAS_MASTER:
+                        mbuf[idx] = mw
+                    a0[i], a1[i] = mn, vn
+                if INT8:
+                    _store_codes_or_small(w0, c0, m0, d0, t0, e0, blk, sob, o, n, a0, ix)
+                else:
+                    _store_words(w0, FC.state, o, n, a0, k01, 0)
+                if INT8:
+                    _store_codes_or_small(w1, c1, m1, d1, t1, e1, blk, sob, o, n, a1, ix)
+                else:
+                    _store_words(w1, FC.state, o, n, a1, k01, 1)
+            c = claim(next_chunk)
 
 
 @_pjit

@@ -110,7 +110,7 @@ def pointwise(ps, gs, s0, s1, s2, used, offsets, chunk_tensor, chunk_start, chun
     """
     nchunks = chunk_tensor.shape[0]
     next_chunk = counter()
-    for _ in prange(loops(nchunks)):
+    for _loop in prange(loops(nchunks)):
         c = claim(next_chunk)
         while c < nchunks:
             _pointwise_chunk(ps, gs, s0, s1, s2, used, offsets, chunk_tensor[c], chunk_start[c], chunk_stop[c], sc)
@@ -145,8 +145,12 @@ def _sum_squared_directions(p, m, v, sc):
 @jit
 def _global_grad_norm(gs, chunk_tensor, chunk_start, chunk_stop):
     partial = np.zeros(chunk_tensor.shape[0], dtype=np.float64)
-    for c in prange(chunk_tensor.shape[0]):
-        partial[c] = _sum_squares(gs[chunk_tensor[c]][chunk_start[c] : chunk_stop[c]])
+    next_chunk = counter()
+    for _loop in prange(loops(chunk_tensor.shape[0])):
+        c = claim(next_chunk)
+        while c < chunk_tensor.shape[0]:
+            partial[c] = _sum_squares(gs[chunk_tensor[c]][chunk_start[c] : chunk_stop[c]])
+            c = claim(next_chunk)
     return np.sqrt(partial.sum())
 
 
@@ -175,20 +179,28 @@ def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors,
     # Pass 1: moments, then the chunk's sums of p^2 and u^2 (float64) while it is in cache.
     p_sq = np.zeros(nchunks, dtype=np.float64)
     u_sq = np.zeros(nchunks, dtype=np.float64)
-    for c in prange(nchunks):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        o = offsets[t] + s
-        p, g, mc, vc = ps[t][s:e], gs[t][s:e], m[o : o + e - s], v[o : o + e - s]
-        for i in range(e - s):
-            mc[i], vc[i] = lamb_moments(g[i], mc[i], vc[i], grad_scale, sc)
-        p_sq[c] = _sum_squares(p)
-        u_sq[c] = _sum_squared_directions(p, mc, vc, sc)
+    next_chunk = counter()
+    for _loop in prange(loops(nchunks)):
+        c = claim(next_chunk)
+        while c < nchunks:
+            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+            o = offsets[t] + s
+            p, g, mc, vc = ps[t][s:e], gs[t][s:e], m[o : o + e - s], v[o : o + e - s]
+            for i in range(e - s):
+                mc[i], vc[i] = lamb_moments(g[i], mc[i], vc[i], grad_scale, sc)
+            p_sq[c] = _sum_squares(p)
+            u_sq[c] = _sum_squared_directions(p, mc, vc, sc)
+            c = claim(next_chunk)
     ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     # Pass 2: apply; u is recomputed from the same float32 inputs, so it is the same value.
-    for c in prange(nchunks):
-        t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-        o = offsets[t] + s
-        p, mc, vc = ps[t][s:e], m[o : o + e - s], v[o : o + e - s]
-        step = sc.lr * ratio[t]
-        for i in range(e - s):
-            p[i] = p[i] - step * lamb_direction(p[i], mc[i], vc[i], sc)
+    next_chunk = counter()
+    for _loop in prange(loops(nchunks)):
+        c = claim(next_chunk)
+        while c < nchunks:
+            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
+            o = offsets[t] + s
+            p, mc, vc = ps[t][s:e], m[o : o + e - s], v[o : o + e - s]
+            step = sc.lr * ratio[t]
+            for i in range(e - s):
+                p[i] = p[i] - step * lamb_direction(p[i], mc[i], vc[i], sc)
+            c = claim(next_chunk)
