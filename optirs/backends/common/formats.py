@@ -279,19 +279,27 @@ def remainder16_join(hi, rem):
 
 
 @_jit
-def round24(x):
-    """float32 -> float32 with its low 8 bits zero, nearest even on them (non-finite stays)."""
+def round24_word_num(x):
+    """:func:`round24_word` of an ``x`` known not to be NaN (inf included: its low byte is 0, so the
+    rounding increment carries nothing into the top 24 bits): the rounding without the test. A GPU
+    kernel whose round has tested its masters once (a fast step's flag) pays the shift, the mask and
+    one add, where the exponent test and its select took three more."""
     u = f32_bits(x)
-    if and32(u, _EXP) == _EXP:
-        return x
-    return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
+    return add32(add32(u, 0x7F), and32(shr32(u, 8), 1))
 
 
 @_jit
 def round24_num(x):
     """:func:`round24` of a non-NaN ``x`` (inf rounds to itself: the same bits, no exponent test)."""
-    u = f32_bits(x)
-    return bits_f32(shl32(shr32(add32(add32(u, 0x7F), and32(shr32(u, 8), 1)), 8), 8))
+    return bits_f32(shl32(shr32(round24_word_num(x), 8), 8))
+
+
+@_jit
+def round24(x):
+    """float32 -> float32 with its low 8 bits zero, nearest even on them (non-finite stays)."""
+    if and32(f32_bits(x), _EXP) == _EXP:
+        return x
+    return round24_num(x)
 
 
 @_jit
@@ -301,17 +309,7 @@ def round24_word(x):
     u = f32_bits(x)
     if and32(u, _EXP) == _EXP:
         return u
-    return add32(add32(u, 0x7F), and32(shr32(u, 8), 1))
-
-
-@_jit
-def round24_word_num(x):
-    """:func:`round24_word` of an ``x`` known not to be NaN (inf included: its low byte is 0, so the
-    rounding increment carries nothing into the top 24 bits): the rounding without the test. A GPU
-    kernel whose round has tested its masters once (a fast step's flag) pays the shift, the mask and
-    one add, where the exponent test and its select took three more."""
-    u = f32_bits(x)
-    return add32(add32(u, 0x7F), and32(shr32(u, 8), 1))
+    return round24_word_num(x)
 
 
 @_jit
