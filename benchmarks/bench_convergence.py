@@ -3,7 +3,7 @@ source, or a small convnet on scikit-learn's digits.
 
 fp32 AdamW (torch.optim.AdamW) against optirs.torch.AdamW in each format: bfloat16 parameters
 over float32 / remainder16 / remainder8 masters or none with stochastic rounding, and state in
-float32 / bfloat16 / int8; plus float32 parameters with int8 state. Every run starts from the
+float32 / bfloat16 / int8 (the dynamic map, and the square-root codes); plus float32 parameters with int8 state. Every run starts from the
 same float32 weights (cast to the run's parameter dtype) and sees the same batches in the same
 order; the validation loss is the mean cross-entropy over a fixed held-out split, evaluated in
 float32 on the run's parameters. Peers (bitsandbytes AdamW8bit, FlashOptim's FlashAdamW) run
@@ -42,10 +42,11 @@ import optirs.torch as ot
 FORMATS: List[Tuple[str, torch.dtype, Optional[dict]]] = [
     ("fp32 torch AdamW", torch.float32, None),
     ("fp32 params, int8 state", torch.float32, dict(state_dtype="int8")),
+    ("fp32 params, int8 sqrt state", torch.float32, dict(state_dtype="int8_sqrt")),
 ]
 for _master, _label in (("float32", "fp32 masters"), ("remainder16", "remainder16"), ("remainder8", "remainder8"),
                         (None, "no masters + SR")):
-    for _state in ("float32", "bfloat16", "int8"):
+    for _state in ("float32", "bfloat16", "int8", "int8_sqrt"):
         FORMATS.append((f"bf16 params, {_label}, {_state} state", torch.bfloat16,
                         dict(master_weights=_master, state_dtype=_state, stochastic_rounding=_master is None)))
 

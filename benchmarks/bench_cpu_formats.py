@@ -51,11 +51,16 @@ FORMATS = [
     ("bf16 params, stochastic rounding, int8 state", "bfloat16", "bfloat16", None, "int8", True),
     ("fp16 params, fp32 masters, fp32 state", "float16", "float16", "float32", "float32", False),
     ("fp16 params, fp32 masters, int8 state", "float16", "float16", "float32", "int8", False),
+    ("fp32 params, int8 sqrt state", "float32", "float32", None, "int8_sqrt", False),
+    ("bf16 params, fp32 masters, int8 sqrt state", "bfloat16", "bfloat16", "float32", "int8_sqrt", False),
+    ("bf16 params, remainder16, int8 sqrt state", "bfloat16", "bfloat16", "remainder16", "int8_sqrt", False),
+    ("bf16 params, remainder8, int8 sqrt state", "bfloat16", "bfloat16", "remainder8", "int8_sqrt", False),
+    ("bf16 params, stochastic rounding, int8 sqrt state", "bfloat16", "bfloat16", None, "int8_sqrt", True),
 ]
 
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 _MASTER = {None: 0, "float32": 4, "remainder16": 2, "remainder8": 1}
-_STATE = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256}
+_STATE = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8_sqrt": 1 + 4 / 256}
 
 
 def bytes_per_param(param: str, grad: str, master: Optional[str], state: str, slots: int) -> float:

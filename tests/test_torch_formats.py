@@ -11,6 +11,8 @@ unbiased stochastic rounding instead.)
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -83,7 +85,8 @@ def test_bf16_over_float32_masters_equals_torch_adamw_on_the_masters():
                                        # torch casts the int8 codes and bfloat16 moments of float32
                                        # parameters to float32 in load_state_dict: they must come back
                                        (torch.float32, dict(state_dtype="int8")),
-                                       (torch.float32, dict(state_dtype="bfloat16", seed=5))])
+                                       (torch.float32, dict(state_dtype="bfloat16", seed=5)),
+                                       (torch.float32, dict(state_dtype="int8_sqrt"))])
 def test_state_dict_round_trip_is_bit_exact(dtype, kw):
     init = _init(2)
 
@@ -126,6 +129,45 @@ def test_int8_state_dict_is_about_a_quarter_of_float32():
     n32, n8 = state_bytes(), state_bytes(state_dtype="int8")
     assert n32 == 8 * 256 * 512
     assert n8 == 2 * (256 * 512 + 4 * 512)  # codes + one float32 scale per 256 elements, per moment
+
+
+@pytest.mark.parametrize("source, target", [("int8", "int8_sqrt"), ("int8_sqrt", "int8")])
+def test_int8_checkpoint_of_one_code_continues_in_the_other(source, target):
+    """Codes are read only by their own kind's decoder (distinct keys): a checkpoint of one int8
+    state, loaded and its group set to the other (torch's groups take the checkpoint's keywords),
+    is converted by value at the next step, whose moments stay within a few code steps of the
+    source optimizer's same step."""
+    from optirs.core import reference as R
+
+    params = [torch.nn.Parameter(x.clone()) for x in _init(4)]
+    opt = ot.AdamW(params, lr=1e-2, backend="cpu", state_dtype=source)
+    for step in range(3):
+        for p, g in zip(params, _grads(step)):
+            p.grad = g.float()
+        opt.step()
+    other = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    loaded = ot.AdamW(other, lr=1e-2, backend="cpu", state_dtype=target)
+    saved = copy.deepcopy(opt.state_dict())  # (as torch's, a state_dict's tensors are the live state)
+    loaded.load_state_dict(saved)
+    loaded.param_groups[0]["state_dtype"] = target
+    for o in (opt, loaded):
+        for p, g in zip(o.param_groups[0]["params"], _grads(3)):
+            p.grad = g.float()
+        o.step()
+    keys = {"int8": "codes", "int8_sqrt": "sqrt_codes"}
+    a, b = opt.state[params[0]], loaded.state[other[0]]
+    assert f"exp_avg.{keys[target]}" in b and f"exp_avg.{keys[source]}" not in b
+    for slot, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        ca, sa = a[f"{slot}.{keys[source]}"].numpy(), a[f"{slot}.scales"].numpy()
+        cb, sb = b[f"{slot}.{keys[target]}"].numpy(), b[f"{slot}.scales"].numpy()
+        va, vb = R.dequantize_blocks(ca, sa, signed, source), R.dequantize_blocks(cb, sb, signed, target)
+        # the conversion's code step (on the values it converted), then each side's final one
+        was = saved["state"][0]
+        converted = R.quantize_blocks(R.dequantize_blocks(was[f"{slot}.{keys[source]}"].numpy(),
+                                                          was[f"{slot}.scales"].numpy(), signed, source), signed, target)
+        bound = (R.code_step(*converted, signed, target) + R.code_step(ca, sa, signed, source)
+                 + R.code_step(cb, sb, signed, target))
+        assert np.all(np.abs(va - vb) <= bound * 1.001), slot
 
 
 def test_format_keywords_are_checked_and_adafactor_takes_none():

@@ -439,6 +439,7 @@ FORMATS = [
     (torch.bfloat16, {"state_dtype": "int8"}),
     (torch.bfloat16, {"master_weights": "remainder16", "state_dtype": "bfloat16"}),
     (torch.bfloat16, {"master_weights": "remainder8", "state_dtype": "int8"}),
+    (torch.bfloat16, {"master_weights": "remainder8", "state_dtype": "int8_sqrt"}),
     (torch.bfloat16, {"master_weights": None, "stochastic_rounding": True, "seed": 7}),
     (torch.float16, {"state_dtype": "int8"}),
 ]
@@ -510,9 +511,10 @@ def test_state_formats_bit_exact_against_the_same_chunks(name, dtype, fmt):
         assert set(a) == set(b)
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    if fmt.get("state_dtype") == "int8":
-        assert ours.state[our_model.a.weight]["exp_avg.codes" if name != "SGD" else "momentum_buffer.codes"
-                                              ].dtype == torch.uint8
+    if fmt.get("state_dtype", "").startswith("int8"):
+        codes = "sqrt_codes" if fmt["state_dtype"] == "int8_sqrt" else "codes"
+        slot = "exp_avg" if name != "SGD" else "momentum_buffer"
+        assert ours.state[our_model.a.weight][f"{slot}.{codes}"].dtype == torch.uint8
     assert all(c.mode == expected_mode(dtype, fmt, fmt.get("fuse_conversions")) for c in ours._chunks)
 
 

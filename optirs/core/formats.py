@@ -3,8 +3,9 @@
 The contract every backend follows bit for bit is docs/formats.md. This module holds its host
 side: the user's options (:class:`Precision`), the format one step runs (:class:`StepFormat`,
 resolved from the arrays' dtypes and the options, with every rule checked here), the integer
-codes the kernels branch on (:class:`FormatCodes`, uniform over a launch), the 8-bit dynamic
-quantization map, and where every buffer of a compact state lives (:class:`FormatState`).
+codes the kernels branch on (:class:`FormatCodes`, uniform over a launch), the two int8 codes
+(the 8-bit dynamic quantization map and the square-root codes), and where every buffer of a
+compact state lives (:class:`FormatState`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from optirs.core.layout import TensorLayout
 
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 MASTER_WEIGHTS = (None, "float32", "remainder16", "remainder8")
-STATE_DTYPES = ("float32", "bfloat16", "int8")
+STATE_DTYPES = ("float32", "bfloat16", "int8", "int8_sqrt")
+# The int8 states: blocks of codes and float32 scales; "int8" codes by bitsandbytes' dynamic map,
+# "int8_sqrt" by the square root of the value (docs/formats.md, "int8 square-root codes").
+INT8_STATES = ("int8", "int8_sqrt")
+# Their codes' buffer (and checkpoint key) suffix: distinct, so that codes are never read by the
+# other kind's decoder (a checkpoint of one loads into the other through its values).
+CODES_SUFFIX = {"int8": "codes", "int8_sqrt": "sqrt_codes"}
+CODES_KINDS = {v: k for k, v in CODES_SUFFIX.items()}
 # Kernel families the formats capability runs: the pointwise ones and LAMB's two passes.
 FORMAT_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion", "lamb", "nadam", "radam", "adamax", "adadelta", "asgd",
                    "rprop")
@@ -32,11 +40,11 @@ MIN_INT8_SIZE = 4096  # tensors smaller than this keep float32 state, as bitsand
 # Codes of FormatCodes' fields (the kernels compare against these).
 F32, BF16, F16 = 0, 1, 2  # param / grad dtypes
 MASTER_NONE, MASTER_F32, MASTER_R16, MASTER_R8 = 0, 1, 2, 3
-STATE_F32, STATE_BF16, STATE_INT8 = 0, 1, 2
+STATE_F32, STATE_BF16, STATE_INT8, STATE_INT8_SQRT = 0, 1, 2, 3
 
 _DTYPE_CODE = {"float32": F32, "bfloat16": BF16, "float16": F16}
 _MASTER_CODE = {None: MASTER_NONE, "float32": MASTER_F32, "remainder16": MASTER_R16, "remainder8": MASTER_R8}
-_STATE_CODE = {"float32": STATE_F32, "bfloat16": STATE_BF16, "int8": STATE_INT8}
+_STATE_CODE = {"float32": STATE_F32, "bfloat16": STATE_BF16, "int8": STATE_INT8, "int8_sqrt": STATE_INT8_SQRT}
 
 
 def dtype_name(dtype: Any) -> Optional[str]:
@@ -55,7 +63,8 @@ class Precision:
 
     :param master_weights: what backs a 16-bit parameter: None, ``"float32"``, ``"remainder16"``
         or ``"remainder8"`` (ignored for float32 parameters, their own master).
-    :param state_dtype: ``"float32"``, ``"bfloat16"`` or ``"int8"``.
+    :param state_dtype: ``"float32"``, ``"bfloat16"``, ``"int8"`` (bitsandbytes' dynamic map) or
+        ``"int8_sqrt"`` (codes of the square root: no table, a few arithmetic instructions a value).
     :param stochastic_rounding: with ``master_weights=None`` and bfloat16 parameters, round each
         updated parameter stochastically instead of to nearest.
     :param seed: seeds the stochastic rounding; taken mod 2**32.
@@ -90,7 +99,7 @@ class FormatCodes(NamedTuple):
     param: int  # F32, BF16, F16
     grad: int  # F32, BF16, F16
     master: int  # MASTER_NONE, MASTER_F32, MASTER_R16, MASTER_R8
-    state: int  # STATE_F32, STATE_BF16, STATE_INT8
+    state: int  # STATE_F32, STATE_BF16, STATE_INT8, STATE_INT8_SQRT
     stochastic: bool  # stochastic rounding of bfloat16 parameters (master MASTER_NONE only)
 
 
@@ -236,7 +245,8 @@ class FormatState:
         self.layout, self.fmt = layout, fmt
         self.slots = tuple(slots)
         self.slot_names = tuple(s.name for s in self.slots)
-        self.int8 = fmt.state_dtype == "int8"
+        self.int8 = fmt.state_dtype in INT8_STATES
+        self.codes = CODES_SUFFIX.get(fmt.state_dtype)  # the codes' buffer suffix (int8 states)
         sizes = layout.sizes
         # (a shard is small when its whole tensor is: the same state keys under every sharding)
         small = layout.whole_sizes < MIN_INT8_SIZE if self.int8 else np.zeros(len(sizes), dtype=bool)
@@ -266,14 +276,14 @@ class FormatState:
 
     def slot_buffers(self, slot: str) -> Tuple[str, ...]:
         """The buffer names of state slot ``slot``."""
-        return (f"{slot}.codes", f"{slot}.scales", f"{slot}.small") if self.int8 else (slot,)
+        return (f"{slot}.{self.codes}", f"{slot}.scales", f"{slot}.small") if self.int8 else (slot,)
 
     def buffer_dtypes(self) -> Dict[str, np.dtype]:
         """Buffer name -> numpy dtype (bfloat16 values are held as uint16 bit patterns)."""
         out: Dict[str, np.dtype] = {}
         for s in self.slot_names:
             if self.int8:
-                out.update({f"{s}.codes": np.dtype(np.uint8), f"{s}.scales": np.dtype(np.float32),
+                out.update({f"{s}.{self.codes}": np.dtype(np.uint8), f"{s}.scales": np.dtype(np.float32),
                             f"{s}.small": np.dtype(np.float32)})
             else:
                 out[s] = np.dtype(np.uint16 if self.fmt.state_dtype == "bfloat16" else np.float32)
@@ -306,9 +316,10 @@ class FormatState:
             v = np.float32(initial.get(slot.name, 0.0))
             if self.int8:
                 scale = np.float32(abs(v))
-                code = quantize_host(np.array([v], np.float32), scale, slot.signed)[0] if scale != 0 else \
-                    quantize_host(np.zeros(1, np.float32), np.float32(1), slot.signed)[0]
-                fills.update({f"{slot.name}.codes": float(code), f"{slot.name}.scales": float(scale),
+                kind = self.fmt.state_dtype
+                code = quantize_host(np.array([v], np.float32), scale, slot.signed, kind)[0] if scale != 0 else \
+                    quantize_host(np.zeros(1, np.float32), np.float32(1), slot.signed, kind)[0]
+                fills.update({f"{slot.name}.{self.codes}": float(code), f"{slot.name}.scales": float(scale),
                               f"{slot.name}.small": float(v)})
             elif self.fmt.state_dtype == "bfloat16":
                 import ml_dtypes
@@ -338,7 +349,7 @@ class FormatState:
         out: Dict[str, Tuple[int, ...]] = {}
         for s in self.slot_names:
             if self.int8 and not self._small[t]:
-                out[f"{s}.codes"] = shape
+                out[f"{s}.{self.codes}"] = shape
                 out[f"{s}.scales"] = (int(self._blocks[t]),)
             else:
                 out[s] = shape
@@ -358,7 +369,7 @@ class FormatState:
             elif buffer.endswith(".small"):
                 so = int(self._table[t, 2])
                 out.append(None if so < 0 else flat[so : so + n].reshape(shape))
-            elif buffer.endswith(".codes") and self._small[t]:
+            elif buffer.endswith(f".{self.codes}") and self._small[t]:
                 out.append(None)
             else:
                 out.append(flat[o : o + n].reshape(shape))
@@ -385,10 +396,63 @@ def quantize_factors(scales) -> Tuple[np.ndarray, np.ndarray]:
     return pre, inv
 
 
-def quantize_host(x: np.ndarray, scale: np.float32, signed: bool) -> np.ndarray:
-    """The int8 codes of float32 values ``x`` at one block ``scale`` (numpy; docs/formats.md)."""
+def quantize_host(x: np.ndarray, scale: np.float32, signed: bool, kind: str = "int8") -> np.ndarray:
+    """The int8 codes (uint8) of float32 values ``x`` at one block ``scale`` (numpy; docs/formats.md);
+    ``kind`` is the state dtype, ``"int8"`` or ``"int8_sqrt"``."""
     x = np.asarray(x, dtype=np.float32)
+    if kind == "int8_sqrt":
+        return sqrt_quantize(x, scale, signed)
     pre, inv = quantize_factors(scale)
     with np.errstate(over="ignore", invalid="ignore"):
         y = ((x * pre) * inv).astype(np.float32)
     return np.searchsorted(map_midpoints(signed), y, side="left").astype(np.uint8)
+
+
+# ---------------------------------------------------------------- the int8 square-root codes
+
+SQRT_TINY = np.float32(2.0**-96)  # below: a tiny scale, whose n**2 / scale would overflow
+
+
+def sqrt_levels(signed: bool) -> int:
+    """The largest code of the square-root codes: 127 for a signed slot, 255 for an unsigned one."""
+    return 127 if signed else 255
+
+
+def sqrt_factors(scales, signed: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each block's ``(pre, inv, w)`` of the square-root codes (float32 arrays; docs/formats.md):
+    ``u = (|x| * pre) * inv`` is coded, ``(c * |c|) * w`` decoded. ``n2`` is the largest code squared;
+    ``pre`` 2**64 for a scale under 2**-96, else 1; ``inv = n2 / (scale * pre)`` (0 for a zero
+    scale); ``w = scale / n2``."""
+    s = np.asarray(scales, np.float32)
+    n2 = np.float32(sqrt_levels(signed) ** 2)
+    tiny = (s > 0) & (s < SQRT_TINY)
+    pre = np.where(tiny, np.float32(2.0**64), np.float32(1)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv = np.where(s == 0, np.float32(0), n2 / (s * pre)).astype(np.float32)
+        w = (s / n2).astype(np.float32)
+    return pre, inv, w
+
+
+def sqrt_quantize(x: np.ndarray, scales, signed: bool) -> np.ndarray:
+    """The square-root codes (uint8; a signed slot's as two's complement int8) of float32 values
+    ``x`` under block scales ``scales`` (one, or one per value): ``c`` = the correctly rounded
+    float32 square root of ``u`` rounded to the nearest integer, ties to even; negated for a
+    negative ``x`` of a signed slot; a NaN ``u`` codes as 0."""
+    x = np.asarray(x, np.float32)
+    pre, inv, _ = sqrt_factors(scales, signed)
+    with np.errstate(over="ignore", invalid="ignore"):
+        u = ((np.abs(x) * pre).astype(np.float32) * inv).astype(np.float32)
+    u = np.where(np.isnan(u), np.float32(0), u)
+    c = np.rint(np.sqrt(u, dtype=np.float32)).astype(np.int64)
+    if signed:
+        c = np.where(x < 0, -c, c)
+    return (c & 0xFF).astype(np.uint8)
+
+
+def sqrt_dequantize(codes: np.ndarray, scales, signed: bool) -> np.ndarray:
+    """float32 values of square-root codes under block scales (one, or one per code): ``(c * |c|) * w``."""
+    codes = np.asarray(codes, np.uint8)
+    c = (codes.view(np.int8) if signed else codes).astype(np.float32)
+    _, _, w = sqrt_factors(scales, signed)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ((c * np.abs(c)).astype(np.float32) * w).astype(np.float32)

@@ -19,7 +19,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.formats import BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints, quantize_factors
+from optirs.core.formats import (BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints, quantize_factors,
+                                 sqrt_dequantize, sqrt_levels, sqrt_quantize)
 from optirs.core.params import (AdadeltaParams, AdafactorParams, AdagradParams, AdamaxParams, AdamParams, AsgdParams,
                                 LambParams, LionParams, NadamParams, RadamParams, RmspropParams, RpropParams, SgdParams)
 
@@ -367,13 +368,16 @@ def remainder8_join(hi: np.ndarray, rem: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- int8 blocks
 
 
-def quantize_blocks(x: np.ndarray, signed: bool) -> Tuple[np.ndarray, np.ndarray]:
-    """Flat float32 values of one tensor -> (uint8 codes, float32 scale per 256-element block)."""
+def quantize_blocks(x: np.ndarray, signed: bool, kind: str = "int8") -> Tuple[np.ndarray, np.ndarray]:
+    """Flat float32 values of one tensor -> (uint8 codes, float32 scale per 256-element block);
+    ``kind`` the state dtype, ``"int8"`` (the dynamic map) or ``"int8_sqrt"``."""
     x = np.asarray(x, np.float32).reshape(-1)
     nblocks = -(-x.size // BLOCK)
     pad = np.zeros(nblocks * BLOCK, np.float32)
     pad[: x.size] = x
     scales = np.abs(pad.reshape(nblocks, BLOCK)).max(axis=1)  # np.max propagates NaN
+    if kind == "int8_sqrt":
+        return sqrt_quantize(x, np.repeat(scales, BLOCK)[: x.size], signed), scales.astype(np.float32)
     pre, inv = quantize_factors(scales)
     with np.errstate(over="ignore", invalid="ignore"):
         y = (x * np.repeat(pre, BLOCK)[: x.size]) * np.repeat(inv, BLOCK)[: x.size]
@@ -382,16 +386,28 @@ def quantize_blocks(x: np.ndarray, signed: bool) -> Tuple[np.ndarray, np.ndarray
     return codes.astype(np.uint8), scales.astype(np.float32)
 
 
-def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, signed: bool) -> np.ndarray:
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, signed: bool, kind: str = "int8") -> np.ndarray:
     codes = np.asarray(codes).reshape(-1)
-    return (dynamic_map(signed)[codes] * np.repeat(np.asarray(scales, np.float32), BLOCK)[: codes.size]).astype(np.float32)
+    each = np.repeat(np.asarray(scales, np.float32), BLOCK)[: codes.size]
+    if kind == "int8_sqrt":
+        return sqrt_dequantize(codes, each, signed)
+    return (dynamic_map(signed)[codes] * each).astype(np.float32)
 
 
-def code_step(codes: np.ndarray, scales: np.ndarray, signed: bool) -> np.ndarray:
+def code_step(codes: np.ndarray, scales: np.ndarray, signed: bool, kind: str = "int8") -> np.ndarray:
     """The value of one code step at each element: the larger gap to a neighbouring code, times the scale."""
-    q = dynamic_map(signed)
     c = np.asarray(codes, np.int64).reshape(-1)
-    gap = np.maximum(q[np.minimum(c + 1, 255)] - q[c], q[c] - q[np.maximum(c - 1, 0)])
+    if kind == "int8_sqrt":
+        n = sqrt_levels(signed)
+        c = np.where(c > 127, c - 256, c) if signed else c
+        q = np.arange(-n if signed else 0, n + 1, dtype=np.float64)
+        q = q * np.abs(q) / (n * n)  # the codes' values at scale 1, ascending
+        c = c + (n if signed else 0)
+        top = q.size - 1
+    else:
+        q = dynamic_map(signed)
+        top = 255
+    gap = np.maximum(q[np.minimum(c + 1, top)] - q[c], q[c] - q[np.maximum(c - 1, 0)])
     return gap * np.repeat(np.asarray(scales, np.float32), BLOCK)[: c.size]
 
 
@@ -446,8 +462,8 @@ def decode_state(fs: FormatState, buffers: Dict[str, np.ndarray]) -> List[Dict[s
                 st[s] = buffers[f"{s}.small"][row[2] : row[2] + n].astype(np.float32)
             else:
                 nb = -(-n // BLOCK)
-                st[s] = dequantize_blocks(buffers[f"{s}.codes"][o : o + n], buffers[f"{s}.scales"][row[1] : row[1] + nb],
-                                          signed[s])
+                st[s] = dequantize_blocks(buffers[f"{s}.{fs.codes}"][o : o + n], buffers[f"{s}.scales"][row[1] : row[1] + nb],
+                                          signed[s], fmt.state_dtype)
         out.append(st)
     return out
 
@@ -508,8 +524,8 @@ def format_step(definition, hp, fs: FormatState, params: Sequence[np.ndarray], g
                 elif fs.is_small(t):
                     out[f"{s}.small"][row[2] : row[2] + n] = v
                 else:
-                    codes, scales = quantize_blocks(v, signed[s])
-                    out[f"{s}.codes"][o : o + n] = codes
+                    codes, scales = quantize_blocks(v, signed[s], fmt.state_dtype)
+                    out[f"{s}.{fs.codes}"][o : o + n] = codes
                     out[f"{s}.scales"][row[1] : row[1] + scales.size] = scales
     return words, out
 

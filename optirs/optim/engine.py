@@ -215,6 +215,10 @@ class StepEngine:
         name = definition.name
         if not backend.steps(name, fmt, device is not None):
             support = backend.support
+            if fmt is not None and name in support.formats:
+                raise UnsupportedOperationError(
+                    f"backend {backend.name!r} stores no state_dtype={fmt.state_dtype!r} (needed for {fm.describe(fmt)}); "
+                    f"expected one of {list(support.state_dtypes)} on this backend")
             if fmt is not None:
                 raise UnsupportedOperationError(
                     f"backend {backend.name!r} runs no step formats for {name!r} (the 'formats' capability), needed "

@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Set, Tuple
 import numpy as np
 
 from optirs.core.errors import InvalidParameterError, ShapeMismatchError
-from optirs.core.formats import BLOCK, FormatState, StepFormat
+from optirs.core.formats import BLOCK, CODES_KINDS, CODES_SUFFIX, FormatState, StepFormat
 from optirs.core import reference as ref
 
 FLOAT32 = np.dtype(np.float32)
@@ -87,8 +87,8 @@ def convert_entry(entry: Mapping[str, Any], target: TensorTarget, what: str) -> 
             consumed.add(key)
             continue
         values = _slot_values(entry, slot, shape, target, what, consumed)
-        if part == "codes":
-            codes, scales = ref.quantize_blocks(values, target.signed[slot])
+        if part in CODES_KINDS:
+            codes, scales = ref.quantize_blocks(values, target.signed[slot], CODES_KINDS[part])
             out[key] = codes.reshape(shape)
             out[f"{slot}.scales"] = scales
         else:  # float32, or bfloat16 rounded to nearest even (the closest moment it holds)
@@ -128,8 +128,11 @@ def _slot_values(entry: Mapping[str, Any], slot: str, shape: Tuple[int, ...], ta
         consumed.add(slot)
         with np.errstate(over="ignore"):
             return value.astype(FLOAT32)
-    codes_key, scales_key = f"{slot}.codes", f"{slot}.scales"
-    if codes_key in entry or scales_key in entry:
+    scales_key = f"{slot}.scales"
+    for kind, suffix in CODES_SUFFIX.items():
+        codes_key = f"{slot}.{suffix}"
+        if codes_key not in entry:
+            continue
         codes, scales = _array(entry, codes_key, what), _array(entry, scales_key, what)
         blocks = -(-n // BLOCK)
         if codes.dtype != np.uint8 or codes.shape != tuple(shape):
@@ -139,7 +142,10 @@ def _slot_values(entry: Mapping[str, Any], slot: str, shape: Tuple[int, ...], ta
             raise ShapeMismatchError(f"{what} has {scales_key!r} of {scales.dtype} {scales.shape}, expected float32 "
                                      f"({blocks},): one scale per {BLOCK} elements")
         consumed.update((codes_key, scales_key))
-        return ref.dequantize_blocks(codes, scales.astype(FLOAT32), target.signed[slot]).reshape(shape)
+        return ref.dequantize_blocks(codes, scales.astype(FLOAT32), target.signed[slot], kind).reshape(shape)
+    codes_key = f"{slot}.{CODES_SUFFIX['int8']}"
+    if scales_key in entry:
+        _array(entry, codes_key, what)  # scales without their codes: says which key is missing
     raise InvalidParameterError(
         f"{what} lacks {slot!r} (has {sorted(entry)}), expected {slot!r} (or {codes_key!r} and {scales_key!r}): "
         "a state without it would restart that moment at its initial value")

@@ -329,11 +329,14 @@ class StepSupport(NamedTuple):
     :param formats: definitions stepped in every step format (16-bit parameters, compact masters,
         compact state), with ``controls.check_finite``.
     :param capturable: definitions whose scalars the device computes (``controls.device``).
+    :param state_dtypes: the state dtypes its formats store (``Precision.state_dtype`` values; a
+        backend written before ``"int8_sqrt"`` runs the first three).
     """
 
     optimizers: Tuple[str, ...] = ()
     formats: Tuple[str, ...] = ()
     capturable: Tuple[str, ...] = ()
+    state_dtypes: Tuple[str, ...] = ("float32", "bfloat16", "int8")
 
 
 @hookspec

@@ -211,7 +211,7 @@ class Backend:
         if device_scalars:
             return optimizer in self.support.capturable
         if fmt is not None and not fmt.plain:
-            return optimizer in self.support.formats
+            return optimizer in self.support.formats and fmt.state_dtype in self.support.state_dtypes
         return optimizer in self.support.optimizers
 
     def hook(self, capability: str, hook: str) -> Callable:
@@ -465,11 +465,18 @@ class Registry:
 
         if not isinstance(got, StepSupport):
             raise PluginError(f"plugin {name!r}'s optirs_step_support returned {got!r}, expected a StepSupport")
+        from optirs.core.formats import STATE_DTYPES
+
         unknown = sorted(set(got.optimizers + got.formats + got.capturable) - set(DEFINITIONS))
         if unknown:
             raise PluginError(f"plugin {name!r}'s optirs_step_support names {unknown}, expected optimizer "
                               f"definitions {sorted(DEFINITIONS)}")
-        return StepSupport(*(tuple(d for d in DEFINITIONS if d in field) for field in got))
+        if isinstance(got.state_dtypes, str) or not set(got.state_dtypes) <= set(STATE_DTYPES):
+            raise PluginError(f"plugin {name!r}'s optirs_step_support has state_dtypes={got.state_dtypes!r}, "
+                              f"expected a tuple of {list(STATE_DTYPES)}")
+        kinds = (got.optimizers, got.formats, got.capturable)
+        return StepSupport(*(tuple(d for d in DEFINITIONS if d in field) for field in kinds),
+                           state_dtypes=tuple(d for d in STATE_DTYPES if d in got.state_dtypes))
 
     def capabilities(self, name: str) -> Tuple[str, ...]:
         """The capabilities (keys of CAPABILITIES) whose every hook the named plugin implements, and the

@@ -29,7 +29,7 @@ import torch
 
 from optirs.core.definitions import OptimizerDefinition
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.core.formats import StepFormat
+from optirs.core.formats import CODES_KINDS, StepFormat
 from optirs.core.layout import TensorLayout, storage_order
 from optirs.optim import formats as fm
 from optirs.optim.engine import PreparedStep, StepEngine
@@ -319,7 +319,7 @@ class Bucket:
         t = local(self.params[i])
         order = self.orders[i] or tuple(range(t.dim()))
         for k, v in entry.items():
-            if k.endswith(".codes") and isinstance(v, torch.Tensor) and v.shape == t.shape and v.dim() > 1 \
+            if k.rsplit(".", 1)[-1] in CODES_KINDS and isinstance(v, torch.Tensor) and v.shape == t.shape and v.dim() > 1 \
                     and storage_order(v.shape, v.stride()) != order:
                 raise UnsupportedOperationError(
                     f"{what} has {k} with strides {v.stride()}, but the parameter has strides {t.stride()}; expected "

@@ -39,6 +39,7 @@ import torch
 
 from optirs.core.definitions import DEFINITIONS, ElementwiseState, OptimizerDefinition
 from optirs.core.errors import GpuOptimError, InvalidParameterError, ShapeMismatchError, UnsupportedOperationError
+from optirs.core.formats import INT8_STATES
 from optirs.core.interrupts import deferred_interrupts
 from optirs.core.layout import storage_order
 from optirs.core.scalars import FORMULAS
@@ -556,7 +557,7 @@ class OptirsOptimizer(torch.optim.Optimizer):
         where = f"param_groups[{gi}]['params'][{j}]"
         if is_dtensor(p) or is_dtensor(g):
             error = refusal(p, g, where, None if definition.pointwise else f"{definition.name}'s per-tensor reductions",
-                            storage is not None and storage.state_dtype == "int8")
+                            storage is not None and storage.state_dtype in INT8_STATES)
             if error is not None:
                 return error
             p, g = local(p), local(g)

@@ -58,7 +58,7 @@ from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParamet
 from optirs.core.interrupts import deferred_interrupts
 import optirs.torch.optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
-from optirs.core.formats import resolve_format
+from optirs.core.formats import INT8_STATES, resolve_format
 from optirs.plugin import hookspecs
 from optirs.plugin.hookspecs import Staged
 from optirs.torch._dtensor import held, hosted, is_dtensor, local, refusal, sharded
@@ -665,7 +665,7 @@ class CPUOffload(torch.optim.Optimizer):
             per_tensor = f"{definition.name}'s per-tensor reductions (offloaded, each rank steps its shards alone)"
         elif getattr(hp, "max_grad_norm", None) is not None:
             per_tensor = "clipping over the whole group (max_grad_norm)"
-        int8 = self._formats and self._probe.group_precision(group).state_dtype == "int8"
+        int8 = self._formats and self._probe.group_precision(group).state_dtype in INT8_STATES
         for j, p in dtensors:
             where = f"param_groups[{gi}]['params'][{j}]"
             error = refusal(p, p, where, per_tensor, False)

@@ -16,6 +16,8 @@ element step, since an int8 block's scale depends on all of its new values.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
@@ -384,6 +386,47 @@ def quantize_finite(x, pre, inv, mid, table):
     # whose top 16 bits are those of quantize_bucket's integer clamp
     a = shr32(f32_bits(max(abs(y), _PK_LOW)), 16)
     return quantize_code(y, table[add32(sub32(a, _BK_FIRST), mul32(shr32(f32_bits(y), 31), _BK_WIDTH))], mid)
+
+
+# ---- the square-root codes (state_dtype "int8_sqrt"): arithmetic, no table
+
+_SQRT_TINY = np.float32(2.0**-96)  # below: a tiny scale, whose n2 / scale would overflow
+
+
+@_jit
+def sqrt_factors(scale, n2):
+    """A block's ``(pre, inv, w)`` of the square-root codes: ``u = (|x| * pre) * inv`` is coded and
+    ``(c * |c|) * w`` decoded (docs/formats.md). ``n2``: the largest code squared (127**2 for a signed
+    slot, 255**2 for an unsigned one), float32."""
+    pre = _PRE_TINY if scale < _SQRT_TINY and scale > 0 else np.float32(1)
+    inv = np.float32(0) if scale == 0 else n2 / (scale * pre)
+    return pre, inv, scale / n2
+
+
+@_jit
+def sqrt_count(x, pre, inv):
+    """The magnitude of ``x``'s code, as an integral float32: the correctly rounded square root of
+    ``u``, rounded to the nearest integer (ties to even). A NaN ``u`` (a NaN scale) codes as 0."""
+    u = (abs(x) * pre) * inv
+    u = u if u == u else np.float32(0)
+    return np.float32(np.rint(math.sqrt(u)))
+
+
+@_jit
+def sqrt_code(x, pre, inv, signed):
+    """The code byte (uint8) of ``x``: :func:`sqrt_count`, negated for a negative ``x`` of a signed
+    slot (two's complement)."""
+    c = np.int32(sqrt_count(x, pre, inv))
+    if signed and x < 0:
+        c = -c
+    return np.uint8(c & 0xFF)
+
+
+@_jit
+def sqrt_value(c, w):
+    """The value of code ``c`` (int32: a signed slot's byte sign-extended) under factor ``w``."""
+    t = np.float32(c)
+    return (t * abs(t)) * w
 
 
 # ---- the packed bucket words of a map whose midpoints are all positive (the unsigned map)

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from optirs.core.errors import InvalidParameterError
+from optirs.core.formats import INT8_STATES
 
 INT8_MAX_REGISTERS = 64
 
@@ -28,4 +29,4 @@ def formats_register_cap(fmt: Any, variable: str) -> int:
         if not text.isdigit():
             raise InvalidParameterError(f"{variable}={text!r}, expected a register count (0: no cap)")
         return int(text)
-    return INT8_MAX_REGISTERS if fmt is not None and fmt.state_dtype == "int8" else 0
+    return INT8_MAX_REGISTERS if fmt is not None and fmt.state_dtype in INT8_STATES else 0

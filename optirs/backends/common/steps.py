@@ -42,6 +42,10 @@ class StepDispatch:
             return
         if request.fmt is not None:
             kind = "formats"
+            if request.fmt.state_dtype not in self.SUPPORT.state_dtypes:
+                raise UnsupportedOperationError(
+                    f"the {self.NAME} backend stores no state_dtype={request.fmt.state_dtype!r}, expected one of "
+                    f"{list(self.SUPPORT.state_dtypes)}")
             if controls.check_finite:
                 self._formats_check(ctx, request.grads, request.layout, request.fmt, controls.found_inf)
         elif controls.check_finite:

@@ -18,7 +18,7 @@ from optirs.backends.cpu.context import staged_lists
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.backends.common.int8_buckets import bucket_table, padded_midpoints
-from optirs.core.formats import BLOCK, FORMAT_FAMILIES, FormatState, StepFormat, dynamic_map
+from optirs.core.formats import BLOCK, FORMAT_FAMILIES, FormatState, StepFormat, dynamic_map, sqrt_levels
 from optirs.plugin.hookspecs import Staged
 
 assert CHUNK % BLOCK == 0  # every int8 block lies in one chunk
@@ -60,6 +60,12 @@ def _decoder_table(signed: bool) -> np.ndarray:
     return decoder_table(dynamic_map(signed))
 
 
+@lru_cache(maxsize=2)
+def _sqrt_levels(signed: bool) -> np.ndarray:
+    """A slot's square-root codes as the format loops read them: [largest code squared, signed]."""
+    return np.array([sqrt_levels(signed) ** 2, 1 if signed else 0], np.float32)
+
+
 def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepFormat):
     """Per kernel slot: (words, scales, small, map's decoder table, padded midpoints, bucket table) and the used bit mask."""
     out, used = [], 0
@@ -67,14 +73,16 @@ def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepForma
     f32 = _EMPTY[np.dtype(np.float32)]
     for k, name in enumerate(k_names):
         if name is None or name not in fs.slot_names:
-            words = {"int8": np.uint8, "bfloat16": np.uint16, "float32": np.float32}[fmt.state_dtype]
-            out.append((_EMPTY[np.dtype(words)], f32, f32,
-                        _decoder_table(True), padded_midpoints(True), bucket_table(True)))
+            words = np.uint8 if fs.int8 else {"bfloat16": np.uint16, "float32": np.float32}[fmt.state_dtype]
+            first = _sqrt_levels(True) if fmt.state_dtype == "int8_sqrt" else _decoder_table(True)
+            out.append((_EMPTY[np.dtype(words)], f32, f32, first, padded_midpoints(True), bucket_table(True)))
             continue
         used |= 1 << k
-        maps = _decoder_table(signed[name]), padded_midpoints(signed[name]), bucket_table(signed[name])
-        if fmt.state_dtype == "int8":
-            out.append((state[f"{name}.codes"], state[f"{name}.scales"], state[f"{name}.small"]) + maps)
+        sg = signed[name]
+        first = _sqrt_levels(sg) if fmt.state_dtype == "int8_sqrt" else _decoder_table(sg)
+        maps = first, padded_midpoints(sg), bucket_table(sg)
+        if fs.int8:
+            out.append((state[f"{name}.{fs.codes}"], state[f"{name}.scales"], state[f"{name}.small"]) + maps)
         elif fmt.state_dtype == "bfloat16":
             out.append((state[name], f32, f32) + maps)
         else:

@@ -26,13 +26,13 @@ from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
                                             decode_state, decode_value, encode_state, f32_bits, format_element,
                                             lamb_format_element, quantize_factors, rand32, remainder16_join,
-                                            remainder8_join, slot_bits, state_stream, store_master, store_master_num,
-                                            stream_key)
+                                            remainder8_join, slot_bits, sqrt_code, sqrt_factors, sqrt_value,
+                                            state_stream, store_master, store_master_num, stream_key)
 from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import chunk_trust_ratios
 from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
-                                 STATE_F32, STATE_INT8, FormatCodes)
+                                 STATE_F32, STATE_INT8, STATE_INT8_SQRT, FormatCodes)
 
 # Only the parallel entry points are cached on disk. A function loaded from numba's cache is
 # linked into a new caller as object code, which LLVM cannot inline: a loop compiled in a later
@@ -117,6 +117,54 @@ def _store_codes_or_small(w, scales, small, mid, tbl, tree, blk, so, o, n, buf, 
             small[so + i] = buf[i]
     else:
         _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix)
+
+
+@_inline
+def _decode_sqrt(w, lv, s, o, n, buf):
+    """``n`` square-root codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf``
+    (``lv``: the slot's levels, [largest code squared, signed]). Arithmetic alone: vectorized."""
+    _, _, f = sqrt_factors(s, lv[0])
+    c = _span(w, o, o + n)  # indexed from 0: an offset index costs the vector loop its wrap-around tests
+    if lv[1] != 0:
+        for i in range(n):
+            buf[i] = sqrt_value(np.int32(np.int8(c[i])), f)
+    else:
+        for i in range(n):
+            buf[i] = sqrt_value(np.int32(c[i]), f)
+
+
+@_inline
+def _encode_sqrt(w, scales, lv, blk, o, n, buf, m):
+    """A block's new values ``buf`` as square-root codes, under their absmax ``m``."""
+    scales[blk] = m
+    pre, inv, _ = sqrt_factors(m, lv[0])
+    c = _span(w, o, o + n)
+    if lv[1] != 0:
+        for i in range(n):
+            c[i] = sqrt_code(buf[i], pre, inv, True)
+    else:
+        for i in range(n):
+            c[i] = sqrt_code(buf[i], pre, inv, False)
+
+
+@_jit
+def _load_sqrt(w, scales, small, lv, blk, so, o, n, buf):
+    """:func:`_load_codes` for square-root codes."""
+    if so >= 0:
+        for i in range(n):
+            buf[i] = small[so + i]
+    else:
+        _decode_sqrt(w, lv, scales[blk], o, n, buf)
+
+
+@_jit
+def _store_sqrt_or_small(w, scales, small, lv, blk, so, o, n, buf):
+    """The inverse of :func:`_load_sqrt`."""
+    if so >= 0:
+        for i in range(n):
+            small[so + i] = buf[i]
+    else:
+        _encode_sqrt(w, scales, lv, blk, o, n, buf, _block_absmax(buf, n))
 
 
 @_jit
@@ -327,7 +375,7 @@ def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
 # loops are templates whose constants are bound per variant (optirs.backends.common.variants), so
 # numba caches each variant on disk. The module's values of the constants are placeholders.
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
-U0 = U1 = U2 = HAS_MASTER = INT8 = TOPS = FAST = False
+U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = False
 SKIND = STATE_F32
 RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = None
 # a bfloat16-state chunk's sub-block (_run_fast): its marks stay in the L1 cache
@@ -349,9 +397,10 @@ def pointwise(fc, used):
 
 
 def _make_pointwise(fc, used):
-    int8 = fc.state == STATE_INT8
+    int8 = fc.state in (STATE_INT8, STATE_INT8_SQRT)
     constants = dict(FC=fc, U0=bool(used & 1), U1=bool(used & 2), U2=bool(used & 4),
                      HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE, INT8=int8,
+                     SQRT=fc.state == STATE_INT8_SQRT,
                      SKIND=STATE_F32 if int8 else fc.state)  # a small int8 tensor's state is float32 values
     # the int8 forms chosen at import (int8_native): in the variant's name, so that a loop cached with
     # one form never loads under another
@@ -498,23 +547,39 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
         o = off + b
-        if U0:
-            _decode_block(w0, q0, c0[blk], o, n, a0)
-        if U1:
-            _decode_block(w1, q1, c1[blk], o, n, a1)
-        if U2:
-            _decode_block(w2, q2, c2[blk], o, n, a2)
+        if SQRT:  # square-root codes: q0..q2 are the slots' levels
+            if U0:
+                _decode_sqrt(w0, q0, c0[blk], o, n, a0)
+            if U1:
+                _decode_sqrt(w1, q1, c1[blk], o, n, a1)
+            if U2:
+                _decode_sqrt(w2, q2, c2[blk], o, n, a2)
+        else:
+            if U0:
+                _decode_block(w0, q0, c0[blk], o, n, a0)
+            if U1:
+                _decode_block(w1, q1, c1[blk], o, n, a1)
+            if U2:
+                _decode_block(w2, q2, c2[blk], o, n, a2)
         # views without references (_span): the same loop as over slices
         mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
         top0, top1, top2, _ = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
                                      _span(a1, 0, n) if U1 else a1, _span(a2, 0, n) if U2 else a2, sc, keyp, k01,
                                      k2, o, a0)
-        if U0:
-            _encode_scaled(w0, c0, d0, t0, e0, blk, o, n, a0, ix, _absmax_of_top(top0, a0, n))
-        if U1:
-            _encode_scaled(w1, c1, d1, t1, e1, blk, o, n, a1, ix, _absmax_of_top(top1, a1, n))
-        if U2:
-            _encode_scaled(w2, c2, d2, t2, e2, blk, o, n, a2, ix, _absmax_of_top(top2, a2, n))
+        if SQRT:
+            if U0:
+                _encode_sqrt(w0, c0, q0, blk, o, n, a0, _absmax_of_top(top0, a0, n))
+            if U1:
+                _encode_sqrt(w1, c1, q1, blk, o, n, a1, _absmax_of_top(top1, a1, n))
+            if U2:
+                _encode_sqrt(w2, c2, q2, blk, o, n, a2, _absmax_of_top(top2, a2, n))
+        else:
+            if U0:
+                _encode_scaled(w0, c0, d0, t0, e0, blk, o, n, a0, ix, _absmax_of_top(top0, a0, n))
+            if U1:
+                _encode_scaled(w1, c1, d1, t1, e1, blk, o, n, a1, ix, _absmax_of_top(top1, a1, n))
+            if U2:
+                _encode_scaled(w2, c2, d2, t2, e2, blk, o, n, a2, ix, _absmax_of_top(top2, a2, n))
     _hold(s0)
     _hold(s1)
     _hold(s2)
@@ -529,11 +594,13 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     float32, or uint16). ``mbuf``: the master buffer (uint32 view of float32, int16 or int8
     remainders; empty without masters). Slot k: words ``wk`` (uint32 view, uint16 bfloat16
     bits or uint8 codes), int8 scales ``ck`` and small-tensor values ``mk``, its map ``qk``,
-    padded midpoints ``dk`` and bucket table ``tk``. ``table``: FormatState.tensor_table().
+    padded midpoints ``dk`` and bucket table ``tk`` (square-root codes: ``qk`` is the slot's levels,
+    float32 [largest code squared, signed]). ``table``: FormatState.tensor_table().
     """
     keyp = stream_key(seed, step, 0)
     k01, k2 = stream_key(seed, step, state_stream(0)), stream_key(seed, step, state_stream(2))
-    e0, e1, e2 = _trees(d0, t0, d1, t1, d2, t2, U0 and INT8, U1 and INT8, U2 and INT8)  # read by every chunk
+    dyn = INT8 and not SQRT  # the dynamic map's encoder tables
+    e0, e1, e2 = _trees(d0, t0, d1, t1, d2, t2, U0 and dyn, U1 and dyn, U2 and dyn)  # read by every chunk
     # each thread claims the next chunk until none is left (claims: a thread held up by the scheduler
     # delays the step by one chunk, not by a static share)
     nchunks = chunk_tensor.shape[0]
@@ -565,7 +632,8 @@ def lamb(fc):
     k = _LAMB.get(key)
     if k is None:
         fc = FormatCodes(*fc)
-        constants = dict(FC=fc, INT8=fc.state == STATE_INT8, HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE,
+        constants = dict(FC=fc, INT8=fc.state in (STATE_INT8, STATE_INT8_SQRT), SQRT=fc.state == STATE_INT8_SQRT,
+                         HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE,
                          INT8_FORMS=(ENCODE, DECODE))  # as in _make_pointwise
         label = "_".join(map(str, key))
         constants["LOAD_MOMENTS"] = _jit(variant(_load_moments, label, constants))
@@ -575,7 +643,10 @@ def lamb(fc):
 
 def _load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, so, o, n, a0, a1):
     """Both moments of one block into ``a0``, ``a1`` (int8 codes and scales, or words): both passes read them."""
-    if INT8:
+    if SQRT:
+        _load_sqrt(w0, c0, m0, q0, blk, so, o, n, a0)
+        _load_sqrt(w1, c1, m1, q1, blk, so, o, n, a1)
+    elif INT8:
         _load_codes(w0, c0, m0, q0, blk, so, o, n, a0)
         _load_codes(w1, c1, m1, q1, blk, so, o, n, a1)
     else:
@@ -628,7 +699,8 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
     ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     keyp = stream_key(seed, step, 0)
     k01 = stream_key(seed, step, state_stream(0))
-    e0, e1, _ = _trees(d0, t0, d1, t1, d1, t1, INT8, INT8, False)  # read by every chunk
+    dyn = INT8 and not SQRT  # the dynamic map's encoder tables
+    e0, e1, _ = _trees(d0, t0, d1, t1, d1, t1, dyn, dyn, False)  # read by every chunk
     next_chunk = counter()
     for _loop in prange(loops(nchunks)):
         c = claim(next_chunk)
@@ -655,13 +727,14 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
                     if HAS_MASTER:
                         mbuf[idx] = mw
                     a0[i], a1[i] = mn, vn
-                if INT8:
+                if SQRT:
+                    _store_sqrt_or_small(w0, c0, m0, q0, blk, sob, o, n, a0)
+                    _store_sqrt_or_small(w1, c1, m1, q1, blk, sob, o, n, a1)
+                elif INT8:
                     _store_codes_or_small(w0, c0, m0, d0, t0, e0, blk, sob, o, n, a0, ix)
-                else:
-                    _store_words(w0, FC.state, o, n, a0, k01, 0)
-                if INT8:
                     _store_codes_or_small(w1, c1, m1, d1, t1, e1, blk, sob, o, n, a1, ix)
                 else:
+                    _store_words(w0, FC.state, o, n, a0, k01, 0)
                     _store_words(w1, FC.state, o, n, a1, k01, 1)
             c = claim(next_chunk)
 

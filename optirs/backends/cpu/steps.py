@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from optirs.core.definitions import DEFINITIONS, OptimizerDefinition
-from optirs.core.formats import FORMAT_FAMILIES
+from optirs.core.formats import FORMAT_FAMILIES, STATE_DTYPES
 from optirs.backends.common.steps import StepDispatch
 from optirs.plugin.hookspecs import StepRequest, StepSupport, hookimpl
 
@@ -24,7 +24,8 @@ CHUNK = 1 << 15
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
-                      formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES))
+                      formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
+                      state_dtypes=STATE_DTYPES)
 
 
 def slot_buffers(definition: OptimizerDefinition, state, count: int = 3):

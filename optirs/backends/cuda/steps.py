@@ -24,7 +24,8 @@ from optirs.plugin.hookspecs import StepRequest, StepSupport
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
-                      capturable=tuple(n for n in DEFINITIONS if n in FORMULAS))
+                      capturable=tuple(n for n in DEFINITIONS if n in FORMULAS),
+                      state_dtypes=("float32", "bfloat16", "int8"))  # no square-root codes in these kernels
 
 
 def flag_address(flag: Any) -> int:

@@ -25,7 +25,8 @@ from optirs.plugin.hookspecs import StepRequest, StepSupport
 RESIDENT_VARIABLE = "OPTIRS_OPENCL_RESIDENT"
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
-                      formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES))
+                      formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
+                      state_dtypes=("float32", "bfloat16", "int8"))  # no square-root codes in these kernels
 
 
 def _state_base(ctx: OpenclContext, arrays: Sequence[Any]) -> Tuple[List[Any], int]:
