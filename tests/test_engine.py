@@ -109,6 +109,8 @@ class _Misbehaving(FakeHostBackend):
     def optirs_step_support(self):
         if self.where == "support":
             raise AttributeError("no table")
+        if self.where == "state_dtypes":
+            return StepSupport(optimizers=("sgd",), state_dtypes=("float32", "int4"))
         return StepSupport(optimizers=("sgd",))
 
     @hookimpl
@@ -139,6 +141,33 @@ def test_a_broken_step_support_steps_nothing_and_says_so(fresh_registry):
     with pytest.raises(UnsupportedOperationError, match="'wobbly' does not run the 'sgd' step"):
         optirs.GpuSgd(optirs.SgdParams(lr=0.5), optirs.GpuOptimizerConfig(backend="wobbly")).step_gpu(
             np.ones(2, np.float32), np.ones(2, np.float32))
+
+
+def test_step_support_naming_an_unknown_state_dtype_steps_nothing(fresh_registry):
+    optirs.register_plugin(_Misbehaving("state_dtypes"), "wobbly")
+    with pytest.warns(optirs.plugin.registry.PluginWarning, match=r"state_dtypes=\('float32', 'int4'\)"):
+        backend = optirs.get_backend("wobbly")
+    assert backend.optimizers == ()
+
+
+def test_a_state_dtype_the_backend_does_not_store_is_refused_before_any_write(backend):
+    """A backend whose step stores no square-root codes (cuda, opencl) refuses them at the engine,
+    naming the dtype and those it stores, before any buffer is made; the cpu backend steps them."""
+    from optirs.core import formats as F
+    from optirs.core.definitions import DEFINITIONS
+    from optirs.optim.engine import StepEngine
+
+    b = optirs.get_backend(backend)
+    engine = StepEngine(DEFINITIONS["adamw"], b)
+    fmt = F.StepFormat("float32", "float32", None, "int8_sqrt", False)
+    p, g = [np.ones(5000, np.float32)], [np.ones(5000, np.float32)]
+    if "int8_sqrt" in b.support.state_dtypes:
+        assert b.steps("adamw", fmt)
+        return
+    assert not b.steps("adamw", fmt) and b.steps("adamw", F.StepFormat("float32", "float32", None, "int8", False))
+    with pytest.raises(UnsupportedOperationError, match=r"state_dtype='int8_sqrt'.*\['float32', 'bfloat16', 'int8'\]"):
+        engine.prepare(p, g, shapes=[(5000,)], hp=optirs.AdamParams(lr=0.1), fmt=fmt)
+    assert engine.state is None
 
 
 def test_found_inf_that_is_not_a_flag_is_refused(backend):
