@@ -558,13 +558,17 @@ def test_format_step_matches_the_reference(backend, family, fmt_name, rng):
     the format, each step starting from the backend's own previous result."""
     run = FormatRun(backend, family, fmt_name, _shapes(backend))
     params, grads = _problem(rng, run.layout.shapes, run.fmt, 3)
+    _steps_against_the_reference(run, params, grads, f"{backend} {family} {fmt_name}")
+
+
+def _steps_against_the_reference(run, params, grads, what):
+    """Each step from the backend's own previous result, against the reference's step of it."""
     for k, g in enumerate(grads, start=1):
         before = run.host_state()
         got = run.step(params, g, k)
         want_p, want_s = R.format_step(run.d, run.hp, run.fs, params, g, before, run.seed, k)
-        what = f"{backend} {family} {fmt_name} step {k}"
-        _assert_close_params(got, want_p, run.fmt, what)
-        _assert_close_state(run.fs, run.host_state(), want_s, what)
+        _assert_close_params(got, want_p, run.fmt, f"{what} step {k}")
+        _assert_close_state(run.fs, run.host_state(), want_s, f"{what} step {k}")
         params = got
 
 
@@ -587,14 +591,7 @@ def test_int8_sqrt_step_matches_the_reference(backend, family, fmt_name, rng):
             run.step(params, grads[0], 1)
         assert all(np.array_equal(before[k], v) for k, v in run.host_state().items())
         return
-    for k, g in enumerate(grads, start=1):
-        before = run.host_state()
-        got = run.step(params, g, k)
-        want_p, want_s = R.format_step(run.d, run.hp, run.fs, params, g, before, run.seed, k)
-        what = f"{backend} {family} {fmt_name} step {k}"
-        _assert_close_params(got, want_p, run.fmt, what)
-        _assert_close_state(run.fs, run.host_state(), want_s, what)
-        params = got
+    _steps_against_the_reference(run, params, grads, f"{backend} {family} {fmt_name}")
 
 
 def _dense_step(backend, d, hp, params32, grads32, state32, step):

@@ -91,13 +91,15 @@ def _all(a):
 
 
 @_jit
-def _load_codes(w, scales, small, q, blk, so, o, n, buf):
-    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``, ``q`` the
-    map's :func:`~optirs.backends.cpu.int8_native.decoder_table`) into ``buf``, or a small tensor's
-    float32 range at ``so`` >= 0."""
+def _load_codes(w, scales, small, q, blk, so, o, n, buf, sqrt):
+    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``; ``q`` the
+    map's :func:`~optirs.backends.cpu.int8_native.decoder_table`, or the slot's levels with ``sqrt``,
+    the square-root codes) into ``buf``, or a small tensor's float32 range at ``so`` >= 0."""
     if so >= 0:
         for i in range(n):
             buf[i] = small[so + i]
+    elif sqrt:
+        _decode_sqrt(w, q, scales[blk], o, n, buf)
     else:
         _decode_block(w, q, scales[blk], o, n, buf)
 
@@ -110,11 +112,13 @@ def _decode_block(w, q, s, o, n, buf):
 
 
 @_jit
-def _store_codes_or_small(w, scales, small, mid, tbl, tree, blk, so, o, n, buf, ix):
+def _store_codes_or_small(w, scales, small, q, mid, tbl, tree, blk, so, o, n, buf, ix, sqrt):
     """The inverse of :func:`_load_codes` (``ix``: uint32 scratch of a block)."""
     if so >= 0:
         for i in range(n):
             small[so + i] = buf[i]
+    elif sqrt:
+        _encode_sqrt(w, scales, q, blk, o, n, buf, _block_absmax(buf, n))
     else:
         _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix)
 
@@ -145,26 +149,6 @@ def _encode_sqrt(w, scales, lv, blk, o, n, buf, m):
     else:
         for i in range(n):
             c[i] = sqrt_code(buf[i], pre, inv, False)
-
-
-@_jit
-def _load_sqrt(w, scales, small, lv, blk, so, o, n, buf):
-    """:func:`_load_codes` for square-root codes."""
-    if so >= 0:
-        for i in range(n):
-            buf[i] = small[so + i]
-    else:
-        _decode_sqrt(w, lv, scales[blk], o, n, buf)
-
-
-@_jit
-def _store_sqrt_or_small(w, scales, small, lv, blk, so, o, n, buf):
-    """The inverse of :func:`_load_sqrt`."""
-    if so >= 0:
-        for i in range(n):
-            small[so + i] = buf[i]
-    else:
-        _encode_sqrt(w, scales, lv, blk, o, n, buf, _block_absmax(buf, n))
 
 
 @_jit
@@ -377,7 +361,7 @@ def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
 U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = False
 SKIND = STATE_F32
-RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = None
+RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = DECODE = None
 # a bfloat16-state chunk's sub-block (_run_fast): its marks stay in the L1 cache
 SUB = 4096
 
@@ -401,6 +385,8 @@ def _make_pointwise(fc, used):
     constants = dict(FC=fc, U0=bool(used & 1), U1=bool(used & 2), U2=bool(used & 4),
                      HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE, INT8=int8,
                      SQRT=fc.state == STATE_INT8_SQRT,
+                     # a block's codes to values (square-root codes: q0..q2 are the slots' levels)
+                     DECODE=_decode_sqrt if fc.state == STATE_INT8_SQRT else _decode_block,
                      SKIND=STATE_F32 if int8 else fc.state)  # a small int8 tensor's state is float32 values
     # the int8 forms chosen at import (int8_native): in the variant's name, so that a loop cached with
     # one form never loads under another
@@ -547,20 +533,12 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
         o = off + b
-        if SQRT:  # square-root codes: q0..q2 are the slots' levels
-            if U0:
-                _decode_sqrt(w0, q0, c0[blk], o, n, a0)
-            if U1:
-                _decode_sqrt(w1, q1, c1[blk], o, n, a1)
-            if U2:
-                _decode_sqrt(w2, q2, c2[blk], o, n, a2)
-        else:
-            if U0:
-                _decode_block(w0, q0, c0[blk], o, n, a0)
-            if U1:
-                _decode_block(w1, q1, c1[blk], o, n, a1)
-            if U2:
-                _decode_block(w2, q2, c2[blk], o, n, a2)
+        if U0:
+            DECODE(w0, q0, c0[blk], o, n, a0)
+        if U1:
+            DECODE(w1, q1, c1[blk], o, n, a1)
+        if U2:
+            DECODE(w2, q2, c2[blk], o, n, a2)
         # views without references (_span): the same loop as over slices
         mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
         top0, top1, top2, _ = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
@@ -643,12 +621,9 @@ def lamb(fc):
 
 def _load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, so, o, n, a0, a1):
     """Both moments of one block into ``a0``, ``a1`` (int8 codes and scales, or words): both passes read them."""
-    if SQRT:
-        _load_sqrt(w0, c0, m0, q0, blk, so, o, n, a0)
-        _load_sqrt(w1, c1, m1, q1, blk, so, o, n, a1)
-    elif INT8:
-        _load_codes(w0, c0, m0, q0, blk, so, o, n, a0)
-        _load_codes(w1, c1, m1, q1, blk, so, o, n, a1)
+    if INT8:
+        _load_codes(w0, c0, m0, q0, blk, so, o, n, a0, SQRT)
+        _load_codes(w1, c1, m1, q1, blk, so, o, n, a1, SQRT)
     else:
         _load_words(w0, FC.state, o, n, a0)
         _load_words(w1, FC.state, o, n, a1)
@@ -727,12 +702,9 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
                     if HAS_MASTER:
                         mbuf[idx] = mw
                     a0[i], a1[i] = mn, vn
-                if SQRT:
-                    _store_sqrt_or_small(w0, c0, m0, q0, blk, sob, o, n, a0)
-                    _store_sqrt_or_small(w1, c1, m1, q1, blk, sob, o, n, a1)
-                elif INT8:
-                    _store_codes_or_small(w0, c0, m0, d0, t0, e0, blk, sob, o, n, a0, ix)
-                    _store_codes_or_small(w1, c1, m1, d1, t1, e1, blk, sob, o, n, a1, ix)
+                if INT8:
+                    _store_codes_or_small(w0, c0, m0, q0, d0, t0, e0, blk, sob, o, n, a0, ix, SQRT)
+                    _store_codes_or_small(w1, c1, m1, q1, d1, t1, e1, blk, sob, o, n, a1, ix, SQRT)
                 else:
                     _store_words(w0, FC.state, o, n, a0, k01, 0)
                     _store_words(w1, FC.state, o, n, a1, k01, 1)
