@@ -28,7 +28,7 @@ from optirs.backends.common.elementwise import element_update, lamb_direction, l
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
-                                 STATE_F32)
+                                 SQRT_TINY, STATE_F32)
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
@@ -390,7 +390,6 @@ def quantize_finite(x, pre, inv, mid, table):
 
 # ---- the square-root codes (state_dtype "int8_sqrt"): arithmetic, no table
 
-_SQRT_TINY = np.float32(2.0**-96)  # below: a tiny scale, whose n2 / scale would overflow
 
 
 @_jit
@@ -398,7 +397,7 @@ def sqrt_factors(scale, n2):
     """A block's ``(pre, inv, w)`` of the square-root codes: ``u = (|x| * pre) * inv`` is coded and
     ``(c * |c|) * w`` decoded (docs/formats.md). ``n2``: the largest code squared (127**2 for a signed
     slot, 255**2 for an unsigned one), float32."""
-    pre = _PRE_TINY if scale < _SQRT_TINY and scale > 0 else np.float32(1)
+    pre = _PRE_TINY if scale < SQRT_TINY and scale > 0 else np.float32(1)
     inv = np.float32(0) if scale == 0 else n2 / (scale * pre)
     return pre, inv, scale / n2
 

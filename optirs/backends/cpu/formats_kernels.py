@@ -361,7 +361,8 @@ def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
 U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = False
 SKIND = STATE_F32
-RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = DECODE = None
+RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = DECODE = LAMB_SUMS = LAMB_WRITE = None
+WRITE = False
 # a bfloat16-state chunk's sub-block (_run_fast): its marks stay in the L1 cache
 SUB = 4096
 
@@ -615,6 +616,10 @@ def lamb(fc):
                          INT8_FORMS=(ENCODE, DECODE))  # as in _make_pointwise
         label = "_".join(map(str, key))
         constants["LOAD_MOMENTS"] = _jit(variant(_load_moments, label, constants))
+        # each pass's chunk a serial function of its own, as the pointwise CHUNK (numba's parfor
+        # lowering optimizes a body this size worse); pass 1 sums, pass 2 writes
+        constants["LAMB_SUMS"] = _jit(variant(_lamb_chunk, label + "_sums", dict(constants, WRITE=False)))
+        constants["LAMB_WRITE"] = _jit(variant(_lamb_chunk, label + "_write", dict(constants, WRITE=True)))
         k = _LAMB[key] = _pjit(variant(_lamb_format, label, constants))
     return k
 
@@ -627,6 +632,44 @@ def _load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, so, o, n, a0, a1):
     else:
         _load_words(w0, FC.state, o, n, a0)
         _load_words(w1, FC.state, o, n, a1)
+
+
+def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, e1, off, blk0, so, s, e,
+                grad_scale, lr_t, sc, keyp, k01):
+    # one chunk of LAMB's format step, block by block from the decoded moments: pass 1 (WRITE
+    # False) returns the chunk's float64 sums of p^2 and u^2 and writes nothing; pass 2 recomputes
+    # the same values and writes the parameter, its master and the encoded moments
+    a0 = np.zeros(BLOCK, np.float32)
+    a1 = np.zeros(BLOCK, np.float32)
+    ix = np.zeros(BLOCK if WRITE else 0, np.uint32)
+    ps_c, us_c = 0.0, 0.0
+    for b in range(s, e, BLOCK):
+        n = min(BLOCK, e - b)
+        blk = blk0 + b // BLOCK
+        sob = so + b if so >= 0 else so
+        o = off + b
+        LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
+        for i in range(n):
+            idx = o + i
+            x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, HAS_MASTER),
+                                               np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
+            if WRITE:
+                pw, mw = store_master(x - lr_t * u, FC, keyp, idx)
+                p[b + i] = pw
+                if HAS_MASTER:
+                    mbuf[idx] = mw
+                a0[i], a1[i] = mn, vn
+            else:
+                ps_c += np.float64(x) * np.float64(x)
+                us_c += np.float64(u) * np.float64(u)
+        if WRITE:
+            if INT8:
+                _store_codes_or_small(w0, c0, m0, q0, d0, t0, e0, blk, sob, o, n, a0, ix, SQRT)
+                _store_codes_or_small(w1, c1, m1, q1, d1, t1, e1, blk, sob, o, n, a1, ix, SQRT)
+            else:
+                _store_words(w0, FC.state, o, n, a0, k01, 0)
+                _store_words(w1, FC.state, o, n, a1, k01, 1)
+    return ps_c, us_c
 
 
 def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, chunk_tensor, chunk_start,
@@ -648,30 +691,6 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
     grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
     p_sq = np.zeros(nchunks, dtype=np.float64)
     u_sq = np.zeros(nchunks, dtype=np.float64)
-    next_chunk = counter()
-    for _loop in prange(loops(nchunks)):
-        c = claim(next_chunk)
-        while c < nchunks:
-            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-            p, g = ps[t], gs[t]
-            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-            a0 = np.zeros(BLOCK, np.float32)
-            a1 = np.zeros(BLOCK, np.float32)
-            ps_c, us_c = 0.0, 0.0
-            for b in range(s, e, BLOCK):
-                n = min(BLOCK, e - b)
-                blk = blk0 + b // BLOCK
-                sob = so + b if so >= 0 else so
-                o = off + b
-                LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
-                for i in range(n):
-                    x, _, _, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, o + i, HAS_MASTER),
-                                                     np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
-                    ps_c += np.float64(x) * np.float64(x)
-                    us_c += np.float64(u) * np.float64(u)
-            p_sq[c], u_sq[c] = ps_c, us_c
-            c = claim(next_chunk)
-    ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     keyp = stream_key(seed, step, 0)
     k01 = stream_key(seed, step, state_stream(0))
     dyn = INT8 and not SQRT  # the dynamic map's encoder tables
@@ -680,34 +699,20 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
     for _loop in prange(loops(nchunks)):
         c = claim(next_chunk)
         while c < nchunks:
-            t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
-            p, g = ps[t], gs[t]
-            off, blk0, so = table[t, 0], table[t, 1], table[t, 2]
-            a0 = np.zeros(BLOCK, np.float32)
-            a1 = np.zeros(BLOCK, np.float32)
-            ix = np.zeros(BLOCK, np.uint32)
-            lr_t = sc.lr * ratio[t]
-            for b in range(s, e, BLOCK):
-                n = min(BLOCK, e - b)
-                blk = blk0 + b // BLOCK
-                sob = so + b if so >= 0 else so
-                o = off + b
-                LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
-                for i in range(n):
-                    idx = o + i
-                    x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, HAS_MASTER),
-                                                       np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
-                    pw, mw = store_master(x - lr_t * u, FC, keyp, idx)
-                    p[b + i] = pw
-                    if HAS_MASTER:
-                        mbuf[idx] = mw
-                    a0[i], a1[i] = mn, vn
-                if INT8:
-                    _store_codes_or_small(w0, c0, m0, q0, d0, t0, e0, blk, sob, o, n, a0, ix, SQRT)
-                    _store_codes_or_small(w1, c1, m1, q1, d1, t1, e1, blk, sob, o, n, a1, ix, SQRT)
-                else:
-                    _store_words(w0, FC.state, o, n, a0, k01, 0)
-                    _store_words(w1, FC.state, o, n, a1, k01, 1)
+            t = chunk_tensor[c]
+            p_sq[c], u_sq[c] = LAMB_SUMS(ps[t], gs[t], mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, e1,
+                                         table[t, 0], table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c],
+                                         grad_scale, sc.lr, sc, keyp, k01)
+            c = claim(next_chunk)
+    ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
+    next_chunk = counter()
+    for _loop in prange(loops(nchunks)):
+        c = claim(next_chunk)
+        while c < nchunks:
+            t = chunk_tensor[c]
+            LAMB_WRITE(ps[t], gs[t], mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, e1, table[t, 0],
+                       table[t, 1], table[t, 2], chunk_start[c], chunk_stop[c], grad_scale, sc.lr * ratio[t], sc,
+                       keyp, k01)
             c = claim(next_chunk)
 
 
