@@ -258,17 +258,37 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, progress,
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     out["opt_state_host_bytes"] = state_bytes(opt, "cpu")
     if row_kind(row) in OFFLOAD_ROWS:
-        opt.timing = OffloadTiming()
+        opt.timing = OffloadTiming(timeline=args.timeline)
         for _ in range(args.split_steps):
             train_step(model, loss_fn, opt, batches, device)
             synchronize(device)
             progress(row)
         out["timing"] = {k: v / args.split_steps for k, v in opt.timing.as_dict().items() if k != "steps"}
+        if args.timeline:  # the last split step's chunks
+            out["timeline"] = dict(summary=opt.timing.timeline_summary(), chunks=opt.timing.timeline_rows())
+            print(f"bench_offload: {row}: {timeline_line(out['timeline']['summary'])}", flush=True)
         opt.timing = None
         opt.remove_hooks()
     out["parameters"] = sum(p.numel() for p in model.parameters())
     del opt, model, batches
     return out
+
+
+def timeline_line(t: Dict[str, Any]) -> str:
+    """One line of OffloadTiming.timeline_summary(): the chunks stepped in backward beside those after it."""
+    parts = []
+    for label in ("in_backward", "after"):
+        d = t.get(label, {})
+        text = f"{label.replace('_', ' ')} {d.get('chunks', 0)} chunks, {d.get('elements', 0) / 1e6:.1f}M elements"
+        if "cpu_ns_per_element" in d:
+            text += (f", CPU {d['cpu_ms']:.1f} ms ({d['cpu_ns_per_element']:.3f} ns an element, "
+                     f"{d['cpu_GBps']:.1f} GB/s)")
+        if "h2d_GBps" in d:
+            text += f", copies back {d['h2d_GBps']:.1f} GB/s"
+        parts.append(text)
+    if "last_step_end_ms" in t:
+        parts.append(f"CPU steps from {t['first_step_start_ms']:.1f} to {t['last_step_end_ms']:.1f} ms of step()")
+    return "; ".join(parts)
 
 
 def state_bytes(opt, device_type: str) -> Optional[int]:
@@ -688,6 +708,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (the median is reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--split-steps", type=int, default=2, help="steps with OffloadTiming for the split")
+    ap.add_argument("--timeline", action="store_true",
+                    help="keep each chunk's times of the last split step (OffloadTiming(timeline=True)) in the JSON "
+                         "and print the chunks stepped in backward beside those after it")
     ap.add_argument("--copy-mb", type=int, default=2048, help="size of the bandwidth probes")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
     ap.add_argument("--bucket", type=int, default=None, help="CPUOffload's bucket_elements (default: its own)")

@@ -14,6 +14,7 @@ import _thread
 import copy
 import io
 import pickle
+import sys
 import threading
 import time
 from pathlib import Path
@@ -1421,6 +1422,32 @@ def test_step_in_backward_starts_the_steps_before_step_is_called():
     assert opt.timing.early_chunks == 3 * len(opt._chunks)  # every chunk of rounds 2-4 started in backward
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["at_step", "in_backward"])
+def test_timeline_places_every_chunk_of_the_last_step(in_backward):
+    """OffloadTiming(timeline=True): each chunk of the last step once, its times in order on the
+    step() call's clock (before it exactly for the chunks stepped in backward), its elements and
+    bytes those of its tensors; the summary splits them as early_chunks counts them."""
+    model = make_model()
+    opt = offload("SGD", model.parameters(), lr=0.05, momentum=0.9, step_in_backward=in_backward)
+    _train(model, opt, 1)  # step_in_backward starts in backward from the second round on
+    opt.timing = offload_mod.OffloadTiming(timeline=True)
+    _train(model, opt, 2, start=1)
+    rows = opt.timing.timeline_rows()
+    assert sorted(r["chunk"] for r in rows) == sorted(c.index for c in opt._chunks)
+    for r in rows:
+        chunk = next(c for c in opt._chunks if c.index == r["chunk"])
+        assert r["elements"] == sum(p.numel() for p in chunk.params)
+        assert r["h2d_bytes"] == 4 * r["elements"] and r["step_bytes"] > r["h2d_bytes"]
+        assert r["ready"] <= r["step_start"] <= r["step_end"] <= r["h2d_queued"]
+        assert (r["step_start"] < 0) == in_backward and r["d2h_ms"] >= 0 and r["h2d_ms"] >= 0
+    summary = opt.timing.timeline_summary()
+    early = summary["in_backward"]["chunks"]
+    assert early + summary["after"]["chunks"] == len(rows) == summary["chunks"]
+    assert early == opt.timing.early_chunks / 2  # two timed steps, the timeline keeps the last
+    assert summary["in_backward" if in_backward else "after"]["elements"] == sum(p.numel() for p in model.parameters())
+    assert opt.timing.timeline is True and not offload_mod.OffloadTiming().timeline
+
+
 def test_cpu_threads_limit_the_chunk_steps_and_survive_a_copy(monkeypatch):
     """The chunks' steps run on at most ``cpu_threads`` of numba's threads (the cpu backend's thread
     count is capped by the launching thread's numba count), the caller's own count is left as it
@@ -1471,3 +1498,4 @@ def test_the_benchmark_runs_a_row_per_thread_count(tmp_path):
     for bad in ("torch_fused@2", "offload@0", "offload@x"):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--rows", bad])
+

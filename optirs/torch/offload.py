@@ -316,36 +316,93 @@ class OffloadTiming:
     - ``step_call_s``: wall time inside ``step()``: what the caller waited.
 
     Event timing adds a synchronisation at the end of each step: time steps without it.
+
+    ``OffloadTiming(timeline=True)`` also keeps, for the last step, each chunk's times on the host
+    clock relative to the call of ``step()`` (:meth:`timeline_rows`: when its gradients had landed,
+    its CPU step's start and end, when its copy back was queued; its copies' busy time and bytes)
+    and :meth:`timeline_summary` sets the chunks stepped in backward beside those stepped after it.
     """
 
     FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s", "check_s", "step_call_s",
               "step_bytes", "d2h_bytes", "h2d_bytes", "early_chunks", "steps")
 
-    def __init__(self) -> None:
+    def __init__(self, timeline: bool = False) -> None:
         self._lock = threading.Lock()
+        self.timeline = bool(timeline)
         self.reset()
 
     def reset(self) -> None:
         for f in self.FIELDS:
             setattr(self, f, 0)
-        self._pairs: List[Tuple[str, Any, Any]] = []
+        self._pairs: List[Tuple[str, Any, Any, Optional[int]]] = []
+        self._round: Dict[int, Dict[str, float]] = {}  # this round's chunks (timeline)
+        self.last: Dict[int, Dict[str, float]] = {}  # the last finished step's, times from its step() call
 
     def add(self, field: str, amount: float) -> None:
         with self._lock:
             setattr(self, field, getattr(self, field) + amount)
 
-    def events(self, kind: str) -> Tuple[Any, Any]:
+    def mark(self, chunk: int, **values: float) -> None:
+        """Timeline: set chunk ``chunk``'s host times (``time.perf_counter()``) or add to its sums
+        (keys ending in ``_ms`` or ``_bytes``)."""
+        if not self.timeline:
+            return
+        with self._lock:
+            row = self._round.setdefault(chunk, {})
+            for key, value in values.items():
+                row[key] = row.get(key, 0.0) + value if key.endswith(("_ms", "_bytes")) else value
+
+    def events(self, kind: str, chunk: Optional[int] = None) -> Tuple[Any, Any]:
         start, end = _event(timing=True), _event(timing=True)
         with self._lock:
-            self._pairs.append((kind, start, end))
+            self._pairs.append((kind, start, end, chunk))
         return start, end
 
-    def settle(self) -> None:
+    def settle(self, called: Optional[float] = None) -> None:
+        """Add the event pairs' times; with ``called`` (the step() call's host time), close the
+        round's timeline."""
         with self._lock:
             pairs, self._pairs = self._pairs, []
-        for kind, start, end in pairs:
+        for kind, start, end, chunk in pairs:
             end.synchronize()
-            self.add(kind, start.elapsed_time(end) / 1e3)
+            seconds = start.elapsed_time(end) / 1e3
+            self.add(kind, seconds)
+            if chunk is not None:
+                self.mark(chunk, **{kind.replace("_s", "_ms"): 1e3 * seconds})
+        if called is not None and self.timeline:
+            with self._lock:
+                rows, self._round = self._round, {}
+            self.last = {c: {k: (1e3 * (v - called) if not k.endswith(("_ms", "_bytes", "elements")) else v)
+                             for k, v in row.items()} for c, row in sorted(rows.items())}
+
+    def timeline_rows(self) -> List[Dict[str, float]]:
+        """The last step's chunks: ``chunk``, ``elements``, ``ready`` / ``step_start`` / ``step_end``
+        / ``h2d_queued`` (ms from the step() call; negative: in backward), ``d2h_ms`` / ``h2d_ms``
+        (the copies' busy time), ``step_bytes`` / ``h2d_bytes``."""
+        return [dict(chunk=c, **row) for c, row in self.last.items()]
+
+    def timeline_summary(self) -> Dict[str, Any]:
+        """The last step's chunks stepped in backward (started before step()) beside those stepped
+        after it: how many, their elements, CPU step ms and ns an element, the step's bytes/s, the
+        copies back's GB/s; and from the step() call, when the last CPU step ended."""
+        rows = [r for r in self.timeline_rows() if "step_end" in r]
+        out: Dict[str, Any] = {"chunks": len(rows)}
+        for label, part in (("in_backward", [r for r in rows if r["step_start"] < 0]),
+                            ("after", [r for r in rows if r["step_start"] >= 0])):
+            cpu = sum(r["step_end"] - r["step_start"] for r in part)
+            elements = sum(r.get("elements", 0) for r in part)
+            h2d_ms = sum(r.get("h2d_ms", 0.0) for r in part)
+            d = {"chunks": len(part), "elements": elements, "cpu_ms": cpu}
+            if elements and cpu > 0:
+                d["cpu_ns_per_element"] = 1e6 * cpu / elements
+                d["cpu_GBps"] = sum(r.get("step_bytes", 0.0) for r in part) / cpu / 1e6
+            if h2d_ms > 0:
+                d["h2d_GBps"] = sum(r.get("h2d_bytes", 0.0) for r in part) / h2d_ms / 1e6
+            out[label] = d
+        if rows:
+            out["first_step_start_ms"] = min(r["step_start"] for r in rows)
+            out["last_step_end_ms"] = max(r["step_end"] for r in rows)
+        return out
 
     def as_dict(self) -> Dict[str, float]:
         return {f: getattr(self, f) for f in self.FIELDS}
@@ -801,7 +858,7 @@ class CPUOffload(torch.optim.Optimizer):
                 _fingerprint(g, self._fp_sent[chunk.row + k])
             with torch.cuda.stream(d2h):
                 if timing is not None:
-                    start, end = timing.events("d2h_s")
+                    start, end = timing.events("d2h_s", chunk.index)
                     start.record(d2h)
                 landing.copy_(g, non_blocking=True)
                 if timing is not None:
@@ -817,6 +874,7 @@ class CPUOffload(torch.optim.Optimizer):
                 landing.copy_(g)
             if timing is not None:
                 timing.add("d2h_s", time.perf_counter() - t0)
+                timing.mark(chunk.index, d2h_ms=1e3 * (time.perf_counter() - t0))
             event = None
         if timing is not None:
             timing.add("d2h_bytes", g.numel() * g.element_size())
@@ -883,7 +941,10 @@ class CPUOffload(torch.optim.Optimizer):
                     if chunk.mode == WIDEN:
                         timing.add("convert_s", t3 - t2)
                     timing.add("cpu_step_s", (t1 - t0) + (t4 - t3))  # the bookkeeping and the step, not the lock wait
-                    timing.add("step_bytes", chunk.step_bytes(present))
+                    nbytes = chunk.step_bytes(present)
+                    timing.add("step_bytes", nbytes)
+                    timing.mark(chunk.index, ready=t0, step_start=t3, step_end=t4, step_bytes=nbytes,
+                                elements=sum(chunk.host[k].numel() for k in present))
             if chunk.progress == 1:
                 if chunk.mode == WIDEN:
                     with self._backend.lock:
@@ -893,8 +954,9 @@ class CPUOffload(torch.optim.Optimizer):
                         if timing is not None:
                             timing.add("convert_s", clock() - t0)
                 if timing is not None:
-                    timing.add("h2d_bytes", sum(chunk.outbound[k].numel() * chunk.outbound[k].element_size()
-                                                for k in present))
+                    nbytes = sum(chunk.outbound[k].numel() * chunk.outbound[k].element_size() for k in present)
+                    timing.add("h2d_bytes", nbytes)
+                    timing.mark(chunk.index, h2d_bytes=nbytes)
                 if self._streams is not None:
                     h2d = self._streams[1]
                     with torch.cuda.stream(h2d):
@@ -904,7 +966,7 @@ class CPUOffload(torch.optim.Optimizer):
                         if after is not None:
                             h2d.wait_event(after)  # after what was queued before step()
                         if timing is not None:
-                            start, end = timing.events("h2d_s")
+                            start, end = timing.events("h2d_s", chunk.index)
                             start.record(h2d)
                         for k in present:
                             local(chunk.params[k]).copy_(chunk.outbound[k], non_blocking=True)
@@ -913,12 +975,15 @@ class CPUOffload(torch.optim.Optimizer):
                         event = _event()
                         event.record(h2d)
                     chunk.h2d_event = event
+                    if timing is not None:
+                        timing.mark(chunk.index, h2d_queued=clock())
                 else:
                     t0 = clock()
                     for k in present:
                         local(chunk.params[k]).copy_(chunk.outbound[k])
                     if timing is not None:
                         timing.add("h2d_s", clock() - t0)
+                        timing.mark(chunk.index, h2d_ms=1e3 * (clock() - t0), h2d_queued=clock())
                 for k in present:
                     chunk.mark(k)
                 chunk.progress = 2
@@ -973,7 +1038,7 @@ class CPUOffload(torch.optim.Optimizer):
         if timing is not None:
             timing.add("step_call_s", time.perf_counter() - t0)
             timing.add("steps", 1)
-            timing.settle()
+            timing.settle(called=t0)
         return loss
 
     def _started(self) -> List[_Chunk]:
