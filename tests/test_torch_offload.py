@@ -1499,3 +1499,35 @@ def test_the_benchmark_runs_a_row_per_thread_count(tmp_path):
         with pytest.raises(SystemExit):
             bench.main(["--quick", "--rows", bad])
 
+
+def _contention_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host_contention.py"
+    spec = importlib.util.spec_from_file_location("bench_host_contention", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_host_contention", bench)  # numba's cache finds the module of its kernel
+    spec.loader.exec_module(bench)
+    return sys.modules["bench_host_contention"]
+
+
+def test_contention_benchmark_refuses_bad_sizes_and_a_machine_without_cuda(capsys):
+    bench = _contention_module()
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--mib", "0"])
+    assert exc.value.code == 2 and "--mib=0, expected an int >= 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["--mib", "1"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_contention_benchmark_host_load_copies_and_counts_while_running():
+    np = pytest.importorskip("numpy")
+    bench = _contention_module()
+    load = bench.HostLoad(1)
+    load.src[:] = np.arange(load.src.size, dtype=np.uint64)
+    assert load.once() > 0 and np.array_equal(load.dst, load.src)
+    load.src[:] += 1
+    with load:
+        time.sleep(0.05)
+    assert load.bytes >= 2 * load.src.nbytes and load.rate() > 0 and np.array_equal(load.dst, load.src)
