@@ -67,9 +67,12 @@ from optirs.torch._state import plain
 from optirs.torch._stepcall import observed_step
 
 OFFLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Elements per chunk: large enough that a chunk's fixed cost (a front-end step, a few copies)
-# is small beside its CPU step, small enough that the first chunks are ready early in backward.
-DEFAULT_BUCKET_ELEMENTS = 1 << 22
+# Elements per chunk: large enough that a chunk's fixed cost is small beside its CPU step, small
+# enough that the first chunks are ready early in backward. The fixed cost is host time in which
+# no CPU step runs (one front-end step, the next worker's turn, a few copy calls: 0.3-0.4 ms a
+# chunk on the H200 host); for GPT-2 1.3B, 64M elements (21 chunks) left 8-11 ms of such gaps a
+# step where 4M (99 chunks) left 18-26 (docs/benchmarks.md, 2026-12-04 19:49).
+DEFAULT_BUCKET_ELEMENTS = 1 << 26
 DEFAULT_WORKERS = 2
 _GROUP_ONLY = ("params", "param_names")
 # state_dict key of a 16-bit parameter's fp32 master weights: the front end's own key for its
