@@ -1531,3 +1531,37 @@ def test_contention_benchmark_host_load_copies_and_counts_while_running():
     with load:
         time.sleep(0.05)
     assert load.bytes >= 2 * load.src.nbytes and load.rate() > 0 and np.array_equal(load.dst, load.src)
+
+
+def _vm_flags(address):
+    """The VmFlags of the mapping of this process that holds ``address`` (Linux's /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+                    reason="no transparent huge pages (Linux only)")
+def test_large_host_buffers_ask_for_huge_pages():
+    """The front end's state buffers and CPUOffload's ordinary host buffers of 2 MiB and more carry
+    the kernel's huge-page advice (VmFlags 'hg'); small ones are left alone."""
+    from optirs.core.host_pages import HUGE_PAGE, advise_huge_pages
+
+    assert not advise_huge_pages(HUGE_PAGE + 1, HUGE_PAGE)  # no whole huge page inside
+    big = torch.nn.Parameter(torch.zeros(3 << 20))  # 12 MiB
+    opt = ot.AdamW([big], lr=1e-3, backend="cpu")
+    big.grad = torch.ones_like(big)
+    opt.step()
+    state = opt.state[big]["exp_avg"]
+    assert "hg" in _vm_flags(state.data_ptr() + state.numel() * state.element_size() // 2)
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weight: one chunk, its host copies ordinary memory on the CPU
+    off = offload("AdamW", model.parameters(), bucket_elements=1 << 22)
+    host = off._chunks[0].host_flat
+    assert "hg" in _vm_flags(host.data_ptr() + host.numel() * host.element_size() // 2)

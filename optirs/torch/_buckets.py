@@ -30,6 +30,7 @@ import torch
 from optirs.core.definitions import OptimizerDefinition
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import CODES_KINDS, StepFormat
+from optirs.core.host_pages import advise_huge_pages
 from optirs.core.layout import TensorLayout, storage_order
 from optirs.optim import formats as fm
 from optirs.optim.engine import PreparedStep, StepEngine
@@ -215,6 +216,8 @@ class Bucket:
         for k, n in sizes.items():
             dtype = _TORCH[np.dtype(dtypes[k])]
             buf = torch.empty(n, dtype=dtype, device=self.device)
+            if buf.is_cpu:  # huge pages before the fill first writes it (numpy's own arrays have them)
+                advise_huge_pages(buf.data_ptr(), buf.numel() * buf.element_size())
             value = fills[k]  # a bfloat16 fill is its bit pattern
             buf.view(_BITS.get(dtype, dtype)).fill_(int(value) if np.dtype(dtypes[k]).kind in "iu" else float(value))
             flat[k] = buf

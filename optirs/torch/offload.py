@@ -55,6 +55,7 @@ import torch
 
 from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError, PluginError,
                                 ShapeMismatchError, UnsupportedOperationError)
+from optirs.core.host_pages import advise_huge_pages
 from optirs.core.interrupts import deferred_interrupts
 import optirs.torch.optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
@@ -99,8 +100,12 @@ def _pins(device: torch.device) -> bool:
 
 
 def _allocate(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """torch's host allocation (pinned through cudaHostAlloc where ``pin``): the one call that can run out."""
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    """torch's host allocation (pinned through cudaHostAlloc where ``pin``): the one call that can run out.
+    Ordinary memory asks for huge pages before anything writes it (optirs.core.host_pages)."""
+    t = torch.empty(numel, dtype=dtype, pin_memory=pin)
+    if not pin:
+        advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pin: bool, what: str) -> torch.Tensor:
