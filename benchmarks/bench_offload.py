@@ -287,7 +287,8 @@ def timeline_line(t: Dict[str, Any]) -> str:
             text += f", copies back {d['h2d_GBps']:.1f} GB/s"
         parts.append(text)
     if "last_step_end_ms" in t:
-        parts.append(f"CPU steps from {t['first_step_start_ms']:.1f} to {t['last_step_end_ms']:.1f} ms of step()")
+        parts.append(f"CPU steps from {t['first_step_start_ms']:.1f} to {t['last_step_end_ms']:.1f} ms of step(), "
+                     f"{t['idle_between_steps_ms']:.1f} ms of it with none running")
     return "; ".join(parts)
 
 

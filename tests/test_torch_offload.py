@@ -1445,6 +1445,10 @@ def test_timeline_places_every_chunk_of_the_last_step(in_backward):
     assert early + summary["after"]["chunks"] == len(rows) == summary["chunks"]
     assert early == opt.timing.early_chunks / 2  # two timed steps, the timeline keeps the last
     assert summary["in_backward" if in_backward else "after"]["elements"] == sum(p.numel() for p in model.parameters())
+    steps = sorted((r["step_start"], r["step_end"]) for r in rows)  # one host pass at a time: in sequence
+    assert all(a[1] <= b[0] for a, b in zip(steps, steps[1:]))
+    span = summary["last_step_end_ms"] - summary["first_step_start_ms"]
+    assert summary["idle_between_steps_ms"] == pytest.approx(span - sum(e - s for s, e in steps))
     assert opt.timing.timeline is True and not offload_mod.OffloadTiming().timeline
 
 

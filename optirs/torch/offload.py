@@ -392,7 +392,8 @@ class OffloadTiming:
     def timeline_summary(self) -> Dict[str, Any]:
         """The last step's chunks stepped in backward (started before step()) beside those stepped
         after it: how many, their elements, CPU step ms and ns an element, the step's bytes/s, the
-        copies back's GB/s; and from the step() call, when the last CPU step ended."""
+        copies back's GB/s; from the step() call, when the first CPU step started and the last one
+        ended, and the time between them with no CPU step running."""
         rows = [r for r in self.timeline_rows() if "step_end" in r]
         out: Dict[str, Any] = {"chunks": len(rows)}
         for label, part in (("in_backward", [r for r in rows if r["step_start"] < 0]),
@@ -410,6 +411,13 @@ class OffloadTiming:
         if rows:
             out["first_step_start_ms"] = min(r["step_start"] for r in rows)
             out["last_step_end_ms"] = max(r["step_end"] for r in rows)
+            # host time between the first CPU step's start and the last one's end with no step running
+            idle, reach = 0.0, None
+            for r in sorted(rows, key=lambda r: r["step_start"]):
+                if reach is not None and r["step_start"] > reach:
+                    idle += r["step_start"] - reach
+                reach = r["step_end"] if reach is None else max(reach, r["step_end"])
+            out["idle_between_steps_ms"] = idle
         return out
 
     def as_dict(self) -> Dict[str, float]:
