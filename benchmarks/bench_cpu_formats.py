@@ -69,15 +69,16 @@ def bytes_per_param(param: str, grad: str, master: Optional[str], state: str, sl
     return 2 * _WIDTH[param] + _WIDTH[grad] + 2 * m + 2 * slots * _STATE[state]
 
 
-def _copy_kernel():
-    """A parallel copy of 8-byte words in blocks (the same threads as the kernels)."""
+def host_copy_kernel():
+    """A parallel copy of 8-byte words in blocks (the same threads as the kernels; ``copy_blocks(src,
+    dst, block)``, which releases the GIL: bench_host_contention runs it beside CUDA copies)."""
     from numba import njit, prange
 
     @njit(cache=True)
     def copy_range(src, dst, s, e):
         dst[s:e] = src[s:e]
 
-    @njit(parallel=True, cache=True)
+    @njit(parallel=True, nogil=True, cache=True)
     def copy_blocks(src, dst, block):
         n = src.shape[0]
         for b in prange((n + block - 1) // block):
@@ -205,7 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     per = args.size // args.tensors
     shapes = [(per,)] * args.tensors
-    copy = _copy_kernel()
+    copy = host_copy_kernel()
     print(f"cpu formats, {args.family}, {per * args.tensors} parameters in {args.tensors} tensors, "
           f"{numba.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'format':48s} {'B/param':>8s} {'step ms':>9s} {'ns/param':>9s} {'GB/s':>7s} {'copy GB/s':>10s} "

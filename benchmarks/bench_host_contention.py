@@ -22,20 +22,8 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-
-def _host_copy_kernel():
-    from numba import njit, prange
-
-    @njit(parallel=True, nogil=True, cache=True)
-    def copy_blocks(src, dst, block):
-        n = src.shape[0]
-        for b in prange((n + block - 1) // block):
-            s = b * block
-            e = min(s + block, n)
-            for i in range(s, e):
-                dst[i] = src[i]
-
-    return copy_blocks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu_formats import host_copy_kernel  # noqa: E402  (the format loops' reference copy)
 
 
 class HostLoad:
@@ -46,7 +34,7 @@ class HostLoad:
 
         words = mib * (1 << 20) // 8
         self.src, self.dst = np.ones(words, np.uint64), np.zeros(words, np.uint64)
-        self.copy = _host_copy_kernel()
+        self.copy = host_copy_kernel()
         self.copy(self.src, self.dst, 1 << 15)  # compile and touch
         self.stop, self.bytes, self.seconds = threading.Event(), 0, 0.0
         self.thread: Optional[threading.Thread] = None

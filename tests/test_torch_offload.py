@@ -1311,12 +1311,15 @@ def test_timing_counts_every_byte_moved(name, fuse):
     assert (t["convert_s"] > 0) == (mode == offload_mod.WIDEN)
 
 
-def _bench_module():
+def _bench_module(name="bench_offload"):
+    """A fresh copy of ``benchmarks/<name>.py``, registered under its name (numba's cache finds the
+    module of a kernel it defines)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_offload.py"
-    spec = importlib.util.spec_from_file_location("bench_offload", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[name] = bench
     spec.loader.exec_module(bench)
     return bench
 
@@ -1504,19 +1507,8 @@ def test_the_benchmark_runs_a_row_per_thread_count(tmp_path):
             bench.main(["--quick", "--rows", bad])
 
 
-def _contention_module():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host_contention.py"
-    spec = importlib.util.spec_from_file_location("bench_host_contention", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_host_contention", bench)  # numba's cache finds the module of its kernel
-    spec.loader.exec_module(bench)
-    return sys.modules["bench_host_contention"]
-
-
 def test_contention_benchmark_refuses_bad_sizes_and_a_machine_without_cuda(capsys):
-    bench = _contention_module()
+    bench = _bench_module("bench_host_contention")
     with pytest.raises(SystemExit) as exc:
         bench.main(["--mib", "0"])
     assert exc.value.code == 2 and "--mib=0, expected an int >= 1" in capsys.readouterr().err
@@ -1527,7 +1519,7 @@ def test_contention_benchmark_refuses_bad_sizes_and_a_machine_without_cuda(capsy
 
 def test_contention_benchmark_host_load_copies_and_counts_while_running():
     np = pytest.importorskip("numpy")
-    bench = _contention_module()
+    bench = _bench_module("bench_host_contention")
     load = bench.HostLoad(1)
     load.src[:] = np.arange(load.src.size, dtype=np.uint64)
     assert load.once() > 0 and np.array_equal(load.dst, load.src)

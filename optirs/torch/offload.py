@@ -333,6 +333,10 @@ class OffloadTiming:
 
     FIELDS = ("cpu_step_s", "convert_s", "d2h_s", "h2d_s", "wait_d2h_s", "h2d_tail_s", "check_s", "step_call_s",
               "step_bytes", "d2h_bytes", "h2d_bytes", "early_chunks", "steps")
+    # a chunk's timeline entries: host times (made relative to the step() call when the round
+    # closes) and its element count are set; the rest (copy times, bytes) add up
+    TIMES = ("ready", "step_start", "step_end", "h2d_queued")
+    _SET = TIMES + ("elements",)
 
     def __init__(self, timeline: bool = False) -> None:
         self._lock = threading.Lock()
@@ -342,7 +346,7 @@ class OffloadTiming:
     def reset(self) -> None:
         for f in self.FIELDS:
             setattr(self, f, 0)
-        self._pairs: List[Tuple[str, Any, Any, Optional[int]]] = []
+        self._pairs: List[Tuple[str, Any, Any, int]] = []
         self._round: Dict[int, Dict[str, float]] = {}  # this round's chunks (timeline)
         self.last: Dict[int, Dict[str, float]] = {}  # the last finished step's, times from its step() call
 
@@ -351,16 +355,22 @@ class OffloadTiming:
             setattr(self, field, getattr(self, field) + amount)
 
     def mark(self, chunk: int, **values: float) -> None:
-        """Timeline: set chunk ``chunk``'s host times (``time.perf_counter()``) or add to its sums
-        (keys ending in ``_ms`` or ``_bytes``)."""
+        """Timeline: set chunk ``chunk``'s host times (:attr:`TIMES`, ``time.perf_counter()``) and
+        ``elements``, or add to its sums (copy times in ms, bytes)."""
         if not self.timeline:
             return
         with self._lock:
             row = self._round.setdefault(chunk, {})
             for key, value in values.items():
-                row[key] = row.get(key, 0.0) + value if key.endswith(("_ms", "_bytes")) else value
+                row[key] = value if key in self._SET else row.get(key, 0.0) + value
 
-    def events(self, kind: str, chunk: Optional[int] = None) -> Tuple[Any, Any]:
+    def copied(self, kind: str, seconds: float, chunk: int) -> None:
+        """A copy's busy time: added to ``kind`` (``"d2h_s"`` / ``"h2d_s"``) and to chunk ``chunk``'s
+        timeline (``d2h_ms`` / ``h2d_ms``)."""
+        self.add(kind, seconds)
+        self.mark(chunk, **{kind[: -len("_s")] + "_ms": 1e3 * seconds})
+
+    def events(self, kind: str, chunk: int) -> Tuple[Any, Any]:
         start, end = _event(timing=True), _event(timing=True)
         with self._lock:
             self._pairs.append((kind, start, end, chunk))
@@ -373,15 +383,12 @@ class OffloadTiming:
             pairs, self._pairs = self._pairs, []
         for kind, start, end, chunk in pairs:
             end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-            self.add(kind, seconds)
-            if chunk is not None:
-                self.mark(chunk, **{kind.replace("_s", "_ms"): 1e3 * seconds})
+            self.copied(kind, start.elapsed_time(end) / 1e3, chunk)
         if called is not None and self.timeline:
             with self._lock:
                 rows, self._round = self._round, {}
-            self.last = {c: {k: (1e3 * (v - called) if not k.endswith(("_ms", "_bytes", "elements")) else v)
-                             for k, v in row.items()} for c, row in sorted(rows.items())}
+            self.last = {c: {k: 1e3 * (v - called) if k in self.TIMES else v for k, v in row.items()}
+                         for c, row in sorted(rows.items())}
 
     def timeline_rows(self) -> List[Dict[str, float]]:
         """The last step's chunks: ``chunk``, ``elements``, ``ready`` / ``step_start`` / ``step_end``
@@ -889,8 +896,7 @@ class CPUOffload(torch.optim.Optimizer):
                     _fingerprint(g, self._fp_sent[chunk.row + k])
                 landing.copy_(g)
             if timing is not None:
-                timing.add("d2h_s", time.perf_counter() - t0)
-                timing.mark(chunk.index, d2h_ms=1e3 * (time.perf_counter() - t0))
+                timing.copied("d2h_s", time.perf_counter() - t0, chunk.index)
             event = None
         if timing is not None:
             timing.add("d2h_bytes", g.numel() * g.element_size())
@@ -998,8 +1004,9 @@ class CPUOffload(torch.optim.Optimizer):
                     for k in present:
                         local(chunk.params[k]).copy_(chunk.outbound[k])
                     if timing is not None:
-                        timing.add("h2d_s", clock() - t0)
-                        timing.mark(chunk.index, h2d_ms=1e3 * (clock() - t0), h2d_queued=clock())
+                        t1 = clock()
+                        timing.copied("h2d_s", t1 - t0, chunk.index)
+                        timing.mark(chunk.index, h2d_queued=t1)
                 for k in present:
                     chunk.mark(k)
                 chunk.progress = 2
