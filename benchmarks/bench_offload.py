@@ -683,6 +683,20 @@ def unique_rows(rows: List[str]) -> List[str]:
     return out
 
 
+def with_baselines(rows: List[str]) -> Tuple[List[str], List[str]]:
+    """(the rows with the no-offload baseline of each offload row's parameter dtype put in front
+    where ``rows`` lacks it, the baselines so added): an offload row's added time is its step over
+    that baseline's, measured in the same run."""
+    present = {row_kind(r) for r in rows}
+    added = []
+    for r in rows:
+        base = BASELINES[param_dtype(r)]
+        if row_kind(r) in OFFLOAD_ROWS and base not in present:
+            present.add(base)
+            added.append(base)
+    return added + rows, added
+
+
 def environment() -> Dict[str, Any]:
     import torch
 
@@ -737,6 +751,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                             or row_threads(r) < 1)]
     if bad:
         ap.error(f"rows {bad}: a thread count goes after an offload row as @N with N >= 1 (offload_sib@14)")
+    rows, added = with_baselines(rows)
+    if added:
+        print(f"bench_offload: adding {', '.join(added)}: the baseline of the offload rows' added time")
     if args.bucket is None:
         from optirs.torch.offload import DEFAULT_BUCKET_ELEMENTS
 
