@@ -584,6 +584,45 @@ def optirs_sparse_sgd_step(ctx: BackendContext, table: SparseTable, grad: Sparse
     :param dense_decay: False: touch only the rows present; True: step every row.
     """
 
+# ---- fingerprints
+# A fingerprint says whether an array still holds what it held when the fingerprint was taken,
+# without a copy: CPUOffload takes one of each gradient as its copy to the host starts and again
+# in step(), and copies again (or refuses) what differs. One pass over each array's memory.
+
+FINGERPRINT_INDEX_MASK = 0x7FFFFFFF
+"""The low bits of an element's index that its fingerprint key holds (the index modulo 2**31)."""
+
+
+@hookspec
+def optirs_fingerprint(ctx: BackendContext, arrays: Sequence[DeviceArray], out: DeviceArray,
+                       rows: Sequence[int]) -> None:
+    """Queue each array's fingerprint into a row of ``out`` (on the stream in use).
+
+    The elements of ``arrays[k]`` are read as their bit words ``u`` (16 or 32 bits: float16,
+    bfloat16 as int16 / uint16, float32, int32, ...; any shape, C-contiguous, read flat) and
+    ``out[rows[k]]`` becomes, in int64 (wrapping):
+
+    - ``out[r, 0]``: the sum of the words as signed integers of their width (any change of one
+      element, a scaling, a clamp, an all-reduce moves it);
+    - ``out[r, 1]``: the largest key ``(o << 31) | (FINGERPRINT_INDEX_MASK - (i & FINGERPRINT_INDEX_MASK))``
+      over the elements ``i``, where ``o`` is the word in floating-point order as 32 bits (``u``
+      with the sign bit set if it was clear, else ``~u``; a 16-bit word shifted up by 16): the
+      largest value and its first index, which a sign flip moves where the sum can stay. 0 for an
+      empty array.
+
+    The rows are overwritten (their previous values do not count); other rows are left alone.
+
+    :param ctx: the context from :func:`optirs_open`.
+    :param arrays: the arrays, this backend's own device arrays (numba / CuPy / torch CUDA arrays
+        on cuda; numpy arrays on the cpu backend).
+    :param out: int64[n, 2], C-contiguous, the same kind of array.
+    :param rows: the row of ``out`` of each array.
+    :raises optirs.InvalidParameterError: for an array this backend cannot read, an element width
+        other than 2 or 4 bytes, a non-contiguous array or a row outside ``out``, before anything is
+        queued.
+    """
+
+
 # ---- replica reduction
 # One device sums (or averages) N gradient replicas into the first: the single-device half of data
 # parallelism (optirs.optim.data_parallel.reduce_replicas). Moving data between devices is a
@@ -893,6 +932,7 @@ def optirs_current_stream(ctx: BackendContext) -> int:
 # Capability name -> the hooks a backend implements to offer it (all of them).
 CAPABILITIES: Dict[str, Tuple[str, ...]] = {
     "replica_reduce": ("optirs_replica_reduce",),
+    "fingerprint": ("optirs_fingerprint",),
     "fake_quant": ("optirs_fake_quant_forward", "optirs_fake_quant_backward"),
     "mixed_precision": ("optirs_mixed_precision_describe", "optirs_mixed_precision_unscale",
                         "optirs_mixed_precision_narrow"),

@@ -12,6 +12,7 @@ from optirs.backends.cpu.adafactor import CpuAdafactor
 from optirs.backends.cpu.context import CpuContext, cpu_name
 from optirs.backends.cpu.device import CpuDevice
 from optirs.backends.cpu.fake_quant import CpuFakeQuant
+from optirs.backends.cpu.fingerprint import CpuFingerprint
 from optirs.backends.cpu.formats import CpuFormats
 from optirs.backends.cpu.fusion import CpuFusion
 from optirs.backends.cpu.measure import CpuMeasure
@@ -24,7 +25,7 @@ from optirs.backends.cpu.streams import CpuStreams
 __all__ = ["CHUNK", "CpuBackend", "CpuContext", "cpu_name", "plugin"]
 
 
-class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor, CpuMeasure, CpuStreams,
+class CpuBackend(CpuDevice, CpuSteps, CpuReplicaReduce, CpuFingerprint, CpuFakeQuant, CpuMixedPrecision, CpuSparse, CpuFusion, CpuAdafactor, CpuMeasure, CpuStreams,
                  CpuFormats):
     """numba.njit kernels on the host's cores: one mixin per capability."""
 

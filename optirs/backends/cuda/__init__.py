@@ -40,6 +40,7 @@ from optirs.backends.cuda.context import (DEFAULT_BLOCK, SIM_BLOCK, SIM_GRID, Cu
                                           _head_types, device_address, import_failure_reason, stream_handle)
 from optirs.backends.cuda.device import CudaDevice
 from optirs.backends.cuda.fake_quant import CudaFakeQuant
+from optirs.backends.cuda.fingerprint import CudaFingerprint
 from optirs.backends.cuda.formats import CudaFormats
 from optirs.backends.cuda.fusion import CudaFusion
 from optirs.backends.cuda.measure import CudaMeasure
@@ -53,7 +54,7 @@ __all__ = ["DEFAULT_BLOCK", "SIM_BLOCK", "SIM_GRID", "CudaBackend", "CudaContext
            "device_address", "import_failure_reason", "plugin", "stream_handle"]
 
 
-class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion,
+class CudaBackend(CudaDevice, CudaSteps, CudaReplicaReduce, CudaFingerprint, CudaFakeQuant, CudaMixedPrecision, CudaSparse, CudaFusion,
                   CudaAdafactor, CudaMeasure, CudaStreams, CudaCapturable, CudaFormats):
     """numba.cuda kernels on an NVIDIA GPU (or numba's CUDA simulator): one mixin per capability."""
 

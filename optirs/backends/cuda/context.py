@@ -126,6 +126,15 @@ class _Launcher:
                 self.htod = htod
         except AttributeError:  # pragma: no cover - a driver without the v2 entry point
             self.htod = None
+        self.memset = None
+        try:
+            if self.lib is not None:
+                memset = self.lib.cuMemsetD32Async
+                memset.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+                memset.restype = ctypes.c_int
+                self.memset = memset
+        except AttributeError:  # pragma: no cover - a driver without it
+            self.memset = None
         if self.lib is not None:
             record = self.lib.cuEventRecord
             record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -187,6 +196,14 @@ class _Launcher:
         if err:
             raise GpuOptimError(f"cuMemcpyHtoDAsync of {host.nbytes} bytes failed with CUresult {err}")
         return True
+
+    def memset32(self, device_address: int, words: int, stream: int) -> None:
+        """``cuMemsetD32Async``: ``words`` 32-bit words of zeros at ``device_address``, on a raw stream."""
+        if self.memset is None:
+            raise GpuOptimError("cuMemsetD32Async is not available from this CUDA driver")
+        err = self.memset(device_address, 0, words, stream or None)
+        if err:
+            raise GpuOptimError(f"cuMemsetD32Async of {words} words failed with CUresult {err}")
 
     def active_blocks(self, function: ctypes.c_void_p, block: int) -> int:
         """Blocks of ``block`` threads the compiled kernel keeps resident per SM (the driver's occupancy)."""

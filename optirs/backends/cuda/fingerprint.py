@@ -1,0 +1,220 @@
+"""The ``fingerprint`` capability on the cuda backend: one kernel launch per array.
+
+Each thread sums its words and keeps its largest key (:mod:`optirs.backends.common.fingerprint`,
+the terms the cpu loop shares) over a grid-stride loop, the block folds them in shared memory and
+one thread adds the block's sum into the array's row of ``out`` and raises its key there (64-bit
+atomics at the row's address). The row is cleared first on the same stream (``cuMemsetD32Async``).
+Every argument is a number (address, count, width, row address): the launch is prepared once per
+grid size and each call rewrites four values and calls ``cuLaunchKernel`` (the torch front end
+fingerprints each gradient in its hook, on autograd's thread). numba.cuda is imported on first use,
+never when the backend is imported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Sequence
+
+from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.plugin.hookspecs import hookimpl
+
+BLOCK = 256
+WORDS_PER_THREAD = 8  # words a thread reads at least before the grid stops growing
+BLOCKS_PER_SM = 16
+
+# bound on first use (the kernel reads them as module globals; the simulator swaps the globals that
+# are numba.cuda for its own while a kernel runs)
+cuda: Any = None
+ld_u16: Any = None
+ld_u32: Any = None
+atomic_add_i64: Any = None
+atomic_max_i64: Any = None
+fingerprint_word: Any = None
+fingerprint_key: Any = None
+int64: Any = None
+_READY: list = []
+
+
+def fingerprint_kernel(sc):
+    """``sc`` = (address, count, bits, row address): the words' sum and largest key into the row."""
+    addr, n, bits, row = sc[0], sc[1], sc[2], sc[3]
+    total = int64(0)
+    best = int64(0)
+    i = int64(cuda.grid(1))
+    stride = int64(cuda.gridsize(1))
+    if bits == 32:
+        while i < n:
+            u = ld_u32(addr + 4 * i)
+            total += fingerprint_word(u, 32)
+            best = max(best, fingerprint_key(u, 32, i))
+            i += stride
+    else:
+        while i < n:
+            u = ld_u16(addr + 2 * i)
+            total += fingerprint_word(u, 16)
+            best = max(best, fingerprint_key(u, 16, i))
+            i += stride
+    sums = cuda.shared.array(BLOCK, int64)
+    keys = cuda.shared.array(BLOCK, int64)
+    t = cuda.threadIdx.x
+    sums[t] = total
+    keys[t] = best
+    cuda.syncthreads()
+    half = cuda.blockDim.x // 2
+    while half > 0:
+        if t < half:
+            sums[t] += sums[t + half]
+            keys[t] = max(keys[t], keys[t + half])
+        cuda.syncthreads()
+        half //= 2
+    if t == 0:
+        atomic_add_i64(row, sums[0])
+        atomic_max_i64(row + 8, keys[0])
+
+
+def _simulated_atomics():
+    """The two atomics on host memory (the simulator's device memory), under one lock."""
+    lock = threading.Lock()
+
+    def add(addr, value):
+        with lock:
+            cell = ctypes.c_int64.from_address(int(addr))
+            cell.value = (cell.value + int(value) + (1 << 63)) % (1 << 64) - (1 << 63)
+
+    def largest(addr, value):
+        with lock:
+            cell = ctypes.c_int64.from_address(int(addr))
+            cell.value = max(cell.value, int(value))
+
+    return add, largest
+
+
+def _device_atomics():
+    """``atomicrmw add`` / ``max`` of an int64 at a global address (no array around it)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    i64 = ir.IntType(64)
+
+    def make(op):
+        @intrinsic
+        def rmw(typingctx, addr, value):
+            def codegen(context, builder, sig, args):
+                ptr = builder.inttoptr(args[0], ir.PointerType(i64, 1))  # the global address space
+                builder.atomic_rmw(op, ptr, args[1], "monotonic")
+                return context.get_dummy_value()
+
+            return types.void(types.int64, types.int64), codegen
+
+        return rmw
+
+    return make("add"), make("max")
+
+
+def _bind(ctx: Any) -> None:
+    global cuda, ld_u16, ld_u32, atomic_add_i64, atomic_max_i64, fingerprint_word, fingerprint_key, int64
+    if _READY:
+        return
+    import numba
+
+    from optirs.backends.common import fingerprint as terms
+    from optirs.backends.cuda import formats_memory
+
+    cuda, int64 = ctx.cuda, numba.int64
+    ld_u16, ld_u32 = formats_memory.ld_u16, formats_memory.ld_u32
+    atomic_add_i64, atomic_max_i64 = _simulated_atomics() if ctx.simulator else _device_atomics()
+    fingerprint_word, fingerprint_key = terms.fingerprint_word, terms.fingerprint_key
+    _READY.append(True)
+
+
+def _described(a: Any, what: str):
+    """(address, elements, bytes an element, C-contiguous, device index or None) of a CUDA array."""
+    from optirs.core.simulator import is_simulator_array
+
+    if type(a).__module__.startswith("torch"):  # its own accessors: no interface dict made per call
+        import numpy as np
+
+        dtype = np.dtype(str(a.dtype).replace("torch.", ""))
+        return (a.data_ptr(), a.numel(), a.element_size(), a.is_contiguous(), a.device.index, dtype,
+                tuple(a.shape))
+    if is_simulator_array(a):  # the simulator's device array: a numpy array in host memory
+        host = a._ary
+        return (int(host.__array_interface__["data"][0]), int(host.size), host.itemsize, bool(host.flags.c_contiguous),
+                None, host.dtype, host.shape)
+    face = getattr(a, "__cuda_array_interface__", None)
+    if face is None:
+        raise InvalidParameterError(
+            f"{what} is a {type(a).__module__}.{type(a).__name__}, expected a CUDA device array "
+            "(__cuda_array_interface__: numba, CuPy, torch) on the cuda backend")
+    import numpy as np
+
+    from optirs.backends.cuda.replica_reduce import device_of
+
+    dtype = np.dtype(face["typestr"])
+    shape = tuple(face["shape"])
+    count = int(np.prod(shape)) if shape else 1
+    strides = face.get("strides")
+    contiguous = strides is None or tuple(strides) == tuple(
+        int(np.prod(shape[k + 1:])) * dtype.itemsize for k in range(len(shape)))
+    return int(face["data"][0] or 0), count, dtype.itemsize, contiguous, device_of(a), dtype, shape
+
+
+class CudaFingerprint:
+    """Mixin of :class:`optirs.backends.cuda.CudaBackend` (CUDA device arrays of any library)."""
+
+    @hookimpl
+    def optirs_fingerprint(self, ctx: Any, arrays: Sequence[Any], out: Any, rows: Sequence[int]) -> None:
+        from optirs.backends.common.fingerprint import check_request
+
+        described = [_described(a, f"arrays[{k}]") for k, a in enumerate(arrays)]
+        oaddr, _, _, ocontig, odev, odtype, oshape = _described(out, "out")
+        error = check_request([d[2] for d in described], [d[1] for d in described], [d[3] for d in described],
+                              oshape, odtype, ocontig, rows)
+        if error is not None:
+            raise error
+        here = None if ctx.simulator else ctx.device.id
+        for k, d in enumerate(described + [(None, None, None, None, odev)]):
+            if here is not None and d[4] is not None and d[4] != here:
+                what = f"arrays[{k}]" if k < len(described) else "out"
+                raise UnsupportedOperationError(
+                    f"{what} is on GPU {d[4]}, but this cuda backend runs on GPU {here}; expected arrays on its device")
+        ctx.resolve_stream(out)
+        _bind(ctx)
+        compiled = ctx.compiled("fingerprint", fingerprint_kernel, _argument_types())
+        rows = [int(r) for r in rows]
+        if rows and sorted(rows) == list(range(min(rows), min(rows) + len(rows))):
+            _clear(ctx, oaddr + 16 * min(rows), len(rows))  # a run of rows (step()'s check: all of them)
+        else:
+            for r in rows:
+                _clear(ctx, oaddr + 16 * r, 1)
+        for (addr, count, width, _, _, _, _), r in zip(described, rows):
+            grid, block = _launch_size(ctx, count)
+            ctx.launch(compiled, ((addr, count, 8 * width, oaddr + 16 * r),), grid, block)
+
+
+def _argument_types() -> tuple:
+    from numba import types
+
+    return (types.UniTuple(types.int64, 4),)
+
+
+def _launch_size(ctx: Any, count: int):
+    """(grid, block): enough blocks for WORDS_PER_THREAD words a thread, up to BLOCKS_PER_SM a
+    multiprocessor, rounded up to a power of two (few distinct launches to prepare)."""
+    if ctx.simulator:
+        from optirs.backends.cuda.context import SIM_BLOCK, SIM_GRID
+
+        return SIM_GRID, SIM_BLOCK
+    want = max(1, -(-count // (BLOCK * WORDS_PER_THREAD)))
+    grid = 1 << (want - 1).bit_length()
+    return min(grid, ctx.sm_count * BLOCKS_PER_SM), BLOCK
+
+
+def _clear(ctx: Any, address: int, rows: int) -> None:
+    """Zero ``rows`` rows (16 bytes each) at ``address``, ordered on the stream in use."""
+    if ctx.simulator:
+        ctypes.memset(address, 0, 16 * rows)
+        return
+    ctx.launcher.memset32(address, 4 * rows, ctx.stream)
