@@ -323,11 +323,17 @@ def test_the_fingerprint_moves_with_every_edit_of_the_tests():
     assert not again.any()
 
 
+@pytest.mark.parametrize("via", ["capability", "torch"])
 @pytest.mark.parametrize("edit", ["data-mul", "numpy-view"])
-def test_gradients_edited_without_a_version_bump_are_refused_with_step_in_backward(edit):
+def test_gradients_edited_without_a_version_bump_are_refused_with_step_in_backward(edit, via, monkeypatch):
+    """The fingerprints by the cpu backend's fingerprint capability (one pass over each gradient),
+    or by torch's reductions where no backend of the gradients' device has it."""
+    if via == "torch":
+        monkeypatch.setattr(offload_mod.CPUOffload, "_fingerprint_backend", lambda self: None)
     model = make_model()
     opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
     assert opt._check == offload_mod.FINGERPRINT
+    assert bool(opt._fp_backend) == (via == "capability")
     loss_of(model, 0).backward()
     EDITS[edit](model.head.weight.grad)
     before = _snapshot(model, opt)

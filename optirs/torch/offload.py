@@ -294,6 +294,12 @@ def _fingerprint(g: torch.Tensor, out: torch.Tensor) -> None:
     torch.argmax(flat, 0, out=out[1])
 
 
+def _words(t: torch.Tensor) -> Any:
+    """An integer tensor as the fingerprint capability takes it: a CPU tensor's numpy view, a device
+    tensor itself (its ``__cuda_array_interface__``)."""
+    return t.numpy() if t.device.type == "cpu" else t
+
+
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
     """Views of ``flat`` shaped as the tensors the parameters' steps address (a DTensor's local shard)."""
     out, offset = [], 0
@@ -616,6 +622,9 @@ class CPUOffload(torch.optim.Optimizer):
         self._fp_sent: Optional[torch.Tensor] = None
         self._fp_now: Optional[torch.Tensor] = None
         self._fp_differ: Optional[torch.Tensor] = None
+        # the backend whose ``fingerprint`` capability takes them (one pass over each gradient), its
+        # hook; None: not looked for yet; False: torch's reductions (_fingerprint)
+        self._fp_backend: Any = None
         self._groups_ok: Optional[bool] = None  # this round's groups checked by a hook (step_in_backward)
         self._abort = threading.Event()  # this round: a chunk's step failed, start no other
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="optirs-offload")
@@ -809,6 +818,36 @@ class CPUOffload(torch.optim.Optimizer):
                 sent[:held].copy_(self._fp_sent)
             self._fp_sent, self._fp_now = sent, torch.zeros_like(sent)
             self._fp_differ = _host_empty(rows, torch.bool, _pins(self._device), "the gradients' fingerprint check")
+            if self._fp_backend is None:
+                self._fp_backend = self._fingerprint_backend() or False
+
+    def _fingerprint_backend(self) -> Optional[Tuple[Any, Callable[..., None]]]:
+        """(backend, its optirs_fingerprint) for the gradients' device: the optirs backend that serves
+        torch tensors there with the ``fingerprint`` capability and takes a probe of it; None where
+        none does (torch's two reductions per gradient then: the same check, slower)."""
+        from optirs.torch._frontend import _open_backend
+
+        try:
+            backend = _open_backend("auto", {}, self._device.type)
+            if not backend.supports("fingerprint"):
+                return None
+            hook = backend.hook("fingerprint", "optirs_fingerprint")
+            probe = torch.zeros((1, 2), dtype=torch.int64, device=self._device)
+            hook(backend.ctx, [_words(probe[0].view(torch.int32))], _words(probe), [0])
+        except Exception:  # noqa: BLE001 - no backend, another device, a plugin's refusal: torch's reductions
+            return None
+        return backend, hook
+
+    def _take_fingerprints(self, grads: List[torch.Tensor], table: torch.Tensor, rows: List[int]) -> None:
+        """Gradient ``grads[k]``'s fingerprint into ``table[rows[k]]``, queued on the current stream."""
+        if not self._fp_backend:
+            for g, r in zip(grads, rows):
+                _fingerprint(g, table[r])
+            return
+        backend, hook = self._fp_backend
+        words = [_words(g.detach().reshape(-1).view(_BITS[g.dtype])) for g in grads]
+        with backend.lock:  # on the cpu backend, one host pass at a time (as the chunk steps)
+            hook(backend.ctx, words, _words(table), rows)
 
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks (the optimizer then copies every gradient in step())."""
@@ -878,7 +917,7 @@ class CPUOffload(torch.optim.Optimizer):
             if fingerprint:
                 # on the current stream: before any later edit of the gradient there, whichever of
                 # the edit and the copy runs first
-                _fingerprint(g, self._fp_sent[chunk.row + k])
+                self._take_fingerprints([g], self._fp_sent, [chunk.row + k])
             with torch.cuda.stream(d2h):
                 if timing is not None:
                     start, end = timing.events("d2h_s", chunk.index)
@@ -893,7 +932,7 @@ class CPUOffload(torch.optim.Optimizer):
             t0 = time.perf_counter()
             with torch.no_grad():
                 if fingerprint:
-                    _fingerprint(g, self._fp_sent[chunk.row + k])
+                    self._take_fingerprints([g], self._fp_sent, [chunk.row + k])
                 landing.copy_(g)
             if timing is not None:
                 timing.copied("d2h_s", time.perf_counter() - t0, chunk.index)
@@ -1256,8 +1295,7 @@ class CPUOffload(torch.optim.Optimizer):
         fingerprints are computed after it); the rows of other tensors are compared too and ignored."""
         t0 = time.perf_counter()
         now = self._fp_now
-        for c, k in pairs:
-            _fingerprint(local(c.params[k].grad), now[c.row + k])
+        self._take_fingerprints([local(c.params[k].grad) for c, k in pairs], now, [c.row + k for c, k in pairs])
         differ = torch.ne(self._fp_sent, now).any(1)
         host = self._fp_differ
         if self._streams is not None:
