@@ -107,3 +107,37 @@ def test_the_cuda_fingerprint_kernel_compiles_to_sm90_ptx(monkeypatch):
     # one 64-bit add and one signed 64-bit max per block at the row's address; no spills, no float64
     assert "atom.global.add.u64" in ptx and "atom.global.max.s64" in ptx
     assert ".local" not in ptx and ".f64" not in ptx
+
+
+def _bench():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_fingerprint.py"
+    spec = importlib.util.spec_from_file_location("bench_fingerprint", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_fingerprint"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_fingerprint_benchmark_runs_both_rounds_and_refuses_bad_input(tmp_path, capsys):
+    pytest.importorskip("torch")
+    import json
+
+    bench = _bench()
+    assert len(bench.gpt2_shapes(24, 2048)) == 292  # GPT-2 1.3B's parameters (the head tied)
+    out = tmp_path / "fp.json"
+    assert bench.main(["--device", "cpu", "--quick", "--dtypes", "bfloat16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"bfloat16 torch", "bfloat16 capability (cpu)"}
+    assert all(r["total_ms"] > 0 and r["limit_ms"] > 0 for r in rows.values())
+    for bad in (["--device", "tpu"], ["--dtypes", "int8"], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert bench.main(["--device", "cuda"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().out
