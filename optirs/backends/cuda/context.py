@@ -117,29 +117,22 @@ class _Launcher:
             self.fn, self.lib = fn, lib
         except (OSError, AttributeError):  # pragma: no cover - numba's own launch is the fallback
             self.fn = None
-        self.htod = self.record = None  # resolved here, not on the first new pointer table (a step's path)
+        # resolved here, not on the first new pointer table (a step's path)
+        self.htod = self._entry("cuMemcpyHtoDAsync_v2", ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                ctypes.c_void_p)
+        self.memset = self._entry("cuMemsetD32Async", ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p)
+        self.record = self._entry("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p)
+
+    def _entry(self, name: str, *argtypes: Any) -> Any:
+        """The driver's entry point ``name`` returning a CUresult, or None (no driver, or an older one)."""
+        if self.lib is None:
+            return None
         try:
-            if self.lib is not None:
-                htod = self.lib.cuMemcpyHtoDAsync_v2
-                htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-                htod.restype = ctypes.c_int
-                self.htod = htod
-        except AttributeError:  # pragma: no cover - a driver without the v2 entry point
-            self.htod = None
-        self.memset = None
-        try:
-            if self.lib is not None:
-                memset = self.lib.cuMemsetD32Async
-                memset.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
-                memset.restype = ctypes.c_int
-                self.memset = memset
+            fn = getattr(self.lib, name)
         except AttributeError:  # pragma: no cover - a driver without it
-            self.memset = None
-        if self.lib is not None:
-            record = self.lib.cuEventRecord
-            record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            record.restype = ctypes.c_int
-            self.record = record
+            return None
+        fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+        return fn
 
     def function(self, handle: int) -> ctypes.c_void_p:
         """The CUfunction of numba's handle (a CUkernel from cuLibraryLoad; returned as is otherwise)."""
