@@ -258,6 +258,7 @@ def bench_row(row: str, cfg: Dict[str, int], args, device: str, progress,
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     out["opt_state_host_bytes"] = state_bytes(opt, "cpu")
     if row_kind(row) in OFFLOAD_ROWS:
+        out["gradient_check"] = opt.gradient_check
         opt.timing = OffloadTiming(timeline=args.timeline)
         for _ in range(args.split_steps):
             train_step(model, loss_fn, opt, batches, device)

@@ -333,7 +333,7 @@ def test_gradients_edited_without_a_version_bump_are_refused_with_step_in_backwa
     model = make_model()
     opt = offload("AdamW", model.parameters(), lr=1e-2, step_in_backward=True)
     assert opt._check == offload_mod.FINGERPRINT
-    assert bool(opt._fp_backend) == (via == "capability")
+    assert opt.gradient_check == ("fingerprint (cpu)" if via == "capability" else "fingerprint (torch)")
     loss_of(model, 0).backward()
     EDITS[edit](model.head.weight.grad)
     before = _snapshot(model, opt)
@@ -1506,6 +1506,7 @@ def test_the_benchmark_runs_a_row_per_thread_count(tmp_path):
 
     r = json.loads(out.read_text())
     assert r["rows_run"] == ["torch_fused", "offload@1", "offload@1#2"]
+    assert r["rows"]["offload@1"]["gradient_check"] == "copy-at-step"  # CPU tensors, steps at step()
     for row in ("offload@1", "offload@1#2"):
         assert "cpu_threads=1)" in r["rows"][row]["note"] and r["rows"][row]["step_ms"] > 0
         assert "added_ms" in r["rows"][row]

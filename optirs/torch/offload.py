@@ -849,6 +849,15 @@ class CPUOffload(torch.optim.Optimizer):
         with backend.lock:  # on the cpu backend, one host pass at a time (as the chunk steps)
             hook(backend.ctx, words, _words(table), rows)
 
+    @property
+    def gradient_check(self) -> Optional[str]:
+        """How ``step()`` knows that a gradient's host copy is still the gradient (docs/offload.md):
+        ``"copy-at-step"``, ``"fingerprint (<backend>)"`` (that optirs backend's fingerprint
+        capability) or ``"fingerprint (torch)"`` (torch's reductions); None before any parameter."""
+        if self._check != FINGERPRINT:
+            return self._check
+        return f"fingerprint ({self._fp_backend[0].name if self._fp_backend else 'torch'})"
+
     def remove_hooks(self) -> None:
         """Unregister the gradient hooks (the optimizer then copies every gradient in step())."""
         for h in self._handles:
