@@ -832,8 +832,8 @@ class CPUOffload(torch.optim.Optimizer):
             if not backend.supports("fingerprint"):
                 return None
             hook = backend.hook("fingerprint", "optirs_fingerprint")
-            probe = torch.zeros((1, 2), dtype=torch.int64, device=self._device)
-            hook(backend.ctx, [_words(probe[0].view(torch.int32))], _words(probe), [0])
+            words = torch.zeros(4, dtype=torch.int32, device=self._device)
+            hook(backend.ctx, [_words(words)], _words(torch.zeros((1, 2), dtype=torch.int64, device=self._device)), [0])
         except Exception:  # noqa: BLE001 - no backend, another device, a plugin's refusal: torch's reductions
             return None
         return backend, hook
