@@ -120,10 +120,11 @@ def _bind(ctx: Any) -> None:
     import numba
 
     from optirs.backends.common import fingerprint as terms
-    from optirs.backends.cuda import formats_memory
+    from optirs.backends.cuda.formats_memory import ld_u16 as load16
+    from optirs.backends.cuda.formats_memory import ld_u32 as load32
 
     cuda, int64 = ctx.cuda, numba.int64
-    ld_u16, ld_u32 = formats_memory.ld_u16, formats_memory.ld_u32
+    ld_u16, ld_u32 = load16, load32
     atomic_add_i64, atomic_max_i64 = _simulated_atomics() if ctx.simulator else _device_atomics()
     fingerprint_word, fingerprint_key = terms.fingerprint_word, terms.fingerprint_key
     _READY.append(True)
