@@ -82,6 +82,7 @@ def test_bad_fingerprint_requests_are_refused_before_anything_is_written():
         ([np.zeros((4, 4), np.int32)[:, 0]], out, [0], "not C-contiguous"),
         ([words], out, [2], "rows[0] is 2, expected a row of out (0 to 1)"),
         ([words, words], out, [0], "rows has 1 entries for 2 arrays"),
+        ([words, words], out, [1, 1], "rows [1, 1] name a row twice, expected one row per array"),
         ([words], np.zeros((2, 3), np.int64), [0], "expected C-contiguous int64 of shape (n, 2)"),
         ([words], np.zeros((2, 2), np.int32), [0], "expected C-contiguous int64 of shape (n, 2)"),
         ([[0, 1]], out, [0], "arrays[0] is a builtins.list, expected a numpy array on the cpu backend"),

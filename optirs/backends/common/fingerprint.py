@@ -59,6 +59,8 @@ def check_request(widths, counts, contiguous, out_shape, out_dtype, out_contiguo
     for k, r in enumerate(rows):
         if not 0 <= int(r) < out_shape[0]:
             return InvalidParameterError(f"rows[{k}] is {r}, expected a row of out (0 to {out_shape[0] - 1})")
+    if len(set(int(r) for r in rows)) != len(rows):
+        return InvalidParameterError(f"rows {list(rows)} name a row twice, expected one row per array")
     return None
 
 
