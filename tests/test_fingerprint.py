@@ -48,8 +48,12 @@ def test_fingerprints_are_numpys_sum_and_largest_key(backend, dtype, rng):
     b, hook = _hook(backend)
     sizes = [0, 1, 37, 3000] if backend == "cuda" and SIMULATOR else [0, 1, 37, 3000, 200_001]
     arrays = [_values(rng, n, dtype) for n in sizes]
-    out_host = np.full((len(sizes) + 2, 2), 7, np.int64)  # rows are overwritten; rows 2 and -1 are left alone
     devices = [to_backend_array(backend, a) for a in arrays]
+    # the words one element in: no 16-byte loads on cuda (an address 2 or 4 bytes past an aligned one)
+    arrays.append(arrays[2][1:])
+    devices.append(to_backend_array(backend, arrays[2])[1:])
+    sizes = sizes + [arrays[-1].size]
+    out_host = np.full((len(sizes) + 2, 2), 7, np.int64)  # rows are overwritten; rows 2 and -1 are left alone
     for rows in (list(range(len(sizes)))[::-1], [r if r < 2 else r + 1 for r in range(len(sizes))]):
         out = to_backend_array(backend, out_host)
         hook(b.ctx, devices, out, rows)
@@ -104,7 +108,7 @@ def test_the_cuda_fingerprint_kernel_compiles_to_sm90_ptx(monkeypatch):
     monkeypatch.setattr(dispatcher, "get_current_device", lambda: pytypes.SimpleNamespace(compute_capability=(9, 0)))
     fp._bind(pytypes.SimpleNamespace(cuda=cuda, simulator=False))
     ptx, _ = cuda.compile_ptx(fp.fingerprint_kernel, fp._argument_types(), cc=(9, 0))
-    assert ".target sm_90" in ptx
+    assert ".target sm_90" in ptx and "ld.global.v4.u32" in ptx  # 16 bytes a load
     # one 64-bit add and one signed 64-bit max per block at the row's address; no spills, no float64
     assert "atom.global.add.u64" in ptx and "atom.global.max.s64" in ptx
     assert ".local" not in ptx and ".f64" not in ptx

@@ -40,6 +40,18 @@ def fingerprint_key(u, bits, i):
 
 
 
+@_jit
+def fold_word(total, best, w, bits, i):
+    """(sum, largest key) with the elements of the 32-bit word ``w`` (uint32) added: one element of 32
+    bits at index ``i``, or two of 16 bits at ``i`` and ``i + 1`` (the low half first: little-endian)."""
+    if bits == 32:
+        return total + fingerprint_word(w, 32), max(best, fingerprint_key(w, 32, i))
+    lo = w & np.uint32(0xFFFF)
+    hi = w >> np.uint32(16)
+    return (total + fingerprint_word(lo, 16) + fingerprint_word(hi, 16),
+            max(best, fingerprint_key(lo, 16, i), fingerprint_key(hi, 16, i + 1)))
+
+
 def check_request(widths, counts, contiguous, out_shape, out_dtype, out_contiguous, rows):
     """The InvalidParameterError of a fingerprint request the hook must refuse, or None: ``widths``
     (bytes an element), ``counts`` and ``contiguous`` describe each array."""
@@ -64,4 +76,4 @@ def check_request(widths, counts, contiguous, out_shape, out_dtype, out_contiguo
     return None
 
 
-__all__ = ["INDEX_MASK", "check_request", "fingerprint_key", "fingerprint_word"]
+__all__ = ["INDEX_MASK", "check_request", "fingerprint_key", "fingerprint_word", "fold_word"]

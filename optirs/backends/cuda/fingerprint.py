@@ -1,9 +1,10 @@
 """The ``fingerprint`` capability on the cuda backend: one kernel launch per array.
 
 Each thread sums its words and keeps its largest key (:mod:`optirs.backends.common.fingerprint`,
-the terms the cpu loop shares) over a grid-stride loop, the block folds them in shared memory and
-one thread adds the block's sum into the array's row of ``out`` and raises its key there (64-bit
-atomics at the row's address). The row is cleared first on the same stream (``cuMemsetD32Async``).
+the terms the cpu loop shares) over a grid-stride loop of 16-byte loads (four 32-bit or eight
+16-bit words; an array not 16-byte aligned, and the words past the last whole load, one word a
+load), the block folds them in shared memory and one thread adds the block's sum into the array's
+row of ``out`` and raises its key there (64-bit atomics at the row's address). The row is cleared first on the same stream (``cuMemsetD32Async``).
 Every argument is a number (address, count, width, row address): the launch is prepared once per
 grid size and each call rewrites four values and calls ``cuLaunchKernel`` (the torch front end
 fingerprints each gradient in its hook, on autograd's thread). numba.cuda is imported on first use,
@@ -28,6 +29,8 @@ BLOCKS_PER_SM = 16
 cuda: Any = None
 ld_u16: Any = None
 ld_u32: Any = None
+ld_u32x4: Any = None
+fold_word: Any = None
 atomic_add_i64: Any = None
 atomic_max_i64: Any = None
 fingerprint_word: Any = None
@@ -41,8 +44,24 @@ def fingerprint_kernel(sc):
     addr, n, bits, row = sc[0], sc[1], sc[2], sc[3]
     total = int64(0)
     best = int64(0)
-    i = int64(cuda.grid(1))
+    first = int64(cuda.grid(1))
     stride = int64(cuda.gridsize(1))
+    start = int64(0)  # the scalar loop's first element
+    if addr % 16 == 0:  # 16-byte loads: 4 words of 32 bits or 8 of 16 a load
+        per = 128 // bits
+        vectors = n // per
+        j = first
+        while j < vectors:
+            a, b, c, d = ld_u32x4(addr + 16 * j)
+            e = j * per
+            step = per // 4
+            total, best = fold_word(total, best, a, bits, e)
+            total, best = fold_word(total, best, b, bits, e + step)
+            total, best = fold_word(total, best, c, bits, e + 2 * step)
+            total, best = fold_word(total, best, d, bits, e + 3 * step)
+            j += stride
+        start = vectors * per
+    i = start + first
     if bits == 32:
         while i < n:
             u = ld_u32(addr + 4 * i)
@@ -114,7 +133,8 @@ def _device_atomics():
 
 
 def _bind(ctx: Any) -> None:
-    global cuda, ld_u16, ld_u32, atomic_add_i64, atomic_max_i64, fingerprint_word, fingerprint_key, int64
+    global cuda, ld_u16, ld_u32, ld_u32x4, atomic_add_i64, atomic_max_i64, fingerprint_word, fingerprint_key, fold_word
+    global int64
     if _READY:
         return
     import numba
@@ -122,11 +142,12 @@ def _bind(ctx: Any) -> None:
     from optirs.backends.common import fingerprint as terms
     from optirs.backends.cuda.formats_memory import ld_u16 as load16
     from optirs.backends.cuda.formats_memory import ld_u32 as load32
+    from optirs.backends.cuda.formats_memory import ld_u32x4 as load32x4
 
     cuda, int64 = ctx.cuda, numba.int64
-    ld_u16, ld_u32 = load16, load32
+    ld_u16, ld_u32, ld_u32x4 = load16, load32, load32x4
     atomic_add_i64, atomic_max_i64 = _simulated_atomics() if ctx.simulator else _device_atomics()
-    fingerprint_word, fingerprint_key = terms.fingerprint_word, terms.fingerprint_key
+    fingerprint_word, fingerprint_key, fold_word = terms.fingerprint_word, terms.fingerprint_key, terms.fold_word
     _READY.append(True)
 
 
