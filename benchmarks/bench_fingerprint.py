@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -77,8 +78,7 @@ def rounds(torch: Any, device: str) -> Dict[str, Callable[[List[Any], Any], None
     hook = backend.hook("fingerprint", "optirs_fingerprint")
 
     def by_capability(grads: List[Any], table: Any) -> None:
-        words = [offload._words(g.reshape(-1).view(offload._BITS[g.dtype])) for g in grads]
-        hook(backend.ctx, words, offload._words(table), list(range(len(grads))))
+        hook(backend.ctx, [offload._gradient_words(g) for g in grads], offload._words(table), list(range(len(grads))))
 
     out[f"capability ({backend.name})"] = by_capability
     return out
@@ -144,7 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          positions=64 if args.quick else 1024)
     ways = rounds(torch, args.device)
     gbps = copy_gbps(torch, args.device, (16 if args.quick else 1024) << 20)
-    print(f"bench_fingerprint: {len(shapes)} gradients, {sum(map(_numel, shapes)) / 1e6:.1f}M elements on "
+    print(f"bench_fingerprint: {len(shapes)} gradients, {sum(map(math.prod, shapes)) / 1e6:.1f}M elements on "
           f"{args.device}; copy {gbps:.1f} GB/s", flush=True)
     results: Dict[str, Any] = {"device": args.device, "copy_GBps": gbps, "tensors": len(shapes), "rows": {}}
     for name in asked:
@@ -171,13 +171,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
-
-
-def _numel(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 if __name__ == "__main__":

@@ -618,8 +618,8 @@ def optirs_fingerprint(ctx: BackendContext, arrays: Sequence[DeviceArray], out: 
     :param out: int64[n, 2], C-contiguous, the same kind of array.
     :param rows: the row of ``out`` of each array.
     :raises optirs.InvalidParameterError: for an array this backend cannot read, an element width
-        other than 2 or 4 bytes, a non-contiguous array or a row outside ``out``, before anything is
-        queued.
+        other than 2 or 4 bytes, a non-contiguous array, or a row outside ``out`` or named twice, before
+        anything is queued.
     """
 
 

@@ -300,6 +300,11 @@ def _words(t: torch.Tensor) -> Any:
     return t.numpy() if t.device.type == "cpu" else t
 
 
+def _gradient_words(g: torch.Tensor) -> Any:
+    """A gradient's bit words, flat, as the fingerprint capability takes them (:func:`_words`)."""
+    return _words(g.detach().reshape(-1).view(_BITS[g.dtype]))
+
+
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
     """Views of ``flat`` shaped as the tensors the parameters' steps address (a DTensor's local shard)."""
     out, offset = [], 0
@@ -845,7 +850,7 @@ class CPUOffload(torch.optim.Optimizer):
                 _fingerprint(g, table[r])
             return
         backend, hook = self._fp_backend
-        words = [_words(g.detach().reshape(-1).view(_BITS[g.dtype])) for g in grads]
+        words = [_gradient_words(g) for g in grads]
         with backend.lock:  # on the cpu backend, one host pass at a time (as the chunk steps)
             hook(backend.ctx, words, _words(table), rows)
 

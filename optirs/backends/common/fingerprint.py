@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-INDEX_MASK = 0x7FFFFFFF  # the low bits of an element's index its key holds (hookspecs.FINGERPRINT_INDEX_MASK)
+from optirs.plugin.hookspecs import FINGERPRINT_INDEX_MASK as INDEX_MASK
 
 _jit = njit(cache=True, error_model="numpy")
 
@@ -52,9 +52,9 @@ def fold_word(total, best, w, bits, i):
             max(best, fingerprint_key(lo, 16, i), fingerprint_key(hi, 16, i + 1)))
 
 
-def check_request(widths, counts, contiguous, out_shape, out_dtype, out_contiguous, rows):
+def check_request(widths, contiguous, out_shape, out_dtype, out_contiguous, rows):
     """The InvalidParameterError of a fingerprint request the hook must refuse, or None: ``widths``
-    (bytes an element), ``counts`` and ``contiguous`` describe each array."""
+    (bytes an element) and ``contiguous`` describe each array."""
     from optirs.core.errors import InvalidParameterError
 
     for k, (width, c) in enumerate(zip(widths, contiguous)):

@@ -72,9 +72,8 @@ class CpuFingerprint:
                 what = f"arrays[{k}]" if k < len(arrays) else "out"
                 raise InvalidParameterError(
                     f"{what} is a {type(a).__module__}.{type(a).__name__}, expected a numpy array on the cpu backend")
-        error = check_request([a.itemsize for a in arrays], [a.size for a in arrays],
-                              [a.flags.c_contiguous for a in arrays], out.shape, out.dtype,
-                              out.flags.c_contiguous and out.flags.writeable, rows)
+        error = check_request([a.itemsize for a in arrays], [a.flags.c_contiguous for a in arrays], out.shape,
+                              out.dtype, out.flags.c_contiguous and out.flags.writeable, rows)
         if error is not None:
             raise error
         loop = _kernel()

@@ -4,7 +4,8 @@ Each thread sums its words and keeps its largest key (:mod:`optirs.backends.comm
 the terms the cpu loop shares) over a grid-stride loop of 16-byte loads (four 32-bit or eight
 16-bit words; an array not 16-byte aligned, and the words past the last whole load, one word a
 load), the block folds them in shared memory and one thread adds the block's sum into the array's
-row of ``out`` and raises its key there (64-bit atomics at the row's address). The row is cleared first on the same stream (``cuMemsetD32Async``).
+row of ``out`` and raises its key there (64-bit atomics at the row's address). The row is cleared
+first on the same stream (``cuMemsetD32Async``).
 Every argument is a number (address, count, width, row address): the launch is prepared once per
 grid size and each call rewrites four values and calls ``cuLaunchKernel`` (the torch front end
 fingerprints each gradient in its hook, on autograd's thread). numba.cuda is imported on first use,
@@ -191,13 +192,13 @@ class CudaFingerprint:
         from optirs.backends.common.fingerprint import check_request
 
         described = [_described(a, f"arrays[{k}]") for k, a in enumerate(arrays)]
-        oaddr, _, _, ocontig, odev, odtype, oshape = _described(out, "out")
-        error = check_request([d[2] for d in described], [d[1] for d in described], [d[3] for d in described],
-                              oshape, odtype, ocontig, rows)
+        whole = _described(out, "out")
+        oaddr, _, _, ocontig, _, odtype, oshape = whole
+        error = check_request([d[2] for d in described], [d[3] for d in described], oshape, odtype, ocontig, rows)
         if error is not None:
             raise error
         here = None if ctx.simulator else ctx.device.id
-        for k, d in enumerate(described + [(None, None, None, None, odev)]):
+        for k, d in enumerate(described + [whole]):
             if here is not None and d[4] is not None and d[4] != here:
                 what = f"arrays[{k}]" if k < len(described) else "out"
                 raise UnsupportedOperationError(
