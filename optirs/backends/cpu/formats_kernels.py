@@ -25,9 +25,10 @@ from optirs.backends.common.elementwise import element_update, lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
                                             decode_state, decode_value, encode_state, f32_bits, lamb_format_element,
-                                            load_master, quantize_factors, rand32, round24_word, round24_word_num,
+                                            load_master, load_master_wide, quantize_factors, rand32, remainder_word,
                                             slot_bits, sqrt_code, sqrt_factors, sqrt_value, state_stream,
-                                            store_master, store_master_num, stream_key)
+                                            store_master, store_master_num, store_master_wide, store_master_wide_num,
+                                            stream_key)
 from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import chunk_trust_ratios
@@ -335,20 +336,17 @@ def _decode_num(raw, kind):
 #
 # The loops store a parameter word into a uint16 array and a master word into an int16 / int8 one:
 # the store keeps the low bits, so the words need neither the split's mask nor its sign extension.
-# The master is the bfloat16 word in the high half plus the remainder sign-extended (shifted to bits
-# 8 and up for remainder8), the join of remainder16_join / remainder8_join; the new parameter word
-# is the rounded master plus half of the high half's unit, shifted down (the high half rounds up
-# where the remainder is negative), and the remainder the master's bits shifted down (the cuda
-# kernels' wide words, store_master_wide). The same words, two to four fewer operations an element.
+# The cuda kernels' wide words (load_master_wide, store_master_wide) are such words: the master is
+# the bfloat16 word in the high half plus the remainder sign-extended, and the new words, shifted
+# down to where the loops store them, are the split's low bits. The same words as remainder16_split /
+# remainder8_split and their joins, two to four fewer operations an element.
 
 
 @_jit
 def _join_remainder(praw, mraw, fc):
-    """The float32 master of a remainder format (``mraw``: the remainder sign-extended, as
-    :func:`_master_word` reads it)."""
-    if fc.master == MASTER_R8:
-        return bits_f32(add32(shl32(praw, 16), shl32(mraw, 8)))
-    return bits_f32(add32(shl32(praw, 16), mraw))
+    """The float32 master of a remainder format (``mraw``: the remainder as :func:`_master_word`
+    reads it)."""
+    return load_master_wide(shl32(praw, 16), remainder_word(mraw, fc.master))
 
 
 @_jit
@@ -364,12 +362,9 @@ def _store_master_cpu(x, fc, key, i, num):
     """:func:`~optirs.backends.common.formats.store_master` (``num``: :func:`store_master_num`, for an
     ``x`` known not to be NaN) with the remainder masters' words as the loops store them (their low
     16 / 8 bits are the split's)."""
-    if fc.param != F32 and fc.master == MASTER_R16:
-        u = f32_bits(x)
-        return shr32(add32(u, 0x8000), 16), u
-    if fc.param != F32 and fc.master == MASTER_R8:
-        t = round24_word_num(x) if num else round24_word(x)
-        return shr32(add32(t, 0x8000), 16), shr32(t, 8)
+    if fc.param != F32 and (fc.master == MASTER_R16 or fc.master == MASTER_R8):
+        pw, mw = store_master_wide_num(x, fc, key, i) if num else store_master_wide(x, fc, key, i)
+        return shr32(pw, 16), shr32(mw, 8) if fc.master == MASTER_R8 else mw
     return store_master_num(x, fc, key, i) if num else store_master(x, fc, key, i)
 
 
