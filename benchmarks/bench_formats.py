@@ -52,6 +52,9 @@ FORMATS = [
     ("fp16 params, fp32 masters, fp32 state", "float16", "float32", "float32", False),
     ("fp32 params, bf16 state", "float32", None, "bfloat16", False),
     ("fp32 params, int8 state", "float32", None, "int8", False),
+    ("bf16 params, remainder8, int8 sqrt state", "bfloat16", "remainder8", "int8_sqrt", False),
+    ("bf16 params, stochastic rounding, int8 sqrt state", "bfloat16", None, "int8_sqrt", True),
+    ("fp32 params, int8 sqrt state", "float32", None, "int8_sqrt", False),
 ]
 
 
@@ -80,7 +83,7 @@ def format_bytes(pdt: str, master: Optional[str], state: str) -> float:
     """Bytes per parameter one step moves: p, master and two moments read and written, g read."""
     p = 2 if pdt != "float32" else 4
     m = {None: 0, "float32": 4, "remainder16": 2, "remainder8": 1}[master if pdt != "float32" else None]
-    s = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256}[state]
+    s = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8_sqrt": 1 + 4 / 256}[state]
     return 2 * p + p + 2 * m + 2 * 2 * s
 
 

@@ -33,6 +33,9 @@ KINDS = {
     "sr_int8": ("bfloat16", None, "int8", True),
     "fp32_bf16": ("float32", None, "bfloat16", False),
     "fp32_int8": ("float32", None, "int8", False),
+    "r8_sqrt": ("bfloat16", "remainder8", "int8_sqrt", False),
+    "sr_sqrt": ("bfloat16", None, "int8_sqrt", True),
+    "fp32_sqrt": ("float32", None, "int8_sqrt", False),
     "fp16_masters": ("float16", "float32", "float32", False),
 }
 

@@ -111,6 +111,8 @@ class _Misbehaving(FakeHostBackend):
             raise AttributeError("no table")
         if self.where == "state_dtypes":
             return StepSupport(optimizers=("sgd",), state_dtypes=("float32", "int4"))
+        if self.where == "formats":  # formats in the state dtypes of a backend written before int8_sqrt
+            return StepSupport(optimizers=("sgd",), formats=("sgd",))
         return StepSupport(optimizers=("sgd",))
 
     @hookimpl
@@ -150,23 +152,30 @@ def test_step_support_naming_an_unknown_state_dtype_steps_nothing(fresh_registry
     assert backend.optimizers == ()
 
 
-def test_a_state_dtype_the_backend_does_not_store_is_refused_before_any_write(backend):
-    """A backend whose step stores no square-root codes (cuda, opencl) refuses them at the engine,
-    naming the dtype and those it stores, before any buffer is made; the cpu backend steps them."""
+def test_every_builtin_backend_stores_the_square_root_codes(backend):
+    from optirs.core import formats as F
+
+    b = optirs.get_backend(backend)
+    assert "int8_sqrt" in b.support.state_dtypes
+    assert b.steps("adamw", F.StepFormat("float32", "float32", None, "int8_sqrt", False))
+
+
+def test_a_state_dtype_the_backend_does_not_store_is_refused_before_any_write(fresh_registry):
+    """A backend written before the square-root codes (StepSupport's default state_dtypes) is refused
+    them at the engine, naming the dtype and those it stores, before any buffer is made; it still
+    steps the dynamic map's int8 state."""
     from optirs.core import formats as F
     from optirs.core.definitions import DEFINITIONS
     from optirs.optim.engine import StepEngine
 
-    b = optirs.get_backend(backend)
-    engine = StepEngine(DEFINITIONS["adamw"], b)
+    optirs.register_plugin(_Misbehaving("formats"), "wobbly")
+    b = optirs.get_backend("wobbly")
+    engine = StepEngine(DEFINITIONS["sgd"], b)
     fmt = F.StepFormat("float32", "float32", None, "int8_sqrt", False)
     p, g = [np.ones(5000, np.float32)], [np.ones(5000, np.float32)]
-    if "int8_sqrt" in b.support.state_dtypes:
-        assert b.steps("adamw", fmt)
-        return
-    assert not b.steps("adamw", fmt) and b.steps("adamw", F.StepFormat("float32", "float32", None, "int8", False))
+    assert not b.steps("sgd", fmt) and b.steps("sgd", F.StepFormat("float32", "float32", None, "int8", False))
     with pytest.raises(UnsupportedOperationError, match=r"state_dtype='int8_sqrt'.*\['float32', 'bfloat16', 'int8'\]"):
-        engine.prepare(p, g, shapes=[(5000,)], hp=optirs.AdamParams(lr=0.1), fmt=fmt)
+        engine.prepare(p, g, shapes=[(5000,)], hp=optirs.SgdParams(lr=0.1, momentum=0.9), fmt=fmt)
     assert engine.state is None
 
 

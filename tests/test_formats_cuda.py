@@ -51,6 +51,8 @@ PTX_CASES = [("adamw", _fmt("bfloat16", m, "int8")) for m in (None, "float32", "
     ("adadelta", _fmt("float32", None, "bfloat16")),
     ("asgd", _fmt("bfloat16", "remainder8", "int8")),
     ("rprop", _fmt("bfloat16", "float32", "bfloat16")),
+    ("adamw", _fmt("bfloat16", "remainder8", "int8_sqrt")),
+    ("rmsprop", _fmt("float32", None, "int8_sqrt")),
 ]
 
 
@@ -80,16 +82,19 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     assert "ld.global.v4.u32" in ptx and "st.global.v4.u32" in ptx  # 8 x 16-bit (or 4 x 32-bit) per access
     assert ".f64" not in ptx, "the format step computes in float64"
     assert ".local" not in ptx, "a lane's 8 elements spilled to local memory"
-    if fmt.state_dtype == "int8":
+    if fmt.state_dtype in ("int8", "int8_sqrt"):
         # the block absmax in registers: one redux.sync (sm_80 on) or five shuffles
         assert ("redux.sync.max.u32" if fk.REDUX else "shfl.sync.bfly") in ptx
         assert "ld.global.v2.u32" in ptx  # 8 int8 codes per access
+    if fmt.state_dtype == "int8_sqrt":
+        # codes by arithmetic: no maps in shared memory, the root rounded by one conversion
+        assert "ld.shared" not in ptx and "st.shared" not in ptx and "cvt.rni.s32.f32" in ptx
 
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
 @pytest.mark.parametrize("mode", ["lamb_norms", "lamb_apply"])
-@pytest.mark.parametrize("fmt", [_fmt("bfloat16", "remainder8", "int8"), _fmt("bfloat16", "float32", "float32")],
-                         ids=lambda f: "-".join(map(str, f.codes)))
+@pytest.mark.parametrize("fmt", [_fmt("bfloat16", "remainder8", "int8"), _fmt("bfloat16", "float32", "float32"),
+                                 _fmt("float32", None, "int8_sqrt")], ids=lambda f: "-".join(map(str, f.codes)))
 def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
     from numba import cuda, types, typeof
 
@@ -109,7 +114,7 @@ def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
         assert "atom.global.add.f64" in ptx and "st.global.v4.u32" not in ptx  # sums only: nothing else written
     else:
         assert "st.global.v4.u32" in ptx
-        if fmt.state_dtype == "int8":
+        if fmt.state_dtype != "float32":
             assert ("redux.sync.max.u32" if fk.REDUX else "shfl.sync.bfly") in ptx
     grad = fk.make_lamb_grad_kernel(fmt.grad_dtype)
     ptx, _ = cuda.compile_ptx(grad, (table, table, types.int64, types.float64[:, ::1], types.int64, types.int64,
@@ -432,6 +437,53 @@ def test_fast_square_root_and_division_are_ieee_in_their_windows():
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(SIMULATOR, reason="the fast paths are the GPU's instructions; the simulator runs the cpu's IEEE ones")
+def test_sqrt_codes_by_the_fast_paths_are_the_contracts():
+    """The square-root codes' GPU forms: ``sqrt_code_scaled`` is rint(sqrt.rn(u)) (ties to even; 0 for a
+    NaN u) for every float32 u from 0 to 2**16 (every u a block codes is at most about 255**2), with
+    the sign of a negative value in a signed slot; the block factors by ``div_fast`` are the IEEE
+    quotients for every float32 scale (both signs' codes: 127**2 and 255**2)."""
+    _cuda()
+    import math
+
+    from optirs.backends.common import formats as B
+
+    top = int(np.float32(2.0**16).view(np.uint32))
+    magic = np.float32(2.0**23)  # s + 2**23 - 2**23 rounds s >= 0 to an integer, ties to even
+
+    def check_codes(count, bad):
+        for k in range(cuda.grid(1), count, cuda.gridsize(1)):
+            u = B.bits_f32(np.uint32(k))
+            want = np.int32((math.sqrt(u) + magic) - magic)
+            if B.sqrt_code_scaled(u, u, False) != want or B.sqrt_code_scaled(u, -u, True) != -want:
+                cuda.atomic.add(bad, 0, 1)
+                bad[1] = k
+        if cuda.grid(1) == 0:
+            nan = B.bits_f32(np.uint32(0x7FC00000))
+            if B.sqrt_code_scaled(nan, np.float32(-1), True) != 0 or B.sqrt_code_scaled(nan, nan, False) != 0:
+                cuda.atomic.add(bad, 0, 1)
+                bad[1] = -1
+
+    def check_factors(bad):
+        for k in range(cuda.grid(1), 1 << 32, cuda.gridsize(1)):
+            scale = B.bits_f32(np.uint32(k))
+            for n2 in (np.float32(127 * 127), np.float32(255 * 255)):
+                pre, inv, w = B.sqrt_factors(scale, n2)
+                fp, fi = B.sqrt_encode_factors(scale, n2)
+                fw = B.sqrt_decode_factor(scale, n2)
+                if (B.f32_bits(fp) != B.f32_bits(pre) or B.f32_bits(fi) != B.f32_bits(inv)
+                        or B.f32_bits(fw) != B.f32_bits(w)):
+                    cuda.atomic.add(bad, 0, 1)
+                    bad[1] = k
+
+    bad = np.zeros(2, np.int64)
+    cuda.jit(check_codes)[1024, 256](top + 1, bad)
+    assert bad[0] == 0, hex(int(bad[1]))
+    cuda.jit(check_factors)[1024, 256](bad)
+    assert bad[0] == 0, hex(int(bad[1]))
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(SIMULATOR, reason="the conversion is the GPU's instruction; the simulator runs bf16_nearest")
 def test_cvt_pack_bf16_is_bf16_nearest_but_for_nan():
     """The fast path's parameter rounding (cvt.rn.bf16x2.f32, two values packed) is bf16_nearest's
@@ -587,11 +639,13 @@ def test_lamb_matches_the_reference_and_the_cpu_backend(fmt):
     (_fmt("bfloat16", None, "bfloat16", stochastic=True, gdt="float32"), [(300,), (37,)]),
     (_fmt("bfloat16", None, "bfloat16"), [(300,), (37,)]),
     (_fmt("bfloat16", "remainder8", "int8"), [(4100,), (37,)]),
-], ids=["sr-bf16state", "nearest-bf16state", "r8-int8"])
+    (_fmt("bfloat16", "remainder8", "int8_sqrt"), [(4100,), (37,)]),
+], ids=["sr-bf16state", "nearest-bf16state", "r8-int8", "r8-int8sqrt"])
 def test_step_is_the_cpu_backends_bit_for_bit(fmt, shapes):
     """The formats contract is bit-exact on every backend: AdamW with amsgrad (three slots: the two
     moments share one hash, the third its own stream; int8 codes by the block's reciprocal), every
-    parameter word and every buffer equal to the cpu hooks' from the same inputs."""
+    parameter word and every buffer equal to the cpu hooks' from the same inputs (square-root codes: by
+    the GPU's fast division and root in their windows, the cpu's IEEE operations)."""
     from optirs.core.params import AdamParams
 
     for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, shapes, steps=1, hp=AdamParams(lr=1e-2, amsgrad=True),

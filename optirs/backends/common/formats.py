@@ -25,6 +25,7 @@ from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits
                                            shr32, sub32, u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
+from optirs.backends.common.fast_paths import div_fast, dividend_in_window, divisor_in_window, rint_i32, sqrt_fast
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
@@ -426,6 +427,47 @@ def sqrt_value(c, w):
     """The value of code ``c`` (int32: a signed slot's byte sign-extended) under factor ``w``."""
     t = np.float32(c)
     return (t * abs(t)) * w
+
+
+# ---- the square-root codes by a GPU's fast paths: the same factors and codes (fast_paths' windows)
+
+# rint(sqrt(v)) is 0 for every v below 1/4: a scaled magnitude raised to this floor codes as the
+# contract's does for u = 0, a tiny u and a NaN u (which fails the compare) alike, and the floor is
+# inside sqrt_fast's window, so the root needs no test of its own
+_SQRT_FLOOR = np.float32(2.0**-100)
+
+
+@_jit
+def sqrt_decode_factor(scale, n2):
+    """:func:`sqrt_factors`' ``w`` (``scale / n2``): by ``div_fast`` where ``scale`` is in its dividend
+    window (``n2`` always is in its divisor window), the IEEE division elsewhere (0, tiny, huge, inf,
+    NaN)."""
+    if dividend_in_window(scale):
+        return div_fast(scale, n2)
+    return scale / n2
+
+
+@_jit
+def sqrt_encode_factors(scale, n2):
+    """:func:`sqrt_factors`' ``(pre, inv)``: by ``div_fast`` where ``scale`` is in its divisor window
+    (there ``pre`` is 1), :func:`sqrt_factors` elsewhere."""
+    if divisor_in_window(scale):
+        return np.float32(1), div_fast(n2, scale)
+    pre, inv, _ = sqrt_factors(scale, n2)
+    return pre, inv
+
+
+@_jit
+def sqrt_code_scaled(u, x, signed):
+    """:func:`sqrt_code` of ``x`` from its scaled magnitude ``u = (|x| * pre) * inv``, as an int32
+    whose low byte is the code (the stores take that byte): the floored root by ``sqrt_fast`` (``u``
+    is at most about ``n**2`` for a value of its block), its sign ``x``'s for a signed slot, rounded
+    to the nearest integer by ``rint_i32`` (ties to even either side of 0, so negating after the
+    rounding or before it is the same code)."""
+    s = sqrt_fast(u if u > _SQRT_FLOOR else _SQRT_FLOOR)
+    if signed:
+        s = np.float32(math.copysign(s, x))
+    return rint_i32(s)
 
 
 # ---- the packed bucket words of a map whose midpoints are all positive (the unsigned map)

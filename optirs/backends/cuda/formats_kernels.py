@@ -43,11 +43,12 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            dequantize, f32_bits, lamb_format_update, load_master, load_master_wide,
                                            packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
-                                           quantize_packed_finite, rand32, slot_bits, state_stream,
+                                           quantize_packed_finite, rand32, slot_bits, sqrt_code_scaled,
+                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value, state_stream,
                                            store_master, store_master_wide, store_master_wide_num, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
-                                 STATE_INT8)
+                                 STATE_INT8, STATE_INT8_SQRT)
 
 from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
                                                  st_u32x2, st_u32x4)
@@ -602,8 +603,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     master = fc.master
     msize = {MASTER_NONE: 0, MASTER_F32: 4, MASTER_R16: 2, MASTER_R8: 1}[master]
     state = fc.state
-    ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1}[state]
-    int8 = state == STATE_INT8
+    ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1, STATE_INT8_SQRT: 1}[state]
+    int8 = state in (STATE_INT8, STATE_INT8_SQRT)
+    # the square-root codes: the int8 blocks coded by arithmetic (no maps in shared memory)
+    sqrt_codes = state == STATE_INT8_SQRT
     # Compact state leaves the kernel bound by latency and instructions: there all of a round's loads
     # go first (-4 to -10% of kernel time on the H200). Float32 state keeps it bound by DRAM, where
     # loading and unpacking each array in turn measured 7% faster (bf16 + float32 masters).
@@ -638,6 +641,16 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     # bfloat16 state with a parameter stored as packed pairs or float32 words and no master or a
     # float32 one: a full vector lane's stores take one branch (below)
     one_branch = bf16_state and writes and (param_num or psize == 4) and msize in (0, 4)
+
+    def decode_slot(usedk, quant, sz, w, x, scale, q_s, q_u, sgk):
+        """A slot's values of the lane's 8 elements into ``x`` (:func:`_decode_state`; the square-root
+        codes by :func:`_decode_sqrt`)."""
+        if sqrt_codes and quant:
+            _decode_sqrt(usedk, w, x, scale, sgk)
+        else:
+            _decode_state(usedk, quant, sz, w, x, scale, q_s if sgk else q_u)
+
+    decode_slot = _device(decode_slot)
 
     def load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, pw, gw, mw, w0,
                    w1, w2, x0, x1, x2, q_s, q_u):
@@ -677,9 +690,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             if int8:
                 # quant holds here: the codes decoded in this branch, where a test of quant per slot
                 # below took a uniform branch each (about 3 instructions a round)
-                _decode_state(u0, True, 1, w0, x0, sc0, q_s if sg0 else q_u)
-                _decode_state(u1, True, 1, w1, x1, sc1, q_s if sg1 else q_u)
-                _decode_state(u2, True, 1, w2, x2, sc2, q_s if sg2 else q_u)
+                decode_slot(u0, True, 1, w0, x0, sc0, q_s, q_u, sg0)
+                decode_slot(u1, True, 1, w1, x1, sc1, q_s, q_u, sg1)
+                decode_slot(u2, True, 1, w2, x2, sc2, q_s, q_u, sg2)
                 return sc0, sc1, sc2
         else:
             if psize == 2:
@@ -703,9 +716,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
             _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
         # the state as float32
-        _decode_state(u0, quant, sz, w0, x0, sc0, q_s if sg0 else q_u)
-        _decode_state(u1, quant, sz, w1, x1, sc1, q_s if sg1 else q_u)
-        _decode_state(u2, quant, sz, w2, x2, sc2, q_s if sg2 else q_u)
+        decode_slot(u0, quant, sz, w0, x0, sc0, q_s, q_u, sg0)
+        decode_slot(u1, quant, sz, w1, x1, sc1, q_s, q_u, sg1)
+        decode_slot(u2, quant, sz, w2, x2, sc2, q_s, q_u, sg2)
         return sc0, sc1, sc2
 
     load_round = _device(load_round)
@@ -808,7 +821,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         q_u = cuda.shared.array(256, float32)
         tb_s = cuda.shared.array(TABLE_SIZE, uint8)
         pk_u = cuda.shared.array(TABLE_WIDTH, uint32)  # the unsigned map's packed words (its mid and table)
-        if int8:
+        if int8 and not sqrt_codes:
             i = tid
             while i < 256:
                 q_s[i] = maps[0, i]
@@ -983,6 +996,11 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                         st8_8_byte1(ma + base, vec, cnt, mw)  # the remainder in byte 1 (store_master_wide)
                     else:
                         st8_8(ma + base, vec, cnt, mw)
+                if sqrt_codes:
+                    _store_state_sqrt(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, sg0)
+                    _store_state_sqrt(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, sg1)
+                    _store_state_sqrt(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, sg2)
+                    continue
                 # the signed map by its bucket table and midpoints, the unsigned by its packed words
                 if sg0:
                     _store_state(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, mid_s, tb_s)
@@ -1129,6 +1147,43 @@ def _store_state_packed(usedk, quant, sz, addr, vec, cnt, w, x, scale, packed):
             for j in range(LANE):
                 w[j] = quantize_packed(x[j], pre, inv, packed)
         st8_8_byte2(addr, vec, cnt, w)
+    else:
+        _store_plain(sz, addr, vec, cnt, w, x)
+
+
+_N2 = (np.float32(255 * 255), np.float32(127 * 127))  # the largest code squared: unsigned, signed slot
+
+
+@_device
+def _decode_sqrt(usedk, w, x, scale, signed):
+    """A slot's square-root codes of the lane's 8 elements (bytes, one to a word) as float32 into ``x``:
+    ``(c * |c|) * w``, ``w`` once per block (``sqrt_decode_factor``)."""
+    if not usedk:
+        for j in range(LANE):
+            x[j] = float32(0)
+        return
+    f = float32(sqrt_decode_factor(float32(scale), _N2[1] if signed else _N2[0]))
+    for j in range(LANE):
+        c = np.int32(np.int8(w[j])) if signed else np.int32(w[j])
+        x[j] = float32(sqrt_value(c, f))
+
+
+@_device
+def _store_state_sqrt(usedk, quant, sz, addr, vec, cnt, w, x, scale, signed):
+    """:func:`_store_state` for the square-root codes: the block's factors once (``sqrt_encode_factors``),
+    then each code by ``sqrt_code_scaled`` (no table); a usual block's ``pre`` is 1 and left out."""
+    if not usedk:
+        return
+    if quant:
+        pre, inv = sqrt_encode_factors(float32(scale), _N2[1] if signed else _N2[0])
+        pre, inv = float32(pre), float32(inv)
+        if pre == 1:
+            for j in range(LANE):
+                w[j] = u32(sqrt_code_scaled(float32(abs(x[j]) * inv), x[j], signed))
+        else:
+            for j in range(LANE):
+                w[j] = u32(sqrt_code_scaled(float32((abs(x[j]) * pre) * inv), x[j], signed))
+        st8_8(addr, vec, cnt, w)
     else:
         _store_plain(sz, addr, vec, cnt, w, x)
 

@@ -17,7 +17,7 @@ import numpy as np
 from optirs.backends.cuda.context import CudaContext, device_address
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError
-from optirs.core.formats import FORMAT_FAMILIES
+from optirs.core.formats import FORMAT_FAMILIES, STATE_DTYPES
 from optirs.core.scalars import FORMULAS
 from optirs.backends.common.steps import StepDispatch
 from optirs.plugin.hookspecs import StepRequest, StepSupport
@@ -25,7 +25,7 @@ from optirs.plugin.hookspecs import StepRequest, StepSupport
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
                       capturable=tuple(n for n in DEFINITIONS if n in FORMULAS),
-                      state_dtypes=("float32", "bfloat16", "int8"))  # no square-root codes in these kernels
+                      state_dtypes=STATE_DTYPES)
 
 
 def flag_address(flag: Any) -> int:
