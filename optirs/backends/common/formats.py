@@ -464,6 +464,7 @@ def sqrt_code_scaled(u, x, signed):
     is at most about ``n**2`` for a value of its block), its sign ``x``'s for a signed slot, rounded
     to the nearest integer by ``rint_i32`` (ties to even either side of 0, so negating after the
     rounding or before it is the same code)."""
+    u = np.float32(u)  # the CUDA simulator's Python floats
     s = sqrt_fast(u if u > _SQRT_FLOOR else _SQRT_FLOOR)
     if signed:
         s = np.float32(math.copysign(s, x))

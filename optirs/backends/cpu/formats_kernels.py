@@ -26,7 +26,7 @@ from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
                                             decode_state, decode_value, encode_state, f32_bits, lamb_format_element,
                                             load_master, load_master_wide, quantize_factors, rand32, remainder_word,
-                                            slot_bits, sqrt_code, sqrt_factors, sqrt_value, state_stream,
+                                            slot_bits, sqrt_code_scaled, sqrt_factors, sqrt_value, state_stream,
                                             store_master, store_master_num, store_master_wide, store_master_wide_num,
                                             stream_key)
 from optirs.backends.cpu.claims import claim, counter, loops
@@ -144,12 +144,17 @@ def _encode_sqrt(w, scales, lv, blk, o, n, buf, m):
     scales[blk] = m
     pre, inv, _ = sqrt_factors(m, lv[0])
     c = _span(w, o, o + n)
-    if lv[1] != 0:
+    # the GPU kernels' form (sqrt_code_scaled: the root floored, the sign copied; a usual block's pre
+    # of 1 left out): the same codes, about 3 vector instructions fewer a value
+    if pre != 1:
         for i in range(n):
-            c[i] = sqrt_code(buf[i], pre, inv, True)
+            c[i] = np.uint8(sqrt_code_scaled((abs(buf[i]) * pre) * inv, buf[i], lv[1] != 0) & 0xFF)
+    elif lv[1] != 0:
+        for i in range(n):
+            c[i] = np.uint8(sqrt_code_scaled(abs(buf[i]) * inv, buf[i], True) & 0xFF)
     else:
         for i in range(n):
-            c[i] = sqrt_code(buf[i], pre, inv, False)
+            c[i] = np.uint8(sqrt_code_scaled(abs(buf[i]) * inv, buf[i], False) & 0xFF)
 
 
 @_jit
