@@ -220,7 +220,14 @@ def test_numba_sqrt_codes_match_the_reference(rng):
             assert np.array_equal(gpu, codes), (signed, scale)
             ints = codes.view(np.int8) if signed else codes
             values = np.array([B.sqrt_value(np.int32(c), w) for c in ints], np.float32)
-            assert np.array_equal(values.view(np.uint32), F.sqrt_dequantize(codes, scale, signed).view(np.uint32))
+            want = F.sqrt_dequantize(codes, scale, signed).view(np.uint32)
+            assert np.array_equal(values.view(np.uint32), want)
+            by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in codes], np.float32)
+            assert np.array_equal(by_bits.view(np.uint32), want)
+        every = np.arange(256, dtype=np.uint8)  # every byte's value by its bits, under a scale of 3
+        w = f32(B.sqrt_factors(f32(3), n2)[2])
+        by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in every], np.float32)
+        assert np.array_equal(by_bits.view(np.uint32), F.sqrt_dequantize(every, f32(3), signed).view(np.uint32))
 
 
 # ---------------------------------------------------------------- the state layout

@@ -30,9 +30,6 @@ tiny, huge and non-finite inputs).
   reciprocal). The int8 kernels take a block's reciprocal scale by it (one a block and slot, where
   the compiler's checks and branches about the reciprocal cost about 20 instructions a round).
 
-- ``rint_i32(x)`` rounds to the nearest integer, ties to even, and converts: one ``cvt.rni.s32.f32``
-  (the square-root codes' last step), where the cpu takes ``rint`` and a conversion.
-
 On the GPU tests/test_formats_cuda.py compares both against the IEEE operations (every float32 in
 the square root's window; random pairs and the boundaries of the division's). The CPU compiles
 plain ``sqrt`` and ``fdiv``: there the operations are IEEE everywhere and the windows only say
@@ -155,24 +152,6 @@ def max_nan(typingctx, a, b):
                            side_effect=False)
 
     return types.float32(types.float32, types.float32), codegen
-
-
-@intrinsic
-def rint_i32(typingctx, x):
-    """``x`` (float32) rounded to the nearest integer, ties to even, as an int32: one
-    ``cvt.rni.s32.f32`` on a GPU, where ``rint`` and a conversion took two. For |x| < 2**31 (the
-    conversion of anything else is the target's own)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        if not _is_cuda(context):
-            rint = builder.module.declare_intrinsic("llvm.rint", [_F], ir.FunctionType(_F, [_F]))
-            return builder.fptosi(builder.call(rint, args), i32)
-        return builder.asm(ir.FunctionType(i32, [_F]), "cvt.rni.s32.f32 $0, $1;", "=r,f", args, side_effect=False)
-
-    return types.int32(types.float32), codegen
 
 
 @njit(cache=True, inline="always")

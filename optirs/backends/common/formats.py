@@ -25,7 +25,7 @@ from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits
                                            shr32, sub32, u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
-from optirs.backends.common.fast_paths import div_fast, dividend_in_window, divisor_in_window, rint_i32, sqrt_fast
+from optirs.backends.common.fast_paths import div_fast, dividend_in_window, divisor_in_window, sqrt_fast
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
@@ -457,18 +457,37 @@ def sqrt_encode_factors(scale, n2):
     return pre, inv
 
 
+# s + 1.5 * 2**23 holds the integer nearest s (ties to even: the constant is even) in its low mantissa
+# bits, two's complement below the constant for a negative s (|s| < 2**22)
+_ROUND_WORD = np.float32(12582912.0)
+
+
 @_jit
 def sqrt_code_scaled(u, x, signed):
-    """:func:`sqrt_code` of ``x`` from its scaled magnitude ``u = (|x| * pre) * inv``, as an int32
-    whose low byte is the code (the stores take that byte): the floored root by ``sqrt_fast`` (``u``
-    is at most about ``n**2`` for a value of its block), its sign ``x``'s for a signed slot, rounded
-    to the nearest integer by ``rint_i32`` (ties to even either side of 0, so negating after the
-    rounding or before it is the same code)."""
+    """:func:`sqrt_code` of ``x`` from its scaled magnitude ``u = (|x| * pre) * inv``, as a uint32 whose
+    low byte is the code (the stores take that byte): the floored root by ``sqrt_fast`` (``u`` is at
+    most about ``n**2`` for a value of its block), its sign ``x``'s for a signed slot, rounded to the
+    nearest integer by one add (:data:`_ROUND_WORD`), where a GPU's conversion to an integer runs on
+    its narrow conversion pipe and a cpu's rounding and conversion take one vector instruction as
+    well."""
     u = np.float32(u)  # the CUDA simulator's Python floats
     s = sqrt_fast(u if u > _SQRT_FLOOR else _SQRT_FLOOR)
     if signed:
         s = np.float32(math.copysign(s, x))
-    return rint_i32(s)
+    return f32_bits(s + _ROUND_WORD)
+
+
+@_jit
+def sqrt_value_byte(b, signed, w):
+    """:func:`sqrt_value` of the code byte ``b`` (a uint32 below 256) of a signed or unsigned slot, the
+    integer made a float by its bits: ``b`` in the low mantissa bits of 2**23 (xor 0x80 first for a
+    signed slot, which makes it ``c + 128``) less the constant, exactly ``c``. Two full-rate
+    instructions, where a GPU's integer conversion runs on its narrow conversion pipe."""
+    if signed:
+        t = bits_f32(xor32(b, 0x4B000080)) - np.float32(8388736.0)
+    else:
+        t = bits_f32(or32(b, 0x4B000000)) - np.float32(8388608.0)
+    return (t * abs(t)) * w
 
 
 # ---- the packed bucket words of a map whose midpoints are all positive (the unsigned map)

@@ -44,7 +44,7 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
                                            quantize_packed_finite, rand32, slot_bits, sqrt_code_scaled,
-                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value, state_stream,
+                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value_byte, state_stream,
                                            store_master, store_master_wide, store_master_wide_num, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
@@ -1157,15 +1157,14 @@ _N2 = (np.float32(255 * 255), np.float32(127 * 127))  # the largest code squared
 @_device
 def _decode_sqrt(usedk, w, x, scale, signed):
     """A slot's square-root codes of the lane's 8 elements (bytes, one to a word) as float32 into ``x``:
-    ``(c * |c|) * w``, ``w`` once per block (``sqrt_decode_factor``)."""
+    ``(c * |c|) * w`` (``sqrt_value_byte``), ``w`` once per block (``sqrt_decode_factor``)."""
     if not usedk:
         for j in range(LANE):
             x[j] = float32(0)
         return
     f = float32(sqrt_decode_factor(float32(scale), _N2[1] if signed else _N2[0]))
     for j in range(LANE):
-        c = np.int32(np.int8(w[j])) if signed else np.int32(w[j])
-        x[j] = float32(sqrt_value(c, f))
+        x[j] = float32(sqrt_value_byte(w[j], signed, f))
 
 
 @_device
@@ -1179,10 +1178,10 @@ def _store_state_sqrt(usedk, quant, sz, addr, vec, cnt, w, x, scale, signed):
         pre, inv = float32(pre), float32(inv)
         if pre == 1:
             for j in range(LANE):
-                w[j] = u32(sqrt_code_scaled(float32(abs(x[j]) * inv), x[j], signed))
+                w[j] = sqrt_code_scaled(float32(abs(x[j]) * inv), x[j], signed)
         else:
             for j in range(LANE):
-                w[j] = u32(sqrt_code_scaled(float32((abs(x[j]) * pre) * inv), x[j], signed))
+                w[j] = sqrt_code_scaled(float32((abs(x[j]) * pre) * inv), x[j], signed)
         st8_8(addr, vec, cnt, w)
     else:
         _store_plain(sz, addr, vec, cnt, w, x)
