@@ -413,7 +413,7 @@ __kernel void sqrt_block(__global const float *x, float scale, int is_signed, __
     const size_t i = get_global_id(0);
     const uint2 raw = optirs_pack_byte0x8(optirs_sqrt_block8(vload8(i, x), scale, is_signed));
     vstore2(raw, i, code);
-    vstore8(optirs_sqrt_values8(raw, is_signed, optirs_sqrt_weight(scale, is_signed)), i, val);
+    vstore8(optirs_sqrt_values8(raw, is_signed, scale), i, val);
 }
 /* the codes of u and -u (pre = inv = 1), u of bits start + k * step, against rint of the IEEE root */
 __kernel void sqrt_roots(uint start, uint step, uint count, __global int *bad) {

@@ -635,7 +635,7 @@ float8 fmt_state_of(int j, SV w, float scale, __local const float *lmaps)
 #elif OPTIRS_FMT_STATE == 1
     return as_float8(w);
 #elif OPTIRS_FMT_STATE == 3
-    return optirs_sqrt_values8(w, FMT_SIGNED(j), optirs_sqrt_weight(scale, FMT_SIGNED(j)));
+    return optirs_sqrt_values8(w, FMT_SIGNED(j), scale);
 #else
     return optirs_dequantize_codes8(w, scale, lmaps + (FMT_SIGNED(j) ? 0 : 512));
 #endif

@@ -718,46 +718,57 @@ uint8 optirs_sqrt_block8(float8 x, float scale, int is_signed)
     return optirs_sqrt_words8(x, pre, scale == 0.0f ? 0.0f : n2 / (scale * pre), is_signed);
 }
 
-/* A block's decode factor w = scale / n^2 (correctly rounded), once a round per slot. */
-float optirs_sqrt_weight(float scale, int is_signed)
-{
-    const float n2 = OPTIRS_SQRT_N2(is_signed);
-    if (optirs_dividend_in_window(scale))
-        return optirs_div_fast(scale, n2);
-    return scale / n2;
-}
-
-/* Byte k of w as the float32 2^23 + byte (the bits 0x4B0000bb): one prmt.b32 with OPTIRS_NV_PTX, a
- * shift and an AND-OR elsewhere. The decode subtracts 2^23, exact, where a conversion of the byte to
- * an integer and then to a float took two instructions. */
+/* Byte k of w as an int, sign-extended (a signed slot's code) or not: one prmt.b32 each with
+ * OPTIRS_NV_PTX, a shift or two elsewhere. */
 #if OPTIRS_NV_PTX
-#define OPTIRS_BYTE_F23(k, SEL)                                                                  \
-    uint optirs_byte_f23_##k(uint w)                                                             \
+#define OPTIRS_CODE_BYTE(name, k, SEL)                                                           \
+    int optirs_##name##k(uint w)                                                                 \
     {                                                                                            \
         uint d;                                                                                  \
-        asm("prmt.b32 %0, %1, 0x4B000000, " #SEL ";" : "=r"(d) : "r"(w));                        \
-        return d;                                                                                \
+        asm("prmt.b32 %0, %1, 0, " #SEL ";" : "=r"(d) : "r"(w));                                 \
+        return (int)d;                                                                           \
     }
+#define OPTIRS_SBYTE(k, SEL) OPTIRS_CODE_BYTE(sbyte, k, SEL)
+#define OPTIRS_UBYTE(k, SEL) OPTIRS_CODE_BYTE(ubyte, k, SEL)
 #else
-#define OPTIRS_BYTE_F23(k, SEL)                                                                  \
-    uint optirs_byte_f23_##k(uint w) { return ((w >> (8 * k)) & 0xFFu) | 0x4B000000u; }
+#define OPTIRS_SBYTE(k, SEL) int optirs_sbyte##k(uint w) { return (int)(w << (24 - 8 * k)) >> 24; }
+#define OPTIRS_UBYTE(k, SEL) int optirs_ubyte##k(uint w) { return (int)((w >> (8 * k)) & 0xFFu); }
 #endif
-OPTIRS_BYTE_F23(0, 0x7440)
-OPTIRS_BYTE_F23(1, 0x7441)
-OPTIRS_BYTE_F23(2, 0x7442)
-OPTIRS_BYTE_F23(3, 0x7443)
+OPTIRS_SBYTE(0, 0x8880)
+OPTIRS_SBYTE(1, 0x9991)
+OPTIRS_SBYTE(2, 0xAAA2)
+OPTIRS_SBYTE(3, 0xBBB3)
+OPTIRS_UBYTE(0, 0x4440)
+OPTIRS_UBYTE(1, 0x4441)
+OPTIRS_UBYTE(2, 0x4442)
+OPTIRS_UBYTE(3, 0x4443)
 
-/* The values of a block's 8 codes as loaded (raw: 8 bytes, element 4i + j in word i's byte j):
- * (c * |c|) * w, c * |c| exact. A signed slot's byte b is taken as b ^ 0x80 = b + 128 (one XOR a
- * word for four codes), so 2^23 + 128 comes off instead of 2^23. */
-float8 optirs_sqrt_values8(uint2 raw, int is_signed, float w)
+/* The values of a block's 8 codes as loaded (raw: 8 bytes, element 4i + j in word i's byte j) at
+ * its scale: (c * |c|) * w with w = scale / n^2 (correctly rounded), taken once a round per slot.
+ * The usual block (a scale in the division's window, so 2^23 * w is exact and finite) takes w by
+ * optirs_div_fast and each value by one fused multiply-add: c^2 + 2^23 is the float whose bits are
+ * 0x4B000000 + c^2 (c^2 <= 2^14; one integer multiply-add), and fma(c^2 + 2^23, w, -2^23 * w) is
+ * c^2 * w exactly before its one rounding: the contract's c^2 * w, the sign of a signed slot's c put
+ * back by one AND-OR (rounding is symmetric). Three instructions an element for an unsigned slot
+ * (the byte, the integer multiply-add, the fused one) and four for a signed one, where the byte as a
+ * float (a prmt and an add) and the two products took four. The rest (zero, tiny, huge, inf and NaN
+ * scales) take the contract's arithmetic itself. */
+float8 optirs_sqrt_values8(uint2 raw, int is_signed, float scale)
 {
-    const uint2 r = is_signed ? raw ^ 0x80808080u : raw;
-    const uint8 f = (uint8)(optirs_byte_f23_0(r.s0), optirs_byte_f23_1(r.s0), optirs_byte_f23_2(r.s0),
-                            optirs_byte_f23_3(r.s0), optirs_byte_f23_0(r.s1), optirs_byte_f23_1(r.s1),
-                            optirs_byte_f23_2(r.s1), optirs_byte_f23_3(r.s1));
-    const float8 c = as_float8(f) - (is_signed ? 0x1.0001p23f : 0x1p23f);
-    return (c * fabs(c)) * w;
+    const int8 c = is_signed ? (int8)(optirs_sbyte0(raw.s0), optirs_sbyte1(raw.s0), optirs_sbyte2(raw.s0),
+                                      optirs_sbyte3(raw.s0), optirs_sbyte0(raw.s1), optirs_sbyte1(raw.s1),
+                                      optirs_sbyte2(raw.s1), optirs_sbyte3(raw.s1))
+                             : (int8)(optirs_ubyte0(raw.s0), optirs_ubyte1(raw.s0), optirs_ubyte2(raw.s0),
+                                      optirs_ubyte3(raw.s0), optirs_ubyte0(raw.s1), optirs_ubyte1(raw.s1),
+                                      optirs_ubyte2(raw.s1), optirs_ubyte3(raw.s1));
+    const float n2 = OPTIRS_SQRT_N2(is_signed);
+    if (optirs_dividend_in_window(scale)) {
+        const float w = optirs_div_fast(scale, n2);
+        const float8 v = fma(as_float8(as_uint8(c * c) + 0x4B000000u), w, -0x1p23f * w);
+        return is_signed ? as_float8(as_uint8(v) | (as_uint8(c) & 0x80000000u)) : v;
+    }
+    const float8 t = convert_float8(c);
+    return (t * fabs(t)) * (scale / n2);
 }
 
 /* The low bytes of a-d as one word (a's lowest): optirs_sqrt_words8's codes. Three prmt.b32 with
