@@ -38,7 +38,7 @@ def hot(src: str) -> str:
     """Every round full and aligned, no small int8 tensor (a measurement build only)."""
     out = re.sub(r"const int nv = (?:\(int\))?clamp\([^;]*;", "const int nv = 8;", src)
     out = re.sub(r"const int aligned = \(int\)\(\(row.s6 >> 16\) & 1\);", "const int aligned = 1;", out)
-    out = out.replace("sl.is_small = OPTIRS_FMT_STATE == 2 && small >= 0;", "sl.is_small = 0;")
+    out = out.replace("sl.is_small = FMT_INT8 && small >= 0;", "sl.is_small = 0;")
     out = out.replace("sl.aligned = aligned;", "sl.aligned = 1;")
     if "const int nv = 8;" not in out or "sl.is_small = 0;" not in out:
         raise SystemExit("the --hot substitutions no longer match optirs_formats.cl: update hot()")
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     ins = sass_functions(sass, guards=True).get(kernel, [])
     path = round_path(ins)
     # int8 state: a round ends at its codes' 8-byte stores, after the quantizers
-    path8 = round_path(ins, (".128", ".64")) if s == 2 else 0
+    path8 = round_path(ins, (".128", ".64")) if s in (2, 3) else 0
     ins = [x[:3] for x in ins]
     info = re.search(rf"Function properties for {kernel}\s+(.*?)\n.*?(Used \d+ registers)", log, re.S)
     body = round_loop(ins)

@@ -397,6 +397,167 @@ def test_block_reciprocal_is_the_division_on_nvidia(ctx):
     assert got[0] == 0, hex(int(got[1]) & 0xFFFFFFFF)
 
 
+# The int8 square-root codes (optirs_formats.h): a block's codes and values, every code of a root,
+# and the block factors' divisions. OPTIRS_TEST_ULPS puts the reciprocal's and the reciprocal square
+# root's approximations, moved that many units in the last place, in place of NVIDIA's (the inline
+# PTX paths' C on any device).
+SQRT = r"""
+#pragma OPENCL FP_CONTRACT OFF
+#ifdef OPTIRS_TEST_ULPS
+#define OPTIRS_RCP_APPROX(b) as_float(as_uint(1.0f / (b)) + (uint)(OPTIRS_TEST_ULPS))
+#define OPTIRS_RSQRT_APPROX(x) as_float(as_uint(1.0f / sqrt(x)) + (uint)(OPTIRS_TEST_ULPS))
+#endif
+#include "optirs_formats.h"
+__kernel void sqrt_block(__global const float *x, float scale, int is_signed, __global uint *code,
+                         __global float *val) {
+    const size_t i = get_global_id(0);
+    const uint2 raw = optirs_pack_byte0x8(optirs_sqrt_block8(vload8(i, x), scale, is_signed));
+    vstore2(raw, i, code);
+    vstore8(optirs_sqrt_values8(raw, is_signed, scale), i, val);
+}
+/* the codes of u and -u (pre = inv = 1), u of bits start + k * step, against rint of the IEEE root */
+__kernel void sqrt_roots(uint start, uint step, uint count, __global int *bad) {
+    for (uint k = get_global_id(0); k < count; k += get_global_size(0)) {
+        const float8 u = as_float8(start + (8u * k + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u)) * step);
+        const uint8 want = convert_uint8(rint(sqrt(u)));
+        const uint8 plus = optirs_sqrt_words8(u, 1.0f, 1.0f, 0) & 0xFFu;
+        const uint8 minus = optirs_sqrt_words8(-u, 1.0f, 1.0f, 1) & 0xFFu;
+        if (any(plus != want) || any(minus != ((0u - want) & 0xFFu))) {
+            atomic_inc(bad);
+            bad[1] = (int)(start + 8u * k * step);
+        }
+    }
+}
+/* the fast divisions of the block factors against the division, for scales of bits start + k * step */
+__kernel void sqrt_divisions(uint start, uint step, uint count, __global int *bad) {
+    for (uint k = get_global_id(0); k < count; k += get_global_size(0)) {
+        const float scale = as_float(start + k * step);
+        for (int sg = 0; sg < 2; ++sg) {
+            const float n2 = OPTIRS_SQRT_N2(sg);
+            if ((optirs_divisor_in_window(scale) && as_uint(optirs_div_fast(n2, scale)) != as_uint(n2 / scale))
+                || (optirs_dividend_in_window(scale) && as_uint(optirs_div_fast(scale, n2)) != as_uint(scale / n2))) {
+                atomic_inc(bad);
+                bad[1] = (int)as_uint(scale);
+            }
+        }
+    }
+}
+"""
+
+
+def _nv(ctx):
+    from optirs.backends.opencl.formats import nv_level
+
+    return nv_level(ctx)
+
+
+def _sqrt_program(ctx, ulps=None, nv=False):
+    from optirs.backends.opencl import build_program
+
+    options = [o for o in ctx.build_options if not o.startswith("-D")]
+    options += (["-DOPTIRS_NV_PTX=1"] if nv else []) + ([f"-DOPTIRS_TEST_ULPS={ulps}"] if ulps is not None else [])
+    return build_program(ctx.context, ctx.device, expand_includes(SQRT), options, f"sqrt_codes{ulps}{int(nv)}")
+
+
+def _sqrt_cases(signed):
+    """(scale, values) pairs: random blocks at scales over the float32 range (tiny ones take pre = 2**64,
+    the windows' ends the general factors), every tie of a root (scale n**2: u = |x|) with its
+    neighbours, and zero, NaN and inf scales."""
+    f32 = np.float32
+    rng = np.random.default_rng(8)
+    n = F.sqrt_levels(signed)
+    cases = []
+    for s in (1.0, 3.7e-5, 1e-40, 1e-45, 2.0 ** -100, 2.0 ** -96, 2.0 ** -51, 2.0 ** -72, 1e-20,
+              np.nextafter(f32(2.0 ** 49), f32(0)), 2.0 ** 49, 2.0 ** 72, 1e30, 3e38):
+        x = (rng.uniform(-1 if signed else 0, 1, 4096) * f32(s)).astype(np.float32)
+        x[:3] = [f32(s), -f32(s) if signed else f32(0), f32(0)]
+        cases.append((f32(s), x))
+    k = np.arange(1, n + 1)
+    ties = ((k - 0.5) ** 2).astype(np.float32)
+    x = np.concatenate([np.nextafter(ties, f32(0)), ties, np.nextafter(ties, f32(np.inf)), k.astype(np.float32) ** 2])
+    cases.append((f32(n * n), np.concatenate([x, -x]) if signed else x))
+    cases += [(f32(0), np.zeros(8, np.float32)), (f32(np.nan), rng.standard_normal(8).astype(np.float32)),
+              (f32(np.inf), np.array([1, -2, np.inf, 0, -np.inf, 3e38, 5, 0], np.float32))]
+    return [(s, np.concatenate([x, np.zeros(-x.size % 8, np.float32)])) for s, x in cases]
+
+
+def _check_sqrt_blocks(ctx, prog):
+    kernel = cl.Kernel(prog, "sqrt_block")
+    for signed in (True, False):
+        for scale, x in _sqrt_cases(signed):
+            code, val = _run(ctx, kernel, x.size, x, scale, np.int32(signed), ("out", np.uint32),
+                             ("out", np.float32))
+            code = code[: x.size // 4].view(np.uint8)
+            want = F.sqrt_quantize(x, scale, signed)
+            assert np.array_equal(code, want), (signed, scale)
+            want_val = F.sqrt_dequantize(want, scale, signed)
+            assert np.array_equal(np.isnan(val), np.isnan(want_val)), (signed, scale)
+            ok = ~np.isnan(want_val)
+            assert np.array_equal(val[ok].view(np.uint32), want_val[ok].view(np.uint32)), (signed, scale)
+
+
+def test_sqrt_codes_are_the_contracts(ctx):
+    """A block's square-root codes and their values (optirs_sqrt_block8, optirs_sqrt_values8, the
+    step kernels' own functions) against optirs.core.formats' sqrt_quantize and sqrt_dequantize, bit
+    for bit: random blocks at scales over the float32 range (pre = 2**64, the fast divisions' window
+    ends), every tie of a root and its neighbours, zero, NaN and inf scales; signed and unsigned."""
+    if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
+        pytest.skip("the device's division and sqrt are not correctly rounded: no reference to compare with")
+    _check_sqrt_blocks(ctx, _sqrt_program(ctx, nv=bool(_nv(ctx))))
+
+
+def test_sqrt_code_of_every_root(ctx):
+    """The code of u and of -u (optirs_sqrt_words8: the clamp, the root, the rounding by one add)
+    against rint of the IEEE root, for every float32 u from 0 to 65025 * (1 + 2**-22), the most a
+    block's own values reach (NVIDIA's driver: inline PTX's rsqrt.approx and the fast path's
+    refinement), or every 97th of them elsewhere."""
+    if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
+        pytest.skip("the device's sqrt is not correctly rounded: no reference to compare with")
+    nv = bool(_nv(ctx))
+    prog = _sqrt_program(ctx, nv=nv)
+    top = int(np.array([65025 * (1 + 2.0 ** -22)], np.float32).view(np.uint32)[0]) + 1
+    step = 1 if nv else 97
+    bad = cla.zeros(ctx.queue, 2, np.int32)
+    prog.sqrt_roots(ctx.queue, (1 << 16,), None, np.uint32(0), np.uint32(step), np.uint32(-(-top // (8 * step))),
+                    bad.data)
+    got = bad.get()
+    assert got[0] == 0, hex(int(got[1]) & 0xFFFFFFFF)
+
+
+def test_sqrt_fast_paths_refinement_is_the_ieee_result(ctx):
+    """The inline-PTX paths' arithmetic (optirs_div_fast, optirs_sqrt_fast8) on any device, their
+    approximations replaced by the correctly rounded ones moved 1 unit in the last place down or up:
+    the block factors' divisions are the division's over a sample of their windows, every code of a
+    sample of roots is rint of the IEEE root, and every block of test_sqrt_codes_are_the_contracts
+    is the contract's."""
+    if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
+        pytest.skip("the device's division and sqrt are not correctly rounded: no reference to compare with")
+    top = int(np.array([65025 * (1 + 2.0 ** -22)], np.float32).view(np.uint32)[0]) + 1
+    for ulps in (-1, 1):
+        prog = _sqrt_program(ctx, ulps=ulps)
+        bad = cla.zeros(ctx.queue, 2, np.int32)
+        prog.sqrt_divisions(ctx.queue, (256,), None, np.uint32(0), np.uint32(65521), np.uint32(0x7F800000 // 65521 + 1),
+                            bad.data)
+        prog.sqrt_roots(ctx.queue, (1 << 12,), None, np.uint32(0), np.uint32(997), np.uint32(-(-top // (8 * 997))),
+                        bad.data)
+        got = bad.get()
+        assert got[0] == 0, (ulps, hex(int(got[1]) & 0xFFFFFFFF))
+        _check_sqrt_blocks(ctx, prog)
+
+
+def test_sqrt_divisions_are_the_division_on_nvidia(ctx):
+    """The block factors' inline-PTX divisions (optirs_div_fast: n**2 / scale and scale / n**2 in
+    their windows) against the division for every non-negative float32 scale. NVIDIA's driver only:
+    elsewhere they are the division itself."""
+    if not _nv(ctx):
+        pytest.skip("the inline-PTX division is built on NVIDIA's OpenCL driver only (elsewhere it is `/`)")
+    prog = _sqrt_program(ctx, nv=True)
+    bad = cla.zeros(ctx.queue, 2, np.int32)
+    prog.sqrt_divisions(ctx.queue, (1 << 18,), None, np.uint32(0), np.uint32(1), np.uint32(0x7F800001), bad.data)
+    got = bad.get()
+    assert got[0] == 0, hex(int(got[1]) & 0xFFFFFFFF)
+
+
 def test_bucket_table_constants_match_the_host(ctx, prg):
     from optirs.backends.common import int8_buckets as B
 
@@ -772,6 +933,72 @@ def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
             if k.endswith(".codes"):  # small tensors' range is unused
                 live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])
             assert np.array_equal(v[live].view(np.uint8), sb[k][live].view(np.uint8)), k
+
+
+# The square-root codes: Adam with amsgrad (a signed slot and two unsigned ones) in the headline
+# format and with float32 parameters, and LAMB's two passes (no clipping: its moments then take no
+# norm, so they are the cpu backend's bit for bit; its parameters take the float64 norms, summed in
+# another order).
+SQRT_FORMATS = [F.StepFormat("bfloat16", "bfloat16", "remainder8", "int8_sqrt", False),
+                F.StepFormat("float32", "float32", None, "int8_sqrt", False)]
+SQRT_PAIRS = [("adam", SQRT_FORMATS[0]), ("adam", SQRT_FORMATS[1]), ("lamb", SQRT_FORMATS[0])]
+SQRT_CASES = {"adam": optirs.AdamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6, amsgrad=True),  # no decay: a zero
+              "lamb": optirs.LambParams(lr=1e-2, max_trust_ratio=10.0, weight_decay=0.01)}  # gradient, a zero moment
+
+
+def _sqrt_edge_blocks(grads, t):
+    """Blocks of the 8195-element tensor (two chunks, a ragged last block) whose scales take the
+    codes' other paths: zero gradients (scale 0), tiny ones (the second moment's scale under 2**-96:
+    pre = 2**64; the first moment's under the division windows), huge ones (scales over 2**49) and,
+    at the first step, a NaN and an inf gradient (NaN and inf scales: codes 0, NaN values after)."""
+    g = grads[4].reshape(-1)
+    dtype = "float32" if g.dtype == np.float32 else "bfloat16"
+    rng = np.random.default_rng(t)
+    for begin, size in ((256, 0.0), (1024, 1e-20), (2048, 1e18)):
+        g[begin: begin + 256] = _words(rng.normal(size=256).astype(np.float32) * np.float32(size), dtype)
+    if t == 0:
+        g[[3000, 5000]] = _words(np.array([np.nan, np.inf], np.float32), dtype)
+
+
+@pytest.mark.parametrize("name,fmt", SQRT_PAIRS, ids=[f"{n}-{f.param_dtype}-{f.master}" for n, f in SQRT_PAIRS])
+def test_int8_sqrt_state_is_the_cpu_backends_bit_for_bit(ocl, name, fmt):
+    """Square-root codes (state_dtype "int8_sqrt", under s.sqrt_codes) after each of three steps:
+    codes, scales and the small tensors' float32 state are the cpu backend's bit for bit (NaN where
+    it is NaN), for signed and unsigned slots, small tensors, unaligned tensors, a ragged end, and
+    blocks of zero, tiny, huge, NaN and inf scales; the parameters too (LAMB's within its norms'
+    float64 rounding)."""
+    cpu = optirs.get_backend("cpu")
+    if not cpu.supports("formats"):
+        pytest.skip("the cpu backend has no formats capability")
+    if not ocl.ctx.build_options.count("-cl-fp32-correctly-rounded-divide-sqrt"):
+        pytest.skip("this OpenCL device does not round division and sqrt correctly")
+    a = _Model(ocl, name, SQRT_CASES[name], fmt, seed=9)
+    b = _Model(cpu, name, SQRT_CASES[name], fmt, seed=9)
+    assert any(k.endswith(".sqrt_codes") for k in a.state) and not any(k.endswith(".codes") for k in a.state)
+    live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])  # small tensors': unused
+    for t in range(3):
+        grads = a.grads()
+        b.grads()
+        _sqrt_edge_blocks(grads, t)
+        a.step(grads, seed=77)
+        b.step([g.copy() for g in grads], seed=77)
+        sb = b.host_state()
+        for k, v in a.host_state().items():
+            _same_words_nan_by_hardware(v[live] if k.endswith(".sqrt_codes") else v,
+                                        sb[k][live] if k.endswith(".sqrt_codes") else sb[k], (t, k))
+        if name == "lamb":
+            got = np.concatenate(_master_values(a))
+            want = np.concatenate(_master_values(b))
+            ok = ~np.isnan(want)
+            assert np.array_equal(np.isnan(got), ~ok), t
+            np.testing.assert_allclose(got[ok], want[ok], rtol=2.0 ** -15, atol=1e-30)
+        else:
+            for x, y in zip(a.params, b.params):
+                _same_words_nan_by_hardware(x, y, (t, "params"))
+
+
+def _master_values(model):
+    return R.decode_master(model.fs, model.params, model.host_state())
 
 
 NAN_PAIRS = [("adamw", FORMATS[1]), ("adamw", FORMATS[0]), ("adam", FORMATS[8])]

@@ -31,7 +31,7 @@ from optirs.backends.common.register_cap import formats_register_cap
 from optirs.backends.opencl.slots import SlotGrouper, check_argument_space, deal, resident_groups, slot_macros
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
-from optirs.core.formats import (FORMAT_FAMILIES, FormatState, StepFormat, dtype_name, dynamic_map,
+from optirs.core.formats import (FORMAT_FAMILIES, INT8_STATES, FormatState, StepFormat, dtype_name, dynamic_map,
                                  map_midpoints)
 from optirs.plugin.hookspecs import Staged
 
@@ -104,8 +104,10 @@ def chunk_elements(wg: int) -> int:
 def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
     """A register cap for the kernels of ``fmt``, where the device takes one (NVIDIA's
     ``cl_nv_compiler_options``): the int8-state kernels at 64, as the CUDA ones (fewer registers,
-    more resident work-groups to hide their local-memory map lookups); the others keep the
-    compiler's choice. ``OPTIRS_OPENCL_FORMATS_MAXREG``: a cap for every formats kernel, 0 for none."""
+    more resident work-groups to hide their local-memory map lookups; the square-root codes, which
+    have none, take the same rule, :func:`~optirs.backends.common.register_cap.formats_register_cap`);
+    the others keep the compiler's choice. ``OPTIRS_OPENCL_FORMATS_MAXREG``: a cap for every formats
+    kernel, 0 for none."""
     cache = _cache(ctx)
     nv = cache.get("nv_options")
     if nv is None:
@@ -137,12 +139,12 @@ def nv_level(ctx: Any) -> int:
 
 def warp_options(ctx: Any, fmt: StepFormat) -> List[str]:
     """``-DOPTIRS_NV_WARP=2`` (sm_80 on: ``redux.sync``) or ``=1`` (``shfl.sync``) for the int8-state
-    kernels on NVIDIA's driver, whose warps are 32 consecutive work-items: a block's absmax is then a
-    warp reduction in inline PTX, as in the CUDA kernels, where the portable form takes a tree in
-    local memory with a barrier a level (fmt_warp_max of optirs_formats.cl). Nothing for other
-    formats or devices; ``OPTIRS_OPENCL_FORMATS_WARP=0`` turns it off (the portable form, for
-    comparison)."""
-    if fmt.state_dtype != "int8" or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
+    kernels (either code: the dynamic map or the square-root codes) on NVIDIA's driver, whose warps are
+    32 consecutive work-items: a block's absmax is then a warp reduction in inline PTX, as in the CUDA
+    kernels, where the portable form takes a tree in local memory with a barrier a level
+    (fmt_warp_max of optirs_formats.cl). Nothing for other formats or devices;
+    ``OPTIRS_OPENCL_FORMATS_WARP=0`` turns it off (the portable form, for comparison)."""
+    if fmt.state_dtype not in INT8_STATES or os.environ.get("OPTIRS_OPENCL_FORMATS_WARP", "").strip() == "0":
         return []
     level = nv_level(ctx)
     return [f"-DOPTIRS_NV_WARP={level}"] if level else []
@@ -153,9 +155,11 @@ def ptx_options(ctx: Any) -> List[str]:
     sm_80 on, 1 before): Adam's division by its uniform bias correction as the division's fast path
     with the reciprocal taken once (``divide_by_uniform`` of optirs_elementwise.h, the same bits),
     bfloat16 pairs packed by one ``prmt`` (``optirs_pack_high16`` of optirs_formats.h), the int8
-    blocks' reciprocal, midpoint compare and code packing, and from level 2 the NaN-free rounds'
-    nearest bfloat16 pairs by ``cvt.rn.bf16x2.f32``; the portable C elsewhere.
-    ``OPTIRS_OPENCL_FORMATS_PTX=0`` turns it off (the portable C, for comparison)."""
+    blocks' reciprocal, midpoint compare and code packing, the square-root codes' block divisions and
+    roots by ptxas's fast paths in their windows (``optirs_div_fast``, ``optirs_sqrt_fast8``) and their
+    bytes by ``prmt``, and from level 2 the NaN-free rounds' nearest bfloat16 pairs by
+    ``cvt.rn.bf16x2.f32``; the portable C elsewhere. ``OPTIRS_OPENCL_FORMATS_PTX=0`` turns it off (the
+    portable C, for comparison)."""
     if os.environ.get("OPTIRS_OPENCL_FORMATS_PTX", "").strip() == "0":
         return []
     level = nv_level(ctx)
@@ -480,7 +484,9 @@ def _part(ctx: Any, a: Any) -> Tuple[Any, int]:
 
 def _state_args(ctx: Any, family: str, state: Dict[str, Any], fs: FormatState, found_inf: Any):
     """The kernel's buffer arguments (M, S0-2, C0-2, L0-2, maps), the offsets record, the used and
-    signed masks, and the state offsets the alignment flag depends on."""
+    signed masks, and the state offsets the alignment flag depends on. The codes are each slot's
+    ``<slot>.codes`` or ``<slot>.sqrt_codes`` (``FormatState.slot_buffers``); only the dynamic map's
+    programs read the maps (the square-root codes are arithmetic: the dummy buffer stands in)."""
     names = FAMILY_SLOTS[family]
     signed = {s.name: bool(getattr(s, "signed", False)) for s in fs.slots}
     unknown = [n for n in fs.slot_names if n not in names]
@@ -507,7 +513,8 @@ def _state_args(ctx: Any, family: str, state: Dict[str, Any], fs: FormatState, f
         skip_buf, offs["skip"] = _zero_flag(ctx), 0
     record = np.array(tuple(offs[n] for n in OFFSETS.names), OFFSETS)
     s_offs = tuple(offs[f"s{k}"] for k in range(3)) + tuple(offs[f"l{k}"] for k in range(3)) + (m_off,)
-    return [m_buf, *s_bufs, *c_bufs, *l_bufs, _maps(ctx)], record, used, signed_mask, skip_buf, s_offs
+    maps = _maps(ctx) if fs.fmt.state_dtype == "int8" else ctx.dummy
+    return [m_buf, *s_bufs, *c_bufs, *l_bufs, maps], record, used, signed_mask, skip_buf, s_offs
 
 
 # ---------------------------------------------------------------- the plugin

@@ -26,7 +26,7 @@ RESIDENT_VARIABLE = "OPTIRS_OPENCL_RESIDENT"
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
-                      state_dtypes=("float32", "bfloat16", "int8"))  # no square-root codes in these kernels
+                      state_dtypes=("float32", "bfloat16", "int8", "int8_sqrt"))
 
 
 def _state_base(ctx: OpenclContext, arrays: Sequence[Any]) -> Tuple[List[Any], int]:

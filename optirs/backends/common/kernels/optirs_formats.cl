@@ -6,9 +6,10 @@
  *   OPTIRS_FMT_GRAD    gradient storage, the same codes
  *   OPTIRS_FMT_MASTER  0 none, 1 float32, 2 remainder16 (short), 3 remainder8 (char)
  *   OPTIRS_FMT_STATE   0 float32, 1 bfloat16 (ushort bits, stochastic rounding), 2 int8 blocks
+ *                      (the dynamic map), 3 int8 blocks of square-root codes (no map)
  *   OPTIRS_FMT_SR      1: bfloat16 parameters without masters round stochastically
  *   OPTIRS_FMT_USED    bit k: state slot k is stored (an absent slot costs no code or registers)
- *   OPTIRS_FMT_SIGNED  bit k: state slot k takes the signed int8 map
+ *   OPTIRS_FMT_SIGNED  bit k: state slot k takes the signed int8 map (or signed square-root codes)
  *   OPTIRS_FMT_LAMB    1: the program holds LAMB's passes
  * so a launch has no per-element branch on the format or the slots. A model is one launch (per
  * OPTIRS_SLOTS distinct buffers of each kind) of a resident grid: each work-group
@@ -22,6 +23,8 @@
  * boundary: OPTIRS_CHUNK is a multiple of 256), its absmax reduced in registers over the 8 lanes,
  * then in local memory over the 32 work-items; the maps are copied to local memory once per
  * work-group (the binary search's addresses differ per lane, which __constant memory serialises).
+ * Square-root codes take the same blocks and scales, but their codes are arithmetic: no map, no
+ * local memory beyond the portable absmax tree.
  * Every barrier is in code the whole work-group runs (chunk and round loops have uniform trip
  * counts).
  *
@@ -61,6 +64,9 @@
 #endif
 #define FMT_USED(k) ((OPTIRS_FMT_USED >> (k)) & 1)
 #define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
+/* int8 blocks (either code), and the dynamic map's codes alone (its maps in local memory) */
+#define FMT_INT8 (OPTIRS_FMT_STATE == 2 || OPTIRS_FMT_STATE == 3)
+#define FMT_MAP (OPTIRS_FMT_STATE == 2)
 
 #include "optirs_scalars.h"
 #include "optirs_formats.h"
@@ -191,6 +197,23 @@ void store8_codes(uint8 c, __global uchar *p, int nv, int aligned)
         *(__global uint2 *)p = optirs_pack_codes8(c);
     else
         store8_uchar(convert_uchar8(c), p, nv, aligned);
+}
+
+/* Square-root codes as loaded (8 bytes, element 4i + j in word i's byte j), and stored from
+ * optirs_sqrt_words8's words (each code in its low byte). */
+uint2 load8_bytes(__global const uchar *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        return *(__global const uint2 *)p;
+    const uint8 u = convert_uint8(load8_uchar(p, nv, aligned));
+    return FMT_QUADS(u);
+}
+void store8_byte0(uint8 w, __global uchar *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint2 *)p = optirs_pack_byte0x8(w);
+    else
+        store8_uchar(convert_uchar8(w & 0xFFu), p, nv, aligned);
 }
 
 /* ... of the packed quantizer's words (each code in byte 2, bits 24-31 zero). */
@@ -330,6 +353,12 @@ typedef uint8 SV; /* one to a word */
 #define S_WORDS load8_codes
 #define S_VLD(a) optirs_codes8(*(__global const uint2 *)(a))
 #define S_VLDU(a) convert_uint8(vload8(0, a))
+#elif OPTIRS_FMT_STATE == 3
+typedef uchar SST; /* square-root codes */
+typedef uint2 SV; /* the 8 bytes as loaded: the decode unpacks them, knowing the slot's sign */
+#define S_WORDS load8_bytes
+#define S_VLD(a) (*(__global const uint2 *)(a))
+#define S_VLDU(a) FMT_QUADS(convert_uint8(vload8(0, a)))
 #else
 typedef float SST;
 typedef float8 SV;
@@ -429,10 +458,10 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         fmt_skip_tickets(tickets, nchunks);                                                      \
         return;                                                                                  \
     }                                                                                            \
-    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];                                       \
-    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE : 1];                           \
-    __local uint lpacked[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_WIDTH : 1];                           \
-    __local uint scratch[OPTIRS_FMT_STATE == 2 && !OPTIRS_NV_WARP ? 3 * OPTIRS_WG : 1];          \
+    __local float lmaps[FMT_MAP ? 1024 : 1];                                                     \
+    __local uchar ltables[FMT_MAP ? OPTIRS_QT_SIZE : 1];                                         \
+    __local uint lpacked[FMT_MAP ? OPTIRS_QT_WIDTH : 1];                                         \
+    __local uint scratch[FMT_INT8 && !OPTIRS_NV_WARP ? 3 * OPTIRS_WG : 1];                       \
     int maps_ready = 0;                                                                          \
     const uint key = optirs_rand_key(st.seed, st.step, 0u);
 
@@ -453,7 +482,7 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
  * table, and its midpoints): its codes take one local load an element. */
 void fmt_load_maps(__global const float *maps, __local float *lmaps, __local uchar *ltables, __local uint *lpacked)
 {
-#if OPTIRS_FMT_STATE == 2
+#if FMT_MAP
     for (int j = get_local_id(0); j < 1024; j += OPTIRS_WG)
         lmaps[j] = maps[j];
     for (int j = get_local_id(0); j < (int)OPTIRS_QT_SIZE; j += OPTIRS_WG)
@@ -483,7 +512,7 @@ fmt_slots fmt_slots_of(long block, long small, long start, long lay, int aligned
     sl.small[0] = L0 + off.l0 + small + start;
     sl.small[1] = L1 + off.l1 + small + start;
     sl.small[2] = L2 + off.l2 + small + start;
-    sl.is_small = OPTIRS_FMT_STATE == 2 && small >= 0;
+    sl.is_small = FMT_INT8 && small >= 0;
     sl.aligned = aligned;
     sl.key[0] = FMT_USED(0) || FMT_USED(1) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(0)) : 0u;
     sl.key[1] = FMT_USED(2) ? optirs_rand_key(st.seed, st.step, OPTIRS_STATE_STREAM(2)) : 0u;
@@ -597,13 +626,16 @@ void fmt_store_states_num(const fmt_slots *sl, int k, const float8 *s, uint8 idx
 /* ---------------------------------------------------------------- state slots */
 
 /* Slot j's values from its 8 words w: float32, bfloat16 (wide words: widened as unpacked,
- * optirs_bf16_decode8 says why), or int8 codes at their block's scale. */
+ * optirs_bf16_decode8 says why), or int8 codes at their block's scale (square-root codes: the
+ * block's decode factor taken here, once a round). */
 float8 fmt_state_of(int j, SV w, float scale, __local const float *lmaps)
 {
 #if OPTIRS_FMT_STATE == 0
     return w;
 #elif OPTIRS_FMT_STATE == 1
     return as_float8(w);
+#elif OPTIRS_FMT_STATE == 3
+    return optirs_sqrt_values8(w, FMT_SIGNED(j), scale);
 #else
     return optirs_dequantize_codes8(w, scale, lmaps + (FMT_SIGNED(j) ? 0 : 512));
 #endif
@@ -618,7 +650,7 @@ void fmt_load_states(const fmt_slots *sl, int k, int nv, float8 *s, __local cons
         s[j] = (float8)0.0f;
         if (!FMT_USED(j) || nv <= 0)
             continue;
-#if OPTIRS_FMT_STATE == 2
+#if FMT_INT8
         if (sl->is_small) {
             s[j] = load8_float(sl->small[j] + k, nv, sl->aligned);
             continue;
@@ -660,7 +692,7 @@ typedef struct {
 void fmt_load_words(fmt_words *w, __global const PST *p, __global const GST *g, __global const MST *m,
                     const fmt_slots *sl, int k)
 {
-#if OPTIRS_FMT_STATE == 2
+#if FMT_INT8
 #pragma unroll
     for (int j = 0; j < 3; ++j)
         w->scale[j] = FMT_USED(j) ? sl->scale[j][k >> 8] : 0.0f;
@@ -705,7 +737,7 @@ FMT_INLINE void fmt_load_round(__global const PST *p, __global const MST *m, __g
     }
 }
 
-#if OPTIRS_FMT_STATE == 2
+#if FMT_INT8
 /* A block's scale is the largest |x| of its new values, NaN-propagating (docs/formats.md: a NaN
  * makes the scale NaN; fmax would drop it). Taken over |x|'s bits as unsigned integers, whose order
  * is the order of the magnitudes with every NaN above inf: an AND and an integer max an element,
@@ -744,12 +776,13 @@ uint fmt_warp_max(uint u)
 #endif
 #endif
 
-/* Store the slots' new values; int8 slots are requantized with their block's new scale and s[j]
- * becomes the stored (dequantized) value. Called by the whole work-group (barriers). */
+/* Store the slots' new values; int8 slots are requantized with their block's new scale (the map's
+ * s[j] then becomes the stored, dequantized value; square-root codes leave s[j] as it is: nothing
+ * reads it after the store). Called by the whole work-group (barriers). */
 void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, __local const float *lmaps,
                       __local const uchar *ltables, __local const uint *lpacked, __local uint *scratch)
 {
-#if OPTIRS_FMT_STATE == 2
+#if FMT_INT8
     float scale[3];
 #if OPTIRS_NV_WARP
 #pragma unroll
@@ -798,6 +831,12 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
         if (sl->is_small) {
             store8_float(s[j], sl->small[j] + k, nv, sl->aligned);
         } else {
+#if OPTIRS_FMT_STATE == 3
+            /* the block's factors once per work-item and block (a round is 8 of its elements) */
+            store8_byte0(optirs_sqrt_block8(s[j], scale[j], FMT_SIGNED(j)), sl->s[j] + k, nv, sl->aligned);
+            if ((k & 255) == 0) /* the block's first work-item */
+                sl->scale[j][k >> 8] = scale[j];
+#else
             __local const float *q = lmaps + (FMT_SIGNED(j) ? 0 : 512);
             /* the block's reciprocal once per work-item and block (a round is 8 of its elements) */
             uint8 code;
@@ -812,6 +851,7 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
             s[j] = optirs_dequantize_codes8(code, scale[j], q);
+#endif
         }
 #endif
     }
@@ -896,9 +936,9 @@ void fmt_lamb_norms(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_P
                     __global const float *grad_scale, int clip, __global acc_t *partial, const fmt_step st,
                     const lamb_scalars sc)
 {
-    __local float lmaps[OPTIRS_FMT_STATE == 2 ? 1024 : 1];
-    __local uchar ltables[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_SIZE : 1];
-    __local uint lpacked[OPTIRS_FMT_STATE == 2 ? OPTIRS_QT_WIDTH : 1];
+    __local float lmaps[FMT_MAP ? 1024 : 1];
+    __local uchar ltables[FMT_MAP ? OPTIRS_QT_SIZE : 1];
+    __local uint lpacked[FMT_MAP ? OPTIRS_QT_WIDTH : 1];
     __local acc_t red[OPTIRS_WG];
     int maps_ready = 0;
     const float scale = clip ? grad_scale[0] : sc.grad_factor;  /* the clip factor carries grad_factor */

@@ -614,4 +614,181 @@ float8 optirs_dequantize8(uchar8 c, float scale, __local const float *q)
     return optirs_dequantize_codes8(convert_uint8(c), scale, q);
 }
 
+/* ---------------------------------------------------------------- int8 square-root codes
+
+ * state_dtype "int8_sqrt" (docs/formats.md; the numba sqrt_factors, sqrt_count, sqrt_code and
+ * sqrt_value of optirs/backends/common/formats.py): the int8 state's blocks, scales and small
+ * tensors, but each code is arithmetic, so the kernels read no map and no local memory. A block's
+ * factors are taken once a round (8 of its elements) per slot; an element's code is a product, a
+ * max, a square root and an add, its value an add and two products. */
+
+/* n^2, the largest code squared: 127^2 for a signed slot, 255^2 for an unsigned one. */
+#define OPTIRS_SQRT_N2(sg) ((sg) ? 16129.0f : 65025.0f)
+
+/* The windows of optirs/backends/common/fast_paths.py where the GPU's fast division is div.rn, for
+ * a block's scale (an absmax: never negative, so its bits order it; 0, tiny, huge, inf and NaN fall
+ * outside): as the divisor, [2^-51, 2^49); as the dividend, [2^-72, 2^72). One subtraction and one
+ * unsigned compare each. */
+int optirs_divisor_in_window(float b)
+{
+    return as_uint(b) - 0x26000000u <= 0x57FFFFFFu - 0x26000000u;
+}
+
+int optirs_dividend_in_window(float a)
+{
+    return as_uint(a) - 0x1B800000u <= 0x637FFFFFu - 0x1B800000u;
+}
+
+/* a / b inside those windows: with OPTIRS_RCP_APPROX (inline PTX on NVIDIA's driver) ptxas's own
+ * fast path of div.rn (the numba div_fast: the reciprocal's approximation, one Newton step, the
+ * quotient corrected by its exact residual), 7 instructions where div.rn's range check, branch and
+ * slow path took about 20; the division elsewhere (correctly rounded: the programs are built with
+ * -cl-fp32-correctly-rounded-divide-sqrt). */
+float optirs_div_fast(float a, float b)
+{
+#ifdef OPTIRS_RCP_APPROX
+    const float y0 = OPTIRS_RCP_APPROX(b);
+    const float y = fma(fma(-b, y0, 1.0f), y0, y0);
+    const float q = a * y;
+    return fma(fma(-b, q, a), y, q);
+#else
+    return a / b;
+#endif
+}
+
+/* The reciprocal square root's approximation (rsqrt.approx.ftz) that optirs_sqrt_fast8 refines, on
+ * NVIDIA's driver (a test may put another in its place first, as for OPTIRS_RCP_APPROX). Here, not
+ * in optirs_ptx.h: the formats programs alone take it. */
+#if OPTIRS_NV_PTX && !defined(OPTIRS_RSQRT_APPROX)
+float optirs_rsqrt_approx(float x)
+{
+    float y;
+    asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#define OPTIRS_RSQRT_APPROX(x) optirs_rsqrt_approx(x)
+#endif
+
+/* sqrt(x) for x in [2^-101, 2^128): with OPTIRS_RSQRT_APPROX (inline PTX on NVIDIA's driver)
+ * ptxas's own fast path of sqrt.rn there (the numba sqrt_fast, sqrt.rn for every x of the window):
+ * 5 instructions and no branch, where sqrt.rn's range check and slow path took a branch region;
+ * the correctly rounded sqrt elsewhere. */
+float8 optirs_sqrt_fast8(float8 x)
+{
+#ifdef OPTIRS_RSQRT_APPROX
+    const float8 r = (float8)(OPTIRS_RSQRT_APPROX(x.s0), OPTIRS_RSQRT_APPROX(x.s1), OPTIRS_RSQRT_APPROX(x.s2),
+                              OPTIRS_RSQRT_APPROX(x.s3), OPTIRS_RSQRT_APPROX(x.s4), OPTIRS_RSQRT_APPROX(x.s5),
+                              OPTIRS_RSQRT_APPROX(x.s6), OPTIRS_RSQRT_APPROX(x.s7));
+    const float8 s = x * r;
+    const float8 h = r * 0.5f;
+    return fma(fma(-s, s, x), h, s);
+#else
+    return sqrt(x);
+#endif
+}
+
+/* The codes of 8 values x at a block's factors (pre, inv), each in the low byte of its word:
+ * u = (|x| * pre) * inv, c = rint(sqrt(u)) ties to even, -c for a negative x of a signed slot.
+ * rint(sqrt(v)) is 0 for every v < 0.25, so the root of max(u, 2^-100) is the contract's code for
+ * u = 0, a tiny u and a NaN u alike (fmax drops the NaN), and keeps the root in optirs_sqrt_fast8's
+ * window: a block's own values have |x| <= scale, so u <= 65025 * (1 + 2^-22). The rounding is one
+ * add: c + 1.5 * 2^23 (|c| < 2^22) rounds to the integer nearest c, ties to even, and its bits are
+ * 0x4B400000 + rint(c), whose low byte is the code's two's complement byte (where rint and a
+ * conversion to an integer took two conversion instructions). A signed slot takes x's sign bit
+ * onto the root (never negative) by one AND-OR, where copysign took a shift, a compare and a
+ * select through clang + ptxas. Lanes past a tensor's end (never stored) may hold any value: the
+ * arithmetic then gives some word. */
+uint8 optirs_sqrt_words8(float8 x, float pre, float inv, int is_signed)
+{
+    const float8 u = (fabs(x) * pre) * inv;
+    const uint8 r = as_uint8(optirs_sqrt_fast8(fmax(u, 0x1p-100f)));
+    return as_uint8(as_float8(is_signed ? r | (as_uint8(x) & 0x80000000u) : r) + 0x1.8p23f);
+}
+
+/* The codes of a block's 8 new values x under its new scale (their absmax). The usual block (a scale
+ * in the division's window, so pre is 1: the product by it drops out) takes inv by optirs_div_fast;
+ * the rest the contract's factors: pre = 2^64 for 0 < scale < 2^-96, inv = n^2 / (scale * pre), 0 for
+ * a zero scale (NaN for a NaN scale, whose u is NaN: code 0). The same codes either way. */
+uint8 optirs_sqrt_block8(float8 x, float scale, int is_signed)
+{
+    const float n2 = OPTIRS_SQRT_N2(is_signed);
+    if (optirs_divisor_in_window(scale))
+        return optirs_sqrt_words8(x, 1.0f, optirs_div_fast(n2, scale), is_signed);
+    const float pre = scale > 0.0f && scale < 0x1p-96f ? 0x1p64f : 1.0f;
+    return optirs_sqrt_words8(x, pre, scale == 0.0f ? 0.0f : n2 / (scale * pre), is_signed);
+}
+
+/* Byte k of w as an int, sign-extended (a signed slot's code) or not: one prmt.b32 each with
+ * OPTIRS_NV_PTX, a shift or two elsewhere. */
+#if OPTIRS_NV_PTX
+#define OPTIRS_CODE_BYTE(name, k, SEL)                                                           \
+    int optirs_##name##k(uint w)                                                                 \
+    {                                                                                            \
+        uint d;                                                                                  \
+        asm("prmt.b32 %0, %1, 0, " #SEL ";" : "=r"(d) : "r"(w));                                 \
+        return (int)d;                                                                           \
+    }
+#define OPTIRS_SBYTE(k, SEL) OPTIRS_CODE_BYTE(sbyte, k, SEL)
+#define OPTIRS_UBYTE(k, SEL) OPTIRS_CODE_BYTE(ubyte, k, SEL)
+#else
+#define OPTIRS_SBYTE(k, SEL) int optirs_sbyte##k(uint w) { return (int)(w << (24 - 8 * k)) >> 24; }
+#define OPTIRS_UBYTE(k, SEL) int optirs_ubyte##k(uint w) { return (int)((w >> (8 * k)) & 0xFFu); }
+#endif
+OPTIRS_SBYTE(0, 0x8880)
+OPTIRS_SBYTE(1, 0x9991)
+OPTIRS_SBYTE(2, 0xAAA2)
+OPTIRS_SBYTE(3, 0xBBB3)
+OPTIRS_UBYTE(0, 0x4440)
+OPTIRS_UBYTE(1, 0x4441)
+OPTIRS_UBYTE(2, 0x4442)
+OPTIRS_UBYTE(3, 0x4443)
+
+/* The values of a block's 8 codes as loaded (raw: 8 bytes, element 4i + j in word i's byte j) at
+ * its scale: (c * |c|) * w with w = scale / n^2 (correctly rounded), taken once a round per slot.
+ * The usual block (a scale in the division's window, so 2^23 * w is exact and finite) takes w by
+ * optirs_div_fast and each value by one fused multiply-add: c^2 + 2^23 is the float whose bits are
+ * 0x4B000000 + c^2 (c^2 <= 2^14; one integer multiply-add), and fma(c^2 + 2^23, w, -2^23 * w) is
+ * c^2 * w exactly before its one rounding: the contract's c^2 * w, the sign of a signed slot's c put
+ * back by one AND-OR (rounding is symmetric). Three instructions an element for an unsigned slot
+ * (the byte, the integer multiply-add, the fused one) and four for a signed one, where the byte as a
+ * float (a prmt and an add) and the two products took four. The rest (zero, tiny, huge, inf and NaN
+ * scales) take the contract's arithmetic itself. */
+float8 optirs_sqrt_values8(uint2 raw, int is_signed, float scale)
+{
+    const int8 c = is_signed ? (int8)(optirs_sbyte0(raw.s0), optirs_sbyte1(raw.s0), optirs_sbyte2(raw.s0),
+                                      optirs_sbyte3(raw.s0), optirs_sbyte0(raw.s1), optirs_sbyte1(raw.s1),
+                                      optirs_sbyte2(raw.s1), optirs_sbyte3(raw.s1))
+                             : (int8)(optirs_ubyte0(raw.s0), optirs_ubyte1(raw.s0), optirs_ubyte2(raw.s0),
+                                      optirs_ubyte3(raw.s0), optirs_ubyte0(raw.s1), optirs_ubyte1(raw.s1),
+                                      optirs_ubyte2(raw.s1), optirs_ubyte3(raw.s1));
+    const float n2 = OPTIRS_SQRT_N2(is_signed);
+    if (optirs_dividend_in_window(scale)) {
+        const float w = optirs_div_fast(scale, n2);
+        const float8 v = fma(as_float8(as_uint8(c * c) + 0x4B000000u), w, -0x1p23f * w);
+        return is_signed ? as_float8(as_uint8(v) | (as_uint8(c) & 0x80000000u)) : v;
+    }
+    const float8 t = convert_float8(c);
+    return (t * fabs(t)) * (scale / n2);
+}
+
+/* The low bytes of a-d as one word (a's lowest): optirs_sqrt_words8's codes. Three prmt.b32 with
+ * OPTIRS_NV_PTX, where masking, shifting and packing took seven. */
+uint optirs_pack_byte0x4(uint a, uint b, uint c, uint d)
+{
+#if OPTIRS_NV_PTX
+    uint x, y, r;
+    asm("prmt.b32 %0, %1, %2, 0x6240;" : "=r"(x) : "r"(a), "r"(b));
+    asm("prmt.b32 %0, %1, %2, 0x6240;" : "=r"(y) : "r"(c), "r"(d));
+    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));
+    return r;
+#else
+    return (a & 0xFFu) | ((b & 0xFFu) << 8) | ((c & 0xFFu) << 16) | (d << 24);
+#endif
+}
+
+uint2 optirs_pack_byte0x8(uint8 w)
+{
+    return (uint2)(optirs_pack_byte0x4(w.s0, w.s1, w.s2, w.s3), optirs_pack_byte0x4(w.s4, w.s5, w.s6, w.s7));
+}
+
 #endif
