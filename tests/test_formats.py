@@ -224,10 +224,14 @@ def test_numba_sqrt_codes_match_the_reference(rng):
             assert np.array_equal(values.view(np.uint32), want)
             by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in codes], np.float32)
             assert np.array_equal(by_bits.view(np.uint32), want)
-        every = np.arange(256, dtype=np.uint8)  # every byte's value by its bits, under a scale of 3
-        w = f32(B.sqrt_factors(f32(3), n2)[2])
-        by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in every], np.float32)
-        assert np.array_equal(by_bits.view(np.uint32), F.sqrt_dequantize(every, f32(3), signed).view(np.uint32))
+        every = np.arange(256, dtype=np.uint8)  # every byte's value by its bits and by the fma form
+        for scale in (f32(3), f32(2.0**-72), np.nextafter(f32(2.0**72), f32(0)), f32(1.7e-9)):
+            w = f32(B.sqrt_factors(scale, n2)[2])
+            want = F.sqrt_dequantize(every, scale, signed).view(np.uint32)
+            by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in every], np.float32)
+            fused = np.array([B.sqrt_value_fma(np.uint32(c), signed, w, f32(w * B._ROUND_BASE)) for c in every],
+                             np.float32)
+            assert np.array_equal(by_bits.view(np.uint32), want) and np.array_equal(fused.view(np.uint32), want)
 
 
 # ---------------------------------------------------------------- the state layout

@@ -30,6 +30,8 @@ tiny, huge and non-finite inputs).
   reciprocal). The int8 kernels take a block's reciprocal scale by it (one a block and slot, where
   the compiler's checks and branches about the reciprocal cost about 20 instructions a round).
 
+- ``fma_rn(a, b, c)`` is the fused multiply-add, rounded once, on every target.
+
 On the GPU tests/test_formats_cuda.py compares both against the IEEE operations (every float32 in
 the square root's window; random pairs and the boundaries of the division's). The CPU compiles
 plain ``sqrt`` and ``fdiv``: there the operations are IEEE everywhere and the windows only say
@@ -152,6 +154,20 @@ def max_nan(typingctx, a, b):
                            side_effect=False)
 
     return types.float32(types.float32, types.float32), codegen
+
+
+@intrinsic
+def fma_rn(typingctx, a, b, c):
+    """``a * b + c`` (float32) rounded once: ``fma.rn.f32`` on a GPU, the cpu's fused multiply-add (or
+    libm's ``fmaf``) elsewhere, the same bits on both."""
+    if a != types.float32 or b != types.float32 or c != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        fma = builder.module.declare_intrinsic("llvm.fma", [_F], ir.FunctionType(_F, [_F, _F, _F]))
+        return builder.call(fma, args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
 
 
 @njit(cache=True, inline="always")

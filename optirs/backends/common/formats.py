@@ -25,7 +25,7 @@ from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits
                                            shr32, sub32, u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
-from optirs.backends.common.fast_paths import div_fast, dividend_in_window, divisor_in_window, sqrt_fast
+from optirs.backends.common.fast_paths import div_fast, dividend_in_window, divisor_in_window, fma_rn, sqrt_fast
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
@@ -488,6 +488,24 @@ def sqrt_value_byte(b, signed, w):
     else:
         t = bits_f32(or32(b, 0x4B000000)) - np.float32(8388608.0)
     return (t * abs(t)) * w
+
+
+# sqrt_value_fma's window: sqrt_decode_factor's (a scale in div_fast's dividend window), where w is in
+# [2**-88, 2**58], so that -2**23 * w is exact and every product of the block is normal
+_ROUND_BASE = np.float32(-(2.0**23))
+
+
+@_jit
+def sqrt_value_fma(b, signed, w, nw):
+    """:func:`sqrt_value_byte` for a block whose scale is in :func:`sqrt_decode_factor`'s window, ``nw``
+    its ``-2**23 * w``: ``c * c`` put in 2**23's mantissa by one integer multiply-add, times ``w`` less
+    ``2**23 * w`` by one fused multiply-add, which is ``c * c * w`` exactly before its one rounding
+    (the contract's ``(c * |c|) * w``); a signed slot's sign put back on it by one or."""
+    c = u32(np.int32(np.int8(b))) if signed else u32(b)
+    v = fma_rn(bits_f32(add32(mul32(c, c), 0x4B000000)), w, nw)
+    if signed:
+        return bits_f32(or32(f32_bits(v), and32(c, 0x80000000)))
+    return v
 
 
 # ---- the packed bucket words of a map whose midpoints are all positive (the unsigned map)

@@ -36,7 +36,7 @@ from numba import cuda, float32, float64, uint8, uint32
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
-from optirs.backends.common.fast_paths import rcp_fast, rcp_in_window
+from optirs.backends.common.fast_paths import dividend_in_window, rcp_fast, rcp_in_window
 from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf16_stochastic_wide,
                                            bf16_stochastic_wide_num, bits_f32,
                                            decode_state, decode_value, param_word_wide_num,
@@ -44,7 +44,8 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
                                            quantize_packed_finite, rand32, slot_bits, sqrt_code_scaled,
-                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value_byte, state_stream,
+                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value_byte, sqrt_value_fma, _ROUND_BASE,
+                                           state_stream,
                                            store_master, store_master_wide, store_master_wide_num, stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
@@ -1157,14 +1158,22 @@ _N2 = (np.float32(255 * 255), np.float32(127 * 127))  # the largest code squared
 @_device
 def _decode_sqrt(usedk, w, x, scale, signed):
     """A slot's square-root codes of the lane's 8 elements (bytes, one to a word) as float32 into ``x``:
-    ``(c * |c|) * w`` (``sqrt_value_byte``), ``w`` once per block (``sqrt_decode_factor``)."""
+    ``(c * |c|) * w``, ``w`` once per block (``sqrt_decode_factor``); a usual block's values by
+    ``sqrt_value_fma`` (2 instructions an unsigned value, 3 a signed one), the others' by
+    ``sqrt_value_byte``."""
     if not usedk:
         for j in range(LANE):
             x[j] = float32(0)
         return
-    f = float32(sqrt_decode_factor(float32(scale), _N2[1] if signed else _N2[0]))
-    for j in range(LANE):
-        x[j] = float32(sqrt_value_byte(w[j], signed, f))
+    s = float32(scale)
+    f = float32(sqrt_decode_factor(s, _N2[1] if signed else _N2[0]))
+    if dividend_in_window(s):  # sqrt_value_fma's window: an integer multiply-add and an fma a value
+        nf = float32(f * _ROUND_BASE)
+        for j in range(LANE):
+            x[j] = float32(sqrt_value_fma(w[j], signed, f, nf))
+    else:
+        for j in range(LANE):
+            x[j] = float32(sqrt_value_byte(w[j], signed, f))
 
 
 @_device
