@@ -377,19 +377,28 @@ uint8 optirs_round24_word8(uint8 u)
     return select(u + 0x7Fu + ((u >> 8) & 1u), u, (u & 0x7F800000u) == 0x7F800000u);
 }
 
-/* The bytes 1 of a-d as one word (a's lowest). */
-uint optirs_pack_byte1x4(uint a, uint b, uint c, uint d)
-{
+/* OPTIRS_PACK_X4(name, pair, portable): ``uint name(a, b, c, d)``, one byte of each of a-d as one word
+ * (a's lowest). With OPTIRS_NV_PTX three prmt.b32: ``pair`` (a selector) takes the byte of a and b,
+ * then of c and d, into a low half, and 0x5410 joins the halves, where masking, shifting and packing
+ * took seven; elsewhere the expression ``portable``. */
 #if OPTIRS_NV_PTX
-    uint x, y, r;
-    asm("prmt.b32 %0, %1, %2, 0x7351;" : "=r"(x) : "r"(a), "r"(b));
-    asm("prmt.b32 %0, %1, %2, 0x7351;" : "=r"(y) : "r"(c), "r"(d));
-    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));
-    return r;
+#define OPTIRS_PACK_X4(name, pair, portable)                                                           \
+    uint name(uint a, uint b, uint c, uint d)                                                          \
+    {                                                                                                  \
+        uint x, y, r;                                                                                  \
+        asm("prmt.b32 %0, %1, %2, " #pair ";" : "=r"(x) : "r"(a), "r"(b));                             \
+        asm("prmt.b32 %0, %1, %2, " #pair ";" : "=r"(y) : "r"(c), "r"(d));                             \
+        asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));                                \
+        return r;                                                                                      \
+    }
 #else
-    return ((a >> 8) & 0xFFu) | (b & 0xFF00u) | ((c << 8) & 0xFF0000u) | ((d << 16) & 0xFF000000u);
+#define OPTIRS_PACK_X4(name, pair, portable)                                                           \
+    uint name(uint a, uint b, uint c, uint d) { return portable; }
 #endif
-}
+
+/* The bytes 1 of a-d as one word (a's lowest). */
+OPTIRS_PACK_X4(optirs_pack_byte1x4, 0x7351,
+               ((a >> 8) & 0xFFu) | (b & 0xFF00u) | ((c << 8) & 0xFF0000u) | ((d << 16) & 0xFF000000u))
 
 /* ---------------------------------------------------------------- int8 blockwise state */
 
@@ -538,19 +547,8 @@ uint2 optirs_pack_codes8(uint8 c)
 }
 
 /* The bytes 2 of a-d as one word (a's lowest): the packed quantizer's codes (bits 24-31 of each are
- * 0). Three prmt.b32 with OPTIRS_NV_PTX, where shifting each down and packing took seven. */
-uint optirs_pack_byte2x4(uint a, uint b, uint c, uint d)
-{
-#if OPTIRS_NV_PTX
-    uint x, y, r;
-    asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(x) : "r"(a), "r"(b));
-    asm("prmt.b32 %0, %1, %2, 0x7362;" : "=r"(y) : "r"(c), "r"(d));
-    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));
-    return r;
-#else
-    return (a >> 16) | ((b >> 8) & 0xFF00u) | (c & 0xFF0000u) | ((d << 8) & 0xFF000000u);
-#endif
-}
+ * 0). */
+OPTIRS_PACK_X4(optirs_pack_byte2x4, 0x7362, (a >> 16) | ((b >> 8) & 0xFF00u) | (c & 0xFF0000u) | ((d << 8) & 0xFF000000u))
 
 uint2 optirs_pack_byte2x8(uint8 w)
 {
@@ -771,20 +769,8 @@ float8 optirs_sqrt_values8(uint2 raw, int is_signed, float scale)
     return (t * fabs(t)) * (scale / n2);
 }
 
-/* The low bytes of a-d as one word (a's lowest): optirs_sqrt_words8's codes. Three prmt.b32 with
- * OPTIRS_NV_PTX, where masking, shifting and packing took seven. */
-uint optirs_pack_byte0x4(uint a, uint b, uint c, uint d)
-{
-#if OPTIRS_NV_PTX
-    uint x, y, r;
-    asm("prmt.b32 %0, %1, %2, 0x6240;" : "=r"(x) : "r"(a), "r"(b));
-    asm("prmt.b32 %0, %1, %2, 0x6240;" : "=r"(y) : "r"(c), "r"(d));
-    asm("prmt.b32 %0, %1, %2, 0x5410;" : "=r"(r) : "r"(x), "r"(y));
-    return r;
-#else
-    return (a & 0xFFu) | ((b & 0xFFu) << 8) | ((c & 0xFFu) << 16) | (d << 24);
-#endif
-}
+/* The low bytes of a-d as one word (a's lowest): optirs_sqrt_words8's codes. */
+OPTIRS_PACK_X4(optirs_pack_byte0x4, 0x6240, (a & 0xFFu) | ((b & 0xFFu) << 8) | ((c & 0xFFu) << 16) | (d << 24))
 
 uint2 optirs_pack_byte0x8(uint8 w)
 {
