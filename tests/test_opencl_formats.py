@@ -907,19 +907,24 @@ def test_check_flags_non_finite_gradients(ocl, grad_dtype):
 CPU_PAIRS = [(n, FORMATS[4]) for n in sorted(set(CASES) - {"lamb", "adam"})] + [("adam", f) for f in FORMATS]
 
 
+def _beside_the_cpu_backend(ocl, name, hp, fmt):
+    """The same model on the OpenCL device and on the cpu backend (seeded alike), or a skip where the
+    two cannot agree bit for bit (no cpu formats, or no correctly rounded division and sqrt)."""
+    cpu = optirs.get_backend("cpu")
+    if not cpu.supports("formats"):
+        pytest.skip("the cpu backend has no formats capability")
+    if not ocl.ctx.build_options.count("-cl-fp32-correctly-rounded-divide-sqrt"):
+        pytest.skip("this OpenCL device does not round division and sqrt correctly")
+    return _Model(ocl, name, hp, fmt, seed=9), _Model(cpu, name, hp, fmt, seed=9)
+
+
 @pytest.mark.parametrize("name,fmt", CPU_PAIRS, ids=[f"{n}-{f.param_dtype}-{f.grad_dtype}-{f.master}-{f.state_dtype}"
                                                      + ("-sr" if f.stochastic else "") for n, f in CPU_PAIRS])
 def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
     """The OpenCL C and the numba element code are two texts of one contract: with FP_CONTRACT off
     and correctly rounded division and sqrt, every word agrees bit for bit (NaN aside: none here).
     LAMB is left out: its float64 norms are summed in another order (tests/test_formats.py)."""
-    cpu = optirs.get_backend("cpu")
-    if not cpu.supports("formats"):
-        pytest.skip("the cpu backend has no formats capability")
-    if not ocl.ctx.build_options.count("-cl-fp32-correctly-rounded-divide-sqrt"):
-        pytest.skip("this OpenCL device does not round division and sqrt correctly")
-    a = _Model(ocl, name, CASES[name], fmt, seed=9)
-    b = _Model(cpu, name, CASES[name], fmt, seed=9)
+    a, b = _beside_the_cpu_backend(ocl, name, CASES[name], fmt)
     for _ in range(3):
         grads = a.grads()
         b.grads()
@@ -967,13 +972,7 @@ def test_int8_sqrt_state_is_the_cpu_backends_bit_for_bit(ocl, name, fmt):
     it is NaN), for signed and unsigned slots, small tensors, unaligned tensors, a ragged end, and
     blocks of zero, tiny, huge, NaN and inf scales; the parameters too (LAMB's within its norms'
     float64 rounding)."""
-    cpu = optirs.get_backend("cpu")
-    if not cpu.supports("formats"):
-        pytest.skip("the cpu backend has no formats capability")
-    if not ocl.ctx.build_options.count("-cl-fp32-correctly-rounded-divide-sqrt"):
-        pytest.skip("this OpenCL device does not round division and sqrt correctly")
-    a = _Model(ocl, name, SQRT_CASES[name], fmt, seed=9)
-    b = _Model(cpu, name, SQRT_CASES[name], fmt, seed=9)
+    a, b = _beside_the_cpu_backend(ocl, name, SQRT_CASES[name], fmt)
     assert any(k.endswith(".sqrt_codes") for k in a.state) and not any(k.endswith(".codes") for k in a.state)
     live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])  # small tensors': unused
     for t in range(3):
