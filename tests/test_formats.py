@@ -229,7 +229,7 @@ def test_numba_sqrt_codes_match_the_reference(rng):
             w = f32(B.sqrt_factors(scale, n2)[2])
             want = F.sqrt_dequantize(every, scale, signed).view(np.uint32)
             by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in every], np.float32)
-            fused = np.array([B.sqrt_value_fma(np.uint32(c), signed, w, f32(w * B._ROUND_BASE)) for c in every],
+            fused = np.array([B.sqrt_value_fma(np.uint32(c), signed, w, f32(w * B.SQRT_FMA_BASE)) for c in every],
                              np.float32)
             assert np.array_equal(by_bits.view(np.uint32), want) and np.array_equal(fused.view(np.uint32), want)
 

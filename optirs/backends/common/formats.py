@@ -492,7 +492,7 @@ def sqrt_value_byte(b, signed, w):
 
 # sqrt_value_fma's window: sqrt_decode_factor's (a scale in div_fast's dividend window), where w is in
 # [2**-88, 2**58], so that -2**23 * w is exact and every product of the block is normal
-_ROUND_BASE = np.float32(-(2.0**23))
+SQRT_FMA_BASE = np.float32(-(2.0**23))
 
 
 @_jit

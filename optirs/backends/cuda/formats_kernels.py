@@ -43,10 +43,10 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            dequantize, f32_bits, lamb_format_update, load_master, load_master_wide,
                                            packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
-                                           quantize_packed_finite, rand32, slot_bits, sqrt_code_scaled,
-                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value_byte, sqrt_value_fma, _ROUND_BASE,
-                                           state_stream,
-                                           store_master, store_master_wide, store_master_wide_num, stream_key)
+                                           quantize_packed_finite, rand32, slot_bits, SQRT_FMA_BASE, sqrt_code_scaled,
+                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value_byte, sqrt_value_fma,
+                                           state_stream, store_master, store_master_wide, store_master_wide_num,
+                                           stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
                                  STATE_INT8, STATE_INT8_SQRT)
@@ -1168,7 +1168,7 @@ def _decode_sqrt(usedk, w, x, scale, signed):
     s = float32(scale)
     f = float32(sqrt_decode_factor(s, _N2[1] if signed else _N2[0]))
     if dividend_in_window(s):  # sqrt_value_fma's window: an integer multiply-add and an fma a value
-        nf = float32(f * _ROUND_BASE)
+        nf = float32(f * SQRT_FMA_BASE)
         for j in range(LANE):
             x[j] = float32(sqrt_value_fma(w[j], signed, f, nf))
     else:
