@@ -404,25 +404,6 @@ def sqrt_factors(scale, n2):
 
 
 @_jit
-def sqrt_count(x, pre, inv):
-    """The magnitude of ``x``'s code, as an integral float32: the correctly rounded square root of
-    ``u``, rounded to the nearest integer (ties to even). A NaN ``u`` (a NaN scale) codes as 0."""
-    u = (abs(x) * pre) * inv
-    u = u if u == u else np.float32(0)
-    return np.float32(np.rint(math.sqrt(u)))
-
-
-@_jit
-def sqrt_code(x, pre, inv, signed):
-    """The code byte (uint8) of ``x``: :func:`sqrt_count`, negated for a negative ``x`` of a signed
-    slot (two's complement)."""
-    c = np.int32(sqrt_count(x, pre, inv))
-    if signed and x < 0:
-        c = -c
-    return np.uint8(c & 0xFF)
-
-
-@_jit
 def sqrt_value(c, w):
     """The value of code ``c`` (int32: a signed slot's byte sign-extended) under factor ``w``."""
     t = np.float32(c)
@@ -464,8 +445,9 @@ _ROUND_WORD = np.float32(12582912.0)
 
 @_jit
 def sqrt_code_scaled(u, x, signed):
-    """:func:`sqrt_code` of ``x`` from its scaled magnitude ``u = (|x| * pre) * inv``, as a uint32 whose
-    low byte is the code (the stores take that byte): the floored root by ``sqrt_fast`` (``u`` is at
+    """The code of ``x`` (docs/formats.md: the rounded root of ``u``, negated for a negative ``x`` of a
+    signed slot) from its scaled magnitude ``u = (|x| * pre) * inv``, as a uint32 whose low byte is the
+    code (the stores take that byte): the floored root by ``sqrt_fast`` (``u`` is at
     most about ``n**2`` for a value of its block), its sign ``x``'s for a signed slot, rounded to the
     nearest integer by one add (:data:`_ROUND_WORD`), where a GPU's conversion to an integer runs on
     its narrow conversion pipe and a cpu's rounding and conversion take one vector instruction as

@@ -614,7 +614,7 @@ float8 optirs_dequantize8(uchar8 c, float scale, __local const float *q)
 
 /* ---------------------------------------------------------------- int8 square-root codes
 
- * state_dtype "int8_sqrt" (docs/formats.md; the numba sqrt_factors, sqrt_count, sqrt_code and
+ * state_dtype "int8_sqrt" (docs/formats.md; the numba sqrt_factors, sqrt_code_scaled and
  * sqrt_value of optirs/backends/common/formats.py): the int8 state's blocks, scales and small
  * tensors, but each code is arithmetic, so the kernels read no map and no local memory. A block's
  * factors are taken once a round (8 of its elements) per slot; an element's code is a product, a
