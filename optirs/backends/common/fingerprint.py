@@ -39,7 +39,6 @@ def fingerprint_key(u, bits, i):
     return (o << np.int64(31)) | (np.int64(INDEX_MASK) - (np.int64(i) & np.int64(INDEX_MASK)))
 
 
-
 @_jit
 def fold_word(total, best, w, bits, i):
     """(sum, largest key) with the elements of the 32-bit word ``w`` (uint32) added: one element of 32

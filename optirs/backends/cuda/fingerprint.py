@@ -153,35 +153,25 @@ def _bind(ctx: Any) -> None:
 
 
 def _described(a: Any, what: str):
-    """(address, elements, bytes an element, C-contiguous, device index or None) of a CUDA array."""
-    from optirs.core.simulator import is_simulator_array
-
+    """(address, elements, bytes an element, C-contiguous, device index or None, dtype, shape) of a
+    CUDA array."""
     if type(a).__module__.startswith("torch"):  # its own accessors: no interface dict made per call
         import numpy as np
 
         dtype = np.dtype(str(a.dtype).replace("torch.", ""))
         return (a.data_ptr(), a.numel(), a.element_size(), a.is_contiguous(), a.device.index, dtype,
                 tuple(a.shape))
-    if is_simulator_array(a):  # the simulator's device array: a numpy array in host memory
-        host = a._ary
-        return (int(host.__array_interface__["data"][0]), int(host.size), host.itemsize, bool(host.flags.c_contiguous),
-                None, host.dtype, host.shape)
-    face = getattr(a, "__cuda_array_interface__", None)
-    if face is None:
+    from optirs.backends.cuda.replica_reduce import device_of
+    from optirs.core.arrays import describe
+    from optirs.core.simulator import is_simulator_array
+
+    if not (is_simulator_array(a) or hasattr(a, "__cuda_array_interface__")):
         raise InvalidParameterError(
             f"{what} is a {type(a).__module__}.{type(a).__name__}, expected a CUDA device array "
             "(__cuda_array_interface__: numba, CuPy, torch) on the cuda backend")
-    import numpy as np
-
-    from optirs.backends.cuda.replica_reduce import device_of
-
-    dtype = np.dtype(face["typestr"])
-    shape = tuple(face["shape"])
-    count = int(np.prod(shape)) if shape else 1
-    strides = face.get("strides")
-    contiguous = strides is None or tuple(strides) == tuple(
-        int(np.prod(shape[k + 1:])) * dtype.itemsize for k in range(len(shape)))
-    return int(face["data"][0] or 0), count, dtype.itemsize, contiguous, device_of(a), dtype, shape
+    meta = describe(a, what)
+    device = None if is_simulator_array(a) else device_of(a)
+    return meta.address, meta.size, meta.dtype.itemsize, meta.contiguous, device, meta.dtype, meta.shape
 
 
 class CudaFingerprint:
