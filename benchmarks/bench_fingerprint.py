@@ -21,18 +21,12 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def gpt2_shapes(layers: int, embd: int, vocab: int = 50257, positions: int = 1024) -> List[Tuple[int, ...]]:
-    """The parameter shapes of transformers' GPT2LMHeadModel (its head is tied to the embedding)."""
-    shapes: List[Tuple[int, ...]] = [(vocab, embd), (positions, embd)]
-    for _ in range(layers):
-        shapes += [(embd,), (embd,), (embd, 3 * embd), (3 * embd,), (embd, embd), (embd,),
-                   (embd,), (embd,), (embd, 4 * embd), (4 * embd,), (4 * embd, embd), (embd,)]
-    return shapes + [(embd,), (embd,)]
+from bench_formats import gpt_shapes  # noqa: E402  (GPT2LMHeadModel's parameter shapes)
 
 
 def copy_gbps(torch: Any, device: str, nbytes: int) -> float:
@@ -65,17 +59,11 @@ def rounds(torch: Any, device: str) -> Dict[str, Callable[[List[Any], Any], None
             offload._fingerprint(g, table[k])
 
     out["torch"] = by_torch
-    from optirs.torch._frontend import _open_backend
-
-    try:
-        backend = _open_backend("auto", {}, device)
-    except Exception as exc:  # noqa: BLE001 - reported, the torch row still runs
-        print(f"bench_fingerprint: no optirs backend serves {device!r} tensors: {exc}")
+    found = offload._fingerprint_backend(torch.device(device))  # the offload's own choice and probe
+    if not found:
+        print(f"bench_fingerprint: no optirs backend with the fingerprint capability serves {device!r} tensors")
         return out
-    if not backend.supports("fingerprint"):
-        print(f"bench_fingerprint: backend {backend.name!r} has no fingerprint capability")
-        return out
-    hook = backend.hook("fingerprint", "optirs_fingerprint")
+    backend, hook = found
 
     def by_capability(grads: List[Any], table: Any) -> None:
         hook(backend.ctx, [offload._gradient_words(g) for g in grads], offload._words(table), list(range(len(grads))))
@@ -140,8 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if args.quick:
         args.layers, args.embd, args.repeats = 1, 64, 2
-    shapes = gpt2_shapes(args.layers, args.embd, vocab=512 if args.quick else 50257,
-                         positions=64 if args.quick else 1024)
+    shapes = gpt_shapes(512 if args.quick else 50257, 64 if args.quick else 1024, args.embd, args.layers)
     ways = rounds(torch, args.device)
     gbps = copy_gbps(torch, args.device, (16 if args.quick else 1024) << 20)
     print(f"bench_fingerprint: {len(shapes)} gradients, {sum(map(math.prod, shapes)) / 1e6:.1f}M elements on "

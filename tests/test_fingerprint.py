@@ -132,7 +132,7 @@ def test_the_fingerprint_benchmark_runs_both_rounds_and_refuses_bad_input(tmp_pa
     import json
 
     bench = _bench()
-    assert len(bench.gpt2_shapes(24, 2048)) == 292  # GPT-2 1.3B's parameters (the head tied)
+    assert len(bench.gpt_shapes(50257, 1024, 2048, 24)) == 292  # GPT-2 1.3B's parameters (the head tied)
     out = tmp_path / "fp.json"
     assert bench.main(["--device", "cpu", "--quick", "--dtypes", "bfloat16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]

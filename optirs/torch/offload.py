@@ -305,6 +305,24 @@ def _gradient_words(g: torch.Tensor) -> Any:
     return _words(g.detach().reshape(-1).view(_BITS[g.dtype]))
 
 
+def _fingerprint_backend(device: torch.device) -> Optional[Tuple[Any, Callable[..., None]]]:
+    """(backend, its optirs_fingerprint) for gradients on ``device``: the optirs backend that serves
+    torch tensors there with the ``fingerprint`` capability and takes a probe of it; None where none
+    does (torch's two reductions per gradient then: the same check, slower)."""
+    from optirs.torch._frontend import _open_backend
+
+    try:
+        backend = _open_backend("auto", {}, device.type)
+        if not backend.supports("fingerprint"):
+            return None
+        hook = backend.hook("fingerprint", "optirs_fingerprint")
+        words = torch.zeros(4, dtype=torch.int32, device=device)
+        hook(backend.ctx, [_words(words)], _words(torch.zeros((1, 2), dtype=torch.int64, device=device)), [0])
+    except Exception:  # noqa: BLE001 - no backend, another device, a plugin's refusal: torch's reductions
+        return None
+    return backend, hook
+
+
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
     """Views of ``flat`` shaped as the tensors the parameters' steps address (a DTensor's local shard)."""
     out, offset = [], 0
@@ -824,24 +842,7 @@ class CPUOffload(torch.optim.Optimizer):
             self._fp_sent, self._fp_now = sent, torch.zeros_like(sent)
             self._fp_differ = _host_empty(rows, torch.bool, _pins(self._device), "the gradients' fingerprint check")
             if self._fp_backend is None:
-                self._fp_backend = self._fingerprint_backend() or False
-
-    def _fingerprint_backend(self) -> Optional[Tuple[Any, Callable[..., None]]]:
-        """(backend, its optirs_fingerprint) for the gradients' device: the optirs backend that serves
-        torch tensors there with the ``fingerprint`` capability and takes a probe of it; None where
-        none does (torch's two reductions per gradient then: the same check, slower)."""
-        from optirs.torch._frontend import _open_backend
-
-        try:
-            backend = _open_backend("auto", {}, self._device.type)
-            if not backend.supports("fingerprint"):
-                return None
-            hook = backend.hook("fingerprint", "optirs_fingerprint")
-            words = torch.zeros(4, dtype=torch.int32, device=self._device)
-            hook(backend.ctx, [_words(words)], _words(torch.zeros((1, 2), dtype=torch.int64, device=self._device)), [0])
-        except Exception:  # noqa: BLE001 - no backend, another device, a plugin's refusal: torch's reductions
-            return None
-        return backend, hook
+                self._fp_backend = _fingerprint_backend(self._device) or False
 
     def _take_fingerprints(self, grads: List[torch.Tensor], table: torch.Tensor, rows: List[int]) -> None:
         """Gradient ``grads[k]``'s fingerprint into ``table[rows[k]]``, queued on the current stream."""
