@@ -49,7 +49,7 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
-                                 STATE_INT8, STATE_INT8_SQRT)
+                                 STATE_INT8, STATE_INT8_SQRT, sqrt_levels)
 
 from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
                                                  st_u32x2, st_u32x4)
@@ -1152,7 +1152,7 @@ def _store_state_packed(usedk, quant, sz, addr, vec, cnt, w, x, scale, packed):
         _store_plain(sz, addr, vec, cnt, w, x)
 
 
-_N2 = (np.float32(255 * 255), np.float32(127 * 127))  # the largest code squared: unsigned, signed slot
+_N2 = tuple(np.float32(sqrt_levels(signed) ** 2) for signed in (False, True))  # the largest code squared
 
 
 @_device
