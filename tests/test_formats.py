@@ -949,15 +949,18 @@ def test_bucket_table_refuses_a_map_too_dense_for_it():
 
 
 def test_the_gpu_formats_register_cap(monkeypatch):
-    """int8 state capped at 64 registers, other formats uncapped; the variable overrides both and a
-    value that is not a count is refused naming it."""
-    from optirs.backends.common.register_cap import INT8_MAX_REGISTERS, formats_register_cap
+    """int8 state capped at 64 registers (72 for a kernel with a full groups' round), other formats
+    uncapped; the variable overrides both and a value that is not a count is refused naming it."""
+    from optirs.backends.common.register_cap import (FULL_ROUNDS_MAX_REGISTERS, INT8_MAX_REGISTERS,
+                                                     formats_register_cap)
     from optirs.core.formats import StepFormat
 
     int8, bf16 = StepFormat(state_dtype="int8"), StepFormat(param_dtype="bfloat16", master="float32")
     monkeypatch.delenv("OPTIRS_X_MAXREG", raising=False)
     assert (formats_register_cap(int8, "OPTIRS_X_MAXREG"), formats_register_cap(bf16, "OPTIRS_X_MAXREG")) == (
         INT8_MAX_REGISTERS, 0)
+    assert formats_register_cap(int8, "OPTIRS_X_MAXREG", full_rounds=True) == FULL_ROUNDS_MAX_REGISTERS
+    assert formats_register_cap(bf16, "OPTIRS_X_MAXREG", full_rounds=True) == 0
     monkeypatch.setenv("OPTIRS_X_MAXREG", "48")
     assert formats_register_cap(bf16, "OPTIRS_X_MAXREG") == 48
     monkeypatch.setenv("OPTIRS_X_MAXREG", "0")

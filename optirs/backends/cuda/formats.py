@@ -125,7 +125,7 @@ class CudaFormats:
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
         planned = plan(ctx, f"formats_step_{name}", lambda: fk.make_step_kernel(family, fc, signed, used), head, args,
-                       layout, _max_registers(fmt))
+                       layout, _max_registers(fmt, family))
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
@@ -154,7 +154,7 @@ class CudaFormats:
         args = fixed + (acc, ntensors, found, int(seed) & 0xFFFFFFFF, int(step), q, scalars)
         for mode in ("lamb_norms", "lamb_apply"):
             planned = plan(ctx, f"formats_{mode}_{name}", lambda: fk.make_step_kernel("lamb", fc, signed, used, mode), head,
-                           args, layout, _max_registers(fmt))
+                           args, layout, _max_registers(fmt, "lamb"))
             chunks, nchunks = ctx.chunk_table(layout, planned[1])
             run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 4)
 
@@ -356,10 +356,10 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
     return plan
 
 
-def _max_registers(fmt: Any) -> int:
-    """The formats kernels' register cap (optirs.backends.common.register_cap);
+def _max_registers(fmt: Any, family: str) -> int:
+    """The register cap of ``family``'s formats kernels (optirs.backends.common.register_cap);
     ``OPTIRS_CUDA_FORMATS_MAXREG`` (tuning): a cap for every formats kernel, 0 for none."""
-    return formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG")
+    return formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", _kernels().full_group_rounds(fmt.codes, family))
 
 
 def _resident_block() -> int:

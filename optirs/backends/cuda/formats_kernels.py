@@ -57,6 +57,7 @@ from optirs.backends.cuda.kernels import SIMULATOR, _device, ld, st
 
 GROUP = 256  # elements per warp and per int8 block
 LANE = 8  # elements per lane
+GROUP32 = np.uint32(GROUP)
 LANE32 = np.uint32(LANE)  # compared with the uint32 counts: a 64-bit compare is two instructions
 _FULL = 0xFFFFFFFF
 
@@ -576,6 +577,17 @@ def _remainder(w, master):
     return np.int32(np.int8(w))
 
 
+def full_group_rounds(fc, family: str) -> bool:
+    """Whether the step kernel of ``family`` in format codes ``fc`` takes a chunk's full groups by a
+    round compiled for them (make_step_kernel's ``make_round``): bfloat16 parameters with square-root
+    codes, where AdamW's kernel took 6-9% less time with it at 72 registers on the H200 (remainder8,
+    stochastic rounding; docs/benchmarks.md, 2026-12-05 02:10-02:18 UTC). The kernels with float32
+    parameters or the dynamic map took 5-7% more (their registers spilled at the cap of 64 and the
+    general round's tests cost them less), so they keep the general round alone; LAMB's passes too
+    (not measured)."""
+    return fc.state == STATE_INT8_SQRT and fc.param == BF16 and family != "lamb"
+
+
 def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
@@ -802,6 +814,138 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
 
     fast_elements = _device(fast_elements)
 
+    def make_round(full):
+        """One round of a warp's group (256 elements, 8 a lane): its loads, element steps, int8 scales and
+        stores; returns the LAMB sums ``(sp, su)`` with the lane's terms added. ``full``: the round of
+        a group whose every lane holds 8 elements on vector-aligned addresses, compiled with that
+        count, alignment and liveness as constants (the loads', stores' and absmax's tests of a lane's
+        count fold away, where the H200's ptxas kept each test's predicate in a register's bits: about
+        9 instructions an element, ncu); otherwise the general round, whose lanes may hold fewer."""
+
+        def one_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, e, lane, pw, gw,
+                      mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s, pk_u, keyp, key01, key2, sc, fu, fok,
+                      grad_scale, lr_t, sp, su):
+            if full:
+                cnt = LANE32
+                vec = True
+                live = True
+            sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz,
+                                       pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u)
+            # the element steps, on all 8 lanes' words whether they exist or not (the loads gave 0
+            # past the end, and nothing is stored or summed there): no branch per element
+            exact = True
+            if fast:
+                # the fast paths' square roots and divisions, one flag for the 8 elements; where it is
+                # false the round is loaded again (the pass overwrote its words) and taken exactly
+                if fast_elements(pw, gw, mw, w0, w1, w2, x0, x1, x2, e, keyp, key01, key2, sc, fu, fok):
+                    exact = False
+                else:
+                    sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live,
+                                               grp, sz, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u)
+            if exact:
+                for j in range(LANE):
+                    xp, g = element_inputs(j, pw, gw, mw)
+                    ij = add32(e, j)
+                    if lamb:
+                        xp, a, b, u = lamb_format_update(xp, g, x0[j], x1[j], grad_scale, sc)
+                        if apply:
+                            p_, m_ = _store_param(xp - lr_t * u, fc, keyp, ij, widen_param)
+                            pw[j] = p_
+                            mw[j] = m_
+                            x0[j] = a
+                            x1[j] = b
+                        elif j < cnt:
+                            sp += float64(xp) * float64(xp)
+                            su += float64(u) * float64(u)
+                    else:
+                        xn, a, b, d = element_update(xp, g, x0[j], x1[j], x2[j], sc)
+                        p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
+                        pw[j] = p_
+                        mw[j] = m_
+                        x0[j] = a
+                        x1[j] = b
+                        x2[j] = d
+                if writes and bf16_state:
+                    _encode_bf16(u0, u1, u2, w0, w1, w2, x0, x1, x2, key01, key2, e)
+                if writes and param_num:
+                    _pack_pairs(pw)
+            if not writes:
+                return sp, su
+            # int8: each slot's block scale is the absmax of its new values, over the warp
+            if quant:
+                if u0:
+                    sc0 = warp_max(_lane_absmax(x0, cnt))
+                if u1:
+                    sc1 = warp_max(_lane_absmax(x1, cnt))
+                if u2:
+                    sc2 = warp_max(_lane_absmax(x2, cnt))
+                if live and lane == 0:
+                    if u0:
+                        st(ca0 + grp * 4, sc0)
+                    if u1:
+                        st(ca1 + grp * 4, sc1)
+                    if u2:
+                        st(ca2 + grp * 4, sc2)
+            # a full vector lane of a bfloat16-state round: every store under one branch, where each
+            # array's own test and branch region cost about 6 instructions a round
+            if one_branch and vec and cnt == LANE32:
+                if param_num:
+                    st_u32x4(pa + base * 2, pw[0], pw[1], pw[2], pw[3])
+                else:
+                    st_u32x4(pa + base * 4, pw[0], pw[1], pw[2], pw[3])
+                    st_u32x4(pa + base * 4 + 16, pw[4], pw[5], pw[6], pw[7])
+                if msize == 4:
+                    st_u32x4(ma + base * 4, mw[0], mw[1], mw[2], mw[3])
+                    st_u32x4(ma + base * 4 + 16, mw[4], mw[5], mw[6], mw[7])
+                if u0:
+                    _st_pairs_high(sa0 + base * 2, w0)
+                if u1:
+                    _st_pairs_high(sa1 + base * 2, w1)
+                if u2:
+                    _st_pairs_high(sa2 + base * 2, w2)
+                return sp, su
+            # stores
+            if param_num:
+                st8_16_pairs(pa + base * 2, vec, cnt, pw)
+            elif psize == 2:
+                st8_16(pa + base * 2, vec, cnt, pw, widen_param)
+            else:
+                st8_32(pa + base * 4, vec, cnt, pw)
+            if msize == 4:
+                st8_32(ma + base * 4, vec, cnt, mw)
+            elif msize == 2:
+                st8_16(ma + base * 2, vec, cnt, mw, False)
+            elif msize == 1:
+                if wide_rem:
+                    st8_8_byte1(ma + base, vec, cnt, mw)  # the remainder in byte 1 (store_master_wide)
+                else:
+                    st8_8(ma + base, vec, cnt, mw)
+            if sqrt_codes:
+                _store_state_sqrt(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, sg0)
+                _store_state_sqrt(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, sg1)
+                _store_state_sqrt(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, sg2)
+                return sp, su
+            # the signed map by its bucket table and midpoints, the unsigned by its packed words
+            if sg0:
+                _store_state(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, mid_s, tb_s)
+            else:
+                _store_state_packed(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, pk_u)
+            if sg1:
+                _store_state(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, mid_s, tb_s)
+            else:
+                _store_state_packed(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, pk_u)
+            if sg2:
+                _store_state(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, mid_s, tb_s)
+            else:
+                _store_state_packed(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, pk_u)
+            return sp, su
+
+        return _device(one_round)
+
+    full_rounds = full_group_rounds(fc, family)
+    full_round = make_round(True) if full_rounds else None
+    part_round = make_round(False)
+
     def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, acc, ntensors, found, seed, step, q,
              sc):
         if apply:
@@ -903,118 +1047,20 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             for r in range(np.int32(rounds)):
                 grp = add32(warp, mul32(r, nwarps))
                 base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
-                cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
                 e = add32(off32, base)  # flat index of the lane's first element (low 32 bits)
-                live = grp < ngroups
-                sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz,
-                                           pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u)
-                # the element steps, on all 8 lanes' words whether they exist or not (the loads gave 0
-                # past the end, and nothing is stored or summed there): no branch per element
-                exact = True
-                if fast:
-                    # the fast paths' square roots and divisions, one flag for the 8 elements; where it is
-                    # false the round is loaded again (the pass overwrote its words) and taken exactly
-                    if fast_elements(pw, gw, mw, w0, w1, w2, x0, x1, x2, e, keyp, key01, key2, sc, fu, fok):
-                        exact = False
-                    else:
-                        sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live,
-                                                   grp, sz, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u)
-                if exact:
-                    for j in range(LANE):
-                        xp, g = element_inputs(j, pw, gw, mw)
-                        ij = add32(e, j)
-                        if lamb:
-                            xp, a, b, u = lamb_format_update(xp, g, x0[j], x1[j], grad_scale, sc)
-                            if apply:
-                                p_, m_ = _store_param(xp - lr_t * u, fc, keyp, ij, widen_param)
-                                pw[j] = p_
-                                mw[j] = m_
-                                x0[j] = a
-                                x1[j] = b
-                            elif j < cnt:
-                                sp += float64(xp) * float64(xp)
-                                su += float64(u) * float64(u)
-                        else:
-                            xn, a, b, d = element_update(xp, g, x0[j], x1[j], x2[j], sc)
-                            p_, m_ = _store_param(xn, fc, keyp, ij, widen_param)
-                            pw[j] = p_
-                            mw[j] = m_
-                            x0[j] = a
-                            x1[j] = b
-                            x2[j] = d
-                    if writes and bf16_state:
-                        _encode_bf16(u0, u1, u2, w0, w1, w2, x0, x1, x2, key01, key2, e)
-                    if writes and param_num:
-                        _pack_pairs(pw)
-                if not writes:
-                    continue
-                # int8: each slot's block scale is the absmax of its new values, over the warp
-                if quant:
-                    if u0:
-                        sc0 = warp_max(_lane_absmax(x0, cnt))
-                    if u1:
-                        sc1 = warp_max(_lane_absmax(x1, cnt))
-                    if u2:
-                        sc2 = warp_max(_lane_absmax(x2, cnt))
-                    if live and lane == 0:
-                        if u0:
-                            st(ca0 + grp * 4, sc0)
-                        if u1:
-                            st(ca1 + grp * 4, sc1)
-                        if u2:
-                            st(ca2 + grp * 4, sc2)
-                # a full vector lane of a bfloat16-state round: every store under one branch, where each
-                # array's own test and branch region cost about 6 instructions a round
-                if one_branch and vec and cnt == LANE32:
-                    if param_num:
-                        st_u32x4(pa + base * 2, pw[0], pw[1], pw[2], pw[3])
-                    else:
-                        st_u32x4(pa + base * 4, pw[0], pw[1], pw[2], pw[3])
-                        st_u32x4(pa + base * 4 + 16, pw[4], pw[5], pw[6], pw[7])
-                    if msize == 4:
-                        st_u32x4(ma + base * 4, mw[0], mw[1], mw[2], mw[3])
-                        st_u32x4(ma + base * 4 + 16, mw[4], mw[5], mw[6], mw[7])
-                    if u0:
-                        _st_pairs_high(sa0 + base * 2, w0)
-                    if u1:
-                        _st_pairs_high(sa1 + base * 2, w1)
-                    if u2:
-                        _st_pairs_high(sa2 + base * 2, w2)
-                    continue
-                # stores
-                if param_num:
-                    st8_16_pairs(pa + base * 2, vec, cnt, pw)
-                elif psize == 2:
-                    st8_16(pa + base * 2, vec, cnt, pw, widen_param)
-                else:
-                    st8_32(pa + base * 4, vec, cnt, pw)
-                if msize == 4:
-                    st8_32(ma + base * 4, vec, cnt, mw)
-                elif msize == 2:
-                    st8_16(ma + base * 2, vec, cnt, mw, False)
-                elif msize == 1:
-                    if wide_rem:
-                        st8_8_byte1(ma + base, vec, cnt, mw)  # the remainder in byte 1 (store_master_wide)
-                    else:
-                        st8_8(ma + base, vec, cnt, mw)
-                if sqrt_codes:
-                    _store_state_sqrt(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, sg0)
-                    _store_state_sqrt(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, sg1)
-                    _store_state_sqrt(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, sg2)
-                    continue
-                # the signed map by its bucket table and midpoints, the unsigned by its packed words
-                if sg0:
-                    _store_state(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, mid_s, tb_s)
-                else:
-                    _store_state_packed(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, pk_u)
-                if sg1:
-                    _store_state(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, mid_s, tb_s)
-                else:
-                    _store_state_packed(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, pk_u)
-                if sg2:
-                    _store_state(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, mid_s, tb_s)
-                else:
-                    _store_state_packed(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, pk_u)
+                # full_rounds: a group whose every lane holds 8 aligned elements (warp-uniform: every
+                # group but a chunk's last, where the tensor ends or is misaligned) takes the round
+                # compiled for them, with no test of a lane's count anywhere in it
+                if full_rounds:
+                    if vec and add32(shl32(grp, 8), GROUP32) <= n32:
+                        sp, su = full_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, LANE32, True, quant, True,
+                                            grp, sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s,
+                                            pk_u, keyp, key01, key2, sc, fu, fok, grad_scale, lr_t, sp, su)
+                        continue
+                cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
+                sp, su = part_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, grp < ngroups, grp,
+                                    sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s, pk_u, keyp,
+                                    key01, key2, sc, fu, fok, grad_scale, lr_t, sp, su)
             if lamb and not apply:  # the chunk's sums (uniform over the block: every thread reaches it)
                 sp = _block_sum(sp)
                 su = _block_sum(su)
