@@ -971,6 +971,26 @@ def test_the_gpu_formats_register_cap(monkeypatch):
             formats_register_cap(int8, "OPTIRS_X_MAXREG")
 
 
+def test_the_cuda_formats_chunk_knob(monkeypatch):
+    """The formats kernels' chunk is the plain kernels' unless ``OPTIRS_CUDA_FORMATS_CHUNK`` names a
+    multiple of 1024 elements (0: the default); anything else is refused naming it."""
+    from types import SimpleNamespace
+
+    from optirs.backends.cuda.formats import _chunk_elements
+
+    ctx = SimpleNamespace(kernels=SimpleNamespace(chunk_elements=lambda block: 32 * block))
+    monkeypatch.delenv("OPTIRS_CUDA_FORMATS_CHUNK", raising=False)
+    assert _chunk_elements(ctx, 128) == 4096
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "16384")
+    assert _chunk_elements(ctx, 128) == 16384
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "0")
+    assert _chunk_elements(ctx, 256) == 8192
+    for bad in ("1000", "-1024", "many"):
+        monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", bad)
+        with pytest.raises(InvalidParameterError, match=f"OPTIRS_CUDA_FORMATS_CHUNK={bad!r}"):
+            _chunk_elements(ctx, 128)
+
+
 def test_max_nan_is_the_nan_propagating_maximum(rng):
     """fast_paths.max_nan (Adam's fast radicand: a NaN moment must leave the window) is numpy's
     maximum, NaN wherever either operand is (zeros of both signs left out: the hardware's choice)."""

@@ -690,6 +690,22 @@ def test_step_is_the_cpu_backends_bit_for_bit(fmt, shapes, steps):
 
 
 @pytest.mark.cuda
+def test_another_chunk_size_steps_the_same_bits(monkeypatch):
+    """``OPTIRS_CUDA_FORMATS_CHUNK`` (tuning) gives a block another count of rounds a chunk (2 here,
+    4 by default): the step is still the cpu backend's bit for bit, int8 blocks, a chunk's start
+    inside a tensor and a tensor's end included."""
+    from optirs.core.params import AdamParams
+
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "2048")
+    fmt = _fmt("bfloat16", "remainder8", "int8_sqrt")
+    for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, [(2100,), (37,)], steps=1, hp=AdamParams(lr=1e-2), cpu=True):
+        for g, w in zip(got_p, want_p):
+            assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+        for k, w in want_b.items():
+            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+
+
+@pytest.mark.cuda
 def test_lamb_found_inf_skips_every_pass_and_the_next_step_is_clean():
     """A raised found_inf at step 2 writes nothing (no pass runs, the clipping norm included); step 3
     then matches the reference from step 1's state: the per-tensor sums left by step 1 were

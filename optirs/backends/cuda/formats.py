@@ -350,10 +350,24 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
         compiled = ctx.compiled(name, pyfunc, head_types + tuple(numba.typeof(a) for a in args),
                                 max_registers=max_registers)
         grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8, resident_block=_resident_block())
-        chunk = ctx.kernels.chunk_elements(block)
+        chunk = _chunk_elements(ctx, block)
         nchunks = len(layout.chunks(chunk)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
+
+
+def _chunk_elements(ctx: Any, block: int) -> int:
+    """The formats kernels' chunk: the plain kernels' size for ``block`` threads (a 128-thread block
+    takes 4096 elements in 4 rounds, then its next chunk's setup). ``OPTIRS_CUDA_FORMATS_CHUNK``
+    (tuning): another size, a multiple of 1024 elements (0 for the default)."""
+    text = os.environ.get("OPTIRS_CUDA_FORMATS_CHUNK", "").strip()
+    if text:
+        if not text.isdigit() or int(text) % 1024:
+            raise InvalidParameterError(f"OPTIRS_CUDA_FORMATS_CHUNK={text!r}, expected a multiple of 1024 elements "
+                                        "(0: the default)")
+        if int(text):
+            return int(text)
+    return ctx.kernels.chunk_elements(block)
 
 
 def _max_registers(fmt: Any, family: str) -> int:
