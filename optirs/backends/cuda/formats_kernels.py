@@ -582,9 +582,8 @@ def full_group_rounds(fc, family: str) -> bool:
     round compiled for them (make_step_kernel's ``make_round``): bfloat16 parameters with square-root
     codes, where AdamW's kernel took 6-9% less time with it at 72 registers on the H200 (remainder8,
     stochastic rounding; docs/benchmarks.md, 2026-12-05 02:10-02:18 UTC). The kernels with float32
-    parameters or the dynamic map took 5-7% more (their registers spilled at the cap of 64 and the
-    general round's tests cost them less), so they keep the general round alone; LAMB's passes too
-    (not measured)."""
+    parameters or the dynamic map took 9-14% more with it at 64 registers and 5-7% more at 72, so
+    they keep the general round alone; LAMB's passes too (not measured)."""
     return fc.state == STATE_INT8_SQRT and fc.param == BF16 and family != "lamb"
 
 
