@@ -673,20 +673,16 @@ def test_step_is_the_cpu_backends_bit_for_bit(fmt, shapes, steps):
     moments share one hash, the third its own stream; int8 codes by the block's reciprocal), every
     parameter word and every buffer equal to the cpu hooks' from the same inputs (square-root codes: by
     the GPU's fast division and root in their windows, the cpu's IEEE operations).
-    Over two steps, betas of 1/2 and bfloat16 gradients make every product of the moments' updates exact, so NVVM's
-    fused multiply-add (docs/formats.md) and the cpu's two roundings agree on the new state values
-    from the second step on, where the decoded moments are not 0: a float32 block scale of a later
-    step is then the cpu's bit for bit, and a decode that is off shows."""
+    Over two steps, betas of 1/2 and bfloat16 gradients make every product of the moments' updates
+    exact, so NVVM's fused multiply-add (docs/formats.md) and the cpu's two roundings agree on the new
+    state values from the second step on, where the decoded moments are not 0: a float32 block scale
+    of a later step is then the cpu's bit for bit, and a decode that is off shows."""
     from optirs.core.params import AdamParams
 
     exact = {"beta1": 0.5, "beta2": 0.5} if steps > 1 else {}
     assert fmt.grad_dtype == "bfloat16" or not exact
     hp = AdamParams(lr=1e-2, amsgrad=True, **exact)
-    for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, shapes, steps=steps, hp=hp, cpu=True):
-        for g, w in zip(got_p, want_p):
-            assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
-        for k, w in want_b.items():
-            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+    _assert_the_cpu_bits(_run("adamw", fmt, shapes, steps=steps, hp=hp, cpu=True))
 
 
 @pytest.mark.cuda
@@ -698,7 +694,12 @@ def test_another_chunk_size_steps_the_same_bits(monkeypatch):
 
     monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "2048")
     fmt = _fmt("bfloat16", "remainder8", "int8_sqrt")
-    for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, [(2100,), (37,)], steps=1, hp=AdamParams(lr=1e-2), cpu=True):
+    _assert_the_cpu_bits(_run("adamw", fmt, [(2100,), (37,)], steps=1, hp=AdamParams(lr=1e-2), cpu=True))
+
+
+def _assert_the_cpu_bits(results):
+    """Every step's parameter words and buffers of ``_run(..., cpu=True)`` are the cpu backend's, bit for bit."""
+    for got_p, got_b, want_p, want_b, _ in results:
         for g, w in zip(got_p, want_p):
             assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
         for k, w in want_b.items():

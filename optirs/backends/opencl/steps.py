@@ -17,7 +17,7 @@ from optirs.backends.opencl.context import OpenclContext, _lamb_scratch, _layout
 from optirs.backends.opencl.slots import deal, resident_groups
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError
-from optirs.core.formats import FORMAT_FAMILIES
+from optirs.core.formats import FORMAT_FAMILIES, STATE_DTYPES
 from optirs.backends.common.steps import StepDispatch
 from optirs.plugin.hookspecs import StepRequest, StepSupport
 
@@ -26,7 +26,7 @@ RESIDENT_VARIABLE = "OPTIRS_OPENCL_RESIDENT"
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
-                      state_dtypes=("float32", "bfloat16", "int8", "int8_sqrt"))
+                      state_dtypes=STATE_DTYPES)
 
 
 def _state_base(ctx: OpenclContext, arrays: Sequence[Any]) -> Tuple[List[Any], int]:
