@@ -972,19 +972,21 @@ def test_the_gpu_formats_register_cap(monkeypatch):
 
 
 def test_the_cuda_formats_chunk_knob(monkeypatch):
-    """The formats kernels' chunk is the plain kernels' unless ``OPTIRS_CUDA_FORMATS_CHUNK`` names a
-    multiple of 1024 elements (0: the default); anything else is refused naming it."""
+    """The formats kernels' chunk is ROUNDS_PER_CHUNK rounds of the block's 8 elements a thread (at
+    least the plain kernels' chunk) unless ``OPTIRS_CUDA_FORMATS_CHUNK`` names a multiple of 1024
+    elements (0: the default); anything else is refused naming it."""
     from types import SimpleNamespace
 
-    from optirs.backends.cuda.formats import _chunk_elements
+    from optirs.backends.cuda.formats import ROUNDS_PER_CHUNK, _chunk_elements
 
     ctx = SimpleNamespace(kernels=SimpleNamespace(chunk_elements=lambda block: 32 * block))
     monkeypatch.delenv("OPTIRS_CUDA_FORMATS_CHUNK", raising=False)
+    assert _chunk_elements(ctx, 128) == 128 * 8 * ROUNDS_PER_CHUNK
+    assert _chunk_elements(SimpleNamespace(kernels=SimpleNamespace(chunk_elements=lambda block: 1 << 20)), 128) == 1 << 20
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "4096")
     assert _chunk_elements(ctx, 128) == 4096
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "16384")
-    assert _chunk_elements(ctx, 128) == 16384
     monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "0")
-    assert _chunk_elements(ctx, 256) == 8192
+    assert _chunk_elements(ctx, 256) == 256 * 8 * ROUNDS_PER_CHUNK
     for bad in ("1000", "-1024", "many"):
         monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", bad)
         with pytest.raises(InvalidParameterError, match=f"OPTIRS_CUDA_FORMATS_CHUNK={bad!r}"):

@@ -356,10 +356,17 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
     return plan
 
 
+# a chunk's setup (its tensor's pointers, block and scale addresses, its round count) cost about 5
+# instructions an element at 4 rounds a chunk; 16 rounds took 2-5% less kernel time in the int8
+# kernels on the H200 (docs/benchmarks.md, 2026-12-05), 8 about as much
+ROUNDS_PER_CHUNK = 16
+
+
 def _chunk_elements(ctx: Any, block: int) -> int:
-    """The formats kernels' chunk: the plain kernels' size for ``block`` threads (a 128-thread block
-    takes 4096 elements in 4 rounds, then its next chunk's setup). ``OPTIRS_CUDA_FORMATS_CHUNK``
-    (tuning): another size, a multiple of 1024 elements (0 for the default)."""
+    """The formats kernels' chunk: :data:`ROUNDS_PER_CHUNK` rounds of ``block`` threads, 8 elements
+    each (a 128-thread block takes 16384 elements), and never less than the plain kernels' chunk.
+    ``OPTIRS_CUDA_FORMATS_CHUNK`` (tuning): another size, a multiple of 1024 elements (0 for the
+    default)."""
     text = os.environ.get("OPTIRS_CUDA_FORMATS_CHUNK", "").strip()
     if text:
         if not text.isdigit() or int(text) % 1024:
@@ -367,7 +374,7 @@ def _chunk_elements(ctx: Any, block: int) -> int:
                                         "(0: the default)")
         if int(text):
             return int(text)
-    return ctx.kernels.chunk_elements(block)
+    return max(ctx.kernels.chunk_elements(block), -(-block * 8 * ROUNDS_PER_CHUNK // 1024) * 1024)
 
 
 def _max_registers(fmt: Any, family: str) -> int:
