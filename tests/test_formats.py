@@ -203,28 +203,35 @@ def test_numba_sqrt_codes_match_the_reference(rng):
         n = F.sqrt_levels(signed)
         n2 = f32(n * n)
         cases = [(f32(s), (rng.uniform(-1 if signed else 0, 1, 4000) * f32(s)).astype(np.float32))
-                 for s in (1.0, 3.7e-5, 1e-40, 2.0**-100, 2.0**-96, 1e30, 3e38)]
+                 for s in (1.0, 3.7e-5, 1e-40, 2.0**-100, 2.0**-96, 2.0**-80, 2.0**-79, 2.0**97, 1e30, 3e38)]
         ties = ((np.arange(1, n + 1) - 0.5) ** 2).astype(np.float32)
         cases.append((n2, np.concatenate([np.nextafter(ties, f32(0)), ties, np.nextafter(ties, f32(np.inf))])))
         cases += [(f32(0), np.zeros(4, np.float32)), (f32(np.nan), rng.standard_normal(8).astype(np.float32)),
                   (f32(np.inf), np.array([1, -2, np.inf, 0], np.float32))]
         for scale, x in cases:
-            pre, inv, w = (f32(v) for v in B.sqrt_factors(scale, n2))
-            with np.errstate(invalid="ignore"):  # inf * 0 of an inf scale's block: NaN, coded 0
-                codes = np.array([B.sqrt_code_scaled(f32((abs(v) * pre) * inv), v, signed) & 0xFF for v in x], np.uint8)
-            assert np.array_equal(codes, F.sqrt_quantize(x, scale, signed)), (signed, scale)
-            # the GPU kernels' factors (by the division's windows): the same
-            fast = [f32(v) for v in B.sqrt_encode_factors(scale, n2)] + [f32(B.sqrt_decode_factor(scale, n2))]
-            assert np.array_equal(np.array(fast).view(np.uint32), np.array([pre, inv, w]).view(np.uint32))
-            ints = codes.view(np.int8) if signed else codes
+            extra = np.array([0, -0.0, 1e-38, -1e-38, 2.0**-101, -(2.0**-99)], np.float32)
+            x = np.concatenate([x, extra[~(np.abs(extra) > scale)]])  # a block's values: |x| <= scale
+            k, w = (f32(v) for v in B.sqrt_factors(scale, f32(n)))
+            want = F.sqrt_quantize(x, scale, signed)
+            codes = np.array([B.sqrt_code(v, k, signed) & 0xFF for v in x], np.uint8)
+            assert np.array_equal(codes, want), (signed, scale)
+            # the GPU kernels' factor (by the fast paths' windows) and, in those windows, codes: the same
+            fast, kf = B.sqrt_encode_factor(scale, f32(n))
+            assert f32(kf).view(np.uint32) == k.view(np.uint32), (signed, scale)
+            assert bool(fast) == bool(f32(2.0**-80) <= scale < f32(2.0**98)), scale
+            if fast:
+                by_fast = np.array([B.sqrt_code_fast(v, k, signed) & 0xFF for v in x], np.uint8)
+                assert np.array_equal(by_fast, want), (signed, scale)
+            assert f32(B.sqrt_decode_factor(scale, n2)).view(np.uint32) == w.view(np.uint32)
+            ints = want.view(np.int8) if signed else want
             values = np.array([B.sqrt_value(np.int32(c), w) for c in ints], np.float32)
-            want = F.sqrt_dequantize(codes, scale, signed).view(np.uint32)
-            assert np.array_equal(values.view(np.uint32), want)
-            by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in codes], np.float32)
-            assert np.array_equal(by_bits.view(np.uint32), want)
+            want_values = F.sqrt_dequantize(want, scale, signed).view(np.uint32)
+            assert np.array_equal(values.view(np.uint32), want_values)
+            by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in want], np.float32)
+            assert np.array_equal(by_bits.view(np.uint32), want_values)
         every = np.arange(256, dtype=np.uint8)  # every byte's value by its bits and by the fma form
         for scale in (f32(3), f32(2.0**-72), np.nextafter(f32(2.0**72), f32(0)), f32(1.7e-9)):
-            w = f32(B.sqrt_factors(scale, n2)[2])
+            w = f32(B.sqrt_factors(scale, f32(n))[1])
             want = F.sqrt_dequantize(every, scale, signed).view(np.uint32)
             by_bits = np.array([B.sqrt_value_byte(np.uint32(c), signed, w) for c in every], np.float32)
             fused = np.array([B.sqrt_value_fma(np.uint32(c), signed, w, f32(w * B.SQRT_FMA_BASE)) for c in every],

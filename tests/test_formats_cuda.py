@@ -92,6 +92,22 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
         # codes and their values by float bits: a conversion runs on the narrow conversion pipe)
         assert "ld.shared" not in ptx and "st.shared" not in ptx
         assert not re.search(r"cvt\.r[nz]i?\.(f32\.[su](8|16|32)|[su]32\.f32)", ptx)
+        # a root times k is rounded before the rounding add (the contract rounds twice): no operand
+        # of that add (through the moves that merge paths) is a plain product, which ptxas fuses with it
+        defs: dict = {}
+        for op, reg, args in re.findall(r"^\s*(\S+)\s+(%f\d+),\s*([^;]*);", ptx, re.M):
+            defs.setdefault(reg, []).append((op, args))
+
+        def sources(reg, depth=0):
+            for op, args in defs.get(reg, []):
+                if op.startswith("mov.") and args.startswith("%f") and depth < 4:
+                    yield from sources(args, depth + 1)
+                else:
+                    yield op
+
+        adds = re.findall(r"add\.f32\s+%f\d+, (%f\d+), 0f4B400000;", ptx)
+        ops = {op for r in adds for op in sources(r)}
+        assert adds and "mul.rn.f32" in ops and not {op for op in ops if op.startswith("mul.") and op != "mul.rn.f32"}
 
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
@@ -442,43 +458,59 @@ def test_fast_square_root_and_division_are_ieee_in_their_windows():
 @pytest.mark.cuda
 @pytest.mark.skipif(SIMULATOR, reason="the fast paths are the GPU's instructions; the simulator runs the cpu's IEEE ones")
 def test_sqrt_codes_by_the_fast_paths_are_the_contracts():
-    """The square-root codes' GPU forms: ``sqrt_code_scaled``'s byte is rint(sqrt.rn(u)) (ties to even; 0
-    for a NaN u) for every float32 u from 0 to 2**16 (every u a block codes is at most about 255**2),
-    negated for a negative value in a signed slot; the block factors by ``div_fast`` are the IEEE
-    quotients for every float32 scale (both slots' codes: 127**2 and 255**2)."""
+    """The square-root codes' GPU forms are the contract's: ``sqrt_fast`` is the correctly rounded
+    root of every float32 radicand from the floor to 2**98 (a usual block's values; its scale is
+    below 2**98) and a radicand below the floor codes as 0 under the largest k of such a block, so
+    ``sqrt_code_fast`` is ``sqrt_code`` there; the roots' rounding to codes (every float32 from 0 to
+    2**16 at k = 1, negated in a signed slot; NaN codes 0); the block factor by the fast paths is the
+    IEEE one for every float32 scale (both slots' n), and takes the fast forms exactly in their
+    window."""
     _cuda()
     import math
 
     from optirs.backends.common import formats as B
+    from optirs.backends.common.fast_paths import sqrt_fast
 
-    top = int(np.float32(2.0**16).view(np.uint32))
+    top = int(np.float32(2.0**98).view(np.uint32))
+    top16 = int(np.float32(2.0**16).view(np.uint32))
     magic = np.float32(2.0**23)  # s + 2**23 - 2**23 rounds s >= 0 to an integer, ties to even
+    floor, lo, hi = B.SQRT_FLOOR, B.SQRT_FAST_LO, B.SQRT_FAST_HI
+    kmax = np.float32(255 / math.sqrt(2.0**-80))  # the largest k of a block that takes the fast forms
 
     def check_codes(count, bad):
-        for k in range(cuda.grid(1), count, cuda.gridsize(1)):
-            u = B.bits_f32(np.uint32(k))
-            want = np.int32((math.sqrt(u) + magic) - magic)  # the contract's rint(sqrt.rn(u))
-            unsigned, negative = B.sqrt_code_scaled(u, u, False), B.sqrt_code_scaled(u, -u, True)
-            if (unsigned & 0xFF) != (want & 0xFF) or (negative & 0xFF) != (-want & 0xFF):
+        for i in range(cuda.grid(1), count, cuda.gridsize(1)):
+            u = B.bits_f32(np.uint32(i))
+            if u >= floor:
+                ok = B.f32_bits(sqrt_fast(u)) == B.f32_bits(np.float32(math.sqrt(u)))
+            else:
+                ok = ((B.sqrt_code_fast(u, kmax, False) & 0xFF) == 0 and (B.sqrt_code_fast(-u, kmax, True) & 0xFF) == 0
+                      and (B.sqrt_code(u, kmax, False) & 0xFF) == 0)
+            if i <= top16:
+                want = np.int32((math.sqrt(u) + magic) - magic)  # rint(sqrt.rn(u)) at k = 1
+                one = np.float32(1)
+                ok = ok and (B.sqrt_code_fast(u, one, False) & 0xFF) == (want & 0xFF) \
+                    and (B.sqrt_code_fast(-u, one, True) & 0xFF) == (-want & 0xFF)
+            if not ok:
                 cuda.atomic.add(bad, 0, 1)
-                bad[1] = k
+                bad[1] = i
         if cuda.grid(1) == 0:
             nan = B.bits_f32(np.uint32(0x7FC00000))
-            if (B.sqrt_code_scaled(nan, np.float32(-1), True) & 0xFF) != 0 or (B.sqrt_code_scaled(nan, nan, False) & 0xFF) != 0:
+            if (B.sqrt_code_fast(nan, kmax, True) & 0xFF) != 0 or (B.sqrt_code_fast(nan, kmax, False) & 0xFF) != 0 \
+                    or (B.sqrt_code(nan, kmax, False) & 0xFF) != 0:
                 cuda.atomic.add(bad, 0, 1)
                 bad[1] = -1
 
     def check_factors(bad):
-        for k in range(cuda.grid(1), 1 << 32, cuda.gridsize(1)):
-            scale = B.bits_f32(np.uint32(k))
-            for n2 in (np.float32(127 * 127), np.float32(255 * 255)):
-                pre, inv, w = B.sqrt_factors(scale, n2)
-                fp, fi = B.sqrt_encode_factors(scale, n2)
-                fw = B.sqrt_decode_factor(scale, n2)
-                if (B.f32_bits(fp) != B.f32_bits(pre) or B.f32_bits(fi) != B.f32_bits(inv)
-                        or B.f32_bits(fw) != B.f32_bits(w)):
+        for i in range(cuda.grid(1), 1 << 32, cuda.gridsize(1)):
+            scale = B.bits_f32(np.uint32(i))
+            for n in (np.float32(127), np.float32(255)):
+                k, w = B.sqrt_factors(scale, n)
+                fast, fk = B.sqrt_encode_factor(scale, n)
+                fw = B.sqrt_decode_factor(scale, n * n)
+                if (B.f32_bits(fk) != B.f32_bits(k) or B.f32_bits(fw) != B.f32_bits(w)
+                        or fast != (scale >= lo and scale < hi)):
                     cuda.atomic.add(bad, 0, 1)
-                    bad[1] = k
+                    bad[1] = i
 
     def check_values(stride, bad):
         # every byte of both slots under every stride-th float32 scale that a block can have (an
@@ -502,7 +534,7 @@ def test_sqrt_codes_by_the_fast_paths_are_the_contracts():
                         bad[1] = k * stride
 
     bad = np.zeros(2, np.int64)
-    cuda.jit(check_codes)[1024, 256](top + 1, bad)
+    cuda.jit(check_codes)[1024, 256](top, bad)
     assert bad[0] == 0, hex(int(bad[1]))
     cuda.jit(check_factors)[1024, 256](bad)
     assert bad[0] == 0, hex(int(bad[1]))

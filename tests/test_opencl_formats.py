@@ -415,14 +415,28 @@ __kernel void sqrt_block(__global const float *x, float scale, int is_signed, __
     vstore2(raw, i, code);
     vstore8(optirs_sqrt_values8(raw, is_signed, scale), i, val);
 }
-/* the codes of u and -u (pre = inv = 1), u of bits start + k * step, against rint of the IEEE root */
+/* the codes of u and -u at k = 1 by both forms, u of bits start + k * step, against rint of the IEEE
+ * root */
 __kernel void sqrt_roots(uint start, uint step, uint count, __global int *bad) {
     for (uint k = get_global_id(0); k < count; k += get_global_size(0)) {
         const float8 u = as_float8(start + (8u * k + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u)) * step);
         const uint8 want = convert_uint8(rint(sqrt(u)));
-        const uint8 plus = optirs_sqrt_words8(u, 1.0f, 1.0f, 0) & 0xFFu;
-        const uint8 minus = optirs_sqrt_words8(-u, 1.0f, 1.0f, 1) & 0xFFu;
-        if (any(plus != want) || any(minus != ((0u - want) & 0xFFu))) {
+        const uint8 plus = optirs_sqrt_words8(u, 1.0f, 0, 1) & 0xFFu;
+        const uint8 minus = optirs_sqrt_words8(-u, 1.0f, 1, 1) & 0xFFu;
+        const uint8 plus_ieee = optirs_sqrt_words8(u, 1.0f, 0, 0) & 0xFFu;
+        if (any(plus != want) || any(minus != ((0u - want) & 0xFFu)) || any(plus_ieee != want)) {
+            atomic_inc(bad);
+            bad[1] = (int)(start + 8u * k * step);
+        }
+    }
+}
+/* the fast root against the IEEE one, u of bits start + k * step (from the floor, 2^-100, to 2^98: a
+ * usual block's values) */
+__kernel void sqrt_fast_roots(uint start, uint step, uint count, __global int *bad) {
+    for (uint k = get_global_id(0); k < count; k += get_global_size(0)) {
+        const uint8 bits = start + (8u * k + (uint8)(0u, 1u, 2u, 3u, 4u, 5u, 6u, 7u)) * step;  /* clamped below 2^98 */
+        const float8 u = as_float8(min(bits, 0x707FFFFFu));
+        if (any(as_uint8(optirs_sqrt_fast8(u)) != as_uint8(sqrt(u)))) {
             atomic_inc(bad);
             bad[1] = (int)(start + 8u * k * step);
         }
@@ -433,8 +447,9 @@ __kernel void sqrt_divisions(uint start, uint step, uint count, __global int *ba
     for (uint k = get_global_id(0); k < count; k += get_global_size(0)) {
         const float scale = as_float(start + k * step);
         for (int sg = 0; sg < 2; ++sg) {
-            const float n2 = OPTIRS_SQRT_N2(sg);
-            if ((optirs_divisor_in_window(scale) && as_uint(optirs_div_fast(n2, scale)) != as_uint(n2 / scale))
+            const float n = OPTIRS_SQRT_N(sg), n2 = OPTIRS_SQRT_N2(sg);
+            if ((scale >= 0x1p-80f && scale < 0x1p98f
+                 && as_uint(optirs_div_fast(n, optirs_sqrt_fast(scale))) != as_uint(n / sqrt(scale)))
                 || (optirs_dividend_in_window(scale) && as_uint(optirs_div_fast(scale, n2)) != as_uint(scale / n2))) {
                 atomic_inc(bad);
                 bad[1] = (int)as_uint(scale);
@@ -460,15 +475,15 @@ def _sqrt_program(ctx, ulps=None, nv=False):
 
 
 def _sqrt_cases(signed):
-    """(scale, values) pairs: random blocks at scales over the float32 range (tiny ones take pre = 2**64,
-    the windows' ends the general factors), every tie of a root (scale n**2: u = |x|) with its
+    """(scale, values) pairs: random blocks at scales over the float32 range (the fast forms' window
+    ends, tiny and huge ones by the IEEE forms), every tie of a root (scale n**2: k = 1) with its
     neighbours, and zero, NaN and inf scales."""
     f32 = np.float32
     rng = np.random.default_rng(8)
     n = F.sqrt_levels(signed)
     cases = []
-    for s in (1.0, 3.7e-5, 1e-40, 1e-45, 2.0 ** -100, 2.0 ** -96, 2.0 ** -51, 2.0 ** -72, 1e-20,
-              np.nextafter(f32(2.0 ** 49), f32(0)), 2.0 ** 49, 2.0 ** 72, 1e30, 3e38):
+    for s in (1.0, 3.7e-5, 1e-40, 1e-45, 2.0 ** -100, 2.0 ** -96, 2.0 ** -80, np.nextafter(f32(2.0 ** -80), f32(0)),
+              2.0 ** -51, 2.0 ** -72, 1e-20, np.nextafter(f32(2.0 ** 98), f32(0)), 2.0 ** 98, 2.0 ** 72, 1e30, 3e38):
         x = (rng.uniform(-1 if signed else 0, 1, 4096) * f32(s)).astype(np.float32)
         x[:3] = [f32(s), -f32(s) if signed else f32(0), f32(0)]
         cases.append((f32(s), x))
@@ -499,18 +514,19 @@ def _check_sqrt_blocks(ctx, prog):
 def test_sqrt_codes_are_the_contracts(ctx):
     """A block's square-root codes and their values (optirs_sqrt_block8, optirs_sqrt_values8, the
     step kernels' own functions) against optirs.core.formats' sqrt_quantize and sqrt_dequantize, bit
-    for bit: random blocks at scales over the float32 range (pre = 2**64, the fast divisions' window
-    ends), every tie of a root and its neighbours, zero, NaN and inf scales; signed and unsigned."""
+    for bit: random blocks at scales over the float32 range (the fast forms' window ends, tiny and
+    huge scales), every tie of a root and its neighbours, zero, NaN and inf scales; signed and unsigned."""
     if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
         pytest.skip("the device's division and sqrt are not correctly rounded: no reference to compare with")
     _check_sqrt_blocks(ctx, _sqrt_program(ctx, nv=bool(_nv(ctx))))
 
 
 def test_sqrt_code_of_every_root(ctx):
-    """The code of u and of -u (optirs_sqrt_words8: the clamp, the root, the rounding by one add)
-    against rint of the IEEE root, for every float32 u from 0 to 65025 * (1 + 2**-22), the most a
-    block's own values reach (NVIDIA's driver: inline PTX's rsqrt.approx and the fast path's
-    refinement), or every 97th of them elsewhere."""
+    """The code of u and of -u at k = 1 (optirs_sqrt_words8: the clamp, the root, the rounding by one
+    add; both forms) against rint of the IEEE root, for every float32 u from 0 to 65025 * (1 + 2**-22),
+    and the fast root against the IEEE one for every float32 below 2**98, the most a usual block's
+    values reach (NVIDIA's driver: inline PTX's rsqrt.approx and the fast path's refinement), or
+    every 97th (997th) of them elsewhere."""
     if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
         pytest.skip("the device's sqrt is not correctly rounded: no reference to compare with")
     nv = bool(_nv(ctx))
@@ -520,6 +536,10 @@ def test_sqrt_code_of_every_root(ctx):
     bad = cla.zeros(ctx.queue, 2, np.int32)
     prog.sqrt_roots(ctx.queue, (1 << 16,), None, np.uint32(0), np.uint32(step), np.uint32(-(-top // (8 * step))),
                     bad.data)
+    floor, roots = (int(np.float32(v).view(np.uint32)) for v in (2.0**-100, 2.0**98))
+    step = 1 if nv else 997
+    prog.sqrt_fast_roots(ctx.queue, (1 << 16,), None, np.uint32(floor), np.uint32(step),
+                         np.uint32(-(-(roots - floor) // (8 * step))), bad.data)
     got = bad.get()
     assert got[0] == 0, hex(int(got[1]) & 0xFFFFFFFF)
 
@@ -528,7 +548,7 @@ def test_sqrt_fast_paths_refinement_is_the_ieee_result(ctx):
     """The inline-PTX paths' arithmetic (optirs_div_fast, optirs_sqrt_fast8) on any device, their
     approximations replaced by the correctly rounded ones moved 1 unit in the last place down or up:
     the block factors' divisions are the division's over a sample of their windows, every code of a
-    sample of roots is rint of the IEEE root, and every block of test_sqrt_codes_are_the_contracts
+    sample of roots is rint of the IEEE root, a sample of fast roots are the IEEE ones, and every block of test_sqrt_codes_are_the_contracts
     is the contract's."""
     if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
         pytest.skip("the device's division and sqrt are not correctly rounded: no reference to compare with")
@@ -540,14 +560,18 @@ def test_sqrt_fast_paths_refinement_is_the_ieee_result(ctx):
                             bad.data)
         prog.sqrt_roots(ctx.queue, (1 << 12,), None, np.uint32(0), np.uint32(997), np.uint32(-(-top // (8 * 997))),
                         bad.data)
+        floor, roots = (int(np.float32(v).view(np.uint32)) for v in (2.0**-100, 2.0**98))
+        prog.sqrt_fast_roots(ctx.queue, (1 << 12,), None, np.uint32(floor), np.uint32(99991),
+                             np.uint32(-(-(roots - floor) // (8 * 99991))), bad.data)
         got = bad.get()
         assert got[0] == 0, (ulps, hex(int(got[1]) & 0xFFFFFFFF))
         _check_sqrt_blocks(ctx, prog)
 
 
 def test_sqrt_divisions_are_the_division_on_nvidia(ctx):
-    """The block factors' inline-PTX divisions (optirs_div_fast: n**2 / scale and scale / n**2 in
-    their windows) against the division for every non-negative float32 scale. NVIDIA's driver only:
+    """The block factors' inline-PTX forms (n / sqrt(scale) by optirs_div_fast and optirs_sqrt_fast in
+    the fast forms' window, scale / n**2 by optirs_div_fast in its) against the IEEE operations for
+    every non-negative float32 scale. NVIDIA's driver only:
     elsewhere they are the division itself."""
     if not _nv(ctx):
         pytest.skip("the inline-PTX division is built on NVIDIA's OpenCL driver only (elsewhere it is `/`)")
@@ -953,8 +977,8 @@ SQRT_CASES = {"adam": optirs.AdamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6,
 
 def _sqrt_edge_blocks(grads, t):
     """Blocks of the 8195-element tensor (two chunks, a ragged last block) whose scales take the
-    codes' other paths: zero gradients (scale 0), tiny ones (the second moment's scale under 2**-96:
-    pre = 2**64; the first moment's under the division windows), huge ones (scales over 2**49) and,
+    codes' other paths: zero gradients (scale 0), tiny ones (scales under 2**-80: the IEEE forms),
+    huge ones (the second moment's scales over 2**98) and,
     at the first step, a NaN and an inf gradient (NaN and inf scales: codes 0, NaN values after)."""
     g = grads[4].reshape(-1)
     dtype = "float32" if g.dtype == np.float32 else "bfloat16"

@@ -410,40 +410,35 @@ def quantize_host(x: np.ndarray, scale: np.float32, signed: bool, kind: str = "i
 
 # ---------------------------------------------------------------- the int8 square-root codes
 
-SQRT_TINY = np.float32(2.0**-96)  # below: a tiny scale, whose n**2 / scale would overflow
-
-
 def sqrt_levels(signed: bool) -> int:
     """The largest code of the square-root codes: 127 for a signed slot, 255 for an unsigned one."""
     return 127 if signed else 255
 
 
-def sqrt_factors(scales, signed: bool) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each block's ``(pre, inv, w)`` of the square-root codes (float32 arrays; docs/formats.md):
-    ``u = (|x| * pre) * inv`` is coded, ``(c * |c|) * w`` decoded. ``n2`` is the largest code squared;
-    ``pre`` 2**64 for a scale under 2**-96, else 1; ``inv = n2 / (scale * pre)`` (0 for a zero
-    scale); ``w = scale / n2``."""
+def sqrt_factors(scales, signed: bool) -> Tuple[np.ndarray, np.ndarray]:
+    """Each block's ``(k, w)`` of the square-root codes (float32 arrays; docs/formats.md): a value's
+    root times ``k`` is coded, ``(c * |c|) * w`` decoded. ``k = n / sqrt(scale)`` (both correctly
+    rounded; 0 for a zero scale), ``w = scale / n**2``; ``n`` the largest code."""
     s = np.asarray(scales, np.float32)
-    n2 = np.float32(sqrt_levels(signed) ** 2)
-    tiny = (s > 0) & (s < SQRT_TINY)
-    pre = np.where(tiny, np.float32(2.0**64), np.float32(1)).astype(np.float32)
+    n = np.float32(sqrt_levels(signed))
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        inv = np.where(s == 0, np.float32(0), n2 / (s * pre)).astype(np.float32)
-        w = (s / n2).astype(np.float32)
-    return pre, inv, w
+        k = np.where(s == 0, np.float32(0), n / np.sqrt(s, dtype=np.float32)).astype(np.float32)
+        w = (s / np.float32(n * n)).astype(np.float32)
+    return k, w
 
 
 def sqrt_quantize(x: np.ndarray, scales, signed: bool) -> np.ndarray:
     """The square-root codes (uint8; a signed slot's as two's complement int8) of float32 values
-    ``x`` under block scales ``scales`` (one, or one per value): ``c`` = the correctly rounded
-    float32 square root of ``u`` rounded to the nearest integer, ties to even; negated for a
-    negative ``x`` of a signed slot; a NaN ``u`` codes as 0."""
+    ``x`` under block scales ``scales`` (one, or one per value): ``c`` = the float32 product of the
+    root (the correctly rounded float32 square root of ``|x|`` in a signed slot, of ``x`` in an
+    unsigned one) and the block's ``k``, rounded to the nearest integer, ties to even; negated for a
+    negative ``x`` of a signed slot; a NaN product codes as 0."""
     x = np.asarray(x, np.float32)
-    pre, inv, _ = sqrt_factors(scales, signed)
+    k, _ = sqrt_factors(scales, signed)
     with np.errstate(over="ignore", invalid="ignore"):
-        u = ((np.abs(x) * pre).astype(np.float32) * inv).astype(np.float32)
-    u = np.where(np.isnan(u), np.float32(0), u)
-    c = np.rint(np.sqrt(u, dtype=np.float32)).astype(np.int64)
+        t = (np.sqrt(np.abs(x) if signed else x, dtype=np.float32) * k).astype(np.float32)
+    t = np.where(np.isnan(t), np.float32(0), t)
+    c = np.rint(t).astype(np.int64)
     if signed:
         c = np.where(x < 0, -c, c)
     return (c & 0xFF).astype(np.uint8)
@@ -453,6 +448,6 @@ def sqrt_dequantize(codes: np.ndarray, scales, signed: bool) -> np.ndarray:
     """float32 values of square-root codes under block scales (one, or one per code): ``(c * |c|) * w``."""
     codes = np.asarray(codes, np.uint8)
     c = (codes.view(np.int8) if signed else codes).astype(np.float32)
-    _, _, w = sqrt_factors(scales, signed)
+    _, w = sqrt_factors(scales, signed)
     with np.errstate(over="ignore", invalid="ignore"):
         return ((c * np.abs(c)).astype(np.float32) * w).astype(np.float32)

@@ -170,6 +170,23 @@ def fma_rn(typingctx, a, b, c):
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
+@intrinsic
+def mul_rn(typingctx, a, b):
+    """``a * b`` (float32) rounded on its own: ``mul.rn.f32`` on a GPU, which ptxas never contracts with
+    a following add into a fused multiply-add (NVVM and ptxas do contract a plain product), the
+    product elsewhere; the same bits on both."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not _is_cuda(context):
+            return builder.fmul(*args)
+        return builder.asm(ir.FunctionType(_F, [_F, _F]), "mul.rn.f32 $0, $1, $2;", "=f,f,f", args,
+                           side_effect=False)
+
+    return types.float32(types.float32, types.float32), codegen
+
+
 @njit(cache=True, inline="always")
 def sqrt_in_window(x, hi=SQRT_HI):
     """Whether ``sqrt_fast(x)`` is ``sqrt(x)``: x's bits in [SQRT_LO, hi] (``hi`` at most SQRT_HI; a

@@ -25,11 +25,12 @@ from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits
                                            shr32, sub32, u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
-from optirs.backends.common.fast_paths import div_fast, dividend_in_window, divisor_in_window, fma_rn, sqrt_fast
+from optirs.backends.common.fast_paths import (div_fast, dividend_in_window, divisor_in_window, fma_rn, mul_rn,
+                                               sqrt_fast)
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
-                                 SQRT_TINY, STATE_F32)
+                                 STATE_F32)
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
@@ -392,15 +393,15 @@ def quantize_finite(x, pre, inv, mid, table):
 # ---- the square-root codes (state_dtype "int8_sqrt"): arithmetic, no table
 
 
-
 @_jit
-def sqrt_factors(scale, n2):
-    """A block's ``(pre, inv, w)`` of the square-root codes: ``u = (|x| * pre) * inv`` is coded and
-    ``(c * |c|) * w`` decoded (docs/formats.md). ``n2``: the largest code squared (127**2 for a signed
-    slot, 255**2 for an unsigned one), float32."""
-    pre = _PRE_TINY if scale < SQRT_TINY and scale > 0 else np.float32(1)
-    inv = np.float32(0) if scale == 0 else n2 / (scale * pre)
-    return pre, inv, scale / n2
+def sqrt_factors(scale, n):
+    """A block's ``(k, w)`` of the square-root codes: a value's root times ``k`` is coded and
+    ``(c * |c|) * w`` decoded (docs/formats.md). ``k = n / sqrt(scale)`` (0 for a zero scale),
+    ``w = scale / n**2``; ``n``: the largest code (127 for a signed slot, 255 for an unsigned one),
+    float32."""
+    scale = np.float32(scale)  # the CUDA simulator's Python floats
+    k = np.float32(0) if scale == 0 else np.float32(n / np.float32(math.sqrt(scale)))
+    return k, np.float32(scale / np.float32(n * n))
 
 
 @_jit
@@ -410,53 +411,84 @@ def sqrt_value(c, w):
     return (t * abs(t)) * w
 
 
-# ---- the square-root codes by a GPU's fast paths: the same factors and codes (fast_paths' windows)
-
-# rint(sqrt(v)) is 0 for every v below 1/4: a scaled magnitude raised to this floor codes as the
-# contract's does for u = 0, a tiny u and a NaN u (which fails the compare) alike, and the floor is
-# inside sqrt_fast's window, so the root needs no test of its own
-_SQRT_FLOOR = np.float32(2.0**-100)
-
-
-@_jit
-def sqrt_decode_factor(scale, n2):
-    """:func:`sqrt_factors`' ``w`` (``scale / n2``): by ``div_fast`` where ``scale`` is in its dividend
-    window (``n2`` always is in its divisor window), the IEEE division elsewhere (0, tiny, huge, inf,
-    NaN)."""
-    if dividend_in_window(scale):
-        return div_fast(scale, n2)
-    return scale / n2
-
-
-@_jit
-def sqrt_encode_factors(scale, n2):
-    """:func:`sqrt_factors`' ``(pre, inv)``: by ``div_fast`` where ``scale`` is in its divisor window
-    (there ``pre`` is 1), :func:`sqrt_factors` elsewhere."""
-    if divisor_in_window(scale):
-        return np.float32(1), div_fast(n2, scale)
-    pre, inv, _ = sqrt_factors(scale, n2)
-    return pre, inv
-
-
 # s + 1.5 * 2**23 holds the integer nearest s (ties to even: the constant is even) in its low mantissa
 # bits, two's complement below the constant for a negative s (|s| < 2**22)
 _ROUND_WORD = np.float32(12582912.0)
 
 
 @_jit
-def sqrt_code_scaled(u, x, signed):
-    """The code of ``x`` (docs/formats.md: the rounded root of ``u``, negated for a negative ``x`` of a
-    signed slot) from its scaled magnitude ``u = (|x| * pre) * inv``, as a uint32 whose low byte is the
-    code (the stores take that byte): the floored root by ``sqrt_fast`` (``u`` is at
-    most about ``n**2`` for a value of its block), its sign ``x``'s for a signed slot, rounded to the
-    nearest integer by one add (:data:`_ROUND_WORD`), where a GPU's conversion to an integer runs on
-    its narrow conversion pipe and a cpu's rounding and conversion take one vector instruction as
-    well."""
-    u = np.float32(u)  # the CUDA simulator's Python floats
-    s = sqrt_fast(u if u > _SQRT_FLOOR else _SQRT_FLOOR)
+def sqrt_code_of_product(t, x, signed):
+    """The code of ``x`` (docs/formats.md) from ``t``, its root times its block's ``k`` (not NaN, not
+    negative), as a uint32 whose low byte is the code (the stores take that byte): ``t`` given
+    ``x``'s sign in a signed slot, rounded to the nearest integer by one add (:data:`_ROUND_WORD`),
+    where a GPU's conversion to an integer runs on its narrow conversion pipe and a cpu's rounding
+    and conversion take one vector instruction as well."""
+    t = np.float32(t)
     if signed:
-        s = np.float32(math.copysign(s, x))
-    return f32_bits(s + _ROUND_WORD)
+        t = np.float32(math.copysign(t, x))
+    return f32_bits(t + _ROUND_WORD)
+
+
+@_jit
+def sqrt_code_of_root(r, k, x, signed):
+    """The code of ``x`` from its root ``r`` (``sqrt(|x|)`` in a signed slot, ``sqrt(x)`` in an
+    unsigned one) and its block's ``k``: a NaN product (a negative or NaN radicand's root, or inf
+    times the 0 of an inf scale's block) made 0."""
+    t = mul_rn(np.float32(r), np.float32(k))  # rounded before the rounding add: never fused with it
+    return sqrt_code_of_product(t if t > 0 else np.float32(0), x, signed)
+
+
+@_jit
+def sqrt_code(x, k, signed):
+    """:func:`sqrt_code_of_root` with the root taken here (correctly rounded; a negative or NaN
+    radicand's root is 0 here, NaN in the contract: the same code 0)."""
+    x = np.float32(x)
+    u = abs(x) if signed else x
+    return sqrt_code_of_root(np.float32(math.sqrt(u if u > 0 else np.float32(0))), k, x, signed)
+
+
+# ---- the square-root codes by a GPU's fast paths: the same factors and codes (fast_paths' windows)
+
+# A block whose scale is in [2**-80, 2**98) takes k by sqrt_fast and div_fast (the root of the scale
+# is in div_fast's divisor window, n in its dividend window) and its values' roots by sqrt_fast of the
+# radicand raised to SQRT_FLOOR: there k < 2**48, so a radicand below the floor codes as 0 either
+# way (its root times k is below 1/4), and 0, negative and NaN radicands keep the contract's code 0
+# (a NaN fails the compare); the floor is inside sqrt_fast's window, so the root needs no test
+SQRT_FAST_LO = np.float32(2.0**-80)
+SQRT_FAST_HI = np.float32(2.0**98)
+SQRT_FLOOR = np.float32(2.0**-100)
+
+
+@_jit
+def sqrt_decode_factor(scale, n2):
+    """:func:`sqrt_factors`' ``w`` (``scale / n2``, ``n2`` the largest code squared): by ``div_fast``
+    where ``scale`` is in its dividend window (``n2`` always is in its divisor window), the IEEE
+    division elsewhere (0, tiny, huge, inf, NaN)."""
+    if dividend_in_window(scale):
+        return div_fast(scale, n2)
+    return scale / n2
+
+
+@_jit
+def sqrt_encode_factor(scale, n):
+    """``(fast, k)``: :func:`sqrt_factors`' ``k``, and whether the block takes the fast forms
+    (:func:`sqrt_code_fast`): by ``sqrt_fast`` and ``div_fast`` for a scale in [2**-80, 2**98),
+    :func:`sqrt_factors` elsewhere (then each code by :func:`sqrt_code`)."""
+    scale = np.float32(scale)
+    if scale >= SQRT_FAST_LO and scale < SQRT_FAST_HI:
+        return True, np.float32(div_fast(n, sqrt_fast(scale)))
+    k, _ = sqrt_factors(scale, n)
+    return False, k
+
+
+@_jit
+def sqrt_code_fast(x, k, signed):
+    """:func:`sqrt_code` in a block of :func:`sqrt_encode_factor`'s fast forms: the root of the
+    radicand raised to the floor, by ``sqrt_fast``, times ``k`` (never NaN there: no select; 9
+    instructions, one ``MUFU``, on a GPU)."""
+    x = np.float32(x)
+    u = abs(x) if signed else x
+    return sqrt_code_of_product(mul_rn(sqrt_fast(u if u > SQRT_FLOOR else SQRT_FLOOR), np.float32(k)), x, signed)
 
 
 @_jit

@@ -62,13 +62,14 @@ def _decoder_table(signed: bool) -> np.ndarray:
 
 @lru_cache(maxsize=2)
 def _sqrt_levels(signed: bool) -> np.ndarray:
-    """A slot's square-root codes as the format loops read them: [largest code squared, signed]."""
-    return np.array([sqrt_levels(signed) ** 2, 1 if signed else 0], np.float32)
+    """A slot's square-root codes as the format loops read them: [largest code, signed]."""
+    return np.array([sqrt_levels(signed), 1 if signed else 0], np.float32)
 
 
 def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepFormat):
-    """Per kernel slot: (words, scales, small, map's decoder table, padded midpoints, bucket table) and the used bit mask."""
-    out, used = [], 0
+    """Per kernel slot: (words, scales, small, map's decoder table, padded midpoints, bucket table), the
+    used bit mask and the mask of the unsigned slots."""
+    out, used, unsigned = [], 0, 0
     signed = {s.name: s.signed for s in fs.slots}
     f32 = _EMPTY[np.dtype(np.float32)]
     for k, name in enumerate(k_names):
@@ -79,6 +80,7 @@ def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepForma
             continue
         used |= 1 << k
         sg = signed[name]
+        unsigned |= 0 if sg else 1 << k
         first = _sqrt_levels(sg) if fmt.state_dtype == "int8_sqrt" else _decoder_table(sg)
         maps = first, padded_midpoints(sg), bucket_table(sg)
         if fs.int8:
@@ -87,7 +89,7 @@ def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepForma
             out.append((state[name], f32, f32) + maps)
         else:
             out.append((state[name], f32, f32) + maps)
-    return out, used
+    return out, used, unsigned
 
 
 def _master(state: Dict[str, Any], fs: FormatState) -> np.ndarray:
@@ -120,14 +122,14 @@ class CpuFormats:
         mbuf = _master(state, format_state)
         chunks = layout.chunks(CHUNK)
         if family == "lamb":
-            slots, _ = _slot_arrays(state, format_state, names[:2], fmt)
+            slots, _, _ = _slot_arrays(state, format_state, names[:2], fmt)
             (w0, c0, m0, q0, d0, t0), (w1, c1, m1, q1, d1, t1) = slots
             k.lamb(fc)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, table, *chunks, len(layout),
                        scalars, seed, step)
             return
-        slots, used = _slot_arrays(state, format_state, (tuple(names) + (None, None, None))[:3], fmt)
+        slots, used, unsigned = _slot_arrays(state, format_state, (tuple(names) + (None, None, None))[:3], fmt)
         (w0, c0, m0, q0, d0, t0), (w1, c1, m1, q1, d1, t1), (w2, c2, m2, q2, d2, t2) = slots
-        k.pointwise(fc, used)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2,
+        k.pointwise(fc, used, unsigned)(params, grads, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2,
                               t2, table, *chunks, scalars, seed, step)
 
     def _formats_check(self, ctx, grads, layout, fmt, flag) -> None:

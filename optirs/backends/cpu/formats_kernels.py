@@ -26,7 +26,7 @@ from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
                                             decode_state, decode_value, encode_state, f32_bits, lamb_format_element,
                                             load_master, load_master_wide, quantize_factors, rand32, remainder_word,
-                                            slot_bits, sqrt_code_scaled, sqrt_factors, sqrt_value, state_stream,
+                                            slot_bits, sqrt_code_of_root, sqrt_factors, sqrt_value, state_stream,
                                             store_master, store_master_num, store_master_wide, store_master_wide_num,
                                             stream_key)
 from optirs.backends.cpu.claims import claim, counter, loops
@@ -127,8 +127,8 @@ def _store_codes_or_small(w, scales, small, q, mid, tbl, tree, blk, so, o, n, bu
 @_inline
 def _decode_sqrt(w, lv, s, o, n, buf):
     """``n`` square-root codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf``
-    (``lv``: the slot's levels, [largest code squared, signed]). Arithmetic alone: vectorized."""
-    _, _, f = sqrt_factors(s, lv[0])
+    (``lv``: the slot's levels, [largest code, signed]). Arithmetic alone: vectorized."""
+    _, f = sqrt_factors(s, lv[0])
     c = _span(w, o, o + n)  # indexed from 0: an offset index costs the vector loop its wrap-around tests
     if lv[1] != 0:
         for i in range(n):
@@ -140,21 +140,28 @@ def _decode_sqrt(w, lv, s, o, n, buf):
 
 @_inline
 def _encode_sqrt(w, scales, lv, blk, o, n, buf, m):
-    """A block's new values ``buf`` as square-root codes, under their absmax ``m``."""
+    """A block's new values ``buf`` as square-root codes, under their absmax ``m``, each root taken
+    here."""
     scales[blk] = m
-    pre, inv, _ = sqrt_factors(m, lv[0])
+    k, _ = sqrt_factors(m, lv[0])
     c = _span(w, o, o + n)
-    # the GPU kernels' form (sqrt_code_scaled: the root floored, the sign copied; a usual block's pre
-    # of 1 left out): the same codes, about 3 vector instructions fewer a value
-    if pre != 1:
+    if lv[1] != 0:
         for i in range(n):
-            c[i] = np.uint8(sqrt_code_scaled((abs(buf[i]) * pre) * inv, buf[i], lv[1] != 0) & 0xFF)
-    elif lv[1] != 0:
-        for i in range(n):
-            c[i] = np.uint8(sqrt_code_scaled(abs(buf[i]) * inv, buf[i], True) & 0xFF)
+            c[i] = np.uint8(sqrt_code_of_root(np.float32(math.sqrt(abs(buf[i]))), k, buf[i], True) & 0xFF)
     else:
         for i in range(n):
-            c[i] = np.uint8(sqrt_code_scaled(abs(buf[i]) * inv, buf[i], False) & 0xFF)
+            c[i] = np.uint8(sqrt_code_of_root(np.float32(math.sqrt(buf[i])), k, buf[i], False) & 0xFF)
+
+
+@_inline
+def _encode_roots(w, scales, lv, blk, o, n, roots, m):
+    """:func:`_encode_sqrt` of an unsigned slot whose roots the element loop took (``roots``: where
+    the family's step takes the same root, LLVM keeps one of the two)."""
+    scales[blk] = m
+    k, _ = sqrt_factors(m, lv[0])
+    c = _span(w, o, o + n)
+    for i in range(n):
+        c[i] = np.uint8(sqrt_code_of_root(roots[i], k, roots[i], False) & 0xFF)
 
 
 @_jit
@@ -408,7 +415,7 @@ def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
 # loops are templates whose constants are bound per variant (optirs.backends.common.variants), so
 # numba caches each variant on disk. The module's values of the constants are placeholders.
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
-U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = False
+U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = R0 = R1 = R2 = False
 SKIND = STATE_F32
 RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = DECODE = LAMB_SUMS = LAMB_WRITE = None
 WRITE = False
@@ -421,16 +428,18 @@ _POINTWISE: dict = {}
 FAST_BF16 = True
 
 
-def pointwise(fc, used):
-    """The pointwise format loop for codes ``fc`` and slot mask ``used`` (see :func:`_pointwise_format`)."""
-    key = (tuple(fc), int(used))
+def pointwise(fc, used, unsigned=0):
+    """The pointwise format loop for codes ``fc``, slot mask ``used`` and the mask of its unsigned
+    slots ``unsigned`` (see :func:`_pointwise_format`)."""
+    roots = int(used) & int(unsigned) if fc.state == STATE_INT8_SQRT else 0
+    key = (tuple(fc), int(used), roots)
     k = _POINTWISE.get(key)
     if k is None:
-        k = _POINTWISE[key] = _make_pointwise(FormatCodes(*fc), int(used))
+        k = _POINTWISE[key] = _make_pointwise(FormatCodes(*fc), int(used), roots)
     return k
 
 
-def _make_pointwise(fc, used):
+def _make_pointwise(fc, used, roots=0):
     int8 = fc.state in (STATE_INT8, STATE_INT8_SQRT)
     constants = dict(FC=fc, U0=bool(used & 1), U1=bool(used & 2), U2=bool(used & 4),
                      HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE, INT8=int8,
@@ -441,12 +450,16 @@ def _make_pointwise(fc, used):
     # the int8 forms chosen at import (int8_native): in the variant's name, so that a loop cached with
     # one form never loads under another
     constants["INT8_FORMS"] = (ENCODE, DECODE)
-    label = "_".join(map(str, tuple(fc))) + f"_u{used}"
-    constants["RUN_WORDS"] = _jit(variant(_run_words, label, constants))
+    label = "_".join(map(str, tuple(fc))) + f"_u{used}" + (f"_r{roots}" if roots else "")
+    # an unsigned slot of square-root codes: its roots taken in the int8 block's element loop (R0-R2)
+    constants.update(R0=bool(roots & 1), R1=bool(roots & 2), R2=bool(roots & 4))
+    no_roots = dict(R0=False, R1=False, R2=False)
+    constants["RUN_WORDS"] = _jit(variant(_run_words, label, dict(constants, **no_roots)))
     # bfloat16 state: each sub-block first by the NaN-free forms, redone by RUN_WORDS where a new
     # value is NaN (or inf)
     constants["FAST"] = fast = FAST_BF16 and fc.state == STATE_BF16
-    constants["RUN_FAST"] = _jit(variant(_run_words, label + "_fast", dict(constants, FAST=True))) if fast else None
+    constants["RUN_FAST"] = _jit(variant(_run_words, label + "_fast", dict(constants, FAST=True, **no_roots))) \
+        if fast else None
     # an int8 block's element loop also takes the maxima of its new values' magnitude bits (the
     # blocks' absmax, vectorized beside the element math: no pass of its own over the block)
     constants["RUN_BLOCK"] = _inline(variant(_run_words, label + "_tops", dict(constants, TOPS=int8, FAST=False)))
@@ -458,7 +471,7 @@ def _make_pointwise(fc, used):
     return _pjit(variant(_pointwise_format, label, constants))
 
 
-def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk):
+def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk, r0, r1, r2):
     # with TOPS, the integer maximum of each slot's new magnitudes' bits (see _block_absmax); with
     # FAST, the NaN-free forms (_format_element_num): an element whose new values hold a NaN or inf
     # (the sum of them times 0 is not 0) keeps its words (masked stores) and is marked in ``mk``, for
@@ -506,6 +519,15 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk):
             _word_out(v0, i, SKIND, U0, x0, slot_bits(r01, 0))
             _word_out(v1, i, SKIND, U1, x1, slot_bits(r01, 1))
             _word_out(v2, i, SKIND, U2, x2, _slot_random(SKIND, k2, idx, 2))
+        # with R0-R2, the square roots of the slots' new values (an unsigned slot of square-root codes:
+        # the code's root, the same operation on the same value as a family's own root of it, so
+        # LLVM takes it once)
+        if R0:
+            r0[i] = math.sqrt(x0)
+        if R1:
+            r1[i] = math.sqrt(x1)
+        if R2:
+            r2[i] = math.sqrt(x2)
         if TOPS:
             if U0:
                 t0 = max(t0, and32(f32_bits(x0), 0x7FFFFFFF))
@@ -532,14 +554,14 @@ def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
         s1 = _span(v1, b, b + m) if U1 else v1
         s2 = _span(v2, b, b + m) if U2 else v2
         _, _, _, bad = RUN_FAST(_span(p, b, b + m), _span(g, b, b + m), sm, s0, s1, s2, sc, keyp, k01, k2,
-                                add32(o, b), mk)
+                                add32(o, b), mk, mk, mk, mk)
         if bad != 0:
             for i in range(m):
                 if mk[i] != 0:
                     j = b + i
                     RUN_WORDS(_span(p, j, j + 1), _span(g, j, j + 1), _span(mb, j, j + 1) if HAS_MASTER else mb,
                               _span(v0, j, j + 1) if U0 else v0, _span(v1, j, j + 1) if U1 else v1,
-                              _span(v2, j, j + 1) if U2 else v2, sc, keyp, k01, k2, add32(o, j), mk)
+                              _span(v2, j, j + 1) if U2 else v2, sc, keyp, k01, k2, add32(o, j), mk, mk, mk, mk)
     _hold(marks)
 
 
@@ -563,7 +585,7 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
         if FAST:
             RUN_SUBS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o)
         else:
-            RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o, g)
+            RUN_WORDS(p[s:e], g[s:e], mb, v0, v1, v2, sc, keyp, k01, k2, o, g, g, g, g)
         return
     # int8 blocks: a block's scale is the absmax of its new values, so they wait in scratch.
     # Each block in three loops: the codes decoded (lookups in registers, int8_native), the element
@@ -573,12 +595,14 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
     s1 = np.zeros(BLOCK, np.float32)
     s2 = np.zeros(BLOCK, np.float32)
     si = np.zeros(BLOCK, np.uint32)
+    rs = np.zeros((3, BLOCK) if R0 or R1 or R2 else (3, 0), np.float32)  # the unsigned slots' roots
     # every array the blocks read as a view without references (_span), so that no block's calls
     # and slices count references to the arrays all threads share; the scratch is held to the end
     p, g, mbuf, a0, a1, a2, ix = _all(p), _all(g), _all(mbuf), _all(s0), _all(s1), _all(s2), _all(si)
     w0, c0, q0, d0, t0, e0 = _all(w0), _all(c0), _all(q0), _all(d0), _all(t0), _all(e0)
     w1, c1, q1, d1, t1, e1 = _all(w1), _all(c1), _all(q1), _all(d1), _all(t1), _all(e1)
     w2, c2, q2, d2, t2, e2 = _all(w2), _all(c2), _all(q2), _all(d2), _all(t2), _all(e2)
+    r0, r1, r2 = _all(rs[0]), _all(rs[1]), _all(rs[2])
     for b in range(s, e, BLOCK):
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
@@ -593,13 +617,20 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
         mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
         top0, top1, top2, _ = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
                                      _span(a1, 0, n) if U1 else a1, _span(a2, 0, n) if U2 else a2, sc, keyp, k01,
-                                     k2, o, a0)
+                                     k2, o, a0, _span(r0, 0, n) if R0 else r0, _span(r1, 0, n) if R1 else r1,
+                                     _span(r2, 0, n) if R2 else r2)
         if SQRT:
-            if U0:
+            if R0:
+                _encode_roots(w0, c0, q0, blk, o, n, r0, _absmax_of_top(top0, a0, n))
+            elif U0:
                 _encode_sqrt(w0, c0, q0, blk, o, n, a0, _absmax_of_top(top0, a0, n))
-            if U1:
+            if R1:
+                _encode_roots(w1, c1, q1, blk, o, n, r1, _absmax_of_top(top1, a1, n))
+            elif U1:
                 _encode_sqrt(w1, c1, q1, blk, o, n, a1, _absmax_of_top(top1, a1, n))
-            if U2:
+            if R2:
+                _encode_roots(w2, c2, q2, blk, o, n, r2, _absmax_of_top(top2, a2, n))
+            elif U2:
                 _encode_sqrt(w2, c2, q2, blk, o, n, a2, _absmax_of_top(top2, a2, n))
         else:
             if U0:
@@ -612,6 +643,7 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
     _hold(s1)
     _hold(s2)
     _hold(si)
+    _hold(rs)
 
 
 def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, table,
@@ -623,7 +655,7 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     remainders; empty without masters). Slot k: words ``wk`` (uint32 view, uint16 bfloat16
     bits or uint8 codes), int8 scales ``ck`` and small-tensor values ``mk``, its map ``qk``,
     padded midpoints ``dk`` and bucket table ``tk`` (square-root codes: ``qk`` is the slot's levels,
-    float32 [largest code squared, signed]). ``table``: FormatState.tensor_table().
+    float32 [largest code, signed]). ``table``: FormatState.tensor_table().
     """
     keyp = stream_key(seed, step, 0)
     k01, k2 = stream_key(seed, step, state_stream(0)), stream_key(seed, step, state_stream(2))

@@ -43,8 +43,8 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            dequantize, f32_bits, lamb_format_update, load_master, load_master_wide,
                                            packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
-                                           quantize_packed_finite, rand32, slot_bits, SQRT_FMA_BASE, sqrt_code_scaled,
-                                           sqrt_decode_factor, sqrt_encode_factors, sqrt_value_byte, sqrt_value_fma,
+                                           quantize_packed_finite, rand32, slot_bits, SQRT_FMA_BASE, sqrt_code, sqrt_code_fast,
+                                           sqrt_decode_factor, sqrt_encode_factor, sqrt_value_byte, sqrt_value_fma,
                                            state_stream, store_master, store_master_wide, store_master_wide_num,
                                            stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
@@ -1197,7 +1197,8 @@ def _store_state_packed(usedk, quant, sz, addr, vec, cnt, w, x, scale, packed):
         _store_plain(sz, addr, vec, cnt, w, x)
 
 
-_N2 = tuple(np.float32(sqrt_levels(signed) ** 2) for signed in (False, True))  # the largest code squared
+_N = tuple(np.float32(sqrt_levels(signed)) for signed in (False, True))  # the largest code
+_N2 = tuple(n * n for n in _N)  # the largest code squared
 
 
 @_device
@@ -1223,19 +1224,19 @@ def _decode_sqrt(usedk, w, x, scale, signed):
 
 @_device
 def _store_state_sqrt(usedk, quant, sz, addr, vec, cnt, w, x, scale, signed):
-    """:func:`_store_state` for the square-root codes: the block's factors once (``sqrt_encode_factors``),
-    then each code by ``sqrt_code_scaled`` (no table); a usual block's ``pre`` is 1 and left out."""
+    """:func:`_store_state` for the square-root codes: the block's factor once (``sqrt_encode_factor``),
+    then each code (no table): a usual block's by ``sqrt_code_fast``, the others' by ``sqrt_code``."""
     if not usedk:
         return
     if quant:
-        pre, inv = sqrt_encode_factors(float32(scale), _N2[1] if signed else _N2[0])
-        pre, inv = float32(pre), float32(inv)
-        if pre == 1:
+        fast, k = sqrt_encode_factor(float32(scale), _N[1] if signed else _N[0])
+        k = float32(k)
+        if fast:
             for j in range(LANE):
-                w[j] = sqrt_code_scaled(float32(abs(x[j]) * inv), x[j], signed)
+                w[j] = sqrt_code_fast(x[j], k, signed)
         else:
             for j in range(LANE):
-                w[j] = sqrt_code_scaled(float32((abs(x[j]) * pre) * inv), x[j], signed)
+                w[j] = sqrt_code(x[j], k, signed)
         st8_8(addr, vec, cnt, w)
     else:
         _store_plain(sz, addr, vec, cnt, w, x)

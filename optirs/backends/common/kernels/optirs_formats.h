@@ -614,13 +614,14 @@ float8 optirs_dequantize8(uchar8 c, float scale, __local const float *q)
 
 /* ---------------------------------------------------------------- int8 square-root codes
 
- * state_dtype "int8_sqrt" (docs/formats.md; the numba sqrt_factors, sqrt_code_scaled and
+ * state_dtype "int8_sqrt" (docs/formats.md; the numba sqrt_factors, sqrt_code, sqrt_code_fast and
  * sqrt_value of optirs/backends/common/formats.py): the int8 state's blocks, scales and small
  * tensors, but each code is arithmetic, so the kernels read no map and no local memory. A block's
- * factors are taken once a round (8 of its elements) per slot; an element's code is a product, a
- * max, a square root and an add, its value an add and two products. */
+ * factors are taken once a round (8 of its elements) per slot; an element's code is a max, a square
+ * root, a product and an add, its value an add and two products. */
 
-/* n^2, the largest code squared: 127^2 for a signed slot, 255^2 for an unsigned one. */
+/* n, the largest code (127 for a signed slot, 255 for an unsigned one), and n^2. */
+#define OPTIRS_SQRT_N(sg) ((sg) ? 127.0f : 255.0f)
 #define OPTIRS_SQRT_N2(sg) ((sg) ? 16129.0f : 65025.0f)
 
 /* The windows of optirs/backends/common/fast_paths.py where the GPU's fast division is div.rn, for
@@ -685,35 +686,48 @@ float8 optirs_sqrt_fast8(float8 x)
 #endif
 }
 
-/* The codes of 8 values x at a block's factors (pre, inv), each in the low byte of its word:
- * u = (|x| * pre) * inv, c = rint(sqrt(u)) ties to even, -c for a negative x of a signed slot.
- * rint(sqrt(v)) is 0 for every v < 0.25, so the root of max(u, 2^-100) is the contract's code for
- * u = 0, a tiny u and a NaN u alike (fmax drops the NaN), and keeps the root in optirs_sqrt_fast8's
- * window: a block's own values have |x| <= scale, so u <= 65025 * (1 + 2^-22). The rounding is one
- * add: c + 1.5 * 2^23 (|c| < 2^22) rounds to the integer nearest c, ties to even, and its bits are
- * 0x4B400000 + rint(c), whose low byte is the code's two's complement byte (where rint and a
- * conversion to an integer took two conversion instructions). A signed slot takes x's sign bit
- * onto the root (never negative) by one AND-OR, where copysign took a shift, a compare and a
- * select through clang + ptxas. Lanes past a tensor's end (never stored) may hold any value: the
- * arithmetic then gives some word. */
-uint8 optirs_sqrt_words8(float8 x, float pre, float inv, int is_signed)
+float optirs_sqrt_fast(float x)
 {
-    const float8 u = (fabs(x) * pre) * inv;
-    const uint8 r = as_uint8(optirs_sqrt_fast8(fmax(u, 0x1p-100f)));
-    return as_uint8(as_float8(is_signed ? r | (as_uint8(x) & 0x80000000u) : r) + 0x1.8p23f);
+#ifdef OPTIRS_RSQRT_APPROX
+    const float r = OPTIRS_RSQRT_APPROX(x);
+    const float s = x * r;
+    return fma(fma(-s, s, x), r * 0.5f, s);
+#else
+    return sqrt(x);
+#endif
 }
 
-/* The codes of a block's 8 new values x under its new scale (their absmax). The usual block (a scale
- * in the division's window, so pre is 1: the product by it drops out) takes inv by optirs_div_fast;
- * the rest the contract's factors: pre = 2^64 for 0 < scale < 2^-96, inv = n^2 / (scale * pre), 0 for
- * a zero scale (NaN for a NaN scale, whose u is NaN: code 0). The same codes either way. */
+/* The codes of 8 values x at their block's k, each in the low byte of its word: the root r of |x|
+ * (a signed slot) or of x (an unsigned one), c = rint(r * k) ties to even, -c for a negative x of a
+ * signed slot. fast: a block whose scale is in [2^-80, 2^98), where k < 2^48: the root of the
+ * radicand raised to 2^-100 by optirs_sqrt_fast8, whose window holds it (a radicand below codes as
+ * 0 either way, its root times k being below 1/4; 0, negative and NaN radicands code 0, fmax
+ * dropping the NaN), and the product never NaN. Otherwise the IEEE root of the radicand raised to 0
+ * and a NaN product (inf times the 0 of an inf scale's block) made 0. The rounding is one add:
+ * t + 1.5 * 2^23 (|t| < 2^22) rounds to the integer nearest t, ties to even, and its bits are
+ * 0x4B400000 + rint(t), whose low byte is the code's two's complement byte (where rint and a
+ * conversion to an integer took two conversion instructions). A signed slot takes x's sign bit onto
+ * the product (never negative) by one AND-OR, where copysign took a shift, a compare and a select
+ * through clang + ptxas. Lanes past a tensor's end (never stored) may hold any value: the
+ * arithmetic then gives some word. */
+uint8 optirs_sqrt_words8(float8 x, float k, int is_signed, int fast)
+{
+    const float8 u = is_signed ? fabs(x) : x;
+    const float8 t = fast ? optirs_sqrt_fast8(fmax(u, 0x1p-100f)) * k : fmax(sqrt(fmax(u, 0.0f)) * k, 0.0f);
+    const uint8 b = as_uint8(t);
+    return as_uint8(as_float8(is_signed ? b | (as_uint8(x) & 0x80000000u) : b) + 0x1.8p23f);
+}
+
+/* The codes of a block's 8 new values x under its new scale (their absmax): k = n / sqrt(scale), 0
+ * for a zero scale; a usual block's (a scale in [2^-80, 2^98), whose root is in the division's
+ * window) by optirs_sqrt_fast and optirs_div_fast, the others' by the IEEE operations. The same
+ * codes either way. */
 uint8 optirs_sqrt_block8(float8 x, float scale, int is_signed)
 {
-    const float n2 = OPTIRS_SQRT_N2(is_signed);
-    if (optirs_divisor_in_window(scale))
-        return optirs_sqrt_words8(x, 1.0f, optirs_div_fast(n2, scale), is_signed);
-    const float pre = scale > 0.0f && scale < 0x1p-96f ? 0x1p64f : 1.0f;
-    return optirs_sqrt_words8(x, pre, scale == 0.0f ? 0.0f : n2 / (scale * pre), is_signed);
+    const float n = OPTIRS_SQRT_N(is_signed);
+    if (scale >= 0x1p-80f && scale < 0x1p98f)
+        return optirs_sqrt_words8(x, optirs_div_fast(n, optirs_sqrt_fast(scale)), is_signed, 1);
+    return optirs_sqrt_words8(x, scale == 0.0f ? 0.0f : n / sqrt(scale), is_signed, 0);
 }
 
 /* Byte k of w as an int, sign-extended (a signed slot's code) or not: one prmt.b32 each with
