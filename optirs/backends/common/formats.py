@@ -25,8 +25,7 @@ from optirs.backends.common.bits32 import (add32, and32, bits_f32_cast, f32_bits
                                            shr32, sub32, u32, xor32)
 from optirs.backends.common.int8_buckets import HI as _BK_HI, LO as _BK_LO, WIDTH as _BK_WIDTH
 from optirs.backends.common.elementwise import element_update, lamb_direction, lamb_moments
-from optirs.backends.common.fast_paths import (div_fast, dividend_in_window, divisor_in_window, fma_rn, mul_rn,
-                                               sqrt_fast)
+from optirs.backends.common.fast_paths import div_fast, dividend_in_window, fma_rn, mul_rn, sqrt_fast
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
 from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
