@@ -2,7 +2,8 @@
 
 For each format: AdamW's format step through the cpu backend's step hook (no frontend: the loop
 itself), the step time (median of batches), the bytes per parameter it moves (each array read and
-written once, the gradient read; int8 state counts its block scales), GB/s, and the ratio to a
+written once, the gradient read; int8 state counts its block scales; LAMB's three passes count
+what each reads and writes), GB/s, and the ratio to a
 parallel host copy (numba ``prange`` over blocks, the kernels' thread count) moving the same
 number of bytes, timed in alternation with the step so that both see the same load (other
 processes on a shared machine move the figures; the ratio is what stays). Beside the wall-clock
@@ -63,10 +64,17 @@ _MASTER = {None: 0, "float32": 4, "remainder16": 2, "remainder8": 1}
 _STATE = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8_sqrt": 1 + 4 / 256}
 
 
-def bytes_per_param(param: str, grad: str, master: Optional[str], state: str, slots: int) -> float:
-    """Bytes one step moves per parameter: parameter, master and state read and written, gradient read."""
+def bytes_per_param(param: str, grad: str, master: Optional[str], state: str, slots: int, family: str = "adamw",
+                    clips: bool = False) -> float:
+    """Bytes one step moves per parameter: parameter, master and state read and written, gradient read.
+    LAMB takes three passes: the gradient norm (``clips``: max_grad_norm set), the sums of pass 1
+    (everything read, nothing written) and pass 2 (everything read again, then written)."""
     m = _MASTER[master] if param != "float32" else 0
-    return 2 * _WIDTH[param] + _WIDTH[grad] + 2 * m + 2 * slots * _STATE[state]
+    reads = _WIDTH[param] + _WIDTH[grad] + m + slots * _STATE[state]
+    writes = _WIDTH[param] + m + slots * _STATE[state]
+    if family == "lamb":
+        return (_WIDTH[grad] if clips else 0) + 2 * reads + writes
+    return reads + writes
 
 
 def host_copy_kernel():
@@ -160,7 +168,8 @@ def measure(problem: Problem, copy, steps: int, batches: int) -> Dict[str, Any]:
     """The step and a copy of the same bytes, alternating batch by batch; medians of both."""
     n = problem.layout.total
     bpp = bytes_per_param(problem.fmt.param_dtype, problem.fmt.grad_dtype, problem.fmt.master,
-                          problem.fmt.state_dtype, problem.slots)
+                          problem.fmt.state_dtype, problem.slots, problem.d.name,
+                          getattr(problem.hp, "max_grad_norm", 0) > 0)
     words = int(n * bpp / 16)  # a copy of half the bytes reads and writes them all
     src, dst = np.ones(words, np.uint64), np.zeros(words, np.uint64)
     block = 1 << 15

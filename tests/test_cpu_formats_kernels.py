@@ -204,3 +204,29 @@ def test_step_scratch_lives_while_another_thread_allocates():
     assert [line[0] for line in lines] == ["int8", "bfloat16"], out.stdout
     for state, differ, bad in lines:
         assert (differ, bad) == ("0", "0"), f"{state} state: {differ} parameters differ, {bad} blocks overwritten"
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+def test_gradient_sums_by_lanes_are_the_float64_sum(kind):
+    """LAMB's gradient norm on the cpu sums float64 squares per vector lane (``_sum_add``): the sum
+    of the squares of the decoded words within float64 rounding, inf for an inf and NaN for a NaN."""
+    import math
+
+    from optirs.backends.cpu.formats_kernels import _grad_sum_squares
+    from optirs.core import reference as R
+    from optirs.core.formats import BF16, F32
+
+    rng = np.random.default_rng(3)
+    code = F32 if kind == "float32" else BF16
+    for n in (0, 1, 7, 1000, 4099):
+        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-20, 20, n)).astype(np.float32)
+        words = x.view(np.uint32) if kind == "float32" else R.nearest16(x, "bfloat16")
+        values = words.view(np.float32) if kind == "float32" else R.decode16(words, "bfloat16")
+        want = math.fsum(float(v) ** 2 for v in np.asarray(values, np.float64))
+        got = _grad_sum_squares(words, code)
+        assert abs(got - want) <= max(n, 1) * 2.0**-52 * want, (n, got, want)
+        for special, expect in ((np.inf, math.isinf), (np.nan, math.isnan)):
+            if n:
+                w = words.copy()
+                w[n // 2] = np.array([special], np.float32).view(np.uint32)[0] >> (16 if kind == "bfloat16" else 0)
+                assert expect(_grad_sum_squares(w, code)), (n, special)

@@ -24,7 +24,7 @@ from optirs.backends.common.bits32 import add32, and32, or32, shl32, shr32
 from optirs.backends.common.elementwise import element_update, lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
-                                            decode_state, decode_value, encode_state, f32_bits, lamb_format_element,
+                                            decode_state, decode_value, encode_state, f32_bits, lamb_format_update,
                                             load_master, load_master_wide, quantize_factors, rand32, remainder_word,
                                             slot_bits, sqrt_code_of_root, sqrt_factors, sqrt_value, state_stream,
                                             store_master, store_master_num, store_master_wide, store_master_wide_num,
@@ -91,37 +91,11 @@ def _all(a):
     return _span(a, 0, a.shape[0])
 
 
-@_jit
-def _load_codes(w, scales, small, q, blk, so, o, n, buf, sqrt):
-    """Decode ``n`` int8 state values of one block (flat offset ``o``, scale index ``blk``; ``q`` the
-    map's :func:`~optirs.backends.cpu.int8_native.decoder_table`, or the slot's levels with ``sqrt``,
-    the square-root codes) into ``buf``, or a small tensor's float32 range at ``so`` >= 0."""
-    if so >= 0:
-        for i in range(n):
-            buf[i] = small[so + i]
-    elif sqrt:
-        _decode_sqrt(w, q, scales[blk], o, n, buf)
-    else:
-        _decode_block(w, q, scales[blk], o, n, buf)
-
-
 @_inline
 def _decode_block(w, q, s, o, n, buf):
     """``n`` int8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf`` (the map in
     registers where the cpu has AVX-512: :mod:`optirs.backends.cpu.int8_native`)."""
     decode_block(w, q, s, o, n, buf)
-
-
-@_jit
-def _store_codes_or_small(w, scales, small, q, mid, tbl, tree, blk, so, o, n, buf, ix, sqrt):
-    """The inverse of :func:`_load_codes` (``ix``: uint32 scratch of a block)."""
-    if so >= 0:
-        for i in range(n):
-            small[so + i] = buf[i]
-    elif sqrt:
-        _encode_sqrt(w, scales, q, blk, o, n, buf, _block_absmax(buf, n))
-    else:
-        _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix)
 
 
 @_inline
@@ -162,20 +136,6 @@ def _encode_roots(w, scales, lv, blk, o, n, roots, m):
     c = _span(w, o, o + n)
     for i in range(n):
         c[i] = np.uint8(sqrt_code_of_root(roots[i], k, roots[i], False) & 0xFF)
-
-
-@_jit
-def _load_words(w, kind, o, n, buf):
-    """Decode ``n`` float32 / bfloat16 state words at ``o`` into ``buf``."""
-    for i in range(n):
-        buf[i] = _word_in(w, o + i, kind, True)
-
-
-@_jit
-def _store_words(w, kind, o, n, buf, key, k):
-    """Encode ``buf`` back as slot ``k`` (bfloat16 words round stochastically with its stream's ``key``)."""
-    for i in range(n):
-        _word_out(w, o + i, kind, True, buf[i], _slot_random(kind, key, o + i, k))
 
 
 @_jit
@@ -417,7 +377,7 @@ def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
 U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = R0 = R1 = R2 = False
 SKIND = STATE_F32
-RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = LOAD_MOMENTS = DECODE = LAMB_SUMS = LAMB_WRITE = None
+RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = DECODE = LAMB_SUMS = LAMB_WRITE = LAMB_ELEMENTS = None
 WRITE = False
 # a bfloat16-state chunk's sub-block (_run_fast): its marks stay in the L1 cache
 SUB = 4096
@@ -674,12 +634,27 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
             c = claim(next_chunk)
 
 
+@intrinsic
+def _sum_add(typingctx, a, b):
+    """``a + b`` (float64) with LLVM's ``reassoc`` flag on this addition alone: a loop's running sum
+    of them becomes one sum per vector lane, added up after the loop (a sum in order is a chain of
+    dependent additions that does not vectorize; the values summed keep their IEEE operations)."""
+    if a != types.float64 or b != types.float64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1], flags=("reassoc",))
+
+    return types.float64(types.float64, types.float64), codegen
+
+
 @_jit
-def _grad_sum_squares(g, s, e, kind):
+def _grad_sum_squares(g, kind):
+    """The float64 sum of the squares of a chunk's gradient words (``g`` sliced to the chunk)."""
     total = 0.0
-    for i in range(s, e):
+    for i in range(g.shape[0]):
         x = np.float64(decode_value(np.uint32(g[i]), kind))
-        total += x * x
+        total = _sum_add(total, x * x)
     return total
 
 
@@ -692,64 +667,101 @@ def lamb(fc):
     k = _LAMB.get(key)
     if k is None:
         fc = FormatCodes(*fc)
-        constants = dict(FC=fc, INT8=fc.state in (STATE_INT8, STATE_INT8_SQRT), SQRT=fc.state == STATE_INT8_SQRT,
+        int8 = fc.state in (STATE_INT8, STATE_INT8_SQRT)
+        constants = dict(FC=fc, INT8=int8, SQRT=fc.state == STATE_INT8_SQRT,
                          HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE,
+                         DECODE=_decode_sqrt if fc.state == STATE_INT8_SQRT else _decode_block,
+                         SKIND=STATE_F32 if int8 else fc.state,  # an int8 block's scratch, a small tensor's state
                          INT8_FORMS=(ENCODE, DECODE))  # as in _make_pointwise
         label = "_".join(map(str, key))
-        constants["LOAD_MOMENTS"] = _jit(variant(_load_moments, label, constants))
         # each pass's chunk a serial function of its own, as the pointwise CHUNK (numba's parfor
-        # lowering optimizes a body this size worse); pass 1 sums, pass 2 writes
-        constants["LAMB_SUMS"] = _jit(variant(_lamb_chunk, label + "_sums", dict(constants, WRITE=False)))
-        constants["LAMB_WRITE"] = _jit(variant(_lamb_chunk, label + "_write", dict(constants, WRITE=True)))
+        # lowering optimizes a body this size worse); pass 1 sums, pass 2 writes; the element loop
+        # (LAMB_ELEMENTS) inlined into each
+        for name, write in (("LAMB_SUMS", False), ("LAMB_WRITE", True)):
+            c = dict(constants, WRITE=write, TOPS=write and int8)
+            c["LAMB_ELEMENTS"] = _inline(variant(_lamb_elements, f"{label}_{name.lower()}", c))
+            constants[name] = _jit(variant(_lamb_chunk, f"{label}_{name.lower()}", c))
         k = _LAMB[key] = _pjit(variant(_lamb_format, label, constants))
     return k
 
 
-def _load_moments(w0, c0, m0, q0, w1, c1, m1, q1, blk, so, o, n, a0, a1):
-    """Both moments of one block into ``a0``, ``a1`` (int8 codes and scales, or words): both passes read them."""
-    if INT8:
-        _load_codes(w0, c0, m0, q0, blk, so, o, n, a0, SQRT)
-        _load_codes(w1, c1, m1, q1, blk, so, o, n, a1, SQRT)
-    else:
-        _load_words(w0, FC.state, o, n, a0)
-        _load_words(w1, FC.state, o, n, a1)
+def _lamb_elements(p, g, mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o):
+    # LAMB's element loop over arrays sliced alike (state words, or an int8 block's float32 scratch).
+    # Pass 1 (WRITE False) returns the float64 sums of the masters' and the directions' squares
+    # (per vector lane, _sum_add) and writes nothing; pass 2 recomputes the same values and writes
+    # the parameter, its master and the moments, and with TOPS returns the integer maxima of the
+    # new moments' magnitude bits (an int8 block's absmax, as the pointwise RUN_BLOCK)
+    ps = us = 0.0
+    t0 = t1 = np.uint32(0)
+    for i in range(p.shape[0]):
+        idx = add32(o, i)
+        x, m, v, u = lamb_format_update(_load_master_cpu(np.uint32(p[i]), _master_word(mb, i, HAS_MASTER), FC),
+                                        decode_value(np.uint32(g[i]), FC.grad), _word_in(v0, i, SKIND, True),
+                                        _word_in(v1, i, SKIND, True), grad_scale, sc)
+        if WRITE:
+            pw, mw = _store_master_cpu(x - lr_t * u, FC, keyp, idx, False)
+            p[i] = pw
+            if HAS_MASTER:
+                mb[i] = mw
+            r01 = rand32(k01, idx) if SKIND == STATE_BF16 else np.uint32(0)  # one hash, both slots
+            _word_out(v0, i, SKIND, True, m, slot_bits(r01, 0))
+            _word_out(v1, i, SKIND, True, v, slot_bits(r01, 1))
+            if TOPS:
+                t0 = max(t0, and32(f32_bits(m), 0x7FFFFFFF))
+                t1 = max(t1, and32(f32_bits(v), 0x7FFFFFFF))
+        else:
+            xd, ud = np.float64(x), np.float64(u)
+            ps = _sum_add(ps, xd * xd)
+            us = _sum_add(us, ud * ud)
+    return ps, us, t0, t1
 
 
 def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, e1, off, blk0, so, s, e,
                 grad_scale, lr_t, sc, keyp, k01):
-    # one chunk of LAMB's format step, block by block from the decoded moments: pass 1 (WRITE
-    # False) returns the chunk's float64 sums of p^2 and u^2 and writes nothing; pass 2 recomputes
-    # the same values and writes the parameter, its master and the encoded moments
-    a0 = np.zeros(BLOCK, np.float32)
-    a1 = np.zeros(BLOCK, np.float32)
-    ix = np.zeros(BLOCK if WRITE else 0, np.uint32)
+    # one chunk of LAMB's format step: pass 1 (WRITE False) returns the chunk's float64 sums of p^2
+    # and u^2 and writes nothing; pass 2 recomputes the same values and writes the parameter, its
+    # master and the moments. Float32 / bfloat16 words (and a small tensor's float32 state under
+    # int8) are decoded and encoded in the element loop over the chunk's slices; int8 blocks are
+    # decoded into scratch, and pass 2 codes each block under the absmax of its new values
+    if not INT8 or so >= 0:
+        n = e - s
+        o = off + s
+        mb = mbuf[o : o + n] if HAS_MASTER else mbuf
+        if INT8:
+            v0, v1 = m0[so + s : so + e], m1[so + s : so + e]
+        else:
+            v0, v1 = w0[o : o + n], w1[o : o + n]
+        ps_c, us_c, _, _ = LAMB_ELEMENTS(p[s:e], g[s:e], mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o)
+        return ps_c, us_c
+    s0 = np.zeros(BLOCK, np.float32)
+    s1 = np.zeros(BLOCK, np.float32)
+    si = np.zeros(BLOCK, np.uint32)
+    # views without references (_span), as the pointwise CHUNK's; the scratch held to the end
+    p, g, mbuf, a0, a1, ix = _all(p), _all(g), _all(mbuf), _all(s0), _all(s1), _all(si)
+    w0, c0, q0, d0, t0, e0 = _all(w0), _all(c0), _all(q0), _all(d0), _all(t0), _all(e0)
+    w1, c1, q1, d1, t1, e1 = _all(w1), _all(c1), _all(q1), _all(d1), _all(t1), _all(e1)
     ps_c, us_c = 0.0, 0.0
     for b in range(s, e, BLOCK):
         n = min(BLOCK, e - b)
         blk = blk0 + b // BLOCK
-        sob = so + b if so >= 0 else so
         o = off + b
-        LOAD_MOMENTS(w0, c0, m0, q0, w1, c1, m1, q1, blk, sob, o, n, a0, a1)
-        for i in range(n):
-            idx = o + i
-            x, mn, vn, u = lamb_format_element(np.uint32(p[b + i]), _master_word(mbuf, idx, HAS_MASTER),
-                                               np.uint32(g[b + i]), a0[i], a1[i], grad_scale, sc, FC)
-            if WRITE:
-                pw, mw = store_master(x - lr_t * u, FC, keyp, idx)
-                p[b + i] = pw
-                if HAS_MASTER:
-                    mbuf[idx] = mw
-                a0[i], a1[i] = mn, vn
-            else:
-                ps_c += np.float64(x) * np.float64(x)
-                us_c += np.float64(u) * np.float64(u)
+        DECODE(w0, q0, c0[blk], o, n, a0)
+        DECODE(w1, q1, c1[blk], o, n, a1)
+        mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
+        ps_b, us_b, top0, top1 = LAMB_ELEMENTS(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n),
+                                               _span(a1, 0, n), grad_scale, lr_t, sc, keyp, k01, o)
+        ps_c += ps_b
+        us_c += us_b
         if WRITE:
-            if INT8:
-                _store_codes_or_small(w0, c0, m0, q0, d0, t0, e0, blk, sob, o, n, a0, ix, SQRT)
-                _store_codes_or_small(w1, c1, m1, q1, d1, t1, e1, blk, sob, o, n, a1, ix, SQRT)
+            if SQRT:
+                _encode_sqrt(w0, c0, q0, blk, o, n, a0, _absmax_of_top(top0, a0, n))
+                _encode_sqrt(w1, c1, q1, blk, o, n, a1, _absmax_of_top(top1, a1, n))
             else:
-                _store_words(w0, FC.state, o, n, a0, k01, 0)
-                _store_words(w1, FC.state, o, n, a1, k01, 1)
+                _encode_scaled(w0, c0, d0, t0, e0, blk, o, n, a0, ix, _absmax_of_top(top0, a0, n))
+                _encode_scaled(w1, c1, d1, t1, e1, blk, o, n, a1, ix, _absmax_of_top(top1, a1, n))
+    _hold(s0)
+    _hold(s1)
+    _hold(si)
     return ps_c, us_c
 
 
@@ -766,7 +778,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
         for _loop in prange(loops(nchunks)):
             c = claim(next_chunk)
             while c < nchunks:
-                partial[c] = _grad_sum_squares(gs[chunk_tensor[c]], chunk_start[c], chunk_stop[c], FC.grad)
+                partial[c] = _grad_sum_squares(gs[chunk_tensor[c]][chunk_start[c] : chunk_stop[c]], FC.grad)
                 c = claim(next_chunk)
         norm = np.sqrt(partial.sum())
     grad_scale = lamb_grad_scale(norm, sc)  # the gradient factor times the clip of the factored norm
