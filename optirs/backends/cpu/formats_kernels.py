@@ -685,12 +685,15 @@ def lamb(fc):
     return k
 
 
-def _lamb_elements(p, g, mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o):
+def _lamb_elements(p, g, mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o, sx, su):
     # LAMB's element loop over arrays sliced alike (state words, or an int8 block's float32 scratch).
-    # Pass 1 (WRITE False) returns the float64 sums of the masters' and the directions' squares
-    # (per vector lane, _sum_add) and writes nothing; pass 2 recomputes the same values and writes
-    # the parameter, its master and the moments, and with TOPS returns the integer maxima of the
-    # new moments' magnitude bits (an int8 block's absmax, as the pointwise RUN_BLOCK)
+    # Pass 1 (WRITE False) returns the float64 sums of the masters' and the directions' squares and
+    # writes nothing but its scratch ``sx``, ``su``: the float32 values go there and a loop of their
+    # own sums them per vector lane (_sum_add), so that the element math vectorizes 8 float32 lanes
+    # wide where a float64 sum in the same loop held it to 4 (1.04-1.6x faster, measured). Pass 2
+    # recomputes the same values and writes the parameter, its master and the moments, and with
+    # TOPS returns the integer maxima of the new moments' magnitude bits (an int8 block's absmax, as
+    # the pointwise RUN_BLOCK)
     ps = us = 0.0
     t0 = t1 = np.uint32(0)
     for i in range(p.shape[0]):
@@ -710,7 +713,11 @@ def _lamb_elements(p, g, mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o):
                 t0 = max(t0, and32(f32_bits(m), 0x7FFFFFFF))
                 t1 = max(t1, and32(f32_bits(v), 0x7FFFFFFF))
         else:
-            xd, ud = np.float64(x), np.float64(u)
+            sx[i] = x
+            su[i] = u
+    if not WRITE:
+        for i in range(p.shape[0]):
+            xd, ud = np.float64(sx[i]), np.float64(su[i])
             ps = _sum_add(ps, xd * xd)
             us = _sum_add(us, ud * ud)
     return ps, us, t0, t1
@@ -721,8 +728,9 @@ def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, 
     # one chunk of LAMB's format step: pass 1 (WRITE False) returns the chunk's float64 sums of p^2
     # and u^2 and writes nothing; pass 2 recomputes the same values and writes the parameter, its
     # master and the moments. Float32 / bfloat16 words (and a small tensor's float32 state under
-    # int8) are decoded and encoded in the element loop over the chunk's slices; int8 blocks are
-    # decoded into scratch, and pass 2 codes each block under the absmax of its new values
+    # int8) are decoded and encoded in the element loop over the chunk's slices (pass 1 by
+    # sub-blocks of SUB, the size of its scratch); int8 blocks are decoded into scratch, and pass 2
+    # codes each block under the absmax of its new values
     if not INT8 or so >= 0:
         n = e - s
         o = off + s
@@ -731,13 +739,32 @@ def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, 
             v0, v1 = m0[so + s : so + e], m1[so + s : so + e]
         else:
             v0, v1 = w0[o : o + n], w1[o : o + n]
-        ps_c, us_c, _, _ = LAMB_ELEMENTS(p[s:e], g[s:e], mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o)
+        if WRITE:
+            ps_c, us_c, _, _ = LAMB_ELEMENTS(p[s:e], g[s:e], mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o, mb, mb)
+            return ps_c, us_c
+        xs = np.empty(min(n, SUB), np.float32)
+        ys = np.empty(min(n, SUB), np.float32)
+        sx, su = _all(xs), _all(ys)
+        ps_c, us_c = 0.0, 0.0
+        for b in range(0, n, SUB):
+            k = min(SUB, n - b)
+            ps_b, us_b, _, _ = LAMB_ELEMENTS(_span(p, s + b, s + b + k), _span(g, s + b, s + b + k),
+                                             _span(mb, b, b + k) if HAS_MASTER else mb, _span(v0, b, b + k),
+                                             _span(v1, b, b + k), grad_scale, lr_t, sc, keyp, k01, add32(o, b),
+                                             sx, su)
+            ps_c += ps_b
+            us_c += us_b
+        _hold(xs)
+        _hold(ys)
         return ps_c, us_c
     s0 = np.zeros(BLOCK, np.float32)
     s1 = np.zeros(BLOCK, np.float32)
     si = np.zeros(BLOCK, np.uint32)
+    sxb = np.zeros(BLOCK if not WRITE else 0, np.float32)
+    sub = np.zeros(BLOCK if not WRITE else 0, np.float32)
     # views without references (_span), as the pointwise CHUNK's; the scratch held to the end
     p, g, mbuf, a0, a1, ix = _all(p), _all(g), _all(mbuf), _all(s0), _all(s1), _all(si)
+    sxa, sua = _all(sxb), _all(sub)
     w0, c0, q0, d0, t0, e0 = _all(w0), _all(c0), _all(q0), _all(d0), _all(t0), _all(e0)
     w1, c1, q1, d1, t1, e1 = _all(w1), _all(c1), _all(q1), _all(d1), _all(t1), _all(e1)
     ps_c, us_c = 0.0, 0.0
@@ -749,7 +776,7 @@ def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, 
         DECODE(w1, q1, c1[blk], o, n, a1)
         mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
         ps_b, us_b, top0, top1 = LAMB_ELEMENTS(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n),
-                                               _span(a1, 0, n), grad_scale, lr_t, sc, keyp, k01, o)
+                                               _span(a1, 0, n), grad_scale, lr_t, sc, keyp, k01, o, sxa, sua)
         ps_c += ps_b
         us_c += us_b
         if WRITE:
@@ -762,6 +789,8 @@ def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, 
     _hold(s0)
     _hold(s1)
     _hold(si)
+    _hold(sxb)
+    _hold(sub)
     return ps_c, us_c
 
 
