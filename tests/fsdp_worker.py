@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -413,6 +414,21 @@ def main():
     dist.barrier()
     if dist.get_rank() == 0:
         (checkdir / "done").write_text("ok")
+    leave_group(checkdir, "fsdp")
+
+
+def leave_group(checkdir: Path, tag: str) -> None:
+    """``destroy_process_group`` with rank 0 last: rank 0 hosts the group's TCPStore, so it waits
+    (up to two minutes) until every other rank has torn its group down and said so in ``checkdir``.
+    Under load a rank once aborted in its teardown (std::terminate) after its peers had exited."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank:
+        dist.destroy_process_group()
+        (checkdir / f"{tag}-left-{rank}").write_text("ok")
+        return
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all((checkdir / f"{tag}-left-{r}").exists() for r in range(1, world)):
+        time.sleep(0.05)
     dist.destroy_process_group()
 
 

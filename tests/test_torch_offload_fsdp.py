@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from test_torch_fsdp import dist, spawn, torch  # (its module-level skips: no gloo, no FSDP2)
 
-from fsdp_worker import batch, train
+from fsdp_worker import batch, leave_group, train
 
 STEPS = 4
 
@@ -488,7 +488,7 @@ def main():
     dist.barrier()
     if dist.get_rank() == 0:
         (checkdir / f"{mode}-done").write_text("ok")
-    dist.destroy_process_group()
+    leave_group(checkdir, mode)
 
 
 if __name__ == "__main__":
