@@ -1,11 +1,13 @@
-"""AdamW in every step format beside the peers, in one run, on one backend.
+"""AdamW (or another family with formats) in every step format beside the peers, in one run, on one backend.
 
 Through the public API only: ``optirs.torch.AdamW(..., master_weights=, state_dtype=,
 stochastic_rounding=, backend=)`` on torch tensors (``--backend cuda``: CUDA tensors; ``cpu``:
 CPU tensors), or ``GpuAdamW(..., precision=Precision(...))`` on pyopencl arrays (``--backend
 opencl``). Shapes: GPT-2 124M (148 tensors; ``transformers.GPT2Config()`` when it imports) on a
 GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, tiny ones with
-``--smoke``. AdamW lr 1e-3, weight decay 0.1 on every tensor.
+``--smoke``. AdamW lr 1e-3, weight decay 0.1 on every tensor; ``--family`` sgd (momentum 0.9),
+rmsprop, adagrad, lion or lamb (max_grad_norm 1.0) in the same formats, with torch's own optimizer
+(fused where torch has it, else foreach) and bitsandbytes' 8-bit one as the peers.
 
 For each row: ms per step (back-to-back steps after warm-up, synchronized at the ends; the
 median of batches), the kernels' own time per step on CUDA (torch's profiler: the device time
@@ -22,6 +24,7 @@ AdamW8bit / AdamW4bit, FlashOptim FlashAdamW (OpenCL: the torch CUDA peers when 
     python benchmarks/bench_formats.py --backend opencl --json h200-opencl-formats.json
     python benchmarks/bench_formats.py --backend cpu
     python benchmarks/bench_formats.py --backend cpu --smoke   # seconds; skips cleanly without the device
+    python benchmarks/bench_formats.py --family lamb --only "int8 sqrt;bf16 state"
     python benchmarks/bench_formats.py --compare h200-formats.json h200-opencl-formats.json  # per format
 """
 
@@ -33,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 LR, BETAS, EPS, DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.1
 
@@ -79,12 +82,56 @@ def model_shapes(backend: str, smoke: bool) -> List[Tuple[int, ...]]:
         return gpt_shapes(50257, 1024, 768, 12)
 
 
-def format_bytes(pdt: str, master: Optional[str], state: str) -> float:
-    """Bytes per parameter one step moves: p, master and two moments read and written, g read."""
+class Family(NamedTuple):
+    """One family's rows: optirs.torch's class and the seed API's (``Gpu*`` and its hyperparameters)
+    with the same settings, its state slots, and torch's own optimizer for the peers (None: none)."""
+
+    torch_name: str
+    gpu_name: str
+    params_name: str
+    kwargs: Dict[str, Any]
+    slots: int
+    torch_peer: Optional[str]
+    bnb_peer: Optional[str]
+
+
+FAMILIES = {
+    "adamw": Family("AdamW", "GpuAdamW", "AdamParams", dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY), 2,
+                    "AdamW", "AdamW8bit"),
+    "sgd": Family("SGD", "GpuSgd", "SgdParams", dict(lr=1e-2, momentum=0.9, weight_decay=DECAY), 1, "SGD", "SGD8bit"),
+    "rmsprop": Family("RMSprop", "GpuRmsprop", "RmspropParams", dict(lr=1e-3, alpha=0.99, eps=EPS), 1, "RMSprop",
+                      "RMSprop8bit"),
+    "adagrad": Family("Adagrad", "GpuAdagrad", "AdagradParams", dict(lr=1e-2), 1, "Adagrad", "Adagrad8bit"),
+    "lion": Family("Lion", "GpuLion", "LionParams", dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=DECAY), 1, None,
+                   "Lion8bit"),
+    "lamb": Family("Lamb", "GpuLamb", "LambParams", dict(lr=LR, betas=BETAS, eps=1e-6, weight_decay=0.01,
+                                                         max_grad_norm=1.0), 2, None, "LAMB8bit"),
+}
+
+
+def seed_hyperparameters(family: str) -> Any:
+    """The family's settings as the seed API's hyperparameters (``betas`` as beta1 and beta2)."""
+    import optirs
+
+    f = FAMILIES[family]
+    kw = dict(f.kwargs)
+    if "betas" in kw:
+        kw["beta1"], kw["beta2"] = kw.pop("betas")
+    return getattr(optirs, f.params_name)(**kw)
+
+
+def format_bytes(pdt: str, master: Optional[str], state: str, family: str = "adamw") -> float:
+    """Bytes per parameter one step moves: p, master and the state read and written, g read; LAMB's
+    three passes: the gradient norm's read of g, pass 1 reading everything, pass 2 reading
+    everything again and writing."""
     p = 2 if pdt != "float32" else 4
     m = {None: 0, "float32": 4, "remainder16": 2, "remainder8": 1}[master if pdt != "float32" else None]
     s = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8_sqrt": 1 + 4 / 256}[state]
-    return 2 * p + p + 2 * m + 2 * 2 * s
+    reads = p + p + m + FAMILIES[family].slots * s
+    writes = p + m + FAMILIES[family].slots * s
+    if family == "lamb":
+        return p + 2 * reads + writes
+    return reads + writes
 
 
 def timed(sync: Callable[[], None], fn: Callable[[], None], steps: int, batches: int) -> float:
@@ -132,7 +179,7 @@ class Device:
     def sync(self) -> None:
         pass
 
-    def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
+    def optirs_row(self, shapes, spec, steps: int, batches: int, family: str = "adamw") -> Dict[str, Any]:
         raise NotImplementedError
 
 
@@ -183,21 +230,22 @@ class TorchDevice(Device):
             p.grad = torch.randn_like(p) * 1e-3
         return params
 
-    def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
+    def optirs_row(self, shapes, spec, steps: int, batches: int, family: str = "adamw") -> Dict[str, Any]:
         import optirs.torch as ot
 
         label, pdt, master, state_dtype, sr = spec
         torch = self.torch
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[pdt]
         params = self.tensors(shapes, dtype)
-        opt = ot.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY,
-                       master_weights=master if pdt != "float32" else None, state_dtype=state_dtype,
-                       stochastic_rounding=sr, seed=1234, backend=self.backend)
+        opt = getattr(ot, FAMILIES[family].torch_name)(params, **FAMILIES[family].kwargs,
+                                                       master_weights=master if pdt != "float32" else None,
+                                                       state_dtype=state_dtype, stochastic_rounding=sr, seed=1234,
+                                                       backend=self.backend)
         ms = timed(self.sync, opt.step, steps, batches)
         kms = self.kernel_ms(opt.step, steps)
         n = sum(p.numel() for p in params)
         return {"label": f"optirs {label}", "ms": ms, "kernel_ms": kms,
-                "bytes_per_param": format_bytes(pdt, master, state_dtype),
+                "bytes_per_param": format_bytes(pdt, master, state_dtype, family),
                 "state_bytes_per_param": nbytes(opt.state_dict()["state"]) / n}
 
 
@@ -263,12 +311,13 @@ class OpenclDevice(Device):
             times.append((end - opened[0]) * 1e3 / steps)
         return statistics.median(times)
 
-    def optirs_row(self, shapes, spec, steps: int, batches: int) -> Dict[str, Any]:
+    def optirs_row(self, shapes, spec, steps: int, batches: int, family: str = "adamw") -> Dict[str, Any]:
         import ml_dtypes
         import numpy as np
         import pyopencl.array as cla
 
-        from optirs import AdamParams, GpuAdamW, GpuOptimizerConfig, Precision
+        import optirs
+        from optirs import GpuOptimizerConfig, Precision
 
         label, pdt, master, state_dtype, sr = spec
         dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[pdt]
@@ -276,22 +325,24 @@ class OpenclDevice(Device):
         q = self.ctx.queue
         params = [cla.to_device(q, (rng.standard_normal(s, dtype=np.float32) * 0.02).astype(dtype)) for s in shapes]
         grads = [cla.to_device(q, (rng.standard_normal(s, dtype=np.float32) * 1e-3).astype(dtype)) for s in shapes]
-        hp = AdamParams(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=DECAY)
         precision = Precision(master_weights=master if pdt != "float32" else None, state_dtype=state_dtype,
                               stochastic_rounding=sr, seed=1234)
-        opt = GpuAdamW(hp, GpuOptimizerConfig("opencl"), precision=precision)
+        opt = getattr(optirs, FAMILIES[family].gpu_name)(seed_hyperparameters(family), GpuOptimizerConfig("opencl"),
+                                                         precision=precision)
         ms = timed(self.sync, lambda: opt.step_gpu(params, grads), steps, batches)
         kms = self.kernel_ms(lambda: opt.step_gpu(params, grads), steps, batches)
         n = sum(int(p.size) for p in params)
         return {"label": f"optirs {label}", "ms": ms, "kernel_ms": kms,
-                "bytes_per_param": format_bytes(pdt, master, state_dtype),
+                "bytes_per_param": format_bytes(pdt, master, state_dtype, family),
                 "state_bytes_per_param": nbytes(opt.state_dict()["state"]) / n}
 
 
 # ---------------------------------------------------------------- the peers
 
 
-def peers(torch: Any) -> List[Tuple[str, Callable, Any, float]]:
+def peers(torch: Any, family: str = "adamw") -> List[Tuple[str, Callable, Any, float]]:
+    if family != "adamw":
+        return family_peers(torch, family)
     # bytes per parameter: fp32 parameters read and written (8) and the gradient read (4), plus the state
     out = [("torch fused AdamW fp32", lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY,
                                                                   fused=True), torch.float32, 28.0),
@@ -324,6 +375,29 @@ def peers(torch: Any) -> List[Tuple[str, Callable, Any, float]]:
                     lambda ps: FlashAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY), torch.bfloat16, 12.0))
     except Exception as exc:
         print(f"# FlashOptim not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return out
+
+
+def family_peers(torch: Any, family: str) -> List[Tuple[str, Callable, Any, float]]:
+    """Another family's peers: torch's own optimizer (fused where torch has it, else foreach) in
+    float32 and on bfloat16 parameters and state, and bitsandbytes' 8-bit one (float32 parameters)."""
+    f = FAMILIES[family]
+    out = []
+    if f.torch_peer is not None:
+        how = "fused" if f.torch_peer == "SGD" else "foreach"
+        make = lambda ps: getattr(torch.optim, f.torch_peer)(ps, **f.kwargs, **{how: True})  # noqa: E731
+        out += [(f"torch {how} {f.torch_peer} fp32", make, torch.float32, 12.0 + 8 * f.slots),
+                (f"torch {how} {f.torch_peer} bf16 params and state", make, torch.bfloat16, 6.0 + 4 * f.slots)]
+    try:
+        import bitsandbytes as bnb
+
+        keys = ("lr", "betas", "eps", "weight_decay", "momentum", "alpha")
+        kw = {k: v for k, v in f.kwargs.items() if k in keys}
+        out.append((f"bitsandbytes {f.bnb_peer} (fp32 params)",
+                    lambda ps: getattr(bnb.optim, f.bnb_peer)(ps, **kw), torch.float32,
+                    12 + 2 * f.slots * (1 + 4 / 2048)))
+    except Exception as exc:
+        print(f"# bitsandbytes not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
     return out
 
 
@@ -445,6 +519,8 @@ def compare(paths: List[str]) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=("cuda", "opencl", "cpu"), default="cuda")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="adamw",
+                    help="the optimizer (default adamw; lamb with max_grad_norm 1.0)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few steps")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--steps", type=int, help="steps per batch (default 20 on a GPU, 3 on cpu)")
@@ -473,7 +549,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     copy_n = (1 << 20) if args.smoke else (256 << 20) if gpu else 4 * n  # host: 2x the bf16+f32 format's bytes
     copy = dev.copy_gb_per_s(copy_n, steps, batches)
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPTIRS_")}  # tuning variables
-    title = (f"AdamW step formats, {args.backend} backend on {dev.name}: {len(shapes)} tensors, {n} parameters; "
+    title = (f"{FAMILIES[args.family].torch_name} step formats, {args.backend} backend on {dev.name}: {len(shapes)} tensors, {n} parameters; "
              f"copy {copy:.1f} GB/s" + "".join(f"; {k}={v}" for k, v in settings.items()))
     print(f"# {title}", flush=True)
     rows: List[Dict[str, Any]] = []
@@ -490,7 +566,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         best = finish_rows(rows, n, copy)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"backend": args.backend, "device": dev.name, "params": n, "tensors": len(shapes),
+                json.dump({"backend": args.backend, "family": args.family, "device": dev.name, "params": n, "tensors": len(shapes),
                            "copy_gb_per_s": copy, "best_peer_ms": best, "settings": settings, "rows": rows}, f,
                           indent=1)
 
@@ -498,12 +574,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not wanted(f"optirs {spec[0]}"):
             continue
         try:
-            row = dev.optirs_row(shapes, spec, steps, batches)
+            row = dev.optirs_row(shapes, spec, steps, batches, args.family)
         except Exception as exc:
             row = {"label": f"optirs {spec[0]}", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
         done(row)
     if peer_dev is not None and not args.no_peers:
-        for label, make, dtype, bytes_pp in peers(peer_dev.torch):
+        for label, make, dtype, bytes_pp in peers(peer_dev.torch, args.family):
             if wanted(label):
                 done(peer_row(peer_dev, shapes, label, make, dtype, bytes_pp, steps, batches))
     finish_rows(rows, n, copy)
