@@ -672,26 +672,24 @@ float optirs_rsqrt_approx(float x)
  * ptxas's own fast path of sqrt.rn there (the numba sqrt_fast, sqrt.rn for every x of the window):
  * 5 instructions and no branch, where sqrt.rn's range check and slow path took a branch region;
  * the correctly rounded sqrt elsewhere. */
-float8 optirs_sqrt_fast8(float8 x)
-{
-#ifdef OPTIRS_RSQRT_APPROX
-    const float8 r = (float8)(OPTIRS_RSQRT_APPROX(x.s0), OPTIRS_RSQRT_APPROX(x.s1), OPTIRS_RSQRT_APPROX(x.s2),
-                              OPTIRS_RSQRT_APPROX(x.s3), OPTIRS_RSQRT_APPROX(x.s4), OPTIRS_RSQRT_APPROX(x.s5),
-                              OPTIRS_RSQRT_APPROX(x.s6), OPTIRS_RSQRT_APPROX(x.s7));
-    const float8 s = x * r;
-    const float8 h = r * 0.5f;
-    return fma(fma(-s, s, x), h, s);
-#else
-    return sqrt(x);
-#endif
-}
-
 float optirs_sqrt_fast(float x)
 {
 #ifdef OPTIRS_RSQRT_APPROX
     const float r = OPTIRS_RSQRT_APPROX(x);
     const float s = x * r;
     return fma(fma(-s, s, x), r * 0.5f, s);
+#else
+    return sqrt(x);
+#endif
+}
+
+/* optirs_sqrt_fast of 8 values (the approximation is a scalar instruction; elsewhere the vector
+ * sqrt). */
+float8 optirs_sqrt_fast8(float8 x)
+{
+#ifdef OPTIRS_RSQRT_APPROX
+    return (float8)(optirs_sqrt_fast(x.s0), optirs_sqrt_fast(x.s1), optirs_sqrt_fast(x.s2), optirs_sqrt_fast(x.s3),
+                    optirs_sqrt_fast(x.s4), optirs_sqrt_fast(x.s5), optirs_sqrt_fast(x.s6), optirs_sqrt_fast(x.s7));
 #else
     return sqrt(x);
 #endif
