@@ -118,9 +118,9 @@ def pointwise(ps, gs, s0, s1, s2, used, offsets, chunk_tensor, chunk_start, chun
 
 
 # Sums of squares for LAMB's norms, in float64. ``reassoc`` lets LLVM split the sum over vector
-# lanes; it applies to this function's additions only (the inlined element math keeps IEEE order).
-# Each value is widened before it is squared: a float32 square overflows from |x| ~ 1.8e19 on,
-# where the norm itself is still finite.
+# lanes; the values summed were computed before, by IEEE operations (the directions in pass 1's
+# scratch). Each value is widened before it is squared: a float32 square overflows from
+# |x| ~ 1.8e19 on, where the norm itself is still finite.
 _sum_jit = njit(cache=True, error_model="numpy", fastmath={"reassoc"})
 
 
@@ -133,13 +133,14 @@ def _sum_squares(x):
     return total
 
 
-@_sum_jit
-def _sum_squared_directions(p, m, v, sc):
-    total = 0.0
+@njit(cache=True, error_model="numpy")
+def _moments_and_directions(p, g, m, v, u, grad_scale, sc):
+    """LAMB's pass 1 for a chunk: the new moments, written, and each element's direction into ``u``
+    (float32 scratch, summed apart: a float64 sum in this loop would hold it to 4 vector lanes)."""
     for i in range(p.shape[0]):
-        u = np.float64(lamb_direction(p[i], m[i], v[i], sc))
-        total += u * u
-    return total
+        mi, vi = lamb_moments(g[i], m[i], v[i], grad_scale, sc)
+        m[i], v[i] = mi, vi
+        u[i] = lamb_direction(p[i], mi, vi, sc)
 
 
 @jit
@@ -176,7 +177,7 @@ def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors,
     if sc.max_grad_norm > 0:
         norm = _global_grad_norm(gs, chunk_tensor, chunk_start, chunk_stop)
     grad_scale = lamb_grad_scale(norm, sc)
-    # Pass 1: moments, then the chunk's sums of p^2 and u^2 (float64) while it is in cache.
+    # Pass 1: moments and directions, then the chunk's sums of p^2 and u^2 (float64) while it is in cache.
     p_sq = np.zeros(nchunks, dtype=np.float64)
     u_sq = np.zeros(nchunks, dtype=np.float64)
     next_chunk = counter()
@@ -186,10 +187,10 @@ def lamb(ps, gs, m, v, offsets, chunk_tensor, chunk_start, chunk_stop, ntensors,
             t, s, e = chunk_tensor[c], chunk_start[c], chunk_stop[c]
             o = offsets[t] + s
             p, g, mc, vc = ps[t][s:e], gs[t][s:e], m[o : o + e - s], v[o : o + e - s]
-            for i in range(e - s):
-                mc[i], vc[i] = lamb_moments(g[i], mc[i], vc[i], grad_scale, sc)
+            u = np.empty(e - s, dtype=np.float32)
+            _moments_and_directions(p, g, mc, vc, u, grad_scale, sc)
             p_sq[c] = _sum_squares(p)
-            u_sq[c] = _sum_squared_directions(p, mc, vc, sc)
+            u_sq[c] = _sum_squares(u)
             c = claim(next_chunk)
     ratio = chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, sc.max_trust_ratio)
     # Pass 2: apply; u is recomputed from the same float32 inputs, so it is the same value.
