@@ -31,7 +31,7 @@ from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_
                                             stream_key)
 from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
-from optirs.backends.cpu.kernels import chunk_trust_ratios
+from optirs.backends.cpu.kernels import _sum_add, _sum_squares, chunk_trust_ratios
 from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32, STATE_INT8, STATE_INT8_SQRT, FormatCodes)
 
@@ -634,20 +634,6 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
             c = claim(next_chunk)
 
 
-@intrinsic
-def _sum_add(typingctx, a, b):
-    """``a + b`` (float64) with LLVM's ``reassoc`` flag on this addition alone: a loop's running sum
-    of them becomes one sum per vector lane, added up after the loop (a sum in order is a chain of
-    dependent additions that does not vectorize; the values summed keep their IEEE operations)."""
-    if a != types.float64 or b != types.float64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fadd(args[0], args[1], flags=("reassoc",))
-
-    return types.float64(types.float64, types.float64), codegen
-
-
 @_jit
 def _grad_sum_squares(g, kind):
     """The float64 sum of the squares of a chunk's gradient words (``g`` sliced to the chunk)."""
@@ -688,13 +674,12 @@ def lamb(fc):
 def _lamb_elements(p, g, mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o, sx, su):
     # LAMB's element loop over arrays sliced alike (state words, or an int8 block's float32 scratch).
     # Pass 1 (WRITE False) returns the float64 sums of the masters' and the directions' squares and
-    # writes nothing but its scratch ``sx``, ``su``: the float32 values go there and a loop of their
-    # own sums them per vector lane (_sum_add), so that the element math vectorizes 8 float32 lanes
-    # wide where a float64 sum in the same loop held it to 4 (1.04-1.6x faster, measured). Pass 2
+    # writes nothing but its scratch ``sx``, ``su``: the float32 values go there and _sum_squares
+    # sums them per vector lane, so that the element math vectorizes 8 float32 lanes wide where a
+    # float64 sum in the same loop held it to 4 (1.04-1.6x faster, measured). Pass 2
     # recomputes the same values and writes the parameter, its master and the moments, and with
     # TOPS returns the integer maxima of the new moments' magnitude bits (an int8 block's absmax, as
     # the pointwise RUN_BLOCK)
-    ps = us = 0.0
     t0 = t1 = np.uint32(0)
     for i in range(p.shape[0]):
         idx = add32(o, i)
@@ -715,12 +700,10 @@ def _lamb_elements(p, g, mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o, sx, su)
         else:
             sx[i] = x
             su[i] = u
-    if not WRITE:
-        for i in range(p.shape[0]):
-            xd, ud = np.float64(sx[i]), np.float64(su[i])
-            ps = _sum_add(ps, xd * xd)
-            us = _sum_add(us, ud * ud)
-    return ps, us, t0, t1
+    if WRITE:
+        return 0.0, 0.0, t0, t1
+    n = p.shape[0]
+    return _sum_squares(_span(sx, 0, n)), _sum_squares(_span(su, 0, n)), t0, t1
 
 
 def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, e1, off, blk0, so, s, e,
@@ -759,7 +742,7 @@ def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, 
         return ps_c, us_c
     s0 = np.zeros(BLOCK, np.float32)
     s1 = np.zeros(BLOCK, np.float32)
-    si = np.zeros(BLOCK, np.uint32)
+    si = np.zeros(BLOCK if WRITE else 0, np.uint32)  # the dynamic map's encode
     sxb = np.zeros(BLOCK if not WRITE else 0, np.float32)
     sub = np.zeros(BLOCK if not WRITE else 0, np.float32)
     # views without references (_span), as the pointwise CHUNK's; the scratch held to the end

@@ -117,19 +117,29 @@ def pointwise(ps, gs, s0, s1, s2, used, offsets, chunk_tensor, chunk_start, chun
             c = claim(next_chunk)
 
 
-# Sums of squares for LAMB's norms, in float64. ``reassoc`` lets LLVM split the sum over vector
-# lanes; the values summed were computed before, by IEEE operations (the directions in pass 1's
-# scratch). Each value is widened before it is squared: a float32 square overflows from
-# |x| ~ 1.8e19 on, where the norm itself is still finite.
-_sum_jit = njit(cache=True, error_model="numpy", fastmath={"reassoc"})
+@intrinsic
+def _sum_add(typingctx, a, b):
+    """``a + b`` (float64) with LLVM's ``reassoc`` flag on this addition alone: a loop's running sum
+    of them becomes one sum per vector lane, added up after the loop (a sum in order is a chain of
+    dependent additions that does not vectorize; the values summed keep their IEEE operations)."""
+    if a != types.float64 or b != types.float64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[0], args[1], flags=("reassoc",))
+
+    return types.float64(types.float64, types.float64), codegen
 
 
-@_sum_jit
+@njit(cache=True, error_model="numpy")
 def _sum_squares(x):
+    """The float64 sum of the squares of ``x`` by vector lanes (LAMB's and the clipping's norms).
+    Each value is widened before it is squared: a float32 square overflows from |x| ~ 1.8e19 on,
+    where the norm itself is still finite."""
     total = 0.0
     for i in range(x.shape[0]):
         xi = np.float64(x[i])
-        total += xi * xi
+        total = _sum_add(total, xi * xi)
     return total
 
 
