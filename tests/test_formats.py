@@ -1021,12 +1021,13 @@ def test_max_nan_is_the_nan_propagating_maximum(rng):
     assert np.array_equal(out[keep], np.maximum(a, b)[keep], equal_nan=True)
 
 
-@pytest.mark.parametrize("fmt", [("bfloat16", "bfloat16", "remainder16", "bfloat16", False),
-                                 ("bfloat16", "bfloat16", None, "bfloat16", True),
+@pytest.mark.parametrize("fmt", [("bfloat16", "bfloat16", "float32", "bfloat16", False),
+                                 ("float16", "float16", "float32", "bfloat16", False),
                                  ("float32", "float32", None, "bfloat16", False)])
 def test_cpu_bf16_state_nan_free_try_is_the_contracts_bits(monkeypatch, fmt, rng):
-    """The cpu's bfloat16-state loop runs each sub-block by NaN-free encodes and decodes and redoes
-    the elements whose new values hold a NaN or inf by the contract's forms: the same words as the
+    """The cpu's bfloat16-state loop over float32 masters or parameters runs each sub-block by NaN-free encodes and
+    decodes and redoes the elements whose new values hold a NaN or inf by the contract's forms (the
+    loop compiled with the first try, ``FAST``, checked): the same words as the
     contract's forms alone, with NaN words of every payload and sign, infs and overflows in the
     gradients, parameters and state (the canonical NaN stored where one is new)."""
     import optirs.backends.cpu.formats_kernels as K
@@ -1049,6 +1050,7 @@ def test_cpu_bf16_state_nan_free_try_is_the_contracts_bits(monkeypatch, fmt, rng
         run = FormatRun("cpu", "adam", fmt, shapes)
         p = [x.copy() for x in params]
         p = run.step(p, grads[0], 1)
+        assert [k.py_func.__globals__["FAST"] for k in K._POINTWISE.values()] == [fast]
         for name in run.fs.slot_names:  # NaN state words with payloads, in both sub-blocks
             w = run.state[name].reshape(-1)
             w[[5, K.SUB + 9, 2 * K.SUB + 3]] = [0x7F81, 0xFFC3, 0xFFFF]
