@@ -1022,10 +1022,9 @@ def test_max_nan_is_the_nan_propagating_maximum(rng):
 
 
 @pytest.mark.parametrize("fmt", [("bfloat16", "bfloat16", "float32", "bfloat16", False),
-                                 ("float16", "float16", "float32", "bfloat16", False),
                                  ("float32", "float32", None, "bfloat16", False)])
 def test_cpu_bf16_state_nan_free_try_is_the_contracts_bits(monkeypatch, fmt, rng):
-    """The cpu's bfloat16-state loop over float32 masters or parameters runs each sub-block by NaN-free encodes and
+    """The cpu's bfloat16-state loop over float32 parameters or masters runs each sub-block by NaN-free encodes and
     decodes and redoes the elements whose new values hold a NaN or inf by the contract's forms (the
     loop compiled with the first try, ``FAST``, checked): the same words as the
     contract's forms alone, with NaN words of every payload and sign, infs and overflows in the

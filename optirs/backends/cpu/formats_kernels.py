@@ -389,13 +389,16 @@ FAST_BF16 = True
 
 
 def _first_try(fc):
-    """Whether the loop of codes ``fc`` runs bfloat16 state's NaN-free first try (``_run_fast``): where
-    the master is a float32 word (float32 parameters or masters). Measured on Intel cores (the 2-core
-    Xeon; the H200 host's is one), the first try against the contract's forms alone: 9-33% less time
-    over float32 masters (the fresh master's parameter decode and the nearest parameter's encode
-    carry the most NaN selects), about as much or less over float32 parameters, and 6-35% more over
-    the remainder masters and stochastic rounding, whose 16- and 8-bit words it stores under masks."""
-    return FAST_BF16 and fc.state == STATE_BF16 and (fc.param == F32 or fc.master == MASTER_F32)
+    """Whether the loop of codes ``fc`` runs bfloat16 state's NaN-free first try (``_run_fast``): over
+    float32 parameters, and bfloat16 parameters over float32 masters. Measured on Intel cores (the
+    2-core Xeon; the H200 host's is one), the first try against the contract's forms alone: 10-35%
+    less time over float32 masters (the fresh master's parameter decode and the nearest parameter's
+    encode carry the most NaN selects), about as much or less over float32 parameters, and 6-33%
+    more over the remainder masters and stochastic rounding, whose 16- and 8-bit words it stores
+    under masks. float16 parameters (whose decode is the same in both forms) were mixed, and so were
+    int8 blocks over float32 masters (their state is float32 scratch): neither takes it."""
+    return FAST_BF16 and fc.state == STATE_BF16 and (fc.param == F32 or (fc.param == BF16 and
+                                                                          fc.master == MASTER_F32))
 
 
 def pointwise(fc, used, unsigned=0):
