@@ -394,8 +394,8 @@ def _first_try(fc):
     2-core Xeon; the H200 host's is one), the first try against the contract's forms alone: 10-35%
     less time over float32 masters (the fresh master's parameter decode and the nearest parameter's
     encode carry the most NaN selects), about as much or less over float32 parameters, and 6-33%
-    more over the remainder masters and stochastic rounding, whose 16- and 8-bit words it stores
-    under masks. float16 parameters (whose decode is the same in both forms) were mixed, and so were
+    more over the remainder masters and stochastic rounding (as much with its stores as selects
+    in place of masked stores: not the masks). float16 parameters (whose decode is the same in both forms) were mixed, and so were
     int8 blocks over float32 masters (their state is float32 scratch): neither takes it."""
     return FAST_BF16 and fc.state == STATE_BF16 and (fc.param == F32 or (fc.param == BF16 and
                                                                           fc.master == MASTER_F32))
