@@ -20,7 +20,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 from numba.np.arrayobj import populate_array
 
-from optirs.backends.common.bits32 import add32, and32, or32, shl32, shr32
+from optirs.backends.common.bits32 import add32, and32, shl32, shr32
 from optirs.backends.common.elementwise import element_update, lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
@@ -390,15 +390,13 @@ FAST_BF16 = True
 
 def _first_try(fc):
     """Whether the loop of codes ``fc`` runs bfloat16 state's NaN-free first try (``_run_fast``): over
-    float32 parameters, and bfloat16 parameters over float32 masters. Measured on Intel cores (the
-    2-core Xeon; the H200 host's is one), the first try against the contract's forms alone: 10-35%
-    less time over float32 masters (the fresh master's parameter decode and the nearest parameter's
-    encode carry the most NaN selects), about as much or less over float32 parameters, and 6-33%
-    more over the remainder masters and stochastic rounding (as much with its stores as selects
-    in place of masked stores: not the masks). float16 parameters (whose decode is the same in both forms) were mixed, and so were
-    int8 blocks over float32 masters (their state is float32 scratch): neither takes it."""
-    return FAST_BF16 and fc.state == STATE_BF16 and (fc.param == F32 or (fc.param == BF16 and
-                                                                          fc.master == MASTER_F32))
+    float32 parameters, and bfloat16 parameters with a float32 master or none. Measured on Intel
+    cores (the 2-core Xeon; the H200 host's is one) against the contract's forms alone, both
+    vectorized 16 lanes wide: 6-24% less time over float32 masters, 5-11% with stochastic rounding,
+    up to 27% over float32 parameters; over the remainder masters and float16 parameters (whose
+    masters and decode need no NaN select) -6% to +8%, and those keep the contract's forms."""
+    return FAST_BF16 and fc.state == STATE_BF16 and (fc.param == F32 or (
+        fc.param == BF16 and fc.master != MASTER_R16 and fc.master != MASTER_R8))
 
 
 def pointwise(fc, used, unsigned=0):
@@ -448,9 +446,9 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk, r0, r1, r2):
     # with TOPS, the integer maximum of each slot's new magnitudes' bits (see _block_absmax); with
     # FAST, the NaN-free forms (_format_element_num): an element whose new values hold a NaN or inf
     # (the sum of them times 0 is not 0) keeps its words (masked stores) and is marked in ``mk``, for
-    # _run_fast to redo by the contract's forms; the loop returns whether any was
+    # _run_fast to redo by the contract's forms (_marked says whether any was: a reduction in this
+    # loop held LLVM to 8 lanes where it takes 16)
     t0 = t1 = t2 = np.uint32(0)
-    bad = np.uint32(0)
     for i in range(p.shape[0]):
         # the random bits take the flat index's low 32 bits: computed in 32 bits, the vector loop
         # carries no 64-bit index lanes to narrow
@@ -468,7 +466,6 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk, r0, r1, r2):
             if U2:
                 y = y + x2
             nf = and32(f32_bits(y * np.float32(0)), 0x7FFFFFFF)
-            bad = or32(bad, nf)
             mk[i] = np.uint8(1) if nf != 0 else np.uint8(0)
             if nf == 0:
                 p[i] = pw
@@ -508,7 +505,17 @@ def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk, r0, r1, r2):
                 t1 = max(t1, and32(f32_bits(x1), 0x7FFFFFFF))
             if U2:
                 t2 = max(t2, and32(f32_bits(x2), 0x7FFFFFFF))
-    return t0, t1, t2, bad
+    return t0, t1, t2
+
+
+@_jit
+def _marked(mk, n):
+    """Whether any of ``mk[:n]`` is set (an or of every byte: vectorized, where a loop that stops at
+    the first would run one byte at a time)."""
+    acc = np.uint8(0)
+    for i in range(n):
+        acc |= mk[i]
+    return acc != 0
 
 
 def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
@@ -526,9 +533,9 @@ def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
         s0 = _span(v0, b, b + m) if U0 else v0
         s1 = _span(v1, b, b + m) if U1 else v1
         s2 = _span(v2, b, b + m) if U2 else v2
-        _, _, _, bad = RUN_FAST(_span(p, b, b + m), _span(g, b, b + m), sm, s0, s1, s2, sc, keyp, k01, k2,
-                                add32(o, b), mk, mk, mk, mk)
-        if bad != 0:
+        RUN_FAST(_span(p, b, b + m), _span(g, b, b + m), sm, s0, s1, s2, sc, keyp, k01, k2, add32(o, b), mk, mk, mk,
+                 mk)
+        if _marked(mk, m):
             for i in range(m):
                 if mk[i] != 0:
                     j = b + i
@@ -588,7 +595,7 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
             DECODE(w2, q2, c2[blk], o, n, a2)
         # views without references (_span): the same loop as over slices
         mb = _span(mbuf, o, o + n) if HAS_MASTER else mbuf
-        top0, top1, top2, _ = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
+        top0, top1, top2 = RUN_BLOCK(_span(p, b, b + n), _span(g, b, b + n), mb, _span(a0, 0, n) if U0 else a0,
                                      _span(a1, 0, n) if U1 else a1, _span(a2, 0, n) if U2 else a2, sc, keyp, k01,
                                      k2, o, a0, _span(r0, 0, n) if R0 else r0, _span(r1, 0, n) if R1 else r1,
                                      _span(r2, 0, n) if R2 else r2)
