@@ -85,6 +85,28 @@ def _hold(typingctx, a):
     return types.none(a), codegen
 
 
+@intrinsic
+def _wide_vectors(typingctx):
+    """Ask LLVM for 512-bit vectors in the function that calls this (its ``prefer-vector-width``
+    attribute; a cpu without AVX-512 keeps its widest). LLVM's tuning for the Intel cores with
+    AVX-512 prefers 256 bits, and takes 512 only for a loop whose loads and stores are all 16-bit
+    (it sizes the vectors by the widest type in memory): the format loops over float32 state,
+    masters or scratch ran 8 lanes wide, and 16 wide were 7-35% faster (docs/benchmarks.md,
+    "512-bit vectors for the format loops"). Only these loops ask: other code numba compiles in
+    the process keeps its target's choice."""
+    def codegen(context, builder, sig, args):
+        # llvmlite's attribute set takes only flag attributes; this one is a key and value
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@_jit
+def _target_vectors():
+    """The target's own vector width (:func:`_wide_vectors`' alternative: nothing)."""
+
+
 @_jit
 def _all(a):
     """All of ``a`` as a view without a reference (:func:`_span`)."""
@@ -379,6 +401,7 @@ U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = R0 = R1 = R2 = False
 SKIND = STATE_F32
 RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = CHUNK = DECODE = LAMB_SUMS = LAMB_WRITE = LAMB_ELEMENTS = None
 WRITE = False
+VECTORS = _target_vectors
 # a bfloat16-state chunk's sub-block (_run_fast): its marks stay in the L1 cache
 SUB = 4096
 
@@ -389,14 +412,15 @@ FAST_BF16 = True
 
 
 def _first_try(fc):
-    """Whether the loop of codes ``fc`` runs bfloat16 state's NaN-free first try (``_run_fast``): over
-    float32 parameters, and bfloat16 parameters with a float32 master or none. Measured on Intel
-    cores (the 2-core Xeon; the H200 host's is one) against the contract's forms alone, both
-    vectorized 16 lanes wide: 6-24% less time over float32 masters, 5-11% with stochastic rounding,
-    up to 27% over float32 parameters; over the remainder masters and float16 parameters (whose
-    masters and decode need no NaN select) -6% to +8%, and those keep the contract's forms."""
-    return FAST_BF16 and fc.state == STATE_BF16 and (fc.param == F32 or (
-        fc.param == BF16 and fc.master != MASTER_R16 and fc.master != MASTER_R8))
+    """Whether the loop of codes ``fc`` runs bfloat16 state's NaN-free first try (``_run_fast``):
+    bfloat16 parameters with a float32 master or none. Measured on Intel cores (the 2-core Xeon;
+    the H200 host's is one) against the contract's forms alone, both loops as wide as each other:
+    5-8% less time over float32 masters (the fresh master's parameter decode, the nearest
+    parameter's encode: the most NaN selects), 2-11% with stochastic rounding; over float32
+    parameters -3% to +19%, over the remainder masters and float16 parameters (whose masters and
+    decode need no NaN select) -6% to +8%: those keep the contract's forms."""
+    return FAST_BF16 and fc.state == STATE_BF16 and fc.param == BF16 and fc.master != MASTER_R16 and \
+        fc.master != MASTER_R8
 
 
 def pointwise(fc, used, unsigned=0):
@@ -421,6 +445,11 @@ def _make_pointwise(fc, used, roots=0):
     # the int8 forms chosen at import (int8_native): in the variant's name, so that a loop cached with
     # one form never loads under another
     constants["INT8_FORMS"] = (ENCODE, DECODE)
+    # 512-bit vectors where a loop moves a 32-bit word (a float32 parameter, gradient, master, state
+    # value or int8 scratch value); a loop of 16- and 8-bit words alone takes 16 lanes of 256-bit
+    # tuning already, and 32 with 512 (measured no faster)
+    wide = F32 in (fc.param, fc.grad) or fc.master == MASTER_F32 or fc.state != STATE_BF16
+    constants["VECTORS"] = _wide_vectors if wide else _target_vectors
     label = "_".join(map(str, tuple(fc))) + f"_u{used}" + (f"_r{roots}" if roots else "")
     # an unsigned slot of square-root codes: its roots taken in the int8 block's element loop (R0-R2)
     constants.update(R0=bool(roots & 1), R1=bool(roots & 2), R2=bool(roots & 4))
@@ -443,6 +472,7 @@ def _make_pointwise(fc, used, roots=0):
 
 
 def _run_words(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o, mk, r0, r1, r2):
+    VECTORS()
     # with TOPS, the integer maximum of each slot's new magnitudes' bits (see _block_absmax); with
     # FAST, the NaN-free forms (_format_element_num): an element whose new values hold a NaN or inf
     # (the sum of them times 0 is not 0) keeps its words (masked stores) and is marked in ``mk``, for
@@ -519,6 +549,7 @@ def _marked(mk, n):
 
 
 def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
+    VECTORS()
     # RUN_WORDS' results by sub-blocks: each by the NaN-free forms (RUN_FAST), then its marked
     # elements (a NaN or inf new value, their words untouched) one by one by the contract's forms
     # (RUN_WORDS). Views without references (_span). Measured and not kept: copying a sub-block's
@@ -547,6 +578,7 @@ def _run_fast(p, g, mb, v0, v1, v2, sc, keyp, k01, k2, o):
 
 def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t1, q2, d2, t2, e0, e1, e2, off,
            blk0, so, s, e, sc, keyp, k01, k2):
+    VECTORS()
     if not INT8 or so >= 0:
         # float32 / bfloat16 words (or a small tensor's float32 state): decoded and encoded in
         # the element loop itself, every array sliced to the chunk so that one index addresses
@@ -683,8 +715,11 @@ def lamb(fc):
         # each pass's chunk a serial function of its own, as the pointwise CHUNK (numba's parfor
         # lowering optimizes a body this size worse); pass 1 sums, pass 2 writes; the element loop
         # (LAMB_ELEMENTS) inlined into each
+        # 512-bit vectors as in _make_pointwise (pass 1 writes its values into float32 scratch)
+        wide = F32 in (fc.param, fc.grad) or fc.master == MASTER_F32 or fc.state != STATE_BF16
         for name, write in (("LAMB_SUMS", False), ("LAMB_WRITE", True)):
-            c = dict(constants, WRITE=write, TOPS=write and int8)
+            c = dict(constants, WRITE=write, TOPS=write and int8,
+                     VECTORS=_wide_vectors if wide or not write else _target_vectors)
             c["LAMB_ELEMENTS"] = _inline(variant(_lamb_elements, f"{label}_{name.lower()}", c))
             constants[name] = _jit(variant(_lamb_chunk, f"{label}_{name.lower()}", c))
         k = _LAMB[key] = _pjit(variant(_lamb_format, label, constants))
@@ -728,6 +763,7 @@ def _lamb_elements(p, g, mb, v0, v1, grad_scale, lr_t, sc, keyp, k01, o, sx, su)
 
 def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, e1, off, blk0, so, s, e,
                 grad_scale, lr_t, sc, keyp, k01):
+    VECTORS()
     # one chunk of LAMB's format step: pass 1 (WRITE False) returns the chunk's float64 sums of p^2
     # and u^2 and writes nothing; pass 2 recomputes the same values and writes the parameter, its
     # master and the moments. Float32 / bfloat16 words (and a small tensor's float32 state under
