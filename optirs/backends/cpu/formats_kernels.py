@@ -89,11 +89,10 @@ def _hold(typingctx, a):
 def _wide_vectors(typingctx):
     """Ask LLVM for 512-bit vectors in the function that calls this (its ``prefer-vector-width``
     attribute; a cpu without AVX-512 keeps its widest). LLVM's tuning for the Intel cores with
-    AVX-512 prefers 256 bits, and takes 512 only for a loop whose loads and stores are all 16-bit
-    (it sizes the vectors by the widest type in memory): the format loops over float32 state,
-    masters or scratch ran 8 lanes wide, and 16 wide were 7-35% faster (docs/benchmarks.md,
-    "512-bit vectors for the format loops"). Only these loops ask: other code numba compiles in
-    the process keeps its target's choice."""
+    AVX-512 prefers 256 bits and sizes a loop's vectors by the widest type the loop loads, stores
+    or reduces: the loops of 16-bit words ran 16 lanes, those over a float32 word 8, and 16 measured
+    5-50% faster there (docs/benchmarks.md, "512-bit vectors for the cpu format loops"). Only these
+    loops ask (:func:`_wide`): other code numba compiles in the process keeps its target's choice."""
     def codegen(context, builder, sig, args):
         # llvmlite's attribute set takes only flag attributes; this one is a key and value
         set.add(builder.function.attributes, '"prefer-vector-width"="512"')
@@ -411,6 +410,14 @@ _POINTWISE: dict = {}
 FAST_BF16 = True
 
 
+def _wide(fc):
+    """Whether the loops of codes ``fc`` move a 32-bit word (a float32 parameter, gradient, master or
+    state value, or an int8 block's float32 scratch), and so ask for 512-bit vectors
+    (:func:`_wide_vectors`). A loop of 16- and 8-bit words alone takes 16 lanes under the 256-bit
+    tuning already, and took 32 with 512, no faster."""
+    return F32 in (fc.param, fc.grad) or fc.master == MASTER_F32 or fc.state != STATE_BF16
+
+
 def _first_try(fc):
     """Whether the loop of codes ``fc`` runs bfloat16 state's NaN-free first try (``_run_fast``):
     bfloat16 parameters with a float32 master or none. Measured on Intel cores (the 2-core Xeon;
@@ -445,11 +452,7 @@ def _make_pointwise(fc, used, roots=0):
     # the int8 forms chosen at import (int8_native): in the variant's name, so that a loop cached with
     # one form never loads under another
     constants["INT8_FORMS"] = (ENCODE, DECODE)
-    # 512-bit vectors where a loop moves a 32-bit word (a float32 parameter, gradient, master, state
-    # value or int8 scratch value); a loop of 16- and 8-bit words alone takes 16 lanes of 256-bit
-    # tuning already, and 32 with 512 (measured no faster)
-    wide = F32 in (fc.param, fc.grad) or fc.master == MASTER_F32 or fc.state != STATE_BF16
-    constants["VECTORS"] = _wide_vectors if wide else _target_vectors
+    constants["VECTORS"] = _wide_vectors if _wide(fc) else _target_vectors
     label = "_".join(map(str, tuple(fc))) + f"_u{used}" + (f"_r{roots}" if roots else "")
     # an unsigned slot of square-root codes: its roots taken in the int8 block's element loop (R0-R2)
     constants.update(R0=bool(roots & 1), R1=bool(roots & 2), R2=bool(roots & 4))
@@ -715,11 +718,10 @@ def lamb(fc):
         # each pass's chunk a serial function of its own, as the pointwise CHUNK (numba's parfor
         # lowering optimizes a body this size worse); pass 1 sums, pass 2 writes; the element loop
         # (LAMB_ELEMENTS) inlined into each
-        # 512-bit vectors as in _make_pointwise (pass 1 writes its values into float32 scratch)
-        wide = F32 in (fc.param, fc.grad) or fc.master == MASTER_F32 or fc.state != STATE_BF16
         for name, write in (("LAMB_SUMS", False), ("LAMB_WRITE", True)):
+            # pass 1 writes its values into float32 scratch: 512-bit vectors in every format
             c = dict(constants, WRITE=write, TOPS=write and int8,
-                     VECTORS=_wide_vectors if wide or not write else _target_vectors)
+                     VECTORS=_wide_vectors if _wide(fc) or not write else _target_vectors)
             c["LAMB_ELEMENTS"] = _inline(variant(_lamb_elements, f"{label}_{name.lower()}", c))
             constants[name] = _jit(variant(_lamb_chunk, f"{label}_{name.lower()}", c))
         k = _LAMB[key] = _pjit(variant(_lamb_format, label, constants))
