@@ -132,7 +132,8 @@ class Problem:
         from optirs.core import reference as R
 
         dt = self.fmt.param_dtype
-        return sum(int(np.count_nonzero(~np.isfinite(p if dt == "float32" else R.decode16(p, dt)))) for p in self.params)
+        values = (p if dt == "float32" else R.decode16(p, dt) for p in self.params)
+        return sum(int(np.count_nonzero(~np.isfinite(v))) for v in values)
 
     def digest(self) -> str:
         h = hashlib.sha256()

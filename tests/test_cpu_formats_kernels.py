@@ -52,7 +52,7 @@ def kernels(request):
             pre, inv = quantize_factors(m)
             N.encode_block_tables(buf, n, pre, inv, mid, tbl, w, o, ix)
         else:
-            K._store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix)
+            K._encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, K._block_absmax(buf, n))
 
     @njit
     def decode_compiled(w, q, s, o, n, buf):

@@ -1027,8 +1027,8 @@ def test_cpu_bf16_state_nan_free_try_is_the_contracts_bits(monkeypatch, fmt, rng
     """The cpu's bfloat16-state loop of bfloat16 parameters with a float32 master or none runs each
     sub-block by NaN-free encodes and decodes and redoes the elements whose new values hold a NaN or
     inf by the contract's forms (the loop compiled with the first try, ``FAST``, checked): the same
-    words as the contract's forms alone, with NaN words of every payload and sign, infs and overflows in the
-    gradients, parameters and state (the canonical NaN stored where one is new)."""
+    words as the contract's forms alone, with NaN words of every payload and sign, infs and
+    overflows in the gradients, parameters and state (the canonical NaN stored where one is new)."""
     import optirs.backends.cpu.formats_kernels as K
 
     fmt = F.StepFormat(*fmt)

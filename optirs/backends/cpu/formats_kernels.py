@@ -273,18 +273,12 @@ def _block_absmax_lanes(buf, n):
     return absmax_update(m, m7)
 
 
-@_jit
-def _store_codes(w, scales, mid, tbl, tree, blk, o, n, buf, ix):
-    """An int8 block's new values: the scale is their absmax, then each one's code
-    (:func:`optirs.backends.cpu.int8_native.encode_block`: ``tree`` is the encoder's table,
-    :func:`~optirs.backends.cpu.int8_native.encoder_key`, ``ix`` uint32 scratch of a block; ``buf``
-    may be overwritten)."""
-    _encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, _block_absmax(buf, n))
-
-
 @_inline
 def _encode_scaled(w, scales, mid, tbl, tree, blk, o, n, buf, ix, m):
-    """:func:`_store_codes` of a block whose absmax ``m`` is known."""
+    """An int8 block's new values ``buf`` under their absmax ``m``: the scale is ``m``, then each
+    one's code (:func:`optirs.backends.cpu.int8_native.encode_block`: ``tree`` is the encoder's
+    table, :func:`~optirs.backends.cpu.int8_native.encoder_key`, ``ix`` uint32 scratch of a block;
+    ``buf`` may be overwritten)."""
     scales[blk] = m
     pre, inv = quantize_factors(m)
     encode_block(buf, n, pre, inv, tree, mid, tbl, w, o, ix)
