@@ -38,6 +38,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+from bench_cpu_formats import bytes_per_param  # the bytes a format's step moves, counted once
+
 LR, BETAS, EPS, DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.1
 
 # (label, param dtype, master, state dtype, stochastic rounding)
@@ -121,17 +123,9 @@ def seed_hyperparameters(family: str) -> Any:
 
 
 def format_bytes(pdt: str, master: Optional[str], state: str, family: str = "adamw") -> float:
-    """Bytes per parameter one step moves: p, master and the state read and written, g read; LAMB's
-    three passes: the gradient norm's read of g, pass 1 reading everything, pass 2 reading
-    everything again and writing."""
-    p = 2 if pdt != "float32" else 4
-    m = {None: 0, "float32": 4, "remainder16": 2, "remainder8": 1}[master if pdt != "float32" else None]
-    s = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8_sqrt": 1 + 4 / 256}[state]
-    reads = p + p + m + FAMILIES[family].slots * s
-    writes = p + m + FAMILIES[family].slots * s
-    if family == "lamb":
-        return p + 2 * reads + writes
-    return reads + writes
+    """Bytes per parameter one step moves (:func:`bench_cpu_formats.bytes_per_param`: gradients in
+    the parameters' dtype; LAMB with its gradient norm, max_grad_norm being set)."""
+    return bytes_per_param(pdt, pdt, master, state, FAMILIES[family].slots, family, clips=family == "lamb")
 
 
 def timed(sync: Callable[[], None], fn: Callable[[], None], steps: int, batches: int) -> float:
