@@ -42,6 +42,34 @@ def _module(directory: Path, name: str) -> Path:
     return path
 
 
+def test_processes_compiling_one_kernel_at_once_never_swap_its_signatures(tmp_path, monkeypatch):
+    """Three dispatchers of one cached function stand for three processes. The first two compile
+    it at once for two signatures, each having read the index before the other saved it, the
+    first writing its machine code last: with numba's numbered files the index then names, for
+    the second signature, a file holding the first's code (the third process computed 3.0 for
+    2 * 1.5 + 1). Each key's own file: the third loads the second signature's code and compiles
+    the first anew, both right."""
+    from optirs.core.compile_cache import cached_njit
+
+    path = tmp_path / "race_kernels.py"
+    path.write_text("def twice_plus_one(x):\n    return x * 2 + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import race_kernels
+
+    first, second, third = (cached_njit()(race_kernels.twice_plus_one) for _ in range(3))
+    files = [d._cache._cache_file for d in (first, second, third)]
+    assert len({f._index_path for f in files}) == 1
+    late = []  # the first process's data write, held until the second has saved
+    monkeypatch.setattr(files[0], "_save_data", lambda name, data: late.append((name, data)))
+    monkeypatch.setattr(files[1], "_load_index", lambda: {})  # read before the first saved its entry
+    assert first(3) == 7 and len(late) == 1
+    assert second(1.5) == 4.0
+    type(files[0])._save_data(files[0], *late[0])
+    assert third(1.5) == 4.0 and third.stats.cache_hits[third.signatures[0]] == 1
+    assert third(3) == 7 and len(third.signatures) == 2
+    assert race_kernels.twice_plus_one(3) == 7
+
+
 def test_cache_location_is_where_numba_caches(tmp_path):
     """Against numba itself: a cached function of a module written here, and optirs's own element math."""
     cache = tmp_path / "cache"

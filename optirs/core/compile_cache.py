@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -27,7 +28,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from optirs.core.errors import CompileCacheWarning
 
@@ -572,6 +573,67 @@ def source_state(*folders: str) -> str:
     return ";".join(stamps)
 
 
+# ------------------------------------------------------------------ one data file per key
+
+
+@functools.lru_cache(maxsize=None)
+def _key_named(files: type) -> type:
+    class KeyNamedCacheFile(files):  # type: ignore[misc, valid-type]
+        """numba's index and data files (``files``: numba's class, or numba-cuda's copy of it),
+        each data file named by a digest of its index key and written before the index names it."""
+
+        def save(self, key: Any, data: Any) -> None:
+            name = self.data_name_of(key)
+            self._save_data(name, data)
+            overloads = self._load_index()
+            if overloads.get(key) != name:
+                overloads[key] = name
+                self._save_index(overloads)
+
+        def data_name_of(self, key: Any) -> str:
+            # a key is numba types, the target's name and features and the code's hashes (and, for
+            # the CUDA kernels, optirs's key): its text names each type by its unique name
+            digest = hashlib.sha256(str(key).encode()).hexdigest()[:20]
+            return f"{self._index_name[: -len('.nbi')]}.{digest}.nbc"
+
+    return KeyNamedCacheFile
+
+
+def key_named_cache(cache: Any) -> Any:
+    """Gives ``cache`` (a numba function cache: a ``njit(cache=True)`` dispatcher's, numba-cuda's)
+    one data file per index key, named by a digest of the key, written before the index entry.
+
+    numba numbers a function's data files in the order its index gains keys. Two processes that
+    compile one function for two signatures at once (pytest-xdist workers, the ranks of a
+    data-parallel run on one machine) each read the index before the other saved it, take the same
+    number, and can leave an index whose entry for one signature names the file holding the
+    other's machine code: every later process then runs that code on the wrong argument types,
+    with no error (seen: a format loop compiled for one family's scalars run with another's). A
+    file per key cannot hold another key's code; an entry lost to the race costs one compile.
+    A cache without files (caching disabled) is returned as it is."""
+    file = getattr(cache, "_cache_file", None)
+    if file is not None and not hasattr(file, "data_name_of"):
+        cache._cache_file = _key_named(type(file))(cache_path=file._cache_path,
+                                                   filename_base=file._index_name[: -len(".nbi")],
+                                                   source_stamp=file._source_stamp)
+    return cache
+
+
+def cached_njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit(cache=True, **options)`` with :func:`key_named_cache`: the decorator every
+    optirs cpu kernel that is cached on disk is made by."""
+    from numba import njit
+
+    decorate = njit(cache=True, **options)
+
+    def make(fn: Callable[..., Any]) -> Any:
+        dispatcher = decorate(fn)
+        key_named_cache(dispatcher._cache)
+        return dispatcher
+
+    return make
+
+
 def prepare_kernel_compilation() -> CacheLocation:
     """What a backend calls once before it imports its numba kernels: :func:`ensure_cache_usable`
     (numba picks each kernel's cache directory when it decorates it) and :func:`install_compile_log`.
@@ -585,5 +647,5 @@ __all__ = [
     "COMPILE_LOGGER", "COMPILE_LOG_ENV", "CacheLocation", "PassedOver", "CachedModule", "BinaryCache",
     "CompileRecord", "cache_location", "kernel_cache_directory", "ensure_cache_usable", "cached_kernels",
     "opencl_binary_caches", "compile_records", "install_compile_log", "compiling", "prepare_kernel_compilation",
-    "source_state",
+    "source_state", "key_named_cache", "cached_njit",
 ]

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from optirs.core.compile_cache import cached_njit
 
 __all__ = ["u32", "and32", "or32", "xor32", "add32", "sub32", "mul32", "shr32", "shl32", "f32_bits_cast",
            "bits_f32_cast", "lt_bit"]
@@ -131,7 +133,7 @@ _mul = intrinsic(_binary("mul"))
 _shr = intrinsic(_binary("lshr"))
 _shl = intrinsic(_binary("shl"))
 
-_jit = njit(cache=True, inline="always")
+_jit = cached_njit(inline="always")
 
 
 @_jit

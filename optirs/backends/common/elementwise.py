@@ -19,19 +19,19 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, float64, njit
+from numba import float32, float64
 from numba.extending import overload
 
 from optirs.backends.common.division import divide_by_reciprocal, divide_by_uniform, uniform_reciprocal
 from optirs.backends.common.bits32 import f32_bits_cast, shl32, sub32
 from optirs.backends.common.fast_paths import (DIVIDEND_HI, DIVIDEND_LO, SQRT_LO, div_fast, max_nan, sqrt_fast)
-from optirs.core.compile_cache import prepare_kernel_compilation
+from optirs.core.compile_cache import cached_njit, prepare_kernel_compilation
 from optirs.core.definitions import DEFINITIONS
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def _adam_terms(p, g, m, v, sc):
     """Adam/AdamW before its square root and division: (p, m, v, a), the new parameter then
     ``p - a / (sqrt(x) / sqrt(1 - beta2**t) + eps)`` with x = v (max(vmax, v) with amsgrad)."""
@@ -45,7 +45,7 @@ def _adam_terms(p, g, m, v, sc):
     return p, m, v, sc.step_size * m
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adam_update(p, g, m, v, vmax, sc):
     """One Adam/AdamW element: returns (p, m, v, vmax). ``vmax`` is only meaningful with amsgrad."""
     p, m, v, a = _adam_terms(p, g, m, v, sc)
@@ -78,7 +78,7 @@ _ONE = np.float32(1)
 _ZERO = np.float32(0)
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adam_fast_setup(sc):
     """(u, ok) for :func:`adam_update_fast`, once per launch: the bias correction's reciprocal and
     whether this step's scalars keep the denominator in div_fast's window."""
@@ -86,7 +86,7 @@ def adam_fast_setup(sc):
     return uniform_reciprocal(c), (c >= _BC_MIN) & (c <= _ONE) & (sc.eps >= _ZERO) & (sc.eps <= _ONE)
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adam_update_fast(p, g, m, v, vmax, sc, u, w):
     """:func:`adam_update` by the fast paths: (p, m, v, vmax, w), adam_update's values where
     ``adam_windows_ok(w)`` (and ``adam_fast_setup``'s ok) is true; ``u`` is adam_fast_setup's
@@ -113,14 +113,14 @@ def adam_update_fast(p, g, m, v, vmax, sc, u, w):
     return p - div_fast(a, denom), m, v, x, (ws, wa)
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adam_windows_ok(w):
     """Whether every element whose words :func:`adam_update_fast` accumulated into ``w`` has x and a
     in their windows (fast_paths.sqrt_in_window narrowed to _X_HI, dividend_in_window)."""
     return (w[0] <= _X_SPAN) & (w[1] <= _A_SPAN)
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def sgd_update(p, g, buf, sc):
     """One SGD element: returns (p, momentum_buffer)."""
     g = g * sc.grad_factor
@@ -138,7 +138,7 @@ def sgd_update(p, g, buf, sc):
     return p - sc.lr * g, buf
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
     """One RMSprop element: returns (p, square_avg, momentum_buffer, grad_avg)."""
     g = g * sc.grad_factor
@@ -158,7 +158,7 @@ def rmsprop_update(p, g, square_avg, buf, grad_avg, sc):
     return p, square_avg, buf, grad_avg
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adagrad_update(p, g, acc, sc):
     """One Adagrad element: returns (p, sum)."""
     g = g * sc.grad_factor
@@ -168,7 +168,7 @@ def adagrad_update(p, g, acc, sc):
     return p - sc.clr * g / (math.sqrt(acc) + sc.eps), acc
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def lamb_moments(g, m, v, grad_scale, sc):
     """LAMB's first pass for one element: the clipped gradient folded into (m, v); ``grad_scale``
     is :func:`lamb_grad_scale`'s (the gradient factor and the clipping factor in one)."""
@@ -176,7 +176,7 @@ def lamb_moments(g, m, v, grad_scale, sc):
     return sc.beta1 * m + sc.one_minus_beta1 * g, sc.beta2 * v + sc.one_minus_beta2 * g * g
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def lamb_direction(p, m, v, sc):
     """LAMB's update direction u for one element (before the trust ratio and learning rate)."""
     # sqrt(v) / sqrt(bc2), not sqrt(v / bc2): v / bc2 overflows float32 where the quotient is finite
@@ -195,7 +195,7 @@ def lamb_direction(p, m, v, sc):
 # never a clip to max_trust_ratio or 1; an infinite gradient norm clips by max_norm / inf = 0.
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def lamb_trust_ratio(param_norm, update_norm, max_trust_ratio):
     """||p|| / ||u||, 1 where either norm is zero, at most ``max_trust_ratio`` (NaN stays NaN)."""
     ratio = 1.0 if param_norm == 0.0 or update_norm == 0.0 else param_norm / update_norm
@@ -204,7 +204,7 @@ def lamb_trust_ratio(param_norm, update_norm, max_trust_ratio):
     return ratio
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def clip_scale(norm, max_norm):
     """The global gradient clipping factor: 1 where norm <= max_norm, else max_norm / norm (NaN for a
     NaN norm); ``max_norm`` 0 means off."""
@@ -213,7 +213,7 @@ def clip_scale(norm, max_norm):
     return max_norm / norm
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def lamb_grad_scale(raw_norm, sc):
     """What LAMB multiplies each raw gradient element by (float32): the gradient factor times the
     global clipping factor, the clip taken on the norm of the factored gradient, ``|factor| *
@@ -222,7 +222,7 @@ def lamb_grad_scale(raw_norm, sc):
     return float32(clip_scale(raw_norm * abs(factor), float64(sc.max_grad_norm)) * factor)
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def lion_update(p, g, m, sc):
     """One Lion element: returns (p, exp_avg). The sign is taken by branches so the step is
     exactly p -/+ lr (no multiply); c of 0 or NaN gives p - lr * c (p, or NaN), as torch.sign."""
@@ -242,33 +242,33 @@ def lion_update(p, g, m, sc):
 # adafactor modules. ``sc`` is optirs.core.scalars.AdafactorScalars.
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adafactor_grad(g, sc):
     """The gradient as Adafactor uses it (times the gradient factor, negated with maximize)."""
     g = g * sc.grad_factor
     return -g if sc.maximize else g
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adafactor_running_mean(old, new, sc):
     """old + w * (new - old), w = step^beta2_decay (torch's lerp_ of the running means)."""
     return old + sc.beta2_weight * (new - old)
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adafactor_factored_direction(g, row, col, row_mean, sc):
     """The update of one element of a factored tensor: g / sqrt(max(row * col / max(mean(row), eps1), eps1^2))."""
     v = row * col / max(row_mean, sc.eps1)
     return g / math.sqrt(max(v, sc.eps1_squared))
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adafactor_direction(g, variance, sc):
     """The update of one element of a 0-1 dim tensor: g / sqrt(max(variance, eps1^2))."""
     return g / math.sqrt(max(variance, sc.eps1_squared))
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adafactor_apply(p, u, step, sc):
     """p * (1 - lr * wd) - (alpha / clip) * u, with ``step`` = alpha / clip of the tensor (float32)."""
     return p * sc.decay_factor - step * u
@@ -295,7 +295,7 @@ def element_step(family: str):
 
 
 @element_step("adam")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adam_element(p, g, m, v, vmax, sc):
     return adam_update(p, g, m, v, vmax, sc)
 
@@ -312,27 +312,27 @@ FAST_ELEMENT_STEPS = {"adam": (adam_fast_setup, adam_update_fast, adam_windows_o
 
 
 @element_step("sgd")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def sgd_element(p, g, buf, unused1, unused2, sc):
     p, buf = sgd_update(p, g, buf, sc)
     return p, buf, unused1, unused2
 
 
 @element_step("rmsprop")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def rmsprop_element(p, g, square_avg, buf, grad_avg, sc):
     return rmsprop_update(p, g, square_avg, buf, grad_avg, sc)
 
 
 @element_step("adagrad")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adagrad_element(p, g, acc, unused1, unused2, sc):
     p, acc = adagrad_update(p, g, acc, sc)
     return p, acc, unused1, unused2
 
 
 @element_step("lion")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def lion_element(p, g, m, unused1, unused2, sc):
     p, m = lion_update(p, g, m, sc)
     return p, m, unused1, unused2
@@ -342,7 +342,7 @@ def lion_element(p, g, m, unused1, unused2, sc):
 # a float32 element rounds as torch's where torch does not fuse).
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def _l2_or_decoupled(p, g, sc):
     """torch's two weight decays (NAdam, RAdam): p * (1 - lr * wd) or g + wd * p; none at wd 0."""
     if sc.decoupled:
@@ -352,14 +352,14 @@ def _l2_or_decoupled(p, g, sc):
     return p, g
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def _moments(g, m, v, sc):
     """Adam's two moments (NAdam, RAdam): beta1 m + (1 - beta1) g and beta2 v + (1 - beta2) g^2."""
     return sc.beta1 * m + sc.one_minus_beta1 * g, sc.beta2 * v + sc.one_minus_beta2 * g * g
 
 
 @element_step("nadam")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def nadam_element(p, g, m, v, unused, sc):
     g = g * sc.grad_factor
     p, g = _l2_or_decoupled(p, g, sc)
@@ -371,7 +371,7 @@ def nadam_element(p, g, m, v, unused, sc):
 
 
 @element_step("radam")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def radam_element(p, g, m, v, unused, sc):
     g = g * sc.grad_factor
     p, g = _l2_or_decoupled(p, g, sc)
@@ -383,7 +383,7 @@ def radam_element(p, g, m, v, unused, sc):
 
 
 @element_step("adamax")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adamax_element(p, g, m, u, unused, sc):
     g = g * sc.grad_factor
     if sc.weight_decay != 0:
@@ -397,7 +397,7 @@ def adamax_element(p, g, m, u, unused, sc):
 
 
 @element_step("adadelta")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def adadelta_element(p, g, square_avg, acc_delta, unused, sc):
     g = g * sc.grad_factor
     if sc.weight_decay != 0:
@@ -409,7 +409,7 @@ def adadelta_element(p, g, square_avg, acc_delta, unused, sc):
 
 
 @element_step("asgd")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def asgd_element(p, g, ax, unused1, unused2, sc):
     g = g * sc.grad_factor
     if sc.weight_decay != 0:
@@ -424,7 +424,7 @@ def asgd_element(p, g, ax, unused1, unused2, sc):
 
 
 @element_step("rprop")
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def rprop_element(p, g, prev, step_size, unused, sc):
     g = g * sc.grad_factor
     if sc.first_step:

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
 from optirs.backends.common.bits32 import f32_bits_cast, shl32, sub32
 from optirs.backends.common.half_native import _is_cuda
-from optirs.core.compile_cache import prepare_kernel_compilation
+from optirs.core.compile_cache import cached_njit, prepare_kernel_compilation
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
@@ -187,7 +187,7 @@ def mul_rn(typingctx, a, b):
     return types.float32(types.float32, types.float32), codegen
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def sqrt_in_window(x, hi=SQRT_HI):
     """Whether ``sqrt_fast(x)`` is ``sqrt(x)``: x's bits in [SQRT_LO, hi] (``hi`` at most SQRT_HI; a
     caller may narrow the window to bound what it computes from the root). One subtraction and one
@@ -195,28 +195,28 @@ def sqrt_in_window(x, hi=SQRT_HI):
     return sub32(f32_bits_cast(x), SQRT_LO) <= sub32(hi, SQRT_LO)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def rcp_fast(x):
     """``1 / x`` (float32) by the GPU's fast path: IEEE for x in the window of :func:`rcp_in_window`
     (an ``@njit`` function, so that numba's CUDA simulator can call it from Python)."""
     return _rcp_fast(x)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def rcp_in_window(x):
     """Whether ``rcp_fast(x)`` is ``1 / x``: x's bits in [RCP_LO, RCP_HI] (one subtraction and one
     unsigned compare: negative, zero, subnormal, huge, inf and NaN inputs fall outside)."""
     return sub32(f32_bits_cast(x), RCP_LO) <= sub32(RCP_HI, RCP_LO)
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def dividend_in_window(a):
     """Whether |a| is in [2**-72, 2**72), :func:`div_fast`'s window for the dividend (the sign bit
     shifted out; 0, inf and NaN fall outside)."""
     return sub32(shl32(f32_bits_cast(a), 1), shl32(DIVIDEND_LO, 1)) <= sub32(shl32(DIVIDEND_HI, 1), shl32(DIVIDEND_LO, 1))
 
 
-@njit(cache=True, inline="always")
+@cached_njit(inline="always")
 def divisor_in_window(b):
     """Whether b is in [2**-51, 2**49), :func:`div_fast`'s window for the divisor (positive only)."""
     return sub32(f32_bits_cast(b), DIVISOR_LO) <= sub32(DIVISOR_HI, DIVISOR_LO)

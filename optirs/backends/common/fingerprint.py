@@ -12,11 +12,11 @@ so an int64 maximum starting from 0 keeps it.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
+from optirs.core.compile_cache import cached_njit
 from optirs.plugin.hookspecs import FINGERPRINT_INDEX_MASK as INDEX_MASK
 
-_jit = njit(cache=True, error_model="numpy")
+_jit = cached_njit(error_model="numpy")
 
 
 @_jit

@@ -21,14 +21,12 @@ The segment sums below are the one definition of that order; the per-element opt
 
 from __future__ import annotations
 
-from numba import njit
-
-from optirs.core.compile_cache import prepare_kernel_compilation
+from optirs.core.compile_cache import cached_njit, prepare_kernel_compilation
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
 
-@njit(cache=True)
+@cached_njit()
 def gathered_grad(values, order, start, stop, j):
     """Column ``j`` of the summed gradient rows ``order[start:stop]`` (a non-empty segment).
 
@@ -39,7 +37,7 @@ def gathered_grad(values, order, start, stop, j):
     return g
 
 
-@njit(cache=True)
+@cached_njit()
 def row_gradient(values, order, start, stop):
     """The summed gradient row of one segment: a view when it has one contribution (the common
     case), else a new row summed in the given order (the same order as gathered_grad).

@@ -9,13 +9,14 @@ the per-element math from optirs.backends.common.elementwise in float32.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from optirs.backends.common.elementwise import (adafactor_apply, adafactor_direction, adafactor_factored_direction,
                                                 adafactor_grad, adafactor_running_mean)
+from optirs.core.compile_cache import cached_njit
 from optirs.core.factored import BATCH, COL_OFF, COLS, FACTORED, ROW_OFF, ROWS, SIZE, VAR_OFF
 
-_jit = njit(cache=True, error_model="numpy")
+_jit = cached_njit(error_model="numpy")
 
 
 @_jit
@@ -91,7 +92,7 @@ def _unfactored(p, g, variance, n, sc):
         p[i] = adafactor_apply(p[i], adafactor_direction(adafactor_grad(g[i], sc), variance[i], sc), step, sc)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@cached_njit(parallel=True, error_model="numpy")
 def adafactor(ps, gs, row_var, col_var, variance, table, sc):
     """Every tensor of the model (typed lists of 1-D views), one parallel loop over tensors."""
     for k in prange(table.shape[0]):

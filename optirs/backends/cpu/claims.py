@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from optirs.core.compile_cache import cached_njit
 
 
 @intrinsic
@@ -49,7 +51,7 @@ def claim(typingctx, counter):
 LOOPS = 256  # claiming loops a parallel step starts (each thread runs its static share of them)
 
 
-@njit(cache=True)
+@cached_njit()
 def counter():
     """A chunk counter at 0. Made here, not by ``np.zeros`` in the parallel function: there numba's
     parfor pass turns ``np.zeros`` into a fill loop that it then drops as dead (it does not see
@@ -57,7 +59,7 @@ def counter():
     return np.zeros(1, np.int64)
 
 
-@njit(cache=True)
+@cached_njit()
 def loops(nchunks):
     """How many claiming loops to start for ``nchunks`` chunks: LOOPS, or one a chunk if fewer."""
     return max(1, min(LOOPS, nchunks))

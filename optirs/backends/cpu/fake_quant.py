@@ -23,15 +23,16 @@ _LOOPS: Optional[Tuple[Any, Any]] = None
 
 
 def _build_loops() -> Tuple[Any, Any]:
-    from numba import njit, prange
+    from numba import prange
+    from optirs.core.compile_cache import cached_njit
 
     from optirs.core.compile_cache import prepare_kernel_compilation
 
     prepare_kernel_compilation()
 
-    fq = njit(cache=True, inline="always")(fq_element)
+    fq = cached_njit(inline="always")(fq_element)
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def forward(x, out, mask, inv, scale, zp, inner, nch, qmin, qmax, int64_cast, stochastic, key_lo, key_hi):
         """Forward over a flat float32 array; element i belongs to channel (i // inner) % nch."""
         n = x.size
@@ -55,7 +56,7 @@ def _build_loops() -> Tuple[Any, Any]:
                         out[j], mask[j] = fq(x[j] * iv, s, z, qmin, qmax, False, False, key_lo, key_hi, j)
                 i = end
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def backward(x, g, gin, inv, scale, zp, inner, nch, qmin, qmax, int64_cast):
         """Straight-through gradient: ``g`` inside the range (bits unchanged), ``g * 0`` outside (as torch)."""
         n = x.size

@@ -52,11 +52,11 @@ def _kernel():
         import numba
 
         from optirs.backends.common import fingerprint as terms
-        from optirs.core.compile_cache import prepare_kernel_compilation
+        from optirs.core.compile_cache import cached_njit, prepare_kernel_compilation
 
         prepare_kernel_compilation()
         prange, fingerprint_word, fingerprint_key = numba.prange, terms.fingerprint_word, terms.fingerprint_key
-        _KERNEL.append(numba.njit(parallel=True, cache=True, error_model="numpy")(_fingerprint_words))
+        _KERNEL.append(cached_njit(parallel=True, error_model="numpy")(_fingerprint_words))
     return _KERNEL[0]
 
 

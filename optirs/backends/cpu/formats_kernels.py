@@ -32,6 +32,7 @@ from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_
 from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import _sum_add, _sum_squares, chunk_trust_ratios
+from optirs.core.compile_cache import cached_njit
 from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32, STATE_INT8, STATE_INT8_SQRT, FormatCodes)
 
@@ -40,7 +41,7 @@ from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MAST
 # process would call each element's helpers and not vectorize (2-4x slower, measured). The
 # helpers and the per-variant loops they make up compile with their entry point, inlined.
 _jit = njit(cache=False, error_model="numpy")
-_pjit = njit(parallel=True, cache=True, error_model="numpy")
+_pjit = cached_njit(parallel=True, error_model="numpy")
 # An int8 block's decode, element loop and encode are inlined into the block loop by numba: as
 # calls, each took its arrays as exploded structs on the stack (about 80 stores a call, five calls
 # a block of 256) and LLVM judged them too large to inline (measured: 0.2-0.4 ns a parameter).

@@ -19,8 +19,9 @@ from numba.typed import List
 from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.common.elementwise import (element_update, lamb_direction, lamb_grad_scale, lamb_moments,
                                                lamb_trust_ratio)
+from optirs.core.compile_cache import cached_njit
 
-jit = njit(parallel=True, cache=True, error_model="numpy")
+jit = cached_njit(parallel=True, error_model="numpy")
 
 
 @intrinsic
@@ -34,7 +35,7 @@ def _data_pointer(typingctx, address, like):
     return sig, codegen
 
 
-@njit(cache=True)
+@cached_njit()
 def _views_list(addresses, sizes, like):
     out = List()
     for i in range(addresses.shape[0]):
@@ -131,7 +132,7 @@ def _sum_add(typingctx, a, b):
     return types.float64(types.float64, types.float64), codegen
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def _sum_squares(x):
     """The float64 sum of the squares of ``x`` by vector lanes (LAMB's and the clipping's norms).
     Each value is widened before it is squared: a float32 square overflows from |x| ~ 1.8e19 on,
@@ -143,7 +144,7 @@ def _sum_squares(x):
     return total
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def _moments_and_directions(p, g, m, v, u, grad_scale, sc):
     """LAMB's pass 1 for a chunk: the new moments, written, and each element's direction into ``u``
     (float32 scratch, summed apart: a float64 sum in this loop would hold it to 4 vector lanes)."""
@@ -165,7 +166,7 @@ def _global_grad_norm(gs, chunk_tensor, chunk_start, chunk_stop):
     return np.sqrt(partial.sum())
 
 
-@njit(cache=True, error_model="numpy")
+@cached_njit(error_model="numpy")
 def chunk_trust_ratios(p_sq, u_sq, chunk_tensor, ntensors, max_trust_ratio):
     """LAMB's per-tensor trust ratios (float32) from the chunks' float64 sums of p^2 and u^2, summed
     per tensor in chunk order (the float32 step and the formats step share it)."""

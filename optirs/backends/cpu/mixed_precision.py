@@ -31,16 +31,17 @@ def cpu_kernels():
     global _kernels
     if _kernels is not None:
         return _kernels
-    from numba import njit, prange
+    from numba import prange
+    from optirs.core.compile_cache import cached_njit
 
     from optirs.backends.cpu.kernels import typed_list  # (its import prepares the kernel cache)
 
-    f16_decode = njit(cache=True)(half.f16_decode)
-    bf16_decode = njit(cache=True)(half.bf16_decode)
-    f16_encode = njit(cache=True)(half.f16_encode)
-    bf16_encode = njit(cache=True)(half.bf16_encode)
+    f16_decode = cached_njit()(half.f16_decode)
+    bf16_decode = cached_njit()(half.bf16_decode)
+    f16_encode = cached_njit()(half.f16_encode)
+    bf16_encode = cached_njit()(half.bf16_encode)
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def unscale(gs, out, offsets, chunk_tensor, chunk_start, chunk_stop, inv_scale, bf16, flags):
         # One pass: decode, multiply by 1/scale, store float32, flag non-finite results per chunk.
         for c in prange(chunk_tensor.shape[0]):
@@ -54,7 +55,7 @@ def cpu_kernels():
                     bad = 1
             flags[c] = bad
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def narrow(master_bits, ps, offsets, chunk_tensor, chunk_start, chunk_stop, bf16):
         for c in prange(chunk_tensor.shape[0]):
             t = chunk_tensor[c]
@@ -63,12 +64,12 @@ def cpu_kernels():
                 u = master_bits[off + i]
                 p[i] = bf16_encode(u) if bf16 else f16_encode(u)
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def encode_all(bits, out, bf16):
         for i in prange(bits.shape[0]):
             out[i] = bf16_encode(bits[i]) if bf16 else f16_encode(bits[i])
 
-    @njit(parallel=True, cache=True)
+    @cached_njit(parallel=True)
     def decode_all(bits, out, bf16):
         for i in prange(bits.shape[0]):
             out[i] = bf16_decode(bits[i]) if bf16 else f16_decode(bits[i])

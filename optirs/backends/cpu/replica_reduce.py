@@ -18,13 +18,14 @@ _KERNEL: list = []  # the compiled loop, built on first use
 
 def _kernel():
     if not _KERNEL:
-        from numba import njit, prange
+        from numba import prange
+        from optirs.core.compile_cache import cached_njit
 
         from optirs.core.compile_cache import prepare_kernel_compilation
 
         prepare_kernel_compilation()
 
-        @njit(parallel=True, cache=True, error_model="numpy")
+        @cached_njit(parallel=True, error_model="numpy")
         def replica_reduce(replicas, divisor, average):
             dst = replicas[0]
             for i in prange(dst.shape[0]):

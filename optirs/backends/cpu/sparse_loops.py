@@ -8,19 +8,20 @@ slower). Imported on the first sparse step, so loading the plugin does not impor
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from optirs.backends.common.elementwise import adam_update, sgd_update
 from optirs.backends.common.sparse_rows import row_gradient
+from optirs.core.compile_cache import cached_njit
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def scatter_positions(pos, rows, clear):
     for k in prange(rows.shape[0]):
         pos[rows[k]] = -1 if clear else k
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def adam_lazy(p, m, v, rows, seg, order, values, sc):
     for k in prange(rows.shape[0]):
         r = rows[k]
@@ -30,7 +31,7 @@ def adam_lazy(p, m, v, rows, seg, order, values, sc):
             pr[j], mr[j], vr[j], _ = adam_update(pr[j], g[j], mr[j], vr[j], vr[j], sc)
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def adam_dense(p, m, v, pos, seg, order, values, sc):
     zeros = np.zeros(p.shape[1], np.float32)
     for r in prange(p.shape[0]):
@@ -41,7 +42,7 @@ def adam_dense(p, m, v, pos, seg, order, values, sc):
             pr[j], mr[j], vr[j], _ = adam_update(pr[j], g[j], mr[j], vr[j], vr[j], sc)
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def sgd_lazy(p, buf, seen, rows, seg, order, values, sc, sc_first):
     # A row's momentum buffer starts at its gradient the first time the row is present
     # (torch's first-step rule, applied per row); the loop marks the row itself.
@@ -60,7 +61,7 @@ def sgd_lazy(p, buf, seen, rows, seg, order, values, sc, sc_first):
                 pr[j], _ = sgd_update(pr[j], g[j], g[j], sc)
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def sgd_dense(p, buf, pos, seg, order, values, sc):
     zeros = np.zeros(p.shape[1], np.float32)
     for r in prange(p.shape[0]):

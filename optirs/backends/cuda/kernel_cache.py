@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from optirs.core.compile_cache import source_state
+from optirs.core.compile_cache import key_named_cache, source_state
 from optirs.core.simulator import cuda_simulator_enabled
 
 _SOURCES = ("backends/cuda", "backends/common", "core")  # what a CUDA kernel can be built from
@@ -37,6 +37,8 @@ def enable(dispatcher: Any, name: str) -> bool:
             self.optirs_key = (name, source_state(*_SOURCES))
             self.build: Optional[Any] = None
             super().__init__(py_func)
+            # the kernels of one builder share an index (one function): file per key
+            key_named_cache(self)
 
         def _index_key(self, sig: Any, codegen: Any) -> tuple:
             import numba_cuda
