@@ -80,13 +80,15 @@ def bytes_per_param(param: str, grad: str, master: Optional[str], state: str, sl
 def host_copy_kernel():
     """A parallel copy of 8-byte words in blocks (the same threads as the kernels; ``copy_blocks(src,
     dst, block)``, which releases the GIL: bench_host_contention runs it beside CUDA copies)."""
-    from numba import njit, prange
+    from numba import prange
 
-    @njit(cache=True)
+    from optirs.core.compile_cache import cached_njit
+
+    @cached_njit()
     def copy_range(src, dst, s, e):
         dst[s:e] = src[s:e]
 
-    @njit(parallel=True, nogil=True, cache=True)
+    @cached_njit(parallel=True, nogil=True)
     def copy_blocks(src, dst, block):
         n = src.shape[0]
         for b in prange((n + block - 1) // block):

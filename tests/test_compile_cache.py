@@ -70,6 +70,16 @@ def test_processes_compiling_one_kernel_at_once_never_swap_its_signatures(tmp_pa
     assert race_kernels.twice_plus_one(3) == 7
 
 
+def test_every_kernel_cached_on_disk_is_made_by_cached_njit():
+    """A kernel made by ``njit(cache=True)`` itself would keep numba's numbered data files (the
+    race above): the package's sources ask for the disk cache only through cached_njit."""
+    package = ROOT / "optirs"
+    direct = [f"{path.relative_to(ROOT)}:{k}" for path in sorted(package.rglob("*.py"))
+              for k, line in enumerate(path.read_text().splitlines(), 1)
+              if "cache=True" in line and "``" not in line and path.name != "compile_cache.py"]
+    assert direct == []
+
+
 def test_cache_location_is_where_numba_caches(tmp_path):
     """Against numba itself: a cached function of a module written here, and optirs's own element math."""
     cache = tmp_path / "cache"
