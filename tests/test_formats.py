@@ -305,7 +305,8 @@ def _special_floats(rng, n=4000):
     u = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
     edges = np.array([0, 0x80000000, 1, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
                       0x3F808000, 0x3F818000, 0x3F800080, 0x3F800180, 0x3F7FFF80, 0x7F7F8000, 0x477FF000,
-                      0x38800000, 0x33000000, 0x33000001], dtype=np.uint32)
+                      0x38800000, 0x33000000, 0x33000001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0xFFC00000],
+                     dtype=np.uint32)
     return np.concatenate([u, edges]).view(np.float32)
 
 
@@ -353,7 +354,9 @@ def test_numba_encodings_match_the_reference(nb, rng):
     assert np.array_equal(out[2], R.bf16_stochastic(x, r))
     hi, rem = R.remainder16_split(x)
     assert np.array_equal(out[3], hi) and np.array_equal(out[4].astype(np.int64), rem.astype(np.int64) & 0xFFFFFFFF)
-    assert np.array_equal(out[5], x.view(np.uint32))  # remainder16 is exact, NaN payloads included
+    nan = np.isnan(x)
+    assert np.array_equal(out[5][~nan], x.view(np.uint32)[~nan])  # remainder16 is exact
+    assert np.array_equal(out[5][nan], _quiet_nan_of(x[nan]))  # a NaN: the quiet NaN of its sign
     y = R.round24(x)
     assert np.array_equal(out[6], y.view(np.uint32))
     hi, rem = R.remainder8_split(y)
@@ -411,16 +414,25 @@ def test_numba_float16_at_every_rounding_boundary(nb16, native):
     assert np.array_equal(dec.view(np.uint32)[nan], ((h[nan] & 0x8000) << 16) | 0x7FC00000)  # the quiet NaN
 
 
+def _quiet_nan_of(x):
+    """The float32 quiet NaN of the sign of each of the NaNs ``x`` (0x7FC00000 | sign)."""
+    return (x.view(np.uint32) & 0x80000000) | 0x7FC00000
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_reference_encodings_follow_the_contract(rng):
     x = _special_floats(rng)
-    finite = np.isfinite(x)
+    finite, nan = np.isfinite(x), np.isnan(x)
     # remainder16: the parameter is the master rounded to nearest, ties away from zero
     hi, rem = R.remainder16_split(x)
     u = x.view(np.uint32).astype(np.int64)
     lo = u & 0xFFFF
     assert np.array_equal(hi[finite], (((u >> 16) + (lo >= 0x8000)) & 0xFFFF)[finite])
-    assert np.array_equal(R.remainder16_join(hi, rem).view(np.uint32), x.view(np.uint32))
+    assert np.array_equal(R.remainder16_join(hi, rem).view(np.uint32)[~nan], x.view(np.uint32)[~nan])
+    # a NaN master, whatever its payload, splits as the quiet NaN of its sign: a bfloat16 NaN
+    # parameter and a remainder of 0 (split as a word, 0x7FFFFFFF would round up to 0x8000, a zero)
+    assert np.array_equal(hi[nan], _quiet_nan_of(x[nan]) >> 16) and not rem[nan].any()
+    assert np.array_equal(R.round24(x).view(np.uint32)[nan], _quiet_nan_of(x[nan]))
     # round24 is nearest even on the low 8 bits: the nearer of the two 24-bit neighbours
     y = R.round24(x)
     down = (u & ~0xFF).astype(np.uint32).view(np.float32).astype(np.float64)

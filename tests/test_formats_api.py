@@ -123,6 +123,35 @@ def _cpu_or_skip():
         pytest.skip("cpu backend unavailable")
 
 
+@pytest.mark.parametrize("master", ["remainder16", "remainder8"])
+def test_a_nan_master_of_any_payload_leaves_a_nan_parameter(master, feature_backend, rng):
+    """float32 gradients whose NaNs carry full payloads (NVIDIA's NaN is 0x7FFFFFFF) make NaN masters
+    with those payloads: each leaves the bfloat16 quiet NaN as its parameter and a remainder of 0 (split
+    as a word, the payload rounded the parameter up through the sign bit to a zero, 0x8000 or 0x0000);
+    every other element steps as it does with those gradients zeroed."""
+    hp = AdamParams(lr=1e-2)
+    opts = [_opt("adamw", hp, feature_backend, Precision(master_weights=master)) for _ in range(2)]
+    if not opts[0].backend.supports("formats"):
+        pytest.skip(f"{feature_backend} runs no step formats")
+    params = _arrays(rng, BF16)
+    twins = [p.copy() for p in params]
+    grads = _arrays(rng, np.float32, 0.1)
+    where = [5, 9, 17, 30]
+    grads[0].reshape(-1).view(np.uint32)[where] = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0xFFC00000]
+    zeroed = [g.copy() for g in grads]
+    zeroed[0].reshape(-1)[where] = 0
+    opts[0].step_gpu(params, grads)
+    opts[1].step_gpu(twins, zeroed)
+    got, other = _words(params[0]).reshape(-1), _words(twins[0]).reshape(-1)
+    assert np.all((got[where] & 0x7FFF) == 0x7FC0), [hex(w) for w in got[where]]
+    rem = _flat(opts[0])[1]["master_remainder"]
+    assert not rem[where].any()
+    keep = np.ones(got.size, bool)
+    keep[where] = False
+    assert np.array_equal(got[keep], other[keep]) and np.array_equal(_words(params[1]), _words(twins[1]))
+    assert np.array_equal(np.delete(rem, where), np.delete(_flat(opts[1])[1]["master_remainder"], where))
+
+
 def test_float32_state_keeps_the_ordinary_step(rng):
     """float32 parameters with float32 state: the checkpoint is the float32 one (no format entry)."""
     opt = _opt("adam", AdamParams(), "cpu", Precision(master_weights="remainder8"))

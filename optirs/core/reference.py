@@ -330,8 +330,16 @@ def bf16_stochastic(x: np.ndarray, r: np.ndarray) -> np.ndarray:
     return np.where(finite, out, nearest16(x, "bfloat16")).astype(np.uint16)
 
 
+def quiet_nan_master(master: np.ndarray) -> np.ndarray:
+    """A float32 master's NaNs as the quiet NaN of their sign (0x7FC00000 | sign), before a remainder
+    split: a payload with bit 15 set would round the bfloat16 parameter up through the sign to a
+    zero (0x7FFFFFFF to 0x8000 and a remainder of -1)."""
+    u = bits(master)
+    return from_bits(np.where(np.isnan(from_bits(u)), (u & 0x80000000) | 0x7FC00000, u).astype(_U32))
+
+
 def remainder16_split(master: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    u = bits(master).astype(np.int64)
+    u = bits(quiet_nan_master(master)).astype(np.int64)
     hi, lo = u >> 16, u & 0xFFFF
     hi = np.where(lo >= 0x8000, hi + 1, hi) & 0xFFFF
     return hi.astype(np.uint16), lo.astype(np.uint16).view(np.int16)
@@ -345,7 +353,7 @@ def remainder16_join(hi: np.ndarray, rem: np.ndarray) -> np.ndarray:
 
 
 def round24(x: np.ndarray) -> np.ndarray:
-    u = bits(x).astype(np.int64)
+    u = bits(quiet_nan_master(x)).astype(np.int64)
     u24 = (u + 0x7F + ((u >> 8) & 1)) >> 8
     finite = (u & 0x7F800000) != 0x7F800000
     return from_bits(np.where(finite, (u24 << 8) & 0xFFFFFFFF, u).astype(_U32))

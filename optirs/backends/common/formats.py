@@ -267,12 +267,28 @@ def param_word_wide_num(x, fc, key, i):
 
 
 @_jit
-def remainder16_split(x):
-    """The exact float32 master ``x`` -> (bfloat16 bits ``hi``, int16 remainder as int32)."""
+def quiet_nan_master(u):
+    """The bits ``u`` of a new float32 master with a NaN made the quiet NaN of its sign (0x7FC00000 |
+    sign), every other value kept: a remainder master splits a NaN as any other word, and a payload
+    with its bit 15 set (NVIDIA's NaN, 0x7FFFFFFF; a gradient's NaN payload carried by the arithmetic)
+    would carry the rounding up into the sign bit and leave the bfloat16 parameter a zero."""
+    return or32(and32(u, 0x80000000), _QNAN) if and32(u, _ABS) > _EXP else u
+
+
+@_jit
+def remainder16_split_num(x):
+    """The exact float32 master ``x``, not NaN -> (bfloat16 bits ``hi``, int16 remainder as int32)."""
     u = f32_bits(x)
     lo = and32(u, 0xFFFF)
     # a remainder of 0x8000 or more is negative: the high half rounds up by one
     return and32(add32(shr32(u, 16), shr32(lo, 15)), 0xFFFF), np.int32(np.int16(lo))
+
+
+@_jit
+def remainder16_split(x):
+    """:func:`remainder16_split_num` of any master: a NaN splits as the quiet NaN of its sign (the
+    bfloat16 quiet NaN and a remainder of 0, :func:`quiet_nan_master`)."""
+    return remainder16_split_num(bits_f32(quiet_nan_master(f32_bits(x))))
 
 
 @_jit
@@ -299,9 +315,10 @@ def round24_num(x):
 
 @_jit
 def round24(x):
-    """float32 -> float32 with its low 8 bits zero, nearest even on them (non-finite stays)."""
+    """float32 -> float32 with its low 8 bits zero, nearest even on them (inf stays; a NaN is the quiet
+    NaN of its sign, :func:`quiet_nan_master`)."""
     if and32(f32_bits(x), _EXP) == _EXP:
-        return x
+        return bits_f32(quiet_nan_master(f32_bits(x)))
     return round24_num(x)
 
 
@@ -311,7 +328,7 @@ def round24_word(x):
     leaves it (nobody reads it): the rounding without the masking."""
     u = f32_bits(x)
     if and32(u, _EXP) == _EXP:
-        return u
+        return quiet_nan_master(u)
     return round24_word_num(x)
 
 
@@ -635,7 +652,7 @@ def load_master(praw, mraw, fc):
     return decode16(praw, fc.param)
 
 
-def _master_store(round24_of, param_word_of):
+def _master_store(round24_of, remainder16_of, param_word_of):
     """The new float32 master ``x`` -> (parameter word, master word), as :func:`load_master` reads them,
     by the given rounding of a remainder8 master and bfloat16 parameter word: the forms with their
     NaN tests, or the forms for a master known not to be NaN (the same bits for every other value).
@@ -647,7 +664,7 @@ def _master_store(round24_of, param_word_of):
         if fc.param == F32:
             return f32_bits(x), np.uint32(0)
         if fc.master == MASTER_R16:
-            hi, rem = remainder16_split(x)
+            hi, rem = remainder16_of(x)
             return hi, u32(rem)
         if fc.master == MASTER_R8:
             hi, rem = remainder8_split(round24_of(x))
@@ -674,8 +691,8 @@ def param_word_wide(x, fc, key, i):
 
 
 # Every master store of the formats; the cpu loops' NaN-free first try takes store_master_num.
-store_master = _master_store(round24, param_word_wide)
-store_master_num = _master_store(round24_num, param_word_wide_num)
+store_master = _master_store(round24, remainder16_split, param_word_wide)
+store_master_num = _master_store(round24_num, remainder16_split_num, param_word_wide_num)
 
 
 @_jit
@@ -686,7 +703,7 @@ def store_master_wide(x, fc, key, i):
     whose low half (remainder16) or byte 1 (remainder8) is the remainder: the split's words with
     neither mask nor sign extension (:func:`load_master_wide` reads them back)."""
     if fc.master == MASTER_R16:
-        u = f32_bits(x)
+        u = quiet_nan_master(f32_bits(x))
         return add32(u, 0x8000), u  # the high half rounds up where the remainder is negative
     if fc.master == MASTER_R8:
         t = round24_word(x)
@@ -696,8 +713,11 @@ def store_master_wide(x, fc, key, i):
 
 @_jit
 def store_master_wide_num(x, fc, key, i):
-    """:func:`store_master_wide` of a master ``x`` known not to be NaN (the same words; remainder8
-    without :func:`round24_word`'s test)."""
+    """:func:`store_master_wide` of a master ``x`` known not to be NaN (the same words; the remainder
+    masters without :func:`quiet_nan_master`'s and :func:`round24_word`'s tests)."""
+    if fc.master == MASTER_R16:
+        u = f32_bits(x)
+        return add32(u, 0x8000), u
     if fc.master == MASTER_R8:
         t = round24_word_num(x)
         return add32(t, 0x8000), t

@@ -776,9 +776,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 ok = ok & okj & (xn == xn)
                 pw[j] = f32_bits(xn) if param_nearest else param_word_wide_num(xn, fc, keyp, ij)
                 mw[j] = f32_bits(xn) if master == MASTER_F32 else np.uint32(0)
-            elif wide_rem and master == MASTER_R8:
+            elif wide_rem:
                 # the new master tested for NaN in the flag (one predicate an element), so that
-                # round24_word needs no exponent test (three instructions an element)
+                # neither round24_word's exponent test nor the quiet NaN's select is paid (three
+                # instructions an element each; store_master_wide_num)
                 ok = ok & okj & (xn == xn)
                 p_, m_ = store_master_wide_num(xn, fc, keyp, ij)
                 pw[j] = p_

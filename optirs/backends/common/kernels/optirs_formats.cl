@@ -565,8 +565,9 @@ void fmt_store_master(float8 x, __global PST *p, __global MST *m, int nv, int al
     store8_float(x, m, nv, al);
     P_STORE(x, p, nv, al);
 #elif OPTIRS_FMT_MASTER == 2
-    store8_wide(optirs_r16_hi_wide8(u), p, nv, al);
-    store8_r16words(u, m, nv, al);
+    const uint8 q = optirs_quiet_nan_master8(u);
+    store8_wide(optirs_r16_hi_wide8(q), p, nv, al);
+    store8_r16words(q, m, nv, al);
 #else
     /* optirs_r8_hi_wide8's high half and optirs_r8_split8's remainder from the unshifted rounding:
      * the byte below the kept 24 bits changes no carry into the high half (0x8000 is a multiple of

@@ -231,6 +231,14 @@ ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
 
 /* ---------------------------------------------------------------- master remainders */
 
+/* A new master's NaNs as the quiet NaN of their sign (0x7FC00000 | sign), every other value kept,
+ * before a remainder split (the numba quiet_nan_master): a payload with its bit 15 set (NVIDIA's NaN,
+ * 0x7FFFFFFF) would carry the rounding up into the sign bit and leave the bfloat16 parameter a zero. */
+uint8 optirs_quiet_nan_master8(uint8 u)
+{
+    return select(u, (u & 0x80000000u) | 0x7FC00000u, isnan(as_float8(u)));
+}
+
 /* remainder16: hi = the master rounded to nearest (ties away from zero), rem = the low 16 bits
  * as int16 (negative when they rounded hi up); join undoes it exactly. The kernels take hi wide:
  * u + 0x8000 (the carry out of the low half is the rounding up), and join hi_w + rem sign-extended
@@ -249,8 +257,9 @@ uint8 optirs_r16_join_wide8(uint8 hi_w, short8 rem)
 
 void optirs_r16_split8(uint8 u, ushort8 *hi, short8 *rem)
 {
-    *hi = convert_ushort8(optirs_r16_hi_wide8(u) >> 16);
-    *rem = as_short8(convert_ushort8(u));
+    const uint8 q = optirs_quiet_nan_master8(u); /* a NaN splits as the quiet NaN of its sign */
+    *hi = convert_ushort8(optirs_r16_hi_wide8(q) >> 16);
+    *rem = as_short8(convert_ushort8(q));
 }
 
 uint8 optirs_r16_join8(ushort8 hi, short8 rem)
@@ -258,12 +267,12 @@ uint8 optirs_r16_join8(ushort8 hi, short8 rem)
     return optirs_r16_join_wide8(convert_uint8(hi) << 16, rem);
 }
 
-/* round24: the top 24 bits, nearest even on the 8 dropped ones; a non-finite value keeps its top
- * 24 bits. Returns u24 (the 24 kept bits in the low bits). */
+/* round24: the top 24 bits, nearest even on the 8 dropped ones; inf keeps its top 24 bits, a NaN is
+ * the quiet NaN of its sign. Returns u24 (the 24 kept bits in the low bits). */
 uint8 optirs_round24_8(uint8 u)
 {
     const uint8 r = (u + 0x7Fu + ((u >> 8) & 1u)) >> 8;
-    return select(r, u >> 8, (u & 0x7F800000u) == 0x7F800000u);
+    return select(r, optirs_quiet_nan_master8(u) >> 8, (u & 0x7F800000u) == 0x7F800000u);
 }
 
 /* remainder8: split u24 into the bfloat16 hi (rounded to nearest, ties away) and an int8 rem; hi
@@ -374,7 +383,7 @@ uint8 optirs_r8_words_of(char8 rem)
 
 uint8 optirs_round24_word8(uint8 u)
 {
-    return select(u + 0x7Fu + ((u >> 8) & 1u), u, (u & 0x7F800000u) == 0x7F800000u);
+    return select(u + 0x7Fu + ((u >> 8) & 1u), optirs_quiet_nan_master8(u), (u & 0x7F800000u) == 0x7F800000u);
 }
 
 /* OPTIRS_PACK_X4(name, pair, portable): ``uint name(a, b, c, d)``, one byte of each of a-d as one word
