@@ -272,7 +272,7 @@ def quiet_nan_master(u):
     sign), every other value kept: a remainder master splits a NaN as any other word, and a payload
     with its bit 15 set (NVIDIA's NaN, 0x7FFFFFFF; a gradient's NaN payload carried by the arithmetic)
     would carry the rounding up into the sign bit and leave the bfloat16 parameter a zero."""
-    return or32(and32(u, 0x80000000), _QNAN) if and32(u, _ABS) > _EXP else u
+    return _nan_wide(u) if and32(u, _ABS) > _EXP else u
 
 
 @_jit

@@ -236,7 +236,7 @@ ushort8 optirs_bf16_sr8(uint8 u, uint8 r)
  * 0x7FFFFFFF) would carry the rounding up into the sign bit and leave the bfloat16 parameter a zero. */
 uint8 optirs_quiet_nan_master8(uint8 u)
 {
-    return select(u, (u & 0x80000000u) | 0x7FC00000u, isnan(as_float8(u)));
+    return select(u, optirs_bf16_nan_wide8(u), isnan(as_float8(u)));
 }
 
 /* remainder16: hi = the master rounded to nearest (ties away from zero), rem = the low 16 bits
