@@ -70,6 +70,75 @@ def test_processes_compiling_one_kernel_at_once_never_swap_its_signatures(tmp_pa
     assert race_kernels.twice_plus_one(3) == 7
 
 
+def test_a_kernel_cached_with_other_options_is_compiled_anew(tmp_path, monkeypatch):
+    """numba keys a cached kernel by signature, machine and bytecode: a kernel cached under one
+    error model would be loaded for another. cached_njit keys the options too."""
+    from optirs.core.compile_cache import cached_njit
+
+    path = tmp_path / "option_kernels.py"
+    path.write_text("def inverse(x):\n    return 1.0 / x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import option_kernels
+
+    quiet = cached_njit(error_model="numpy")(option_kernels.inverse)
+    assert quiet(0.0) == float("inf")
+    strict = cached_njit()(option_kernels.inverse)
+    with pytest.raises(ZeroDivisionError):
+        strict(0.0)
+    assert strict.stats.cache_hits.get(strict.signatures[0], 0) == 0
+    again = cached_njit(error_model="numpy")(option_kernels.inverse)
+    assert again(0.0) == float("inf") and again.stats.cache_hits[again.signatures[0]] == 1
+
+
+def test_a_parallel_kernel_lets_other_python_threads_run(tmp_path, monkeypatch):
+    """A parallel kernel releases the GIL while it runs, its serial loops too (numba releases it
+    around the parallel loops alone). With the interpreter never asked to switch threads, a thread
+    that held the GIL through the kernel would leave the main thread no turn until the kernel
+    returned: the main thread counts its turns while the kernel runs (half a second or so)."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from optirs.core.compile_cache import cached_njit
+
+    path = tmp_path / "gil_kernels.py"
+    path.write_text("import numpy as np\nfrom numba import prange\n\n\ndef serial_then_parallel(a, n):\n"
+                    "    s = 0.0\n    for r in range(n):\n        for i in range(a.size):\n"
+                    "            s += np.sqrt(a[i] + r)\n    for i in prange(a.size):\n        a[i] += s\n"
+                    "    return s\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gil_kernels
+
+    kernel = cached_njit(parallel=True)(gil_kernels.serial_then_parallel)
+    data = np.zeros(1 << 20)
+    kernel(data[:8], 1)  # compiled here, not in the thread
+    started, finished, turns, took = threading.Event(), threading.Event(), [], []
+
+    def run() -> None:
+        started.set()
+        t0 = time.perf_counter()
+        kernel(data, 200)
+        took.append(time.perf_counter() - t0)
+        finished.set()
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        worker = threading.Thread(target=run)
+        worker.start()
+        started.wait()
+        while not finished.is_set():
+            turns.append(1)
+            time.sleep(0.001)  # gives the GIL back, so that the worker can return from the kernel
+        worker.join()
+    finally:
+        sys.setswitchinterval(before)
+    # a turn is a millisecond's sleep and a little more: held through the kernel, the main thread
+    # gets a few turns before and after it; free, about one a millisecond of it
+    assert len(turns) > 1e3 * took[0] / 10, (len(turns), took)
+
+
 def test_every_kernel_cached_on_disk_is_made_by_cached_njit():
     """A kernel made by ``njit(cache=True)`` itself would keep numba's numbered data files (the
     race above): the package's sources ask for the disk cache only through cached_njit."""

@@ -621,14 +621,30 @@ def key_named_cache(cache: Any) -> Any:
 
 def cached_njit(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """``numba.njit(cache=True, **options)`` with :func:`key_named_cache`: the decorator every
-    optirs cpu kernel that is cached on disk is made by."""
+    optirs cpu kernel that is cached on disk is made by.
+
+    - A parallel kernel releases the GIL while it runs (``nogil``). numba releases it around the
+      parallel loops only; without ``nogil`` the kernel's serial parts (a setup, a reduction
+      between two parallel loops) hold it, and every other Python thread of the process (autograd's
+      hooks in a backward running beside CPUOffload's step, a data loader) waits for them.
+    - The options are part of the cache's key. numba keys a cached kernel by its signature, the
+      machine and its bytecode only, so a kernel cached before its options changed (the GIL, the
+      error model) would otherwise load its old machine code.
+    """
     from numba import njit
 
+    if options.get("parallel"):
+        options.setdefault("nogil", True)
     decorate = njit(cache=True, **options)
+    described = repr(sorted(options.items()))
 
     def make(fn: Callable[..., Any]) -> Any:
         dispatcher = decorate(fn)
-        key_named_cache(dispatcher._cache)
+        cache = dispatcher._cache
+        index_key = getattr(cache, "_index_key", None)
+        if index_key is not None:
+            cache._index_key = lambda sig, codegen: (*index_key(sig, codegen), described)
+        key_named_cache(cache)
         return dispatcher
 
     return make

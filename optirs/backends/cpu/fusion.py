@@ -20,7 +20,7 @@ def _build(source: FusedGroupSource, text: str, params: Sequence[str]) -> Any:
     mul = numba.njit(product)
     ns = exec_source(text, "cpu", {"np": np, "math": math, "prange": numba.prange, "mul_f32": mul, "mul_f64": mul,
                                    "f32": np.float32, "f64": np.float64, "bool": bool})
-    fn = numba.njit(parallel=True, error_model="numpy", fastmath=False)(ns["kernel_"])
+    fn = numba.njit(parallel=True, nogil=True, error_model="numpy", fastmath=False)(ns["kernel_"])
     fn.compile(numba_signature(source, params))  # compile now, not on the first run
     return fn
 
