@@ -7,7 +7,8 @@ gradients once at the device's copy bandwidth.
     python benchmarks/bench_fingerprint.py --device cpu --quick         # the script on the CPU (seconds)
 
 A round is what ``step()`` queues (every gradient into its row of one table, then the comparison is
-read back); its host time is the Python that queues it, its total time includes the wait for the
+read back; "one a call" takes the same round by one request a gradient, as the hooks in backward
+do); its host time is the Python that queues it, its total time includes the wait for the
 device, and on CUDA its device time is measured with the launches queued behind a sleep (no host
 gaps).
 """
@@ -68,7 +69,13 @@ def rounds(torch: Any, device: str) -> Dict[str, Callable[[List[Any], Any], None
     def by_capability(grads: List[Any], table: Any) -> None:
         hook(backend.ctx, [offload._gradient_words(g) for g in grads], offload._words(table), list(range(len(grads))))
 
-    out[f"capability ({backend.name})"] = by_capability
+    def by_capability_each(grads: List[Any], table: Any) -> None:
+        words = offload._words(table)
+        for k, g in enumerate(grads):
+            hook(backend.ctx, [offload._gradient_words(g)], words, [k])
+
+    out[f"capability ({backend.name})"] = by_capability  # step()'s check: one request for every gradient
+    out[f"one a call ({backend.name})"] = by_capability_each  # the hooks' form: one request a gradient
     return out
 
 

@@ -61,6 +61,13 @@ def test_fingerprints_are_numpys_sum_and_largest_key(backend, dtype, rng):
         for a, r in zip(arrays, rows):
             assert tuple(got[r]) == reference(a), (a.size, r)
         assert tuple(got[-1]) == (7, 7) and (2 in rows or tuple(got[2]) == (7, 7))
+    # one array a request (the hooks' form; several are one launch over a table on cuda)
+    out = to_backend_array(backend, out_host)
+    for k, d in enumerate(devices):
+        hook(b.ctx, [d], out, [k])
+    got = from_backend_array(out)
+    for k, a in enumerate(arrays):
+        assert tuple(got[k]) == reference(a), (a.size, k)
 
 
 def test_a_fingerprint_moves_with_every_edit_the_offload_must_see(rng):
@@ -127,7 +134,7 @@ def _bench():
     return module
 
 
-def test_the_fingerprint_benchmark_runs_both_rounds_and_refuses_bad_input(tmp_path, capsys):
+def test_the_fingerprint_benchmark_runs_every_round_and_refuses_bad_input(tmp_path, capsys):
     pytest.importorskip("torch")
     import json
 
@@ -136,7 +143,7 @@ def test_the_fingerprint_benchmark_runs_both_rounds_and_refuses_bad_input(tmp_pa
     out = tmp_path / "fp.json"
     assert bench.main(["--device", "cpu", "--quick", "--dtypes", "bfloat16", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"bfloat16 torch", "bfloat16 capability (cpu)"}
+    assert set(rows) == {"bfloat16 torch", "bfloat16 capability (cpu)", "bfloat16 one a call (cpu)"}
     assert all(r["total_ms"] > 0 and r["limit_ms"] > 0 for r in rows.values())
     for bad in (["--device", "tpu"], ["--dtypes", "int8"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):

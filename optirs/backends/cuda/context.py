@@ -397,6 +397,7 @@ class CudaContext:
         self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
         self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
         self._table_siblings: Dict[int, Any] = {}  # id(device pointer table) -> weakref to its PointerTables
+        self._row_tables: Dict[Tuple[str, int, int], "PointerTables"] = {}
         # Indirection for tests that simulate a failing allocation.
         self.device_array = cuda.device_array
         # The stream every launch and copy goes on (see the module docstring, "Streams"):
@@ -621,6 +622,16 @@ class CudaContext:
             tables = layout.cache["cuda.pointers"] = PointerTables(self, len(paddr))
         return tables.table(paddr, gaddr)
 
+    def row_tables(self, name: str, rows: int, columns: int) -> "PointerTables":
+        """:class:`PointerTables` of ``columns`` int64 columns and room for ``rows`` rows (rounded up
+        to a power of two), made once per name and size: tables that belong to no layout."""
+        room = 1 << max(0, rows - 1).bit_length()
+        key = (name, room, columns)
+        tables = self._row_tables.get(key)
+        if tables is None:
+            tables = self._row_tables[key] = PointerTables(self, room, columns)
+        return tables
+
     def addresses(self, arrays: List[Any], label: str) -> Tuple[int, ...]:
         """Device addresses of a list of arrays, cached by the arrays' identities.
 
@@ -679,8 +690,10 @@ class CudaContext:
 
 
 class PointerTables:
-    """The pointer tables of one layout: up to ``_LRU`` device tables, made once, each holding one
-    address set (gradients are often new tensors every step, at addresses the allocator reuses).
+    """The pointer tables of one layout: up to ``_LRU`` device tables of int64 rows (``columns`` a
+    row: a parameter's and a gradient's address, or what a fingerprint launch reads of each array),
+    made once, each holding one address set (gradients are often new tensors every step, at
+    addresses the allocator reuses).
 
     A known address set reuses its table; a new one rewrites the least recently used table with an
     asynchronous copy from its own pinned buffer on the step's stream, so a step neither allocates
@@ -690,21 +703,21 @@ class PointerTables:
     for that stream's work first.
     """
 
-    def __init__(self, ctx: "CudaContext", ntensors: int):
-        self.ctx, self.ntensors = ctx, max(1, ntensors)
+    def __init__(self, ctx: "CudaContext", ntensors: int, columns: int = 2):
+        self.ctx, self.ntensors, self.columns = ctx, max(1, ntensors), columns
         self.by_key: "OrderedDict[tuple, list]" = OrderedDict()
         self.slots: List[list] = []  # [device table, pinned host table, its copy's event, stream handle, index]
-        self.last: tuple = (None, None, None)  # the last address pair asked for and its table
+        self.last: tuple = ((), None)  # the last columns asked for and their slot
 
     def _allocate(self) -> None:
         """Every table's device and pinned memory at once (pinned memory costs a millisecond per
         allocation: the second step, whose gradients are new tensors, must not pay it)."""
-        ctx, shape = self.ctx, (_LRU, self.ntensors, 2)
+        ctx, shape = self.ctx, (_LRU, self.ntensors, self.columns)
         try:
             hosts = ctx.cuda.pinned_array(shape, dtype=np.int64)
         except Exception:  # pinned memory refused: a synchronous copy from ordinary memory
             hosts = np.empty(shape, np.int64)
-        devices = ctx.empty(_LRU * 2 * self.ntensors, np.int64).reshape(shape)
+        devices = ctx.empty(_LRU * self.columns * self.ntensors, np.int64).reshape(shape)
         self.hosts = [hosts[k] for k in range(_LRU)]
         self.devices = [devices[k] for k in range(_LRU)]
         self.host_addresses = [h.__array_interface__["data"][0] for h in self.hosts]
@@ -723,16 +736,25 @@ class PointerTables:
             if event is not None:
                 event.record(ctx.nstream)
 
-    def table(self, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
+    def table(self, *columns: Tuple[int, ...]):
+        """The device table holding ``columns`` (one tuple of int64 values per column, row k of each
+        the table's row k), written on the stream in use if no table holds them yet."""
+        return self._slot(columns)[0]
+
+    def address(self, *columns: Tuple[int, ...]) -> int:
+        """:meth:`table`'s device address."""
+        k = self._slot(columns)[4]
+        return self.device_addresses[k]
+
+    def _slot(self, columns: Tuple[Tuple[int, ...], ...]) -> list:
         last = self.last
-        if last[0] is paddr and last[1] is gaddr:  # the caller's very tuples of the last step: no hashing
-            return last[2]
-        key = (paddr, gaddr)
-        slot = self.by_key.get(key)
+        if len(last[0]) == len(columns) and all(a is b for a, b in zip(last[0], columns)):
+            return last[1]  # the caller's very tuples of the last step: no hashing
+        slot = self.by_key.get(columns)
         if slot is not None:
-            self.by_key.move_to_end(key)
-            self.last = (paddr, gaddr, slot[0])
-            return slot[0]
+            self.by_key.move_to_end(columns)
+            self.last = (columns, slot)
+            return slot
         ctx = self.ctx
         if len(self.slots) < _LRU:
             if not self.slots:
@@ -749,9 +771,9 @@ class PointerTables:
             event.synchronize()  # the pinned buffer's last copy has been read (long done, as a rule)
         if stream != ctx.stream:
             ctx.numba_stream(stream).synchronize() if stream else ctx.cuda.default_stream().synchronize()
-        if paddr:
-            host[: len(paddr), 0] = paddr
-            host[: len(gaddr), 1] = gaddr
+        for j, column in enumerate(columns):
+            if column:
+                host[: len(column), j] = column
         launcher = ctx.launcher
         if launcher is None or not launcher.copy_to_device_async(self.device_addresses[k], host, ctx.stream,
                                                                   self.host_addresses[k]):
@@ -759,9 +781,9 @@ class PointerTables:
         if event is not None:
             launcher.record_event(event, ctx.stream, ctx.nstream, self.event_handles[k])
         slot[3] = ctx.stream
-        self.by_key[key] = slot
-        self.last = (paddr, gaddr, device)
-        return device
+        self.by_key[columns] = slot
+        self.last = (columns, slot)
+        return slot
 
 
 def stream_handle(stream: Any) -> int:
