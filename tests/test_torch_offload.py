@@ -1579,3 +1579,52 @@ def test_large_host_buffers_ask_for_huge_pages():
     off = offload("AdamW", model.parameters(), bucket_elements=1 << 22)
     host = off._chunks[0].host_flat
     assert "hg" in _vm_flags(host.data_ptr() + host.numel() * host.element_size() // 2)
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_chunk_steps_run_with_a_short_gil_switch_interval_and_restore_it(monkeypatch, step_in_backward):
+    """A chunk step hands the GIL between threads many times; while any runs, the interval is the
+    offload's short one (a thread busy in Python then delays each handoff by that, not by Python's
+    5 ms); after step() the caller's is back, and a caller's shorter one is never raised."""
+    from optirs.torch import _gil
+
+    seen = []
+    run_chunk = offload_mod.CPUOffload._run_chunk
+
+    def recording(self, *args, **kwargs):
+        seen.append(sys.getswitchinterval())
+        return run_chunk(self, *args, **kwargs)
+
+    monkeypatch.setattr(offload_mod.CPUOffload, "_run_chunk", recording)
+    before = sys.getswitchinterval()
+    try:
+        for asked in (0.005, 0.0001):
+            sys.setswitchinterval(asked)
+            caller = sys.getswitchinterval()  # as Python keeps it (whole microseconds)
+            model = make_model()
+            opt = offload("AdamW", groups(model), lr=1e-2, step_in_backward=step_in_backward)
+            for t in range(3):
+                opt.zero_grad()
+                loss_of(model, t).backward()
+                opt.step()
+                assert sys.getswitchinterval() == caller
+            assert seen and all(s <= min(caller, _gil.SWITCH_INTERVAL) for s in seen), (caller, seen)
+            assert caller > _gil.SWITCH_INTERVAL or all(s == caller for s in seen)
+            seen.clear()
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_the_gil_benchmark_runs_both_intervals_and_refuses_bad_input(tmp_path, capsys):
+    import json
+
+    bench = _bench_module("bench_offload_gil")
+    out = tmp_path / "gil.json"
+    assert bench.main(["--bursts", "0,100", "--steps", "1", "--reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"0", "100"}
+    assert all(set(r) == {"python's interval", "the offload's"} and all(v["wall_ms"] > 0 for v in r.values())
+               for r in rows.values())
+    for bad in (["--bursts", "x"], ["--bursts", "-1"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)

@@ -63,6 +63,7 @@ from optirs.core.formats import INT8_STATES, resolve_format
 from optirs.plugin import hookspecs
 from optirs.plugin.hookspecs import Staged
 from optirs.torch._dtensor import held, hosted, is_dtensor, local, refusal, sharded
+from optirs.torch._gil import responsive_gil
 from optirs.torch._frontend import OptirsOptimizer, check_flags, closure_and_amp
 from optirs.torch._state import plain
 from optirs.torch._stepcall import observed_step
@@ -963,7 +964,8 @@ class CPUOffload(torch.optim.Optimizer):
              abort: threading.Event) -> bool:
         """A worker's chunk: a failure sets ``abort``, so that no chunk step starts after it."""
         try:
-            return self._run_chunk(chunk, present, scale, after, abort)
+            with responsive_gil():
+                return self._run_chunk(chunk, present, scale, after, abort)
         except BaseException:
             abort.set()
             raise
@@ -1102,7 +1104,7 @@ class CPUOffload(torch.optim.Optimizer):
         """
         loss, grad_scale, found_inf = closure_and_amp(self, closure, grad_scale, found_inf)
         t0 = time.perf_counter()
-        with deferred_interrupts():
+        with deferred_interrupts(), responsive_gil():
             try:
                 self._step_round(grad_scale, found_inf)
             finally:
