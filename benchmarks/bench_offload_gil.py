@@ -19,6 +19,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 SMALL = [2048, 2048, 6144, 2048, 2048, 2048, 8192, 2048] * 24 + [2048, 2048]  # GPT-2 1.3B's small tensors
@@ -102,8 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             table.add_row(str(burst), mode, f"{r['wall_ms']:.2f}", f"{r['cpu_step_ms']:.2f}", f"{r['wall_ms'] / base:.2f}")
     Console().print(table)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 
