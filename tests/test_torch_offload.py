@@ -1628,3 +1628,14 @@ def test_the_gil_benchmark_runs_both_intervals_and_refuses_bad_input(tmp_path, c
     for bad in (["--bursts", "x"], ["--bursts", "-1"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
             bench.main(bad)
+
+
+def test_the_chunk_diagnosis_profiles_every_chunk_and_refuses_bad_input(capsys):
+    pytest.importorskip("transformers")
+    diag = _bench_module("diag_offload_chunks")
+    assert diag.main(["--quick", "--row", "offload_int8sqrt", "--warmup", "1", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "chunk   0:" in out and "ns an element" in out and "Ordered by: internal time" in out
+    for bad in (["--row", "torchao"], ["--quick", "--warmup", "0"]):
+        with pytest.raises(SystemExit):
+            diag.main(bad)
