@@ -1,8 +1,12 @@
-"""The ``fingerprint`` capability on the cpu backend: one parallel pass over each array's words.
+"""The ``fingerprint`` capability on the cpu backend: one pass over each array's words.
 
 Parts of 64K elements each sum their words and keep their largest key
 (:mod:`optirs.backends.common.fingerprint`, the terms the cuda kernel shares); the parts fold in
-order. numba is imported when the loop is first needed, not when the backend is imported.
+order. An array of more than one part is taken by numba's threads in parallel; an array of one
+part by the same loop compiled serial, in the calling thread: a parallel launch wakes every
+thread, about 100 us on the 2-core machine, many times what a small gradient's words take (a
+model's biases and norms are most of its gradients). numba is imported when the loop is first
+needed, not when the backend is imported.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from optirs.core.errors import InvalidParameterError
 from optirs.plugin.hookspecs import hookimpl
 
 PART = 1 << 16  # elements a thread takes at a time
-_KERNEL: list = []  # the compiled loop, built on first use
+_KERNEL: list = []  # the compiled loops (parallel, serial), built on first use
 # bound by _kernel() before the loop compiles (numba reads them as globals; importing this module
 # imports no numba)
 prange: Any = range
@@ -57,7 +61,8 @@ def _kernel():
         prepare_kernel_compilation()
         prange, fingerprint_word, fingerprint_key = numba.prange, terms.fingerprint_word, terms.fingerprint_key
         _KERNEL.append(cached_njit(parallel=True, error_model="numpy")(_fingerprint_words))
-    return _KERNEL[0]
+        _KERNEL.append(cached_njit(error_model="numpy")(_fingerprint_words))  # prange runs as range
+    return _KERNEL
 
 
 class CpuFingerprint:
@@ -76,7 +81,8 @@ class CpuFingerprint:
                               out.dtype, out.flags.c_contiguous and out.flags.writeable, rows)
         if error is not None:
             raise error
-        loop = _kernel()
+        parallel, serial = _kernel()
         for a, r in zip(arrays, rows):
             words = a.reshape(-1).view(np.uint32 if a.itemsize == 4 else np.uint16)
+            loop = parallel if words.shape[0] > PART else serial
             out[int(r)] = loop(words, 32 if a.itemsize == 4 else 16)
