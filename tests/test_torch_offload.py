@@ -1639,3 +1639,27 @@ def test_the_chunk_diagnosis_profiles_every_chunk_and_refuses_bad_input(capsys):
     for bad in (["--row", "torchao"], ["--quick", "--warmup", "0"]):
         with pytest.raises(SystemExit):
             diag.main(bad)
+
+
+def test_every_chunk_step_runs_on_one_thread_whatever_the_workers():
+    """numba's omp layer gives each thread that launches a parallel loop its own team of threads,
+    which spin a while after the loop: every host pass of an optimizer runs on its one stepper
+    thread, so that two workers taking chunks in turn do not leave one team spinning beside the
+    other's step."""
+    model = make_model()
+    opt = offload("AdamW", groups(model), lr=1e-2, workers=3, bucket_elements=64)
+    assert len(opt._chunks) > 3
+    threads = set()
+    for chunk in opt._chunks:
+        step = chunk.inner.step
+
+        def recording(*args, _step=step, **kwargs):
+            threads.add(threading.get_ident())
+            return _step(*args, **kwargs)
+
+        chunk.inner.step = recording
+    for t in range(3):
+        opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+    assert len(threads) == 1 and threading.get_ident() not in threads
