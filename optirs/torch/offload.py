@@ -1063,8 +1063,8 @@ class CPUOffload(torch.optim.Optimizer):
         gives each thread that launches a parallel loop a team of its own, whose threads spin a
         while after the loop ends: steps launched by two workers in turn left one team spinning
         beside the other's step (on the 2-core machine, 10-23% more CPU step time than with one
-        launching thread). One pass at a time, too: each already runs on every core and is bound by memory
-        bandwidth, and the cpu backend's staging caches are shared by everything on it."""
+        launching thread). One pass at a time, too: each already runs on every core and is bound by
+        memory bandwidth, and the cpu backend's staging caches are shared by everything on it."""
         clock = time.perf_counter
         with torch.no_grad(), self._backend.lock:
             if abort is not None and abort.is_set():

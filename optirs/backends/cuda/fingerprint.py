@@ -172,8 +172,8 @@ def _device_atomics():
 
 
 def _bind(ctx: Any) -> None:
-    global cuda, ld_u16, ld_u32, ld_u32x2, ld_u32x4, ld_i64, atomic_add_i64, atomic_max_i64, fingerprint_word, fingerprint_key, fold_word
-    global int64
+    global cuda, ld_u16, ld_u32, ld_u32x2, ld_u32x4, ld_i64, atomic_add_i64, atomic_max_i64
+    global fingerprint_word, fingerprint_key, fold_word, int64
     if _READY:
         return
     import numba
@@ -263,9 +263,13 @@ def _launch_size(ctx: Any, count: int):
         from optirs.backends.cuda.context import SIM_BLOCK, SIM_GRID
 
         return SIM_GRID, SIM_BLOCK
-    want = max(1, -(-count // (BLOCK * WORDS_PER_THREAD)))
-    grid = 1 << (want - 1).bit_length()
+    grid = 1 << (_blocks_wanted(count) - 1).bit_length()
     return min(grid, ctx.sm_count * BLOCKS_PER_SM), BLOCK
+
+
+def _blocks_wanted(count: int) -> int:
+    """Blocks for WORDS_PER_THREAD words a thread of an array of ``count`` words (at least one)."""
+    return max(1, -(-count // (BLOCK * WORDS_PER_THREAD)))
 
 
 def _launch_table(ctx: Any, compiled: Any, described: list, row_addresses: list) -> None:
@@ -277,7 +281,7 @@ def _launch_table(ctx: Any, compiled: Any, described: list, row_addresses: list)
         blocks, block = [1] * len(described), SIM_BLOCK
     else:
         cap, block = ctx.sm_count * BLOCKS_PER_SM, BLOCK
-        blocks = [min(cap, max(1, -(-d[1] // (BLOCK * WORDS_PER_THREAD)))) for d in described]
+        blocks = [min(cap, _blocks_wanted(d[1])) for d in described]
     starts, total = [], 0
     for b in blocks:
         starts.append(total)
