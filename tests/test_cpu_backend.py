@@ -76,6 +76,42 @@ def test_only_the_latest_gradient_list_stays_cached(rng):
     assert alive[:-1] == [0] * 5, alive  # the latest list may stay (the validation and stage caches)
 
 
+def test_the_typed_list_caches_hold_many_lists_and_keep_no_array_alive(monkeypatch, rng):
+    """Steps over more parameter lists than a handful (a CPUOffload's chunks) find their typed lists
+    built, step after step; a list whose arrays are gone is let go, and its arrays with it."""
+    import gc
+    import weakref
+
+    from optirs.backends.cpu import typed_lists
+
+    backend = optirs.get_backend("cpu")
+    built = []
+    real = backend.ctx.kernels.typed_list
+    monkeypatch.setattr(backend.ctx, "kernels", type("K", (), {
+        "pointwise": backend.ctx.kernels.pointwise,
+        "typed_list": staticmethod(lambda a: (built.append(len(a)), real(a))[1])}))
+    models = [[rng.standard_normal(n).astype(np.float32) for n in (5, 3)] for _ in range(12)]
+    grads = [[np.ones_like(p) for p in ps] for ps in models]
+    opts = [optirs.GpuSgd(optirs.SgdParams(lr=0.1), optirs.GpuOptimizerConfig(backend="cpu")) for _ in models]
+    for _ in range(2):
+        for opt, ps, gs in zip(opts, models, grads):
+            opt.step_gpu(ps, gs)
+    assert len(built) == 2 * len(models)  # each model's parameters and gradients, once
+    refs = [weakref.ref(a) for a in models[0] + grads[0]]
+    del models[0], grads[0], opts[0], opt, ps, gs
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+    # an entry found under the ids of other arrays (an id reused once its array is gone) is rebuilt
+    a, b = [np.zeros(3, np.float32)], [np.zeros(3, np.float32)]
+    cache = typed_lists.OrderedDict()
+    cache[(id(b[0]),)] = typed_lists._held(a, real(a))
+    stale = cache[(id(b[0]),)][2]
+    count = lambda x: (built.append(-1), real(x))[1]
+    rebuilt = typed_lists.cached_typed_list(cache, b, 4, count)
+    assert rebuilt is not stale and built[-1] == -1
+    assert typed_lists.cached_typed_list(cache, b, 4, count) is rebuilt and built.count(-1) == 1
+
+
 def test_typed_lists_are_built_in_cached_code_and_keep_their_arrays():
     """The kernels' typed lists come from a compiled builder (numba's List.append from Python
     compiles in every process): the same views, and the arrays they borrow stay alive with the list."""

@@ -35,8 +35,9 @@ class CpuContext:
     """The opened CPU backend: the kernels module and a small cache of typed lists."""
 
     # Typed lists kept: parameter lists (the same memory step after step) and, per parameter
-    # list, its latest gradient list (optirs.backends.cpu.typed_lists).
-    CACHED = {"params": 4, "grads": 4}
+    # list, its latest gradient list (optirs.backends.cpu.typed_lists: an entry keeps no array
+    # alive, so there is room for every bucket of a CPUOffload's chunks).
+    CACHED = {"params": 64, "grads": 64}
 
     def __init__(self, kernels: Any):
         from optirs.backends.cpu.threads import StepThreads
