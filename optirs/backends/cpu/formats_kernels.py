@@ -14,6 +14,7 @@ every loop on disk.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import njit, prange, types
@@ -33,6 +34,7 @@ from optirs.backends.cpu.claims import claim, counter, loops
 from optirs.backends.cpu.int8_native import DECODE, ENCODE, decode_block, encode_block, encoder_key
 from optirs.backends.cpu.kernels import _sum_add, _sum_squares, chunk_trust_ratios
 from optirs.core.compile_cache import cached_njit
+from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
                                  STATE_F32, STATE_INT8, STATE_INT8_SQRT, FormatCodes)
 
@@ -405,11 +407,20 @@ _POINTWISE: dict = {}
 FAST_BF16 = True
 
 
+# OPTIRS_CPU_VECTORS=target leaves every loop at the target's own tuning (for measuring the 512-bit
+# vectors on a cpu whose cores may clock down under them: the same results)
+WIDE_VECTORS = os.environ.get("OPTIRS_CPU_VECTORS", "512")
+if WIDE_VECTORS not in ("512", "target"):
+    raise InvalidParameterError(f"OPTIRS_CPU_VECTORS={WIDE_VECTORS!r}: expected 512 or target")
+
+
 def _wide(fc):
     """Whether the loops of codes ``fc`` move a 32-bit word (a float32 parameter, gradient, master or
     state value, or an int8 block's float32 scratch), and so ask for 512-bit vectors
     (:func:`_wide_vectors`). A loop of 16- and 8-bit words alone takes 16 lanes under the 256-bit
     tuning already, and took 32 with 512, no faster."""
+    if WIDE_VECTORS == "target":
+        return False
     return F32 in (fc.param, fc.grad) or fc.master == MASTER_F32 or fc.state != STATE_BF16
 
 
@@ -716,7 +727,7 @@ def lamb(fc):
         for name, write in (("LAMB_SUMS", False), ("LAMB_WRITE", True)):
             # pass 1 writes its values into float32 scratch: 512-bit vectors in every format
             c = dict(constants, WRITE=write, TOPS=write and int8,
-                     VECTORS=_wide_vectors if _wide(fc) or not write else _target_vectors)
+                     VECTORS=_wide_vectors if _wide(fc) or (not write and WIDE_VECTORS == "512") else _target_vectors)
             c["LAMB_ELEMENTS"] = _inline(variant(_lamb_elements, f"{label}_{name.lower()}", c))
             constants[name] = _jit(variant(_lamb_chunk, f"{label}_{name.lower()}", c))
         k = _LAMB[key] = _pjit(variant(_lamb_format, label, constants))
