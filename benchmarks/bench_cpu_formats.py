@@ -202,12 +202,23 @@ def measure(problem: Problem, copy, steps: int, batches: int) -> Dict[str, Any]:
                 cpu_ratio=round(c_cpu / s_cpu, 3), nonfinite_params=problem.nonfinite())
 
 
+def select(formats: str) -> List[Any]:
+    """The FORMATS whose label holds any part of ``formats`` (parts split on ';' where it holds one,
+    else on ','; empty: all)."""
+    if not formats:
+        return list(FORMATS)
+    parts = [p for p in formats.split(";" if ";" in formats else ",") if p.strip()]
+    return [f for f in FORMATS if any(p in f[0] for p in parts)]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=1 << 24, help="parameters in all (default 16M)")
     ap.add_argument("--tensors", type=int, default=4, help="equal tensors the parameters are split into")
     ap.add_argument("--family", default="adamw")
-    ap.add_argument("--formats", default="", help="comma-separated substrings of the format labels to run")
+    ap.add_argument("--formats", default="",
+                    help="substrings of the format labels to run, separated by ';' (the labels hold commas), or by "
+                         "',' where no ';' is given: 'remainder8, int8 sqrt;fp32 params, int8 sqrt' or 'int8,bf16 state'")
     ap.add_argument("--steps", type=int, default=5, help="back-to-back steps per batch")
     ap.add_argument("--batches", type=int, default=5)
     ap.add_argument("--check-digest", action="store_true", help="print bit digests of 3 steps instead of timing")
@@ -216,7 +227,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import numba
 
-    specs = [f for f in FORMATS if not args.formats or any(s in f[0] for s in args.formats.split(","))]
+    specs = select(args.formats)
+    if not specs:
+        ap.error(f"--formats {args.formats!r} matches no format; the labels are: " + "; ".join(f[0] for f in FORMATS))
+    if args.formats:
+        print(f"{len(specs)} of {len(FORMATS)} formats: " + "; ".join(f[0] for f in specs), flush=True)
     if args.check_digest:
         shapes = [(257, 301), (40000,), (100,), (3, 7)]  # a short last block, small tensors
         for spec in specs:

@@ -21,3 +21,23 @@ def test_bench_arrays_keep_their_shape():
     import numpy as np
 
     assert kind.make(np.zeros((3, 4), np.float32)).shape == (3, 4)
+
+
+def test_bench_cpu_formats_selects_labels_that_hold_commas(capsys):
+    """``bench_cpu_formats.py --formats`` takes ';' between labels (which hold commas), ',' where no ';'
+    is given, and refuses a selection that matches nothing (naming the labels)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cpu_formats.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu_formats", path)
+    bcf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bcf)
+    picked = [f[0] for f in bcf.select("remainder8, int8 sqrt;fp32 params, int8 sqrt")]
+    assert picked == ["fp32 params, int8 sqrt state", "bf16 params, remainder8, int8 sqrt state"]
+    assert {f[0] for f in bcf.select("int8,bf16 state")} == {f[0] for f in bcf.FORMATS
+                                                             if "int8" in f[0] or "bf16 state" in f[0]}
+    assert bcf.select("") == list(bcf.FORMATS)
+    with pytest.raises(SystemExit) as e:
+        bcf.main(["--formats", "no such format"])
+    assert e.value.code != 0 and "fp32 params, fp32 state" in capsys.readouterr().err
