@@ -203,11 +203,18 @@ def measure(problem: Problem, copy, steps: int, batches: int) -> Dict[str, Any]:
 
 
 def select(formats: str) -> List[Any]:
-    """The FORMATS whose label holds any part of ``formats`` (parts split on ';' where it holds one,
-    else on ','; empty: all)."""
+    """The FORMATS whose label holds any part of ``formats`` (empty: all). The parts are split on ';'
+    where it holds one; else the whole where a label holds it (``fp32 params, int8 sqrt``), else
+    split on ','."""
     if not formats:
         return list(FORMATS)
-    parts = [p for p in formats.split(";" if ";" in formats else ",") if p.strip()]
+    if ";" in formats:
+        parts = formats.split(";")
+    elif any(formats in f[0] for f in FORMATS):
+        parts = [formats]
+    else:
+        parts = formats.split(",")
+    parts = [p for p in parts if p.strip()]
     return [f for f in FORMATS if any(p in f[0] for p in parts)]
 
 
@@ -218,7 +225,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--family", default="adamw")
     ap.add_argument("--formats", default="",
                     help="substrings of the format labels to run, separated by ';' (the labels hold commas), or by "
-                         "',' where no ';' is given: 'remainder8, int8 sqrt;fp32 params, int8 sqrt' or 'int8,bf16 state'")
+                         "',' where no ';' is given and no label holds the whole: 'remainder8, int8 sqrt;fp32 "
+                         "params, int8 sqrt', 'fp32 params, int8 sqrt' or 'int8,bf16 state'")
     ap.add_argument("--steps", type=int, default=5, help="back-to-back steps per batch")
     ap.add_argument("--batches", type=int, default=5)
     ap.add_argument("--check-digest", action="store_true", help="print bit digests of 3 steps instead of timing")

@@ -38,6 +38,25 @@ def test_bench_cpu_formats_selects_labels_that_hold_commas(capsys):
     assert {f[0] for f in bcf.select("int8,bf16 state")} == {f[0] for f in bcf.FORMATS
                                                              if "int8" in f[0] or "bf16 state" in f[0]}
     assert bcf.select("") == list(bcf.FORMATS)
+    assert [f[0] for f in bcf.select("fp32 params, int8 sqrt")] == ["fp32 params, int8 sqrt state"]
     with pytest.raises(SystemExit) as e:
         bcf.main(["--formats", "no such format"])
     assert e.value.code != 0 and "fp32 params, fp32 state" in capsys.readouterr().err
+
+
+def test_diag_cpu_format_parts_refuses_unknown_parts_and_formats(capsys):
+    """The parts diagnostic fails loudly, before starting any process, on a part or a format it does not know."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "diag_cpu_format_parts.py"
+    spec = importlib.util.spec_from_file_location("diag_cpu_format_parts", path)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    for argv, said in ((["--parts", "decode,nonsense"], "nonsense"), (["--formats", "no such;label"], "no such"),
+                       (["--threads", "one"], "one")):
+        with pytest.raises(SystemExit) as e:
+            diag.main(argv)
+        assert e.value.code != 0 and said in capsys.readouterr().err
+    sys.modules.pop("bench_cpu_formats", None)
