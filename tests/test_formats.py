@@ -1033,6 +1033,41 @@ def test_max_nan_is_the_nan_propagating_maximum(rng):
     assert np.array_equal(out[keep], np.maximum(a, b)[keep], equal_nan=True)
 
 
+def test_cpu_int8_blocks_by_the_gradients_shift_are_the_contracts_bits(monkeypatch, rng):
+    """The cpu's int8 block loop decodes a block's bfloat16 gradients by their shift alone where the
+    block holds no NaN word (the contract's decode differs from the shift only there), and by the
+    contract's decode elsewhere: the same words as the contract's decode everywhere, with NaN words
+    of several payloads and signs in some blocks (whose scales are then the quiet NaN of the
+    contract, never a payload's NaN), infs and overflows in others."""
+    import optirs.backends.cpu.formats_kernels as K
+
+    fmt = F.StepFormat("bfloat16", "bfloat16", "remainder8", "int8_sqrt", False)
+    shapes = [(17 * F.BLOCK + 37,), (300,)]  # int8 blocks (at least MIN_INT8_SIZE), a small tensor
+    params, grads = _problem(rng, shapes, fmt, 2)
+    payloads = np.uint16([0x7F81, 0xFFA5, 0x7FC3, 0xFFFF])  # bfloat16 NaN words with payloads
+    g = grads[1][0].reshape(-1)
+    g[[3, F.BLOCK + 7, 4 * F.BLOCK + 200, 4 * F.BLOCK + 201]] = payloads  # blocks 0, 1 and 4
+    g[[6 * F.BLOCK + 1, 7 * F.BLOCK + 2]] = _words(np.float32([np.inf, -3e38]), "bfloat16")
+    runs = []
+    for shift in (True, False):
+        monkeypatch.setattr(K, "GRAD_SHIFT", shift)
+        monkeypatch.setattr(K, "_POINTWISE", {})
+        run = FormatRun("cpu", "adam", fmt, shapes)
+        p = run.step([x.copy() for x in params], grads[0], 1)
+        p = run.step(p, grads[1], 2)
+        assert [k.py_func.__globals__["GRAD16"] for k in K._POINTWISE.values()] == [shift]
+        runs.append((p, run.host_state()))
+    (p_shift, s_shift), (p_exact, s_exact) = runs
+    for a, b in zip(p_shift, p_exact):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    for name in s_exact:
+        assert np.array_equal(s_shift[name].view(np.uint8), s_exact[name].view(np.uint8)), name
+    scales = s_exact["exp_avg.scales"].view(np.uint32)
+    nan = (scales & 0x7FFFFFFF) > 0x7F800000
+    assert scales.size == 18 and nan[[0, 1, 4]].all() and not nan[[2, 3, 5, 6, 7]].any()
+    assert np.all((scales[nan] & 0x7FFFFFFF) == 0x7FC00000)  # the contract's quiet NaN, not a payload's
+
+
 @pytest.mark.parametrize("fmt", [("bfloat16", "bfloat16", "float32", "bfloat16", False),
                                  ("bfloat16", "bfloat16", None, "bfloat16", True)])
 def test_cpu_bf16_state_nan_free_try_is_the_contracts_bits(monkeypatch, fmt, rng):
