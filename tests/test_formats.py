@@ -1033,6 +1033,16 @@ def test_max_nan_is_the_nan_propagating_maximum(rng):
     assert np.array_equal(out[keep], np.maximum(a, b)[keep], equal_nan=True)
 
 
+def _same_words(run_a, run_b):
+    """Two runs' (parameters, host state) byte for byte; returns the second's state."""
+    (p_a, s_a), (p_b, s_b) = run_a, run_b
+    for a, b in zip(p_a, p_b):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    for name in s_b:
+        assert np.array_equal(s_a[name].view(np.uint8), s_b[name].view(np.uint8)), name
+    return s_b
+
+
 def test_cpu_int8_blocks_by_the_gradients_shift_are_the_contracts_bits(monkeypatch, rng):
     """The cpu's int8 block loop decodes a block's bfloat16 gradients by their shift alone where the
     block holds no NaN word (the contract's decode differs from the shift only there), and by the
@@ -1057,11 +1067,7 @@ def test_cpu_int8_blocks_by_the_gradients_shift_are_the_contracts_bits(monkeypat
         p = run.step(p, grads[1], 2)
         assert [k.py_func.__globals__["GRAD16"] for k in K._POINTWISE.values()] == [shift]
         runs.append((p, run.host_state()))
-    (p_shift, s_shift), (p_exact, s_exact) = runs
-    for a, b in zip(p_shift, p_exact):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    for name in s_exact:
-        assert np.array_equal(s_shift[name].view(np.uint8), s_exact[name].view(np.uint8)), name
+    s_exact = _same_words(*runs)
     scales = s_exact["exp_avg.scales"].view(np.uint32)
     nan = (scales & 0x7FFFFFFF) > 0x7F800000
     assert scales.size == 18 and nan[[0, 1, 4]].all() and not nan[[2, 3, 5, 6, 7]].any()
@@ -1102,11 +1108,7 @@ def test_cpu_bf16_state_nan_free_try_is_the_contracts_bits(monkeypatch, fmt, rng
             w[[5, K.SUB + 9, 2 * K.SUB + 3]] = [0x7F81, 0xFFC3, 0xFFFF]
         p = run.step(p, grads[1], 2)
         runs.append((p, run.host_state()))
-    (p_fast, s_fast), (p_exact, s_exact) = runs
-    for a, b in zip(p_fast, p_exact):
-        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-    for name in s_exact:
-        assert np.array_equal(s_fast[name].view(np.uint8), s_exact[name].view(np.uint8)), name
+    s_exact = _same_words(*runs)
     for name in run.fs.slot_names:
         w = s_exact[name].view(np.uint16)
         nan = (w & 0x7FFF) > 0x7F80
