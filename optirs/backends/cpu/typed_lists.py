@@ -56,17 +56,16 @@ def _gone(entry: tuple) -> bool:
 def _admit(cache: "OrderedDict[Any, tuple]", key: Any, entry: tuple, limit: int) -> None:
     """Put ``entry`` in, after dropping entries whose arrays are gone, then the least recently used
     beyond ``limit``."""
-    for k in [k for k, e in cache.items() if _gone(e[1:] if len(e) == 4 else e)]:
+    for k in [k for k, e in cache.items() if _gone(e)]:
         del cache[k]
     cache[key] = entry
     while len(cache) > limit:
         cache.popitem(last=False)
 
 
-def cached_typed_list(cache: "OrderedDict[tuple, tuple]", arrays: List[Any], limit: int,
-                      build: Callable[[List[Any]], Any]) -> Any:
-    """``build(arrays)`` from ``cache`` (least recently used first out, at most ``limit`` entries)."""
-    key = tuple(map(id, arrays))
+def _typed_list(cache: "OrderedDict[Any, tuple]", key: Any, arrays: List[Any], limit: int,
+                build: Callable[[List[Any]], Any]) -> Any:
+    """The entry of ``key`` when it was built from ``arrays``, else ``build(arrays)`` put in its place."""
     hit = cache.get(key)
     if hit is None or not _same(hit, arrays):
         hit = _held(arrays, build(arrays))
@@ -76,14 +75,13 @@ def cached_typed_list(cache: "OrderedDict[tuple, tuple]", arrays: List[Any], lim
     return hit[2]
 
 
+def cached_typed_list(cache: "OrderedDict[tuple, tuple]", arrays: List[Any], limit: int,
+                      build: Callable[[List[Any]], Any]) -> Any:
+    """``build(arrays)`` from ``cache`` (least recently used first out, at most ``limit`` entries)."""
+    return _typed_list(cache, tuple(map(id, arrays)), arrays, limit, build)
+
+
 def latest_typed_list(cache: "OrderedDict[tuple, tuple]", owner: tuple, arrays: List[Any], limit: int,
                       build: Callable[[List[Any]], Any]) -> Any:
     """``build(arrays)``, kept as the latest of ``owner`` (one list per owner, at most ``limit`` owners)."""
-    key = tuple(map(id, arrays))
-    hit = cache.get(owner)
-    if hit is None or hit[0] != key or not _same(hit[1:], arrays):
-        hit = (key,) + _held(arrays, build(arrays))
-        _admit(cache, owner, hit, limit)
-    else:
-        cache.move_to_end(owner)
-    return hit[3]
+    return _typed_list(cache, owner, arrays, limit, build)
