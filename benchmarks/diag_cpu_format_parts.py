@@ -22,6 +22,7 @@ times in rotation, and each figure is the median of all of them (the spread is p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -93,7 +94,6 @@ def _switch_off(part: str) -> None:
 def _child(args) -> int:
     _switch_off(args.child)
     import numba
-    import numpy as np
 
     import bench_cpu_formats as bcf
 
@@ -151,22 +151,21 @@ def main(argv: List[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--threads {args.threads!r}: expected comma-separated integers")
     rows: List[Dict[str, Any]] = []
-    for n, rep, part in [(n, rep, part) for n in threads for rep in range(args.repeats) for part in parts]:
-        if True:
-            with tempfile.TemporaryDirectory() as cache:
-                env = dict(os.environ, NUMBA_CACHE_DIR=cache, NUMBA_NUM_THREADS=str(n))
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", part, "--formats", args.formats,
-                       "--size", str(args.size), "--tensors", str(args.tensors), "--steps", str(args.steps),
-                       "--batches", str(args.batches), "--allocations", str(args.allocations)]
-                print(f"  {n} threads, rotation {rep + 1} of {args.repeats}, {part} off ...", flush=True)
-                r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if r.returncode != 0:
-                print(f"  {part}: FAILED\n{r.stderr[-2000:]}", flush=True)
-                continue
-            rows += json.loads(r.stdout.strip().splitlines()[-1])
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(dict(size=args.size, tensors=args.tensors, rows=rows), f, indent=1)
+    for n, rep, part in itertools.product(threads, range(args.repeats), parts):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, NUMBA_CACHE_DIR=cache, NUMBA_NUM_THREADS=str(n))
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", part, "--formats", args.formats,
+                   "--size", str(args.size), "--tensors", str(args.tensors), "--steps", str(args.steps),
+                   "--batches", str(args.batches), "--allocations", str(args.allocations)]
+            print(f"  {n} threads, rotation {rep + 1} of {args.repeats}, {part} off ...", flush=True)
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"  {part}: FAILED\n{r.stderr[-2000:]}", flush=True)
+            continue
+        rows += json.loads(r.stdout.strip().splitlines()[-1])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(size=args.size, tensors=args.tensors, rows=rows), f, indent=1)
     runs: Dict[tuple, List[float]] = {}
     for r in rows:
         runs.setdefault((r["format"], r["threads"], r["part"]), []).append(r["ns_per_param"])
