@@ -60,3 +60,55 @@ def test_diag_cpu_format_parts_refuses_unknown_parts_and_formats(capsys):
             diag.main(argv)
         assert e.value.code != 0 and said in capsys.readouterr().err
     sys.modules.pop("bench_cpu_formats", None)
+
+
+def test_ncu_sass_segments_counts_instructions_an_element(tmp_path, capsys):
+    """The source-page reader counts warp instructions x 32 an element, groups equal execution counts
+    into segments with their stall share, and fails (exit 2) on a file without the counters."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_sass_segments.py"
+    spec = importlib.util.spec_from_file_location("ncu_sass_segments", path)
+    seg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seg)
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+              '"stall_long_sb","stall_wait"\n')
+    body = [("0x10", "LDG.E.128 R4, desc[UR8][R2.64]", 1, 8, 0, 1), ("0x20", "FFMA R5, R4, R4, R4", 9, 8, 8, 1),
+            ("0x30", "@!P0 FMUL R6, R5, R5", 0, 8, 0, 0), ("0x40", "EXIT", 0, 2, 0, 0)]
+    csv_path = tmp_path / "k.csv"
+    csv_path.write_text('"Kernel Name","k"\n' + header + "".join(
+        f'"{a}","{s}","{st}","{n}","{lsb}","{w}"\n' for a, s, st, n, lsb, w in body))
+    lines, stalls = seg.read(str(csv_path))
+    assert [n for _, _, n, _ in lines] == [8, 8, 8, 2] and stalls == {"long_sb": 8, "wait": 2}
+    assert [(g[1], g[2], g[3]) for g in seg.segments(lines)] == [(3, 8, 10), (1, 2, 0)]
+    assert seg.opcode("@!P0 FMUL R6, R5, R5") == "FMUL"
+    assert seg.main([str(csv_path), "--elements", "64"]) == 0
+    assert "13.0 executed an element" in capsys.readouterr().out  # (3 * 8 + 2) * 32 / 64
+    bad = tmp_path / "bad.csv"
+    bad.write_text('"Address","Source"\n"0x10","EXIT"\n')
+    assert seg.main([str(bad), "--elements", "64"]) == 2
+    assert "Instructions Executed" in capsys.readouterr().err
+
+
+def test_diag_cpu_placement_refuses_bad_input_and_reads_its_mappings(capsys):
+    """The placement diagnostic fails loudly on a format or cpu list it cannot use, and finds the
+    mapping of an array it allocated (its huge-page count is a number, 0 or more)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "diag_cpu_placement.py"
+    spec = importlib.util.spec_from_file_location("diag_cpu_placement", path)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    for argv, said in ((["--format", "no such format"], "no such format"), (["--cpus", "zero"], "zero")):
+        with pytest.raises(SystemExit) as e:
+            diag.main(argv)
+        assert e.value.code != 0 and said in capsys.readouterr().err
+    a = np.ones(1 << 20, np.float32)
+    found = diag.huge_kb({"a": a.ctypes.data})
+    assert set(found) == {"a"} and found["a"] >= 0
+    sys.modules.pop("bench_cpu_formats", None)
