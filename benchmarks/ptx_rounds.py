@@ -11,6 +11,10 @@ format before and after a change, not formats with each other. ``round_path`` (p
 ocl_sass_proxy.py for its --hot builds) counts what a full round issues where every fast path holds.
 
     python benchmarks/ptx_rounds.py DIR [--bin PTXAS_DIR] [--arch sm_90]
+
+Without a CUDA toolkit, PyPI's wheels hold both tools (numba-cuda's NVVM writes PTX 9.5, which
+needs ptxas 13.5 or later): ``pip download --no-deps "nvidia-cuda-nvcc==13.5.*"
+nvidia-cuda-cuobjdump``, unzip them and pass their ``nvidia/cu13/bin`` as ``--bin``.
 """
 
 from __future__ import annotations
