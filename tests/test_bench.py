@@ -112,3 +112,24 @@ def test_diag_cpu_placement_refuses_bad_input_and_reads_its_mappings(capsys):
     found = diag.huge_kb({"a": a.ctypes.data})
     assert set(found) == {"a"} and found["a"] >= 0
     sys.modules.pop("bench_cpu_formats", None)
+
+
+def test_cuda_sass_rounds_refuses_bad_input_and_skips_without_its_tools(tmp_path, capsys):
+    """The cuda SASS tool fails loudly on a format or family it does not know, and skips (exit 0,
+    saying why) where ptxas and cuobjdump are missing, before compiling anything."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_sass_rounds.py"
+    spec = importlib.util.spec_from_file_location("cuda_sass_rounds", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert [f[0] for f in tool.formats(["remainder8, int8 sqrt"])] == ["bf16 params, remainder8, int8 sqrt state"]
+    for argv, said in ((["no such format"], "no such format"), (["remainder8", "--family", "nadam2"], "nadam2")):
+        with pytest.raises(SystemExit) as e:
+            tool.main(argv)
+        assert e.value.code != 0 and said in capsys.readouterr().err
+    assert tool.main(["remainder8, int8 sqrt", "--bin", str(tmp_path)]) == 0
+    assert "skipped: ptxas and cuobjdump not found" in capsys.readouterr().out
+    sys.modules.pop("bench_formats", None)
