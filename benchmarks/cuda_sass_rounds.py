@@ -1,19 +1,21 @@
 """The cuda formats kernels' SASS without a GPU: a step kernel compiled to sm_90 PTX by numba-cuda,
 assembled by ptxas at the backend's register cap, disassembled by cuobjdump.
 
-For each format it prints the registers, spills and stack, the round loop's instructions
-(``ptx_rounds.round_loop``: the innermost loop with three or more global loads and a MUFU) and the
-shortest static path of a full round, from its first 16-byte load to its last 16- or 8-byte store
-(``ptx_rounds.round_path``), per element. Static counts leave out what the device adds (the loop,
-the chunk's setup; 88.8 executed against 71.3 static for remainder8 + int8_sqrt on the H100,
-docs/benchmarks.md 2026-12-05 19:07): compare one format before and after a change of the
-kernel, and time it on the device before keeping it.
+For each format it prints the registers and stack (spills), and the round loop's instructions by
+opcode (``ptx_rounds.round_loop``: the innermost loop with three or more global loads and a MUFU):
+enough to see a change's static effect (a division's fast path, a spill, a conversion on the
+narrow pipe) before device time is spent on it. No shortest path is printed: the loop holds the
+full-group round, the general round and a small tensor's float32 state side by side, and a static
+shortest path from a load to a store crosses between them (ocl_sass_proxy.py builds OpenCL's round
+alone for that). What a round executes an element comes from the device: ncu's source counters,
+read by ncu_sass_segments.py.
 
     python benchmarks/cuda_sass_rounds.py "remainder8, int8 sqrt" "stochastic rounding, int8" --bin DIR
 
 Format labels as bench_formats.py's (any part of one). ``--bin``: a folder with ptxas 13.5 or later
 and cuobjdump (ptx_rounds.py says where PyPI has them). The register cap is the backend's
-(``optirs.backends.common.register_cap``); ``--maxreg`` another (0: none).
+(``optirs.backends.common.register_cap``); ``--maxreg`` another (0: none); ``--keep DIR`` keeps
+each kernel's PTX and SASS.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, Dict, List, Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ptx_rounds import round_loop, round_path, sass_functions  # noqa: E402
+from ptx_rounds import round_loop, sass_functions  # noqa: E402
 
 
 def formats(labels: List[str]) -> List[tuple]:
@@ -78,10 +80,9 @@ def report(sass: str, stderr: str) -> List[str]:
         used = re.search(r"Used (\d+) registers", stderr)
         stack = re.search(r"(\d+) bytes (?:cumulative )?stack", stderr)
         ops = collections.Counter(o.split(".")[0] for _, o, _ in loop)
-        path = round_path(ins, (".128", ".64"))
         out.append(f"    {used.group(1) if used else '?'} registers, stack {stack.group(1) if stack else '?'} B; "
-                   f"round loop {len(loop)} instructions: " + " ".join(f"{o}:{n}" for o, n in ops.most_common(12)))
-        out.append(f"    a full round's shortest path: {path} instructions ({path / 8:.1f} an element)")
+                   f"round loop {len(loop)} instructions (every path of it)")
+        out.append("    " + " ".join(f"{o}:{n}" for o, n in ops.most_common(20)))
     return out
 
 
