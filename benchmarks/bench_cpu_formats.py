@@ -176,6 +176,14 @@ def _ms(fn, steps: int):
     return (time.perf_counter() - t0) * 1e3 / steps, (time.process_time() - c0) * 1e3 / steps
 
 
+def step_ns(problem: Problem, steps: int, batches: int) -> List[float]:
+    """Wall ns a parameter of ``problem``'s step in each of ``batches`` batches of ``steps`` (after two
+    steps of warm-up): the diagnostics' unit, whose spread they print."""
+    for _ in range(2):
+        problem.step()
+    return [_ms(problem.step, steps)[0] * 1e6 / problem.layout.total for _ in range(batches)]
+
+
 def measure(problem: Problem, copy, steps: int, batches: int) -> Dict[str, Any]:
     """The step and a copy of the same bytes, alternating batch by batch; medians of both."""
     n = problem.layout.total

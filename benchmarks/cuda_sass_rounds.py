@@ -50,7 +50,7 @@ def step_ptx(spec: tuple, family: str) -> tuple:
 
     # numba-cuda compiles the kernel's device helpers for the current device: name sm_90 without one
     dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
-    from numba import cuda, types, typeof
+    from numba import cuda
 
     from optirs.backends.common.register_cap import formats_register_cap
     from optirs.backends.cuda import formats_kernels as fk
@@ -60,12 +60,8 @@ def step_ptx(spec: tuple, family: str) -> tuple:
     _, pdt, master, state, sr = spec
     fmt = StepFormat(pdt, pdt, master if pdt != "float32" else None, state, sr)
     d = DEFINITIONS[family]
-    sc = d.scalars(d.examples[0], 3)
-    table = types.int64[:, ::1]
-    sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
-           types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
     kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), (1 << len(d.slots)) - 1)
-    ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
+    ptx, _ = cuda.compile_ptx(kernel, fk.step_kernel_signature(d.scalars(d.examples[0], 3)), cc=(9, 0))
     cap = formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", fk.full_group_rounds(fmt.codes, d.kernel))
     return ptx, kernel.__name__, cap
 

@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -104,16 +103,8 @@ def _child(args) -> int:
             continue  # no int8 codes
         for _ in range(args.allocations):
             p = bcf.Problem(spec, [(per,)] * args.tensors, "adamw")
-            for _ in range(2):
-                p.step()
-            times = []
-            for _ in range(args.batches):
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    p.step()
-                times.append((time.perf_counter() - t0) / args.steps)
             out.append(dict(format=spec[0], part=args.child, threads=numba.get_num_threads(),
-                            ns_per_param=statistics.median(times) * 1e9 / (per * args.tensors)))
+                            ns_per_param=statistics.median(bcf.step_ns(p, args.steps, args.batches))))
             del p
     print(json.dumps(out), flush=True)
     return 0

@@ -19,7 +19,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -55,14 +54,7 @@ def _child(args) -> int:
         arrays.update({f"g{i}": a for i, a in enumerate(p.grads)})
         arrays.update({k: a for k, a in p.state.items() if isinstance(a, np.ndarray) and a.nbytes > 65536})
         addrs = {k: a.ctypes.data for k, a in arrays.items()}
-        for _ in range(2):
-            p.step()
-        times = []
-        for _ in range(args.batches):
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                p.step()
-            times.append((time.perf_counter() - t0) / args.steps * 1e9 / (per * 4))
+        times = bcf.step_ns(p, args.steps, args.batches)
         res.append(dict(ns=statistics.median(times), low=min(times), high=max(times),
                         mod4k=sorted({a % 4096 for a in addrs.values()}), huge_mb=sum(huge_kb(addrs).values()) // 1024,
                         arrays=len(arrays)))

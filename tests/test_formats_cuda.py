@@ -68,15 +68,12 @@ def sm90(monkeypatch):
 @pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
 @pytest.mark.parametrize("name,fmt", PTX_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.codes)))
 def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
-    from numba import cuda, types, typeof
+    from numba import cuda
 
     from optirs.backends.cuda import formats_kernels as fk
 
     d = DEFINITIONS[name]
-    sc = d.scalars(d.examples[0], 3)
-    table = types.int64[:, ::1]
-    sig = (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
-           types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
+    sig = fk.step_kernel_signature(d.scalars(d.examples[0], 3))
     kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), (1 << len(d.slots)) - 1)
     ptx, _ = cuda.compile_ptx(kernel, sig, cc=(9, 0))
     assert ".target sm_90" in ptx

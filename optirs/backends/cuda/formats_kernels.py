@@ -587,6 +587,17 @@ def full_group_rounds(fc, family: str) -> bool:
     return fc.state == STATE_INT8_SQRT and fc.param == BF16 and family != "lamb"
 
 
+def step_kernel_signature(sc) -> tuple:
+    """The argument types of :func:`make_step_kernel`'s step kernel (mode "step") for the family
+    scalars ``sc``: what ``numba.cuda.compile_ptx`` needs to compile it without a launch (a GPU's
+    PTX on a machine without one)."""
+    from numba import types, typeof
+
+    table = types.int64[:, ::1]
+    return (table, table, table, types.int64, types.float32[:, ::1], types.uint8[:, ::1], types.int64,
+            types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
+
+
 def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
