@@ -43,10 +43,11 @@ FORMATS: List[Tuple[str, torch.dtype, Optional[dict]]] = [
     ("fp32 torch AdamW", torch.float32, None),
     ("fp32 params, int8 state", torch.float32, dict(state_dtype="int8")),
     ("fp32 params, int8 sqrt state", torch.float32, dict(state_dtype="int8_sqrt")),
+    ("fp32 params, float8 state", torch.float32, dict(state_dtype="float8_e4m3fn")),
 ]
 for _master, _label in (("float32", "fp32 masters"), ("remainder16", "remainder16"), ("remainder8", "remainder8"),
                         (None, "no masters + SR")):
-    for _state in ("float32", "bfloat16", "int8", "int8_sqrt"):
+    for _state in ("float32", "bfloat16", "int8", "int8_sqrt", "float8_e4m3fn"):
         FORMATS.append((f"bf16 params, {_label}, {_state} state", torch.bfloat16,
                         dict(master_weights=_master, state_dtype=_state, stochastic_rounding=_master is None)))
 

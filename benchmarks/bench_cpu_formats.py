@@ -57,11 +57,16 @@ FORMATS = [
     ("bf16 params, remainder16, int8 sqrt state", "bfloat16", "bfloat16", "remainder16", "int8_sqrt", False),
     ("bf16 params, remainder8, int8 sqrt state", "bfloat16", "bfloat16", "remainder8", "int8_sqrt", False),
     ("bf16 params, stochastic rounding, int8 sqrt state", "bfloat16", "bfloat16", None, "int8_sqrt", True),
+    ("fp32 params, float8 state", "float32", "float32", None, "float8_e4m3fn", False),
+    ("bf16 params, fp32 masters, float8 state", "bfloat16", "bfloat16", "float32", "float8_e4m3fn", False),
+    ("bf16 params, remainder16, float8 state", "bfloat16", "bfloat16", "remainder16", "float8_e4m3fn", False),
+    ("bf16 params, remainder8, float8 state", "bfloat16", "bfloat16", "remainder8", "float8_e4m3fn", False),
+    ("bf16 params, stochastic rounding, float8 state", "bfloat16", "bfloat16", None, "float8_e4m3fn", True),
 ]
 
 _WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 _MASTER = {None: 0, "float32": 4, "remainder16": 2, "remainder8": 1}
-_STATE = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8_sqrt": 1 + 4 / 256}
+_STATE = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256, "int8_sqrt": 1 + 4 / 256, "float8_e4m3fn": 1 + 4 / 256}
 
 
 def bytes_per_param(param: str, grad: str, master: Optional[str], state: str, slots: int, family: str = "adamw",

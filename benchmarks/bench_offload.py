@@ -86,6 +86,8 @@ OFFLOAD_FORMATS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "offload_bf16_r8_int8": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "int8"}),
     "offload_int8sqrt": ("float32", {"state_dtype": "int8_sqrt"}),
     "offload_bf16_r8_int8sqrt": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "int8_sqrt"}),
+    "offload_fp8": ("float32", {"state_dtype": "float8_e4m3fn"}),
+    "offload_bf16_r8_fp8": ("bfloat16", {"master_weights": "remainder8", "state_dtype": "float8_e4m3fn"}),
 }
 # row -> (parameter dtype, format keywords, step_in_backward): each format at step() and, as
 # "<row>_sib", with its CPU steps started in the last backward

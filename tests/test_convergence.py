@@ -35,7 +35,7 @@ def test_formats_converge_like_fp32():
     b = _bench()
     wanted = ("fp32 torch AdamW", "fp32 params, int8 state", "bf16 params, fp32 masters, float32 state",
               "bf16 params, remainder8, int8 state", "bf16 params, no masters + SR, bfloat16 state",
-              "bf16 params, remainder8, int8_sqrt state")
+              "bf16 params, remainder8, int8_sqrt state", "bf16 params, remainder8, float8_e4m3fn state")
     formats = [f for f in b.FORMATS if f[0] in wanted]
     assert len(formats) == len(wanted)
     task = b.Task("chars", batch=256, length=150)

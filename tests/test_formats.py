@@ -239,6 +239,98 @@ def test_numba_sqrt_codes_match_the_reference(rng):
             assert np.array_equal(by_bits.view(np.uint32), want) and np.array_equal(fused.view(np.uint32), want)
 
 
+# ---------------------------------------------------------------- the float8 state
+
+
+def _fp8_words(rng):
+    """float32 words around every float8 rounding point (each exponent and kept mantissa, the dropped
+    20 bits at 0, 1, just below, at and just above the half, and all set), random words; both signs."""
+    e = np.arange(256, dtype=np.uint32) << np.uint32(23)
+    m = np.arange(8, dtype=np.uint32) << np.uint32(20)
+    low = np.array([0, 1, 0x7FFFF, 0x80000, 0x80001, 0xFFFFF], np.uint32)
+    words = (e[:, None, None] | m[None, :, None] | low[None, None, :]).reshape(-1)
+    words = np.concatenate([words, rng.integers(0, 2**31, 100000, dtype=np.uint64).astype(np.uint32)])
+    return np.concatenate([words, words | np.uint32(0x80000000)])
+
+
+def test_float8_codes_are_ml_dtypes_float8_e4m3fn(rng):
+    """The contract's float8 code of a float32 value: ml_dtypes' float8_e4m3fn (nearest even,
+    subnormals) up to 448, 448 of the value's sign above it (saturated: ml_dtypes makes those NaN),
+    0x7F for any NaN; a code's value: ml_dtypes' value of the byte."""
+    y = _fp8_words(rng).view(np.float32)
+    codes = F.fp8_encode(y)
+    nan = np.isnan(y)
+    finite = ~nan & (np.abs(y) <= np.float32(448))
+    assert np.array_equal(codes[finite], y[finite].astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    big = ~nan & ~finite
+    assert big.any() and np.array_equal(codes[big], np.where(y[big] < 0, 0xFE, 0x7E).astype(np.uint8))
+    assert nan.any() and np.all(codes[nan] == 0x7F)
+    assert F.fp8_encode(np.float32([464, 464.00003, -480, 2.0**-10, 3 * 2.0**-11, -0.0])).tolist() == \
+        [0x7E, 0x7E, 0xFE, 0, 1, 0x80]  # a tie to even, saturation, a subnormal tie and round, -0
+    every = np.arange(256, dtype=np.uint8)
+    want = every.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = F.fp8_decode(every)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+    assert np.flatnonzero(np.isnan(got)).tolist() == [0x7F, 0xFF]
+
+
+def test_float8_blocks_code_their_absmax_as_448_and_decode_within_a_step(rng):
+    """(x * pre) * k and (v * w) * post: a block's absmax codes as +-448 at every scale, tiny ones
+    (pre = 2**64) included; each value decodes within half a float8 step of itself (relative 2**-4 in
+    the normal range, 2**-9 of the scale's 448th part below it); a zero scale codes zeros."""
+    f32 = np.float32
+    for scale in (f32(1), f32(3.7e-5), f32(2.0**-64), np.nextafter(f32(2.0**-64), f32(0)), f32(1e-40), f32(3e38)):
+        x = (rng.uniform(-1, 1, 20000) * scale).astype(np.float32)
+        x[:2] = [scale, -scale]
+        codes = F.fp8_quantize(x, scale)
+        assert codes[0] == 0x7E and codes[1] == 0xFE and np.all((codes & 0x7F) <= 0x7E), scale
+        back = F.fp8_dequantize(codes, scale)
+        unit = np.float64(scale) / 448  # the block's value of a float8 1
+        tol = np.maximum(np.abs(x.astype(np.float64)) * 2.0**-4, unit * 2.0**-9) * 1.0001 + 1.4e-45
+        assert np.all(np.abs(back.astype(np.float64) - x) <= tol), scale
+    assert F.fp8_quantize(np.zeros(4, np.float32), f32(0)).tolist() == [0] * 4
+    assert np.all(F.fp8_quantize(np.float32([1, np.inf]), f32(np.inf)) == [0, 0x7F])
+    assert np.isnan(F.fp8_dequantize(np.zeros(2, np.uint8), f32(np.nan))).all()
+
+
+def test_numba_float8_codes_match_the_reference(rng):
+    """The shared numba codec (the cpu and cuda kernels' codes, values and factors) against the
+    numpy one, bit for bit: codes of the rounding points' words, every byte's value, and each
+    block's factors at usual, tiny, boundary, huge, zero, inf and NaN scales."""
+    import numba
+
+    from optirs.backends.common import formats as B
+
+    @numba.njit(error_model="numpy")
+    def codes_of(words, out):
+        for i in range(words.shape[0]):
+            out[i] = np.uint8(B.fp8_code(B.bits_f32(np.uint32(words[i]))) & 0xFF)
+
+    @numba.njit(error_model="numpy")
+    def values_of(codes, out):
+        for i in range(codes.shape[0]):
+            out[i] = B.fp8_value(np.uint32(codes[i]))
+
+    words = _fp8_words(rng)
+    got = np.empty(words.size, np.uint8)
+    codes_of(words, got)
+    assert np.array_equal(got, F.fp8_encode(words.view(np.float32)))
+    every = np.arange(256, dtype=np.uint8)
+    values = np.empty(256, np.float32)
+    values_of(every, values)
+    want = F.fp8_decode(every)
+    assert np.array_equal(np.isnan(values), np.isnan(want))
+    assert np.array_equal(values.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+    f32 = np.float32
+    for scale in (f32(1), f32(3.7e-5), f32(2.0**-64), np.nextafter(f32(2.0**-64), f32(0)), f32(1e-40), f32(0),
+                  f32(3e38), f32(np.inf), f32(np.nan)):
+        got_f = [f32(v) for v in B.fp8_factors(scale)]
+        want_f = [f32(v) for v in F.fp8_factors(scale)]
+        assert [v.view(np.uint32) for v in got_f] == [v.view(np.uint32) for v in want_f] or \
+            (np.isnan(scale) and all(np.isnan(a) == np.isnan(b) for a, b in zip(got_f, want_f))), scale
+
+
+
 # ---------------------------------------------------------------- the state layout
 
 
@@ -607,22 +699,23 @@ def _steps_against_the_reference(run, params, grads, what):
         params = got
 
 
-SQRT_FORMATS = {  # the square-root codes (state_dtype "int8_sqrt"), as FORMATS
+CODED_FORMATS = {  # the arithmetic one-byte codes (square-root codes, float8), as FORMATS
     "bf16-r8-int8sqrt": ("bfloat16", "bfloat16", "remainder8", "int8_sqrt", False),
     "f32-int8sqrt": ("float32", "float32", None, "int8_sqrt", False),
+    "bf16-r8-float8": ("bfloat16", "bfloat16", "remainder8", "float8_e4m3fn", False),
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILY_HP))
-@pytest.mark.parametrize("fmt_name", list(SQRT_FORMATS))
-def test_int8_sqrt_step_matches_the_reference(backend, family, fmt_name, rng):
-    """Three steps with square-root codes against the reference on a backend that stores them;
-    any other refuses the format with UnsupportedOperationError before writing anything."""
-    run = FormatRun(backend, family, F.StepFormat(*SQRT_FORMATS[fmt_name]), _shapes(backend))
+@pytest.mark.parametrize("fmt_name", list(CODED_FORMATS))
+def test_coded_state_step_matches_the_reference(backend, family, fmt_name, rng):
+    """Three steps with square-root codes or float8 state against the reference on a backend that
+    stores them; any other refuses the format with UnsupportedOperationError before writing anything."""
+    run = FormatRun(backend, family, F.StepFormat(*CODED_FORMATS[fmt_name]), _shapes(backend))
     params, grads = _problem(rng, run.layout.shapes, run.fmt, 3)
-    if "int8_sqrt" not in run.b.support.state_dtypes:
+    if run.fmt.state_dtype not in run.b.support.state_dtypes:
         before = run.host_state()
-        with pytest.raises(UnsupportedOperationError, match="int8_sqrt"):
+        with pytest.raises(UnsupportedOperationError, match=run.fmt.state_dtype):
             run.step(params, grads[0], 1)
         assert all(np.array_equal(before[k], v) for k, v in run.host_state().items())
         return

@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import optirs.torch as ot  # noqa: E402
+from optirs.core import formats as F  # noqa: E402
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError  # noqa: E402
 
 SHAPES = [(70, 61), (33,)]
@@ -86,7 +87,8 @@ def test_bf16_over_float32_masters_equals_torch_adamw_on_the_masters():
                                        # parameters to float32 in load_state_dict: they must come back
                                        (torch.float32, dict(state_dtype="int8")),
                                        (torch.float32, dict(state_dtype="bfloat16", seed=5)),
-                                       (torch.float32, dict(state_dtype="int8_sqrt"))])
+                                       (torch.float32, dict(state_dtype="int8_sqrt")),
+                                       (torch.bfloat16, dict(master_weights="remainder8", state_dtype="float8_e4m3fn"))])
 def test_state_dict_round_trip_is_bit_exact(dtype, kw):
     init = _init(2)
 
@@ -131,9 +133,10 @@ def test_int8_state_dict_is_about_a_quarter_of_float32():
     assert n8 == 2 * (256 * 512 + 4 * 512)  # codes + one float32 scale per 256 elements, per moment
 
 
-@pytest.mark.parametrize("source, target", [("int8", "int8_sqrt"), ("int8_sqrt", "int8")])
-def test_int8_checkpoint_of_one_code_continues_in_the_other(source, target):
-    """Codes are read only by their own kind's decoder (distinct keys): a checkpoint of one int8
+@pytest.mark.parametrize("source, target", [("int8", "int8_sqrt"), ("int8_sqrt", "int8"), ("float8_e4m3fn", "int8"),
+                                            ("int8_sqrt", "float8_e4m3fn")])
+def test_one_byte_checkpoint_of_one_code_continues_in_another(source, target):
+    """Codes are read only by their own kind's decoder (distinct keys): a checkpoint of one one-byte
     state, loaded and its group set to the other (torch's groups take the checkpoint's keywords),
     is converted by value at the next step, whose moments stay within a few code steps of the
     source optimizer's same step."""
@@ -154,7 +157,7 @@ def test_int8_checkpoint_of_one_code_continues_in_the_other(source, target):
         for p, g in zip(o.param_groups[0]["params"], _grads(3)):
             p.grad = g.float()
         o.step()
-    keys = {"int8": "codes", "int8_sqrt": "sqrt_codes"}
+    keys = F.CODES_SUFFIX
     a, b = opt.state[params[0]], loaded.state[other[0]]
     assert f"exp_avg.{keys[target]}" in b and f"exp_avg.{keys[source]}" not in b
     for slot, signed in (("exp_avg", True), ("exp_avg_sq", False)):

@@ -27,6 +27,7 @@ import optirs  # noqa: E402
 import optirs.torch as ot  # noqa: E402
 from conftest import register_third_party_backend  # noqa: E402
 from optirs.backends.cpu import CpuBackend  # noqa: E402
+from optirs.core import formats as F  # noqa: E402
 from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParameterError,  # noqa: E402
                                 PluginError, UnsupportedOperationError)
 from optirs.plugin.hookspecs import hookimpl  # noqa: E402
@@ -447,6 +448,7 @@ FORMATS = [
     (torch.bfloat16, {"master_weights": "remainder16", "state_dtype": "bfloat16"}),
     (torch.bfloat16, {"master_weights": "remainder8", "state_dtype": "int8"}),
     (torch.bfloat16, {"master_weights": "remainder8", "state_dtype": "int8_sqrt"}),
+    (torch.bfloat16, {"master_weights": "remainder8", "state_dtype": "float8_e4m3fn"}),
     (torch.bfloat16, {"master_weights": None, "stochastic_rounding": True, "seed": 7}),
     (torch.float16, {"state_dtype": "int8"}),
 ]
@@ -518,8 +520,8 @@ def test_state_formats_bit_exact_against_the_same_chunks(name, dtype, fmt):
         assert set(a) == set(b)
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    if fmt.get("state_dtype", "").startswith("int8"):
-        codes = "sqrt_codes" if fmt["state_dtype"] == "int8_sqrt" else "codes"
+    if fmt.get("state_dtype", "") in F.INT8_STATES:
+        codes = F.CODES_SUFFIX[fmt["state_dtype"]]
         slot = "exp_avg" if name != "SGD" else "momentum_buffer"
         assert ours.state[our_model.a.weight][f"{slot}.{codes}"].dtype == torch.uint8
     assert all(c.mode == expected_mode(dtype, fmt, fmt.get("fuse_conversions")) for c in ours._chunks)

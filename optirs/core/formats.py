@@ -22,13 +22,14 @@ from optirs.core.layout import TensorLayout
 
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 MASTER_WEIGHTS = (None, "float32", "remainder16", "remainder8")
-STATE_DTYPES = ("float32", "bfloat16", "int8", "int8_sqrt")
-# The int8 states: blocks of codes and float32 scales; "int8" codes by bitsandbytes' dynamic map,
-# "int8_sqrt" by the square root of the value (docs/formats.md, "int8 square-root codes").
-INT8_STATES = ("int8", "int8_sqrt")
-# Their codes' buffer (and checkpoint key) suffix: distinct, so that codes are never read by the
-# other kind's decoder (a checkpoint of one loads into the other through its values).
-CODES_SUFFIX = {"int8": "codes", "int8_sqrt": "sqrt_codes"}
+STATE_DTYPES = ("float32", "bfloat16", "int8", "int8_sqrt", "float8_e4m3fn")
+# The one-byte states: blocks of 256 byte codes with a float32 scale each; "int8" codes by
+# bitsandbytes' dynamic map, "int8_sqrt" by the square root of the value (docs/formats.md, "int8
+# square-root codes"), "float8_e4m3fn" as float8 values of the value over its scale ("float8 state").
+INT8_STATES = ("int8", "int8_sqrt", "float8_e4m3fn")
+# Their codes' buffer (and checkpoint key) suffix: distinct, so that codes are never read by another
+# kind's decoder (a checkpoint of one loads into another through its values).
+CODES_SUFFIX = {"int8": "codes", "int8_sqrt": "sqrt_codes", "float8_e4m3fn": "fp8_codes"}
 CODES_KINDS = {v: k for k, v in CODES_SUFFIX.items()}
 # Kernel families the formats capability runs: the pointwise ones and LAMB's two passes.
 FORMAT_FAMILIES = ("adam", "sgd", "rmsprop", "adagrad", "lion", "lamb", "nadam", "radam", "adamax", "adadelta", "asgd",
@@ -40,11 +41,12 @@ MIN_INT8_SIZE = 4096  # tensors smaller than this keep float32 state, as bitsand
 # Codes of FormatCodes' fields (the kernels compare against these).
 F32, BF16, F16 = 0, 1, 2  # param / grad dtypes
 MASTER_NONE, MASTER_F32, MASTER_R16, MASTER_R8 = 0, 1, 2, 3
-STATE_F32, STATE_BF16, STATE_INT8, STATE_INT8_SQRT = 0, 1, 2, 3
+STATE_F32, STATE_BF16, STATE_INT8, STATE_INT8_SQRT, STATE_FP8 = 0, 1, 2, 3, 4
 
 _DTYPE_CODE = {"float32": F32, "bfloat16": BF16, "float16": F16}
 _MASTER_CODE = {None: MASTER_NONE, "float32": MASTER_F32, "remainder16": MASTER_R16, "remainder8": MASTER_R8}
-_STATE_CODE = {"float32": STATE_F32, "bfloat16": STATE_BF16, "int8": STATE_INT8, "int8_sqrt": STATE_INT8_SQRT}
+_STATE_CODE = {"float32": STATE_F32, "bfloat16": STATE_BF16, "int8": STATE_INT8, "int8_sqrt": STATE_INT8_SQRT,
+               "float8_e4m3fn": STATE_FP8}
 
 
 def dtype_name(dtype: Any) -> Optional[str]:
@@ -63,8 +65,10 @@ class Precision:
 
     :param master_weights: what backs a 16-bit parameter: None, ``"float32"``, ``"remainder16"``
         or ``"remainder8"`` (ignored for float32 parameters, their own master).
-    :param state_dtype: ``"float32"``, ``"bfloat16"``, ``"int8"`` (bitsandbytes' dynamic map) or
-        ``"int8_sqrt"`` (codes of the square root: no table, a few arithmetic instructions a value).
+    :param state_dtype: ``"float32"``, ``"bfloat16"``, ``"int8"`` (bitsandbytes' dynamic map),
+        ``"int8_sqrt"`` (codes of the square root: no table, a few arithmetic instructions a value) or
+        ``"float8_e4m3fn"`` (float8 values of each block's values over its absmax, as torchao's
+        AdamWFp8: a GPU converts them by hardware).
     :param stochastic_rounding: with ``master_weights=None`` and bfloat16 parameters, round each
         updated parameter stochastically instead of to nearest.
     :param seed: seeds the stochastic rounding; taken mod 2**32.
@@ -99,7 +103,7 @@ class FormatCodes(NamedTuple):
     param: int  # F32, BF16, F16
     grad: int  # F32, BF16, F16
     master: int  # MASTER_NONE, MASTER_F32, MASTER_R16, MASTER_R8
-    state: int  # STATE_F32, STATE_BF16, STATE_INT8, STATE_INT8_SQRT
+    state: int  # STATE_F32, STATE_BF16, STATE_INT8, STATE_INT8_SQRT, STATE_FP8
     stochastic: bool  # stochastic rounding of bfloat16 parameters (master MASTER_NONE only)
 
 
@@ -398,10 +402,12 @@ def quantize_factors(scales) -> Tuple[np.ndarray, np.ndarray]:
 
 def quantize_host(x: np.ndarray, scale: np.float32, signed: bool, kind: str = "int8") -> np.ndarray:
     """The int8 codes (uint8) of float32 values ``x`` at one block ``scale`` (numpy; docs/formats.md);
-    ``kind`` is the state dtype, ``"int8"`` or ``"int8_sqrt"``."""
+    ``kind`` is the state dtype, ``"int8"``, ``"int8_sqrt"`` or ``"float8_e4m3fn"``."""
     x = np.asarray(x, dtype=np.float32)
     if kind == "int8_sqrt":
         return sqrt_quantize(x, scale, signed)
+    if kind == "float8_e4m3fn":
+        return fp8_quantize(x, scale)
     pre, inv = quantize_factors(scale)
     with np.errstate(over="ignore", invalid="ignore"):
         y = ((x * pre) * inv).astype(np.float32)
@@ -451,3 +457,62 @@ def sqrt_dequantize(codes: np.ndarray, scales, signed: bool) -> np.ndarray:
     _, w = sqrt_factors(scales, signed)
     with np.errstate(over="ignore", invalid="ignore"):
         return ((c * np.abs(c)).astype(np.float32) * w).astype(np.float32)
+
+
+# ---------------------------------------------------------------- the float8 state
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: a block's absmax is coded as it
+FP8_PRE_BELOW = 2.0**-64  # a scale below this (and above 0) takes pre = 2**64
+
+
+def fp8_factors(scales) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each block's ``(pre, k, w, post)`` of the float8 state (float32 arrays; docs/formats.md): a
+    value is coded as ``(x * pre) * k`` and decoded as ``(v * w) * post``. ``pre`` is 2**64 for a
+    scale in (0, 2**-64) (so that ``k`` stays finite and ``w`` normal), else 1, and ``post`` its
+    reciprocal; ``k = 448 / (scale * pre)`` (0 for a zero scale) and ``w = (scale * pre) / 448``,
+    each correctly rounded."""
+    s = np.asarray(scales, np.float32)
+    tiny = (s > 0) & (s < np.float32(FP8_PRE_BELOW))
+    pre = np.where(tiny, np.float32(2.0**64), np.float32(1)).astype(np.float32)
+    post = np.where(tiny, np.float32(2.0**-64), np.float32(1)).astype(np.float32)
+    sp = (s * pre).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        k = np.where(s == 0, np.float32(0), np.float32(FP8_MAX) / sp).astype(np.float32)
+        w = (sp / np.float32(FP8_MAX)).astype(np.float32)
+    return pre, k, w, post
+
+
+def fp8_encode(y: np.ndarray) -> np.ndarray:
+    """float32 values -> float8_e4m3fn bit patterns (uint8): nearest even, magnitudes above 448
+    saturated to 448 (the GPUs' ``satfinite`` conversion), a NaN coded 0x7F whatever its sign."""
+    import ml_dtypes
+
+    y = np.asarray(y, np.float32)
+    with np.errstate(invalid="ignore"):
+        sat = np.where(np.abs(y) > np.float32(FP8_MAX), np.copysign(np.float32(FP8_MAX), y), y).astype(np.float32)
+    codes = sat.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return np.where(np.isnan(y), np.uint8(0x7F), codes).astype(np.uint8)
+
+
+def fp8_decode(codes: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bit patterns -> their float32 values (0x7F and 0xFF: NaN)."""
+    import ml_dtypes
+
+    return np.asarray(codes, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def fp8_quantize(x: np.ndarray, scales) -> np.ndarray:
+    """The float8 codes (uint8) of float32 values ``x`` under block scales ``scales`` (one, or one per
+    value): ``(x * pre) * k`` (:func:`fp8_factors`) as float8_e4m3fn (:func:`fp8_encode`)."""
+    x = np.asarray(x, np.float32)
+    pre, k, _, _ = fp8_factors(scales)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = ((x * pre).astype(np.float32) * k).astype(np.float32)
+    return fp8_encode(y)
+
+
+def fp8_dequantize(codes: np.ndarray, scales) -> np.ndarray:
+    """float32 values of float8 codes under block scales (one, or one per code): ``(v * w) * post``."""
+    _, _, w, post = fp8_factors(scales)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ((fp8_decode(codes) * w).astype(np.float32) * post).astype(np.float32)

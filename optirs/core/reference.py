@@ -19,8 +19,9 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from optirs.core.formats import (BLOCK, FormatState, StepFormat, dynamic_map, map_midpoints, quantize_factors,
-                                 sqrt_dequantize, sqrt_levels, sqrt_quantize)
+from optirs.core.formats import (BLOCK, FP8_MAX, FormatState, StepFormat, dynamic_map, fp8_decode, fp8_dequantize,
+                                 fp8_quantize, map_midpoints, quantize_factors, sqrt_dequantize, sqrt_levels,
+                                 sqrt_quantize)
 from optirs.core.params import (AdadeltaParams, AdafactorParams, AdagradParams, AdamaxParams, AdamParams, AsgdParams,
                                 LambParams, LionParams, NadamParams, RadamParams, RmspropParams, RpropParams, SgdParams)
 
@@ -378,7 +379,7 @@ def remainder8_join(hi: np.ndarray, rem: np.ndarray) -> np.ndarray:
 
 def quantize_blocks(x: np.ndarray, signed: bool, kind: str = "int8") -> Tuple[np.ndarray, np.ndarray]:
     """Flat float32 values of one tensor -> (uint8 codes, float32 scale per 256-element block);
-    ``kind`` the state dtype, ``"int8"`` (the dynamic map) or ``"int8_sqrt"``."""
+    ``kind`` the state dtype, ``"int8"`` (the dynamic map), ``"int8_sqrt"`` or ``"float8_e4m3fn"``."""
     x = np.asarray(x, np.float32).reshape(-1)
     nblocks = -(-x.size // BLOCK)
     pad = np.zeros(nblocks * BLOCK, np.float32)
@@ -386,6 +387,8 @@ def quantize_blocks(x: np.ndarray, signed: bool, kind: str = "int8") -> Tuple[np
     scales = np.abs(pad.reshape(nblocks, BLOCK)).max(axis=1)  # np.max propagates NaN
     if kind == "int8_sqrt":
         return sqrt_quantize(x, np.repeat(scales, BLOCK)[: x.size], signed), scales.astype(np.float32)
+    if kind == "float8_e4m3fn":
+        return fp8_quantize(x, np.repeat(scales, BLOCK)[: x.size]), scales.astype(np.float32)
     pre, inv = quantize_factors(scales)
     with np.errstate(over="ignore", invalid="ignore"):
         y = (x * np.repeat(pre, BLOCK)[: x.size]) * np.repeat(inv, BLOCK)[: x.size]
@@ -399,12 +402,21 @@ def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, signed: bool, kind:
     each = np.repeat(np.asarray(scales, np.float32), BLOCK)[: codes.size]
     if kind == "int8_sqrt":
         return sqrt_dequantize(codes, each, signed)
+    if kind == "float8_e4m3fn":
+        return fp8_dequantize(codes, each)
     return (dynamic_map(signed)[codes] * each).astype(np.float32)
 
 
 def code_step(codes: np.ndarray, scales: np.ndarray, signed: bool, kind: str = "int8") -> np.ndarray:
     """The value of one code step at each element: the larger gap to a neighbouring code, times the scale."""
     c = np.asarray(codes, np.int64).reshape(-1)
+    if kind == "float8_e4m3fn":
+        # neighbours in magnitude (the sign bit apart), the block's value of a float8 unit: scale / 448
+        m = c & 0x7F
+        v = fp8_decode(np.arange(0x7F, dtype=np.uint8)).astype(np.float64)  # 0x00..0x7E, ascending
+        m = np.minimum(m, 0x7E)
+        gap = np.maximum(v[np.minimum(m + 1, 0x7E)] - v[m], v[m] - v[np.maximum(m - 1, 0)])
+        return gap * np.repeat(np.asarray(scales, np.float32), BLOCK)[: c.size] / FP8_MAX
     if kind == "int8_sqrt":
         n = sqrt_levels(signed)
         c = np.where(c > 127, c - 256, c) if signed else c

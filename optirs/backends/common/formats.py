@@ -28,8 +28,8 @@ from optirs.backends.common.elementwise import element_update, lamb_direction, l
 from optirs.backends.common.fast_paths import div_fast, dividend_in_window, fma_rn, mul_rn, sqrt_fast
 from optirs.backends.common.half_native import native_or
 from optirs.core.compile_cache import prepare_kernel_compilation
-from optirs.core.formats import (BF16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
-                                 STATE_F32)
+from optirs.core.formats import (BF16, F32, FP8_MAX, FP8_PRE_BELOW, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8,
+                                 STATE_BF16, STATE_F32)
 
 prepare_kernel_compilation()  # before the first decorator: numba picks the cache directory there
 
@@ -536,6 +536,63 @@ def sqrt_value_fma(b, signed, w, nw):
     if signed:
         return bits_f32(or32(f32_bits(v), and32(c, 0x80000000)))
     return v
+
+
+# ---- the float8 state (state_dtype "float8_e4m3fn"): float8 bits by integer arithmetic, no table
+#
+# A GPU from sm_89 on converts float32 pairs to float8 and back in one instruction (the cuda kernels'
+# fast forms); these are the contract's bits on every target, and what the cpu loops vectorize.
+
+_F8_MAX_BITS = np.uint32(0x43E00000)  # 448.0, float8_e4m3fn's largest finite value
+_F8_NORMAL_BITS = np.uint32(0x3C800000)  # 2**-6, its smallest normal
+_F8_SUB_WORD = np.float32(16384.0)  # 2**14, whose ulp is 2**-9: the float8 subnormals' step
+_F8_SUB_BITS = np.uint32(0x46800000)  # its bits
+_F8_REBIAS = np.uint32(120 << 3)  # the exponent bias 127 less float8's 7, in the code's exponent field
+_F8_PRE = np.float32(2.0**64)
+_F8_POST = np.float32(2.0**-64)
+_F8_MAX = np.float32(FP8_MAX)
+_F8_PRE_BELOW = np.float32(FP8_PRE_BELOW)
+
+
+@_jit
+def fp8_factors(scale):
+    """A block's ``(pre, k, w, post)`` of the float8 state (:func:`optirs.core.formats.fp8_factors`):
+    values coded as ``(x * pre) * k``, decoded as ``(v * w) * post``."""
+    scale = np.float32(scale)  # the CUDA simulator's Python floats
+    tiny = scale > 0 and scale < _F8_PRE_BELOW
+    pre = _F8_PRE if tiny else np.float32(1)
+    sp = np.float32(scale * pre)
+    k = np.float32(0) if scale == 0 else np.float32(_F8_MAX / sp)
+    return pre, k, np.float32(sp / _F8_MAX), _F8_POST if tiny else np.float32(1)
+
+
+@_jit
+def fp8_code(y):
+    """The float8_e4m3fn bits of float32 ``y`` (a uint32 whose low byte is the code; docs/formats.md):
+    nearest even on the 20 bits a normal value drops, the exponent rebased; below 2**-6 the
+    subnormal count by one add to 2**14 (whose ulp is their step; the add rounds to nearest even);
+    at and above 448 saturated to 448; a NaN 0x7F."""
+    u = f32_bits(y)
+    a = and32(u, _ABS)
+    normal = sub32(shr32(add32(add32(a, 0x7FFFF), and32(shr32(a, 20), 1)), 20), _F8_REBIAS)
+    small = sub32(f32_bits(bits_f32(a) + _F8_SUB_WORD), _F8_SUB_BITS)
+    c = small if a < _F8_NORMAL_BITS else normal
+    c = np.uint32(0x7E) if a >= _F8_MAX_BITS else c
+    c = or32(c, and32(shr32(u, 24), 0x80))
+    return np.uint32(0x7F) if a > _EXP else c
+
+
+@_jit
+def fp8_value(b):
+    """The float32 value of float8_e4m3fn bits ``b`` (a uint32 below 256; 0x7F and 0xFF: NaN): a normal
+    code's exponent and mantissa moved into a float32's and rebased, a subnormal's count (made a float
+    by its bits in 2**23's mantissa) times 2**-9, the sign or'ed in."""
+    m = and32(b, 0x7F)
+    normal = bits_f32(add32(shl32(m, 20), 0x3C000000))
+    small = (bits_f32(or32(m, 0x4B000000)) - np.float32(8388608.0)) * np.float32(2.0**-9)
+    v = small if m < np.uint32(8) else normal
+    v = bits_f32(or32(f32_bits(v), shl32(and32(b, 0x80), 24)))
+    return bits_f32(_QNAN) if m == np.uint32(0x7F) else v
 
 
 # ---- the packed bucket words of a map whose midpoints are all positive (the unsigned map)

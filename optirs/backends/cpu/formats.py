@@ -75,13 +75,14 @@ def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepForma
     for k, name in enumerate(k_names):
         if name is None or name not in fs.slot_names:
             words = np.uint8 if fs.int8 else {"bfloat16": np.uint16, "float32": np.float32}[fmt.state_dtype]
-            first = _sqrt_levels(True) if fmt.state_dtype == "int8_sqrt" else _decoder_table(True)
+            first = _sqrt_levels(True) if fmt.state_dtype in ("int8_sqrt", "float8_e4m3fn") else _decoder_table(True)
             out.append((_EMPTY[np.dtype(words)], f32, f32, first, padded_midpoints(True), bucket_table(True)))
             continue
         used |= 1 << k
         sg = signed[name]
         unsigned |= 0 if sg else 1 << k
-        first = _sqrt_levels(sg) if fmt.state_dtype == "int8_sqrt" else _decoder_table(sg)
+        # the square-root codes' levels; the float8 codes read none (the levels: an array of the type)
+        first = _sqrt_levels(sg) if fmt.state_dtype in ("int8_sqrt", "float8_e4m3fn") else _decoder_table(sg)
         maps = first, padded_midpoints(sg), bucket_table(sg)
         if fs.int8:
             out.append((state[f"{name}.{fs.codes}"], state[f"{name}.scales"], state[f"{name}.small"]) + maps)

@@ -25,7 +25,8 @@ from optirs.backends.common.bits32 import add32, and32, shl32, shr32
 from optirs.backends.common.elementwise import element_update, lamb_grad_scale
 from optirs.backends.common.variants import variant
 from optirs.backends.common.formats import (absmax_update, bf16_stochastic_wide_num, bits_f32, decode16,
-                                            decode_state, decode_value, encode_state, f32_bits, lamb_format_update,
+                                            decode_state, decode_value, encode_state, f32_bits, fp8_code,
+                                            fp8_factors, fp8_value, lamb_format_update,
                                             load_master, load_master_wide, quantize_factors, rand32, remainder_word,
                                             slot_bits, sqrt_code_of_root, sqrt_factors, sqrt_value, state_stream,
                                             store_master, store_master_num, store_master_wide, store_master_wide_num,
@@ -36,7 +37,7 @@ from optirs.backends.cpu.kernels import _sum_add, _sum_squares, chunk_trust_rati
 from optirs.core.compile_cache import cached_njit
 from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
-                                 STATE_F32, STATE_INT8, STATE_INT8_SQRT, FormatCodes)
+                                 STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, FormatCodes)
 
 # Only the parallel entry points are cached on disk. A function loaded from numba's cache is
 # linked into a new caller as object code, which LLVM cannot inline: a loop compiled in a later
@@ -149,6 +150,39 @@ def _encode_sqrt(w, scales, lv, blk, o, n, buf, m):
     else:
         for i in range(n):
             c[i] = np.uint8(sqrt_code_of_root(np.float32(math.sqrt(buf[i])), k, buf[i], False) & 0xFF)
+
+
+@_inline
+def _decode_fp8(w, lv, s, o, n, buf):
+    """``n`` float8 codes at ``o`` of a block of scale ``s`` -> float32 values in ``buf`` (``lv`` unused:
+    a float8 code carries its sign). Integer arithmetic and one or two products: vectorized."""
+    _, _, f, post = fp8_factors(s)
+    c = _span(w, o, o + n)
+    if post == np.float32(1):  # every usual block: the product by 1 left out
+        for i in range(n):
+            buf[i] = fp8_value(np.uint32(c[i])) * f
+    else:
+        for i in range(n):
+            buf[i] = (fp8_value(np.uint32(c[i])) * f) * post
+
+
+@_inline
+def _encode_fp8(w, scales, blk, o, n, buf, m):
+    """A block's new values ``buf`` as float8 codes under their absmax ``m``."""
+    scales[blk] = m
+    pre, k, _, _ = fp8_factors(m)
+    c = _span(w, o, o + n)
+    if pre == np.float32(1):
+        for i in range(n):
+            c[i] = np.uint8(fp8_code(buf[i] * k) & 0xFF)
+    else:
+        for i in range(n):
+            c[i] = np.uint8(fp8_code((buf[i] * pre) * k) & 0xFF)
+
+
+# each one-byte state's block decoder (the dynamic map's otherwise)
+_BLOCK_DECODERS = {STATE_INT8_SQRT: _decode_sqrt, STATE_FP8: _decode_fp8}
+INT8_CODES = (STATE_INT8, STATE_INT8_SQRT, STATE_FP8)
 
 
 @_inline
@@ -393,7 +427,7 @@ def _format_element_num(praw, mraw, graw, s0, s1, s2, sc, fc, key, i):
 # loops are templates whose constants are bound per variant (optirs.backends.common.variants), so
 # numba caches each variant on disk. The module's values of the constants are placeholders.
 FC = FormatCodes(F32, F32, MASTER_NONE, STATE_F32, False)
-U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = TOPS = FAST = R0 = R1 = R2 = GRAD_NUM = False
+U0 = U1 = U2 = HAS_MASTER = INT8 = SQRT = FP8 = TOPS = FAST = R0 = R1 = R2 = GRAD_NUM = False
 SKIND = STATE_F32
 GRAD16 = False
 RUN_WORDS = RUN_FAST = RUN_SUBS = RUN_BLOCK = RUN_BLOCK_NUM = CHUNK = DECODE = LAMB_SUMS = LAMB_WRITE = LAMB_ELEMENTS = None
@@ -452,12 +486,12 @@ def pointwise(fc, used, unsigned=0):
 
 
 def _make_pointwise(fc, used, roots=0):
-    int8 = fc.state in (STATE_INT8, STATE_INT8_SQRT)
+    int8 = fc.state in INT8_CODES
     constants = dict(FC=fc, U0=bool(used & 1), U1=bool(used & 2), U2=bool(used & 4),
                      HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE, INT8=int8,
-                     SQRT=fc.state == STATE_INT8_SQRT,
+                     SQRT=fc.state == STATE_INT8_SQRT, FP8=fc.state == STATE_FP8,
                      # a block's codes to values (square-root codes: q0..q2 are the slots' levels)
-                     DECODE=_decode_sqrt if fc.state == STATE_INT8_SQRT else _decode_block,
+                     DECODE=_BLOCK_DECODERS.get(fc.state, _decode_block),
                      SKIND=STATE_F32 if int8 else fc.state)  # a small int8 tensor's state is float32 values
     # the int8 forms chosen at import (int8_native): in the variant's name, so that a loop cached with
     # one form never loads under another
@@ -683,6 +717,13 @@ def _chunk(p, g, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, t0, q1, d1, t
                 _encode_roots(w2, c2, q2, blk, o, n, r2, _absmax_of_top(top2, a2, n))
             elif U2:
                 _encode_sqrt(w2, c2, q2, blk, o, n, a2, _absmax_of_top(top2, a2, n))
+        elif FP8:
+            if U0:
+                _encode_fp8(w0, c0, blk, o, n, a0, _absmax_of_top(top0, a0, n))
+            if U1:
+                _encode_fp8(w1, c1, blk, o, n, a1, _absmax_of_top(top1, a1, n))
+            if U2:
+                _encode_fp8(w2, c2, blk, o, n, a2, _absmax_of_top(top2, a2, n))
         else:
             if U0:
                 _encode_scaled(w0, c0, d0, t0, e0, blk, o, n, a0, ix, _absmax_of_top(top0, a0, n))
@@ -710,7 +751,7 @@ def _pointwise_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, w2, c2, m2, q0, d0, 
     """
     keyp = stream_key(seed, step, 0)
     k01, k2 = stream_key(seed, step, state_stream(0)), stream_key(seed, step, state_stream(2))
-    dyn = INT8 and not SQRT  # the dynamic map's encoder tables
+    dyn = INT8 and not SQRT and not FP8  # the dynamic map's encoder tables
     e0, e1, e2 = _trees(d0, t0, d1, t1, d2, t2, U0 and dyn, U1 and dyn, U2 and dyn)  # read by every chunk
     # each thread claims the next chunk until none is left (claims: a thread held up by the scheduler
     # delays the step by one chunk, not by a static share)
@@ -744,10 +785,10 @@ def lamb(fc):
     k = _LAMB.get(key)
     if k is None:
         fc = FormatCodes(*fc)
-        int8 = fc.state in (STATE_INT8, STATE_INT8_SQRT)
-        constants = dict(FC=fc, INT8=int8, SQRT=fc.state == STATE_INT8_SQRT,
+        int8 = fc.state in INT8_CODES
+        constants = dict(FC=fc, INT8=int8, SQRT=fc.state == STATE_INT8_SQRT, FP8=fc.state == STATE_FP8,
                          HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE,
-                         DECODE=_decode_sqrt if fc.state == STATE_INT8_SQRT else _decode_block,
+                         DECODE=_BLOCK_DECODERS.get(fc.state, _decode_block),
                          SKIND=STATE_F32 if int8 else fc.state,  # an int8 block's scratch, a small tensor's state
                          INT8_FORMS=(ENCODE, DECODE))  # as in _make_pointwise
         label = "_".join(map(str, key))
@@ -860,6 +901,9 @@ def _lamb_chunk(p, g, mbuf, w0, c0, m0, q0, d0, t0, e0, w1, c1, m1, q1, d1, t1, 
             if SQRT:
                 _encode_sqrt(w0, c0, q0, blk, o, n, a0, _absmax_of_top(top0, a0, n))
                 _encode_sqrt(w1, c1, q1, blk, o, n, a1, _absmax_of_top(top1, a1, n))
+            elif FP8:
+                _encode_fp8(w0, c0, blk, o, n, a0, _absmax_of_top(top0, a0, n))
+                _encode_fp8(w1, c1, blk, o, n, a1, _absmax_of_top(top1, a1, n))
             else:
                 _encode_scaled(w0, c0, d0, t0, e0, blk, o, n, a0, ix, _absmax_of_top(top0, a0, n))
                 _encode_scaled(w1, c1, d1, t1, e1, blk, o, n, a1, ix, _absmax_of_top(top1, a1, n))
@@ -892,7 +936,7 @@ def _lamb_format(ps, gs, mbuf, w0, c0, m0, w1, c1, m1, q0, d0, t0, q1, d1, t1, t
     u_sq = np.zeros(nchunks, dtype=np.float64)
     keyp = stream_key(seed, step, 0)
     k01 = stream_key(seed, step, state_stream(0))
-    dyn = INT8 and not SQRT  # the dynamic map's encoder tables
+    dyn = INT8 and not SQRT and not FP8  # the dynamic map's encoder tables
     e0, e1, _ = _trees(d0, t0, d1, t1, d1, t1, dyn, dyn, False)  # read by every chunk
     next_chunk = counter()
     for _loop in prange(loops(nchunks)):
