@@ -127,6 +127,29 @@ def test_sigint_exits_130_without_a_traceback():
     assert "Traceback" not in err and "interrupted (Ctrl-C)" in out
 
 
+def test_ctrl_c_dropped_inside_a_ctypes_callback_still_stops_the_bench(capfd):
+    """A Ctrl-C whose KeyboardInterrupt is raised inside a ctypes callback (llvmlite's, while numba
+    compiles) is dropped by Python: the bench's handler records it, prints nothing, and the next
+    measurement stops the run."""
+    import ctypes
+
+    from optirs.tools import bench
+
+    @ctypes.CFUNCTYPE(None)
+    def callback():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)  # the handler runs here, in the callback
+
+    before = signal.getsignal(signal.SIGINT)
+    with bench._CtrlC():
+        callback()
+        assert bench._INTERRUPTED.is_set()
+        with pytest.raises(KeyboardInterrupt):
+            bench._stop_if_interrupted()
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_backend_status_lines_end_whole():
     """A reason ends at its last word (numba's CUDA driver message ends in a dangling " :")."""
     for status in optirs.list_backends():

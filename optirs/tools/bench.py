@@ -36,8 +36,10 @@ import argparse
 import datetime
 import json
 import platform
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -319,7 +321,46 @@ CPU_BUDGET_S = 2.0
 BUDGET_S: Optional[float] = None  # the backend being measured: its Sizing's budget_s
 
 
+# Ctrl-C, seen by the handler that main installs: a KeyboardInterrupt raised while numba compiles can
+# land in llvmlite's ctypes callback, where Python reports and drops it, and the run would go on
+_INTERRUPTED = threading.Event()
+
+
+class _CtrlC:
+    """While in effect, Ctrl-C sets :data:`_INTERRUPTED` and raises KeyboardInterrupt; one that Python
+    drops (raised inside a ctypes callback) is not printed, and the measurements raise it again at their
+    next batch (:func:`_stop_if_interrupted`)."""
+
+    def __enter__(self) -> "_CtrlC":
+        _INTERRUPTED.clear()
+        self._handler, self._hook = signal.getsignal(signal.SIGINT), sys.unraisablehook
+
+        def on_sigint(signum, frame):
+            _INTERRUPTED.set()
+            raise KeyboardInterrupt
+
+        def unraisable(info):
+            if not (info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt)):
+                self._hook(info)
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, on_sigint)
+        sys.unraisablehook = unraisable
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._handler)
+        sys.unraisablehook = self._hook
+
+
+def _stop_if_interrupted() -> None:
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+
+
 def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warmup: int, wall: bool = False) -> float:
+    _stop_if_interrupted()
     for _ in range(max(1, warmup)):  # at least one: buffers a first step allocates are not timed
         t0 = time.perf_counter()
         fn()
@@ -329,7 +370,10 @@ def _median_ms(kind: Kind, fn: Callable[[], None], reps: int, repeats: int, warm
         reps = max(1, int(BUDGET_S / (last * max(3, repeats // 2))))
         repeats = max(3, min(repeats, int(BUDGET_S / (last * reps))))
     timer = kind.wall_ms if wall else kind.time_ms
-    times = [timer(fn, reps) for _ in range(repeats)]
+    times = []
+    for _ in range(repeats):
+        _stop_if_interrupted()
+        times.append(timer(fn, reps))
     value = statistics.median(times)
     if not value > 0:
         raise RuntimeError(f"timer returned {value} ms: too few repetitions to measure")
@@ -750,9 +794,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                 f"{z.repeats} batches)" for n, z in sizings.items())
                    + "".join(f"\n  left out: {n}" for n in notes), markup=False, highlight=False)
     try:
-        run(args, console, report, statuses, names, progress)
+        with _CtrlC():
+            run(args, console, report, statuses, names, progress)
     except KeyboardInterrupt:
         report.interrupted = True
+    report.interrupted = report.interrupted or _INTERRUPTED.is_set()
     print_report(report, console)
     if args.json:
         with open(args.json, "w") as f:
