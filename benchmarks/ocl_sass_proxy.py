@@ -45,6 +45,18 @@ def hot(src: str) -> str:
     return out
 
 
+def _float8_ptx(path: str) -> None:
+    """llc-14 writes PTX ISA 7.0 for sm_80; the float8 state's conversions (inline PTX from
+    OPTIRS_NV_PTX=3) need 7.8 and sm_89 on, as NVIDIA's driver writes for an H100: the header raised
+    to ISA 7.8, sm_90 (the rest of the text is valid there too)."""
+    with open(path) as f:
+        text = f.read()
+    text = re.sub(r"^\.version \d+\.\d+", ".version 7.8", text, count=1, flags=re.M)
+    text = re.sub(r"^\.target sm_\d+", ".target sm_90", text, count=1, flags=re.M)
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("codes", nargs=5, type=int, metavar="P G M S SR", help="FormatCodes (param grad master state sr)")
@@ -92,6 +104,8 @@ def main(argv=None) -> int:
         ]
         log = ""
         for cmd in steps:
+            if cmd[0] == tools["ptxas"] and s == 4:
+                _float8_ptx(stem + ".ptx")
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 print(f"{os.path.basename(cmd[0])} failed:\n{r.stderr[-3000:]}")
@@ -104,7 +118,7 @@ def main(argv=None) -> int:
     ins = sass_functions(sass, guards=True).get(kernel, [])
     path = round_path(ins)
     # int8 state: a round ends at its codes' 8-byte stores, after the quantizers
-    path8 = round_path(ins, (".128", ".64")) if s in (2, 3) else 0
+    path8 = round_path(ins, (".128", ".64")) if s in (2, 3, 4) else 0
     ins = [x[:3] for x in ins]
     info = re.search(rf"Function properties for {kernel}\s+(.*?)\n.*?(Used \d+ registers)", log, re.S)
     body = round_loop(ins)

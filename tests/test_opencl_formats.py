@@ -514,6 +514,67 @@ def _check_sqrt_blocks(ctx, prog):
             assert np.array_equal(val[ok].view(np.uint32), want_val[ok].view(np.uint32)), (signed, scale)
 
 
+# The float8 state (optirs_formats.h): a block's codes and values by the step kernels' own functions;
+# on NVIDIA's driver from sm_89 on (nv_level 3) by the hardware's conversions.
+FP8 = r"""
+#pragma OPENCL FP_CONTRACT OFF
+#include "optirs_formats.h"
+__kernel void fp8_block(__global const float *x, float scale, __global uint *code, __global float *val) {
+    const size_t i = get_global_id(0);
+    const uint2 raw = optirs_fp8_block8(vload8(i, x), scale);
+    vstore2(raw, i, code);
+    vstore8(optirs_fp8_values8(raw, scale), i, val);
+}
+__kernel void fp8_values(__global const uint *code, float scale, __global float *val) {
+    const size_t i = get_global_id(0);
+    vstore8(optirs_fp8_values8(vload2(i, code), scale), i, val);
+}
+"""
+
+
+def test_float8_codes_are_the_contracts(ctx):
+    """A block's float8 codes and their values (optirs_fp8_block8, optirs_fp8_values8) against
+    optirs.core.formats' fp8_quantize and fp8_dequantize, bit for bit (NaN where NaN): random blocks
+    at scales over the float32 range (the divisions' window ends, pre = 2**64 below 2**-64, tiny and
+    huge scales), zero, NaN and inf scales, and every byte's value; by the hardware's conversions on
+    NVIDIA's driver from sm_89 on, by integer arithmetic elsewhere."""
+    from optirs.backends.opencl import build_program
+
+    if "-cl-fp32-correctly-rounded-divide-sqrt" not in ctx.build_options:
+        pytest.skip("the device's division is not correctly rounded: no reference to compare with")
+    level = _nv(ctx)
+    options = [o for o in ctx.build_options if not o.startswith("-D")] + ["-DOPTIRS_FMT_STATE=4"]
+    options += [f"-DOPTIRS_NV_PTX={level}"] if level else []
+    prog = build_program(ctx.context, ctx.device, expand_includes(FP8), options, f"fp8_codes{level}")
+    f32 = np.float32
+    rng = np.random.default_rng(9)
+    cases = []
+    for scale in (1.0, 3.7e-5, 2.0 ** -64, np.nextafter(f32(2.0 ** -64), f32(0)), 1e-40, 1e-45, 2.0 ** -51,
+                  np.nextafter(f32(2.0 ** 49), f32(0)), 2.0 ** 49, 2.0 ** 72, 1e30, 3e38):
+        x = (rng.uniform(-1, 1, 4096) * f32(scale)).astype(np.float32)
+        x[:3] = [f32(scale), -f32(scale), f32(0)]
+        cases.append((f32(scale), x))
+    cases += [(f32(0), np.zeros(8, np.float32)), (f32(np.nan), rng.standard_normal(8).astype(np.float32)),
+              (f32(np.inf), np.array([1, -2, np.inf, 0, -np.inf, 3e38, 5, 0], np.float32))]
+    block = cl.Kernel(prog, "fp8_block")
+    for scale, x in cases:
+        code, val = _run(ctx, block, x.size, x, scale, ("out", np.uint32), ("out", np.float32))
+        code = code[: x.size // 4].view(np.uint8)
+        want = F.fp8_quantize(x, scale)
+        assert np.array_equal(code, want), scale
+        want_val = F.fp8_dequantize(want, scale)
+        assert np.array_equal(np.isnan(val), np.isnan(want_val)), scale
+        ok = ~np.isnan(want_val)
+        assert np.array_equal(val[ok].view(np.uint32), want_val[ok].view(np.uint32)), scale
+    every = np.arange(256, dtype=np.uint8)
+    for scale in (f32(448), f32(3.7e-5), f32(1e-40)):
+        (val,) = _run(ctx, cl.Kernel(prog, "fp8_values"), 256, every.view(np.uint32), scale, ("out", np.float32))
+        want_val = F.fp8_dequantize(every, scale)
+        assert np.array_equal(np.isnan(val), np.isnan(want_val)), scale
+        ok = ~np.isnan(want_val)
+        assert np.array_equal(val[ok].view(np.uint32), want_val[ok].view(np.uint32)), scale
+
+
 def test_sqrt_codes_are_the_contracts(ctx):
     """A block's square-root codes and their values (optirs_sqrt_block8, optirs_sqrt_values8, the
     step kernels' own functions) against optirs.core.formats' sqrt_quantize and sqrt_dequantize, bit
@@ -973,7 +1034,10 @@ def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
 # another order).
 SQRT_FORMATS = [F.StepFormat("bfloat16", "bfloat16", "remainder8", "int8_sqrt", False),
                 F.StepFormat("float32", "float32", None, "int8_sqrt", False)]
-SQRT_PAIRS = [("adam", SQRT_FORMATS[0]), ("adam", SQRT_FORMATS[1]), ("lamb", SQRT_FORMATS[0])]
+# The float8 state (state_dtype "float8_e4m3fn") in the headline format, the same way.
+FP8_FORMAT = F.StepFormat("bfloat16", "bfloat16", "remainder8", "float8_e4m3fn", False)
+SQRT_PAIRS = [("adam", SQRT_FORMATS[0]), ("adam", SQRT_FORMATS[1]), ("lamb", SQRT_FORMATS[0]), ("adam", FP8_FORMAT),
+              ("lamb", FP8_FORMAT)]
 SQRT_CASES = {"adam": optirs.AdamParams(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-6, amsgrad=True),  # no decay: a zero
               "lamb": optirs.LambParams(lr=1e-2, max_trust_ratio=10.0, weight_decay=0.01)}  # gradient, a zero moment
 
@@ -992,15 +1056,17 @@ def _sqrt_edge_blocks(grads, t):
         g[[3000, 5000]] = _words(np.array([np.nan, np.inf], np.float32), dtype)
 
 
-@pytest.mark.parametrize("name,fmt", SQRT_PAIRS, ids=[f"{n}-{f.param_dtype}-{f.master}" for n, f in SQRT_PAIRS])
-def test_int8_sqrt_state_is_the_cpu_backends_bit_for_bit(ocl, name, fmt):
-    """Square-root codes (state_dtype "int8_sqrt", under s.sqrt_codes) after each of three steps:
-    codes, scales and the small tensors' float32 state are the cpu backend's bit for bit (NaN where
-    it is NaN), for signed and unsigned slots, small tensors, unaligned tensors, a ragged end, and
-    blocks of zero, tiny, huge, NaN and inf scales; the parameters too (LAMB's within its norms'
-    float64 rounding)."""
+@pytest.mark.parametrize("name,fmt", SQRT_PAIRS,
+                         ids=[f"{n}-{f.param_dtype}-{f.master}-{f.state_dtype}" for n, f in SQRT_PAIRS])
+def test_coded_state_is_the_cpu_backends_bit_for_bit(ocl, name, fmt):
+    """Square-root codes (state_dtype "int8_sqrt", under s.sqrt_codes) and float8 codes
+    ("float8_e4m3fn", under s.fp8_codes) after each of three steps: codes, scales and the small
+    tensors' float32 state are the cpu backend's bit for bit (NaN where it is NaN), for signed and
+    unsigned slots, small tensors, unaligned tensors, a ragged end, and blocks of zero, tiny, huge,
+    NaN and inf scales; the parameters too (LAMB's within its norms' float64 rounding)."""
     a, b = _beside_the_cpu_backend(ocl, name, SQRT_CASES[name], fmt)
-    assert any(k.endswith(".sqrt_codes") for k in a.state) and not any(k.endswith(".codes") for k in a.state)
+    suffix = "." + F.CODES_SUFFIX[fmt.state_dtype]
+    assert any(k.endswith(suffix) for k in a.state) and not any(k.endswith(".codes") for k in a.state)
     live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])  # small tensors': unused
     for t in range(3):
         grads = a.grads()
@@ -1012,7 +1078,7 @@ def test_int8_sqrt_state_is_the_cpu_backends_bit_for_bit(ocl, name, fmt):
         # a NaN master (NVIDIA's NaN is 0x7FFFFFFF, x86's 0xFFC00000) splits as the quiet NaN of its
         # sign: the same remainder, 0, on both
         for k, v in a.host_state().items():
-            keep = live if k.endswith(".sqrt_codes") else slice(None)
+            keep = live if k.endswith(suffix) else slice(None)
             _same_words_nan_by_hardware(v[keep], sb[k][keep], (t, k))
         if name == "lamb":
             got = np.concatenate(_master_values(a))

@@ -119,9 +119,9 @@ def register_options(ctx: Any, fmt: StepFormat) -> List[str]:
 
 
 def nv_level(ctx: Any) -> int:
-    """What NVIDIA's driver (``cl_nv_device_attribute_query``, warps of 32) takes as inline PTX: 2 from
-    sm_80 on (``redux.sync``), 1 before, 0 for another driver or one whose inline PTX was refused
-    in this context (:func:`_program` then sets it to 0)."""
+    """What NVIDIA's driver (``cl_nv_device_attribute_query``, warps of 32) takes as inline PTX: 3 from
+    sm_89 on (float8 conversions), 2 from sm_80 on (``redux.sync``), 1 before, 0 for another driver or
+    one whose inline PTX was refused in this context (:func:`_program` then sets it to 0)."""
     cache = _cache(ctx)
     level = cache.get("nv_warp")
     if level is None:
@@ -130,7 +130,8 @@ def nv_level(ctx: Any) -> int:
         if "cl_nv_device_attribute_query" in device.extensions.split():
             try:
                 if int(device.warp_size_nv) == 32:
-                    level = 2 if int(device.compute_capability_major_nv) >= 8 else 1
+                    cc = (int(device.compute_capability_major_nv), int(device.compute_capability_minor_nv))
+                    level = 3 if cc >= (8, 9) else 2 if cc >= (8, 0) else 1
             except (ctx.cl.Error, AttributeError):  # a driver that lists the extension but answers neither query
                 level = 0
         cache["nv_warp"] = level
@@ -157,8 +158,9 @@ def ptx_options(ctx: Any) -> List[str]:
     bfloat16 pairs packed by one ``prmt`` (``optirs_pack_high16`` of optirs_formats.h), the int8
     blocks' reciprocal, midpoint compare and code packing, the square-root codes' block divisions and
     roots by ptxas's fast paths in their windows (``optirs_div_fast``, ``optirs_sqrt_fast8``) and their
-    bytes by ``prmt``, and from level 2 the NaN-free rounds' nearest bfloat16 pairs by
-    ``cvt.rn.bf16x2.f32``; the portable C elsewhere. ``OPTIRS_OPENCL_FORMATS_PTX=0`` turns it off (the
+    bytes by ``prmt``, from level 2 the NaN-free rounds' nearest bfloat16 pairs by
+    ``cvt.rn.bf16x2.f32``, and from level 3 the float8 state's codes and values by
+    ``cvt.rn.satfinite.e4m3x2.f32`` and ``cvt.rn.f16x2.e4m3x2``; the portable C elsewhere. ``OPTIRS_OPENCL_FORMATS_PTX=0`` turns it off (the
     portable C, for comparison)."""
     if os.environ.get("OPTIRS_OPENCL_FORMATS_PTX", "").strip() == "0":
         return []

@@ -26,8 +26,7 @@ RESIDENT_VARIABLE = "OPTIRS_OPENCL_RESIDENT"
 
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
-                      # the float8 state runs on the cpu backend so far
-                      state_dtypes=tuple(d for d in STATE_DTYPES if d != "float8_e4m3fn"))
+                      state_dtypes=STATE_DTYPES)
 
 
 def _state_base(ctx: OpenclContext, arrays: Sequence[Any]) -> Tuple[List[Any], int]:

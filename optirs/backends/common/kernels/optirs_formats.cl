@@ -6,7 +6,8 @@
  *   OPTIRS_FMT_GRAD    gradient storage, the same codes
  *   OPTIRS_FMT_MASTER  0 none, 1 float32, 2 remainder16 (short), 3 remainder8 (char)
  *   OPTIRS_FMT_STATE   0 float32, 1 bfloat16 (ushort bits, stochastic rounding), 2 int8 blocks
- *                      (the dynamic map), 3 int8 blocks of square-root codes (no map)
+ *                      (the dynamic map), 3 int8 blocks of square-root codes (no map), 4 blocks of
+ *                      float8_e4m3fn codes (no map)
  *   OPTIRS_FMT_SR      1: bfloat16 parameters without masters round stochastically
  *   OPTIRS_FMT_USED    bit k: state slot k is stored (an absent slot costs no code or registers)
  *   OPTIRS_FMT_SIGNED  bit k: state slot k takes the signed int8 map (or signed square-root codes)
@@ -65,7 +66,7 @@
 #define FMT_USED(k) ((OPTIRS_FMT_USED >> (k)) & 1)
 #define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
 /* int8 blocks (either code), and the dynamic map's codes alone (its maps in local memory) */
-#define FMT_INT8 (OPTIRS_FMT_STATE == 2 || OPTIRS_FMT_STATE == 3)
+#define FMT_INT8 (OPTIRS_FMT_STATE == 2 || OPTIRS_FMT_STATE == 3 || OPTIRS_FMT_STATE == 4)
 #define FMT_MAP (OPTIRS_FMT_STATE == 2)
 
 #include "optirs_scalars.h"
@@ -207,6 +208,14 @@ uint2 load8_bytes(__global const uchar *p, int nv, int aligned)
         return *(__global const uint2 *)p;
     const uint8 u = convert_uint8(load8_uchar(p, nv, aligned));
     return FMT_QUADS(u);
+}
+/* Codes packed four to a word (element 4i + j in word i's byte j), as stored. */
+void store8_quads(uint2 q, __global uchar *p, int nv, int aligned)
+{
+    if (nv >= 8 && aligned)
+        *(__global uint2 *)p = q;
+    else
+        store8_uchar(convert_uchar8(FMT_BYTES(q)), p, nv, aligned);
 }
 void store8_byte0(uint8 w, __global uchar *p, int nv, int aligned)
 {
@@ -353,9 +362,9 @@ typedef uint8 SV; /* one to a word */
 #define S_WORDS load8_codes
 #define S_VLD(a) optirs_codes8(*(__global const uint2 *)(a))
 #define S_VLDU(a) convert_uint8(vload8(0, a))
-#elif OPTIRS_FMT_STATE == 3
-typedef uchar SST; /* square-root codes */
-typedef uint2 SV; /* the 8 bytes as loaded: the decode unpacks them, knowing the slot's sign */
+#elif OPTIRS_FMT_STATE == 3 || OPTIRS_FMT_STATE == 4
+typedef uchar SST; /* square-root or float8 codes */
+typedef uint2 SV; /* the 8 bytes as loaded: the decode unpacks them (square-root codes: knowing the slot's sign) */
 #define S_WORDS load8_bytes
 #define S_VLD(a) (*(__global const uint2 *)(a))
 #define S_VLDU(a) FMT_QUADS(convert_uint8(vload8(0, a)))
@@ -637,6 +646,8 @@ float8 fmt_state_of(int j, SV w, float scale, __local const float *lmaps)
     return as_float8(w);
 #elif OPTIRS_FMT_STATE == 3
     return optirs_sqrt_values8(w, FMT_SIGNED(j), scale);
+#elif OPTIRS_FMT_STATE == 4
+    return optirs_fp8_values8(w, scale);
 #else
     return optirs_dequantize_codes8(w, scale, lmaps + (FMT_SIGNED(j) ? 0 : 512));
 #endif
@@ -835,6 +846,10 @@ void fmt_store_states(const fmt_slots *sl, int k, int nv, float8 *s, uint8 idx, 
 #if OPTIRS_FMT_STATE == 3
             /* the block's factors once per work-item and block (a round is 8 of its elements) */
             store8_byte0(optirs_sqrt_block8(s[j], scale[j], FMT_SIGNED(j)), sl->s[j] + k, nv, sl->aligned);
+            if ((k & 255) == 0) /* the block's first work-item */
+                sl->scale[j][k >> 8] = scale[j];
+#elif OPTIRS_FMT_STATE == 4
+            store8_quads(optirs_fp8_block8(s[j], scale[j]), sl->s[j] + k, nv, sl->aligned);
             if ((k & 255) == 0) /* the block's first work-item */
                 sl->scale[j][k >> 8] = scale[j];
 #else

@@ -798,4 +798,104 @@ uint2 optirs_pack_byte0x8(uint8 w)
     return (uint2)(optirs_pack_byte0x4(w.s0, w.s1, w.s2, w.s3), optirs_pack_byte0x4(w.s4, w.s5, w.s6, w.s7));
 }
 
+/* ---------------------------------------------------------------- float8 state
+
+ * state_dtype "float8_e4m3fn" (docs/formats.md; the numba fp8_factors, fp8_code and fp8_value of
+ * optirs/backends/common/formats.py): the int8 state's blocks, scales and small tensors, every slot
+ * coded alike (a float8 value carries its sign). Per block and slot, once a round, the factors
+ * k = 448 / (scale * pre) and w = (scale * pre) / 448 (pre = 2^64 below 2^-64). With OPTIRS_NV_FP8
+ * (NVIDIA's driver, sm_89 on) the conversions are the hardware's: one cvt.rn.satfinite.e4m3x2.f32
+ * codes two values (nearest even, saturated at 448: the contract's codes for every finite value), one
+ * cvt.rn.f16x2.e4m3x2 decodes two into half precision (exact) and a cvt.f32.f16 widens each. */
+/* (only a float8 program holds the conversions: a driver whose PTX predates them builds the rest) */
+#define OPTIRS_NV_FP8 (OPTIRS_NV_PTX >= 3 && OPTIRS_FMT_STATE == 4)
+
+/* pre and post of a block: 2^64 and 2^-64 for a scale in (0, 2^-64), else 1 */
+#define OPTIRS_FP8_TINY(scale) ((scale) > 0.0f && (scale) < 0x1p-64f)
+
+/* The codes of y by integer arithmetic, each in the low byte of its word: a normal value's 20
+ * dropped bits rounded to nearest even by one add, the exponent rebased from 127 to 7; below 2^-6
+ * the subnormal count by one add to 2^14 (whose ulp is their step 2^-9); 448 and above saturated;
+ * NaN 0x7F. */
+uint8 optirs_fp8_code8(float8 y)
+{
+    const uint8 u = as_uint8(y);
+    const uint8 a = u & 0x7FFFFFFFu;
+    const uint8 normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - 960u;
+    const uint8 small = as_uint8(as_float8(a) + 16384.0f) - 0x46800000u;
+    uint8 c = select(normal, small, a < 0x3C800000u);
+    c = select(c, (uint8)0x7Eu, a >= 0x43E00000u) | ((u >> 24) & 0x80u);
+    return select(c, (uint8)0x7Fu, a > 0x7F800000u);
+}
+
+/* The float values of 8 codes (each in the low byte of its word; 0x7F and 0xFF: NaN): a normal
+ * code's exponent and mantissa moved into a float's and rebased, a subnormal's count (a float by
+ * its bits in 2^23's mantissa) times 2^-9, the sign or'ed in. */
+float8 optirs_fp8_value8(uint8 b)
+{
+    const uint8 m = b & 0x7Fu;
+    const float8 normal = as_float8((m << 20) + 0x3C000000u);
+    const float8 small = (as_float8(m | 0x4B000000u) - 0x1p23f) * 0x1p-9f;
+    const float8 v = as_float8(as_uint8(select(normal, small, m < 8u)) | ((b & 0x80u) << 24));
+    return select(v, as_float8((uint8)0x7FC00000u), m == 0x7Fu);
+}
+
+#if OPTIRS_NV_FP8
+/* Four values as one word of codes (x's first in the low byte). */
+uint optirs_fp8_code4_nv(float a, float b, float c, float d)
+{
+    uint w;
+    asm("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1; cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;"
+        " mov.b32 %0, {lo, hi}; }" : "=r"(w) : "f"(a), "f"(b), "f"(c), "f"(d));
+    return w;
+}
+
+/* The values of a word's four codes (its low byte first). */
+float4 optirs_fp8_value4_nv(uint w)
+{
+    float a, b, c, d;
+    asm("{ .reg .b16 c01, c23, h0, h1, h2, h3; .reg .b32 p01, p23; mov.b32 {c01, c23}, %4;"
+        " cvt.rn.f16x2.e4m3x2 p01, c01; cvt.rn.f16x2.e4m3x2 p23, c23; mov.b32 {h0, h1}, p01; mov.b32 {h2, h3}, p23;"
+        " cvt.f32.f16 %0, h0; cvt.f32.f16 %1, h1; cvt.f32.f16 %2, h2; cvt.f32.f16 %3, h3; }"
+        : "=f"(a), "=f"(b), "=f"(c), "=f"(d) : "r"(w));
+    return (float4)(a, b, c, d);
+}
+#endif
+
+/* The codes of a block's 8 new values x under its new scale (their absmax), packed four to a word as
+ * stored (element 4i + j in word i's byte j): y = (x * pre) * k, k by optirs_div_fast in the
+ * division's window (448 is in the dividend's), the IEEE division elsewhere, 0 for a zero scale.
+ * A block of a finite scale holds finite y alone, which the hardware's conversion codes as the
+ * contract does; a NaN or inf scale's block takes the integer form (its NaN codes 0x7F). */
+uint2 optirs_fp8_block8(float8 x, float scale)
+{
+    const int tiny = OPTIRS_FP8_TINY(scale);
+    const float sp = tiny ? scale * 0x1p64f : scale;
+    const float k = optirs_divisor_in_window(sp) ? optirs_div_fast(448.0f, sp) : (scale == 0.0f ? 0.0f : 448.0f / sp);
+    const float8 y = (tiny ? x * 0x1p64f : x) * k;
+#if OPTIRS_NV_FP8
+    if (isfinite(scale))
+        return (uint2)(optirs_fp8_code4_nv(y.s0, y.s1, y.s2, y.s3), optirs_fp8_code4_nv(y.s4, y.s5, y.s6, y.s7));
+#endif
+    return optirs_pack_byte0x8(optirs_fp8_code8(y));
+}
+
+/* The values of a block's 8 codes as loaded (raw: element 4i + j in word i's byte j) under its
+ * scale: (v * w) * post, w by optirs_div_fast in the division's window (448 is in the divisor's). */
+float8 optirs_fp8_values8(uint2 raw, float scale)
+{
+    const int tiny = OPTIRS_FP8_TINY(scale);
+    const float sp = tiny ? scale * 0x1p64f : scale;
+    const float w = optirs_dividend_in_window(sp) ? optirs_div_fast(sp, 448.0f) : sp / 448.0f;
+#if OPTIRS_NV_FP8
+    const float8 v = (float8)(optirs_fp8_value4_nv(raw.s0), optirs_fp8_value4_nv(raw.s1));
+#else
+    const float8 v = optirs_fp8_value8(as_uint8((int8)(optirs_ubyte0(raw.s0), optirs_ubyte1(raw.s0),
+                                                       optirs_ubyte2(raw.s0), optirs_ubyte3(raw.s0),
+                                                       optirs_ubyte0(raw.s1), optirs_ubyte1(raw.s1),
+                                                       optirs_ubyte2(raw.s1), optirs_ubyte3(raw.s1))));
+#endif
+    return tiny ? (v * w) * 0x1p-64f : v * w;
+}
+
 #endif
