@@ -816,13 +816,14 @@ def _close_to_reference(model, before_p, before_s, grads, seed):
             g, w = got_v[t][s], want_v[t][s]
             # the float32 step's error scales with its inputs (a new moment may cancel to ~0)
             f32_err = 2.0 ** -20 * (np.abs(w) + np.abs(old_v[t][s]) + np.abs(gr[t]) + np.abs(gr[t]) ** 2)
-            if fmt.state_dtype == "int8" and not fs.is_small(t):
+            if fs.int8 and not fs.is_small(t):
                 o, n = int(fs.layout.offsets[t]), int(fs.layout.sizes[t])
                 b0 = int(fs.tensor_table()[t, 1])
                 nb = -(-n // F.BLOCK)
                 np.testing.assert_allclose(got_s[f"{s}.scales"][b0: b0 + nb], want_s[f"{s}.scales"][b0: b0 + nb],
                                            rtol=1e-5, atol=1e-30)
-                step = R.code_step(want_s[f"{s}.codes"][o: o + n], want_s[f"{s}.scales"][b0: b0 + nb], signed[s])
+                step = R.code_step(want_s[f"{s}.{fs.codes}"][o: o + n], want_s[f"{s}.scales"][b0: b0 + nb], signed[s],
+                                   fmt.state_dtype)
                 assert np.all(np.abs(g - w) <= step * 1.01 + 1e-30), (t, s)
             elif fmt.state_dtype == "bfloat16":
                 assert np.all(np.abs(g - w) <= np.abs(w) * 2.0 ** -7 * 1.01 + f32_err), (t, s)
@@ -1256,3 +1257,35 @@ def test_a_refused_warp_reduction_builds_the_portable_one(ocl, monkeypatch):
         model.step(grads)
     assert OF._cache(ocl.ctx)["nv_warp"] == 0
     _close_to_reference(model, before_p, before_s, grads, 11)
+
+
+def test_a_refused_float8_conversion_keeps_the_rest_of_the_inline_ptx(ocl, monkeypatch):
+    """A driver that lists sm_89 but refuses the float8 conversions (level 3) builds the float8
+    program at level 2 with a warning, and keeps level 2 for later programs: the step still matches.
+    Here the refusal is a stand-in build_program that fails at level 3 (and, PoCL building no inline
+    PTX at all, drops the defines of the level it is given)."""
+    from optirs.backends.opencl import context as OC
+    from optirs.backends.opencl import formats as OF
+    from optirs.core.errors import GpuOptimError
+
+    if OF.nv_level(ocl.ctx):
+        pytest.skip("NVIDIA's driver: its own answer is the case")
+    real = OC.build_program
+    asked = []
+
+    def build(context, device, source, options, name):
+        asked.append([o for o in options if o.startswith("-DOPTIRS_NV_")])
+        if any(o.startswith("-DOPTIRS_NV_") and o.endswith("=3") for o in options):
+            raise GpuOptimError("ptxas: Feature 'cvt.e4m3x2.f32' requires PTX ISA .version 7.8 or later")
+        return real(context, device, source, [o for o in options if not o.startswith("-DOPTIRS_NV_")], name)
+
+    monkeypatch.setattr(OC, "build_program", build)
+    monkeypatch.setitem(OF._cache(ocl.ctx), "nv_warp", 3)
+    model = _Model(ocl, "adamw", CASES["adamw"], FP8_FORMAT, seed=6)
+    grads = model.grads()
+    before_p, before_s = [p.copy() for p in model.params], model.host_state()
+    with pytest.warns(RuntimeWarning, match="float8 conversions"):
+        model.step(grads)
+    assert OF._cache(ocl.ctx)["nv_warp"] == 2
+    assert asked[:2] == [["-DOPTIRS_NV_WARP=3", "-DOPTIRS_NV_PTX=3"], ["-DOPTIRS_NV_WARP=2", "-DOPTIRS_NV_PTX=2"]]
+    _close_to_reference(model, before_p, before_s, grads, 6)

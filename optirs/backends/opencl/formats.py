@@ -247,7 +247,21 @@ def _program(ctx: Any, fmt: StepFormat, family: Optional[str] = None, used: int 
             # a driver that lists the extension but refuses the option or the inline PTX: built
             # without it (the inline PTX first), and never asked for again in this context
             program, error = None, exc
+            if nv_level(ctx) >= 3 and inline_ptx:
+                # a driver whose PTX predates the float8 conversions (level 3): level 2 for this
+                # program and every later one, the rest of the inline PTX kept
+                lower = [o.rsplit("=", 1)[0] + "=2" for o in inline_ptx]
+                try:
+                    program = build_program(ctx.context, ctx.device, source,
+                                            [o for o in options if o not in inline_ptx] + lower, name)
+                    warnings.warn(f"the OpenCL driver refused the float8 conversions ({str(error).splitlines()[-1][:200]}):"
+                                  " the formats kernels take the integer forms", RuntimeWarning, stacklevel=2)
+                    cache["nv_warp"] = 2
+                except GpuOptimError as again:
+                    error = again
             for optional, flag in ((inline_ptx, "nv_warp"), (registers, "nv_options")):
+                if program is not None:
+                    break
                 if not optional:
                     continue
                 warnings.warn(f"the OpenCL driver refused the formats kernels with {optional}: built without "
