@@ -18,7 +18,7 @@ CUDA, numpy ``copyto`` on the host, a buffer copy on OpenCL), its speed relative
 peer (best peer ms / ms: above 1 is faster), and the state bytes per parameter as allocated
 (masters + optimizer state). Peers where they import, on the same device: torch
 AdamW(fused=True) in float32 and on bfloat16 parameters, bitsandbytes AdamW8bit, torchao
-AdamW8bit / AdamW4bit, FlashOptim FlashAdamW (OpenCL: the torch CUDA peers when CUDA is there).
+AdamW8bit / AdamW4bit / AdamWFp8, FlashOptim FlashAdamW (OpenCL: the torch CUDA peers when CUDA is there).
 
     python benchmarks/bench_formats.py --backend cuda --json h200-formats.json
     python benchmarks/bench_formats.py --backend opencl --json h200-opencl-formats.json
@@ -60,6 +60,9 @@ FORMATS = [
     ("bf16 params, remainder8, int8 sqrt state", "bfloat16", "remainder8", "int8_sqrt", False),
     ("bf16 params, stochastic rounding, int8 sqrt state", "bfloat16", None, "int8_sqrt", True),
     ("fp32 params, int8 sqrt state", "float32", None, "int8_sqrt", False),
+    ("bf16 params, remainder8, float8 state", "bfloat16", "remainder8", "float8_e4m3fn", False),
+    ("bf16 params, stochastic rounding, float8 state", "bfloat16", None, "float8_e4m3fn", True),
+    ("fp32 params, float8 state", "float32", None, "float8_e4m3fn", False),
 ]
 
 
@@ -362,6 +365,15 @@ def peers(torch: Any, family: str = "adamw") -> List[Tuple[str, Callable, Any, f
                     12 + 2 * 2 * (0.5 + 4 / 128)))
     except Exception as exc:
         print(f"# torchao not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+    try:
+        from torchao.optim import AdamWFp8
+
+        # float8_e4m3fn moments in blocks of 256 with a float32 scale each: the float8 rows' layout
+        out.append(("torchao AdamWFp8 (fp32 params)",
+                    lambda ps: AdamWFp8(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY, block_size=256),
+                    torch.float32, 12 + 2 * 2 * (1 + 4 / 256)))
+    except Exception as exc:
+        print(f"# torchao AdamWFp8 not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
     try:
         from flashoptim import FlashAdamW
 

@@ -36,6 +36,9 @@ KINDS = {
     "r8_sqrt": ("bfloat16", "remainder8", "int8_sqrt", False),
     "sr_sqrt": ("bfloat16", None, "int8_sqrt", True),
     "fp32_sqrt": ("float32", None, "int8_sqrt", False),
+    "r8_fp8": ("bfloat16", "remainder8", "float8_e4m3fn", False),
+    "sr_fp8": ("bfloat16", None, "float8_e4m3fn", True),
+    "fp32_fp8": ("float32", None, "float8_e4m3fn", False),
     "fp16_masters": ("float16", "float32", "float32", False),
 }
 

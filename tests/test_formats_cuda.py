@@ -54,6 +54,9 @@ PTX_CASES = [("adamw", _fmt("bfloat16", m, "int8")) for m in (None, "float32", "
     ("rprop", _fmt("bfloat16", "float32", "bfloat16")),
     ("adamw", _fmt("bfloat16", "remainder8", "int8_sqrt")),
     ("rmsprop", _fmt("float32", None, "int8_sqrt")),
+    ("adamw", _fmt("bfloat16", "remainder8", "float8_e4m3fn")),
+    ("adamw", _fmt("float32", None, "float8_e4m3fn")),
+    ("lion", _fmt("bfloat16", None, "float8_e4m3fn", stochastic=True)),
 ]
 
 
@@ -80,10 +83,14 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     assert "ld.global.v4.u32" in ptx and "st.global.v4.u32" in ptx  # 8 x 16-bit (or 4 x 32-bit) per access
     assert ".f64" not in ptx, "the format step computes in float64"
     assert ".local" not in ptx, "a lane's 8 elements spilled to local memory"
-    if fmt.state_dtype in ("int8", "int8_sqrt"):
+    if fmt.state_dtype in ("int8", "int8_sqrt", "float8_e4m3fn"):
         # the block absmax in registers: one redux.sync (sm_80 on) or five shuffles
         assert ("redux.sync.max.u32" if fk.REDUX else "shfl.sync.bfly") in ptx
-        assert "ld.global.v2.u32" in ptx  # 8 int8 codes per access
+        assert "ld.global.v2.u32" in ptx and "st.global.v2.u32" in ptx  # 8 one-byte codes per access
+    if fmt.state_dtype == "float8_e4m3fn":
+        # no maps in shared memory: pairs of codes converted by the hardware (sm_89 on) both ways
+        assert "ld.shared" not in ptx and "st.shared" not in ptx
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.f32.f16" in ptx
     if fmt.state_dtype == "int8_sqrt":
         # codes by arithmetic: no maps in shared memory, and no integer <-> float conversion (the
         # codes and their values by float bits: a conversion runs on the narrow conversion pipe)
@@ -110,7 +117,8 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
 @pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
 @pytest.mark.parametrize("mode", ["lamb_norms", "lamb_apply"])
 @pytest.mark.parametrize("fmt", [_fmt("bfloat16", "remainder8", "int8"), _fmt("bfloat16", "float32", "float32"),
-                                 _fmt("float32", None, "int8_sqrt")], ids=lambda f: "-".join(map(str, f.codes)))
+                                 _fmt("float32", None, "int8_sqrt"), _fmt("bfloat16", "remainder8", "float8_e4m3fn")],
+                         ids=lambda f: "-".join(map(str, f.codes)))
 def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
     from numba import cuda, types, typeof
 
@@ -132,6 +140,10 @@ def test_lamb_kernels_compile_to_sm90_ptx(sm90, mode, fmt):
         assert "st.global.v4.u32" in ptx
         if fmt.state_dtype != "float32":
             assert ("redux.sync.max.u32" if fk.REDUX else "shfl.sync.bfly") in ptx
+        if fmt.state_dtype == "float8_e4m3fn":
+            assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if fmt.state_dtype == "float8_e4m3fn":  # both passes decode the moments
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
     grad = fk.make_lamb_grad_kernel(fmt.grad_dtype)
     ptx, _ = cuda.compile_ptx(grad, (table, table, types.int64, types.float64[:, ::1], types.int64, types.int64,
                                      types.int64, typeof(sc)), cc=(9, 0))
@@ -537,6 +549,217 @@ def test_sqrt_codes_by_the_fast_paths_are_the_contracts():
     assert bad[0] == 0, hex(int(bad[1]))
     cuda.jit(check_values)[1024, 256](1021, bad)
     assert bad[0] == 0, hex(int(bad[1]))
+
+
+# ------------------------------------------------------------------ the float8 state
+
+_F8_EDGES = [0.0, 1.4e-45, 1e-40, 1e-30, 2.0**-64, 2.0**-51, 1e-3, 1.0, 37.5, 2.0**49, 2.0**72, 1e30,
+             float(np.finfo(np.float32).max)]
+
+
+def _fp8_scales(count, rng):
+    """Block scales of every class the float8 lanes branch on (zero, subnormal, tiny: pre 2**64, both
+    windows of the fast division and the float32 just below each edge, usual, huge, the largest
+    float32, inf, NaN) and ``count`` random finite ones (uniform over the bit patterns: every binade)."""
+    edges = np.float32(_F8_EDGES)
+    below = np.nextafter(edges[edges > 0], np.float32(0))
+    rand = rng.integers(0, 0x7F800000, count, dtype=np.int64).astype(np.uint32).view(np.float32)
+    return np.concatenate([edges, below, np.float32([np.inf, np.nan]), rand]).astype(np.float32)
+
+
+@pytest.mark.cuda
+def test_float8_lanes_code_and_decode_as_the_contract():
+    """A lane's float8 codes and values as the kernels take them (``_store_state_fp8``, ``_decode_fp8``:
+    the block factors by the fast division in their windows, a finite block's codes by the hardware's
+    pair conversion on a GPU, ``fp8_code`` under an inf or NaN scale) against the contract's
+    ``fp8_quantize`` / ``fp8_dequantize`` (optirs.core.formats), under scales of every class: values
+    up to the scale and +-scale (+-inf and NaN under a non-finite one) coded, full lanes by one 8-byte
+    store and partial ones byte by byte (nothing past the count written); all 256 codes decoded."""
+    _cuda()
+    from optirs.backends.cuda import formats_kernels as fk
+    from optirs.backends.cuda.context import device_address
+    from optirs.core import formats as F
+
+    rng = np.random.default_rng(11)
+    scales = _fp8_scales(4 if SIMULATOR else 4096, rng)
+    per = 2 if SIMULATOR else 16  # lanes coded per scale
+    s = np.repeat(scales, per)
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = (rng.uniform(-1, 1, (s.size, 8)) * s[:, None]).astype(np.float32)
+    x[::per, 0], x[::per, 1] = scales, -scales
+    x[s == np.inf, 2:6] = np.float32([np.inf, -np.inf, 1.0, -0.0])
+    x[np.isnan(s), 2:6] = np.float32([np.nan, -np.inf, 2.0, 0.0])
+    cnt = np.full(s.size, 8, np.uint32)
+    cnt[1::per] = np.arange(s.size // per, dtype=np.uint32) % 8  # partial lanes: 0 to 7 codes
+    want = F.fp8_quantize(x.reshape(-1), np.repeat(s, 8)).reshape(-1, 8)
+    want = np.where(np.arange(8)[None, :] < cnt[:, None], want, np.uint8(0xAA))
+
+    def encode(xs, sc, cnts, addr, n):
+        w = cuda.local.array(8, np.uint32)
+        v = cuda.local.array(8, np.float32)
+        for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+            for j in range(8):
+                v[j] = xs[i, j]
+            c = np.uint32(cnts[i])
+            fk._store_state_fp8(True, True, 1, addr + 8 * i, c == fk.LANE32, c, w, v, sc[i])
+
+    def decode(words, sc, out, n):
+        w = cuda.local.array(8, np.uint32)
+        v = cuda.local.array(8, np.float32)
+        for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+            w[0] = words[i, 0]
+            w[1] = words[i, 1]
+            fk._decode_fp8(True, w, v, sc[i])
+            for j in range(8):
+                out[i, j] = v[j]
+
+    grid = (4, 32) if SIMULATOR else (256, 128)
+    out = cuda.to_device(np.full((s.size, 8), 0xAA, np.uint8))
+    cuda.jit(encode)[grid](cuda.to_device(x), cuda.to_device(s), cuda.to_device(cnt), device_address(out), s.size)
+    got = out.copy_to_host()
+    bad = np.flatnonzero((got != want).any(axis=1))
+    assert bad.size == 0, (s[bad[:4]], x[bad[:4]], got[bad[:4]], want[bad[:4]])
+
+    codes = np.tile(np.arange(256, dtype=np.uint8).reshape(32, 8), (scales.size, 1))
+    ds = np.repeat(scales, 32)
+    values = cuda.to_device(np.zeros(codes.shape, np.float32))
+    cuda.jit(decode)[grid](cuda.to_device(codes.view(np.uint32)), cuda.to_device(ds), values, ds.size)
+    got = values.copy_to_host()
+    want = F.fp8_dequantize(codes.reshape(-1), np.repeat(ds, 8)).reshape(codes.shape)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    bad = np.flatnonzero(~same.all(axis=1))
+    assert bad.size == 0, (ds[bad[:4]], codes[bad[:4]], got[bad[:4]], want[bad[:4]])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(SIMULATOR, reason="the conversions are the GPU's; the simulator runs fp8_code / fp8_value")
+def test_float8_conversions_by_the_hardware_are_the_contracts():
+    """The float8 state's GPU forms: ``fp8_codes4`` (cvt.rn.satfinite.e4m3x2.f32) writes ``fp8_code``'s
+    byte for every float32 that is not NaN (saturated at 448, inf included), in each of a word's four
+    places, and a NaN code for NaN (never stored: a block holding a NaN has a NaN scale and takes
+    fp8_code); the rounding points' words and random words against numpy's ``fp8_encode``; every byte
+    decoded (``fp8_values4``: cvt.rn.f16x2.e4m3x2, float16 halves to float32) is ``fp8_decode``'s
+    value; the block factors by the fast division are ``fp8_factors``' for every float32 scale and
+    take the fast forms exactly in their windows (the decode's with 0)."""
+    _cuda()
+    from optirs.backends.common import formats as B
+    from optirs.backends.common.bits32 import or32, shl32
+    from optirs.backends.cuda import formats_kernels as fk
+    from optirs.core import formats as F
+
+    one = np.float32(1.0)  # float8 0x38
+
+    def check_codes(bad):
+        for i in range(cuda.grid(1), 1 << 32, cuda.gridsize(1)):
+            y = B.bits_f32(np.uint32(i))
+            c = B.fp8_code(y) & np.uint32(0xFF)
+            a = fk.fp8_codes4(y, one, y, one)
+            b = fk.fp8_codes4(one, y, one, y)
+            if y != y:
+                ok = (a & np.uint32(0x7F)) == 0x7F and (b & np.uint32(0x7F00)) == 0x7F00
+            else:
+                ok = (a == or32(or32(c, 0x3800), or32(shl32(c, 16), 0x38000000))
+                      and b == or32(or32(0x38, shl32(c, 8)), or32(0x380000, shl32(c, 24))))
+            if not ok:
+                cuda.atomic.add(bad, 0, 1)
+                bad[1] = i
+
+    def codes_of(ys, out):
+        for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            out[i] = fk.fp8_codes4(ys[4 * i], ys[4 * i + 1], ys[4 * i + 2], ys[4 * i + 3])
+
+    def values_of(words, out):
+        i = cuda.grid(1)
+        if i < words.size:
+            out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3] = fk.fp8_values4(words[i])
+
+    def check_factors(bad):
+        for i in range(cuda.grid(1), 1 << 32, cuda.gridsize(1)):
+            s = B.bits_f32(np.uint32(i))
+            pre, k, w, post = B.fp8_factors(s)
+            efast, epre, ek = fk.fp8_encode_factor(s)
+            dfast, dw, dpost = fk.fp8_decode_factor(s)
+            ok = (B.f32_bits(epre) == B.f32_bits(pre) and B.f32_bits(ek) == B.f32_bits(k)
+                  and B.f32_bits(dw) == B.f32_bits(w) and B.f32_bits(dpost) == B.f32_bits(post)
+                  and efast == (s >= 2.0**-51 and s < 2.0**49) and dfast == (s == 0 or (s >= 2.0**-64 and s < 2.0**72)))
+            if not ok:
+                cuda.atomic.add(bad, 0, 1)
+                bad[1] = i
+
+    bad = np.zeros(2, np.int64)
+    cuda.jit(check_codes)[1024, 256](bad)
+    assert bad[0] == 0, hex(int(bad[1]))
+    cuda.jit(check_factors)[1024, 256](bad)
+    assert bad[0] == 0, hex(int(bad[1]))
+
+    # each exponent and kept mantissa with the 20 dropped bits at 0, 1, below, at and above the half
+    # and all set; random words; both signs (NaNs apart)
+    e = np.arange(255, dtype=np.uint32) << np.uint32(23)
+    m = np.arange(8, dtype=np.uint32) << np.uint32(20)
+    low = np.array([0, 1, 0x7FFFF, 0x80000, 0x80001, 0xFFFFF], np.uint32)
+    words = (e[:, None, None] | m[None, :, None] | low[None, None, :]).reshape(-1)
+    words = np.concatenate([words, np.random.default_rng(7).integers(0, 0x7F800000, 1 << 20).astype(np.uint32)])
+    ys = np.concatenate([words, words | np.uint32(0x80000000)]).view(np.float32)
+    ys = np.concatenate([ys, np.zeros(-ys.size % 4, np.float32)])
+    out = cuda.to_device(np.zeros(ys.size // 4, np.uint32))
+    cuda.jit(codes_of)[256, 256](cuda.to_device(ys), out)
+    assert np.array_equal(out.copy_to_host().view(np.uint8), F.fp8_encode(ys))
+
+    every = np.arange(256, dtype=np.uint8)
+    got = cuda.to_device(np.zeros(256, np.float32))
+    cuda.jit(values_of)[1, 64](cuda.to_device(every.view(np.uint32)), got)
+    got, want = got.copy_to_host(), F.fp8_decode(every)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.flatnonzero(np.isnan(got)).tolist() == [0x7F, 0xFF]
+    assert np.array_equal(got[~np.isnan(got)].view(np.uint32), want[~np.isnan(want)].view(np.uint32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", [_fmt("bfloat16", "remainder8", "float8_e4m3fn"),
+                                 _fmt("float32", None, "float8_e4m3fn")], ids=["r8-float8", "fp32-float8"])
+def test_float8_step_is_the_cpu_backends_bit_for_bit(fmt):
+    """AdamW with amsgrad (three float8 slots) on a tensor of 17 blocks, the last of 4 elements (a
+    partial lane: codes loaded and stored byte by byte), beside a small one: every parameter word and
+    buffer the cpu hooks'. Beside usual blocks, blocks of zero, tiny (pre 2**64) and huge (outside the
+    fast division's windows) gradients (1e-25: a tiny first moment, 1e-12: a tiny second one); in the
+    simulator also a block whose second moment overflows (an inf scale) and one holding a NaN (their
+    NaNs are the hardware's on a GPU). Two steps (the
+    second decodes the first's codes) with betas of 1/2 and bfloat16 gradients, which keep the moments'
+    products exact on a GPU (test_step_is_the_cpu_backends_bit_for_bit); float32 gradients take one
+    step there."""
+    from optirs.core.params import AdamParams
+
+    steps = 2 if SIMULATOR or fmt.grad_dtype == "bfloat16" else 1
+
+    def special(grads):
+        g = grads[0]
+        blocks = ((256, 0.0), (512, 1e-25), (768, 1e16), (1536, 1e-12)) + (((1024, 1e30),) if SIMULATOR else ())
+        for lo, factor in blocks:
+            g[lo:lo + 256] = (g[lo:lo + 256].astype(np.float32) * np.float32(factor)).astype(g.dtype)
+        if SIMULATOR:
+            g[1290] = np.nan  # in an otherwise usual block
+        return grads
+
+    hp = AdamParams(lr=1e-2, amsgrad=True, beta1=0.5, beta2=0.5)
+    _assert_the_cpu_bits(_run("adamw", fmt, [(4096 + 4,), (37,)], steps=steps, hp=hp, cpu=True, grads=special))
+
+
+@pytest.mark.cuda
+def test_float8_lamb_matches_the_cpu_backend():
+    """LAMB's two passes with float8 moments (a tensor of 4096 + 40 elements and one of 5, two steps):
+    the moments' codes, block scales and the small tensor's state are the cpu backend's bit for bit
+    (betas of 1/2 and bfloat16 gradients: exact products on a GPU too; no clipping, whose float64
+    norm either backend sums in its own order), the parameters and masters within an ulp of the
+    master (a trust ratio's float64 sums, in another order, may round to another float32)."""
+    from optirs.core.params import LambParams
+
+    hp = LambParams(lr=1e-2, beta1=0.5, beta2=0.5)
+    for result in _run("lamb", _fmt("bfloat16", "remainder8", "float8_e4m3fn"), [(4096 + 40,), (5,)], steps=2, hp=hp,
+                       cpu=True):
+        got_b, want_b = result[1], result[3]
+        for k, w in want_b.items():
+            if k not in ("master", "master_remainder"):
+                assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
+        _assert_close(result, master_atol=1e-8)
 
 
 @pytest.mark.cuda

@@ -18,7 +18,9 @@ is emulated through shared memory and ``syncthreads``, which needs every thread 
 
 Per-element format math (encodings, random bits, remainders, the int8 map) is the shared numba
 code of :mod:`optirs.backends.common.formats`; the optimizer math is ``element_update`` of
-:mod:`optirs.backends.common.elementwise`. The kernels here only move memory and reduce.
+:mod:`optirs.backends.common.elementwise`. The kernels here only move memory and reduce, but for
+the float8 state's codes, converted in pairs by the GPU's instructions (``fp8_codes4``,
+``fp8_values4``: the shared ``fp8_code`` / ``fp8_value``'s bits where the kernels take them).
 
 A family with a fast element step (``FAST_ELEMENT_STEPS``: Adam's square root and division by the
 GPU's fast paths, :mod:`optirs.backends.common.fast_paths`) takes a round's 8 elements by it with
@@ -30,17 +32,20 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import cuda, float32, float64, uint8, uint32
 
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
 from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
-from optirs.backends.common.fast_paths import dividend_in_window, rcp_fast, rcp_in_window
+from optirs.backends.common.fast_paths import (DIVIDEND_HI, div_fast, dividend_in_window, divisor_in_window, rcp_fast,
+                                               rcp_in_window)
 from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf16_stochastic_wide,
                                            bf16_stochastic_wide_num, bits_f32,
                                            decode_state, decode_value, param_word_wide_num,
-                                           dequantize, f32_bits, lamb_format_update, load_master, load_master_wide,
+                                           dequantize, f32_bits, fp8_code, fp8_factors, fp8_value, lamb_format_update,
+                                           load_master, load_master_wide,
                                            packed_word, remainder_word,
                                            quantize, quantize_factors, quantize_finite, quantize_packed,
                                            quantize_packed_finite, rand32, slot_bits, SQRT_FMA_BASE, sqrt_code, sqrt_code_fast,
@@ -48,8 +53,8 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            state_stream, store_master, store_master_wide, store_master_wide_num,
                                            stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
-from optirs.core.formats import (BF16, F16, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16, STATE_F32,
-                                 STATE_INT8, STATE_INT8_SQRT, sqrt_levels)
+from optirs.core.formats import (BF16, F16, F32, FP8_MAX, FP8_PRE_BELOW, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8,
+                                 STATE_BF16, STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, sqrt_levels)
 
 from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
                                                  st_u32x2, st_u32x4)
@@ -193,6 +198,75 @@ else:
 cvt_pack_bf16.__doc__ = """``lo`` and ``hi`` rounded to bfloat16 (nearest even) and packed as one word (``lo``'s in the low
 half): one ``cvt.rn.bf16x2.f32`` (sm_80 on), ``bf16_nearest``'s bits for every input but NaN (the
 hardware writes its own NaN), where rounding each (three instructions) and packing took seven."""
+
+# The float8 state's conversions, four codes to a word (element 0 in the low byte, as stored). On a GPU
+# (sm_89 on) a pair of codes is one F2FP each way: cvt.rn.satfinite.e4m3x2.f32 writes two codes, the
+# first operand's in the high byte, and ptxas merges a word's second pair into the first's register
+# (F2FP ... PACK_AB_MERGE_C: no packing instruction); cvt.rn.f16x2.e4m3x2 widens two codes to float16
+# halves, each made a float32 by one HADD2.F32 (exact: every float8 value is a normal float16 or 0).
+# The simulator runs the shared fp8_code / fp8_value (the contract's bits on every target).
+if SIMULATOR:
+    def fp8_codes4(a, b, c, d):
+        return or32(or32(and32(fp8_code(a), 0xFF), shl32(and32(fp8_code(b), 0xFF), 8)),
+                    or32(shl32(and32(fp8_code(c), 0xFF), 16), shl32(fp8_code(d), 24)))
+
+    def fp8_values4(word):
+        return (float32(fp8_value(and32(word, 0xFF))), float32(fp8_value(and32(shr32(word, 8), 0xFF))),
+                float32(fp8_value(and32(shr32(word, 16), 0xFF))), float32(fp8_value(shr32(word, 24))))
+else:
+    _F8_ENCODE4 = """{
+.reg .b16 %f8_lo, %f8_hi;
+cvt.rn.satfinite.e4m3x2.f32 %f8_lo, $2, $1;
+cvt.rn.satfinite.e4m3x2.f32 %f8_hi, $4, $3;
+mov.b32 $0, {%f8_lo, %f8_hi};
+}"""
+
+    @intrinsic
+    def fp8_codes4(typingctx, a, b, c, d):
+        if any(x != types.float32 for x in (a, b, c, d)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            f = ir.FloatType()
+            return builder.asm(ir.FunctionType(ir.IntType(32), [f] * 4), _F8_ENCODE4, "=r,f,f,f,f", args,
+                               side_effect=False)
+
+        return types.uint32(types.float32, types.float32, types.float32, types.float32), codegen
+
+    def _half_op(op, half, out):
+        """An intrinsic of one uint32: ``op`` on its low or high 16 bits (``half`` "lo" or "hi"), split
+        off by ``mov.b32`` (ptxas reads the half in place: no shift)."""
+        text = f"{{\n.reg .b16 %f8_lo, %f8_hi;\nmov.b32 {{%f8_lo, %f8_hi}}, $1;\n{op} $0, %f8_{half};\n}}"
+        ty = ir.FloatType() if out == types.float32 else ir.IntType(32)
+
+        @intrinsic
+        def half_op(typingctx, w):
+            if w != types.uint32:
+                return None
+
+            def codegen(context, builder, sig, args):
+                return builder.asm(ir.FunctionType(ty, [ir.IntType(32)]), text, ("=f" if out == types.float32 else "=r")
+                                   + ",r", args, side_effect=False)
+
+            return out(types.uint32), codegen
+
+        return half_op
+
+    _e4m3x2_lo, _e4m3x2_hi = (_half_op("cvt.rn.f16x2.e4m3x2", h, types.uint32) for h in ("lo", "hi"))
+    _f16_lo, _f16_hi = (_half_op("cvt.f32.f16", h, types.float32) for h in ("lo", "hi"))
+
+    @_device
+    def fp8_values4(word):
+        p = _e4m3x2_lo(word)
+        q = _e4m3x2_hi(word)
+        return _f16_lo(p), _f16_hi(p), _f16_lo(q), _f16_hi(q)
+fp8_codes4.__doc__ = """The float8_e4m3fn codes of ``a``-``d`` as one word (``a``'s in the low byte): nearest even, a
+magnitude of 448 or more saturated to 448. On a GPU two cvt.rn.satfinite.e4m3x2.f32, the contract's
+code (``fp8_code``) for every finite value; a NaN's code is the hardware's (callers take fp8_code
+where a value may be NaN)."""
+fp8_values4.__doc__ = """The float32 values of the 4 float8 codes of ``word`` (the low byte's first): two
+cvt.rn.f16x2.e4m3x2 and four conversions of a float16 half, exact (a NaN code's payload is the
+hardware's: every use multiplies it, which gives the GPU's canonical NaN either way)."""
 
 
 pack_high16.__doc__ = """The high halves of ``a`` and ``b`` as one word (``a``'s low): two bfloat16 values kept in
@@ -626,10 +700,13 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     master = fc.master
     msize = {MASTER_NONE: 0, MASTER_F32: 4, MASTER_R16: 2, MASTER_R8: 1}[master]
     state = fc.state
-    ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1, STATE_INT8_SQRT: 1}[state]
-    int8 = state in (STATE_INT8, STATE_INT8_SQRT)
+    ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1, STATE_INT8_SQRT: 1, STATE_FP8: 1}[state]
+    int8 = state in (STATE_INT8, STATE_INT8_SQRT, STATE_FP8)
     # the square-root codes: the int8 blocks coded by arithmetic (no maps in shared memory)
     sqrt_codes = state == STATE_INT8_SQRT
+    # the float8 state: int8 blocks of float8 codes (no maps either), kept as the lane's two words of
+    # 4 codes from load to store (the conversions take and give pairs: no byte unpacked or packed)
+    fp8 = state == STATE_FP8
     # Compact state leaves the kernel bound by latency and instructions: there all of a round's loads
     # go first (-4 to -10% of kernel time on the H200). Float32 state keeps it bound by DRAM, where
     # loading and unpacking each array in turn measured 7% faster (bf16 + float32 masters).
@@ -667,9 +744,11 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
 
     def decode_slot(usedk, quant, sz, w, x, scale, q_s, q_u, sgk):
         """A slot's values of the lane's 8 elements into ``x`` (:func:`_decode_state`; the square-root
-        codes by :func:`_decode_sqrt`)."""
+        codes by :func:`_decode_sqrt`, float8 codes by :func:`_decode_fp8`)."""
         if sqrt_codes and quant:
             _decode_sqrt(usedk, w, x, scale, sgk)
+        elif fp8 and quant:
+            _decode_fp8(usedk, w, x, scale)
         else:
             _decode_state(usedk, quant, sz, w, x, scale, q_s if sgk else q_u)
 
@@ -704,12 +783,17 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 unpack8_remainders(rm, msize, mw)
             elif msize != 0:
                 unpack8(rm, msize, mw, False)
-            if u0:
-                unpack8(r0, ssize, w0, True)
-            if u1:
-                unpack8(r1, ssize, w1, True)
-            if u2:
-                unpack8(r2, ssize, w2, True)
+            if fp8:  # the codes' two words as loaded
+                w0[0], w0[1] = r0[0][0], r0[0][1]
+                w1[0], w1[1] = r1[0][0], r1[0][1]
+                w2[0], w2[1] = r2[0][0], r2[0][1]
+            else:
+                if u0:
+                    unpack8(r0, ssize, w0, True)
+                if u1:
+                    unpack8(r1, ssize, w1, True)
+                if u2:
+                    unpack8(r2, ssize, w2, True)
             if int8:
                 # quant holds here: the codes decoded in this branch, where a test of quant per slot
                 # below took a uniform branch each (about 3 instructions a round)
@@ -735,9 +819,14 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             if wide_rem:
                 for j in range(LANE):
                     mw[j] = remainder_word(mw[j], master)
-            _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
-            _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
-            _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
+            if fp8 and quant:
+                _load_code_words(u0, sa0 + base, vec, cnt, w0)
+                _load_code_words(u1, sa1 + base, vec, cnt, w1)
+                _load_code_words(u2, sa2 + base, vec, cnt, w2)
+            else:
+                _load_words(u0, sz, sa0 + base * sz, vec, cnt, w0)
+                _load_words(u1, sz, sa1 + base * sz, vec, cnt, w1)
+                _load_words(u2, sz, sa2 + base * sz, vec, cnt, w2)
         # the state as float32
         decode_slot(u0, quant, sz, w0, x0, sc0, q_s, q_u, sg0)
         decode_slot(u1, quant, sz, w1, x1, sc1, q_s, q_u, sg1)
@@ -936,6 +1025,11 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 _store_state_sqrt(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1, sg1)
                 _store_state_sqrt(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2, sg2)
                 return sp, su
+            if fp8:
+                _store_state_fp8(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0)
+                _store_state_fp8(u1, quant, sz, sa1 + base * sz, vec, cnt, w1, x1, sc1)
+                _store_state_fp8(u2, quant, sz, sa2 + base * sz, vec, cnt, w2, x2, sc2)
+                return sp, su
             # the signed map by its bucket table and midpoints, the unsigned by its packed words
             if sg0:
                 _store_state(u0, quant, sz, sa0 + base * sz, vec, cnt, w0, x0, sc0, mid_s, tb_s)
@@ -977,7 +1071,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
         q_u = cuda.shared.array(256, float32)
         tb_s = cuda.shared.array(TABLE_SIZE, uint8)
         pk_u = cuda.shared.array(TABLE_WIDTH, uint32)  # the unsigned map's packed words (its mid and table)
-        if int8 and not sqrt_codes:
+        if int8 and not sqrt_codes and not fp8:
             i = tid
             while i < 256:
                 q_s[i] = maps[0, i]
@@ -1250,6 +1344,129 @@ def _store_state_sqrt(usedk, quant, sz, addr, vec, cnt, w, x, scale, signed):
             for j in range(LANE):
                 w[j] = sqrt_code(x[j], k, signed)
         st8_8(addr, vec, cnt, w)
+    else:
+        _store_plain(sz, addr, vec, cnt, w, x)
+
+
+# ---- the float8 state: a block's factors by div_fast in its windows, the codes by pairs (fp8_codes4)
+
+_F8_MAX = np.float32(FP8_MAX)
+_F8_INF = np.float32(np.inf)
+_F8_DECODE_LO = np.uint32(np.float32(FP8_PRE_BELOW).view(np.uint32))  # from here on pre and post are 1
+
+
+# numba.njit on both targets: the simulator calls these compiled for the cpu (div_fast is an intrinsic)
+@numba.njit(error_model="numpy")
+def fp8_decode_factor(scale):
+    """``(fast, w, post)``: :func:`fp8_factors`' ``w`` and ``post``, ``w = scale / 448`` by ``div_fast``
+    for a scale in [2**-64, 2**72) (there ``post`` is 1, the scale in div_fast's dividend window, 448
+    in its divisor window) and 0 for a zero scale (a block of zeros: common, as an embedding row no
+    batch has reached), ``fast`` for both; by :func:`fp8_factors` elsewhere (tiny, huge, inf, NaN)."""
+    s = np.float32(scale)
+    if sub32(f32_bits(s), _F8_DECODE_LO) <= sub32(DIVIDEND_HI, _F8_DECODE_LO):
+        return True, div_fast(s, _F8_MAX), np.float32(1)
+    if s == 0:
+        return True, np.float32(0), np.float32(1)
+    _, _, w, post = fp8_factors(s)
+    return False, w, post
+
+
+@numba.njit(error_model="numpy")
+def fp8_encode_factor(scale):
+    """``(fast, pre, k)``: :func:`fp8_factors`' ``pre`` and ``k``, ``k = 448 / scale`` by ``div_fast`` for a
+    scale in [2**-51, 2**49) (``fast``: there ``pre`` is 1, the scale in div_fast's divisor window),
+    by :func:`fp8_factors` elsewhere."""
+    s = np.float32(scale)
+    if divisor_in_window(s):
+        return True, np.float32(1), div_fast(_F8_MAX, s)
+    pre, k, _, _ = fp8_factors(s)
+    return False, pre, k
+
+
+@_device
+def _load_code_words(usedk, addr, vec, cnt, w):
+    """A slot's 8 one-byte codes of the lane as two words into ``w[0]``, ``w[1]`` (elements 0-3 and 4-7,
+    the first in the low byte; 0 past the end)."""
+    if not usedk:
+        return
+    if vec and cnt == LANE32:
+        w[0], w[1] = ld_u32x2(addr)
+    else:
+        a = u32(0)
+        b = u32(0)
+        for j in range(LANE):
+            if j < cnt:
+                c = shl32(ld_u8(addr + j), 8 * (j & 3))
+                if j < 4:
+                    a = or32(a, c)
+                else:
+                    b = or32(b, c)
+        w[0] = a
+        w[1] = b
+
+
+@_device
+def st8_8_words(addr, vec, cnt, a, b):
+    """8 one-byte codes held 4 to a word (``a``: elements 0-3, the first in the low byte): one 8-byte
+    store, or a byte each where the lane is not a full aligned one."""
+    if vec and cnt == LANE32:
+        st_u32x2(addr, a, b)
+    else:
+        for j in range(LANE):
+            if j < cnt:
+                st_u8(addr + j, shr32(a if j < 4 else b, 8 * (j & 3)))
+
+
+@_device
+def _decode_fp8(usedk, w, x, scale):
+    """A slot's float8 codes of the lane's 8 elements (``w[0]``, ``w[1]``: 4 to a word) as float32 into
+    ``x``: ``(v * w) * post``, the factors once a block (:func:`fp8_decode_factor`); a usual block's
+    (``post`` 1, left out) ``v * w`` with ``v`` by ``fp8_values4``'s conversions."""
+    if not usedk:
+        for j in range(LANE):
+            x[j] = float32(0)
+        return
+    fast, f, post = fp8_decode_factor(float32(scale))
+    f, post = float32(f), float32(post)
+    if fast:
+        a0, a1, a2, a3 = fp8_values4(w[0])
+        b0, b1, b2, b3 = fp8_values4(w[1])
+        x[0], x[1], x[2], x[3] = a0 * f, a1 * f, a2 * f, a3 * f
+        x[4], x[5], x[6], x[7] = b0 * f, b1 * f, b2 * f, b3 * f
+    else:
+        # the other blocks by the shared fp8_value: a branch of its own (the same short products in
+        # both branches were merged by selects, which held both sets live: 127 registers uncapped
+        # where this takes 113, static SASS of bf16 + remainder8)
+        for j in range(LANE):
+            x[j] = (fp8_value(and32(shr32(w[j >> 2], 8 * (j & 3)), 0xFF)) * f) * post
+
+
+@_device
+def _store_state_fp8(usedk, quant, sz, addr, vec, cnt, w, x, scale):
+    """:func:`_store_state` for the float8 state: the block's factors once (:func:`fp8_encode_factor`),
+    then the codes of ``(x * pre) * k`` (a usual block's ``pre`` is 1 and left out) four to a word by
+    ``fp8_codes4``, which is the contract's code for every finite value: every value of a block whose
+    scale (their absmax) is finite is. A block of an inf or NaN scale codes each value by ``fp8_code``
+    (a NaN's 0x7F); lanes past the end are coded but never stored."""
+    if not usedk:
+        return
+    if quant:
+        s = float32(scale)
+        fast, pre, k = fp8_encode_factor(s)
+        pre, k = float32(pre), float32(k)
+        if fast:
+            w[0] = fp8_codes4(x[0] * k, x[1] * k, x[2] * k, x[3] * k)
+            w[1] = fp8_codes4(x[4] * k, x[5] * k, x[6] * k, x[7] * k)
+        elif s < _F8_INF:  # 0, tiny (pre 2**64) or outside the division's window: (x * 1) * k is x * k
+            w[0] = fp8_codes4((x[0] * pre) * k, (x[1] * pre) * k, (x[2] * pre) * k, (x[3] * pre) * k)
+            w[1] = fp8_codes4((x[4] * pre) * k, (x[5] * pre) * k, (x[6] * pre) * k, (x[7] * pre) * k)
+        else:  # inf or NaN (pre is 1)
+            for j in range(LANE):
+                w[j] = fp8_code(x[j] * k)
+            a = _pack8(w[0], w[1], w[2], w[3])
+            w[1] = _pack8(w[4], w[5], w[6], w[7])
+            w[0] = a
+        st8_8_words(addr, vec, cnt, w[0], w[1])
     else:
         _store_plain(sz, addr, vec, cnt, w, x)
 

@@ -25,8 +25,7 @@ from optirs.plugin.hookspecs import StepRequest, StepSupport
 SUPPORT = StepSupport(optimizers=tuple(DEFINITIONS),
                       formats=tuple(n for n, d in DEFINITIONS.items() if d.kernel in FORMAT_FAMILIES),
                       capturable=tuple(n for n in DEFINITIONS if n in FORMULAS),
-                      # the float8 state runs on the cpu backend so far
-                      state_dtypes=tuple(d for d in STATE_DTYPES if d != "float8_e4m3fn"))
+                      state_dtypes=STATE_DTYPES)
 
 
 def flag_address(flag: Any) -> int:
