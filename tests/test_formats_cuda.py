@@ -509,8 +509,8 @@ def test_sqrt_codes_by_the_fast_paths_are_the_contracts():
                 cuda.atomic.add(bad, 0, 1)
                 bad[1] = -1
 
-    def check_factors(bad):
-        for i in range(cuda.grid(1), 1 << 32, cuda.gridsize(1)):
+    def check_factors(bad):  # every scale an absmax can be: the non-negative float32 (-0 is not one)
+        for i in range(cuda.grid(1), 1 << 31, cuda.gridsize(1)):
             scale = B.bits_f32(np.uint32(i))
             for n in (np.float32(127), np.float32(255)):
                 k, w = B.sqrt_factors(scale, n)
@@ -639,7 +639,8 @@ def test_float8_conversions_by_the_hardware_are_the_contracts():
     places, and a NaN code for NaN (never stored: a block holding a NaN has a NaN scale and takes
     fp8_code); the rounding points' words and random words against numpy's ``fp8_encode``; every byte
     decoded (``fp8_values4``: cvt.rn.f16x2.e4m3x2, float16 halves to float32) is ``fp8_decode``'s
-    value; the block factors by the fast division are ``fp8_factors``' for every float32 scale and
+    value; the block factors by the fast division are ``fp8_factors``' for every non-negative float32
+    scale and
     take the fast forms exactly in their windows (the decode's with 0)."""
     _cuda()
     from optirs.backends.common import formats as B
@@ -673,8 +674,8 @@ def test_float8_conversions_by_the_hardware_are_the_contracts():
         if i < words.size:
             out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3] = fk.fp8_values4(words[i])
 
-    def check_factors(bad):
-        for i in range(cuda.grid(1), 1 << 32, cuda.gridsize(1)):
+    def check_factors(bad):  # every scale an absmax can be: the non-negative float32 (-0 is not one)
+        for i in range(cuda.grid(1), 1 << 31, cuda.gridsize(1)):
             s = B.bits_f32(np.uint32(i))
             pre, k, w, post = B.fp8_factors(s)
             efast, epre, ek = fk.fp8_encode_factor(s)
