@@ -47,6 +47,7 @@ _DTYPE_CODE = {"float32": F32, "bfloat16": BF16, "float16": F16}
 _MASTER_CODE = {None: MASTER_NONE, "float32": MASTER_F32, "remainder16": MASTER_R16, "remainder8": MASTER_R8}
 _STATE_CODE = {"float32": STATE_F32, "bfloat16": STATE_BF16, "int8": STATE_INT8, "int8_sqrt": STATE_INT8_SQRT,
                "float8_e4m3fn": STATE_FP8}
+INT8_STATE_CODES = tuple(_STATE_CODE[d] for d in INT8_STATES)  # the one-byte states' FormatCodes.state
 
 
 def dtype_name(dtype: Any) -> Optional[str]:

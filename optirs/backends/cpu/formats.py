@@ -66,6 +66,12 @@ def _sqrt_levels(signed: bool) -> np.ndarray:
     return np.array([sqrt_levels(signed), 1 if signed else 0], np.float32)
 
 
+def _first_table(state_dtype: str, signed: bool) -> np.ndarray:
+    """A slot's first table: the square-root codes' levels (also the float8 codes' stand-in: they read
+    none), else the dynamic map's decoder table (also float32 and bfloat16 state's stand-in)."""
+    return _sqrt_levels(signed) if state_dtype in ("int8_sqrt", "float8_e4m3fn") else _decoder_table(signed)
+
+
 def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepFormat):
     """Per kernel slot: (words, scales, small, map's decoder table, padded midpoints, bucket table), the
     used bit mask and the mask of the unsigned slots."""
@@ -75,14 +81,13 @@ def _slot_arrays(state: Dict[str, Any], fs: FormatState, k_names, fmt: StepForma
     for k, name in enumerate(k_names):
         if name is None or name not in fs.slot_names:
             words = np.uint8 if fs.int8 else {"bfloat16": np.uint16, "float32": np.float32}[fmt.state_dtype]
-            first = _sqrt_levels(True) if fmt.state_dtype in ("int8_sqrt", "float8_e4m3fn") else _decoder_table(True)
+            first = _first_table(fmt.state_dtype, True)
             out.append((_EMPTY[np.dtype(words)], f32, f32, first, padded_midpoints(True), bucket_table(True)))
             continue
         used |= 1 << k
         sg = signed[name]
         unsigned |= 0 if sg else 1 << k
-        # the square-root codes' levels; the float8 codes read none (the levels: an array of the type)
-        first = _sqrt_levels(sg) if fmt.state_dtype in ("int8_sqrt", "float8_e4m3fn") else _decoder_table(sg)
+        first = _first_table(fmt.state_dtype, sg)
         maps = first, padded_midpoints(sg), bucket_table(sg)
         if fs.int8:
             out.append((state[f"{name}.{fs.codes}"], state[f"{name}.scales"], state[f"{name}.small"]) + maps)

@@ -37,7 +37,7 @@ from optirs.backends.cpu.kernels import _sum_add, _sum_squares, chunk_trust_rati
 from optirs.core.compile_cache import cached_njit
 from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import (BF16, BLOCK, F32, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8, STATE_BF16,
-                                 STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, FormatCodes)
+                                 STATE_F32, STATE_FP8, STATE_INT8_SQRT, INT8_STATE_CODES, FormatCodes)
 
 # Only the parallel entry points are cached on disk. A function loaded from numba's cache is
 # linked into a new caller as object code, which LLVM cannot inline: a loop compiled in a later
@@ -182,7 +182,6 @@ def _encode_fp8(w, scales, blk, o, n, buf, m):
 
 # each one-byte state's block decoder (the dynamic map's otherwise)
 _BLOCK_DECODERS = {STATE_INT8_SQRT: _decode_sqrt, STATE_FP8: _decode_fp8}
-INT8_CODES = (STATE_INT8, STATE_INT8_SQRT, STATE_FP8)
 
 
 @_inline
@@ -486,7 +485,7 @@ def pointwise(fc, used, unsigned=0):
 
 
 def _make_pointwise(fc, used, roots=0):
-    int8 = fc.state in INT8_CODES
+    int8 = fc.state in INT8_STATE_CODES
     constants = dict(FC=fc, U0=bool(used & 1), U1=bool(used & 2), U2=bool(used & 4),
                      HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE, INT8=int8,
                      SQRT=fc.state == STATE_INT8_SQRT, FP8=fc.state == STATE_FP8,
@@ -785,7 +784,7 @@ def lamb(fc):
     k = _LAMB.get(key)
     if k is None:
         fc = FormatCodes(*fc)
-        int8 = fc.state in INT8_CODES
+        int8 = fc.state in INT8_STATE_CODES
         constants = dict(FC=fc, INT8=int8, SQRT=fc.state == STATE_INT8_SQRT, FP8=fc.state == STATE_FP8,
                          HAS_MASTER=fc.param != F32 and fc.master != MASTER_NONE,
                          DECODE=_BLOCK_DECODERS.get(fc.state, _decode_block),

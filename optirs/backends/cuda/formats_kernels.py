@@ -54,7 +54,8 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
 from optirs.core.formats import (BF16, F16, F32, FP8_MAX, FP8_PRE_BELOW, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8,
-                                 STATE_BF16, STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, sqrt_levels)
+                                 STATE_BF16, STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, INT8_STATE_CODES,
+                                 sqrt_levels)
 
 from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
                                                  st_u32x2, st_u32x4)
@@ -701,7 +702,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     msize = {MASTER_NONE: 0, MASTER_F32: 4, MASTER_R16: 2, MASTER_R8: 1}[master]
     state = fc.state
     ssize = {STATE_F32: 4, STATE_BF16: 2, STATE_INT8: 1, STATE_INT8_SQRT: 1, STATE_FP8: 1}[state]
-    int8 = state in (STATE_INT8, STATE_INT8_SQRT, STATE_FP8)
+    int8 = state in INT8_STATE_CODES
     # the square-root codes: the int8 blocks coded by arithmetic (no maps in shared memory)
     sqrt_codes = state == STATE_INT8_SQRT
     # the float8 state: int8 blocks of float8 codes (no maps either), kept as the lane's two words of
