@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ptx_rounds import round_loop, sass_functions  # noqa: E402
+from ptx_rounds import round_cycle, round_loop, round_path, sass_functions  # noqa: E402
 
 
 def formats(labels: List[str]) -> List[tuple]:
@@ -44,8 +44,10 @@ def formats(labels: List[str]) -> List[tuple]:
     return [f for f in bf.FORMATS if any(x in f[0] for x in labels)]
 
 
-def step_ptx(spec: tuple, family: str) -> tuple:
-    """(PTX, kernel name, register cap) of ``family``'s one-launch step in format ``spec``, for sm_90."""
+def step_ptx(spec: tuple, family: str, hot: bool = False, used: Optional[int] = None) -> tuple:
+    """(PTX, kernel name, register cap) of ``family``'s one-launch step in format ``spec``, for sm_90
+    (``hot``: make_step_kernel's measurement build, the full round alone, at the cap of a kernel with
+    full rounds)."""
     import numba.cuda.dispatcher as dispatcher
 
     # numba-cuda compiles the kernel's device helpers for the current device: name sm_90 without one
@@ -60,19 +62,27 @@ def step_ptx(spec: tuple, family: str) -> tuple:
     _, pdt, master, state, sr = spec
     fmt = StepFormat(pdt, pdt, master if pdt != "float32" else None, state, sr)
     d = DEFINITIONS[family]
-    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), (1 << len(d.slots)) - 1)
+    if used is None:  # the slots the family's first example keeps (AdamW: no amsgrad, no third slot)
+        used = sum(1 << k for k, s in enumerate(d.slots) if s.needed(d.examples[0]))
+    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), used, hot=hot)
     ptx, _ = cuda.compile_ptx(kernel, fk.step_kernel_signature(d.scalars(d.examples[0], 3)), cc=(9, 0))
-    cap = formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", fk.full_group_rounds(fmt.codes, d.kernel))
+    cap = formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", hot or fk.full_group_rounds(fmt.codes, d.kernel))
     return ptx, kernel.__name__, cap
 
 
-def report(sass: str, stderr: str) -> List[str]:
-    """The lines printed for one assembled kernel."""
+def report(sass: str, stderr: str, hot: bool = False, coded: bool = False) -> List[str]:
+    """The lines printed for one assembled kernel (``hot``: with the full round's shortest path, to the
+    codes' 8-byte stores where ``coded``)."""
     out = []
     for name, ins in sass_functions(sass, guards=True).items():
         loop = round_loop([x[:3] for x in ins])
         if not loop:
             continue
+        if hot:
+            path = round_path(ins, (".128", ".64") if coded else (".128",))
+            cycle = round_cycle(ins)
+            out.append(f"    full round's shortest path {path} instructions ({path / 8:.1f} an element); once "
+                       f"around the loop {cycle} ({cycle / 8:.1f} an element)")
         used = re.search(r"Used (\d+) registers", stderr)
         stack = re.search(r"(\d+) bytes (?:cumulative )?stack", stderr)
         ops = collections.Counter(o.split(".")[0] for _, o, _ in loop)
@@ -89,6 +99,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--maxreg", type=int, default=None, help="a register cap (0: none; default: the backend's)")
     ap.add_argument("--bin", help="folder of ptxas and cuobjdump (default: PATH)")
     ap.add_argument("--keep", help="write each kernel's .ptx and .sass here")
+    ap.add_argument("--used", type=int, default=None,
+                    help="the state slots compiled in, a bit each (default: those of the family's first example: "
+                         "AdamW's two without amsgrad)")
+    ap.add_argument("--hot", action="store_true",
+                    help="the measurement build (every round full, every tensor coded): prints the full round's "
+                         "shortest path, what a round issues where every fast path holds")
     args = ap.parse_args(argv)
     specs = formats(args.formats)
     if not specs:
@@ -105,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         work = args.keep or tmp
         os.makedirs(work, exist_ok=True)
         for spec in specs:
-            ptx, name, cap = step_ptx(spec, args.family)
+            ptx, name, cap = step_ptx(spec, args.family, args.hot, args.used)
             cap = cap if args.maxreg is None else args.maxreg
             stem = os.path.join(work, re.sub(r"\W+", "_", spec[0]).strip("_"))
             with open(stem + ".ptx", "w") as f:
@@ -124,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 with open(stem + ".sass", "w") as f:
                     f.write(sass)
             print(f"{spec[0]} ({args.family}, {name}, cap {cap or 'none'}):")
-            for line in report(sass, r.stderr) or ["    no round loop found"]:
+            for line in report(sass, r.stderr, args.hot, spec[3] not in ("float32", "bfloat16")) or ["    no round loop found"]:
                 print(line)
     return 0
 

@@ -115,6 +115,43 @@ def round_path(ins: List[Tuple[int, str, str, str]], ends: Tuple[str, ...] = (".
     return 0
 
 
+def round_cycle(ins: List[Tuple[int, str, str, str]]) -> int:
+    """The shortest static path once around the round loop, from its first instruction back to it by
+    the loop's backward branch (each uniform choice at its cheapest, never into a called slow path):
+    what a round issues, its loop control included, where every fast path holds. Unlike
+    :func:`round_path` it needs no particular last store (a compiler that duplicated the stores into
+    a rarely taken path does not lengthen it). Meant for a build whose loop is the full round alone.
+    0 where there is no loop."""
+    loop = round_loop([x[:3] for x in ins])
+    if not loop:
+        return 0
+    idx = {a: i for i, (a, _, _, _) in enumerate(ins)}
+    start = idx[loop[0][0]]
+
+    def successors(i):
+        a, o, r, guard = ins[i]
+        nxt = [i + 1] if i + 1 < len(ins) and not ins[i + 1][1].startswith("CALL") else []
+        if o.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)\s*$", r)
+            t = idx.get(int(m.group(1), 16)) if m else None
+            tgt = [t] if t is not None and not ins[t][1].startswith("CALL") else []
+            return tgt + (nxt if guard or re.match(r"\s*!?U?P\d", r) else [])
+        if o.startswith(("EXIT", "RET")):
+            return nxt if guard else []
+        return nxt
+
+    dist, queue = {}, [(0, start)]
+    while queue:
+        d, i = heapq.heappop(queue)
+        for j in successors(i):
+            if j == start:
+                return d + 1
+            if d + 1 < dist.get(j, 1 << 30):
+                dist[j] = d + 1
+                heapq.heappush(queue, (d + 1, j))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dir")
