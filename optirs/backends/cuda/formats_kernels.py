@@ -659,7 +659,7 @@ def full_group_rounds(fc, family: str) -> bool:
     stochastic rounding; docs/benchmarks.md, 2026-12-05 02:10-02:18 UTC). The kernels with float32
     parameters or the dynamic map took 9-14% more with it at 64 registers and 5-7% more at 72, so
     they keep the general round alone; LAMB's passes too (not measured)."""
-    return fc.state in (STATE_INT8_SQRT, STATE_FP8) and family != "lamb"
+    return fc.state == STATE_INT8_SQRT and fc.param == BF16 and family != "lamb"
 
 
 def step_kernel_signature(sc) -> tuple:
@@ -673,7 +673,7 @@ def step_kernel_signature(sc) -> tuple:
             types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
 
 
-def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot: bool = False):
+def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
     slot k exists (compiled in as well: an unused slot takes no registers).
@@ -692,10 +692,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
     :func:`make_lamb_grad_kernel`). The norms pass writes nothing else; the apply pass takes the
     trust ratios from them, writes parameters, masters and moments, and zeroes row 1 - q for the
     next step (also when found_inf skips the step, so a skipped step leaves both rows zero).
-
-    ``hot``: a measurement build, never launched (benchmarks/cuda_sass_rounds.py --hot): every round
-    the full one (no general round compiled), so that the round loop holds a full round alone and its
-    static shortest path is what a round issues where every fast path holds.
     """
     lamb = mode != "step"
     apply = mode == "lamb_apply"
@@ -934,7 +930,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
                 cnt = LANE32
                 vec = True
                 live = True
-                quant = int8  # a coded tensor's (a small tensor's float32 state takes the general round)
             sc0, sc1, sc2 = load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz,
                                        pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u)
             # the element steps, on all 8 lanes' words whether they exist or not (the loads gave 0
@@ -1053,7 +1048,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
 
         return _device(one_round)
 
-    full_rounds = hot or full_group_rounds(fc, family)
+    full_rounds = full_group_rounds(fc, family)
     full_round = make_round(True) if full_rounds else None
     part_round = make_round(False)
 
@@ -1152,32 +1147,22 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
                                                  float64(sc.max_trust_ratio)))
                 lr_t = sc.lr * ratio
             ngroups = u32((n + GROUP - 1) >> 8)
-            # full_rounds: a coded chunk's groups whose every lane holds 8 aligned elements (all but
-            # a tensor's last group, or none where the chunk is misaligned) take the round compiled
-            # for them, with no test of a lane's count anywhere in it, in a loop of their own: the
-            # general round's values and branches are not live there (one loop choosing between the
-            # two rounds held 232 bytes of spills at 72 registers in the float8 kernels; the full
-            # rounds' loop alone none, static SASS)
-            nfull = u32(0)
-            if full_rounds and (hot or quant and vec):
-                nfull = ngroups if hot else u32(n >> 8)
+            rounds = (ngroups + nwarps - 1) // nwarps
             # a 32-bit range (a chunk has far fewer than 2**31 groups): numba counts a range over
             # the uint32 ``rounds`` in 64 bits, an instruction a round more and 2-4 registers
-            if full_rounds and nfull > warp:
-                for r in range(np.int32((nfull - warp + nwarps - 1) // nwarps)):
-                    grp = add32(warp, mul32(r, nwarps))
-                    base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
-                    e = add32(off32, base)  # flat index of the lane's first element (low 32 bits)
-                    sp, su = full_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, LANE32, True, True, True, grp,
-                                        sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s, pk_u,
-                                        keyp, key01, key2, sc, fu, fok, grad_scale, lr_t, sp, su)
-            rounds = (sub32(ngroups, nfull) + nwarps - 1) // nwarps
-            if hot:
-                rounds = 0
             for r in range(np.int32(rounds)):
-                grp = add32(add32(nfull, warp), mul32(r, nwarps))
-                base = add32(shl32(grp, 8), shl32(lane, 3))
-                e = add32(off32, base)
+                grp = add32(warp, mul32(r, nwarps))
+                base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
+                e = add32(off32, base)  # flat index of the lane's first element (low 32 bits)
+                # full_rounds: a group whose every lane holds 8 aligned elements (warp-uniform: every
+                # group but a chunk's last, where the tensor ends or is misaligned) takes the round
+                # compiled for them, with no test of a lane's count anywhere in it
+                if full_rounds:
+                    if vec and add32(shl32(grp, 8), GROUP32) <= n32:
+                        sp, su = full_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, LANE32, True, quant, True,
+                                            grp, sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s,
+                                            pk_u, keyp, key01, key2, sc, fu, fok, grad_scale, lr_t, sp, su)
+                        continue
                 cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
                 sp, su = part_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, grp < ngroups, grp,
                                     sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s, pk_u, keyp,

@@ -172,12 +172,7 @@ def num_options() -> List[str]:
     """``-DOPTIRS_FMT_NUM=0`` where ``OPTIRS_OPENCL_FORMATS_NUM=0``: every round takes the bfloat16
     encoders with their NaN test (the NaN-free rounds' branch of optirs_formats_step.h off: the same
     words, to compare the two on a device)."""
-    out = ["-DOPTIRS_FMT_NUM=0"] if os.environ.get("OPTIRS_OPENCL_FORMATS_NUM", "").strip() == "0" else []
-    # and ``-DOPTIRS_FMT_FULL=0`` where ``OPTIRS_OPENCL_FORMATS_FULL=0``: the one-byte states' full rounds
-    # in the general loop (no loop of their own: the same words, to compare)
-    if os.environ.get("OPTIRS_OPENCL_FORMATS_FULL", "").strip() == "0":
-        out.append("-DOPTIRS_FMT_FULL=0")
-    return out
+    return ["-DOPTIRS_FMT_NUM=0"] if os.environ.get("OPTIRS_OPENCL_FORMATS_NUM", "").strip() == "0" else []
 
 
 class _Program(NamedTuple):
@@ -306,9 +301,8 @@ def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
             continue
         c, family, used, signed = key[1], key[2], key[3], key[4]
         # the optional options' values: -r<register cap>, -w<warp reduction level>, -p<inline PTX level>,
-        # -n0 (no NaN-free rounds), -f0 (no loop of full rounds)
-        tags = {"-cl-nv-maxrreg": "r", "-DOPTIRS_NV_WARP": "w", "-DOPTIRS_NV_PTX": "p", "-DOPTIRS_FMT_NUM": "n",
-                "-DOPTIRS_FMT_FULL": "f"}
+        # -n0 (no NaN-free rounds)
+        tags = {"-cl-nv-maxrreg": "r", "-DOPTIRS_NV_WARP": "w", "-DOPTIRS_NV_PTX": "p", "-DOPTIRS_FMT_NUM": "n"}
         extra = "".join(f"-{tag}{o.split('=')[-1]}" for o in key[-3] + key[-2] + key[-1] for start, tag in tags.items()
                         if o.startswith(start))
         stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"

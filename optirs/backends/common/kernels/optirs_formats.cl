@@ -39,11 +39,6 @@
 #error "the format kernels need OPTIRS_WG a multiple of 32 and OPTIRS_CHUNK a multiple of 8 * OPTIRS_WG"
 #endif
 #define FMT_ROUND (8 * OPTIRS_WG)
-/* The step kernels' full rounds in a loop of their own (optirs_formats_step.h): the one-byte states'
- * (OPTIRS_FMT_FULL: the host's choice to compare, 0 or 1) */
-#ifndef OPTIRS_FMT_FULL
-#define OPTIRS_FMT_FULL 1
-#endif
 #ifndef OPTIRS_FMT_USED
 #define OPTIRS_FMT_USED 0
 #endif
@@ -72,7 +67,6 @@
 #define FMT_SIGNED(k) ((OPTIRS_FMT_SIGNED >> (k)) & 1)
 /* int8 blocks (either code), and the dynamic map's codes alone (its maps in local memory) */
 #define FMT_INT8 (OPTIRS_FMT_STATE == 2 || OPTIRS_FMT_STATE == 3 || OPTIRS_FMT_STATE == 4)
-#define FMT_FULL_ROUNDS (OPTIRS_FMT_FULL && FMT_INT8)
 #define FMT_MAP (OPTIRS_FMT_STATE == 2)
 
 #include "optirs_scalars.h"

@@ -24,31 +24,6 @@ int FMT_CAT(OPT, _fmt_num)(float8 pp, const float8 *s)
 }
 #endif
 
-/* One round of the step: the work-item's elements k.. of the chunk, nv of its 8 in it. */
-FMT_INLINE void FMT_CAT(OPT, _fmt_round)(__global PST *p, __global MST *m, __global const GST *g, const fmt_slots *sl,
-                                         int k, int nv, int aligned, long lay, uint key, __local const float *lmaps,
-                                         __local const uchar *ltables, __local const uint *lpacked,
-                                         __local uint *scratch, const FMT_CAT(OPT, _scalars) *sc)
-{
-    float8 s[3], pp, gv;
-    const uint8 idx = fmt_index8(lay, k);
-    fmt_load_round(p, m, g, sl, k, nv, lmaps, &pp, &gv, s);
-    if (nv > 0) {
-        FMT_CAT(OPT, _element_v8)(&pp, gv, &s[0], &s[1], &s[2], sc);
-#if FMT_NUM_PATH
-        if (nv >= 8 && aligned && FMT_CAT(OPT, _fmt_num)(pp, s)) {
-            fmt_store_master_num(pp, p + k, m + k, idx, key);
-#if OPTIRS_FMT_STATE == 1
-            fmt_store_states_num(sl, k, s, idx);
-            return; /* the round's every store is done (no barrier below for bfloat16 state) */
-#endif
-        } else
-#endif
-            fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
-    }
-    fmt_store_states(sl, k, nv, s, idx, lmaps, ltables, lpacked, scratch);
-}
-
 __kernel FMT_WG_ATTR
 void FMT_CAT(OPT, _fmt)(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFFER_PARAMS, FMT_TABLE_PARAMS,
                         __global const int *skip, const fmt_step st, const FMT_CAT(OPT, _scalars) sc)
@@ -56,28 +31,25 @@ void FMT_CAT(OPT, _fmt)(SLOT_PARAMS(P, PST), SLOT_PARAMS(G, const GST), FMT_BUFF
     FMT_WRITER_START
     FMT_CHUNKS_BEGIN(P, G)
         FMT_STATE_CHUNK
-        /* FMT_FULL_ROUNDS: an aligned, coded chunk's rounds whose every work-item holds 8 elements
-         * (all but a tensor's last) in a loop of their own, compiled with those as constants: no
-         * test of a work-item's count or of the small-tensor path in it, and the general round's
-         * values and branches not live there (the work-group's count, alignment and kind are
-         * uniform, so the barriers of fmt_store_states are reached by all) */
-        int full_ = 0;
-#if FMT_FULL_ROUNDS
-        fmt_slots slf = sl;
-        slf.is_small = 0;
-        slf.aligned = 1;
-        if (aligned && !sl.is_small) {
-            full_ = n_ - n_ % FMT_ROUND;
-            for (int base_ = 0; base_ < full_; base_ += FMT_ROUND)
-                FMT_CAT(OPT, _fmt_round)(p, m, g, &slf, base_ + 8 * lid, 8, 1, lay, key, lmaps, ltables, lpacked,
-                                         scratch, &sc);
-        }
+        FMT_ROUND_BEGIN
+            float8 s[3], pp, gv;
+            const uint8 idx = fmt_index8(lay, k);
+            fmt_load_round(p, m, g, &sl, k, nv, lmaps, &pp, &gv, s);
+            if (nv > 0) {
+                FMT_CAT(OPT, _element_v8)(&pp, gv, &s[0], &s[1], &s[2], &sc);
+#if FMT_NUM_PATH
+                if (nv >= 8 && aligned && FMT_CAT(OPT, _fmt_num)(pp, s)) {
+                    fmt_store_master_num(pp, p + k, m + k, idx, key);
+#if OPTIRS_FMT_STATE == 1
+                    fmt_store_states_num(&sl, k, s, idx);
+                    continue; /* the round's every store is done (no barrier below for bfloat16 state) */
 #endif
-        for (int base_ = full_; base_ < n_; base_ += FMT_ROUND) {
-            const int k = base_ + 8 * lid;
-            FMT_CAT(OPT, _fmt_round)(p, m, g, &sl, k, clamp(n_ - k, 0, 8), aligned, lay, key, lmaps, ltables, lpacked,
-                                     scratch, &sc);
-        }
+                } else
+#endif
+                    fmt_store_master(pp, p + k, m + k, nv, aligned, idx, key);
+            }
+            fmt_store_states(&sl, k, nv, s, idx, lmaps, ltables, lpacked, scratch);
+        FMT_ROUND_END
     FMT_CHUNKS_END
     (void)scratch;
 }
