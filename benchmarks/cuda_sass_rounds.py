@@ -4,18 +4,23 @@ assembled by ptxas at the backend's register cap, disassembled by cuobjdump.
 For each format it prints the registers and stack (spills), and the round loop's instructions by
 opcode (``ptx_rounds.round_loop``: the innermost loop with three or more global loads and a MUFU):
 enough to see a change's static effect (a division's fast path, a spill, a conversion on the
-narrow pipe) before device time is spent on it. No shortest path is printed: the loop holds the
-full-group round, the general round and a small tensor's float32 state side by side, and a static
-shortest path from a load to a store crosses between them (ocl_sass_proxy.py builds OpenCL's round
-alone for that). What a round executes an element comes from the device: ncu's source counters,
-read by ncu_sass_segments.py.
+narrow pipe) before device time is spent on it. The production loop holds the full-group round, the
+general round and a small tensor's float32 state side by side, so no shortest path is printed for
+it (a static shortest path crosses between them); ``--hot`` compiles make_step_kernel's
+measurement build instead (every round the full one, every tensor coded) and prints the full
+round's shortest path once around the loop (``ptx_rounds.round_cycle``): what a round issues where
+every fast path holds. A count, not a time: on the H200 a loop of 67 executed instructions an
+element with spill reloads on its loads' path took 25% longer than main's 84 (docs/benchmarks.md,
+2026-12-06). What a round executes an element comes from the device: ncu's source counters, read
+by ncu_sass_segments.py.
 
     python benchmarks/cuda_sass_rounds.py "remainder8, int8 sqrt" "stochastic rounding, int8" --bin DIR
 
 Format labels as bench_formats.py's (any part of one). ``--bin``: a folder with ptxas 13.5 or later
 and cuobjdump (ptx_rounds.py says where PyPI has them). The register cap is the backend's
 (``optirs.backends.common.register_cap``); ``--maxreg`` another (0: none); ``--keep DIR`` keeps
-each kernel's PTX and SASS.
+each kernel's PTX and SASS; ``--used`` the state slots compiled in (a bit each; default the family's
+first example's: AdamW's two, no amsgrad).
 """
 
 from __future__ import annotations

@@ -114,6 +114,30 @@ def test_diag_cpu_placement_refuses_bad_input_and_reads_its_mappings(capsys):
     sys.modules.pop("bench_cpu_formats", None)
 
 
+def test_round_cycle_counts_the_cheapest_way_once_around_the_round_loop():
+    """ptx_rounds.round_cycle: the shortest path from the round loop's head back to it, taking a
+    predicated branch past a block (never into a called slow path), and 0 without a loop."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ptx_rounds.py"
+    spec = importlib.util.spec_from_file_location("ptx_rounds", path)
+    pr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pr)
+    lines = ["MOV R1, c[0x0][0x28]", "LDG.E R2, desc[UR4][R8.64]", "LDG.E R3, desc[UR4][R8.64]",
+             "LDG.E R5, desc[UR4][R8.64]", "@P0 BRA 0x90", "MUFU.RCP R6, R2", "FMUL R6, R6, R3", "FMUL R6, R6, R3",
+             "FMUL R6, R6, R3", "MUFU.SQRT R7, R5", "STG.E desc[UR4][R8.64], R7", "@P1 BRA 0x10", "EXIT"]
+    sass = "        Function : k\n" + "".join(f"        /*{16 * i:04x}*/                   {x} ;\n"
+                                             for i, x in enumerate(lines))
+    ins = pr.sass_functions(sass, guards=True)["k"]
+    # the head (0x10), two loads, the branch, then 0x90's MUFU, the store and the backward branch
+    assert pr.round_cycle(ins) == 7
+    # a branch around the slow block that is not taken by its predicate's absence: through it
+    forced = sass.replace("@P0 BRA 0x90", "NOP")
+    assert pr.round_cycle(pr.sass_functions(forced, guards=True)["k"]) == 11
+    assert pr.round_cycle(pr.sass_functions(sass.replace("@P1 BRA 0x10", "NOP"), guards=True)["k"]) == 0
+
+
 def test_cuda_sass_rounds_refuses_bad_input_and_skips_without_its_tools(tmp_path, capsys):
     """The cuda SASS tool fails loudly on a format or family it does not know, and skips (exit 0,
     saying why) where ptxas and cuobjdump are missing, before compiling anything."""

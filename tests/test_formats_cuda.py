@@ -69,6 +69,24 @@ def sm90(monkeypatch):
 
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
+def test_the_measurement_build_compiles_its_full_round_alone(sm90):
+    """make_step_kernel(hot=True), what benchmarks/cuda_sass_rounds.py --hot reads: the full round
+    alone (no general round: none of its byte-wide tail accesses) for a format whose kernel keeps a
+    general round beside it."""
+    from numba import cuda
+
+    from optirs.backends.cuda import formats_kernels as fk
+
+    d = DEFINITIONS["adamw"]
+    fmt = _fmt("bfloat16", "remainder8", "float8_e4m3fn")
+    sig = fk.step_kernel_signature(d.scalars(d.examples[0], 3))
+    kernels = [fk.make_step_kernel(d.kernel, fmt.codes, (True, False, False), 3, hot=hot) for hot in (False, True)]
+    main, hot = (cuda.compile_ptx(k, sig, cc=(9, 0))[0] for k in kernels)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in hot and "st.global.v2.u32" in hot
+    assert "st.global.u8" in main and "st.global.u8" not in hot
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
 @pytest.mark.parametrize("name,fmt", PTX_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.codes)))
 def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     from numba import cuda

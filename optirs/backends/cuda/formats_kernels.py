@@ -673,7 +673,7 @@ def step_kernel_signature(sc) -> tuple:
             types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
 
 
-def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
+def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot: bool = False):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
     slot k exists (compiled in as well: an unused slot takes no registers).
@@ -692,6 +692,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
     :func:`make_lamb_grad_kernel`). The norms pass writes nothing else; the apply pass takes the
     trust ratios from them, writes parameters, masters and moments, and zeroes row 1 - q for the
     next step (also when found_inf skips the step, so a skipped step leaves both rows zero).
+
+    ``hot``: a measurement build, never launched (benchmarks/cuda_sass_rounds.py --hot): every round
+    the full one and every tensor coded, so that the round loop holds a full round alone and its
+    static shortest path is what a round issues where every fast path holds.
     """
     lamb = mode != "step"
     apply = mode == "lamb_apply"
@@ -1048,7 +1052,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
 
         return _device(one_round)
 
-    full_rounds = full_group_rounds(fc, family)
+    full_rounds = hot or full_group_rounds(fc, family)
     full_round = make_round(True) if full_rounds else None
     part_round = make_round(False)
 
@@ -1119,7 +1123,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
             pa = ptrs[t, 0] + start * psize
             ga = ptrs[t, 1] + start * gsize
             small = tensors[t, 2]
-            quant = int8 and small < 0  # the same for the whole block (one chunk per block)
+            quant = int8 and (hot or small < 0)  # the same for the whole block (one chunk per block)
             if int8 and not quant:  # a small tensor's float32 state
                 sbase = small + start
                 sz = 4
@@ -1158,7 +1162,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step"):
                 # group but a chunk's last, where the tensor ends or is misaligned) takes the round
                 # compiled for them, with no test of a lane's count anywhere in it
                 if full_rounds:
-                    if vec and add32(shl32(grp, 8), GROUP32) <= n32:
+                    if hot or vec and add32(shl32(grp, 8), GROUP32) <= n32:
                         sp, su = full_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, LANE32, True, quant, True,
                                             grp, sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s,
                                             pk_u, keyp, key01, key2, sc, fu, fok, grad_scale, lr_t, sp, su)
