@@ -68,6 +68,27 @@ def round_loop(ins: List[Tuple[int, str, str]]) -> List[Tuple[int, str, str]]:
     return [] if best is None else [x for x in ins if best[0] <= x[0] <= best[1]]
 
 
+def _successors(ins: List[Tuple[int, str, str, str]]):
+    """The static successors of instruction ``i`` of ``ins`` (sass_functions(..., guards=True)'s
+    entries): the next one unless an unconditional branch or exit ends the block, a branch's target,
+    neither where it is a call (a slow path's subroutine)."""
+    idx = {a: i for i, (a, _, _, _) in enumerate(ins)}
+
+    def successors(i):
+        a, o, r, guard = ins[i]
+        nxt = [i + 1] if i + 1 < len(ins) and not ins[i + 1][1].startswith("CALL") else []
+        if o.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)\s*$", r)
+            t = idx.get(int(m.group(1), 16)) if m else None
+            tgt = [t] if t is not None and not ins[t][1].startswith("CALL") else []
+            return tgt + (nxt if guard or re.match(r"\s*!?U?P\d", r) else [])
+        if o.startswith(("EXIT", "RET")):
+            return nxt if guard else []
+        return nxt
+
+    return successors
+
+
 def round_path(ins: List[Tuple[int, str, str, str]], ends: Tuple[str, ...] = (".128",)) -> int:
     """The shortest static path from the first 16-byte global load to the last 16-byte global store
     (``ends``: the widths a last store may have; (".128", ".64") reaches the int8 codes' 8-byte store,
@@ -82,24 +103,12 @@ def round_path(ins: List[Tuple[int, str, str, str]], ends: Tuple[str, ...] = (".
     if not loop:
         return 0
     lo, hi = loop[0][0], loop[-1][0]
-    idx = {a: i for i, (a, _, _, _) in enumerate(ins)}
+    successors = _successors(ins)
     starts = [i for i, (a, o, _, _) in enumerate(ins) if lo <= a <= hi and o.startswith("LDG") and o.endswith(".128")]
     ends = [i for i, (a, o, _, _) in enumerate(ins) if lo <= a <= hi and o.startswith("STG") and o.endswith(ends)]
     if not starts or not ends:
         return 0
     start, end = starts[0], ends[-1]
-
-    def successors(i):
-        a, o, r, guard = ins[i]
-        nxt = [i + 1] if i + 1 < len(ins) and not ins[i + 1][1].startswith("CALL") else []
-        if o.startswith("BRA"):
-            m = re.search(r"0x([0-9a-f]+)\s*$", r)
-            t = idx.get(int(m.group(1), 16)) if m else None
-            tgt = [t] if t is not None and not ins[t][1].startswith("CALL") else []
-            return tgt + (nxt if guard or re.match(r"\s*!?U?P\d", r) else [])
-        if o.startswith(("EXIT", "RET")):
-            return nxt if guard else []
-        return nxt
 
     dist, queue = {start: 1}, [(1, start)]
     while queue:
@@ -125,20 +134,8 @@ def round_cycle(ins: List[Tuple[int, str, str, str]]) -> int:
     loop = round_loop([x[:3] for x in ins])
     if not loop:
         return 0
-    idx = {a: i for i, (a, _, _, _) in enumerate(ins)}
-    start = idx[loop[0][0]]
-
-    def successors(i):
-        a, o, r, guard = ins[i]
-        nxt = [i + 1] if i + 1 < len(ins) and not ins[i + 1][1].startswith("CALL") else []
-        if o.startswith("BRA"):
-            m = re.search(r"0x([0-9a-f]+)\s*$", r)
-            t = idx.get(int(m.group(1), 16)) if m else None
-            tgt = [t] if t is not None and not ins[t][1].startswith("CALL") else []
-            return tgt + (nxt if guard or re.match(r"\s*!?U?P\d", r) else [])
-        if o.startswith(("EXIT", "RET")):
-            return nxt if guard else []
-        return nxt
+    successors = _successors(ins)
+    start = next(i for i, x in enumerate(ins) if x[0] == loop[0][0])
 
     dist, queue = {}, [(0, start)]
     while queue:
