@@ -111,6 +111,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="the measurement build (every round full, every tensor coded): prints the full round's "
                          "shortest path, what a round issues where every fast path holds")
     args = ap.parse_args(argv)
+    from optirs.core.formats import INT8_STATES
+
     specs = formats(args.formats)
     if not specs:
         ap.error(f"{args.formats}: no format of bench_formats.py has one of these in its label")
@@ -145,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 with open(stem + ".sass", "w") as f:
                     f.write(sass)
             print(f"{spec[0]} ({args.family}, {name}, cap {cap or 'none'}):")
-            for line in report(sass, r.stderr, args.hot, spec[3] not in ("float32", "bfloat16")) or ["    no round loop found"]:
+            for line in report(sass, r.stderr, args.hot, spec[3] in INT8_STATES) or ["    no round loop found"]:
                 print(line)
     return 0
 

@@ -69,9 +69,10 @@ def round_loop(ins: List[Tuple[int, str, str]]) -> List[Tuple[int, str, str]]:
 
 
 def _successors(ins: List[Tuple[int, str, str, str]]):
-    """The static successors of instruction ``i`` of ``ins`` (sass_functions(..., guards=True)'s
-    entries): the next one unless an unconditional branch or exit ends the block, a branch's target,
-    neither where it is a call (a slow path's subroutine)."""
+    """A function of an index ``i`` into ``ins`` (sass_functions(..., guards=True)'s entries): the
+    indices that can follow instruction ``i`` statically, the next one unless an unconditional branch
+    or exit ends the block, and a branch's target; neither where it is a call (a slow path's
+    subroutine)."""
     idx = {a: i for i, (a, _, _, _) in enumerate(ins)}
 
     def successors(i):

@@ -658,8 +658,7 @@ def test_float8_conversions_by_the_hardware_are_the_contracts():
     fp8_code); the rounding points' words and random words against numpy's ``fp8_encode``; every byte
     decoded (``fp8_values4``: cvt.rn.f16x2.e4m3x2, float16 halves to float32) is ``fp8_decode``'s
     value; the block factors by the fast division are ``fp8_factors``' for every non-negative float32
-    scale and
-    take the fast forms exactly in their windows (the decode's with 0)."""
+    scale and take the fast forms exactly in their windows (the decode's with 0)."""
     _cuda()
     from optirs.backends.common import formats as B
     from optirs.backends.common.bits32 import or32, shl32
