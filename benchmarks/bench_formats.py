@@ -5,7 +5,7 @@ stochastic_rounding=, backend=)`` on torch tensors (``--backend cuda``: CUDA ten
 CPU tensors), or ``GpuAdamW(..., precision=Precision(...))`` on pyopencl arrays (``--backend
 opencl``). Shapes: GPT-2 124M (148 tensors; ``transformers.GPT2Config()`` when it imports) on a
 GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, tiny ones with
-``--smoke``. AdamW lr 1e-3, weight decay 0.1 on every tensor; ``--family`` sgd (momentum 0.9),
+``--smoke``; ``--model 1.3b``: GPT-2 1.3B (``GPT2Config(n_embd=2048, n_layer=24)``, 292 tensors). AdamW lr 1e-3, weight decay 0.1 on every tensor; ``--family`` sgd (momentum 0.9),
 rmsprop, adagrad, lion or lamb (max_grad_norm 1.0) in the same formats, with torch's own optimizer
 (fused where torch has it, else foreach) and bitsandbytes' 8-bit one as the peers.
 
@@ -22,6 +22,7 @@ AdamW8bit / AdamW4bit / AdamWFp8, FlashOptim FlashAdamW (OpenCL: the torch CUDA 
 
     python benchmarks/bench_formats.py --backend cuda --json h200-formats.json
     python benchmarks/bench_formats.py --backend opencl --json h200-opencl-formats.json
+    python benchmarks/bench_formats.py --backend cuda --model 1.3b --only "int8 sqrt;float8;fused"
     python benchmarks/bench_formats.py --backend cpu
     python benchmarks/bench_formats.py --backend cpu --smoke   # seconds; skips cleanly without the device
     python benchmarks/bench_formats.py --family lamb --only "int8 sqrt;bf16 state"
@@ -73,9 +74,14 @@ def gpt_shapes(vocab: int, pos: int, d: int, layers: int) -> List[Tuple[int, ...
     return shapes + [(d,), (d,)]
 
 
-def model_shapes(backend: str, smoke: bool) -> List[Tuple[int, ...]]:
+MODELS = {"124m": (768, 12), "1.3b": (2048, 24)}  # GPT-2 width and layers (1.3B: GPT2Config(n_embd=2048, n_layer=24))
+
+
+def model_shapes(backend: str, smoke: bool, model: Optional[str] = None) -> List[Tuple[int, ...]]:
     if smoke:
         return [(64, 96), (96,), (5000,), (33,)]
+    if model is not None:
+        return gpt_shapes(50257, 1024, *MODELS[model])
     if backend == "cpu":
         return gpt_shapes(8192, 512, 384, 6)
     try:
@@ -528,6 +534,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--family", choices=sorted(FAMILIES), default="adamw",
                     help="the optimizer (default adamw; lamb with max_grad_norm 1.0)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few steps")
+    ap.add_argument("--model", choices=sorted(MODELS),
+                    help="GPT-2 shapes (default: 124m on a GPU, a 14M-parameter GPT on cpu)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--steps", type=int, help="steps per batch (default 20 on a GPU, 3 on cpu)")
     ap.add_argument("--batches", type=int, help="batches (default 5 on a GPU, 3 on cpu)")
@@ -550,7 +558,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu = args.backend != "cpu"
     steps = args.steps or (2 if args.smoke else 20 if gpu else 3)
     batches = args.batches or (2 if args.smoke else 5 if gpu else 3)
-    shapes = model_shapes(args.backend, args.smoke)
+    shapes = model_shapes(args.backend, args.smoke, args.model)
     n = sum(int(__import__("math").prod(s)) for s in shapes)
     copy_n = (1 << 20) if args.smoke else (256 << 20) if gpu else 4 * n  # host: 2x the bf16+f32 format's bytes
     copy = dev.copy_gb_per_s(copy_n, steps, batches)
