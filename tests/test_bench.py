@@ -157,3 +157,27 @@ def test_cuda_sass_rounds_refuses_bad_input_and_skips_without_its_tools(tmp_path
     assert tool.main(["remainder8, int8 sqrt", "--bin", str(tmp_path)]) == 0
     assert "skipped: ptxas and cuobjdump not found" in capsys.readouterr().out
     sys.modules.pop("bench_formats", None)
+
+
+def test_bench_formats_models_are_gpt2_parameter_shapes(monkeypatch):
+    """``bench_formats.py --model``'s shapes are GPT-2's own parameters (transformers' GPT2LMHeadModel
+    on the meta device, its tied head once), for 124M and 1.3B."""
+    import collections
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("bench_formats", folder / "bench_formats.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for model, (width, layers) in (("124m", (768, 12)), ("1.3b", (2048, 24))):
+        config = transformers.GPT2Config(n_embd=width, n_layer=layers, n_head=16 if width == 2048 else 12)
+        with torch.device("meta"):
+            gpt = transformers.GPT2LMHeadModel(config)
+        theirs = collections.Counter(tuple(p.shape) for p in gpt.parameters())
+        assert collections.Counter(bench.model_shapes("cuda", False, model)) == theirs
+    sys.modules.pop("bench_formats", None)
