@@ -5,9 +5,10 @@ stochastic_rounding=, backend=)`` on torch tensors (``--backend cuda``: CUDA ten
 CPU tensors), or ``GpuAdamW(..., precision=Precision(...))`` on pyopencl arrays (``--backend
 opencl``). Shapes: GPT-2 124M (148 tensors; ``transformers.GPT2Config()`` when it imports) on a
 GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, tiny ones with
-``--smoke``; ``--model 1.3b``: GPT-2 1.3B (``GPT2Config(n_embd=2048, n_layer=24)``, 292 tensors). AdamW lr 1e-3, weight decay 0.1 on every tensor; ``--family`` sgd (momentum 0.9),
-rmsprop, adagrad, lion or lamb (max_grad_norm 1.0) in the same formats, with torch's own optimizer
-(fused where torch has it, else foreach) and bitsandbytes' 8-bit one as the peers.
+``--smoke``; ``--model 1.3b``: GPT-2 1.3B (``GPT2Config(n_embd=2048, n_layer=24)``, 292 tensors).
+AdamW lr 1e-3, weight decay 0.1 on every tensor; ``--family`` sgd (momentum 0.9), rmsprop, adagrad,
+lion or lamb (max_grad_norm 1.0) in the same formats, with torch's own optimizer (fused where torch
+has it, else foreach) and bitsandbytes' 8-bit one as the peers.
 
 For each row: ms per step (back-to-back steps after warm-up, synchronized at the ends; the
 median of batches), the kernels' own time per step on CUDA (torch's profiler: the device time
