@@ -3,9 +3,10 @@
 Through the public API only: ``optirs.torch.AdamW(..., master_weights=, state_dtype=,
 stochastic_rounding=, backend=)`` on torch tensors (``--backend cuda``: CUDA tensors; ``cpu``:
 CPU tensors), or ``GpuAdamW(..., precision=Precision(...))`` on pyopencl arrays (``--backend
-opencl``). Shapes: GPT-2 124M (148 tensors; ``transformers.GPT2Config()`` when it imports) on a
-GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, tiny ones with
-``--smoke``; ``--model 1.3b``: GPT-2 1.3B (``GPT2Config(n_embd=2048, n_layer=24)``, 292 tensors).
+opencl``). Shapes: GPT-2 124M (148 tensors; the test suite checks them against transformers'
+model) on a GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, tiny
+ones with ``--smoke``; ``--model 1.3b``: GPT-2 1.3B (``GPT2Config(n_embd=2048, n_layer=24)``, 292
+tensors).
 AdamW lr 1e-3, weight decay 0.1 on every tensor; ``--family`` sgd (momentum 0.9), rmsprop, adagrad,
 lion or lamb (max_grad_norm 1.0) in the same formats, with torch's own optimizer (fused where torch
 has it, else foreach) and bitsandbytes' 8-bit one as the peers.
@@ -78,20 +79,17 @@ def gpt_shapes(vocab: int, pos: int, d: int, layers: int) -> List[Tuple[int, ...
 MODELS = {"124m": (768, 12), "1.3b": (2048, 24)}  # GPT-2 width and layers (1.3B: GPT2Config(n_embd=2048, n_layer=24))
 
 
+def gpt2_shapes(model: str) -> List[Tuple[int, ...]]:
+    """GPT-2's parameter shapes (vocabulary 50257, 1024 positions) of ``model``, a key of MODELS."""
+    return gpt_shapes(50257, 1024, *MODELS[model])
+
+
 def model_shapes(backend: str, smoke: bool, model: Optional[str] = None) -> List[Tuple[int, ...]]:
     if smoke:
         return [(64, 96), (96,), (5000,), (33,)]
-    if model is not None:
-        return gpt_shapes(50257, 1024, *MODELS[model])
-    if backend == "cpu":
+    if backend == "cpu" and model is None:
         return gpt_shapes(8192, 512, 384, 6)
-    try:
-        from transformers import GPT2Config
-
-        c = GPT2Config()
-        return gpt_shapes(c.vocab_size, c.n_positions, c.n_embd, c.n_layer)
-    except ImportError:
-        return gpt_shapes(50257, 1024, 768, 12)
+    return gpt2_shapes(model or "124m")
 
 
 class Family(NamedTuple):

@@ -17,7 +17,12 @@ optirs/backends/cuda/formats.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_formats import MODELS, gpt2_shapes  # noqa: E402  (GPT-2's parameter shapes, as the formats rows')
 
 # name: (parameter dtype, master, state dtype, stochastic rounding)
 KINDS = {
@@ -43,19 +48,9 @@ KINDS = {
 }
 
 
-def gpt2_shapes(which: str):
-    vocab, positions = 50257, 1024
-    width, layers = (768, 12) if which == "124m" else (2048, 24)
-    shapes = [(vocab, width), (positions, width)]
-    for _ in range(layers):
-        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,), (width,), (width,),
-                   (width, 4 * width), (4 * width,), (4 * width, width), (width,)]
-    return shapes + [(width,), (width,)]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("shapes", choices=("124m", "1.3b"))
+    ap.add_argument("shapes", choices=sorted(MODELS))
     ap.add_argument("kinds", nargs="+", choices=sorted(KINDS), metavar="KIND", help=", ".join(KINDS))
     args = ap.parse_args(argv)
     import torch
