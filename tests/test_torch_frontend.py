@@ -416,6 +416,41 @@ def test_state_replaced_by_hand_is_what_the_next_step_uses():
         assert_same_params(ref_model, our_model)
 
 
+@pytest.mark.parametrize("make, dtype", [
+    (lambda ps: ot.AdamW(ps, lr=1e-2, backend="cpu"), torch.float32),
+    (lambda ps: ot.AdamW(ps, lr=1e-2, master_weights="remainder8", state_dtype="int8", backend="cpu"), torch.bfloat16),
+    (lambda ps: ot.Adafactor(ps, backend="cpu"), torch.float32),
+    (lambda ps: ot.CPUOffload(ot.AdamW, ps, lr=1e-2), torch.bfloat16),
+], ids=["adamw", "adamw-int8", "adafactor", "offload"])
+def test_a_dropped_optimizer_frees_its_state_at_once(make, dtype):
+    """No reference cycle holds an optimizer's buffers: dropped, its state tensors go at once, as
+    torch.optim's do, not when Python's garbage collector next runs (it counts objects, not the
+    gigabytes of device memory that a few of them hold). CPUOffload's gradient hooks, which live as
+    long as the model, hold neither it nor its chunks."""
+    import gc
+    import weakref
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # torch's first optimizer keeps its frames
+    params = [torch.nn.Parameter(torch.randn(40, 60).to(dtype)), torch.nn.Parameter(torch.randn(60).to(dtype))]
+    gc.collect()
+    gc.disable()
+    try:
+        opt = make(params)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        opt.load_state_dict(opt.state_dict())
+        opt.step()
+        held = [weakref.ref(v) for entry in opt.state.values() for v in entry.values() if torch.is_tensor(v)]
+        dropped = weakref.ref(opt)
+        del opt
+        assert held and dropped() is None
+        assert [r for r in held if r() is not None] == []
+    finally:
+        gc.enable()
+
+
 def test_seed_api_steps_torch_tensors_in_place():
     from optirs.torch.interop import host_arrays
 

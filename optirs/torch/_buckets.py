@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from itertools import repeat
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -137,6 +138,14 @@ def _format_views(fs: Any, flat: Dict[str, torch.Tensor]) -> List[Dict[str, torc
     return out
 
 
+def _allocator(bucket: "Bucket") -> Any:
+    """The engine's allocate callback for ``bucket``, holding it weakly: the bound method would make
+    the bucket and its engine a reference cycle, and a dropped optimizer's buffers (gigabytes of
+    device memory) would wait for Python's garbage collector, which counts objects, not bytes."""
+    method = weakref.WeakMethod(bucket._allocate)
+    return lambda *args: method()(*args)
+
+
 class Bucket:
     """One launch: a group's tensors on one device with one dtype and one step count (module docstring).
 
@@ -169,7 +178,7 @@ class Bucket:
                                     for t, o in zip(locals_, self.orders)],
                                    [p.numel() for p in params] if self.dist else None)  # (a shard's whole tensor)
         self.fs = fm.format_state(definition, self.layout, storage, slots) if storage is not None else None
-        self.engine = StepEngine(definition, backend, allocate=self._allocate)
+        self.engine = StepEngine(definition, backend, allocate=_allocator(self))
         self.flat: Optional[Dict[str, torch.Tensor]] = None
         self.refresh_params()
         self.formats: Dict[torch.dtype, Optional[StepFormat]] = {}

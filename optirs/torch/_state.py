@@ -13,6 +13,7 @@ optimizer rebuilds its buckets at the first step.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -58,13 +59,19 @@ class TrackedState(defaultdict):
 
 @_counts_changes(lambda entry: entry.owner)
 class TrackedEntry(dict):
-    """One tensor's entry of a :class:`TrackedState`: a dict whose changes count on its owner."""
+    """One tensor's entry of a :class:`TrackedState`: a dict whose changes count on its owner, held
+    weakly (the state holds its entries: a strong reference back would make every dropped
+    optimizer's state tensors wait for the garbage collector)."""
 
-    __slots__ = ("owner",)
+    __slots__ = ("_owner",)
 
     def __init__(self, owner: Optional[TrackedState], items: Any = ()):
         super().__init__(items)
-        self.owner = owner
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    @property
+    def owner(self) -> Optional[TrackedState]:
+        return self._owner() if self._owner is not None else None
 
     def __reduce__(self):
         return (dict, (), None, None, iter(self.items()))
