@@ -87,6 +87,29 @@ def test_the_measurement_build_compiles_its_full_round_alone(sm90):
 
 
 @pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
+def test_the_claiming_build_compiles_its_counter(sm90):
+    """make_step_kernel's default build takes its chunks by 64-bit atomic adds on the table's last
+    row, the blocks in step at each chunk, nothing spilled; claim=False (each block every grid-th
+    chunk, OPTIRS_CUDA_FORMATS_CLAIM=0) has no atomic."""
+    from numba import cuda
+
+    from optirs.backends.cuda import formats_kernels as fk
+
+    d = DEFINITIONS["adamw"]
+    fmt = _fmt("bfloat16", "remainder8", "float8_e4m3fn")
+    sig = fk.step_kernel_signature(d.scalars(d.examples[0], 3))
+    claimed, dealt = (cuda.compile_ptx(fk.make_step_kernel(d.kernel, fmt.codes, (True, False, False), 3, claim=c), sig,
+                                       cc=(9, 0))[0] for c in (True, False))
+    assert "atom.global.add.u64" in claimed and "bar.sync" in claimed and "membar" in claimed
+    assert ".local" not in claimed and ".local" not in dealt and "atom.global.add.u64" not in dealt
+
+
+def _shared_maps(ptx: str) -> bool:
+    """Whether ``ptx`` reads or writes shared memory other than 64-bit words (the claimed chunk)."""
+    return re.search(r"(ld|st)\.shared\.(?!u64)", ptx) is not None
+
+
+@pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
 @pytest.mark.parametrize("name,fmt", PTX_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.codes)))
 def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
     from numba import cuda
@@ -106,13 +129,14 @@ def test_step_kernels_compile_to_sm90_ptx(sm90, name, fmt):
         assert ("redux.sync.max.u32" if fk.REDUX else "shfl.sync.bfly") in ptx
         assert "ld.global.v2.u32" in ptx and "st.global.v2.u32" in ptx  # 8 one-byte codes per access
     if fmt.state_dtype == "float8_e4m3fn":
-        # no maps in shared memory: pairs of codes converted by the hardware (sm_89 on) both ways
-        assert "ld.shared" not in ptx and "st.shared" not in ptx
+        # no maps in shared memory (its one 64-bit word is the claimed chunk): pairs of codes
+        # converted by the hardware (sm_89 on) both ways
+        assert not _shared_maps(ptx)
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.f32.f16" in ptx
     if fmt.state_dtype == "int8_sqrt":
         # codes by arithmetic: no maps in shared memory, and no integer <-> float conversion (the
         # codes and their values by float bits: a conversion runs on the narrow conversion pipe)
-        assert "ld.shared" not in ptx and "st.shared" not in ptx
+        assert not _shared_maps(ptx)
         assert not re.search(r"cvt\.r[nz]i?\.(f32\.[su](8|16|32)|[su]32\.f32)", ptx)
         # a root times k is rounded before the rounding add (the contract rounds twice): no operand
         # of that add (through the moves that merge paths) is a plain product, which ptxas fuses with it
@@ -957,14 +981,38 @@ def test_step_is_the_cpu_backends_bit_for_bit(fmt, shapes, steps):
 
 @pytest.mark.cuda
 def test_another_chunk_size_steps_the_same_bits(monkeypatch):
-    """``OPTIRS_CUDA_FORMATS_CHUNK`` (tuning) gives a block another count of rounds a chunk (2 here,
-    4 by default): the step is still the cpu backend's bit for bit, int8 blocks, a chunk's start
-    inside a tensor and a tensor's end included."""
+    """``OPTIRS_CUDA_FORMATS_CHUNK`` (tuning) gives a block another count of rounds a chunk (1 here;
+    2 by default where blocks claim chunks, 16 where each takes every grid-th chunk, as with
+    ``OPTIRS_CUDA_FORMATS_CLAIM=0``): the step is still the cpu backend's bit for bit, int8 blocks, a
+    chunk's start inside a tensor and a tensor's end included."""
     from optirs.core.params import AdamParams
 
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "2048")
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CLAIM", "0")
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "1024")
     fmt = _fmt("bfloat16", "remainder8", "int8_sqrt")
     _assert_the_cpu_bits(_run("adamw", fmt, [(2100,), (37,)], steps=1, hp=AdamParams(lr=1e-2), cpu=True))
+
+
+@pytest.mark.cuda
+def test_chunks_taken_from_the_counter_step_as_the_grid_dealt_ones(monkeypatch):
+    """Blocks take chunks from the counter in the chunk table's last row (the default): every step's
+    parameters and buffers are those of blocks that take every grid-th chunk
+    (``OPTIRS_CUDA_FORMATS_CLAIM=0``), byte for byte, the second step too (the last block set the
+    counter back to zero: a launch that found it where the first left it would take no chunk)."""
+    from optirs.core.params import AdamParams
+
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "1024")
+    fmt = _fmt("bfloat16", "remainder8", "int8_sqrt")
+    runs = {}
+    for claim in ("1", "0"):
+        monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CLAIM", claim)
+        runs[claim] = _run("adamw", fmt, [(2100,), (37,)], steps=2, hp=AdamParams(lr=1e-2))
+    for (claimed_p, claimed_b, *_), (dealt_p, dealt_b, *_) in zip(runs["1"], runs["0"]):
+        for c, d in zip(claimed_p, dealt_p):
+            assert np.array_equal(np.asarray(c).view(np.uint8), np.asarray(d).view(np.uint8))
+        assert claimed_b.keys() == dealt_b.keys()
+        for k in dealt_b:
+            assert np.array_equal(np.asarray(claimed_b[k]).view(np.uint8), np.asarray(dealt_b[k]).view(np.uint8)), k
 
 
 def _assert_the_cpu_bits(results):

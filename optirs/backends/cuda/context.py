@@ -604,14 +604,15 @@ class CudaContext:
     # ------------------------------------------------ tables
 
     def chunk_table(self, layout: Any, chunk: int):
-        """Device int64[nchunks, 4] (tensor, start, count, state offset), once per layout and chunk size."""
+        """Device int64[nchunks + 1, 4] (tensor, start, count, state offset), once per layout and chunk
+        size. The row after the chunks starts at zero: kernels that claim chunks count there (the
+        claims, then the blocks done) and the last block sets it back to zero."""
         key = ("cuda.chunks", chunk)
         table = layout.cache.get(key)
         if table is None:
             tensor, start, stop = layout.chunks(chunk)
             host = np.stack([tensor, start, stop - start, layout.offsets[tensor]], axis=1).astype(np.int64)
-            if len(host) == 0:
-                host = np.zeros((1, 4), np.int64)
+            host = np.concatenate([host, np.zeros((1, 4), np.int64)])
             table = layout.cache[key] = (self.upload(np.ascontiguousarray(host)), len(tensor))
         return table
 

@@ -124,8 +124,10 @@ class CudaFormats:
                                scalars, fmt)
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
-        planned = plan(ctx, f"formats_step_{name}", lambda: fk.make_step_kernel(family, fc, signed, used), head, args,
-                       layout, _max_registers(fmt, family))
+        claim = fk.claim_chunks()
+        planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}",
+                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim), head, args, layout,
+                       _max_registers(fmt, family), CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
@@ -334,11 +336,12 @@ def _kernels():
     return formats_kernels
 
 
-def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any, max_registers: int = 0):
+def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any, max_registers: int = 0,
+         rounds: int = 0):
     """(compiled kernel, chunk elements, grid, block) of ``factory()``'s kernel on ``layout``:
     compiled once per context and signature (``head_types`` and the types of ``args``; at most
-    ``max_registers`` per thread when non-zero), sized once per layout (8 elements per thread),
-    never more blocks than chunks."""
+    ``max_registers`` per thread when non-zero), sized once per layout (8 elements per thread,
+    ``rounds`` rounds a chunk, :data:`ROUNDS_PER_CHUNK` when 0), never more blocks than chunks."""
     import numba
 
     key = ("cuda.formats.plan", name)
@@ -350,23 +353,27 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
         compiled = ctx.compiled(name, pyfunc, head_types + tuple(numba.typeof(a) for a in args),
                                 max_registers=max_registers)
         grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8, resident_block=_resident_block())
-        chunk = _chunk_elements(ctx, block)
+        chunk = _chunk_elements(ctx, block, rounds or ROUNDS_PER_CHUNK)
         nchunks = len(layout.chunks(chunk)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
 
 
-# a chunk's setup (its tensor's pointers, block and scale addresses, its round count) cost about 5
-# instructions an element at 4 rounds a chunk; 16 rounds took 2-5% less kernel time in the int8
-# kernels on the H200 (docs/benchmarks.md, 2026-12-05), 8 about as much
+# Blocks that take every grid-th chunk: a chunk's setup (its tensor's pointers, block and scale
+# addresses, its round count) cost about 5 instructions an element at 4 rounds a chunk; 16 rounds
+# took 2-5% less kernel time in the int8 kernels on the H200 (docs/benchmarks.md, 2026-12-05).
 ROUNDS_PER_CHUNK = 16
+# Blocks that claim chunks from a counter: no block waits on a share of a long tensor while the
+# others are done, so small chunks pay; 2 rounds took 3-9% less kernel time than 16 on GPT-2 1.3B
+# shapes and about as much on 124M on the H100 (docs/benchmarks.md, 2026-12-06).
+CLAIMED_ROUNDS_PER_CHUNK = 2
 
 
-def _chunk_elements(ctx: Any, block: int) -> int:
-    """The formats kernels' chunk: :data:`ROUNDS_PER_CHUNK` rounds of ``block`` threads, 8 elements
-    each (a 128-thread block takes 16384 elements), and never less than the plain kernels' chunk.
-    ``OPTIRS_CUDA_FORMATS_CHUNK`` (tuning): another size, a multiple of 1024 elements (0 for the
-    default)."""
+def _chunk_elements(ctx: Any, block: int, rounds: int = ROUNDS_PER_CHUNK) -> int:
+    """The formats kernels' chunk: ``rounds`` rounds of ``block`` threads, 8 elements each (a
+    128-thread block takes 2048 elements in 2 rounds); with :data:`ROUNDS_PER_CHUNK`, never less
+    than the plain kernels' chunk. ``OPTIRS_CUDA_FORMATS_CHUNK`` (tuning): another size, a multiple
+    of 1024 elements (0 for the default)."""
     text = os.environ.get("OPTIRS_CUDA_FORMATS_CHUNK", "").strip()
     if text:
         if not text.isdigit() or int(text) % 1024:
@@ -374,7 +381,8 @@ def _chunk_elements(ctx: Any, block: int) -> int:
                                         "(0: the default)")
         if int(text):
             return int(text)
-    return max(ctx.kernels.chunk_elements(block), -(-block * 8 * ROUNDS_PER_CHUNK // 1024) * 1024)
+    elements = -(-block * 8 * rounds // 1024) * 1024
+    return max(ctx.kernels.chunk_elements(block), elements) if rounds >= ROUNDS_PER_CHUNK else elements
 
 
 def _max_registers(fmt: Any, family: str) -> int:

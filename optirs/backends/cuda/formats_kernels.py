@@ -34,7 +34,7 @@ import math
 
 import numba
 import numpy as np
-from numba import cuda, float32, float64, uint8, uint32
+from numba import cuda, float32, float64, int64, uint8, uint32
 
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
@@ -673,7 +673,19 @@ def step_kernel_signature(sc) -> tuple:
             types.UniTuple(types.int64, 9), types.int64, types.int64, types.int64, typeof(sc))
 
 
-def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot: bool = False):
+def claim_chunks() -> bool:
+    """Whether the pointwise step kernels take their chunks from a counter (the chunk table's row
+    after the chunks), as the OpenCL program does, instead of every grid-th chunk: yes, unless
+    ``OPTIRS_CUDA_FORMATS_CLAIM=0`` (to measure the static dealing). On the H100 the claimed
+    2048-element chunks took 5-13% less kernel time than static 16384-element ones on GPT-2 1.3B
+    shapes, 0-6% on 124M, with the same bits (docs/benchmarks.md, 2026-12-06)."""
+    import os
+
+    return os.environ.get("OPTIRS_CUDA_FORMATS_CLAIM", "").strip() != "0"
+
+
+def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot: bool = False,
+                     claim: bool = True):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
     slot k exists (compiled in as well: an unused slot takes no registers).
@@ -692,6 +704,12 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
     :func:`make_lamb_grad_kernel`). The norms pass writes nothing else; the apply pass takes the
     trust ratios from them, writes parameters, masters and moments, and zeroes row 1 - q for the
     next step (also when found_inf skips the step, so a skipped step leaves both rows zero).
+
+    ``claim`` (pointwise steps, :func:`claim_chunks`): each block takes its next chunk from the
+    counter in the chunk table's last row (thread 0 takes the one after while the block runs the
+    current one); the last block to finish sets the row back to zero, so that the next launch, a
+    replayed graph's too, starts from zero. Without it (and in LAMB's passes, whose per-tensor sums
+    keep the float32 step's order) each block takes every grid-th chunk.
 
     ``hot``: a measurement build, never launched (benchmarks/cuda_sass_rounds.py --hot): every round
     the full one and every tensor coded, so that the round loop holds a full round alone and its
@@ -1052,6 +1070,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
 
         return _device(one_round)
 
+    dealt = claim and not lamb
     full_rounds = hot or full_group_rounds(fc, family)
     full_round = make_round(True) if full_rounds else None
     part_round = make_round(False)
@@ -1115,7 +1134,21 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
         x1 = cuda.local.array(LANE, float32)
         x2 = cuda.local.array(LANE, float32)
         c = cuda.blockIdx.x
-        while c < nchunks:
+        claimed = cuda.shared.array(1, int64)
+        ahead = int64(0)
+        if dealt and tid == 0:
+            ahead = cuda.atomic.add(chunks, (nchunks, 0), 1)
+        while True:
+            if dealt:
+                # thread 0's claim taken a chunk ahead, so that the atomic's round trip runs under a chunk
+                if tid == 0:
+                    claimed[0] = ahead
+                    ahead = cuda.atomic.add(chunks, (nchunks, 0), 1)
+                cuda.syncthreads()
+                c = claimed[0]
+                cuda.syncthreads()  # read by every thread before thread 0 writes the next
+            if c >= nchunks:
+                break
             t = chunks[c, 0]
             start = chunks[c, 1]
             n = chunks[c, 2]
@@ -1177,7 +1210,13 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
                 if tid == 0:
                     cuda.atomic.add(acc, (q, t), sp)
                     cuda.atomic.add(acc, (q, ntensors + t), su)
-            c += cuda.gridDim.x
+            if not dealt:
+                c += cuda.gridDim.x
+        if dealt and tid == 0:
+            cuda.threadfence()  # this block's claims are counted before it says it is done
+            if cuda.atomic.add(chunks, (nchunks, 1), 1) == cuda.gridDim.x - 1:
+                chunks[nchunks, 0] = 0
+                chunks[nchunks, 1] = 0
 
     if lamb:
         kernel = body
