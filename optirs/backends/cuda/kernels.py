@@ -2,7 +2,8 @@
 
 Every step kernel covers a whole model in one launch. Two small device tables drive it:
 
-* the chunk table (``int64[nchunks, 4]``: tensor, start, count, state offset), cut from
+* the chunk table (``int64[nchunks + 1, 4]``: tensor, start, count, state offset; the last row
+  is the counter from which the formats kernels claim chunks), cut from
   :meth:`optirs.core.layout.TensorLayout.chunks`, cached per layout;
 * the pointer table (``int64[ntensors, 2]``: parameter and gradient addresses), so parameters
   and gradients may be separate allocations (numba, CuPy, torch tensors) and are used in place.
