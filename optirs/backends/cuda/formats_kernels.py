@@ -677,8 +677,9 @@ def claim_chunks() -> bool:
     """Whether the pointwise step kernels take their chunks from a counter (the chunk table's row
     after the chunks), as the OpenCL program does, instead of every grid-th chunk: yes, unless
     ``OPTIRS_CUDA_FORMATS_CLAIM=0`` (to measure the static dealing). On the H100 the claimed
-    2048-element chunks took 5-13% less kernel time than static 16384-element ones on GPT-2 1.3B
-    shapes, 0-6% on 124M, with the same bits (docs/benchmarks.md, 2026-12-06)."""
+    2048-element chunks took 3-13% less kernel time than static 16384-element ones on GPT-2 1.3B
+    shapes and, on 124M, 2-8% less (the stochastic-rounding one-byte rows up to 3% more), with the
+    same bytes (docs/benchmarks.md, 2026-12-06)."""
     import os
 
     return os.environ.get("OPTIRS_CUDA_FORMATS_CLAIM", "").strip() != "0"
