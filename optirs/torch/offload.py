@@ -814,22 +814,20 @@ class CPUOffload(torch.optim.Optimizer):
         return FUSED
 
     def _register(self, chunks: List[_Chunk]) -> None:
-        # The hooks live as long as the model's parameters: they must keep neither the optimizer
-        # nor a chunk (its host buffers and inner optimizer) alive, so they name the chunk by index.
+        # The hook lives as long as the model's parameters: it must keep neither the optimizer nor
+        # a chunk (its host buffers and inner optimizer) alive, so it finds the chunk in _where.
         ref = weakref.ref(self)
 
-        def make_hook(index: int, k: int) -> Callable[[torch.Tensor], None]:
-            def hook(p: torch.Tensor) -> None:
-                opt = ref()
-                if opt is not None:
-                    opt._on_grad(opt._chunks[index], k, p)
-            return hook
+        def hook(p: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._on_grad(*opt._where[p], p)
 
         if chunks and self._check == FINGERPRINT:
             self._grow_fingerprints(chunks)
         for c in chunks:
             for k, p in enumerate(c.params):
-                self._handles.append(p.register_post_accumulate_grad_hook(make_hook(c.index, k)))
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
                 self._where[p] = (c, k)
             self._chunks.append(c)
 
