@@ -336,12 +336,22 @@ def _kernels():
     return formats_kernels
 
 
+# Blocks that take every grid-th chunk: a chunk's setup (its tensor's pointers, block and scale
+# addresses, its round count) cost about 5 instructions an element at 4 rounds a chunk; 16 rounds
+# took 2-5% less kernel time in the int8 kernels on the H200 (docs/benchmarks.md, 2026-12-05).
+ROUNDS_PER_CHUNK = 16
+# Blocks that claim chunks from a counter: no block waits on a share of a long tensor while the
+# others are done, so small chunks pay; 2 rounds took 3-9% less kernel time than 16 on GPT-2 1.3B
+# shapes and about as much on 124M on the H100 (docs/benchmarks.md, 2026-12-06).
+CLAIMED_ROUNDS_PER_CHUNK = 2
+
+
 def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any, max_registers: int = 0,
-         rounds: int = 0):
+         rounds: int = ROUNDS_PER_CHUNK):
     """(compiled kernel, chunk elements, grid, block) of ``factory()``'s kernel on ``layout``:
     compiled once per context and signature (``head_types`` and the types of ``args``; at most
     ``max_registers`` per thread when non-zero), sized once per layout (8 elements per thread,
-    ``rounds`` rounds a chunk, :data:`ROUNDS_PER_CHUNK` when 0), never more blocks than chunks."""
+    ``rounds`` rounds a chunk), never more blocks than chunks."""
     import numba
 
     key = ("cuda.formats.plan", name)
@@ -353,20 +363,10 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
         compiled = ctx.compiled(name, pyfunc, head_types + tuple(numba.typeof(a) for a in args),
                                 max_registers=max_registers)
         grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8, resident_block=_resident_block())
-        chunk = _chunk_elements(ctx, block, rounds or ROUNDS_PER_CHUNK)
+        chunk = _chunk_elements(ctx, block, rounds)
         nchunks = len(layout.chunks(chunk)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
-
-
-# Blocks that take every grid-th chunk: a chunk's setup (its tensor's pointers, block and scale
-# addresses, its round count) cost about 5 instructions an element at 4 rounds a chunk; 16 rounds
-# took 2-5% less kernel time in the int8 kernels on the H200 (docs/benchmarks.md, 2026-12-05).
-ROUNDS_PER_CHUNK = 16
-# Blocks that claim chunks from a counter: no block waits on a share of a long tensor while the
-# others are done, so small chunks pay; 2 rounds took 3-9% less kernel time than 16 on GPT-2 1.3B
-# shapes and about as much on 124M on the H100 (docs/benchmarks.md, 2026-12-06).
-CLAIMED_ROUNDS_PER_CHUNK = 2
 
 
 def _chunk_elements(ctx: Any, block: int, rounds: int = ROUNDS_PER_CHUNK) -> int:
