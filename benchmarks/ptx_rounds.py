@@ -53,7 +53,9 @@ def sass_functions(text: str, guards: bool = False) -> Dict[str, List[tuple]]:
 
 
 def round_loop(ins: List[Tuple[int, str, str]]) -> List[Tuple[int, str, str]]:
-    """The innermost backward branch's body holding 3+ global loads and a MUFU (the round)."""
+    """The innermost backward branch's body holding 3+ global loads and 4+ MUFU (the round: a lane's
+    elements take a square root or division each; a shorter back edge of the chunk loop, a chunk with
+    no round of its own, holds the chunk's loads and at most one)."""
     loads = [a for a, o, _ in ins if o.startswith("LDG")]
     mufu = [a for a, o, _ in ins if o.startswith("MUFU")]
     best = None
@@ -62,7 +64,7 @@ def round_loop(ins: List[Tuple[int, str, str]]) -> List[Tuple[int, str, str]]:
         if not (o.startswith("BRA") and m):
             continue
         t = int(m.group(1), 16)
-        if t < a and sum(t <= x <= a for x in loads) >= 3 and any(t <= x <= a for x in mufu):
+        if t < a and sum(t <= x <= a for x in loads) >= 3 and sum(t <= x <= a for x in mufu) >= 4:
             if best is None or a - t < best[1] - best[0]:
                 best = (t, a)
     return [] if best is None else [x for x in ins if best[0] <= x[0] <= best[1]]
