@@ -194,6 +194,39 @@ def test_optimizer_accepts_device_arrays(rng):
     _close([param.copy_to_host()], expected)
 
 
+def test_dropped_device_arrays_are_not_kept_by_the_backend(rng):
+    """An optimizer and the device arrays it stepped, dropped, leave nothing of theirs alive in the
+    backend's caches (its address cache held each list of arrays until 16 later lists pushed it
+    out: a process stepping one large model after another ran out of device memory); a list that
+    lives on keeps its cached addresses."""
+    import gc
+    import weakref
+
+    from numba import cuda
+
+    backend = _cuda_backend()
+    kept = [cuda.to_device(rng.standard_normal(40).astype(np.float32))]
+    gc.collect()
+    gc.disable()
+    try:
+        params = [cuda.to_device(rng.standard_normal(n).astype(np.float32)) for n in (37, 300)]
+        opt = optirs.GpuAdamW(optirs.AdamParams(), optirs.GpuOptimizerConfig(backend="cuda"))
+        for _ in range(2):
+            opt.step_gpu(params, [cuda.to_device(rng.standard_normal(p.shape).astype(np.float32)) for p in params])
+        before = len(backend.ctx._address_cache)
+        first = backend.ctx.addresses(kept, "params")
+        assert len(backend.ctx._address_cache) == before + 1
+        held = [weakref.ref(p) for p in params]
+        del opt, params
+        assert [r for r in held if r() is not None] == []
+        after = len(backend.ctx._address_cache)
+        assert after <= before  # the params' entry went with them (the kept list's came)
+        assert backend.ctx.addresses(kept, "params") == first
+        assert len(backend.ctx._address_cache) == after  # found, not added again
+    finally:
+        gc.enable()
+
+
 def test_numpy_inputs_are_written_back_and_launches_cached(rng):
     backend = _cuda_backend()
     shapes = [(9, 4), (5,), (130,)]

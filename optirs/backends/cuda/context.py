@@ -370,6 +370,23 @@ class Compiled:
 # ------------------------------------------------------------------ the context
 
 
+
+def _hold_while_alive(arrays: List[Any], cache: Dict[tuple, Any], key: tuple) -> List[Any]:
+    """What a cache entry keyed by the arrays' identities holds of them: a weak reference to each
+    that evicts ``cache[key]`` when its array goes (while every one lives, no other object has its
+    identity), or the array itself where it takes no weak reference."""
+    def evict(_ref: Any) -> None:
+        cache.pop(key, None)
+
+    held = []
+    for a in arrays:
+        try:
+            held.append(weakref.ref(a, evict))
+        except TypeError:
+            held.append(a)
+    return held
+
+
 class CudaContext:
     """The opened backend: numba.cuda, the kernels, caches of compiled kernels and launches."""
 
@@ -638,8 +655,10 @@ class CudaContext:
 
         Like the optimizer's validation cache, this takes an array object to keep its memory
         between steps (true of numba and CuPy arrays; torch tensors are re-checked through
-        ``data_ptr()``, since ``tensor.data`` can be reassigned); the entry keeps the arrays alive,
-        so the identities stay theirs.
+        ``data_ptr()``, since ``tensor.data`` can be reassigned). The entry holds the arrays weakly
+        and goes when one of them does (:func:`_hold_while_alive`), so the identities stay theirs
+        and a model dropped with its optimizer gives its memory back at once, not when 16 later
+        lists have pushed its entry out.
         """
         key = tuple(map(id, arrays))
         hit = self._address_cache.get(key)
@@ -659,7 +678,7 @@ class CudaContext:
             found.append(addr)
         out = tuple(found)
         swappable = tuple(i for i, a in enumerate(arrays) if hasattr(a, "data_ptr"))
-        self._address_cache[key] = (list(arrays), out, swappable)
+        self._address_cache[key] = (_hold_while_alive(arrays, self._address_cache, key), out, swappable)
         if len(self._address_cache) > 2 * _LRU:
             self._address_cache.popitem(last=False)
         return out
