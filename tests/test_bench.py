@@ -126,16 +126,28 @@ def test_round_cycle_counts_the_cheapest_way_once_around_the_round_loop():
     spec.loader.exec_module(pr)
     lines = ["MOV R1, c[0x0][0x28]", "LDG.E R2, desc[UR4][R8.64]", "LDG.E R3, desc[UR4][R8.64]",
              "LDG.E R5, desc[UR4][R8.64]", "@P0 BRA 0x90", "MUFU.RCP R6, R2", "FMUL R6, R6, R3", "FMUL R6, R6, R3",
-             "FMUL R6, R6, R3", "MUFU.SQRT R7, R5", "STG.E desc[UR4][R8.64], R7", "@P1 BRA 0x10", "EXIT"]
-    sass = "        Function : k\n" + "".join(f"        /*{16 * i:04x}*/                   {x} ;\n"
-                                             for i, x in enumerate(lines))
+             "FMUL R6, R6, R3", "MUFU.SQRT R7, R5", "MUFU.RSQ R9, R5", "MUFU.RCP R10, R3", "STG.E desc[UR4][R8.64], R7",
+             "@P1 BRA 0x10", "EXIT"]
+
+    def sass_of(lines):
+        return "        Function : k\n" + "".join(f"        /*{16 * i:04x}*/                   {x} ;\n"
+                                                 for i, x in enumerate(lines))
+
+    sass = sass_of(lines)
     ins = pr.sass_functions(sass, guards=True)["k"]
-    # the head (0x10), two loads, the branch, then 0x90's MUFU, the store and the backward branch
-    assert pr.round_cycle(ins) == 7
+    # the head (0x10), two loads, the branch, then 0x90's three MUFU, the store and the backward branch
+    assert pr.round_cycle(ins) == 9
     # a branch around the slow block that is not taken by its predicate's absence: through it
     forced = sass.replace("@P0 BRA 0x90", "NOP")
-    assert pr.round_cycle(pr.sass_functions(forced, guards=True)["k"]) == 11
+    assert pr.round_cycle(pr.sass_functions(forced, guards=True)["k"]) == 13
     assert pr.round_cycle(pr.sass_functions(sass.replace("@P1 BRA 0x10", "NOP"), guards=True)["k"]) == 0
+    # a chunk loop's short back edge (a chunk with no round of its own: its loads and one MUFU) is not
+    # the round, though it spans fewer instructions
+    chunk = ["MOV R1, c[0x0][0x28]", "LDG.E R2, desc[UR4][R8.64]", "LDG.E R3, desc[UR4][R8.64]",
+             "LDG.E R5, desc[UR4][R8.64]", "MUFU.RCP R6, R2", "@P2 BRA 0x10"]
+    shifted = [x.replace("0x90", "0xe0").replace("0x10", "0x60") for x in lines[1:]]  # 5 instructions on
+    loop = pr.round_loop(pr.sass_functions(sass_of(chunk + shifted))["k"])
+    assert [o for _, o, _ in loop].count("MUFU.SQRT") == 1 and loop[0][0] == 0x60
 
 
 def test_cuda_sass_rounds_refuses_bad_input_and_skips_without_its_tools(tmp_path, capsys):
