@@ -136,6 +136,12 @@ def format_bytes(pdt: str, master: Optional[str], state: str, family: str = "ada
     return bytes_per_param(pdt, pdt, master, state, FAMILIES[family].slots, family, clips=family == "lamb")
 
 
+def error_text(exc: BaseException) -> str:
+    """A failed row's error for the JSON, whole (an out-of-memory error says what holds the memory
+    past its first 200 characters); the printed line and table take its start."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:2000]}"
+
+
 def timed(sync: Callable[[], None], fn: Callable[[], None], steps: int, batches: int) -> float:
     """Median ms per call over ``batches`` batches of ``steps`` back-to-back calls (after warm-up)."""
     for _ in range(3):
@@ -420,7 +426,7 @@ def peer_row(dev: TorchDevice, shapes, label: str, make: Callable, dtype: Any, b
         ms = timed(dev.sync, opt.step, steps, batches)
         kms = dev.kernel_ms(opt.step, steps)
     except Exception as exc:  # a peer that imports but cannot run here: say why, keep the run
-        return {"label": label, "peer": True, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+        return {"label": label, "peer": True, "error": error_text(exc)}
     n = sum(p.numel() for p in params)
     return {"label": label, "peer": True, "ms": ms, "kernel_ms": kms, "bytes_per_param": bytes_pp,
             "state_bytes_per_param": nbytes([dict(s) for s in opt.state.values()]) / n}
@@ -481,7 +487,7 @@ def print_table(rows: List[Dict[str, Any]], title: str) -> None:
 
     def cells(r):
         if "ms" not in r:
-            return [r["label"], "error: " + r["error"]] + [""] * (len(headers) - 2)
+            return [r["label"], "error: " + r["error"][:200]] + [""] * (len(headers) - 2)
         vs = f"{r['vs_best_peer']:.2f}x" if r.get("vs_best_peer") else "-"
         gbs = f"{r['gb_per_s']:.0f}" if r["gb_per_s"] >= 100 else f"{r['gb_per_s']:.2f}"
         kms = f"{r['kernel_ms']:.3f}" if r.get("kernel_ms") else "-"
@@ -575,7 +581,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         """Print the row as it finishes and rewrite the JSON: a run cut short keeps every row so far."""
         rows.append(row)
         kernel = f", kernel {row['kernel_ms']:.3f} ms" if row.get("kernel_ms") else ""
-        print(f"#   {row['label']}: {row.get('ms', row.get('error'))}{kernel}", flush=True)
+        print(f"#   {row['label']}: {row.get('ms', str(row.get('error'))[:200])}{kernel}", flush=True)
         best = finish_rows(rows, n, copy)
         if args.json:
             with open(args.json, "w") as f:
@@ -589,7 +595,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             row = dev.optirs_row(shapes, spec, steps, batches, args.family)
         except Exception as exc:
-            row = {"label": f"optirs {spec[0]}", "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+            row = {"label": f"optirs {spec[0]}", "error": error_text(exc)}
         done(row)
     if peer_dev is not None and not args.no_peers:
         for label, make, dtype, bytes_pp in peers(peer_dev.torch, args.family):
