@@ -370,7 +370,6 @@ class Compiled:
 # ------------------------------------------------------------------ the context
 
 
-
 def _hold_while_alive(arrays: List[Any], cache: Dict[tuple, Any], key: tuple) -> List[Any]:
     """What a cache entry keyed by the arrays' identities holds of them: a weak reference to each
     that evicts ``cache[key]`` when its array goes (while every one lives, no other object has its
