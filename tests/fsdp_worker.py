@@ -414,29 +414,24 @@ def main():
     dist.barrier()
     if dist.get_rank() == 0:
         (checkdir / "done").write_text("ok")
-    leave_group(checkdir, "fsdp")
-    exit_at_once()
+    leave_group_and_exit(checkdir, "fsdp")
 
 
-def leave_group(checkdir: Path, tag: str) -> None:
-    """``destroy_process_group`` with rank 0 last: rank 0 hosts the group's TCPStore, so it waits
-    (up to two minutes) until every other rank has torn its group down and said so in ``checkdir``.
-    Under load a rank once aborted in its teardown (std::terminate) after its peers had exited."""
+def leave_group_and_exit(checkdir: Path, tag: str) -> None:
+    """A rank's last call, its checks passed: ``destroy_process_group`` with rank 0 last (rank 0 hosts
+    the group's TCPStore, so it waits, up to two minutes, until every other rank has torn its group
+    down and said so in ``checkdir``), then the process ends at once (``os._exit``). Under load a
+    rank once aborted in its teardown (std::terminate) after its peers had exited, and rank 0 still
+    did in the interpreter's own teardown of torch's distributed objects, at exit."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank:
         dist.destroy_process_group()
         (checkdir / f"{tag}-left-{rank}").write_text("ok")
-        return
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all((checkdir / f"{tag}-left-{r}").exists() for r in range(1, world)):
-        time.sleep(0.05)
-    dist.destroy_process_group()
-
-
-def exit_at_once() -> None:
-    """End the rank here, its checks passed and its group torn down: the interpreter's own teardown
-    (torch's distributed objects, destroyed at exit) has still aborted rank 0 with std::terminate
-    under load, after every check had passed and ``leave_group`` had run."""
+    else:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all((checkdir / f"{tag}-left-{r}").exists() for r in range(1, world)):
+            time.sleep(0.05)
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from test_torch_fsdp import dist, spawn, torch  # (its module-level skips: no gloo, no FSDP2)
 
-from fsdp_worker import batch, exit_at_once, leave_group, train
+from fsdp_worker import batch, leave_group_and_exit, train
 
 STEPS = 4
 
@@ -488,8 +488,7 @@ def main():
     dist.barrier()
     if dist.get_rank() == 0:
         (checkdir / f"{mode}-done").write_text("ok")
-    leave_group(checkdir, mode)
-    exit_at_once()
+    leave_group_and_exit(checkdir, mode)
 
 
 if __name__ == "__main__":
