@@ -124,10 +124,11 @@ class CudaFormats:
                                scalars, fmt)
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
-        claim = fk.claim_chunks()
-        planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}",
-                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim), head, args, layout,
-                       _max_registers(fmt, family), CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
+        claim, prefetch = _step_options(ctx, fk)
+        planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}_{prefetch}",
+                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim, prefetch=prefetch),
+                       head, args, layout, _max_registers(fmt, family),
+                       CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
@@ -367,6 +368,15 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
         nchunks = len(layout.chunks(chunk)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
+
+
+def _step_options(ctx: Any, fk: Any) -> Tuple[bool, str]:
+    """The pointwise step kernels' tuning variables (``fk.claim_chunks()``, ``fk.prefetch_mode()``), read
+    once per context, at its first formats step: a step reads no environment."""
+    options = ctx.__dict__.get("_formats_step_options")
+    if options is None:
+        options = ctx.__dict__["_formats_step_options"] = (fk.claim_chunks(), fk.prefetch_mode())
+    return options
 
 
 def _chunk_elements(ctx: Any, block: int, rounds: int = ROUNDS_PER_CHUNK) -> int:
