@@ -98,25 +98,10 @@ def test_the_claiming_build_compiles_its_counter(sm90):
     d = DEFINITIONS["adamw"]
     fmt = _fmt("bfloat16", "remainder8", "float8_e4m3fn")
     sig = fk.step_kernel_signature(d.scalars(d.examples[0], 3))
-    claimed, dealt = (cuda.compile_ptx(fk.make_step_kernel(d.kernel, fmt.codes, (True, False, False), 3, claim=c,
-                                                           prefetch="chunk" if c else "none"), sig,
+    claimed, dealt = (cuda.compile_ptx(fk.make_step_kernel(d.kernel, fmt.codes, (True, False, False), 3, claim=c), sig,
                                        cc=(9, 0))[0] for c in (True, False))
     assert "atom.global.add.u64" in claimed and "bar.sync" in claimed and "membar" in claimed
     assert ".local" not in claimed and ".local" not in dealt and "atom.global.add.u64" not in dealt
-    # the one-byte state's coming groups asked into L2 (prefetch="chunk"), nothing asked without it
-    assert claimed.count("cp.async.bulk.prefetch.L2.global") == 1 and "cp.async.bulk" not in dealt
-
-
-def test_prefetch_mode_is_read_from_the_environment(monkeypatch):
-    from optirs.backends.cuda import formats_kernels as fk
-
-    monkeypatch.delenv("OPTIRS_CUDA_FORMATS_PREFETCH", raising=False)
-    assert fk.prefetch_mode() == "none"
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_PREFETCH", " round ")
-    assert fk.prefetch_mode() == "round"
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_PREFETCH", "next")
-    with pytest.raises(InvalidParameterError, match="OPTIRS_CUDA_FORMATS_PREFETCH='next'.*'none', 'round', 'chunk'"):
-        fk.prefetch_mode()
 
 
 def _shared_maps(ptx: str) -> bool:
@@ -930,27 +915,6 @@ def test_int8_step_matches_the_reference():
     """One int8 block tensor (4100 elements: 16 full blocks and a 4-element one) beside a small one."""
     for result in _run("adamw", _fmt("bfloat16", "remainder8", "int8"), [(5,), (4100,)], steps=1):
         _assert_close(result)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(SIMULATOR, reason="the simulator compiles no prefetch")
-@pytest.mark.parametrize("fmt", [_fmt("bfloat16", "remainder8", "int8_sqrt"),
-                                 _fmt("float32", None, "float8_e4m3fn")], ids=["r8-int8_sqrt", "fp32-float8"])
-def test_prefetched_steps_are_the_unprefetched_ones(monkeypatch, fmt):
-    """Every prefetch mode on a device steps the same bits: chunks of 1024 elements, so that a grid
-    holds far fewer than the 1M-element tensor's chunks and each block asks for the chunk a grid
-    ahead (the table's last ones ask past its end: nothing), beside a misaligned small tensor."""
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "1024")
-    got = {}
-    for mode in ("none", "round", "chunk"):
-        monkeypatch.setenv("OPTIRS_CUDA_FORMATS_PREFETCH", mode)
-        (p, b, _, _, _), = _run("adamw", fmt, [(37,), ((1 << 20) + 4,)], steps=1)
-        got[mode] = (p, b)
-    for mode in ("round", "chunk"):
-        for g, w in zip(got[mode][0], got["none"][0]):
-            assert np.array_equal(g, w), mode
-        for k, w in got["none"][1].items():
-            assert np.array_equal(got[mode][1][k], w, equal_nan=True), (mode, k)
 
 
 @pytest.mark.cuda

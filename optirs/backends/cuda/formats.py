@@ -124,11 +124,10 @@ class CudaFormats:
                                scalars, fmt)
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
-        claim, prefetch = _step_options(ctx, fk)
-        planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}_{prefetch}",
-                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim, prefetch=prefetch),
-                       head, args, layout, _max_registers(fmt, family),
-                       CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
+        claim = _claim_chunks(ctx, fk)
+        planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}",
+                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim), head, args, layout,
+                       _max_registers(fmt, family), CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
@@ -370,13 +369,13 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
     return plan
 
 
-def _step_options(ctx: Any, fk: Any) -> Tuple[bool, str]:
-    """The pointwise step kernels' tuning variables (``fk.claim_chunks()``, ``fk.prefetch_mode()``), read
-    once per context, at its first formats step: a step reads no environment."""
-    options = ctx.__dict__.get("_formats_step_options")
-    if options is None:
-        options = ctx.__dict__["_formats_step_options"] = (fk.claim_chunks(), fk.prefetch_mode())
-    return options
+def _claim_chunks(ctx: Any, fk: Any) -> bool:
+    """``fk.claim_chunks()`` (a tuning variable) read once per context, at its first formats step: a
+    step reads no environment."""
+    claim = ctx.__dict__.get("_formats_claim")
+    if claim is None:
+        claim = ctx.__dict__["_formats_claim"] = fk.claim_chunks()
+    return claim
 
 
 def _chunk_elements(ctx: Any, block: int, rounds: int = ROUNDS_PER_CHUNK) -> int:

@@ -53,7 +53,6 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            state_stream, store_master, store_master_wide, store_master_wide_num,
                                            stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
-from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import (BF16, F16, F32, FP8_MAX, FP8_PRE_BELOW, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8,
                                  STATE_BF16, STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, INT8_STATE_CODES,
                                  sqrt_levels)
@@ -320,42 +319,6 @@ else:
             x = max_nan(x, float32(_xor_exchange(x, k)))
         return x
 
-
-
-def _has_bulk_prefetch() -> bool:
-    """Whether the kernels compile for sm_90 or later (``cp.async.bulk.prefetch.L2``): the current
-    device's compute capability; without a device (PTX built ahead, tests) the kernels target sm_90."""
-    if SIMULATOR:
-        return False
-    try:
-        return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
-    except Exception:  # no device here: the kernels are compiled for sm_90 (tests, ahead-of-time PTX)
-        return True
-
-
-BULK_PREFETCH = _has_bulk_prefetch()
-
-if BULK_PREFETCH:
-    @intrinsic
-    def prefetch_l2(typingctx, addr, size):
-        if addr not in (types.int64, types.uint64) or size != types.uint32:
-            return None
-
-        def codegen(context, builder, sig, args):
-            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
-            builder.asm(fn, "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", args, side_effect=True)
-            return context.get_dummy_value()
-
-        return types.void(addr, size), codegen
-else:
-    @_device
-    def prefetch_l2(addr, size):
-        pass
-
-
-prefetch_l2.__doc__ = """Ask for ``size`` bytes from ``addr`` (both multiples of 16) to be brought into L2, with no
-register waiting for them (sm_90 on; elsewhere nothing): a warp's next round of a one-byte-state
-kernel, whose loads then wait for L2 rather than DRAM."""
 
 @_device
 def _block_sum(x):
@@ -713,35 +676,17 @@ def step_kernel_signature(sc) -> tuple:
 def claim_chunks() -> bool:
     """Whether the pointwise step kernels take their chunks from a counter (the chunk table's row
     after the chunks), as the OpenCL program does, instead of every grid-th chunk: yes, unless
-    ``OPTIRS_CUDA_FORMATS_CLAIM=0`` (to measure the static dealing; read once per context). On the H100 the claimed
-    2048-element chunks took 3-13% less kernel time than static 16384-element ones on GPT-2 1.3B
-    shapes and, on 124M, 2-8% less (the stochastic-rounding one-byte rows up to 3% more), with the
-    same bytes (docs/benchmarks.md, 2026-12-06)."""
+    ``OPTIRS_CUDA_FORMATS_CLAIM=0`` (to measure the static dealing; read once per context). On the
+    H100 the claimed 2048-element chunks took 3-13% less kernel time than static 16384-element
+    ones on GPT-2 1.3B shapes and, on 124M, 2-8% less (the stochastic-rounding one-byte rows up to
+    3% more), with the same bytes (docs/benchmarks.md, 2026-12-06)."""
     import os
 
     return os.environ.get("OPTIRS_CUDA_FORMATS_CLAIM", "").strip() != "0"
 
 
-PREFETCH_MODES = ("none", "round", "chunk")
-
-
-def prefetch_mode() -> str:
-    """How the one-byte-state step kernels bring their coming words into L2 ahead of their loads
-    (sm_90 on, :func:`prefetch_l2`): "round", each warp its next round of the same chunk; "chunk",
-    each warp its group of the chunk a grid ahead (the next one a block takes under static
-    dealing, about the next one claimed otherwise); "none". ``OPTIRS_CUDA_FORMATS_PREFETCH``
-    (tuning, read once per context) picks; "none" by default: on the H100 "round" took 1-4% off
-    most one-byte rows on GPT-2 124M and up to 10% more on 1.3B, "chunk" 5-35% more on 124M."""
-    import os
-
-    text = os.environ.get("OPTIRS_CUDA_FORMATS_PREFETCH", "").strip() or "none"
-    if text not in PREFETCH_MODES:
-        raise InvalidParameterError(f"OPTIRS_CUDA_FORMATS_PREFETCH={text!r}, expected one of {PREFETCH_MODES}")
-    return text
-
-
 def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot: bool = False,
-                     claim: bool = True, prefetch: str = "none"):
+                     claim: bool = True):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
     slot k exists (compiled in as well: an unused slot takes no registers).
@@ -766,12 +711,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
     current one); the last block to finish sets the row back to zero, so that the next launch, a
     replayed graph's too, starts from zero. Without it (and in LAMB's passes, whose per-tensor sums
     keep the float32 step's order) each block takes every grid-th chunk.
-
-    ``prefetch`` (:func:`prefetch_mode`): whether and what each warp of a one-byte-state step asks
-    into L2 a round before its loads: such a round waits on its loads' latency, not on DRAM's
-    bandwidth, and an L2 hit's latency is a fraction of DRAM's. Lanes 0-5 of the warp ask for one
-    array each (parameter, gradient, master, state slots 0-2), by ``cp.async.bulk.prefetch.L2``,
-    which takes no register and no shared memory.
 
     ``hot``: a measurement build, never launched (benchmarks/cuda_sass_rounds.py --hot): every round
     the full one and every tensor coded, so that the round loop holds a full round alone and its
@@ -802,7 +741,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
     # remainder's (load_master_wide), stored from store_master_wide's words without masking
     wide_rem = fc.param == BF16 and master in (MASTER_R16, MASTER_R8)
     widen_param = fc.param == BF16 and master in (MASTER_NONE, MASTER_F32) or wide_rem
-    pf_mode = prefetch if (BULK_PREFETCH and not lamb and ssize == 1) else "none"
     sg0, sg1, sg2 = (bool(s) for s in tuple(signed) + (True,) * (3 - len(signed)))
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
     # a family with a fast-path element step (optirs.backends.common.elementwise.FAST_ELEMENT_STEPS)
@@ -839,44 +777,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
             _decode_state(usedk, quant, sz, w, x, scale, q_s if sgk else q_u)
 
     decode_slot = _device(decode_slot)
-
-    def prefetch_target(lane, cn, chunks, ptrs, tensors, nchunks, maddr, slots):
-        """What lane ``lane`` asks into L2 of chunk ``cn``'s groups: ``(address, bytes, groups)``, its
-        array's first group (16-byte aligned: a group's bytes are a multiple of 256, so every group
-        shares the first's alignment), a group's bytes (a multiple of 16, 16 more where the array
-        is not aligned) and the chunk's full groups (0: nothing, for lanes 6 on, an array the format
-        lacks, a small tensor's float32 state, and a chunk past the table's end)."""
-        addr = int64(0)
-        es = 0
-        nfull = u32(0)
-        if lane < 6 and cn < nchunks:
-            tn = chunks[cn, 0]
-            sn = chunks[cn, 1]
-            offn = chunks[cn, 3] + sn
-            nfull = u32(chunks[cn, 2] >> 8)
-            if lane == 0:
-                addr = ptrs[tn, 0] + sn * psize
-                es = psize
-            elif lane == 1:
-                addr = ptrs[tn, 1] + sn * gsize
-                es = gsize
-            elif lane == 2:
-                if msize != 0:
-                    addr = maddr + offn * msize
-                    es = msize
-            elif tensors[tn, 2] < 0:  # a coded tensor's one-byte state
-                es = 1
-                if lane == 3 and u0:
-                    addr = slots[0] + offn
-                elif lane == 4 and u1:
-                    addr = slots[1] + offn
-                elif lane == 5 and u2:
-                    addr = slots[2] + offn
-        if addr == 0:
-            return int64(0), u32(0), u32(0)
-        return addr & ~15, u32(GROUP * es + (16 if addr & 15 else 0)), nfull
-
-    prefetch_target = _device(prefetch_target)
 
     def load_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, live, grp, sz, pw, gw, mw, w0,
                    w1, w2, x0, x1, x2, q_s, q_u):
@@ -1286,20 +1186,12 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
                 lr_t = sc.lr * ratio
             ngroups = u32((n + GROUP - 1) >> 8)
             rounds = (ngroups + nwarps - 1) // nwarps
-            if pf_mode != "none":
-                pf_addr, pf_size, pf_groups = prefetch_target(lane, c + cuda.gridDim.x if pf_mode == "chunk" else c,
-                                                              chunks, ptrs, tensors, nchunks, maddr, slots)
-                pf_stride = and32(pf_size, u32(0xFFFFFF00))
             # a 32-bit range (a chunk has far fewer than 2**31 groups): numba counts a range over
             # the uint32 ``rounds`` in 64 bits, an instruction a round more and 2-4 registers
             for r in range(np.int32(rounds)):
                 grp = add32(warp, mul32(r, nwarps))
                 base = add32(shl32(grp, 8), shl32(lane, 3))  # the lane's first element in the chunk
                 e = add32(off32, base)  # flat index of the lane's first element (low 32 bits)
-                if pf_mode != "none":
-                    gq = add32(grp, nwarps) if pf_mode == "round" else grp
-                    if gq < pf_groups:
-                        prefetch_l2(pf_addr + mul32(gq, pf_stride), pf_size)
                 # full_rounds: a group whose every lane holds 8 aligned elements (warp-uniform: every
                 # group but a chunk's last, where the tensor ends or is misaligned) takes the round
                 # compiled for them, with no test of a lane's count anywhere in it
