@@ -82,6 +82,7 @@ def test_the_typed_list_caches_hold_many_lists_and_keep_no_array_alive(monkeypat
     import gc
     import weakref
 
+    from optirs.backends.common.identity_cache import ArrayListCache, identity_key
     from optirs.backends.cpu import typed_lists
 
     backend = optirs.get_backend("cpu")
@@ -103,13 +104,12 @@ def test_the_typed_list_caches_hold_many_lists_and_keep_no_array_alive(monkeypat
     assert [r() for r in refs] == [None] * 4
     # an entry found under the ids of other arrays (an id reused once its array is gone) is rebuilt
     a, b = [np.zeros(3, np.float32)], [np.zeros(3, np.float32)]
-    cache = typed_lists.OrderedDict()
-    cache[(id(b[0]),)] = typed_lists._held(a, real(a))
-    stale = cache[(id(b[0]),)][2]
+    cache = ArrayListCache(4)
+    stale = cache.put(identity_key(b), a, real(a))
     count = lambda x: (built.append(-1), real(x))[1]
-    rebuilt = typed_lists.cached_typed_list(cache, b, 4, count)
+    rebuilt = typed_lists.cached_typed_list(cache, b, count)
     assert rebuilt is not stale and built[-1] == -1
-    assert typed_lists.cached_typed_list(cache, b, 4, count) is rebuilt and built.count(-1) == 1
+    assert typed_lists.cached_typed_list(cache, b, count) is rebuilt and built.count(-1) == 1
 
 
 def test_typed_lists_are_built_in_cached_code_and_keep_their_arrays():

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import platform
-from collections import OrderedDict
 from typing import Any, Dict, List
 
 import numpy as np
 
+from optirs.backends.common.identity_cache import ArrayListCache, identity_key
 from optirs.backends.cpu.typed_lists import cached_typed_list, latest_typed_list
 
 
@@ -35,8 +35,8 @@ class CpuContext:
     """The opened CPU backend: the kernels module and a small cache of typed lists."""
 
     # Typed lists kept: parameter lists (the same memory step after step) and, per parameter
-    # list, its latest gradient list (optirs.backends.cpu.typed_lists: an entry keeps no array
-    # alive, so there is room for every bucket of a CPUOffload's chunks).
+    # list, its latest gradient list (optirs.backends.common.identity_cache: an entry keeps no
+    # array alive, so there is room for every bucket of a CPUOffload's chunks).
     CACHED = {"params": 64, "grads": 64}
 
     def __init__(self, kernels: Any):
@@ -44,23 +44,23 @@ class CpuContext:
 
         self.kernels = kernels
         self.threads = StepThreads()  # each step's thread count (serial when small, the free cores else)
-        self.lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
+        self.lists: Dict[str, ArrayListCache] = {role: ArrayListCache(n) for role, n in self.CACHED.items()}
         # The same for the word views the formats capability stages (optirs.backends.cpu.formats).
-        self.format_lists: Dict[str, "OrderedDict[tuple, tuple]"] = {role: OrderedDict() for role in self.CACHED}
+        self.format_lists: Dict[str, ArrayListCache] = {role: ArrayListCache(n) for role, n in self.CACHED.items()}
 
     def typed_lists(self, params: List[np.ndarray], grads: List[np.ndarray]) -> tuple:
         """The typed lists of one step's parameters and gradients (flat views)."""
-        return staged_lists(self, self.lists, params, grads, lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]),
+        return staged_lists(self.lists, params, grads, lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]),
                             lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]))
 
 
-def staged_lists(ctx: CpuContext, lists: Dict[str, "OrderedDict[tuple, tuple]"], params: List[Any], grads: List[Any],
+def staged_lists(lists: Dict[str, ArrayListCache], params: List[Any], grads: List[Any],
                  build_params: Any, build_grads: Any) -> tuple:
     """(typed list of ``params``, of ``grads``): the parameters' cached by identity, the gradients
     as the parameters' latest."""
-    owner = tuple(map(id, params))
-    return (cached_typed_list(lists["params"], params, ctx.CACHED["params"], build_params),
-            latest_typed_list(lists["grads"], owner, grads, ctx.CACHED["grads"], build_grads))
+    ids = identity_key(params)
+    return (cached_typed_list(lists["params"], params, build_params, ids),
+            latest_typed_list(lists["grads"], ids, grads, build_grads))
 
 
 def _available_memory() -> int | None:

@@ -110,7 +110,7 @@ class CpuFormats:
     """16-bit parameters, compact masters and compact state in one parallel loop per pass."""
 
     def _formats_stage(self, ctx, params: List[Any], grads: List[Any], fmt: StepFormat) -> Staged:
-        return Staged(*staged_lists(ctx, ctx.format_lists, params, grads, _build(ctx, "params", fmt.param_dtype),
+        return Staged(*staged_lists(ctx.format_lists, params, grads, _build(ctx, "params", fmt.param_dtype),
                                     _build(ctx, "grads", fmt.grad_dtype)))
 
     def _formats_step(self, ctx, request) -> None:

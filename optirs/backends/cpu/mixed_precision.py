@@ -9,16 +9,16 @@ the CPU and no bfloat16). The kernels compile on first use and are cached on dis
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import Any, List
 
 import numpy as np
 
 from optirs.backends.common import half
+from optirs.backends.common.identity_cache import ArrayListCache
+from optirs.backends.cpu.typed_lists import cached_typed_list
 from optirs.core.arrays import ArrayMeta, describe
 from optirs.core.errors import InvalidParameterError
 from optirs.core.layout import TensorLayout
-from optirs.backends.cpu.typed_lists import cached_typed_list
 from optirs.plugin.hookspecs import hookimpl
 
 # Cached typed lists of bit views per layout: a training loop alternates few array lists.
@@ -103,8 +103,10 @@ def decode_bits(bits: np.ndarray, dtype: Any) -> np.ndarray:
 
 def _bit_views(layout: TensorLayout, arrays: List[np.ndarray]):
     """A numba typed list of the arrays' flat uint16 views, cached in the layout."""
-    cache = layout.cache.setdefault("mixed_precision.cpu_bits", OrderedDict())
-    return cached_typed_list(cache, arrays, _BIT_LISTS,
+    cache = layout.cache.get("mixed_precision.cpu_bits")
+    if cache is None:
+        cache = layout.cache["mixed_precision.cpu_bits"] = ArrayListCache(_BIT_LISTS)
+    return cached_typed_list(cache, arrays,
                              lambda a: cpu_kernels().typed_list([x.view(np.uint16).reshape(-1) for x in a]))
 
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from optirs.backends.common.identity_cache import ArrayListCache, identity_key
 from optirs.backends.cuda.kernel_cache import enable as enable_kernel_cache
 from optirs.backends.cuda.kernel_cache import finish_build
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
@@ -370,22 +371,6 @@ class Compiled:
 # ------------------------------------------------------------------ the context
 
 
-def _hold_while_alive(arrays: List[Any], cache: Dict[tuple, Any], key: tuple) -> List[Any]:
-    """What a cache entry keyed by the arrays' identities holds of them: a weak reference to each
-    that evicts ``cache[key]`` when its array goes (while every one lives, no other object has its
-    identity), or the array itself where it takes no weak reference."""
-    def evict(_ref: Any) -> None:
-        cache.pop(key, None)
-
-    held = []
-    for a in arrays:
-        try:
-            held.append(weakref.ref(a, evict))
-        except TypeError:
-            held.append(a)
-    return held
-
-
 class CudaContext:
     """The opened backend: numba.cuda, the kernels, caches of compiled kernels and launches."""
 
@@ -411,7 +396,7 @@ class CudaContext:
         self._launches: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()
         self._launch_shapes: "OrderedDict[tuple, PreparedLaunch]" = OrderedDict()  # the latest per shapes
         self._staging: "OrderedDict[tuple, Any]" = OrderedDict()
-        self._address_cache: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._address_cache = ArrayListCache(2 * _LRU)  # (addresses, indices of torch tensors) per list
         self._table_siblings: Dict[int, Any] = {}  # id(device pointer table) -> weakref to its PointerTables
         self._row_tables: Dict[Tuple[str, int, int], "PointerTables"] = {}
         # Indirection for tests that simulate a failing allocation.
@@ -654,18 +639,19 @@ class CudaContext:
 
         Like the optimizer's validation cache, this takes an array object to keep its memory
         between steps (true of numba and CuPy arrays; torch tensors are re-checked through
-        ``data_ptr()``, since ``tensor.data`` can be reassigned). The entry holds the arrays weakly
-        and goes when one of them does (:func:`_hold_while_alive`), so the identities stay theirs
-        and a model dropped with its optimizer gives its memory back at once, not when 16 later
-        lists have pushed its entry out.
+        ``data_ptr()``, since ``tensor.data`` can be reassigned). The cache
+        (``optirs/backends/common/identity_cache.py``) holds the arrays weakly and drops an entry
+        when one of them goes, so a model dropped with its optimizer gives its memory back at
+        once, not when 16 later lists have pushed its entry out.
         """
-        key = tuple(map(id, arrays))
-        hit = self._address_cache.get(key)
-        # A torch tensor can change storage under the same object (``tensor.data = ...``):
-        # its data_ptr() is cheap, so check those before trusting the cached addresses.
-        if hit is not None and all(arrays[i].data_ptr() == hit[1][i] for i in hit[2]):
-            self._address_cache.move_to_end(key)
-            return hit[1]
+        key = identity_key(arrays)
+        hit = self._address_cache.get_by_identity(key)
+        if hit is not None:
+            out, swappable = hit
+            # A torch tensor can change storage under the same object (``tensor.data = ...``):
+            # its data_ptr() is cheap, so check those before trusting the cached addresses.
+            if not swappable or all(arrays[i].data_ptr() == out[i] for i in swappable):
+                return out
         found = []
         for i, a in enumerate(arrays):
             addr = device_address(a)
@@ -677,9 +663,7 @@ class CudaContext:
             found.append(addr)
         out = tuple(found)
         swappable = tuple(i for i, a in enumerate(arrays) if hasattr(a, "data_ptr"))
-        self._address_cache[key] = (_hold_while_alive(arrays, self._address_cache, key), out, swappable)
-        if len(self._address_cache) > 2 * _LRU:
-            self._address_cache.popitem(last=False)
+        self._address_cache.put(key, arrays, (out, swappable))
         return out
 
     # ------------------------------------------------ staging numpy inputs
