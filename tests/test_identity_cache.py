@@ -10,8 +10,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from optirs.core.errors import InvalidParameterError
 from optirs.backends.common.identity_cache import ArrayListCache, identity_key
+from optirs.core.errors import InvalidParameterError
 
 
 def _arrays(n=2):
