@@ -12,8 +12,8 @@ says bf16):
 * ``offload`` / ``offload_int8``: ``optirs.torch.CPUOffload("AdamW", accumulation_steps=accum)``
   with float32 / int8 state (CPU steps in ``step()``);
 * ``offload_bf16_f32`` / ``offload_bf16_f32_fused``: bf16 parameters, float32 masters and state
-  on the host, stepped apart (WIDEN, the default) / in the formats step (``fuse_conversions=True``,
-  FUSED);
+  on the host, stepped apart (``fuse_conversions=False``, WIDEN) / in the formats step (FUSED, the
+  default);
 * ``offload_bf16_r16`` / ``offload_bf16_r16_int8`` / ``offload_bf16_r16_bf16`` /
   ``offload_bf16_r8_int8`` / ``offload_bf16_r8_bf16``: bf16 parameters, the host keeping only the
   master's bits under them (``master_weights="remainder16"`` / ``"remainder8"``), float32 / int8 /
@@ -71,13 +71,13 @@ sys.path.insert(0, str(HERE.parent))  # this checkout's optirs, not another inst
 
 LR, DECAY = 1e-4, 0.1
 # The offload's formats, row -> (parameter dtype, CPUOffload's format keywords). bf16 parameters:
-# float32 masters and state step apart by default (WIDEN) or in the formats step (FUSED); the
+# float32 masters and state step apart (WIDEN, fuse_conversions=False) or in the formats step (FUSED); the
 # remainder masters keep on the host only the bits under the GPU's bf16 copy, so only bf16
 # gradients and bf16 parameters cross the bus.
 OFFLOAD_FORMATS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "offload": ("float32", {"state_dtype": "float32"}),
     "offload_int8": ("float32", {"state_dtype": "int8"}),
-    "offload_bf16_f32": ("bfloat16", {"master_weights": "float32"}),
+    "offload_bf16_f32": ("bfloat16", {"master_weights": "float32", "fuse_conversions": False}),
     "offload_bf16_f32_fused": ("bfloat16", {"master_weights": "float32", "fuse_conversions": True}),
     "offload_bf16_r16": ("bfloat16", {"master_weights": "remainder16"}),
     "offload_bf16_r16_int8": ("bfloat16", {"master_weights": "remainder16", "state_dtype": "int8"}),

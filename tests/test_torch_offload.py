@@ -410,7 +410,7 @@ def _manual_masters_run(dtype, steps):
     return model, masters
 
 
-@pytest.mark.parametrize("fuse", [None, True], ids=["separate-passes", "fused"])
+@pytest.mark.parametrize("fuse", [False, None], ids=["separate-passes", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16bit_parameters_against_torch_on_fp32_masters(dtype, fuse):
     steps = 30
@@ -422,9 +422,9 @@ def test_16bit_parameters_against_torch_on_fp32_masters(dtype, fuse):
         loss_of(model, t).backward()
         opt.step()
     ours = [c.master(k) for p in model.parameters() for c, k in [opt._where[p]]]
-    # float32 masters with float32 state: the float32 kernel between two conversion passes by
-    # default, the formats step (one pass) when asked
-    assert all(c.mode == (offload_mod.FUSED if fuse else offload_mod.WIDEN) for c in opt._chunks)
+    # float32 masters with float32 state: the formats step (one pass) by default, the float32 kernel
+    # between two conversion passes when asked
+    assert all(c.mode == (offload_mod.WIDEN if fuse is False else offload_mod.FUSED) for c in opt._chunks)
     for a, b in zip(ours, ref_masters):
         # two runs whose 16-bit models differ by a rounding now and then (a master within float32
         # rounding of the reference's can round to the neighbouring 16-bit value): loose, the
@@ -442,8 +442,8 @@ FORMATS = [
     # (parameter dtype, the optimizer's format keywords)
     (torch.float32, {"state_dtype": "int8"}),
     (torch.float32, {"state_dtype": "bfloat16", "seed": 3}),
-    (torch.bfloat16, {}),  # the offload's default: float32 masters, float32 state (WIDEN)
-    (torch.bfloat16, {"fuse_conversions": True}),  # the same in the formats step (FUSED)
+    (torch.bfloat16, {}),  # the offload's default: float32 masters, float32 state, the formats step (FUSED)
+    (torch.bfloat16, {"fuse_conversions": False}),  # the same stepped apart (WIDEN)
     (torch.bfloat16, {"state_dtype": "int8"}),
     (torch.bfloat16, {"master_weights": "remainder16", "state_dtype": "bfloat16"}),
     (torch.bfloat16, {"master_weights": "remainder8", "state_dtype": "int8"}),
@@ -530,10 +530,7 @@ def test_state_formats_bit_exact_against_the_same_chunks(name, dtype, fmt):
 def expected_mode(dtype, fmt, fuse=None):
     if dtype == torch.float32:
         return offload_mod.DIRECT
-    plain_masters = fmt.get("master_weights", "float32") == "float32"
-    if fuse is False or (fuse is None and plain_masters and fmt.get("state_dtype", "float32") == "float32"):
-        return offload_mod.WIDEN
-    return offload_mod.FUSED
+    return offload_mod.WIDEN if fuse is False else offload_mod.FUSED
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "int8"])
@@ -772,7 +769,7 @@ COPIES = {
     # (parameters' dtype, the offload's keywords): DIRECT, WIDEN (masters held by the offload),
     # FUSED with int8 state (masters and compact state held by the inner optimizer), step_in_backward
     "fp32": (torch.float32, {}),
-    "bf16-widen": (torch.bfloat16, {}),
+    "bf16-widen": (torch.bfloat16, {"fuse_conversions": False}),
     "bf16-int8": (torch.bfloat16, {"state_dtype": "int8", "bucket_elements": 9000}),
     "fp32-step_in_backward": (torch.float32, {"step_in_backward": True}),
 }
@@ -1176,13 +1173,13 @@ def test_bad_arguments_and_tensors():
 
 def test_a_format_changed_after_the_group_was_added_is_refused_before_anything_steps():
     model = make_model(torch.bfloat16)
-    opt = offload("AdamW", model.parameters(), lr=1e-2)
+    opt = offload("AdamW", model.parameters(), lr=1e-2, fuse_conversions=False)
     _train(model, opt, 2)
     assert {c.mode for c in opt._chunks} == {offload_mod.WIDEN}
     loss_of(model, 2).backward()
     before = _snapshot(model, opt)
-    opt.param_groups[0]["state_dtype"] = "int8"  # would need the formats step (FUSED chunks)
-    with pytest.raises(UnsupportedOperationError, match="step format changed.*'widen'.*'fused'"):
+    opt.param_groups[0]["master_weights"] = "remainder16"  # only the formats step holds it
+    with pytest.raises(InvalidParameterError, match=r"param_groups\[0\]: fuse_conversions=False.*'remainder16'"):
         opt.step()
     _assert_snapshot(_snapshot(model, opt), before)
 
@@ -1301,10 +1298,10 @@ def test_cuda_optimizer_state_takes_no_gpu_memory():
     assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
 
 
-@pytest.mark.parametrize("name,fuse", [("AdamW", None), ("AdamW", True), ("Adafactor", None)])
+@pytest.mark.parametrize("name,fuse", [("AdamW", None), ("AdamW", False), ("Adafactor", None)])
 def test_timing_counts_every_byte_moved(name, fuse):
     model = make_model(torch.bfloat16)
-    opt = offload(name, model.parameters(), **({"fuse_conversions": fuse} if fuse else {}))
+    opt = offload(name, model.parameters(), **({"fuse_conversions": fuse} if fuse is not None else {}))
     opt.timing = offload_mod.OffloadTiming()
     _train(model, opt, 3)
     t = opt.timing.as_dict()
@@ -1312,9 +1309,9 @@ def test_timing_counts_every_byte_moved(name, fuse):
     assert t["steps"] == 3 and t["d2h_bytes"] == t["h2d_bytes"] == 3 * n * 2  # bf16 both ways
     assert t["cpu_step_s"] > 0 and t["step_call_s"] >= t["cpu_step_s"] / opt.workers
     assert t["early_chunks"] == 0 and t["step_bytes"] > 0
-    # the formats step widens and narrows in its own pass; the float32 step on float32 masters
-    # (the default for float32 state, and Adafactor, which has no step formats) converts apart
-    mode = offload_mod.FUSED if fuse else offload_mod.WIDEN
+    # the formats step (the default) widens and narrows in its own pass; the float32 step on float32
+    # masters (fuse_conversions=False, and Adafactor, which has no step formats) converts apart
+    mode = offload_mod.FUSED if name == "AdamW" and fuse is None else offload_mod.WIDEN
     assert all(c.mode == mode for c in opt._chunks)
     assert (t["convert_s"] > 0) == (mode == offload_mod.WIDEN)
 

@@ -147,18 +147,20 @@ def check_equals_the_same_optimizer_without_offload(mesh):
 
 
 def check_16bit_parameters(mesh):
-    # bfloat16 FSDP2 parameters: float32 masters (stepped apart: WIDEN) or remainder16 masters (the
-    # formats step: FUSED) on the host, the masters shown as DTensors too
+    # bfloat16 FSDP2 parameters: float32 masters (stepped apart with fuse_conversions=False: WIDEN)
+    # or remainder16 masters (the formats step: FUSED) on the host, the masters shown as DTensors too
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     import optirs.torch.offload as offload_mod
 
-    for fmt, mode in (({}, offload_mod.WIDEN), ({"master_weights": "remainder16"}, offload_mod.FUSED)):
+    for fmt, apart, mode in (({}, {"fuse_conversions": False}, offload_mod.WIDEN),
+                             ({"master_weights": "remainder16"}, {}, offload_mod.FUSED)):
         ours, theirs = make_model().to(torch.bfloat16), make_model().to(torch.bfloat16)
         fully_shard(ours, mesh=mesh)
         fully_shard(theirs, mesh=mesh)
-        opts = offload(ours.parameters(), **fmt), plain(theirs.parameters(), **{"master_weights": "float32", **fmt})
+        opts = (offload(ours.parameters(), **fmt, **apart),
+                plain(theirs.parameters(), **{"master_weights": "float32", **fmt}))
         assert {c.mode for c in opts[0]._chunks} == {mode}
         for step in range(STEPS):
             for m, o in zip((ours, theirs), opts):

@@ -470,10 +470,9 @@ class OffloadTiming:
 #   the 16-bit parameters, so nothing is widened or narrowed on its own.
 # - WIDEN: 16-bit parameters stepped as float32 masters: float32 masters and gradients in ordinary
 #   memory, a pinned 16-bit staging buffer, and a conversion pass each way. The same bits as FUSED
-#   with float32 masters (the same per-element math), more bytes, but the float32 step kernel:
-#   the default for float32 masters with float32 state, where the cpu backend's float32 kernel is
-#   much faster than its formats kernel (docs/offload.md), and the only way for an optimizer
-#   without step formats (Adafactor).
+#   with float32 masters (the same per-element math), a third more bytes (40 a parameter against
+#   30): asked for by fuse_conversions=False (half the pinned bytes: a staging buffer both ways),
+#   and the only way for an optimizer without step formats (Adafactor).
 DIRECT, FUSED, WIDEN = "direct", "fused", "widen"
 
 
@@ -589,10 +588,10 @@ class CPUOffload(torch.optim.Optimizer):
             at a time, each on every core; a second worker waits for copies and queues transfers
             meanwhile).
         accumulation_steps: backward passes per step; gradients are copied only in the last one.
-        fuse_conversions: for 16-bit parameters with float32 masters: True steps them through the
-            formats capability in one pass (16-bit gradients in, 16-bit parameters out), False as
-            float32 masters with a conversion pass each way; None (default) picks the formats step
-            only where the format needs it (compact state, remainder or no masters). Same bits.
+        fuse_conversions: for 16-bit parameters with float32 masters: True or None (default) steps
+            them through the formats capability in one pass (16-bit gradients in, 16-bit parameters
+            out), False as float32 masters with a conversion pass each way (a third more host bytes,
+            half the pinned ones). Same bits.
         step_in_backward: start a chunk's CPU step in the backward that completes its gradients.
         cpu_threads: at most how many of numba's threads a chunk's CPU step runs on (default None:
             numba's count). Fewer can leave cores to the thread that drives the GPU while steps run
@@ -809,8 +808,6 @@ class CPUOffload(torch.optim.Optimizer):
                     f"fuse_conversions=False with param_groups[{gi}]'s master_weights={fmt.master!r}, expected "
                     "master_weights='float32' (only float32 masters can be stepped apart from the 16-bit parameters)")
             return WIDEN
-        if self.fuse_conversions is None and plain_masters and fmt.state_dtype == "float32":
-            return WIDEN  # the float32 kernel and two conversion passes beat the formats kernel on cpu today
         return FUSED
 
     def _register(self, chunks: List[_Chunk]) -> None:
