@@ -1182,6 +1182,11 @@ def test_a_format_changed_after_the_group_was_added_is_refused_before_anything_s
     with pytest.raises(InvalidParameterError, match=r"param_groups\[0\]: fuse_conversions=False.*'remainder16'"):
         opt.step()
     _assert_snapshot(_snapshot(model, opt), before)
+    opt.param_groups[0]["master_weights"] = "float32"
+    opt.fuse_conversions = None  # the chunks were made apart: the formats step would need them fused
+    with pytest.raises(UnsupportedOperationError, match="step format changed.*'widen'.*'fused'"):
+        opt.step()
+    _assert_snapshot(_snapshot(model, opt), before)
 
 
 def test_parameters_on_several_devices_are_refused():
