@@ -801,9 +801,8 @@ class CPUOffload(torch.optim.Optimizer):
         fmt = resolve_format(self._probe.group_precision(group), dtype, dtype, DEFINITIONS[name].kernel)
         if dtype == torch.float32:
             return DIRECT
-        plain_masters = fmt.master == "float32" and not fmt.stochastic  # what float32 masters can step
         if self.fuse_conversions is False:
-            if not plain_masters:
+            if fmt.master != "float32" or fmt.stochastic:  # what float32 masters alone can step
                 raise InvalidParameterError(
                     f"fuse_conversions=False with param_groups[{gi}]'s master_weights={fmt.master!r}, expected "
                     "master_weights='float32' (only float32 masters can be stepped apart from the 16-bit parameters)")

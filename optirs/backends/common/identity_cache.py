@@ -24,6 +24,7 @@ from typing import Any
 
 from optirs.core.errors import InvalidParameterError
 
+
 def identity_key(arrays: Sequence[Any]) -> tuple:
     """The key of a list of arrays by their identities: theirs alone while they live."""
     return tuple(map(id, arrays))
