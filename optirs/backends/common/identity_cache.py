@@ -76,13 +76,14 @@ class ArrayListCache:
             pass
         return entry.value
 
-    def put(self, key: Hashable, arrays: Sequence[Any], value: Any) -> Any:
+    def put(self, key: Hashable, arrays: Sequence[Any], value: Any, ids: tuple | None = None) -> Any:
         """Keeps ``value`` (not None: None is a miss) under ``key`` as built from ``arrays``, in
-        place of what ``key`` held; returns it."""
+        place of what ``key`` held; returns it. ``ids``: the arrays' :func:`identity_key`, where the
+        caller has it already."""
         if value is None:
             raise InvalidParameterError("ArrayListCache cannot keep None: get answers None for a miss")
         entries = self._entries
-        entry = _Entry(key, identity_key(arrays), value)
+        entry = _Entry(key, identity_key(arrays) if ids is None else ids, value)
         # The callback holds the cache and the entry weakly: no reference cycle, so a cache dropped
         # goes at once with its values, not at the garbage collector's next run.
         entries_ref, entry_ref = weakref.ref(entries), weakref.ref(entry)

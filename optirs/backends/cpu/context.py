@@ -50,8 +50,9 @@ class CpuContext:
 
     def typed_lists(self, params: List[np.ndarray], grads: List[np.ndarray]) -> tuple:
         """The typed lists of one step's parameters and gradients (flat views)."""
-        return staged_lists(self.lists, params, grads, lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]),
-                            lambda a: self.kernels.typed_list([x.reshape(-1) for x in a]))
+        def flat_list(arrays: List[np.ndarray]) -> Any:
+            return self.kernels.typed_list([x.reshape(-1) for x in arrays])
+        return staged_lists(self.lists, params, grads, flat_list, flat_list)
 
 
 def staged_lists(lists: Dict[str, ArrayListCache], params: List[Any], grads: List[Any],

@@ -27,7 +27,7 @@ def cached_typed_list(cache: ArrayListCache, arrays: list[Any], build: Callable[
     where the caller has it already)."""
     key = identity_key(arrays) if ids is None else ids
     built = cache.get_by_identity(key)
-    return _built(cache, key, arrays, build) if built is None else built
+    return _built(cache, key, arrays, build, key) if built is None else built
 
 
 def latest_typed_list(cache: ArrayListCache, owner: Hashable, arrays: list[Any],
@@ -37,8 +37,9 @@ def latest_typed_list(cache: ArrayListCache, owner: Hashable, arrays: list[Any],
     return _built(cache, owner, arrays, build) if built is None else built
 
 
-def _built(cache: ArrayListCache, key: Hashable, arrays: list[Any], build: Callable[[list[Any]], Any]) -> Any:
+def _built(cache: ArrayListCache, key: Hashable, arrays: list[Any], build: Callable[[list[Any]], Any],
+           ids: tuple | None = None) -> Any:
     built = build(arrays)
     if hasattr(built, "borrowed"):
         built.borrowed = None  # its views' memory is the caller's, alive while it steps with them
-    return cache.put(key, arrays, built)
+    return cache.put(key, arrays, built, ids)

@@ -663,7 +663,7 @@ class CudaContext:
             found.append(addr)
         out = tuple(found)
         swappable = tuple(i for i, a in enumerate(arrays) if hasattr(a, "data_ptr"))
-        self._address_cache.put(key, arrays, (out, swappable))
+        self._address_cache.put(key, arrays, (out, swappable), key)
         return out
 
     # ------------------------------------------------ staging numpy inputs
