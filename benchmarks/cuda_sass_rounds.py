@@ -6,9 +6,7 @@ opcode (``ptx_rounds.round_loop``: the innermost loop with three or more global 
 enough to see a change's static effect (a division's fast path, a spill, a conversion on the
 narrow pipe) before device time is spent on it. The production loop holds the full-group round, the
 general round and a small tensor's float32 state side by side, so no shortest path is printed for
-it (a static shortest path crosses between them); ``--full`` compiles a split step's kernel of
-full groups (``make_step_kernel(groups="full")``, the full round alone) and prints its shortest
-path; ``--hot`` compiles make_step_kernel's
+it (a static shortest path crosses between them); ``--hot`` compiles make_step_kernel's
 measurement build instead (every round the full one, every tensor coded) and prints the full
 round's shortest path once around the loop (``ptx_rounds.round_cycle``): what a round issues where
 every fast path holds. A count, not a time: on the H200 a loop of 67 executed instructions an
@@ -51,10 +49,10 @@ def formats(labels: List[str]) -> List[tuple]:
     return [f for f in bf.FORMATS if any(x in f[0] for x in labels)]
 
 
-def step_ptx(spec: tuple, family: str, hot: bool = False, used: Optional[int] = None, full: bool = False) -> tuple:
+def step_ptx(spec: tuple, family: str, hot: bool = False, used: Optional[int] = None) -> tuple:
     """(PTX, kernel name, register cap) of ``family``'s one-launch step in format ``spec``, for sm_90
     (``hot``: make_step_kernel's measurement build, the full round alone, at the cap of a kernel with
-    full rounds; ``full``: a split step's kernel of full groups, at its own cap)."""
+    full rounds)."""
     import numba.cuda.dispatcher as dispatcher
 
     # numba-cuda compiles the kernel's device helpers for the current device: name sm_90 without one
@@ -71,11 +69,9 @@ def step_ptx(spec: tuple, family: str, hot: bool = False, used: Optional[int] = 
     d = DEFINITIONS[family]
     if used is None:  # the slots the family's first example keeps (AdamW: no amsgrad, no third slot)
         used = sum(1 << k for k, s in enumerate(d.slots) if s.needed(d.examples[0]))
-    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), used, hot=hot,
-                                 groups="full" if full else "all")
+    kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), used, hot=hot)
     ptx, _ = cuda.compile_ptx(kernel, fk.step_kernel_signature(d.scalars(d.examples[0], 3)), cc=(9, 0))
-    both = hot or not full and fk.full_group_rounds(fmt.codes, d.kernel)
-    cap = formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", both)
+    cap = formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", hot or fk.full_group_rounds(fmt.codes, d.kernel))
     return ptx, kernel.__name__, cap
 
 
@@ -114,9 +110,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--hot", action="store_true",
                     help="the measurement build (every round full, every tensor coded): prints the full round's "
                          "shortest path, what a round issues where every fast path holds")
-    ap.add_argument("--full", action="store_true",
-                    help="a split step's kernel of full groups (make_step_kernel(groups='full')): prints the full "
-                         "round's shortest path as --hot does")
     args = ap.parse_args(argv)
     from optirs.core.formats import INT8_STATES
 
@@ -135,7 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         work = args.keep or tmp
         os.makedirs(work, exist_ok=True)
         for spec in specs:
-            ptx, name, cap = step_ptx(spec, args.family, args.hot, args.used, args.full)
+            ptx, name, cap = step_ptx(spec, args.family, args.hot, args.used)
             cap = cap if args.maxreg is None else args.maxreg
             stem = os.path.join(work, re.sub(r"\W+", "_", spec[0]).strip("_"))
             with open(stem + ".ptx", "w") as f:
@@ -154,7 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 with open(stem + ".sass", "w") as f:
                     f.write(sass)
             print(f"{spec[0]} ({args.family}, {name}, cap {cap or 'none'}):")
-            for line in report(sass, r.stderr, args.hot or args.full, spec[3] in INT8_STATES) or ["    no round loop found"]:
+            for line in report(sass, r.stderr, args.hot, spec[3] in INT8_STATES) or ["    no round loop found"]:
                 print(line)
     return 0
 

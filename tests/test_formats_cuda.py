@@ -104,25 +104,6 @@ def test_the_claiming_build_compiles_its_counter(sm90):
     assert ".local" not in claimed and ".local" not in dealt and "atom.global.add.u64" not in dealt
 
 
-@pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
-def test_the_full_groups_build_holds_the_full_round_alone(sm90):
-    """make_step_kernel(groups="full"), the kernel of a split step's full groups: vector accesses
-    only (none of the general round's byte-wide tail accesses), nothing spilled to local memory at
-    the int8 cap; LAMB's passes have no such build."""
-    from optirs.backends.cuda import formats_kernels as fk
-
-    d = DEFINITIONS["adamw"]
-    sig = fk.step_kernel_signature(d.scalars(d.examples[0], 3))
-    for state in ("int8", "float8_e4m3fn"):
-        fmt = _fmt("bfloat16", "remainder8", state)
-        main, full = (cuda.compile_ptx(fk.make_step_kernel(d.kernel, fmt.codes, (True, False, False), 3, groups=g),
-                                       sig, cc=(9, 0))[0] for g in ("all", "full"))
-        assert "st.global.u8" in main and "st.global.u8" not in full and ".local" not in full
-        assert "st.global.v2.u32" in full and "st.global.v4.u32" in full
-    with pytest.raises(InvalidParameterError, match="groups="):
-        fk.make_step_kernel("lamb", fmt.codes, (True, False, False), 3, mode="lamb_norms", groups="full")
-
-
 def _shared_maps(ptx: str) -> bool:
     """Whether ``ptx`` reads or writes shared memory other than 64-bit words (the claimed chunk)."""
     return re.search(r"(ld|st)\.shared\.(?!u64)", ptx) is not None
@@ -1032,70 +1013,6 @@ def test_chunks_taken_from_the_counter_step_as_the_grid_dealt_ones(monkeypatch):
         assert claimed_b.keys() == dealt_b.keys()
         for k in dealt_b:
             assert np.array_equal(np.asarray(claimed_b[k]).view(np.uint8), np.asarray(dealt_b[k]).view(np.uint8)), k
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("state", ["int8", "float8_e4m3fn"])
-def test_full_groups_then_the_rest_step_the_cpu_backends_bits(monkeypatch, state):
-    """One-byte state steps in two launches where every address is vector-aligned: the full groups
-    by the kernel of the full round alone, then the rest table (a tensor's partial last group, every
-    chunk of a tensor whose flat offset is not a multiple of 8: 4100 and 4141 here) by the general
-    kernel. Every parameter word and buffer is the cpu backend's, two steps, and the same bytes as
-    the one general launch (``OPTIRS_CUDA_FORMATS_SPLIT=0``)."""
-    from optirs.backends.cuda import formats as cuda_formats
-    from optirs.core.params import AdamParams
-
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "1024")
-    rests = []
-    real = cuda_formats.rest_table
-    monkeypatch.setattr(cuda_formats, "rest_table", lambda *a: rests.append(real(*a)) or rests[-1])
-    fmt = _fmt("bfloat16", "remainder8", state)
-    shapes = [(4100,), (4,), (37,), (4352,)]
-    split = _run("adamw", fmt, shapes, steps=2, hp=AdamParams(lr=1e-2, amsgrad=True), cpu=True)
-    _assert_the_cpu_bits(split)
-    # rows: 4100's last 4 elements, the 4 (misaligned), the 37 (one partial group), 4352's 5 chunks
-    assert rests and rests[-1] is not None and rests[-1][1] == 1 + 1 + 1 + 5
-    assert len({id(r[0]) for r in rests}) == 1  # worked out once per layout
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_SPLIT", "0")
-    rests.clear()
-    one = _run("adamw", fmt, shapes, steps=2, hp=AdamParams(lr=1e-2, amsgrad=True), cpu=True)
-    assert not rests
-    for (sp, sb, *_), (op, ob, *_) in zip(split, one):
-        for a, b in zip(sp, op):
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-        for k in sb:
-            assert np.array_equal(sb[k].view(np.uint8), ob[k].view(np.uint8)), k
-
-
-@pytest.mark.cuda
-def test_a_misaligned_array_steps_by_the_general_kernel(monkeypatch):
-    """A parameter whose address is not a multiple of 16 bytes (a view one element in) takes the one
-    general launch, not the full-groups kernel's vector accesses: the same bits as the cpu backend."""
-    from optirs.backends.cuda import formats as cuda_formats
-    from optirs.core.params import AdamParams
-
-    plugin, ctx, _ = _cuda()
-    rests = []
-    monkeypatch.setattr(cuda_formats, "rest_table", lambda *a: rests.append(a))
-    fmt = _fmt("bfloat16", "remainder8", "int8_sqrt")
-    d, hp, shapes = DEFINITIONS["adamw"], AdamParams(lr=1e-2), [(4096,)]
-    layout = TensorLayout(shapes)
-    fs = FormatState(layout, [s for s in d.slots if s.needed(hp)], fmt)
-    host = R.fresh_buffers(fs, d, hp)
-    rng = np.random.default_rng(7)
-    p = rng.standard_normal(4096).astype(ml_dtypes.bfloat16)
-    g = rng.standard_normal(4096).astype(ml_dtypes.bfloat16)
-    want_p, want_b = _cpu_step(d, hp, fs, layout, fmt, [p], [g], host, 5, 1)
-    pbuf = cuda.to_device(np.concatenate([np.zeros(1, np.uint16), p.view(np.uint16)]))
-    gbuf = cuda.to_device(g.view(np.uint16))
-    state = {k: cuda.to_device(v if v.size else np.zeros(1, v.dtype)) for k, v in host.items()}
-    staged = plugin.optirs_stage(ctx, [pbuf[1:]], [gbuf], fmt)
-    plugin.optirs_step(ctx, StepRequest(d, staged.params, staged.grads, state, layout, d.scalars(hp, 1),
-                                        StepControls(1, 5), fmt, fs))
-    assert not rests
-    assert np.array_equal(pbuf.copy_to_host()[1:], np.asarray(want_p[0]).reshape(-1))
-    for k, w in want_b.items():
-        assert np.array_equal(state[k].copy_to_host()[: w.size].view(np.uint8), np.asarray(w).view(np.uint8)), k
 
 
 def _assert_the_cpu_bits(results):

@@ -619,17 +619,10 @@ class CudaContext:
 
     def pointer_table(self, layout: Any, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]):
         """Device int64[ntensors, 2] (param address, grad address) of one address set (:class:`PointerTables`)."""
-        return self._pointer_tables(layout, len(paddr)).table(paddr, gaddr)
-
-    def pointers_aligned16(self, layout: Any, paddr: Tuple[int, ...], gaddr: Tuple[int, ...]) -> bool:
-        """Whether every address of the set is a multiple of 16 bytes (worked out with its table)."""
-        return self._pointer_tables(layout, len(paddr)).aligned16(paddr, gaddr)
-
-    def _pointer_tables(self, layout: Any, ntensors: int) -> "PointerTables":
         tables = layout.cache.get("cuda.pointers")
         if tables is None:
-            tables = layout.cache["cuda.pointers"] = PointerTables(self, ntensors)
-        return tables
+            tables = layout.cache["cuda.pointers"] = PointerTables(self, len(paddr))
+        return tables.table(paddr, gaddr)
 
     def row_tables(self, name: str, rows: int, columns: int) -> "PointerTables":
         """:class:`PointerTables` of ``columns`` int64 columns and room for ``rows`` rows (rounded up
@@ -716,8 +709,7 @@ class PointerTables:
     def __init__(self, ctx: "CudaContext", ntensors: int, columns: int = 2):
         self.ctx, self.ntensors, self.columns = ctx, max(1, ntensors), columns
         self.by_key: "OrderedDict[tuple, list]" = OrderedDict()
-        self.slots: List[list] = []  # [device table, pinned host table, its copy's event, stream handle, index,
-        #                               every address a multiple of 16]
+        self.slots: List[list] = []  # [device table, pinned host table, its copy's event, stream handle, index]
         self.last: tuple = ((), None)  # the last columns asked for and their slot
 
     def _allocate(self) -> None:
@@ -752,11 +744,6 @@ class PointerTables:
         the table's row k), written on the stream in use if no table holds them yet."""
         return self._slot(columns)[0]
 
-    def aligned16(self, *columns: Tuple[int, ...]) -> bool:
-        """Whether every value of ``columns`` (addresses) is a multiple of 16: worked out once per
-        address set, when its table is written."""
-        return self._slot(columns)[5]
-
     def address(self, *columns: Tuple[int, ...]) -> int:
         """:meth:`table`'s device address."""
         k = self._slot(columns)[4]
@@ -776,13 +763,13 @@ class PointerTables:
             if not self.slots:
                 self._allocate()
             k = len(self.slots)
-            slot = [self.devices[k], self.hosts[k], self.events[k], ctx.stream, k, False]
+            slot = [self.devices[k], self.hosts[k], self.events[k], ctx.stream, k]
             self.slots.append(slot)
             written = False
         else:
             _, slot = self.by_key.popitem(last=False)
             written = True
-        device, host, event, stream, k, _ = slot
+        device, host, event, stream, k = slot
         if written and event is not None:
             event.synchronize()  # the pinned buffer's last copy has been read (long done, as a rule)
         if stream != ctx.stream:
@@ -790,8 +777,6 @@ class PointerTables:
         for j, column in enumerate(columns):
             if column:
                 host[: len(column), j] = column
-        rows = max((len(c) for c in columns), default=0)
-        slot[5] = not rows or not int(np.bitwise_or.reduce(host[:rows, : len(columns)], axis=None)) & 15
         launcher = ctx.launcher
         if launcher is None or not launcher.copy_to_device_async(self.device_addresses[k], host, ctx.stream,
                                                                   self.host_addresses[k]):

@@ -105,7 +105,7 @@ class CudaFormats:
         run(ctx, planned, (chunks, ptrs, nchunks), ((address,),), 0)
 
     def _formats_step(self, ctx: Any, request: Any) -> None:
-        from optirs.backends.cuda.steps import address_columns, flag_address
+        from optirs.backends.cuda.steps import flag_address
 
         family, params, grads, state, layout = (request.definition.kernel, request.params, request.grads,
                                                 request.state, request.layout)
@@ -125,28 +125,9 @@ class CudaFormats:
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
         claim = _claim_chunks(ctx, fk)
-        rounds = CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK
-        general = f"formats_step_{name}{'_claim' if claim else ''}"
-
-        def make_general():
-            return fk.make_step_kernel(family, fc, signed, used, claim=claim)
-
-        if _split(ctx, fk, fc, family) and ctx.pointers_aligned16(layout, *address_columns(params, grads)):
-            # the full groups by the kernel of the full round alone, then the rest (each tensor's
-            # partial last group, the chunks of a tensor whose offset is not a multiple of 8) by the
-            # general kernel over a table of those rows
-            full = plan(ctx, f"{general}_full",
-                        lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim, groups="full"), head, args,
-                        layout, _max_registers(fmt, family, True), rounds)
-            chunks, nchunks = ctx.chunk_table(layout, full[1])
-            run(ctx, full, (chunks, ptrs, tensors, nchunks), args, 3)
-            rest = rest_table(ctx, layout, full[1])
-            if rest is not None:
-                planned = plan(ctx, general, make_general, head, args, layout, _max_registers(fmt, family), rounds,
-                               rows=rest[1])
-                run(ctx, planned, (rest[0], ptrs, tensors, rest[1]), args, 3)
-            return
-        planned = plan(ctx, general, make_general, head, args, layout, _max_registers(fmt, family), rounds)
+        planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}",
+                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim), head, args, layout,
+                       _max_registers(fmt, family), CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
         chunks, nchunks = ctx.chunk_table(layout, planned[1])
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
@@ -366,15 +347,14 @@ CLAIMED_ROUNDS_PER_CHUNK = 2
 
 
 def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any, max_registers: int = 0,
-         rounds: int = ROUNDS_PER_CHUNK, rows: int = 0):
+         rounds: int = ROUNDS_PER_CHUNK):
     """(compiled kernel, chunk elements, grid, block) of ``factory()``'s kernel on ``layout``:
     compiled once per context and signature (``head_types`` and the types of ``args``; at most
     ``max_registers`` per thread when non-zero), sized once per layout (8 elements per thread,
-    ``rounds`` rounds a chunk), never more blocks than chunks (``rows``: a table of that many rows
-    instead of the layout's chunks)."""
+    ``rounds`` rounds a chunk), never more blocks than chunks."""
     import numba
 
-    key = ("cuda.formats.plan", name, rows)
+    key = ("cuda.formats.plan", name)
     plan = layout.cache.get(key)
     if plan is None:
         pyfunc = ctx.__dict__.setdefault("_formats_pyfuncs", {}).get(name)
@@ -384,38 +364,9 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
                                 max_registers=max_registers)
         grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8, resident_block=_resident_block())
         chunk = _chunk_elements(ctx, block, rounds)
-        nchunks = rows or len(layout.chunks(chunk)[0])
+        nchunks = len(layout.chunks(chunk)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
-
-
-def rest_table(ctx: Any, layout: Any, chunk: int):
-    """(device int64[rows + 1, 4], rows) in the chunk table's form, of what the kernel of full groups
-    leaves to the general one (None when nothing): each chunk's partial last group, and the whole
-    chunks of a tensor whose flat offset is not a multiple of 8 (whose compact arrays' words are not
-    vector-aligned). Once per layout and chunk size; the row after them starts at zero (the claims)."""
-    key = ("cuda.formats.rest", chunk)
-    if key not in layout.cache:
-        tensor, start, stop = layout.chunks(chunk)
-        offset = layout.offsets[tensor]
-        count = stop - start
-        misaligned = (offset & 7) != 0
-        full = np.where(misaligned, 0, count & ~np.int64(_kernels().GROUP - 1))
-        keep = count > full
-        host = np.stack([tensor, start + full, count - full, offset], axis=1)[keep].astype(np.int64)
-        rows = len(host)
-        host = np.concatenate([host, np.zeros((1, 4), np.int64)])
-        layout.cache[key] = (ctx.upload(np.ascontiguousarray(host)), rows) if rows else None
-    return layout.cache[key]
-
-
-def _split(ctx: Any, fk: Any, fc: Any, family: str) -> bool:
-    """Whether ``family``'s step in format codes ``fc`` takes its full groups by a kernel of the full
-    round alone (``fk.split_rounds``; ``OPTIRS_CUDA_FORMATS_SPLIT`` read once per context)."""
-    env = ctx.__dict__.get("_formats_split_env")
-    if env is None:
-        env = ctx.__dict__["_formats_split_env"] = os.environ.get("OPTIRS_CUDA_FORMATS_SPLIT", "").strip()
-    return fk.split_rounds(fc, family, env)
 
 
 def _claim_chunks(ctx: Any, fk: Any) -> bool:
@@ -443,12 +394,10 @@ def _chunk_elements(ctx: Any, block: int, rounds: int = ROUNDS_PER_CHUNK) -> int
     return max(ctx.kernels.chunk_elements(block), elements) if rounds >= ROUNDS_PER_CHUNK else elements
 
 
-def _max_registers(fmt: Any, family: str, full_only: bool = False) -> int:
+def _max_registers(fmt: Any, family: str) -> int:
     """The register cap of ``family``'s formats kernels (optirs.backends.common.register_cap);
-    ``OPTIRS_CUDA_FORMATS_MAXREG`` (tuning): a cap for every formats kernel, 0 for none.
-    ``full_only``: the kernel of full groups alone (one round in it)."""
-    both = not full_only and _kernels().full_group_rounds(fmt.codes, family)
-    return formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", both)
+    ``OPTIRS_CUDA_FORMATS_MAXREG`` (tuning): a cap for every formats kernel, 0 for none."""
+    return formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", _kernels().full_group_rounds(fmt.codes, family))
 
 
 def _resident_block() -> int:

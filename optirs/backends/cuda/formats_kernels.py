@@ -53,7 +53,6 @@ from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf
                                            state_stream, store_master, store_master_wide, store_master_wide_num,
                                            stream_key)
 from optirs.backends.common.int8_buckets import SIZE as TABLE_SIZE, WIDTH as TABLE_WIDTH
-from optirs.core.errors import InvalidParameterError
 from optirs.core.formats import (BF16, F16, F32, FP8_MAX, FP8_PRE_BELOW, MASTER_F32, MASTER_NONE, MASTER_R16, MASTER_R8,
                                  STATE_BF16, STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, INT8_STATE_CODES,
                                  sqrt_levels)
@@ -663,18 +662,6 @@ def full_group_rounds(fc, family: str) -> bool:
     return fc.state == STATE_INT8_SQRT and fc.param == BF16 and family != "lamb"
 
 
-def split_rounds(fc, family: str, choice: str = "") -> bool:
-    """Whether the pointwise step of ``family`` in format codes ``fc`` runs as two kernels where
-    every address is vector-aligned: the chunks' full groups by a kernel of the full round alone
-    (``make_step_kernel(groups="full")``), then what is left (each tensor's partial last group) by
-    the general kernel over a table of those rows. The full round then holds the registers alone,
-    with no test of a lane's count. ``choice`` (``OPTIRS_CUDA_FORMATS_SPLIT``, tuning): "1" every
-    pointwise format, "0" none, "" the default: the one-byte states."""
-    if family == "lamb" or choice == "0":
-        return False
-    return choice == "1" or fc.state in INT8_STATE_CODES
-
-
 def step_kernel_signature(sc) -> tuple:
     """The argument types of :func:`make_step_kernel`'s step kernel (mode "step") for the family
     scalars ``sc``: what ``numba.cuda.compile_ptx`` needs to compile it without a launch (a GPU's
@@ -699,7 +686,7 @@ def claim_chunks() -> bool:
 
 
 def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot: bool = False,
-                     claim: bool = True, groups: str = "all"):
+                     claim: bool = True):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
     slot k exists (compiled in as well: an unused slot takes no registers).
@@ -724,10 +711,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
     current one); the last block to finish sets the row back to zero, so that the next launch, a
     replayed graph's too, starts from zero. Without it (and in LAMB's passes, whose per-tensor sums
     keep the float32 step's order) each block takes every grid-th chunk.
-
-    ``groups`` (pointwise steps): "all", every group of every chunk; "full", only the groups whose
-    every lane holds 8 elements on vector-aligned addresses, by the round compiled for them alone
-    (the others skipped: the general kernel steps them, :func:`split_rounds`).
 
     ``hot``: a measurement build, never launched (benchmarks/cuda_sass_rounds.py --hot): every round
     the full one and every tensor coded, so that the round loop holds a full round alone and its
@@ -1088,13 +1071,10 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
 
         return _device(one_round)
 
-    if groups not in ("all", "full") or groups == "full" and lamb:
-        raise InvalidParameterError(f"groups={groups!r}, expected 'all' or, for a pointwise step, 'full'")
-    only_full = groups == "full"
     dealt = claim and not lamb
-    full_rounds = hot or only_full or full_group_rounds(fc, family)
+    full_rounds = hot or full_group_rounds(fc, family)
     full_round = make_round(True) if full_rounds else None
-    part_round = make_round(False) if not only_full else None
+    part_round = make_round(False)
 
     def body(chunks, ptrs, tensors, nchunks, maps, tables, maddr, slots, acc, ntensors, found, seed, step, q,
              sc):
@@ -1221,12 +1201,6 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
                                             grp, sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s,
                                             pk_u, keyp, key01, key2, sc, fu, fok, grad_scale, lr_t, sp, su)
                         continue
-                if only_full:  # a chunk's partial or misaligned group: the general kernel's
-                    if SIMULATOR and quant:  # its warp_max barriers, which the block's other warps reach
-                        for k in range(3):
-                            if used & (1 << k):
-                                warp_max(float32(0))
-                    continue
                 cnt = min(sub32(n32, base), LANE32) if n32 > base else u32(0)
                 sp, su = part_round(pa, ga, ma, sa0, sa1, sa2, ca0, ca1, ca2, base, cnt, vec, quant, grp < ngroups, grp,
                                     sz, e, lane, pw, gw, mw, w0, w1, w2, x0, x1, x2, q_s, q_u, mid_s, tb_s, pk_u, keyp,

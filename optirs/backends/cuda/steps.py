@@ -39,16 +39,6 @@ def flag_address(flag: Any) -> int:
     return int(address)
 
 
-def address_columns(params: Any, grads: Any) -> tuple:
-    """(parameter addresses, gradient addresses) of staged lists (or of device arrays)."""
-    paddr = getattr(params, "addresses", None)
-    gaddr = getattr(grads, "addresses", None)
-    if paddr is None or gaddr is None:  # called directly with device arrays
-        paddr = tuple(device_address(a) for a in params)
-        gaddr = tuple(device_address(a) for a in grads)
-    return paddr, gaddr
-
-
 class CudaSteps(StepDispatch):
     """The cuda backend's kernels for :class:`~optirs.backends.common.steps.StepDispatch`: the
     elementwise and format kernels read a found_inf flag on the device; LAMB's and Adafactor's
@@ -60,7 +50,12 @@ class CudaSteps(StepDispatch):
 
     @staticmethod
     def _pointers(ctx: CudaContext, params: Any, grads: Any, layout: Any):
-        return ctx.pointer_table(layout, *address_columns(params, grads))
+        paddr = getattr(params, "addresses", None)
+        gaddr = getattr(grads, "addresses", None)
+        if paddr is None or gaddr is None:  # called directly with device arrays
+            paddr = tuple(device_address(a) for a in params)
+            gaddr = tuple(device_address(a) for a in grads)
+        return ctx.pointer_table(layout, paddr, gaddr)
 
     def _device_scalars_step(self, ctx, request: StepRequest) -> None:
         self._capturable_step(ctx, request.definition.name, request.params, request.grads, request.state,
