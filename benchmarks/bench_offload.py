@@ -687,14 +687,15 @@ def unique_rows(rows: List[str]) -> List[str]:
 
 
 def with_baselines(rows: List[str]) -> Tuple[List[str], List[str]]:
-    """(the rows with the no-offload baseline of each offload row's parameter dtype put in front
-    where ``rows`` lacks it, the baselines so added): an offload row's added time is its step over
-    that baseline's, measured in the same run."""
+    """(the rows with the no-offload baseline of each offload row's and torchao's parameter dtype put
+    in front where ``rows`` lacks it, the baselines so added): an offload row's added time is its step
+    over that baseline's, measured in the same run, and torchao's added time is what every offload
+    row is held to (``x torchao``)."""
     present = {row_kind(r) for r in rows}
     added = []
     for r in rows:
         base = BASELINES[param_dtype(r)]
-        if row_kind(r) in OFFLOAD_ROWS and base not in present:
+        if (row_kind(r) in OFFLOAD_ROWS or row_kind(r) == "torchao") and base not in present:
             present.add(base)
             added.append(base)
     return added + rows, added

@@ -1520,13 +1520,16 @@ def test_the_benchmark_runs_a_row_per_thread_count(tmp_path):
 
 
 def test_the_benchmark_puts_each_offload_rows_baseline_in_front():
+    """Every row whose added time is measured (the offload rows, torchao's: the figure the offload
+    rows are held to) gets its parameter dtype's no-offload baseline in the same run."""
     bench = _bench_module()
-    rows, added = bench.with_baselines(["torchao", "offload_bf16_r8_int8sqrt_sib", "offload_int8sqrt@14"])
+    rows, added = bench.with_baselines(["offload_bf16_r8_int8sqrt_sib", "torchao", "offload_int8sqrt@14"])
     assert added == ["torch_fused_bf16", "torch_fused"]
-    assert rows == ["torch_fused_bf16", "torch_fused", "torchao", "offload_bf16_r8_int8sqrt_sib", "offload_int8sqrt@14"]
+    assert rows == ["torch_fused_bf16", "torch_fused", "offload_bf16_r8_int8sqrt_sib", "torchao", "offload_int8sqrt@14"]
     kept = ["torch_fused", "none_bf16", "offload", "torch_fused_bf16", "offload_bf16_r8_int8"]
     assert bench.with_baselines(kept) == (kept, [])
-    assert bench.with_baselines(["none", "torchao"]) == (["none", "torchao"], [])
+    assert bench.with_baselines(["none", "torchao"]) == (["torch_fused", "none", "torchao"], ["torch_fused"])
+    assert bench.with_baselines(["none", "none_bf16"]) == (["none", "none_bf16"], [])
 
 
 def test_contention_benchmark_refuses_bad_sizes_and_a_machine_without_cuda(capsys):
