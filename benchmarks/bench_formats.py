@@ -6,7 +6,10 @@ CPU tensors), or ``GpuAdamW(..., precision=Precision(...))`` on pyopencl arrays 
 opencl``). Shapes: GPT-2 124M (148 tensors; the test suite checks them against transformers'
 model) on a GPU, a 14M-parameter GPT (vocab 8192, width 384, 6 layers) on the cpu backend, tiny
 ones with ``--smoke``; ``--model 1.3b``: GPT-2 1.3B (``GPT2Config(n_embd=2048, n_layer=24)``, 292
-tensors).
+tensors); ``--flat``: the same count of parameters as one tensor, ``--split N`` as N equal
+tensors, ``--min-size`` without the small tensors, ``--misalign K`` behind a tensor of K elements,
+``--one-buffer`` with each tensor's parameters and gradients views of one allocation (what the
+tensor mix, the state's alignment and the allocations cost).
 AdamW lr 1e-3, weight decay 0.1 on every tensor; ``--family`` sgd (momentum 0.9), rmsprop, adagrad,
 lion or lamb (max_grad_norm 1.0) in the same formats, with torch's own optimizer (fused where torch
 has it, else foreach) and bitsandbytes' 8-bit one as the peers.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -231,8 +235,23 @@ class TorchDevice(Device):
             print(f"# kernel time not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
             return None
 
+    # the parameters and gradients as views of one allocation each (--one-buffer), as a flat-parameter
+    # wrapper lays them out, instead of an allocation per tensor
+    one_buffer = False
+
     def tensors(self, shapes, dtype) -> List[Any]:
         torch = self.torch
+        if self.one_buffer:
+            sizes = [math.prod(s) for s in shapes]
+            flat_p = (torch.randn(sum(sizes), device=self.device) * 0.02).to(dtype)
+            flat_g = (torch.randn(sum(sizes), device=self.device) * 1e-3).to(dtype)
+            params, at = [], 0
+            for s, k in zip(shapes, sizes):
+                p = torch.nn.Parameter(flat_p[at:at + k].view(s))
+                p.grad = flat_g[at:at + k].view(s)
+                params.append(p)
+                at += k
+            return params
         params = [torch.nn.Parameter(torch.randn(s, device=self.device).to(dtype) * 0.02) for s in shapes]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
@@ -541,6 +560,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few steps")
     ap.add_argument("--model", choices=sorted(MODELS),
                     help="GPT-2 shapes (default: 124m on a GPU, a 14M-parameter GPT on cpu)")
+    ap.add_argument("--flat", action="store_true",
+                    help="the model's parameters as one tensor of the same count (sets the tensor mix apart from "
+                         "the size)")
+    ap.add_argument("--split", type=int, metavar="N",
+                    help="the model's parameters as N tensors of equal size, a multiple of 256 (the last takes the "
+                         "rest)")
+    ap.add_argument("--min-size", type=int, default=0, metavar="N", help="leave out the tensors of fewer than N elements")
+    ap.add_argument("--misalign", type=int, default=0, metavar="K",
+                    help="a tensor of K elements in front of the others (K not a multiple of 8: every later tensor's "
+                         "place in the flat state is not either)")
+    ap.add_argument("--one-buffer", action="store_true",
+                    help="cuda: the parameters and the gradients as views of one allocation each")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--steps", type=int, help="steps per batch (default 20 on a GPU, 3 on cpu)")
     ap.add_argument("--batches", type=int, help="batches (default 5 on a GPU, 3 on cpu)")
@@ -565,6 +596,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     batches = args.batches or (2 if args.smoke else 5 if gpu else 3)
     shapes = model_shapes(args.backend, args.smoke, args.model)
     n = sum(int(__import__("math").prod(s)) for s in shapes)
+    if args.flat:
+        shapes = [(n,)]
+    elif args.split:
+        if not 1 <= args.split <= n // 256:
+            raise SystemExit(f"--split {args.split}: expected 1 to {n // 256} tensors")
+        part = n // args.split // 256 * 256
+        shapes = [(part,)] * (args.split - 1) + [(n - (args.split - 1) * part,)]
+    if args.min_size < 0 or args.misalign < 0:
+        raise SystemExit(f"--min-size {args.min_size} / --misalign {args.misalign}: expected counts >= 0")
+    shapes = [s for s in shapes if math.prod(s) >= args.min_size]
+    if args.misalign:
+        shapes = [(args.misalign,)] + shapes
+    n = sum(math.prod(s) for s in shapes)
+    TorchDevice.one_buffer = args.one_buffer
     copy_n = (1 << 20) if args.smoke else (256 << 20) if gpu else 4 * n  # host: 2x the bf16+f32 format's bytes
     copy = dev.copy_gb_per_s(copy_n, steps, batches)
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPTIRS_")}  # tuning variables

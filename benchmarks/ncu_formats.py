@@ -10,6 +10,8 @@ launch__registers_per_thread,launch__block_size,sm__warps_active.avg.pct_of_peak
 smsp__inst_executed.sum \\
         python benchmarks/ncu_formats.py 124m bf16_masters r8_int8 > ncu.csv
 
+``--flat`` steps the model's parameter count as one tensor.
+
 ``OPTIRS_CUDA_FORMATS_BLOCK`` picks the formats kernels' block size (a tuning knob, see
 optirs/backends/cuda/formats.py).
 """
@@ -17,6 +19,7 @@ optirs/backends/cuda/formats.py).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -52,6 +55,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shapes", choices=sorted(MODELS))
     ap.add_argument("kinds", nargs="+", choices=sorted(KINDS), metavar="KIND", help=", ".join(KINDS))
+    ap.add_argument("--flat", action="store_true", help="the model's parameters as one tensor of the same count")
     args = ap.parse_args(argv)
     import torch
 
@@ -60,10 +64,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("skipped: torch sees no CUDA device", file=sys.stderr)
         return 0
+    shapes = gpt2_shapes(args.shapes)
+    if args.flat:
+        shapes = [(sum(math.prod(s) for s in shapes),)]
     for kind in args.kinds:
         pdt, master, state, sr = KINDS[kind]
         dtype = getattr(torch, pdt)
-        params = [(torch.randn(s, device="cuda") * 0.02).to(dtype).requires_grad_(True) for s in gpt2_shapes(args.shapes)]
+        params = [(torch.randn(s, device="cuda") * 0.02).to(dtype).requires_grad_(True) for s in shapes]
         for p in params:
             p.grad = (torch.randn(p.shape, device="cuda") * 1e-3).to(dtype)
         opt = ot.AdamW(params, lr=1e-3, weight_decay=0.1, master_weights=master, state_dtype=state,
@@ -81,7 +88,7 @@ def main(argv=None) -> int:
             opt.step()
         end.record()
         torch.cuda.synchronize()
-        print(f"{args.shapes} {kind}: {start.elapsed_time(end) / 20:.3f} ms per step (events, end to end)", flush=True)
+        print(f"{args.shapes}{' flat' if args.flat else ''} {kind}: {start.elapsed_time(end) / 20:.3f} ms per step (events, end to end)", flush=True)
         del opt, params
         torch.cuda.empty_cache()
     return 0
