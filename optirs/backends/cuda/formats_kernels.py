@@ -57,8 +57,8 @@ from optirs.core.formats import (BF16, F16, F32, FP8_MAX, FP8_PRE_BELOW, MASTER_
                                  STATE_BF16, STATE_F32, STATE_FP8, STATE_INT8, STATE_INT8_SQRT, INT8_STATE_CODES,
                                  sqrt_levels)
 
-from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, row_last, st_u8, st_u16,
-                                                 st_u32, st_u32x2, st_u32x4)
+from optirs.backends.cuda.formats_memory import (ld_u8, ld_u16, ld_u32, ld_u32x2, ld_u32x4, st_u8, st_u16, st_u32,
+                                                 st_u32x2, st_u32x4)
 from optirs.backends.cuda.kernels import SIMULATOR, _device, ld, st
 
 GROUP = 256  # elements per warp and per int8 block
@@ -1154,12 +1154,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
             start = chunks[c, 1]
             n = chunks[c, 2]
             off = chunks[c, 3] + start  # flat layout index of the chunk's first element
-            # the tensor's rows kept in the L1 (row_last): a block's next chunk is in another tensor
-            # whenever the tensors are smaller than a grid's worth of chunks (GPT-2 124M's), and the
-            # row then missed, an L2 round trip in the chain claim -> chunk row -> tensor row -> loads
-            pa = row_last(ptrs, t, 0) + start * psize
-            ga = row_last(ptrs, t, 1) + start * gsize
-            small = row_last(tensors, t, 2)
+            pa = ptrs[t, 0] + start * psize
+            ga = ptrs[t, 1] + start * gsize
+            small = tensors[t, 2]
             quant = int8 and (hot or small < 0)  # the same for the whole block (one chunk per block)
             if int8 and not quant:  # a small tensor's float32 state
                 sbase = small + start
@@ -1167,7 +1164,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
             else:
                 sbase = off
                 sz = ssize
-            block0 = row_last(tensors, t, 1) + (start >> 8)
+            block0 = tensors[t, 1] + (start >> 8)
             vec = ((pa | ga) & 15) == 0 and (off & 7) == 0
             # the chunk's first element's address in every array: a round adds its 32-bit offset
             # (64-bit index arithmetic per round cost about 2 instructions an element)

@@ -55,9 +55,6 @@ if SIMULATOR:
         v[0], v[1], v[2], v[3] = (int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF, int(c) & 0xFFFFFFFF,
                                   int(d) & 0xFFFFFFFF)
 
-    def row_last(table, i, j):
-        return table[i, j]
-
 else:
     from llvmlite import ir
     from numba import types
@@ -125,22 +122,3 @@ else:
     ld_u32, st_u32 = _loader(32, 1), _storer(32, 1)
     ld_u32x2, st_u32x2 = _loader(32, 2), _storer(32, 2)
     ld_u32x4, st_u32x4 = _loader(32, 4), _storer(32, 4)
-
-    @intrinsic
-    def row_last(typingctx, table, i, j):
-        """``table[i, j]`` of a 2-D C-contiguous int64 array by ``ld.global.L1::evict_last``: a small
-        table read at every chunk's start stays in the L1 while the rounds stream through it."""
-        if not (isinstance(table, types.Array) and table.ndim == 2 and table.dtype == types.int64
-                and table.layout == "C"):
-            return None
-        sig = types.int64(table, types.int64, types.int64)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, args[0])
-            columns = builder.extract_value(ary.shape, 1)
-            ptr = builder.gep(ary.data, [builder.add(builder.mul(args[1], columns), args[2])])
-            i64 = ir.IntType(64)
-            asm = ir.InlineAsm(ir.FunctionType(i64, [i64]), "ld.global.L1::evict_last.u64 $0, [$1];", "=l,l")
-            return builder.call(asm, [builder.ptrtoint(ptr, i64)])
-
-        return sig, codegen
