@@ -96,6 +96,25 @@ def model_shapes(backend: str, smoke: bool, model: Optional[str] = None) -> List
     return gpt2_shapes(model or "124m")
 
 
+def variant_shapes(shapes, flat: bool = False, split: Optional[int] = None, min_size: int = 0,
+                   misalign: int = 0) -> List[Tuple[int, ...]]:
+    """``shapes`` as ``--flat``, ``--split``, ``--min-size`` and ``--misalign`` remake them (the same
+    count of parameters as one tensor or as ``split`` equal ones, a multiple of 256 each but the last;
+    without the tensors under ``min_size``; behind a tensor of ``misalign`` elements)."""
+    n = sum(math.prod(s) for s in shapes)
+    if flat:
+        shapes = [(n,)]
+    elif split is not None:
+        if not 1 <= split <= n // 256:
+            raise SystemExit(f"--split {split}: expected 1 to {n // 256} tensors")
+        part = n // split // 256 * 256
+        shapes = [(part,)] * (split - 1) + [(n - (split - 1) * part,)]
+    if min_size < 0 or misalign < 0:
+        raise SystemExit(f"--min-size {min_size} / --misalign {misalign}: expected counts >= 0")
+    shapes = [s for s in shapes if math.prod(s) >= min_size]
+    return [(misalign,)] + shapes if misalign else shapes
+
+
 class Family(NamedTuple):
     """One family's rows: optirs.torch's class and the seed API's (``Gpu*`` and its hyperparameters)
     with the same settings, its state slots, and torch's own optimizer for the peers (None: none)."""
@@ -560,12 +579,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, few steps")
     ap.add_argument("--model", choices=sorted(MODELS),
                     help="GPT-2 shapes (default: 124m on a GPU, a 14M-parameter GPT on cpu)")
-    ap.add_argument("--flat", action="store_true",
-                    help="the model's parameters as one tensor of the same count (sets the tensor mix apart from "
-                         "the size)")
-    ap.add_argument("--split", type=int, metavar="N",
-                    help="the model's parameters as N tensors of equal size, a multiple of 256 (the last takes the "
-                         "rest)")
+    mix = ap.add_mutually_exclusive_group()
+    mix.add_argument("--flat", action="store_true",
+                     help="the model's parameters as one tensor of the same count (sets the tensor mix apart from "
+                          "the size)")
+    mix.add_argument("--split", type=int, metavar="N",
+                     help="the model's parameters as N tensors of equal size, a multiple of 256 (the last takes the "
+                          "rest)")
     ap.add_argument("--min-size", type=int, default=0, metavar="N", help="leave out the tensors of fewer than N elements")
     ap.add_argument("--misalign", type=int, default=0, metavar="K",
                     help="a tensor of K elements in front of the others (K not a multiple of 8: every later tensor's "
@@ -587,6 +607,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.compare:
         compare(args.compare)
         return 0
+    shapes = variant_shapes(model_shapes(args.backend, args.smoke, args.model), args.flat, args.split, args.min_size,
+                            args.misalign)
+    n = sum(math.prod(s) for s in shapes)
+    if args.one_buffer and args.backend == "opencl":
+        raise SystemExit("--one-buffer: the torch rows only (--backend cuda or cpu)")
+    TorchDevice.one_buffer = args.one_buffer  # the peers' tensors too
     dev, peer_dev, why = open_device(args.backend)
     if dev is None:
         print(f"skipped: {why}")
@@ -594,22 +620,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu = args.backend != "cpu"
     steps = args.steps or (2 if args.smoke else 20 if gpu else 3)
     batches = args.batches or (2 if args.smoke else 5 if gpu else 3)
-    shapes = model_shapes(args.backend, args.smoke, args.model)
-    n = sum(int(__import__("math").prod(s)) for s in shapes)
-    if args.flat:
-        shapes = [(n,)]
-    elif args.split:
-        if not 1 <= args.split <= n // 256:
-            raise SystemExit(f"--split {args.split}: expected 1 to {n // 256} tensors")
-        part = n // args.split // 256 * 256
-        shapes = [(part,)] * (args.split - 1) + [(n - (args.split - 1) * part,)]
-    if args.min_size < 0 or args.misalign < 0:
-        raise SystemExit(f"--min-size {args.min_size} / --misalign {args.misalign}: expected counts >= 0")
-    shapes = [s for s in shapes if math.prod(s) >= args.min_size]
-    if args.misalign:
-        shapes = [(args.misalign,)] + shapes
-    n = sum(math.prod(s) for s in shapes)
-    TorchDevice.one_buffer = args.one_buffer
     copy_n = (1 << 20) if args.smoke else (256 << 20) if gpu else 4 * n  # host: 2x the bf16+f32 format's bytes
     copy = dev.copy_gb_per_s(copy_n, steps, batches)
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPTIRS_")}  # tuning variables

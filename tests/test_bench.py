@@ -192,3 +192,37 @@ def test_bench_formats_models_are_gpt2_parameter_shapes(monkeypatch):
         theirs = collections.Counter(tuple(p.shape) for p in gpt.parameters())
         assert collections.Counter(bench.model_shapes("cuda", False, model)) == theirs
     assert bench.model_shapes("cuda", False) == bench.model_shapes("cuda", False, "124m")
+
+
+def test_bench_formats_shape_variants_keep_the_count(monkeypatch, capsys):
+    """``--flat``, ``--split``, ``--min-size`` and ``--misalign`` remake the model's shapes: one tensor
+    or N of a multiple of 256 elements each (the last takes the rest) with the same count, the small
+    tensors left out, a tensor of K elements in front; a bad count exits non-zero naming it."""
+    import importlib.util
+    import math
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("bench_formats", folder / "bench_formats.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = bench.model_shapes("cuda", False, "124m")
+    n = sum(math.prod(s) for s in shapes)
+    assert bench.variant_shapes(shapes, flat=True) == [(n,)]
+    split = bench.variant_shapes(shapes, split=148)
+    assert len(split) == 148 and sum(math.prod(s) for s in split) == n
+    assert all(s[0] % 256 == 0 and s[0] == split[0][0] for s in split[:-1]) and split[-1][0] >= split[0][0]
+    big = bench.variant_shapes(shapes, min_size=4096)
+    assert big == [s for s in shapes if math.prod(s) >= 4096] and len(big) < len(shapes)
+    assert bench.variant_shapes(shapes, misalign=1) == [(1,)] + shapes
+    for argv, said in ((["--split", "0"], "--split 0"), (["--misalign", "-1"], "--misalign -1"),
+                       (["--backend", "opencl", "--one-buffer"], "--one-buffer")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert said in str(e.value.code)
+    with pytest.raises(SystemExit) as e:  # argparse: one of --flat and --split
+        bench.main(["--flat", "--split", "2"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    sys.modules.pop("bench_formats", None)
