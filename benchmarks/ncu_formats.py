@@ -19,13 +19,12 @@ optirs/backends/cuda/formats.py).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_formats import MODELS, gpt2_shapes  # noqa: E402  (GPT-2's parameter shapes, as the formats rows')
+from bench_formats import MODELS, gpt2_shapes, variant_shapes  # noqa: E402  (GPT-2's parameter shapes, as the formats rows')
 
 # name: (parameter dtype, master, state dtype, stochastic rounding)
 KINDS = {
@@ -64,9 +63,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("skipped: torch sees no CUDA device", file=sys.stderr)
         return 0
-    shapes = gpt2_shapes(args.shapes)
-    if args.flat:
-        shapes = [(sum(math.prod(s) for s in shapes),)]
+    shapes = variant_shapes(gpt2_shapes(args.shapes), flat=args.flat)
     for kind in args.kinds:
         pdt, master, state, sr = KINDS[kind]
         dtype = getattr(torch, pdt)
