@@ -22,9 +22,11 @@
     uint nchunks, __global volatile uint *tickets, uint ticket_base
 
 /* Work-item 0 takes the work-group's next chunk into the __local struct D (fields taken: the
- * chunk's index in the launch, nchunks when none is left; t: its tensor; p, g: that tensor's
- * parameter and gradient buffers, slots PSLOT and GSLOT, expressions of t, picked once for the
- * whole work-group). Needs lid (the local id) in scope; every work-item must reach it.
+ * chunk's index in the launch, nchunks when none is left; t: its tensor; start: its first element
+ * in the tensor, read beside t so that the two loads overlap and no other work-item reads the table;
+ * p, g: that tensor's parameter and gradient buffers, slots PSLOT and GSLOT, expressions of t,
+ * picked once for the whole work-group). Needs lid (the local id) in scope; every work-item must
+ * reach it.
  * DEAL_CHUNK_AT: the same with the ticket an expression TICKET, and TAKE_NEXT run when a chunk
  * is taken (the formats kernels take their next ticket a chunk ahead). */
 #define DEAL_CHUNK_AT(D, P, G, PSLOT, GSLOT, TICKET, TAKE_NEXT)                              \
@@ -35,6 +37,7 @@
         if (taken_ < nchunks) {                                                              \
             TAKE_NEXT;                                                                       \
             const int t = chunk_tensor[chunk_base + taken_];                                 \
+            D.start = chunk_start[chunk_base + taken_];                                      \
             const int ps_ = (PSLOT), gs_ = (GSLOT);                                          \
             D.t = t;                                                                         \
             D.p = PICK(ps_, P);                                                              \

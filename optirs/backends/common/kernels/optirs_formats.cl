@@ -416,6 +416,7 @@ typedef struct {
 typedef struct {
     uint taken;
     int t;
+    long start;
     __global PST *p;
     __global const GST *g;
 } fmt_deal;
@@ -453,7 +454,7 @@ void fmt_skip_tickets(__global volatile uint *tickets, uint nchunks)
         const int t = deal_.t;                                                                   \
         const long8 row = tens[t];                                                               \
         const int aligned = (int)((row.s6 >> 16) & 1);                                           \
-        const long start = chunk_start[c];                                                       \
+        const long start = deal_.start;                                                          \
         const int n_ = (int)(min(start + (long)OPTIRS_CHUNK, row.s3) - start);                   \
         __global PST *p = deal_.p + row.s0 + start;                                              \
         __global const GST *g = deal_.g + row.s1 + start;                                        \

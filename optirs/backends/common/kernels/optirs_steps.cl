@@ -43,6 +43,7 @@
 typedef struct {
     uint taken;
     int t;
+    long start;
     __global float *p;
     __global const float *g;
 } chunk_deal;
@@ -65,7 +66,7 @@ typedef struct {
         __global float *p = deal_.p + o.x;                                                       \
         __global const float *g = deal_.g + o.y;                                                 \
         const long s_off = o.z;                                                                  \
-        const long start = chunk_start[c];                                                       \
+        const long start = deal_.start;                                                          \
         const long stop = min(start + (long)OPTIRS_CHUNK, o.w);                                  \
         const int aligned = tinfo[t].z;
 #define CHUNKS_END }
