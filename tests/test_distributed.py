@@ -187,9 +187,17 @@ def test_two_ranks_equal_one_rank(two_ranks, name, mode):
     for a, b in zip(r0["resumed"], r0["final"]):
         np.testing.assert_array_equal(a, b)
     if mode == "zero1":
-        full = r0["state_bytes"] + r1["state_bytes"]
-        assert full == sum(int(np.prod(s)) for s in SHAPES) * 4 * len(CASES[name]().state_slots(CASES[name]().params))
-        assert max(r0["state_bytes"], r1["state_bytes"]) < full  # each rank holds only its shard
+        from optirs.core.layout import TensorLayout
+        from optirs.optim.data_parallel import ELEMENTWISE_OPTIMIZERS, ShardPlan
+
+        opt = CASES[name]()
+        plan = ShardPlan(SHAPES, WORLD, opt.name not in ELEMENTWISE_OPTIMIZERS)
+        slots = len(opt.state_slots(opt.params))
+        # each rank's state: its pieces' flat buffers (each piece from a multiple of 8 elements)
+        held = [TensorLayout([(b - a,) for _, a, b in plan.pieces[r]]).total * 4 * slots for r in range(WORLD)]
+        assert [r0["state_bytes"], r1["state_bytes"]] == held
+        assert sum(plan.shard_size(r) for r in range(WORLD)) == sum(int(np.prod(s)) for s in SHAPES)
+        assert max(held) < sum(held)  # each rank holds only its shard
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -13,7 +13,7 @@ import pytest
 from optirs.core import formats as F
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.core.layout import TensorLayout
+from optirs.core.layout import ALIGN, TensorLayout, aligned_offsets
 
 BF16 = ml_dtypes.bfloat16
 
@@ -345,23 +345,47 @@ def test_int8_layout_blocks_small_tensors_and_table():
     st = F.FormatState(layout, _adam_slots(), fmt)
     blocks = [16, 0, 24, 0, 0]  # ceil(n / 256) for tensors of 4096 elements and more
     small = [0, 10, 0, 4095, 1]
-    assert st.buffer_sizes() == {"exp_avg.codes": layout.total, "exp_avg.scales": 40, "exp_avg.small": 4106,
+    # the small tensors' float32 state back to back, each from a multiple of 8 elements
+    small_at = [-1, 0, -1, 16, 16 + 4096]
+    assert st.buffer_sizes() == {"exp_avg.codes": layout.total, "exp_avg.scales": 40, "exp_avg.small": 4113,
                                  "exp_avg_sq.codes": layout.total, "exp_avg_sq.scales": 40,
-                                 "exp_avg_sq.small": 4106, "master_remainder": layout.total}
+                                 "exp_avg_sq.small": 4113, "master_remainder": layout.total}
     assert st.buffer_dtypes()["exp_avg.codes"] == np.uint8 and st.buffer_dtypes()["master_remainder"] == np.int8
     table = st.tensor_table()
     assert table[:, 0].tolist() == layout.offsets.tolist()
     assert table[:, 1].tolist() == [0, -1, 16, -1, -1]
-    assert table[:, 2].tolist() == [-1, 0, -1, 10, 4105]
+    assert table[:, 2].tolist() == small_at
     assert [st.is_small(t) for t in range(5)] == [b == 0 for b in blocks]
     assert st.state_shapes(2) == {"exp_avg.codes": (3, 2000), "exp_avg.scales": (24,), "exp_avg_sq.codes": (3, 2000),
                                   "exp_avg_sq.scales": (24,), "master_remainder": (3, 2000)}
     assert st.state_shapes(1) == {"exp_avg": (10,), "exp_avg_sq": (10,), "master_remainder": (10,)}
     host = {k: np.arange(n).astype(st.buffer_dtypes()[k]) for k, n in st.buffer_sizes().items()}
     v = st.tensor_views(3, host)
-    assert v["exp_avg"].tolist() == list(range(10, 4105))
+    assert v["exp_avg"].tolist() == list(range(16, 16 + 4095))
     assert st.tensor_views(2, host)["exp_avg.scales"].tolist() == list(range(16, 40))
-    assert sum(small) == st.total_small
+    assert small_at[-1] + small[-1] == st.total_small
+
+
+def test_layout_offsets_sit_on_the_vector_grid():
+    """Each tensor's state starts at a multiple of ALIGN whatever the sizes before it (a tensor of odd
+    size would otherwise put every later one off the kernels' vector grid); align=1 packs them."""
+    rng = np.random.default_rng(5)
+    shapes = [(int(n),) for n in rng.integers(0, 40, 30)] + [(3, 5), (0,), (1, 1)]
+    layout = TensorLayout(shapes)
+    ends = layout.offsets + layout.sizes
+    assert (layout.offsets % ALIGN == 0).all() and layout.total == ends[-1]
+    assert (layout.offsets[1:] >= ends[:-1]).all() and (layout.offsets[1:] - ends[:-1] < ALIGN).all()
+    packed = TensorLayout(shapes, align=1)
+    assert packed.offsets.tolist() == np.concatenate([[0], np.cumsum(packed.sizes)[:-1]]).tolist()
+    assert packed.total == int(packed.sizes.sum())
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    flat = layout.pack(arrays)
+    assert flat.shape == (layout.total,) and all(np.array_equal(v, a) for v, a in zip(layout.views(flat), arrays))
+    gaps = np.ones(layout.total, bool)
+    for o, n in zip(layout.offsets, layout.sizes):
+        gaps[o : o + n] = False
+    assert (flat[gaps] == 0).all()
+    assert TensorLayout([]).total == 0 and aligned_offsets([])[1] == 0
 
 
 def test_float_layouts_and_fills():
@@ -763,18 +787,22 @@ def test_same_math_is_bit_exact(backend, family, master, rng):
         ulps = 1 if (backend == "cuda" and family == "lamb") else 0
         for t in range(len(params)):
             assert _max_ulps16(params[t], want_bits[t]) <= ulps, f"{family} {master} step {k}: params[{t}]"
+        # every buffer compared through the layout's views (the gaps between tensors hold nothing)
+        views = run.layout.views
         dense = np.concatenate([p.reshape(-1) for p in p32])
         got_master = None
         if master == "float32":
-            got_master = host["master"]
+            got_master = np.concatenate([v.reshape(-1) for v in views(host["master"])])
         if master == "remainder16":
-            got_master = R.remainder16_join(np.concatenate([p.reshape(-1) for p in params]), host["master_remainder"])
+            got_master = np.concatenate([R.remainder16_join(p.reshape(-1), r.reshape(-1))
+                                         for p, r in zip(params, views(host["master_remainder"]))])
         if got_master is not None and ulps:
             assert np.allclose(got_master, dense, rtol=2.0**-22, atol=2.0**-22 * np.abs(dense).max())
         elif got_master is not None:
             assert np.array_equal(got_master.view(np.uint32), dense.view(np.uint32))
         for s in run.fs.slot_names:
-            assert np.array_equal(host[s].view(np.uint32), from_backend_array(dense_state[s]).view(np.uint32)), s
+            for a, b in zip(views(host[s]), views(from_backend_array(dense_state[s]))):
+                assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), s
 
 
 def _max_ulps16(a, b):
@@ -796,10 +824,12 @@ def test_small_tensors_keep_float32_state(backend, rng):
         got[sd] = (p, run.host_state())
     fs = runs["int8"].fs
     assert not fs.is_small(0) and fs.is_small(1) and fs.is_small(2)
+    dense_fs = runs["float32"].fs
     for s in fs.slot_names:
-        small = got["int8"][1][f"{s}.small"]
-        dense = got["float32"][1][s][4096:]
-        assert small.size == 4095 + 15 and np.array_equal(small.view(np.uint32), dense.view(np.uint32)), s
+        for t in (1, 2):
+            small = fs.tensor_views(t, got["int8"][1])[s]  # its float32 state, in the small buffer
+            dense = dense_fs.tensor_views(t, got["float32"][1])[s]
+            assert np.array_equal(small.view(np.uint32), dense.view(np.uint32)), (s, t)
     for t in (1, 2):
         assert np.array_equal(got["int8"][0][t], got["float32"][0][t])
 

@@ -15,6 +15,7 @@ import pytest
 import optirs
 from optirs.core import reference
 from optirs.core.errors import BackendUnavailableError, DeviceMemoryError, GpuOptimError, InvalidParameterError
+from optirs.core.layout import TensorLayout
 from optirs.optim.optimizers import OPTIMIZERS
 
 cl = pytest.importorskip("pyopencl")
@@ -118,12 +119,12 @@ def test_separate_device_arrays_stepped_in_place(ctx, name, rng, launches):
 def test_flat_views_take_one_float4_launch_and_match_separate_arrays(ctx, rng, launches):
     """Views of one allocation at the layout's offsets: one float4 launch per step, same bits as separate arrays."""
     params, grads = problem(rng)
-    sizes = [int(np.prod(s)) for s in SHAPES]
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    layout = TensorLayout(SHAPES)  # each tensor from a multiple of 8 elements, as the state
+    sizes, offsets = layout.sizes.tolist(), layout.offsets.tolist()
 
     def packed(arrays):
-        flat = cla.to_device(ctx.queue, np.concatenate([a.reshape(-1) for a in arrays]))
-        return flat, [flat[int(o): int(o) + n].reshape(s) for o, n, s in zip(offsets, sizes, SHAPES)]
+        flat = cla.to_device(ctx.queue, layout.pack(arrays))
+        return flat, layout.views(flat)
 
     flat, views = packed(params)
     separate = [cla.to_device(ctx.queue, p) for p in params]
@@ -132,7 +133,7 @@ def test_flat_views_take_one_float4_launch_and_match_separate_arrays(ctx, rng, l
         del launches[:]
         a.step_gpu(views, packed(gs)[1])
         assert [n for n, _, _ in launches] == ["adam_flat4"]
-        total = sum(sizes)
+        total = layout.total
         assert launches[0][2] >= total // 4 + 1  # one work-item per float4 plus one for the tail
         b.step_gpu(separate, [cla.to_device(ctx.queue, g) for g in gs])
     got = flat.get()

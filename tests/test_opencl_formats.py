@@ -853,7 +853,9 @@ def _exact_sgd(model, before_p, before_s, grads, seed):
     buf = np.concatenate([s["momentum_buffer"] for s in R.decode_state(fs, before_s)])
     buf = g.copy() if sc.first_step else sc.momentum * buf + sc.dampening_factor * g
     x = p - sc.lr * buf
-    index = np.arange(x.size)
+    # the words here are the tensors back to back; the random bits take each element's layout index
+    layout = fs.layout
+    index = np.concatenate([np.arange(o, o + n) for o, n in zip(layout.offsets, layout.sizes)])
     out = {}
     if fmt.param_dtype == "float32":
         out["params"] = x.view(np.uint32)
@@ -874,7 +876,8 @@ def _exact_sgd(model, before_p, before_s, grads, seed):
         out["momentum_buffer"] = R.bf16_stochastic(buf, R.slot_bits(word, 0))
     else:
         codes, scales, small = [], [], []
-        for o, n in zip(fs.layout.offsets, fs.layout.sizes):
+        packed = TensorLayout(layout.shapes, align=1)
+        for o, n in zip(packed.offsets, packed.sizes):
             v = buf[o: o + n]
             if n < F.MIN_INT8_SIZE:
                 codes.append(np.zeros(n, np.uint8))
@@ -902,7 +905,7 @@ def test_format_encodings_are_bit_exact(ocl, fmt):
         before_p, before_s = [p.copy() for p in model.params], model.host_state()
         model.step(grads, seed=1234)
         want = _exact_sgd(model, before_p, before_s, grads, 1234)
-        got = model.host_state()
+        got = {k: _packed(model.fs, k, v) for k, v in model.host_state().items()}
         got["params"] = np.concatenate([p.reshape(-1) for p in model.params])
         for key, w in want.items():
             g = got[key]
@@ -910,6 +913,23 @@ def test_format_encodings_are_bit_exact(ocl, fmt):
                 live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in model.layout.sizes])
                 g, w = g[live], w[live]
             assert np.array_equal(np.asarray(g).view(np.uint8), np.ascontiguousarray(w).view(np.uint8)), key
+
+
+def _packed(fs, buffer, flat):
+    """A state buffer's tensors back to back (the layout's gaps out), as the expected words are."""
+    if buffer.endswith(".scales"):
+        return flat
+    views = fs.views(buffer, flat) if buffer.endswith(".small") else fs.layout.views(flat)
+    return np.concatenate([v.reshape(-1) for v in views if v is not None] or [flat[:0]])
+
+
+def _coded_elements(layout):
+    """Where a codes buffer holds codes: the tensors of MIN_INT8_SIZE elements and more (the small
+    tensors' range and the gaps between tensors are unused)."""
+    live = np.zeros(layout.total, bool)
+    for o, n in zip(layout.offsets, layout.sizes):
+        live[o : o + n] = n >= F.MIN_INT8_SIZE
+    return live
 
 
 def _device_copies(ctx, arrays, shared_from=None):
@@ -1023,9 +1043,7 @@ def test_format_step_is_bit_exact_with_the_cpu_backend(ocl, name, fmt):
             assert np.array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
         sb = b.host_state()
         for k, v in a.host_state().items():
-            live = np.ones(v.size, bool)
-            if k.endswith(".codes"):  # small tensors' range is unused
-                live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])
+            live = _coded_elements(a.layout) if k.endswith(".codes") else np.ones(v.size, bool)
             assert np.array_equal(v[live].view(np.uint8), sb[k][live].view(np.uint8)), k
 
 
@@ -1068,7 +1086,7 @@ def test_coded_state_is_the_cpu_backends_bit_for_bit(ocl, name, fmt):
     a, b = _beside_the_cpu_backend(ocl, name, SQRT_CASES[name], fmt)
     suffix = "." + F.CODES_SUFFIX[fmt.state_dtype]
     assert any(k.endswith(suffix) for k in a.state) and not any(k.endswith(".codes") for k in a.state)
-    live = np.concatenate([np.full(n, n >= F.MIN_INT8_SIZE) for n in a.layout.sizes])  # small tensors': unused
+    live = _coded_elements(a.layout)
     for t in range(3):
         grads = a.grads()
         b.grads()

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.core.layout import TensorLayout
+from optirs.core.layout import TensorLayout, aligned_offsets
 
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 MASTER_WEIGHTS = (None, "float32", "remainder16", "remainder8")
@@ -261,13 +261,13 @@ class FormatState:
         table[:, 0] = layout.offsets
         if self.int8:
             first_block = np.cumsum(blocks) - blocks
-            small_offset = np.cumsum(small_sizes) - small_sizes
+            small_offset, _ = aligned_offsets(small_sizes, layout.align)  # on the vector grid, as the codes
             table[~small, 1] = first_block[~small]
             table[small, 2] = small_offset[small]
         table.setflags(write=False)
         self._table, self._small, self._blocks = table, small, blocks
         self.total_blocks = int(blocks.sum())
-        self.total_small = int(small_sizes.sum())
+        self.total_small = int(small_offset[-1] + small_sizes[-1]) if self.int8 and len(sizes) else 0
 
     # -- buffers
 

@@ -1,31 +1,52 @@
 """Where each tensor's optimizer state lives in the flat state buffers, and the chunk table.
 
 Optimizer state is one flat buffer per slot (``exp_avg``, ``exp_avg_sq``, ...) holding every
-tensor back to back, so a step over a whole model is one launch. The chunk table (the apex
+tensor back to back, so a step over a whole model is one launch. Each tensor starts at a multiple
+of :data:`ALIGN` elements: a tensor of odd size early in a model would otherwise move every later
+tensor's state off the grid of the kernels' vector accesses (8 elements a lane), and the whole
+step onto their scalar path (1.5-2.4x slower on the GPU, docs/formats.md). The gaps cost at most
+7 elements a tensor and slot; nothing reads them. The chunk table (the apex
 ``multi_tensor_apply`` idea) splits the model into pieces of at most ``chunk`` elements, each
 naming its tensor and range, so one parallel loop or one grid covers every tensor.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 
-class TensorLayout:
-    """The shapes of a model's tensors and their offsets into the flat state buffers."""
+ALIGN = 8  # elements: where each tensor's part of a flat buffer starts (a multiple of this)
 
-    def __init__(self, shapes: Sequence[Tuple[int, ...]], whole_sizes: Optional[Sequence[int]] = None):
+
+def aligned_offsets(sizes: Sequence[int], align: int = ALIGN) -> Tuple[np.ndarray, int]:
+    """(int64 offsets, total elements) of tensors of ``sizes`` back to back in one flat buffer, each
+    starting at a multiple of ``align`` elements (``total`` ends at the last tensor's last element)."""
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    room = -(-sizes // align) * align
+    offsets = np.cumsum(room) - room
+    return offsets, int(offsets[-1] + sizes[-1]) if len(sizes) else 0
+
+
+class TensorLayout:
+    """The shapes of a model's tensors and their offsets into the flat state buffers.
+
+    :param shapes: each tensor's shape.
+    :param whole_sizes: for shards (a DTensor's local tensor), the elements of each whole tensor.
+    :param align: each offset is a multiple of this many elements (:data:`ALIGN`; 1 packs the
+        tensors without gaps). ``total`` is the elements a flat buffer needs, gaps included.
+    """
+
+    def __init__(self, shapes: Sequence[Tuple[int, ...]], whole_sizes: Optional[Sequence[int]] = None,
+                 align: int = ALIGN):
         self.shapes: List[Tuple[int, ...]] = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in self.shapes], dtype=np.int64)
         # the elements of the whole tensor each entry is a part of (a DTensor's shard: its global
         # tensor): what decides a state format's per-tensor choices, so every sharding agrees
         self.whole_sizes = self.sizes if whole_sizes is None else np.array(whole_sizes, dtype=np.int64)
-        self.offsets = np.zeros(len(self.shapes), dtype=np.int64)
-        if len(self.shapes) > 1:
-            np.cumsum(self.sizes[:-1], out=self.offsets[1:])
-        self.total = int(self.sizes.sum())
+        self.align = int(align)
+        self.offsets, self.total = aligned_offsets(self.sizes, self.align)
         # Backends keep prepared, per-layout data here (device chunk tables, typed lists, ...),
         # so a step does not rebuild it.
         self.cache: Dict[object, object] = {}
@@ -37,9 +58,16 @@ class TensorLayout:
     def matches(self, shapes: Sequence[Tuple[int, ...]]) -> bool:
         return [tuple(s) for s in shapes] == self.shapes
 
-    def views(self, flat: np.ndarray) -> List[np.ndarray]:
-        """Per-tensor views (shaped like the tensors) into a flat host buffer."""
-        return [flat[o : o + n].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+    def views(self, flat: Any) -> List[Any]:
+        """Per-tensor views (shaped like the tensors) into a flat buffer (numpy, a device array, torch)."""
+        return [flat[int(o) : int(o) + int(n)].reshape(s) for o, n, s in zip(self.offsets, self.sizes, self.shapes)]
+
+    def pack(self, arrays: Sequence[np.ndarray], dtype: Any = np.float32) -> np.ndarray:
+        """One flat host array of ``total`` elements holding ``arrays`` at the offsets (zeros between)."""
+        flat = np.zeros(self.total, dtype)
+        for a, o, n in zip(arrays, self.offsets, self.sizes):
+            flat[int(o) : int(o) + int(n)] = np.asarray(a).reshape(-1)
+        return flat
 
     def chunks(self, chunk: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tensor index, start, stop) of every chunk of at most ``chunk`` elements, as int64 arrays."""

@@ -204,7 +204,8 @@ class ShardPlan:
     """
 
     def __init__(self, shapes: Sequence[Tuple[int, ...]], world: int, tensor_boundaries: bool):
-        self.layout = TensorLayout(shapes)
+        # packed without gaps: the ranks' ranges cut the flat model into equal parts
+        self.layout = TensorLayout(shapes, align=1)
         self.world = world
         self.tensor_boundaries = tensor_boundaries
         total = self.layout.total
@@ -479,14 +480,17 @@ class DataParallelOptimizer:
         torch, _ = _dist()
         world, S = plan.world, plan.segment
         local = self.inner.engine.host_state()
+        # the inner optimizer's layout of this rank's pieces: its flat state back to back, gaps out
+        pieces = TensorLayout([(b - a,) for _, a, b in plan.pieces[self.rank]])
         # NCCL gathers CUDA tensors, gloo CPU ones; the checkpoint itself is numpy.
         _, dist = _dist()
         device = "cuda" if world > 1 and dist.get_backend(self.group) == "nccl" else "cpu"
         full = {}
         for slot in slots:
             shard = torch.zeros(S, dtype=torch.float32)
-            if slot in local:
-                shard[:local[slot].size] = torch.from_numpy(np.ascontiguousarray(local[slot]))
+            if slot in local and len(pieces):
+                mine = np.concatenate(pieces.views(local[slot]))
+                shard[:mine.size] = torch.from_numpy(mine)
             if world > 1:
                 gathered = torch.zeros(world * S, dtype=torch.float32, device=device)
                 self._all_gather(gathered, shard.to(device))

@@ -405,15 +405,7 @@ class MixedPrecisionOptimizer:
             return []
         backend = self.backend
         flat = np.asarray(backend.to_host(backend.ctx, self._master), dtype=np.float32).reshape(-1)
-        return [v.copy() for v in self._split(flat)]
-
-    def _split(self, flat):
-        out, off = [], 0
-        for s in self._shapes or []:
-            n = int(np.prod(s, dtype=np.int64))
-            out.append(flat[off : off + n].reshape(s))
-            off += n
-        return out
+        return [v.copy() for v in self._layout.views(flat)]
 
     # ------------------------------------------------------------ validation
 
@@ -454,25 +446,21 @@ class MixedPrecisionOptimizer:
     def _init_buffers(self, params: List[Any], shapes) -> None:
         backend = self.backend
         # One-time widening on the host: exact, NaN payloads kept, any device array kind.
-        host = [np.asarray(backend.to_host(backend.ctx, p)).view(self.config.param_dtype).astype(np.float32).reshape(-1)
+        host = [np.asarray(backend.to_host(backend.ctx, p)).view(self.config.param_dtype).astype(np.float32)
                 for p in params]
-        flat = np.concatenate(host) if host else np.zeros(0, np.float32)
-        self._install_master(flat, shapes)
+        self._install_master(host, shapes)
 
-    def _install_master(self, flat: np.ndarray, shapes) -> None:
+    def _install_master(self, host: List[np.ndarray], shapes) -> None:
+        """Flat device masters (``host``, one float32 array a tensor) and float32 gradients, packed at
+        the layout's offsets: the inner step addresses every view on the kernels' vector grid."""
         backend = self.backend
-        master = backend.to_device(backend.ctx, np.ascontiguousarray(flat, dtype=np.float32))
-        grads32 = backend.alloc(backend.ctx, int(flat.size), np.float32, 0.0)
+        layout = TensorLayout(list(shapes))
+        master = backend.to_device(backend.ctx, layout.pack(host))
+        grads32 = backend.alloc(backend.ctx, layout.total, np.float32, 0.0)
         # The inner optimizer is always handed these same view objects, so its per-list caches hit.
-        mviews, gviews, off = [], [], 0
-        for s in shapes:
-            n = int(np.prod(s, dtype=np.int64))
-            mviews.append(master[off : off + n].reshape(s))
-            gviews.append(grads32[off : off + n].reshape(s))
-            off += n
+        mviews, gviews = layout.views(master), layout.views(grads32)
         self._master, self._grads32, self._master_views, self._grad_views = master, grads32, mviews, gviews
-        self._shapes = list(shapes)
-        self._layout = TensorLayout(self._shapes)
+        self._shapes, self._layout = list(shapes), layout
 
     # ------------------------------------------------------------ the step
 
@@ -552,13 +540,10 @@ class MixedPrecisionOptimizer:
 
     def _install_grads32(self, shapes) -> None:
         backend = self.backend
-        self._grads32 = backend.alloc(backend.ctx, int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes)), np.float32, 0.0)
-        self._grad_views, off = [], 0
-        for s in shapes:
-            n = int(np.prod(s, dtype=np.int64))
-            self._grad_views.append(self._grads32[off : off + n].reshape(s))
-            off += n
-        self._shapes, self._layout = list(shapes), TensorLayout(list(shapes))
+        layout = TensorLayout(list(shapes))
+        self._grads32 = backend.alloc(backend.ctx, layout.total, np.float32, 0.0)
+        self._grad_views = layout.views(self._grads32)
+        self._shapes, self._layout = list(shapes), layout
 
     def _clear_master(self) -> None:
         self._master = self._grads32 = None
@@ -598,7 +583,7 @@ class MixedPrecisionOptimizer:
         if fused:
             return  # the masters are the inner optimizer's format state
         if master:
-            self._install_master(np.concatenate([m.reshape(-1) for m in master]), shapes)
+            self._install_master(master, shapes)
         else:
             self._clear_master()
 

@@ -21,6 +21,7 @@ from optirs.backends.common.identity_cache import ArrayListCache, identity_key
 from optirs.backends.cuda.kernel_cache import enable as enable_kernel_cache
 from optirs.backends.cuda.kernel_cache import finish_build
 from optirs.core.errors import DeviceMemoryError, GpuOptimError, InvalidParameterError, UnsupportedOperationError
+from optirs.core.layout import aligned_offsets
 from optirs.core.simulator import cuda_simulator_enabled
 from optirs.plugin.hookspecs import AddressedArrays
 
@@ -672,14 +673,17 @@ class CudaContext:
         """Reused device buffers (params, grads) and pinned host buffers for one model's shapes."""
         hit = self._staging.get(shapes)
         if hit is None:
-            total = max(1, sum(sizes))
+            starts, end = aligned_offsets(sizes)  # each tensor where the layout puts its state
+            offsets = np.append(starts, end).astype(np.int64)
+            total = max(1, end)
             dp, dg = self.empty(total, np.float32), self.empty(total, np.float32)
             try:
                 hp = self.cuda.pinned_array(total, dtype=np.float32)
                 hg = self.cuda.pinned_array(total, dtype=np.float32)
             except Exception:
                 hp, hg = np.empty(total, np.float32), np.empty(total, np.float32)
-            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            hp.fill(0)  # the gaps between tensors: copied, never stepped
+            hg.fill(0)
             pbase, gbase = device_address(dp), device_address(dg)
             paddr = tuple(int(pbase + 4 * o) for o in offsets[:-1])
             gaddr = tuple(int(gbase + 4 * o) for o in offsets[:-1])

@@ -30,6 +30,7 @@ import numpy as np
 from optirs.backends.common.register_cap import formats_register_cap
 from optirs.core.arrays import describe
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
+from optirs.core.layout import aligned_offsets
 from optirs.plugin.hookspecs import Staged
 
 _HALF = ("bfloat16", "float16")
@@ -230,10 +231,10 @@ def _host_buffers(ctx: Any, shapes: tuple, sizes: tuple, pdt: str, gdt: str):
     hit = cache.get(key)
     if hit is None:
         dtype = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.uint16}
-        # each tensor starts at a multiple of 8 elements, so the kernels' vector accesses apply
-        padded = [-(-n // 8) * 8 for n in sizes]
-        offsets = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
-        total = max(1, int(offsets[-1]))
+        # each tensor where the layout puts its state, so the kernels' vector accesses apply
+        starts, end = aligned_offsets(sizes)
+        offsets = np.append(starts, end).astype(np.int64)
+        total = max(1, end)
         hit = cache[key] = (ctx.empty(total, dtype[pdt]), ctx.empty(total, dtype[gdt]), offsets)
         while len(cache) > _KEEP:
             cache.popitem(last=False)

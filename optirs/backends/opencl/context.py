@@ -20,6 +20,7 @@ from optirs.backends.opencl.slots import Group, SlotGrouper, Tickets, check_argu
 from optirs.core.compile_cache import timed_build
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import DeviceMemoryError, GpuOptimError
+from optirs.core.layout import aligned_offsets
 from optirs.plugin.hookspecs import DeviceInfo
 
 # Elements per work-group in the chunked kernels (a multiple of 4, so chunk starts keep the
@@ -262,16 +263,23 @@ class _StagingArea:
     """Device (and, for several tensors, host) buffers that numpy inputs are packed into."""
 
     def __init__(self, ctx: "OpenclContext", sizes: Tuple[int, ...]):
-        total = int(sum(sizes))
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sizes else np.zeros(0, np.int64)
+        # at the layout's offsets, so the flat kernels address params, grads and state alike
+        offsets, total = aligned_offsets(sizes)
         self.sizes, self.offsets, self.total = sizes, offsets, total
         self.params = _Packed(); self.grads = _Packed()
         for views in (self.params, self.grads):
             views.flat = ctx.empty(total)
             views.extend(views.flat[int(o): int(o) + int(n)] for o, n in zip(offsets, sizes))
         many = len(sizes) > 1
-        self.host_p = np.empty(total, np.float32) if many else None
-        self.host_g = np.empty(total, np.float32) if many else None
+        # zeros between the tensors: the flat kernels step the gaps too (into nothing anyone reads)
+        self.host_p = np.zeros(total, np.float32) if many else None
+        self.host_g = np.zeros(total, np.float32) if many else None
+
+    def pack(self, host: np.ndarray, arrays: List[np.ndarray]) -> np.ndarray:
+        """``arrays`` copied into ``host`` (``host_p`` or ``host_g``) at the offsets."""
+        for a, o, n in zip(arrays, self.offsets, self.sizes):
+            host[int(o) : int(o) + n] = a.reshape(-1)
+        return host
 
 
 class OpenclContext:

@@ -123,10 +123,8 @@ def _stage_numpy(ctx: OpenclContext, params: List[np.ndarray], grads: List[np.nd
             cl.enqueue_copy(q, area.params.flat.base_data, params[0].reshape(-1), is_blocking=True)
             cl.enqueue_copy(q, area.grads.flat.base_data, grads[0].reshape(-1), is_blocking=True)
         else:
-            np.concatenate([p.reshape(-1) for p in params], out=area.host_p)
-            np.concatenate([g.reshape(-1) for g in grads], out=area.host_g)
-            cl.enqueue_copy(q, area.params.flat.base_data, area.host_p, is_blocking=True)
-            cl.enqueue_copy(q, area.grads.flat.base_data, area.host_g, is_blocking=True)
+            cl.enqueue_copy(q, area.params.flat.base_data, area.pack(area.host_p, params), is_blocking=True)
+            cl.enqueue_copy(q, area.grads.flat.base_data, area.pack(area.host_g, grads), is_blocking=True)
     except cl.Error as exc:
         raise ctx.translate(exc, f"uploading {area.total} parameters") from exc
 

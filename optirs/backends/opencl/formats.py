@@ -33,6 +33,7 @@ from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import (FORMAT_FAMILIES, INT8_STATES, FormatState, StepFormat, dtype_name, dynamic_map,
                                  map_midpoints)
+from optirs.core.layout import aligned_offsets
 from optirs.plugin.hookspecs import Staged
 
 KERNEL_FILE = "optirs_formats.cl"
@@ -391,10 +392,9 @@ def _stage_numpy(ctx: Any, params: List[np.ndarray], grads: List[np.ndarray], fm
     p_host = [_host_bits(np.asarray(p), fmt.param_dtype, f"params[{i}]") for i, p in enumerate(params)]
     g_host = [_host_bits(np.asarray(g), fmt.grad_dtype, f"grads[{i}]") for i, g in enumerate(grads)]
     sizes = tuple(int(p.size) for p in p_host)
-    total = int(sum(sizes))
-    if total == 0:
+    if sum(sizes) == 0:
         return Staged(list(params), list(grads))
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    offsets, total = aligned_offsets(sizes)  # each tensor on the vector grid
     cache = _cache(ctx)
     key = ("staging", sizes, p_host[0].dtype.str, g_host[0].dtype.str)
     area = cache.get(key)
@@ -411,8 +411,11 @@ def _stage_numpy(ctx: Any, params: List[np.ndarray], grads: List[np.ndarray], fm
     pv, gv = area
     cl, q = ctx.cl, ctx.queue
     try:
-        cl.enqueue_copy(q, pv.flat.base_data, np.concatenate([a.reshape(-1) for a in p_host]), is_blocking=True)
-        cl.enqueue_copy(q, gv.flat.base_data, np.concatenate([a.reshape(-1) for a in g_host]), is_blocking=True)
+        for views, arrays in ((pv, p_host), (gv, g_host)):
+            host = np.zeros(total, views.flat.dtype)
+            for a, o, n in zip(arrays, offsets, sizes):
+                host[int(o) : int(o) + n] = a.reshape(-1)
+            cl.enqueue_copy(q, views.flat.base_data, host, is_blocking=True)
     except cl.Error as exc:
         raise ctx.translate(exc, f"uploading {total} parameters") from exc
 
