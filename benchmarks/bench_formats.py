@@ -588,8 +588,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                           "rest)")
     ap.add_argument("--min-size", type=int, default=0, metavar="N", help="leave out the tensors of fewer than N elements")
     ap.add_argument("--misalign", type=int, default=0, metavar="K",
-                    help="a tensor of K elements in front of the others (K not a multiple of 8: every later tensor's "
-                         "place in the flat state is not either)")
+                    help="a tensor of K elements in front of the others (the layout places every later tensor's "
+                         "state at a multiple of 8 whatever K is; before it did, K off that grid put them all off it)")
     ap.add_argument("--one-buffer", action="store_true",
                     help="cuda: the parameters and the gradients as views of one allocation each")
     ap.add_argument("--json", help="write the rows here")
