@@ -71,7 +71,7 @@ class TinyBackend:
             g = g * sc.grad_factor  # first: -1 maximizes, 1 / scale unscales
             if sc.weight_decay != 0:  # as torch: no decay term (no 0 * inf) without decay
                 g = g + sc.weight_decay * p
-            if sc.has_momentum:  # the state buffer holds every tensor back to back
+            if sc.has_momentum:  # the state buffer holds every tensor, each at its layout offset
                 buf = request.state["momentum_buffer"][start : start + size]
                 buf[...] = g if sc.first_step else sc.momentum * buf + sc.dampening_factor * g
                 g = g + sc.momentum * buf if sc.nesterov else buf
