@@ -29,6 +29,14 @@ def aligned_offsets(sizes: Sequence[int], align: int = ALIGN) -> Tuple[np.ndarra
     return offsets, int(offsets[-1] + sizes[-1]) if len(sizes) else 0
 
 
+def pack_into(out: np.ndarray, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> np.ndarray:
+    """``arrays`` copied into the flat host array ``out``, each from its offset; returns ``out``."""
+    for a, o in zip(arrays, offsets):
+        a = np.asarray(a).reshape(-1)
+        out[int(o) : int(o) + a.size] = a
+    return out
+
+
 class TensorLayout:
     """The shapes of a model's tensors and their offsets into the flat state buffers.
 
@@ -64,10 +72,7 @@ class TensorLayout:
 
     def pack(self, arrays: Sequence[np.ndarray], dtype: Any = np.float32) -> np.ndarray:
         """One flat host array of ``total`` elements holding ``arrays`` at the offsets (zeros between)."""
-        flat = np.zeros(self.total, dtype)
-        for a, o, n in zip(arrays, self.offsets, self.sizes):
-            flat[int(o) : int(o) + int(n)] = np.asarray(a).reshape(-1)
-        return flat
+        return pack_into(np.zeros(self.total, dtype), arrays, self.offsets)
 
     def chunks(self, chunk: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tensor index, start, stop) of every chunk of at most ``chunk`` elements, as int64 arrays."""

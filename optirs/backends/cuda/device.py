@@ -10,6 +10,7 @@ import numpy as np
 from optirs.backends.cuda.context import (DEFAULT_BLOCK, CudaContext, DeviceList, _simulator, import_failure_reason,
                                           _NUMPY_MISMATCH)
 from optirs.core.errors import InvalidParameterError
+from optirs.core.layout import pack_into
 from optirs.plugin.hookspecs import AddressedArrays, DeviceInfo, ProbeResult, Staged, hookimpl
 
 
@@ -126,9 +127,8 @@ class CudaDevice:
         shapes = tuple(a.shape for a in params)
         sizes = [int(a.size) for a in params]
         dp, dg, hp, hg, offsets, paddr, gaddr = ctx.staging(shapes, sizes)
-        for a, b, o, n in zip(params, grads, offsets[:-1], sizes):
-            hp[o : o + n] = a.reshape(-1)
-            hg[o : o + n] = b.reshape(-1)
+        pack_into(hp, params, offsets[:-1])
+        pack_into(hg, grads, offsets[:-1])
         total = int(offsets[-1])
         if total:
             ctx.write(dp[:total], hp[:total])

@@ -30,7 +30,7 @@ import numpy as np
 from optirs.backends.common.register_cap import formats_register_cap
 from optirs.core.arrays import describe
 from optirs.core.errors import InvalidParameterError, UnsupportedOperationError
-from optirs.core.layout import aligned_offsets
+from optirs.core.layout import aligned_offsets, pack_into
 from optirs.plugin.hookspecs import Staged
 
 _HALF = ("bfloat16", "float16")
@@ -201,10 +201,8 @@ class CudaFormats:
         total = int(offsets[-1])
         if total:
             for arrays, device in ((params, dp), (grads, dg)):
-                flat = np.zeros(total, device.dtype)
-                for a, o, n in zip(arrays, offsets[:-1], sizes):
-                    flat[o : o + n] = _bits(a).reshape(-1)
-                ctx.write(device[:total], flat)
+                ctx.write(device[:total], pack_into(np.zeros(total, device.dtype), [_bits(a) for a in arrays],
+                                                    offsets[:-1]))
         pbase, gbase = device_address(dp), device_address(dg)
         paddr = tuple(int(pbase + psize * o) for o in offsets[:-1])
         gaddr = tuple(int(gbase + gsize * o) for o in offsets[:-1])

@@ -275,12 +275,6 @@ class _StagingArea:
         self.host_p = np.zeros(total, np.float32) if many else None
         self.host_g = np.zeros(total, np.float32) if many else None
 
-    def pack(self, host: np.ndarray, arrays: List[np.ndarray]) -> np.ndarray:
-        """``arrays`` copied into ``host`` (``host_p`` or ``host_g``) at the offsets."""
-        for a, o, n in zip(arrays, self.offsets, self.sizes):
-            host[int(o) : int(o) + n] = a.reshape(-1)
-        return host
-
 
 class OpenclContext:
     """An opened OpenCL device: context, in-order queue, the built program and its kernels."""

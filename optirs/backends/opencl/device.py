@@ -9,6 +9,7 @@ import numpy as np
 from optirs.backends.opencl.context import (_MISSING, OpenclContext, _cl_array, _NoDevice, describe_device,
                                             select_device)
 from optirs.core.errors import BackendUnavailableError, InvalidParameterError
+from optirs.core.layout import pack_into
 from optirs.plugin.hookspecs import ProbeResult, Staged, hookimpl
 
 
@@ -123,8 +124,10 @@ def _stage_numpy(ctx: OpenclContext, params: List[np.ndarray], grads: List[np.nd
             cl.enqueue_copy(q, area.params.flat.base_data, params[0].reshape(-1), is_blocking=True)
             cl.enqueue_copy(q, area.grads.flat.base_data, grads[0].reshape(-1), is_blocking=True)
         else:
-            cl.enqueue_copy(q, area.params.flat.base_data, area.pack(area.host_p, params), is_blocking=True)
-            cl.enqueue_copy(q, area.grads.flat.base_data, area.pack(area.host_g, grads), is_blocking=True)
+            cl.enqueue_copy(q, area.params.flat.base_data, pack_into(area.host_p, params, area.offsets),
+                            is_blocking=True)
+            cl.enqueue_copy(q, area.grads.flat.base_data, pack_into(area.host_g, grads, area.offsets),
+                            is_blocking=True)
     except cl.Error as exc:
         raise ctx.translate(exc, f"uploading {area.total} parameters") from exc
 

@@ -33,7 +33,7 @@ from optirs.core.definitions import DEFINITIONS
 from optirs.core.errors import GpuOptimError, InvalidParameterError, UnsupportedOperationError
 from optirs.core.formats import (FORMAT_FAMILIES, INT8_STATES, FormatState, StepFormat, dtype_name, dynamic_map,
                                  map_midpoints)
-from optirs.core.layout import aligned_offsets
+from optirs.core.layout import aligned_offsets, pack_into
 from optirs.plugin.hookspecs import Staged
 
 KERNEL_FILE = "optirs_formats.cl"
@@ -412,9 +412,7 @@ def _stage_numpy(ctx: Any, params: List[np.ndarray], grads: List[np.ndarray], fm
     cl, q = ctx.cl, ctx.queue
     try:
         for views, arrays in ((pv, p_host), (gv, g_host)):
-            host = np.zeros(total, views.flat.dtype)
-            for a, o, n in zip(arrays, offsets, sizes):
-                host[int(o) : int(o) + n] = a.reshape(-1)
+            host = pack_into(np.zeros(total, views.flat.dtype), arrays, offsets)
             cl.enqueue_copy(q, views.flat.base_data, host, is_blocking=True)
     except cl.Error as exc:
         raise ctx.translate(exc, f"uploading {total} parameters") from exc
