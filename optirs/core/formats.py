@@ -259,15 +259,15 @@ class FormatState:
         small_sizes = np.where(small, sizes, 0)
         table = np.full((len(sizes), 3), -1, dtype=np.int64)
         table[:, 0] = layout.offsets
+        # the small tensors' float32 state on the vector grid, as the codes (none without int8: 0 elements)
+        small_offset, self.total_small = aligned_offsets(small_sizes, layout.align)
         if self.int8:
             first_block = np.cumsum(blocks) - blocks
-            small_offset, _ = aligned_offsets(small_sizes, layout.align)  # on the vector grid, as the codes
             table[~small, 1] = first_block[~small]
             table[small, 2] = small_offset[small]
         table.setflags(write=False)
         self._table, self._small, self._blocks = table, small, blocks
         self.total_blocks = int(blocks.sum())
-        self.total_small = int(small_offset[-1] + small_sizes[-1]) if self.int8 and len(sizes) else 0
 
     # -- buffers
 
