@@ -1110,8 +1110,11 @@ def test_pinned_allocation_failure_names_the_bytes(monkeypatch, kind):
     """The failure is injected at torch's allocation, whatever the host's memory: on a CUDA host a
     real pinned allocation of this size succeeds (why the earlier form of this test, which relied
     on pin_memory=True failing without CUDA, failed on the H200)."""
+    from optirs.core.layout import aligned_offsets
+
     model = make_model()
-    n = sum(p.numel() for p in model.parameters())
+    # one chunk, the tensors in backward's order, each at its layout offset
+    n = aligned_offsets([p.numel() for p in reversed(list(model.parameters()))])[1]
     asked = []
 
     def failing(numel, dtype, pin):

@@ -57,6 +57,7 @@ from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParamet
                                 ShapeMismatchError, UnsupportedOperationError)
 from optirs.core.host_pages import advise_huge_pages
 from optirs.core.interrupts import deferred_interrupts
+from optirs.core.layout import aligned_offsets
 import optirs.torch.optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import INT8_STATES, resolve_format
@@ -325,13 +326,12 @@ def _fingerprint_backend(device: torch.device) -> Optional[Tuple[Any, Callable[.
 
 
 def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of ``flat`` shaped as the tensors the parameters' steps address (a DTensor's local shard)."""
-    out, offset = [], 0
-    for p in map(local, params):
-        n = p.numel()
-        out.append(flat[offset : offset + n].view(p.shape))
-        offset += n
-    return out
+    """Views of ``flat`` shaped as the tensors the parameters' steps address (a DTensor's local
+    shard), each at its offset in the flat state buffers' layout (a multiple of 8 elements, so the
+    cpu loops' vectors start on their grid)."""
+    shards = [local(p) for p in params]
+    offsets, _ = aligned_offsets([p.numel() for p in shards])
+    return [flat[int(o) : int(o) + p.numel()].view(p.shape) for o, p in zip(offsets, shards)]
 
 
 class OffloadTiming:
@@ -483,8 +483,10 @@ class _Chunk:
     def __init__(self, index: int, gi: int, params: List[torch.Tensor], positions: List[int], pin: bool, mode: str):
         self.index, self.gi, self.params, self.positions = index, gi, params, positions
         self.dtype, self.mode = params[0].dtype, mode
-        total = sum(local(p).numel() for p in params)  # a DTensor's host copy is this rank's shard
-        where = f"param_groups[{gi}] ({len(params)} tensors, {total} elements)"
+        # a DTensor's host copy is this rank's shard; each tensor at its layout offset (gaps between)
+        sizes = [local(p).numel() for p in params]
+        total = aligned_offsets(sizes)[1]
+        where = f"param_groups[{gi}] ({len(params)} tensors, {sum(sizes)} elements)"
         # Pinned is what a transfer touches: the gradient buffer copied into and the parameter
         # copies copied back (DIRECT, FUSED), or only the 16-bit staging buffer (WIDEN).
         if mode == WIDEN:
