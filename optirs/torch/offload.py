@@ -57,7 +57,7 @@ from optirs.core.errors import (DeviceMemoryError, GpuOptimError, InvalidParamet
                                 ShapeMismatchError, UnsupportedOperationError)
 from optirs.core.host_pages import advise_huge_pages
 from optirs.core.interrupts import deferred_interrupts
-from optirs.core.layout import aligned_offsets
+from optirs.core.layout import TensorLayout
 import optirs.torch.optimizers as _optimizers
 from optirs.core.definitions import DEFINITIONS
 from optirs.core.formats import INT8_STATES, resolve_format
@@ -325,15 +325,6 @@ def _fingerprint_backend(device: torch.device) -> Optional[Tuple[Any, Callable[.
     return backend, hook
 
 
-def _views(flat: torch.Tensor, params: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of ``flat`` shaped as the tensors the parameters' steps address (a DTensor's local
-    shard), each at its offset in the flat state buffers' layout (a multiple of 8 elements, so the
-    cpu loops' vectors start on their grid)."""
-    shards = [local(p) for p in params]
-    offsets, _ = aligned_offsets([p.numel() for p in shards])
-    return [flat[int(o) : int(o) + p.numel()].view(p.shape) for o, p in zip(offsets, shards)]
-
-
 class OffloadTiming:
     """Where the offload's time goes, summed over steps: ``opt.timing = OffloadTiming()`` turns it on.
 
@@ -483,10 +474,11 @@ class _Chunk:
     def __init__(self, index: int, gi: int, params: List[torch.Tensor], positions: List[int], pin: bool, mode: str):
         self.index, self.gi, self.params, self.positions = index, gi, params, positions
         self.dtype, self.mode = params[0].dtype, mode
-        # a DTensor's host copy is this rank's shard; each tensor at its layout offset (gaps between)
-        sizes = [local(p).numel() for p in params]
-        total = aligned_offsets(sizes)[1]
-        where = f"param_groups[{gi}] ({len(params)} tensors, {sum(sizes)} elements)"
+        # a DTensor's host copy is this rank's shard; each tensor at its layout offset (a multiple of
+        # 8 elements, so the cpu loops' vectors start on their grid; gaps between)
+        layout = TensorLayout([tuple(local(p).shape) for p in params])
+        total = layout.total
+        where = f"param_groups[{gi}] ({len(params)} tensors, {int(layout.sizes.sum())} elements)"
         # Pinned is what a transfer touches: the gradient buffer copied into and the parameter
         # copies copied back (DIRECT, FUSED), or only the 16-bit staging buffer (WIDEN).
         if mode == WIDEN:
@@ -497,9 +489,9 @@ class _Chunk:
             self.host_flat = _host_empty(total, self.dtype, pin, f"the {self.dtype} parameter copies of {where}")
             self.grad_flat = _host_empty(total, self.dtype, pin, f"the {self.dtype} gradients of {where}")
             self.staging_flat = None
-        self.host = _views(self.host_flat, params)  # the inner optimizer's parameters
-        self.grads = _views(self.grad_flat, params)  # ... and their gradients
-        self.staging = None if self.staging_flat is None else _views(self.staging_flat, params)
+        self.host = layout.views(self.host_flat)  # the inner optimizer's parameters
+        self.grads = layout.views(self.grad_flat)  # ... and their gradients
+        self.staging = None if self.staging_flat is None else layout.views(self.staging_flat)
         self.landing = self.grads if self.staging is None else self.staging  # where a gradient copy lands
         self.outbound = self.host if self.staging is None else self.staging  # what is copied back
         self.inner: Optional[OptirsOptimizer] = None
