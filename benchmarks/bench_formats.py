@@ -97,17 +97,18 @@ def model_shapes(backend: str, smoke: bool, model: Optional[str] = None) -> List
 
 
 def variant_shapes(shapes, flat: bool = False, split: Optional[int] = None, min_size: int = 0,
-                   misalign: int = 0) -> List[Tuple[int, ...]]:
+                   misalign: int = 0, split_align: int = 256) -> List[Tuple[int, ...]]:
     """``shapes`` as ``--flat``, ``--split``, ``--min-size`` and ``--misalign`` remake them (the same
-    count of parameters as one tensor or as ``split`` equal ones, a multiple of 256 each but the last;
-    without the tensors under ``min_size``; behind a tensor of ``misalign`` elements)."""
+    count of parameters as one tensor or as ``split`` equal ones, a multiple of ``split_align`` each
+    but the last; without the tensors under ``min_size``; behind a tensor of ``misalign`` elements)."""
     n = sum(math.prod(s) for s in shapes)
     if flat:
         shapes = [(n,)]
     elif split is not None:
-        if not 1 <= split <= n // 256:
-            raise SystemExit(f"--split {split}: expected 1 to {n // 256} tensors")
-        part = n // split // 256 * 256
+        if split_align < 1 or not 1 <= split <= n // split_align:
+            raise SystemExit(f"--split {split} --split-align {split_align}: expected 1 to {n // max(split_align, 1)} "
+                             "tensors of a multiple of at least 1 element")
+        part = n // split // split_align * split_align
         shapes = [(part,)] * (split - 1) + [(n - (split - 1) * part,)]
     if min_size < 0 or misalign < 0:
         raise SystemExit(f"--min-size {min_size} / --misalign {misalign}: expected counts >= 0")
@@ -586,6 +587,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     mix.add_argument("--split", type=int, metavar="N",
                      help="the model's parameters as N tensors of equal size, a multiple of 256 (the last takes the "
                           "rest)")
+    ap.add_argument("--split-align", type=int, default=256, metavar="K",
+                    help="--split's tensors a multiple of K elements (default 256)")
     ap.add_argument("--min-size", type=int, default=0, metavar="N", help="leave out the tensors of fewer than N elements")
     ap.add_argument("--misalign", type=int, default=0, metavar="K",
                     help="a tensor of K elements in front of the others (the layout places every later tensor's "
@@ -608,7 +611,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         compare(args.compare)
         return 0
     shapes = variant_shapes(model_shapes(args.backend, args.smoke, args.model), args.flat, args.split, args.min_size,
-                            args.misalign)
+                            args.misalign, args.split_align)
     n = sum(math.prod(s) for s in shapes)
     if args.one_buffer and args.backend == "opencl":
         raise SystemExit("--one-buffer: the torch rows only (--backend cuda or cpu)")

@@ -214,10 +214,13 @@ def test_bench_formats_shape_variants_keep_the_count(monkeypatch, capsys):
     split = bench.variant_shapes(shapes, split=148)
     assert len(split) == 148 and sum(math.prod(s) for s in split) == n
     assert all(s[0] % 256 == 0 and s[0] == split[0][0] for s in split[:-1]) and split[-1][0] >= split[0][0]
+    aligned = bench.variant_shapes(shapes, split=148, split_align=2048)
+    assert sum(math.prod(s) for s in aligned) == n and all(s[0] % 2048 == 0 for s in aligned[:-1])
     big = bench.variant_shapes(shapes, min_size=4096)
     assert big == [s for s in shapes if math.prod(s) >= 4096] and len(big) < len(shapes)
     assert bench.variant_shapes(shapes, misalign=1) == [(1,)] + shapes
     for argv, said in ((["--split", "0"], "--split 0"), (["--misalign", "-1"], "--misalign -1"),
+                       (["--split", "2", "--split-align", "0"], "--split-align 0"),
                        (["--backend", "opencl", "--one-buffer"], "--one-buffer")):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
