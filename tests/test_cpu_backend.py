@@ -37,6 +37,23 @@ def test_chunk_table_covers_every_element_once():
     assert all((c == 1).all() for c in covered)
 
 
+def test_chunks_cut_on_the_flat_grid_cover_every_element_once():
+    """``chunks(chunk, grid)``: each tensor's chunks end where its state offsets cross a multiple of
+    ``chunk`` (its first chunk cut to a multiple of ``grid``), every start a multiple of ``grid``."""
+    layout = TensorLayout([(5000,), (768,), (0,), (3000,), (100,), (2, 4096)])
+    tensor, start, stop = layout.chunks(2048, 256)
+    covered = [np.zeros(n, int) for n in layout.sizes]
+    for t, s, e in zip(tensor, start, stop):
+        assert 0 < e - s <= 2048 and s % 256 == 0
+        covered[t][s:e] += 1
+        if s > 0:  # every chunk after a tensor's first starts where the grid says
+            lead = (2048 - layout.offsets[t] % 2048) % 2048 // 256 * 256 or 2048
+            assert (s - lead) % 2048 == 0
+    assert all((c == 1).all() for c in covered)
+    assert layout.chunks(2048, 256) is layout.chunks(2048, 256)
+    assert len(layout.chunks(2048)[0]) < len(tensor)  # the plain chunks from each tensor's start: fewer
+
+
 def test_second_process_loads_kernels_from_disk_cache(tmp_path):
     code = textwrap.dedent("""
         import numpy as np, optirs

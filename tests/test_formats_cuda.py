@@ -104,6 +104,23 @@ def test_the_claiming_build_compiles_its_counter(sm90):
     assert ".local" not in claimed and ".local" not in dealt and "atom.global.add.u64" not in dealt
 
 
+@pytest.mark.skipif(SIMULATOR, reason="compiles real PTX; the simulator has no compiler")
+def test_the_approximate_build_compiles_the_approximate_operations(sm90):
+    """make_step_kernel(approx=True) (OPTIRS_CUDA_FORMATS_APPROX=1, tuning): Adam's root and quotient
+    are ``sqrt.approx`` and ``div.approx``, while the int8_sqrt codes keep their IEEE roots (the
+    encodings are the contract's)."""
+    from numba import cuda
+
+    from optirs.backends.cuda import formats_kernels as fk
+
+    d = DEFINITIONS["adamw"]
+    fmt = _fmt("float32", None, "int8_sqrt")
+    sig = fk.step_kernel_signature(d.scalars(d.examples[0], 3))
+    ptx = cuda.compile_ptx(fk.make_step_kernel(d.kernel, fmt.codes, (True, False, False), 3, approx=True), sig,
+                           cc=(9, 0))[0]
+    assert "sqrt.approx.ftz.f32" in ptx and "div.approx.ftz.f32" in ptx and "rsqrt.approx.ftz.f32" in ptx
+
+
 def _shared_maps(ptx: str) -> bool:
     """Whether ``ptx`` reads or writes shared memory other than 64-bit words (the claimed chunk)."""
     return re.search(r"(ld|st)\.shared\.(?!u64)", ptx) is not None
@@ -1013,6 +1030,37 @@ def test_chunks_taken_from_the_counter_step_as_the_grid_dealt_ones(monkeypatch):
         assert claimed_b.keys() == dealt_b.keys()
         for k in dealt_b:
             assert np.array_equal(np.asarray(claimed_b[k]).view(np.uint8), np.asarray(dealt_b[k]).view(np.uint8)), k
+
+
+@pytest.mark.cuda
+def test_chunks_cut_on_the_flat_grid_step_the_same_bits(monkeypatch):
+    """``OPTIRS_CUDA_FORMATS_GRID=256`` (tuning) cuts each tensor's chunks where its state offsets cross
+    the chunk size's grid, so a tensor's first chunk is shorter: still the cpu backend's bits, int8
+    blocks included (every chunk starts at a multiple of 256 within its tensor)."""
+    from optirs.core.params import AdamParams
+
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "1024")
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_GRID", "256")
+    fmt = _fmt("bfloat16", "remainder8", "int8_sqrt")
+    _assert_the_cpu_bits(_run("adamw", fmt, [(37,), (2100,), (300,)], steps=1, hp=AdamParams(lr=1e-2), cpu=True))
+
+
+@pytest.mark.cuda
+def test_the_approximate_build_steps_within_ulps_of_the_exact_one(monkeypatch):
+    """``OPTIRS_CUDA_FORMATS_APPROX=1`` (tuning) compiles Adam's root and quotient as the approximate
+    operations (the simulator computes them exactly) and the bias correction as a product by its
+    reciprocal: the moments and their codes are the cpu backend's bits (they never see the root),
+    the parameters within a few float32 ulps of its."""
+    from optirs.core.params import AdamParams
+
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_APPROX", "1")
+    fmt = _fmt("float32", None, "int8_sqrt")
+    for got_p, got_b, want_p, want_b, _ in _run("adamw", fmt, [(300,), (37,)], steps=2, hp=AdamParams(lr=1e-2),
+                                                cpu=True):
+        for g, w in zip(got_p, want_p):
+            np.testing.assert_allclose(g, w, rtol=4 * 2.0**-23, atol=0)
+        for k, w in want_b.items():
+            assert np.array_equal(got_b[k].view(np.uint8), np.asarray(w).view(np.uint8)), k
 
 
 def _assert_the_cpu_bits(results):

@@ -58,7 +58,7 @@ class TensorLayout:
         # Backends keep prepared, per-layout data here (device chunk tables, typed lists, ...),
         # so a step does not rebuild it.
         self.cache: Dict[object, object] = {}
-        self._chunks: Dict[int, Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._chunks: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -74,16 +74,31 @@ class TensorLayout:
         """One flat host array of ``total`` elements holding ``arrays`` at the offsets (zeros between)."""
         return pack_into(np.zeros(self.total, dtype), arrays, self.offsets)
 
-    def chunks(self, chunk: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tensor index, start, stop) of every chunk of at most ``chunk`` elements, as int64 arrays."""
-        if chunk not in self._chunks:
-            counts = (self.sizes + chunk - 1) // chunk
+    def chunks(self, chunk: int, grid: int = 0) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tensor index, start, stop) of every chunk of at most ``chunk`` elements, as int64 arrays.
+
+        ``grid`` (a divisor of ``chunk``, 0 for none): each tensor's chunks end where its state
+        offsets cross a multiple of ``chunk`` (rounded down to a multiple of ``grid`` within the
+        tensor), so that every chunk but a tensor's first and last covers one aligned piece of the
+        flat buffers; starts stay multiples of ``grid`` within their tensor."""
+        key = (chunk, grid)
+        if key not in self._chunks:
+            if grid:
+                # the first chunk of each tensor takes it up to the flat grid, the rest are whole
+                lead = (chunk - self.offsets % chunk) % chunk // grid * grid
+                lead = np.where(lead == 0, chunk, lead)
+                lead = np.minimum(lead, self.sizes)
+                counts = np.where(self.sizes > 0, 1 + (self.sizes - lead + chunk - 1) // chunk, 0)
+            else:
+                lead = np.full(len(self.sizes), chunk, np.int64)
+                counts = (self.sizes + chunk - 1) // chunk
             tensor = np.repeat(np.arange(len(self.sizes), dtype=np.int64), counts)
             first = np.repeat(np.cumsum(counts) - counts, counts)
-            start = (np.arange(len(tensor), dtype=np.int64) - first) * chunk
-            stop = np.minimum(start + chunk, self.sizes[tensor])
-            self._chunks[chunk] = (tensor, start.astype(np.int64), stop.astype(np.int64))
-        return self._chunks[chunk]
+            k = np.arange(len(tensor), dtype=np.int64) - first
+            start = np.where(k == 0, 0, lead[tensor] + (k - 1) * chunk)
+            stop = np.minimum(np.where(k == 0, lead[tensor], start + chunk), self.sizes[tensor])
+            self._chunks[key] = (tensor, start.astype(np.int64), stop.astype(np.int64))
+        return self._chunks[key]
 
 
 def storage_order(shape: Sequence[int], strides: Sequence[int]) -> Optional[Tuple[int, ...]]:

@@ -90,6 +90,22 @@ def uniform_reciprocal(typingctx, b):
 
 
 @intrinsic
+def times_reciprocal(typingctx, a, b, y):
+    """``a / b`` as ``a * y`` on a GPU, ``y = uniform_reciprocal(b)`` (within an ulp or two: no
+    correction), the division elsewhere (for the approximate step of a tuning build)."""
+    if a != types.float32 or b != types.float32 or y != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        num, den, recip = args
+        if not _is_cuda(context):
+            return builder.fdiv(num, den)
+        return builder.fmul(num, recip)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
 def divide_by_reciprocal(typingctx, a, b, y):
     """``divide_by_uniform(a, b)`` for a finite positive ``a``, ``y = uniform_reciprocal(b)`` taken
     once: the corrected quotient without the select (which only 0, inf and NaN need)."""

@@ -22,9 +22,11 @@ import numpy as np
 from numba import float32, float64
 from numba.extending import overload
 
-from optirs.backends.common.division import divide_by_reciprocal, divide_by_uniform, uniform_reciprocal
+from optirs.backends.common.division import (divide_by_reciprocal, divide_by_uniform, times_reciprocal,
+                                             uniform_reciprocal)
 from optirs.backends.common.bits32 import f32_bits_cast, shl32, sub32
-from optirs.backends.common.fast_paths import (DIVIDEND_HI, DIVIDEND_LO, SQRT_LO, div_fast, max_nan, sqrt_fast)
+from optirs.backends.common.fast_paths import (DIVIDEND_HI, DIVIDEND_LO, SQRT_LO, div_approx, div_fast, max_nan,
+                                               sqrt_approx, sqrt_fast)
 from optirs.core.compile_cache import cached_njit, prepare_kernel_compilation
 from optirs.core.definitions import DEFINITIONS
 
@@ -111,6 +113,23 @@ def adam_update_fast(p, g, m, v, vmax, sc, u, w):
     ws = max(ws, sub32(f32_bits_cast(x), SQRT_LO))
     wa = max(wa, sub32(shl32(f32_bits_cast(a), 1), _A_LO2))
     return p - div_fast(a, denom), m, v, x, (ws, wa)
+
+
+@cached_njit(error_model="numpy")
+def adam_update_approx(p, g, m, v, vmax, sc, u, w):
+    """:func:`adam_update_fast` with the GPU's approximate root and quotient (``sqrt.approx``,
+    ``div.approx``) and the bias correction by its reciprocal: a few ulps from adam_update's
+    float32 values in the same windows (a tuning build, OPTIRS_CUDA_FORMATS_APPROX)."""
+    p, m, v, a = _adam_terms(p, g, m, v, sc)
+    if vmax is None:
+        x = v
+    else:
+        x = max_nan(vmax, v)
+    denom = times_reciprocal(sqrt_approx(x), sc.bias_correction2_sqrt, u) + sc.eps
+    ws, wa = w
+    ws = max(ws, sub32(f32_bits_cast(x), SQRT_LO))
+    wa = max(wa, sub32(shl32(f32_bits_cast(a), 1), _A_LO2))
+    return p - div_approx(a, denom), m, v, x, (ws, wa)
 
 
 @cached_njit(error_model="numpy")
@@ -309,6 +328,8 @@ def adam_element(p, g, m, v, vmax, sc):
 # group of elements. The cuda formats kernels use them; the other families (RMSprop, Adagrad, NAdam, RAdam, Adadelta, LAMB) keep their
 # IEEE operations.
 FAST_ELEMENT_STEPS = {"adam": (adam_fast_setup, adam_update_fast, adam_windows_ok, ADAM_WINDOWS_START)}
+# the same with approximate operations (a tuning build of the cuda formats kernels)
+APPROX_ELEMENT_STEPS = {"adam": (adam_fast_setup, adam_update_approx, adam_windows_ok, ADAM_WINDOWS_START)}
 
 
 @element_step("sgd")

@@ -138,6 +138,38 @@ def div_fast(typingctx, a, b):
 
 
 @intrinsic
+def sqrt_approx(typingctx, x):
+    """``sqrt(x)`` (float32) by one ``sqrt.approx.ftz.f32`` on a GPU (within a few ulps; subnormals
+    flushed), the IEEE root elsewhere: for a step whose root may be approximate (a tuning build)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not _is_cuda(context):
+            sqrt = builder.module.declare_intrinsic("llvm.sqrt", [_F], ir.FunctionType(_F, [_F]))
+            return builder.call(sqrt, args)
+        return builder.asm(ir.FunctionType(_F, [_F]), "sqrt.approx.ftz.f32 $0, $1;", "=f,f", args, side_effect=False)
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def div_approx(typingctx, a, b):
+    """``a / b`` (float32) by ``div.approx.ftz.f32`` on a GPU (a times the reciprocal: within 2 ulps
+    for b in [2**-126, 2**126]), the IEEE quotient elsewhere (a tuning build)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        if not _is_cuda(context):
+            return builder.fdiv(*args)
+        return builder.asm(ir.FunctionType(_F, [_F, _F]), "div.approx.ftz.f32 $0, $1, $2;", "=f,f,f", args,
+                           side_effect=False)
+
+    return types.float32(types.float32, types.float32), codegen
+
+
+@intrinsic
 def max_nan(typingctx, a, b):
     """``max(a, b)`` (float32), NaN when either is: one ``max.NaN.f32`` on a GPU (sm_80 on), as cheap as
     the plain maximum, whose NaN operand is dropped. A fast step that tests a maximum against a window

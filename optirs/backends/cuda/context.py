@@ -605,14 +605,15 @@ class CudaContext:
 
     # ------------------------------------------------ tables
 
-    def chunk_table(self, layout: Any, chunk: int):
-        """Device int64[nchunks + 1, 4] (tensor, start, count, state offset), once per layout and chunk
-        size. The row after the chunks starts at zero: kernels that claim chunks count there (the
-        claims, then the blocks done) and the last block sets it back to zero."""
-        key = ("cuda.chunks", chunk)
+    def chunk_table(self, layout: Any, chunk: int, grid: int = 0):
+        """Device int64[nchunks + 1, 4] (tensor, start, count, state offset), once per layout, chunk
+        size and ``grid`` (``TensorLayout.chunks``). The row after the chunks starts at zero: kernels
+        that claim chunks count there (the claims, then the blocks done) and the last block sets it
+        back to zero."""
+        key = ("cuda.chunks", chunk, grid)
         table = layout.cache.get(key)
         if table is None:
-            tensor, start, stop = layout.chunks(chunk)
+            tensor, start, stop = layout.chunks(chunk, grid)
             host = np.stack([tensor, start, stop - start, layout.offsets[tensor]], axis=1).astype(np.int64)
             host = np.concatenate([host, np.zeros((1, 4), np.int64)])
             table = layout.cache[key] = (self.upload(np.ascontiguousarray(host)), len(tensor))

@@ -38,7 +38,7 @@ from numba import cuda, float32, float64, int64, uint8, uint32
 
 from optirs.backends.common.bits32 import add32, and32, mul32, or32, shl32, shr32, sub32, u32
 from optirs.backends.common.elementwise import lamb_grad_scale, lamb_trust_ratio
-from optirs.backends.common.elementwise import FAST_ELEMENT_STEPS, element_update
+from optirs.backends.common.elementwise import APPROX_ELEMENT_STEPS, FAST_ELEMENT_STEPS, element_update
 from optirs.backends.common.fast_paths import (DIVIDEND_HI, div_fast, dividend_in_window, divisor_in_window, rcp_fast,
                                                rcp_in_window)
 from optirs.backends.common.formats import (absmax_update, bf16_nearest_wide, bf16_stochastic_wide,
@@ -685,8 +685,16 @@ def claim_chunks() -> bool:
     return os.environ.get("OPTIRS_CUDA_FORMATS_CLAIM", "").strip() != "0"
 
 
+def approx_steps() -> bool:
+    """Whether the pointwise step kernels take Adam's root and quotient by the approximate operations
+    (``OPTIRS_CUDA_FORMATS_APPROX=1``, a tuning build; read once per context)."""
+    import os
+
+    return os.environ.get("OPTIRS_CUDA_FORMATS_APPROX", "").strip() == "1"
+
+
 def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot: bool = False,
-                     claim: bool = True):
+                     claim: bool = True, approx: bool = False):
     """The one-launch step of pointwise ``family`` in format ``fc`` (a FormatCodes, compiled in as
     constants); ``signed[k]``: state slot k takes the signed map (int8); bit k of ``used``: state
     slot k exists (compiled in as well: an unused slot takes no registers).
@@ -745,7 +753,7 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
     u0, u1, u2 = bool(used & 1), bool(used & 2), bool(used & 4)
     # a family with a fast-path element step (optirs.backends.common.elementwise.FAST_ELEMENT_STEPS)
     # takes it first; the others compile the exact pass only
-    fast_setup, fast_step, windows_ok, w_start = FAST_ELEMENT_STEPS.get(
+    fast_setup, fast_step, windows_ok, w_start = (APPROX_ELEMENT_STEPS if approx else FAST_ELEMENT_STEPS).get(
         family, (_no_fast_setup, _no_fast_step, _no_windows_ok, (np.uint32(0),)))
     # the windows tested once a round (their words accumulated by maximum) in the int8 kernels: 1-2
     # instructions an element fewer at their cap of 64 registers (static SASS). The others test each

@@ -173,7 +173,10 @@ def num_options() -> List[str]:
     """``-DOPTIRS_FMT_NUM=0`` where ``OPTIRS_OPENCL_FORMATS_NUM=0``: every round takes the bfloat16
     encoders with their NaN test (the NaN-free rounds' branch of optirs_formats_step.h off: the same
     words, to compare the two on a device)."""
-    return ["-DOPTIRS_FMT_NUM=0"] if os.environ.get("OPTIRS_OPENCL_FORMATS_NUM", "").strip() == "0" else []
+    num = ["-DOPTIRS_FMT_NUM=0"] if os.environ.get("OPTIRS_OPENCL_FORMATS_NUM", "").strip() == "0" else []
+    # OPTIRS_OPENCL_FORMATS_APPROX=1 (tuning): Adam's root and quotient by the device's native_ operations
+    approx = ["-DOPTIRS_FMT_APPROX=1"] if os.environ.get("OPTIRS_OPENCL_FORMATS_APPROX", "").strip() == "1" else []
+    return num + approx
 
 
 class _Program(NamedTuple):
@@ -303,7 +306,8 @@ def built_binaries(ctx: Any) -> List[Tuple[str, str, bytes]]:
         c, family, used, signed = key[1], key[2], key[3], key[4]
         # the optional options' values: -r<register cap>, -w<warp reduction level>, -p<inline PTX level>,
         # -n0 (no NaN-free rounds)
-        tags = {"-cl-nv-maxrreg": "r", "-DOPTIRS_NV_WARP": "w", "-DOPTIRS_NV_PTX": "p", "-DOPTIRS_FMT_NUM": "n"}
+        tags = {"-cl-nv-maxrreg": "r", "-DOPTIRS_NV_WARP": "w", "-DOPTIRS_NV_PTX": "p", "-DOPTIRS_FMT_NUM": "n",
+                "-DOPTIRS_FMT_APPROX": "a"}
         extra = "".join(f"-{tag}{o.split('=')[-1]}" for o in key[-3] + key[-2] + key[-1] for start, tag in tags.items()
                         if o.startswith(start))
         stem = f"{family or 'check'}-{c.param}_{c.grad}_{c.master}_{c.state}_{c.stochastic}-u{used}-s{signed}{extra}"

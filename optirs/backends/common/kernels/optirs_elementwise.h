@@ -63,8 +63,14 @@ void FN(adam_update)(T *p, T g, T *m, T *v, T *vmax, const adam_scalars *sc)
         vs = fmax(*vmax, vv);
         *vmax = vs;
     }
+#if defined(OPTIRS_FMT_APPROX) && OPTIRS_FMT_APPROX
+    /* a tuning build of the formats programs: the device's approximate root and quotient */
+    const T denom = native_sqrt(vs) * native_recip(sc->bias_correction2_sqrt) + sc->eps;
+    *p = pp - native_divide(sc->step_size * mm, denom);
+#else
     const T denom = FN(divide_by_uniform)(sqrt(vs), sc->bias_correction2_sqrt) + sc->eps;
     *p = pp - sc->step_size * mm / denom;
+#endif
     *m = mm;
     *v = vv;
 }
