@@ -128,9 +128,9 @@ class CudaFormats:
         claim = _claim_chunks(ctx, fk)
         approx = _approx_steps(ctx, fk)
         planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}{'_approx' if approx else ''}",
-                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim, approx=approx), head, args,
-                       layout,
-                       _max_registers(fmt, family), CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
+                       lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim, approx=approx), head,
+                       args, layout, _max_registers(fmt, family),
+                       CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
         chunks, nchunks = ctx.chunk_table(layout, planned[1], _grid_chunks(ctx))
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 

@@ -720,6 +720,9 @@ def make_step_kernel(family: str, fc, signed, used: int, mode: str = "step", hot
     replayed graph's too, starts from zero. Without it (and in LAMB's passes, whose per-tensor sums
     keep the float32 step's order) each block takes every grid-th chunk.
 
+    ``approx`` (:func:`approx_steps`, a tuning build): Adam's fast path by the approximate root and
+    quotient (``APPROX_ELEMENT_STEPS``); the windows, the fallback and the encodings as without it.
+
     ``hot``: a measurement build, never launched (benchmarks/cuda_sass_rounds.py --hot): every round
     the full one and every tensor coded, so that the round loop holds a full round alone and its
     static shortest path is what a round issues where every fast path holds.
