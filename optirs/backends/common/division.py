@@ -89,33 +89,31 @@ def uniform_reciprocal(typingctx, b):
     return types.float32(types.float32), codegen
 
 
-@intrinsic
-def times_reciprocal(typingctx, a, b, y):
-    """``a / b`` as ``a * y`` on a GPU, ``y = uniform_reciprocal(b)`` (within an ulp or two: no
-    correction), the division elsewhere (for the approximate step of a tuning build)."""
-    if a != types.float32 or b != types.float32 or y != types.float32:
-        return None
+def _by_reciprocal(gpu, name: str, doc: str):
+    """An intrinsic ``name(a, b, y)`` (float32, ``y = uniform_reciprocal(b)``): ``gpu(builder, a, b, y)``
+    on a GPU, the division elsewhere."""
 
-    def codegen(context, builder, sig, args):
-        num, den, recip = args
-        if not _is_cuda(context):
-            return builder.fdiv(num, den)
-        return builder.fmul(num, recip)
+    def typer(typingctx, a, b, y):
+        if a != types.float32 or b != types.float32 or y != types.float32:
+            return None
 
-    return types.float32(types.float32, types.float32, types.float32), codegen
+        def codegen(context, builder, sig, args):
+            num, den, recip = args
+            if not _is_cuda(context):
+                return builder.fdiv(num, den)
+            return gpu(builder, num, den, recip)
+
+        return types.float32(types.float32, types.float32, types.float32), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def divide_by_reciprocal(typingctx, a, b, y):
+divide_by_reciprocal = _by_reciprocal(
+    lambda builder, num, den, recip: _corrected(builder, num, den, recip)[1], "divide_by_reciprocal",
     """``divide_by_uniform(a, b)`` for a finite positive ``a``, ``y = uniform_reciprocal(b)`` taken
-    once: the corrected quotient without the select (which only 0, inf and NaN need)."""
-    if a != types.float32 or b != types.float32 or y != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        num, den, recip = args
-        if not _is_cuda(context):
-            return builder.fdiv(num, den)
-        return _corrected(builder, num, den, recip)[1]
-
-    return types.float32(types.float32, types.float32, types.float32), codegen
+    once: the corrected quotient without the select (which only 0, inf and NaN need).""")
+# a times the reciprocal, within an ulp or two (no correction): the approximate step of a tuning build
+times_reciprocal = _by_reciprocal(lambda builder, num, den, recip: builder.fmul(num, recip), "times_reciprocal",
+                                  """``a / b`` as ``a * y`` on a GPU, the division elsewhere.""")

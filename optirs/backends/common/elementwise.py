@@ -89,12 +89,9 @@ def adam_fast_setup(sc):
 
 
 @cached_njit(error_model="numpy")
-def adam_update_fast(p, g, m, v, vmax, sc, u, w):
-    """:func:`adam_update` by the fast paths: (p, m, v, vmax, w), adam_update's values where
-    ``adam_windows_ok(w)`` (and ``adam_fast_setup``'s ok) is true; ``u`` is adam_fast_setup's
-    reciprocal, ``w`` the windows' words of the elements before (ADAM_WINDOWS_START for none), which
-    come back with this element's. ``vmax`` None: the kernel has no amsgrad slot (the vmax returned
-    is then v, for nobody)."""
+def _adam_fast_terms(p, g, m, v, vmax, sc, w):
+    """(p, m, v, a, x, w) of the fast steps: adam_update's terms, the radicand ``x`` and the windows'
+    words with this element's."""
     p, m, v, a = _adam_terms(p, g, m, v, sc)
     # the radicand without a test of amsgrad: without it ``vmax`` comes in as 0 (an unused slot) and
     # its result is dropped, so x is v wherever v is in the window, and 0 (outside) where v is 0 or
@@ -108,11 +105,22 @@ def adam_update_fast(p, g, m, v, vmax, sc, u, w):
         x = v
     else:
         x = max_nan(vmax, v)
-    denom = divide_by_reciprocal(sqrt_fast(x), sc.bias_correction2_sqrt, u) + sc.eps
     ws, wa = w
     ws = max(ws, sub32(f32_bits_cast(x), SQRT_LO))
     wa = max(wa, sub32(shl32(f32_bits_cast(a), 1), _A_LO2))
-    return p - div_fast(a, denom), m, v, x, (ws, wa)
+    return p, m, v, a, x, (ws, wa)
+
+
+@cached_njit(error_model="numpy")
+def adam_update_fast(p, g, m, v, vmax, sc, u, w):
+    """:func:`adam_update` by the fast paths: (p, m, v, vmax, w), adam_update's values where
+    ``adam_windows_ok(w)`` (and ``adam_fast_setup``'s ok) is true; ``u`` is adam_fast_setup's
+    reciprocal, ``w`` the windows' words of the elements before (ADAM_WINDOWS_START for none), which
+    come back with this element's. ``vmax`` None: the kernel has no amsgrad slot (the vmax returned
+    is then v, for nobody)."""
+    p, m, v, a, x, w = _adam_fast_terms(p, g, m, v, vmax, sc, w)
+    denom = divide_by_reciprocal(sqrt_fast(x), sc.bias_correction2_sqrt, u) + sc.eps
+    return p - div_fast(a, denom), m, v, x, w
 
 
 @cached_njit(error_model="numpy")
@@ -120,16 +128,9 @@ def adam_update_approx(p, g, m, v, vmax, sc, u, w):
     """:func:`adam_update_fast` with the GPU's approximate root and quotient (``sqrt.approx``,
     ``div.approx``) and the bias correction by its reciprocal: a few ulps from adam_update's
     float32 values in the same windows (a tuning build, OPTIRS_CUDA_FORMATS_APPROX)."""
-    p, m, v, a = _adam_terms(p, g, m, v, sc)
-    if vmax is None:
-        x = v
-    else:
-        x = max_nan(vmax, v)
+    p, m, v, a, x, w = _adam_fast_terms(p, g, m, v, vmax, sc, w)
     denom = times_reciprocal(sqrt_approx(x), sc.bias_correction2_sqrt, u) + sc.eps
-    ws, wa = w
-    ws = max(ws, sub32(f32_bits_cast(x), SQRT_LO))
-    wa = max(wa, sub32(shl32(f32_bits_cast(a), 1), _A_LO2))
-    return p - div_approx(a, denom), m, v, x, (ws, wa)
+    return p - div_approx(a, denom), m, v, x, w
 
 
 @cached_njit(error_model="numpy")

@@ -94,19 +94,50 @@ fma.rn.f32 $0, %fp_r, %fp_y, %fp_q;
 }"""
 
 
-@intrinsic
-def sqrt_fast(typingctx, x):
-    """``sqrt(x)`` (float32) by the GPU's fast path: IEEE for x in the window of :func:`sqrt_in_window`."""
-    if x != types.float32:
-        return None
+def _sqrt_by(ptx: str, name: str, doc: str):
+    """An intrinsic ``name(x)`` (float32): the root by ``ptx`` on a GPU, ``llvm.sqrt`` (IEEE) elsewhere."""
 
-    def codegen(context, builder, sig, args):
-        if not _is_cuda(context):
-            sqrt = builder.module.declare_intrinsic("llvm.sqrt", [_F], ir.FunctionType(_F, [_F]))
-            return builder.call(sqrt, args)
-        return builder.asm(ir.FunctionType(_F, [_F]), _SQRT_PTX, "=f,f", args, side_effect=False)
+    def typer(typingctx, x):
+        if x != types.float32:
+            return None
 
-    return types.float32(types.float32), codegen
+        def codegen(context, builder, sig, args):
+            if not _is_cuda(context):
+                sqrt = builder.module.declare_intrinsic("llvm.sqrt", [_F], ir.FunctionType(_F, [_F]))
+                return builder.call(sqrt, args)
+            return builder.asm(ir.FunctionType(_F, [_F]), ptx, "=f,f", args, side_effect=False)
+
+        return types.float32(types.float32), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+def _divide_by(ptx: str, name: str, doc: str):
+    """An intrinsic ``name(a, b)`` (float32): the quotient by ``ptx`` on a GPU, the IEEE one elsewhere."""
+
+    def typer(typingctx, a, b):
+        if a != types.float32 or b != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            if not _is_cuda(context):
+                return builder.fdiv(*args)
+            return builder.asm(ir.FunctionType(_F, [_F, _F]), ptx, "=f,f,f", args, side_effect=False)
+
+        return types.float32(types.float32, types.float32), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+sqrt_fast = _sqrt_by(_SQRT_PTX, "sqrt_fast", """``sqrt(x)`` (float32) by the GPU's fast path: IEEE for x in
+    the window of :func:`sqrt_in_window`.""")
+# for a step whose root may be approximate (a tuning build): within a few ulps, subnormals flushed
+sqrt_approx = _sqrt_by("sqrt.approx.ftz.f32 $0, $1;", "sqrt_approx", """``sqrt(x)`` (float32) by one
+    ``sqrt.approx.ftz.f32`` on a GPU, the IEEE root elsewhere.""")
 
 
 @intrinsic
@@ -122,51 +153,11 @@ def _rcp_fast(typingctx, x):
     return types.float32(types.float32), codegen
 
 
-@intrinsic
-def div_fast(typingctx, a, b):
-    """``a / b`` (float32) by the GPU's fast path: IEEE for ``a`` in :func:`dividend_in_window`'s window
-    and ``b`` in :func:`divisor_in_window`'s."""
-    if a != types.float32 or b != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        if not _is_cuda(context):
-            return builder.fdiv(*args)
-        return builder.asm(ir.FunctionType(_F, [_F, _F]), _DIV_PTX, "=f,f,f", args, side_effect=False)
-
-    return types.float32(types.float32, types.float32), codegen
-
-
-@intrinsic
-def sqrt_approx(typingctx, x):
-    """``sqrt(x)`` (float32) by one ``sqrt.approx.ftz.f32`` on a GPU (within a few ulps; subnormals
-    flushed), the IEEE root elsewhere: for a step whose root may be approximate (a tuning build)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        if not _is_cuda(context):
-            sqrt = builder.module.declare_intrinsic("llvm.sqrt", [_F], ir.FunctionType(_F, [_F]))
-            return builder.call(sqrt, args)
-        return builder.asm(ir.FunctionType(_F, [_F]), "sqrt.approx.ftz.f32 $0, $1;", "=f,f", args, side_effect=False)
-
-    return types.float32(types.float32), codegen
-
-
-@intrinsic
-def div_approx(typingctx, a, b):
-    """``a / b`` (float32) by ``div.approx.ftz.f32`` on a GPU (a times the reciprocal: within 2 ulps
-    for b in [2**-126, 2**126]), the IEEE quotient elsewhere (a tuning build)."""
-    if a != types.float32 or b != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        if not _is_cuda(context):
-            return builder.fdiv(*args)
-        return builder.asm(ir.FunctionType(_F, [_F, _F]), "div.approx.ftz.f32 $0, $1, $2;", "=f,f,f", args,
-                           side_effect=False)
-
-    return types.float32(types.float32, types.float32), codegen
+div_fast = _divide_by(_DIV_PTX, "div_fast", """``a / b`` (float32) by the GPU's fast path: IEEE for ``a`` in
+    :func:`dividend_in_window`'s window and ``b`` in :func:`divisor_in_window`'s.""")
+# a times the reciprocal (a tuning build): within 2 ulps for b in [2**-126, 2**126]
+div_approx = _divide_by("div.approx.ftz.f32 $0, $1, $2;", "div_approx", """``a / b`` (float32) by
+    ``div.approx.ftz.f32`` on a GPU, the IEEE quotient elsewhere.""")
 
 
 @intrinsic
