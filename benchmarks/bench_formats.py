@@ -585,8 +585,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                      help="the model's parameters as one tensor of the same count (sets the tensor mix apart from "
                           "the size)")
     mix.add_argument("--split", type=int, metavar="N",
-                     help="the model's parameters as N tensors of equal size, a multiple of 256 (the last takes the "
-                          "rest)")
+                     help="the model's parameters as N tensors of equal size, a multiple of --split-align (the last "
+                          "takes the rest)")
     ap.add_argument("--split-align", type=int, default=256, metavar="K",
                     help="--split's tensors a multiple of K elements (default 256)")
     ap.add_argument("--min-size", type=int, default=0, metavar="N", help="leave out the tensors of fewer than N elements")

@@ -70,7 +70,7 @@ def step_ptx(spec: tuple, family: str, hot: bool = False, used: Optional[int] = 
     if used is None:  # the slots the family's first example keeps (AdamW: no amsgrad, no third slot)
         used = sum(1 << k for k, s in enumerate(d.slots) if s.needed(d.examples[0]))
     kernel = fk.make_step_kernel(d.kernel, fmt.codes, tuple(s.signed for s in d.slots), used, hot=hot,
-                                 approx=os.environ.get("OPTIRS_CUDA_FORMATS_APPROX", "") == "1")
+                                 approx=fk.approx_steps())
     ptx, _ = cuda.compile_ptx(kernel, fk.step_kernel_signature(d.scalars(d.examples[0], 3)), cc=(9, 0))
     cap = formats_register_cap(fmt, "OPTIRS_CUDA_FORMATS_MAXREG", hot or fk.full_group_rounds(fmt.codes, d.kernel))
     return ptx, kernel.__name__, cap

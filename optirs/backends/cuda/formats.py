@@ -125,13 +125,13 @@ class CudaFormats:
                                scalars, fmt)
             return
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
-        claim = _claim_chunks(ctx, fk)
-        approx = _approx_steps(ctx, fk)
+        claim = _tuning(ctx, "claim", fk.claim_chunks)
+        approx = _tuning(ctx, "approx", fk.approx_steps)
         planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}{'_approx' if approx else ''}",
                        lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim, approx=approx), head,
                        args, layout, _max_registers(fmt, family),
                        CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
-        chunks, nchunks = ctx.chunk_table(layout, planned[1], _grid_chunks(ctx))
+        chunks, nchunks = ctx.chunk_table(layout, planned[1], _tuning(ctx, "grid", _grid))
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
     @staticmethod
@@ -370,34 +370,23 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
     return plan
 
 
-def _claim_chunks(ctx: Any, fk: Any) -> bool:
-    """``fk.claim_chunks()`` (a tuning variable) read once per context, at its first formats step: a
-    step reads no environment."""
-    claim = ctx.__dict__.get("_formats_claim")
-    if claim is None:
-        claim = ctx.__dict__["_formats_claim"] = fk.claim_chunks()
-    return claim
+def _tuning(ctx: Any, name: str, read: Any) -> Any:
+    """``read()`` (a tuning variable's value) once per context, at its first formats step: a step
+    reads no environment."""
+    key = f"_formats_{name}"
+    value = ctx.__dict__.get(key)
+    if value is None:
+        value = ctx.__dict__[key] = read()
+    return value
 
 
-def _approx_steps(ctx: Any, fk: Any) -> bool:
-    """``fk.approx_steps()`` (a tuning variable) read once per context."""
-    approx = ctx.__dict__.get("_formats_approx")
-    if approx is None:
-        approx = ctx.__dict__["_formats_approx"] = fk.approx_steps()
-    return approx
-
-
-def _grid_chunks(ctx: Any) -> int:
-    """``OPTIRS_CUDA_FORMATS_GRID`` (tuning, read once per context): 256 cuts each tensor's chunks
-    where its state offsets cross the chunk size's grid (``TensorLayout.chunks``); 0 (the default)
-    from each tensor's start."""
-    grid = ctx.__dict__.get("_formats_grid")
-    if grid is None:
-        text = os.environ.get("OPTIRS_CUDA_FORMATS_GRID", "0").strip()
-        if text not in ("0", "256"):
-            raise InvalidParameterError(f"OPTIRS_CUDA_FORMATS_GRID={text!r}, expected 0 or 256")
-        grid = ctx.__dict__["_formats_grid"] = int(text)
-    return grid
+def _grid() -> int:
+    """``OPTIRS_CUDA_FORMATS_GRID`` (tuning): 256 cuts each tensor's chunks where its state offsets
+    cross the chunk size's grid (``TensorLayout.chunks``); 0 (the default) from each tensor's start."""
+    text = os.environ.get("OPTIRS_CUDA_FORMATS_GRID", "0").strip()
+    if text not in ("0", "256"):
+        raise InvalidParameterError(f"OPTIRS_CUDA_FORMATS_GRID={text!r}, expected 0 or 256")
+    return int(text)
 
 
 def _chunk_elements(ctx: Any, block: int, rounds: int = ROUNDS_PER_CHUNK) -> int:

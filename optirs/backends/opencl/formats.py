@@ -170,11 +170,12 @@ def ptx_options(ctx: Any) -> List[str]:
 
 
 def num_options() -> List[str]:
-    """``-DOPTIRS_FMT_NUM=0`` where ``OPTIRS_OPENCL_FORMATS_NUM=0``: every round takes the bfloat16
-    encoders with their NaN test (the NaN-free rounds' branch of optirs_formats_step.h off: the same
-    words, to compare the two on a device)."""
+    """The tuning builds' defines: ``-DOPTIRS_FMT_NUM=0`` where ``OPTIRS_OPENCL_FORMATS_NUM=0`` (every
+    round takes the bfloat16 encoders with their NaN test: the NaN-free rounds' branch of
+    optirs_formats_step.h off, the same words, to compare the two on a device) and
+    ``-DOPTIRS_FMT_APPROX=1`` where ``OPTIRS_OPENCL_FORMATS_APPROX=1`` (Adam's root and quotient by the
+    device's ``native_`` operations)."""
     num = ["-DOPTIRS_FMT_NUM=0"] if os.environ.get("OPTIRS_OPENCL_FORMATS_NUM", "").strip() == "0" else []
-    # OPTIRS_OPENCL_FORMATS_APPROX=1 (tuning): Adam's root and quotient by the device's native_ operations
     approx = ["-DOPTIRS_FMT_APPROX=1"] if os.environ.get("OPTIRS_OPENCL_FORMATS_APPROX", "").strip() == "1" else []
     return num + approx
 
