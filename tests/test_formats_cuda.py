@@ -1033,14 +1033,16 @@ def test_chunks_taken_from_the_counter_step_as_the_grid_dealt_ones(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_chunks_cut_on_the_flat_grid_step_the_same_bits(monkeypatch):
-    """``OPTIRS_CUDA_FORMATS_GRID=256`` (tuning) cuts each tensor's chunks where its state offsets cross
-    the chunk size's grid, so a tensor's first chunk is shorter: still the cpu backend's bits, int8
-    blocks included (every chunk starts at a multiple of 256 within its tensor)."""
+@pytest.mark.parametrize("grid", ["256", "0"])
+def test_chunks_cut_on_the_flat_grid_or_not_step_the_same_bits(monkeypatch, grid):
+    """The chunks cut where each tensor's state offsets cross the chunk size's grid (the default: a
+    tensor's first chunk shorter) and counted from each tensor's start (``OPTIRS_CUDA_FORMATS_GRID=0``)
+    both step the cpu backend's bits, int8 blocks included (every chunk starts at a multiple of 256
+    within its tensor)."""
     from optirs.core.params import AdamParams
 
     monkeypatch.setenv("OPTIRS_CUDA_FORMATS_CHUNK", "1024")
-    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_GRID", "256")
+    monkeypatch.setenv("OPTIRS_CUDA_FORMATS_GRID", grid)
     fmt = _fmt("bfloat16", "remainder8", "int8_sqrt")
     _assert_the_cpu_bits(_run("adamw", fmt, [(37,), (2100,), (300,)], steps=1, hp=AdamParams(lr=1e-2), cpu=True))
 
