@@ -127,11 +127,12 @@ class CudaFormats:
         args = fixed + (found, int(seed) & 0xFFFFFFFF, int(step), scalars)
         claim = _tuning(ctx, "claim", fk.claim_chunks)
         approx = _tuning(ctx, "approx", fk.approx_steps)
+        grid = _tuning(ctx, "grid", _grid)
         planned = plan(ctx, f"formats_step_{name}{'_claim' if claim else ''}{'_approx' if approx else ''}",
                        lambda: fk.make_step_kernel(family, fc, signed, used, claim=claim, approx=approx), head,
                        args, layout, _max_registers(fmt, family),
-                       CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK)
-        chunks, nchunks = ctx.chunk_table(layout, planned[1], _tuning(ctx, "grid", _grid))
+                       CLAIMED_ROUNDS_PER_CHUNK if claim else ROUNDS_PER_CHUNK, grid)
+        chunks, nchunks = ctx.chunk_table(layout, planned[1], grid)
         run(ctx, planned, (chunks, ptrs, tensors, nchunks), args, 3)
 
     @staticmethod
@@ -348,11 +349,12 @@ CLAIMED_ROUNDS_PER_CHUNK = 2
 
 
 def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layout: Any, max_registers: int = 0,
-         rounds: int = ROUNDS_PER_CHUNK):
+         rounds: int = ROUNDS_PER_CHUNK, chunk_grid: int = 0):
     """(compiled kernel, chunk elements, grid, block) of ``factory()``'s kernel on ``layout``:
     compiled once per context and signature (``head_types`` and the types of ``args``; at most
     ``max_registers`` per thread when non-zero), sized once per layout (8 elements per thread,
-    ``rounds`` rounds a chunk), never more blocks than chunks."""
+    ``rounds`` rounds a chunk), never more blocks than the chunks of the table it runs over
+    (``TensorLayout.chunks(chunk, chunk_grid)``)."""
     import numba
 
     key = ("cuda.formats.plan", name)
@@ -365,7 +367,7 @@ def plan(ctx: Any, name: str, factory: Any, head_types: tuple, args: tuple, layo
                                 max_registers=max_registers)
         grid, block = compiled.launch_size(ctx, (layout.total + 7) // 8, resident_block=_resident_block())
         chunk = _chunk_elements(ctx, block, rounds)
-        nchunks = len(layout.chunks(chunk)[0])
+        nchunks = len(layout.chunks(chunk, chunk_grid)[0])
         plan = layout.cache[key] = (compiled, chunk, max(1, min(grid, nchunks)), block)
     return plan
 
