@@ -386,7 +386,7 @@ def _grid() -> int:
     """The pointwise formats kernels' chunks cut where each tensor's state offsets cross the chunk
     size's grid (``TensorLayout.chunks(chunk, 256)``): every chunk but a tensor's first and last is
     one aligned piece of the flat buffers, where chunks counted from each tensor's start straddled
-    two (GPT-2 124M's tensors are multiples of 256, not of the chunk): 1.4-4.8% less kernel time in
+    two (GPT-2 124M's tensors are multiples of 256, not of the chunk): 1.3-4.7% less kernel time in
     the one-byte rows on 124M, none elsewhere (docs/benchmarks.md, 2026-12-07 07:53).
     ``OPTIRS_CUDA_FORMATS_GRID=0`` (tuning): chunks from each tensor's start."""
     text = os.environ.get("OPTIRS_CUDA_FORMATS_GRID", "256").strip()
